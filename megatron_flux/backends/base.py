@@ -1,0 +1,101 @@
+"""The contract between the layers' autograd functions and a communication backend.
+
+A backend runs the two sequence-parallel patterns of tensor parallelism on 2-D row-major
+operands (the ops flatten Megatron's ``[s, b, h]`` activations to ``[s*b, h]`` first; gathering
+along dim 0 of the flattened tensor is exactly Megatron's gather along the sequence dim):
+
+* ``all_gather_matmul``:   ``C = AllGather_rows(A_shard) @ B``
+* ``matmul_reduce_scatter``: ``C = ReduceScatter_rows(A @ B) (+ bias)``
+
+``B`` is a ``[k, n]`` matrix given with any strides; the layers pass ``weight.t()`` (a view of
+a row-major ``[n, k]`` weight) or ``weight`` itself, so both layouts must be handled without
+a copy where the backend can. Rank ``r`` owns rows ``[r*m_local, (r+1)*m_local)`` of every
+gathered / reduced matrix, where ``m_local = rows of the shard``.
+
+Backends register themselves in :mod:`megatron_flux.backends` by name.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+class TPOverlapBackend(abc.ABC):
+    """One way of running AG+GEMM and GEMM+RS over a tensor-parallel group."""
+
+    #: registry name (``"nccl"``, ``"flux"``, ...)
+    name: str = ""
+
+    def unsupported_reason(
+        self, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup
+    ) -> Optional[str]:
+        """Why this backend cannot run an op on these operands, or ``None`` if it can.
+
+        The layers ask before every fused call and fall back to the reference backend
+        (logging the reason once) when a reason is returned, so this must be cheap and must
+        never touch the GPU.
+        """
+        return None
+
+    @abc.abstractmethod
+    def all_gather_matmul(
+        self,
+        a_shard: torch.Tensor,
+        b: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        out: Optional[torch.Tensor] = None,
+        return_gathered: bool = False,
+        gathered_out: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``C = AllGather_rows(a_shard) @ b``.
+
+        Args:
+            a_shard: ``[m_local, k]`` contiguous, this rank's rows.
+            b: ``[k, n]``, any strides.
+            out: optional preallocated ``[m_local * tp, n]`` output (same dtype as ``a_shard``).
+            return_gathered: also hand back the gathered ``[m_local * tp, k]`` input (for the
+                weight gradient).
+            gathered_out: where to put the gathered input when ``return_gathered``; if ``None``
+                the backend may return a buffer it owns, valid only until its next call on this
+                group (callers that keep it longer must pass ``gathered_out``).
+
+        Returns:
+            ``(C, gathered or None)``.
+        """
+
+    @abc.abstractmethod
+    def matmul_reduce_scatter(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        out: Optional[torch.Tensor] = None,
+        bias: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """``C = ReduceScatter_rows(a @ b) + bias``.
+
+        Args:
+            a: ``[m, k]`` contiguous, ``m`` divisible by the group size.
+            b: ``[k, n]``, any strides.
+            out: optional preallocated ``[m / tp, n]`` output.
+            bias: optional ``[n]``, added once after the reduction.
+        """
+
+    @abc.abstractmethod
+    def all_gather(
+        self, x: torch.Tensor, group: dist.ProcessGroup, *, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Plain row all-gather of a contiguous ``[m_local, ...]`` tensor (weight-gradient
+        re-gather when the forward's gathered input was not kept)."""
+
+    @abc.abstractmethod
+    def reduce_scatter(
+        self, x: torch.Tensor, group: dist.ProcessGroup, *, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Plain row reduce-scatter (sum) of a contiguous ``[m, ...]`` tensor."""
