@@ -1,0 +1,174 @@
+"""Interleaved, rank-synchronised timing of several methods on the same problem.
+
+Why interleaved: GPU clocks, NVLink traffic from other jobs and thermal state drift over seconds.
+Timing method A for a minute and then method B attributes that drift to the methods. Here every
+trial runs each method once, in turn (round-robin, with the starting method rotated from trial to
+trial so no method always runs first), so drift lands on all methods alike.
+
+One timed block = ``iters`` back-to-back calls of one method, bracketed by CUDA events on the
+current stream (``time.perf_counter`` on CPU, where the gloo collectives are synchronous).
+Before each block all ranks meet at a sync point that also waits for their GPUs to go idle, so
+every rank starts the block together. The per-iteration time of a block is ``elapsed / iters``;
+the time of a trial is the **maximum over ranks** (a collective op is only as fast as its slowest
+rank). A method's result is the **median over trials**; its spread is **max − min over trials**
+(the full range, the most conservative of the usual spreads; ``trials_ms`` is kept so readers
+can compute any other).
+
+Failures: the sync point is an all-reduce of per-method failure flags, so a method that raised
+on any rank is dropped on every rank before anyone calls it again; no rank is left waiting in a
+collective that its peers skipped. (A method that raises on one rank *inside* a collective that
+the other ranks have already entered cannot be rescued from here; the process group's timeout
+ends that run.)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def agree_flags(
+    flags: Sequence[bool], group: Optional[dist.ProcessGroup], device: torch.device
+) -> List[bool]:
+    """Element-wise OR of ``flags`` over all ranks of ``group``.
+
+    Doubles as a barrier that includes the GPUs: reading the reduced flags back on the host
+    waits for the all-reduce, which on NCCL starts only after every rank's queued GPU work.
+    """
+    if not flags:
+        flags = [False]
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [bool(v) for v in t.tolist()]
+
+
+def agree_any(flag: bool, group: Optional[dist.ProcessGroup], device: torch.device) -> bool:
+    """True on every rank if ``flag`` is true on any rank."""
+    return agree_flags([flag], group, device)[0]
+
+
+def short_error(exc: BaseException) -> str:
+    """``Type: message`` of ``exc`` plus its innermost frame, short enough for a JSON row."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno})" if frames else ""
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {msg[:300]}{where}"
+
+
+def median(xs: Sequence[float]) -> float:
+    """Median of a non-empty sequence (the mean of the middle two for even lengths)."""
+    if not xs:
+        raise ValueError("median of an empty sequence")
+    return float(statistics.median(xs))
+
+
+def spread(xs: Sequence[float]) -> float:
+    """Max − min of a non-empty sequence: the full range over trials."""
+    if not xs:
+        raise ValueError("spread of an empty sequence")
+    return float(max(xs) - min(xs))
+
+
+@dataclass
+class TimingResult:
+    """Per-method trial times (ms per iteration, max over ranks) and per-method failures."""
+
+    trials_ms: Dict[str, List[float]] = field(default_factory=dict)
+    errors: Dict[str, str] = field(default_factory=dict)
+
+
+def rotated(names: Sequence[str], trial: int) -> List[str]:
+    """``names`` rotated left by ``trial`` positions: trial t starts with method t mod len."""
+    if not names:
+        return []
+    s = trial % len(names)
+    return list(names[s:]) + list(names[:s])
+
+
+def time_interleaved(
+    fns: Dict[str, Callable[[], object]],
+    *,
+    trials: int,
+    iters: int,
+    warmup: int,
+    group: Optional[dist.ProcessGroup],
+    device: torch.device,
+) -> TimingResult:
+    """Time every callable in ``fns`` (see the module docstring for the protocol).
+
+    Must be called on every rank of ``group`` with the same method names in the same order.
+    Returns times only for methods that never failed on any rank; the others get an error text
+    (this rank's exception, or a note that another rank failed).
+    """
+    if trials < 1 or iters < 1 or warmup < 0:
+        raise ValueError(f"need trials >= 1, iters >= 1, warmup >= 0 (got {trials}, {iters}, {warmup})")
+    names = list(fns)
+    result = TimingResult()
+    alive = {n: True for n in names}
+    local_err: Dict[str, str] = {}
+
+    def run_block(name: str, count: int) -> None:
+        if count and alive[name] and name not in local_err:
+            try:
+                for _ in range(count):
+                    fns[name]()
+            except Exception as exc:  # recorded, agreed on at the next sync point
+                local_err[name] = short_error(exc)
+
+    def sync() -> None:
+        failed = agree_flags([n in local_err for n in names], group, device)
+        for n, f in zip(names, failed):
+            if f and alive[n]:
+                alive[n] = False
+                result.errors[n] = local_err.get(n, "failed on another rank")
+
+    use_events = device.type == "cuda"
+    # Warm-up per method (compiles Triton kernels, picks cuBLAS algorithms, fills allocators).
+    for name in names:
+        run_block(name, warmup)
+        sync()
+
+    # times[t][j]: ms/iter of method j in trial t on this rank; -1 = not timed.
+    times = [[-1.0] * len(names) for _ in range(trials)]
+    events = []
+    for t in range(trials):
+        for name in rotated(names, t):
+            sync()
+            if not alive[name]:
+                continue
+            j = names.index(name)
+            if use_events:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                run_block(name, iters)
+                end.record()
+                events.append((t, j, start, end))
+            else:
+                t0 = time.perf_counter()
+                run_block(name, iters)
+                times[t][j] = (time.perf_counter() - t0) * 1e3 / iters
+    sync()
+    if use_events:
+        torch.cuda.synchronize(device)
+        for t, j, start, end in events:
+            times[t][j] = start.elapsed_time(end) / iters
+
+    # A failed block left a partial time; forget all times of failed methods.
+    for j, n in enumerate(names):
+        if not alive[n]:
+            for row in times:
+                row[j] = -1.0
+    reduced = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    per_trial = reduced.cpu().tolist()
+    for j, n in enumerate(names):
+        if alive[n]:
+            result.trials_ms[n] = [per_trial[t][j] for t in range(trials)]
+    return result
