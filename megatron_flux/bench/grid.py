@@ -8,7 +8,13 @@ so the methods and the tests cannot disagree about what "m=4096 on llama3-70b" m
   ``n = fc1 width``, ``k = hidden``.  Per rank: ``A_shard [m/tp, k]``, ``B [k, n/tp]``,
   output ``[m, n/tp]``.
 * ``GEMM+RS`` (row-parallel fc2 forward): ``C = ReduceScatter_rows(A @ B)`` with ``n = hidden``,
-  ``k = ffn``.  Per rank: ``A [m, k/tp]``, ``B [k/tp, n]``, output ``[m/tp, n]``.
+  ``k`` per :data:`RS_K_CHOICES`.  Per rank: ``A [m, k/tp]``, ``B [k/tp, n]``, output ``[m/tp, n]``.
+
+The GEMM+RS contraction width has two conventions, which differ for gated (SwiGLU) models only:
+``"fc1"`` (the default) uses the fc1 width — what the reference measurements in
+``anchors-2xH200-2026-11-22.json`` timed (llama3-70b: k = 57344), so results compare row for
+row; ``"ffn"`` uses the true fc2 input width of Megatron's SwiGLU MLP (llama3-70b: k = 28672).
+For GPT-3 (no gate) both give k = 4h.
 
 The non-split local GEMM (FLUX's ``GEMM_non-split``, the ``cublas_gemm`` method) is the GEMM
 each rank would run if communication were free: ``[m, k] @ [k, n/tp]`` for AG+GEMM and
@@ -28,6 +34,8 @@ OPS: Tuple[str, ...] = (AG_GEMM, GEMM_RS)
 LARGE_M: Tuple[int, ...] = (1024, 2048, 4096, 8192)
 #: decode / small-batch token counts, where fused kernels are most likely to lose
 SMALL_M: Tuple[int, ...] = (64, 128, 256, 512)
+#: GEMM+RS contraction-width conventions (see the module docstring); the first is the default
+RS_K_CHOICES: Tuple[str, ...] = ("fc1", "ffn")
 
 
 @dataclass(frozen=True)
@@ -115,24 +123,30 @@ def check_divisible(case: Case, tp: int) -> None:
         )
 
 
-def case_for(op: str, model: ModelShape, m: int) -> Case:
+def case_for(op: str, model: ModelShape, m: int, rs_k: str = RS_K_CHOICES[0]) -> Case:
     """The global ``(n, k)`` of ``op`` for ``model`` (see the module docstring)."""
+    if rs_k not in RS_K_CHOICES:
+        raise ValueError(f"rs_k must be one of {RS_K_CHOICES}, got {rs_k!r}")
     if op == AG_GEMM:
         return Case(op, model.name, m, n=model.fc1, k=model.hidden)
     if op == GEMM_RS:
-        return Case(op, model.name, m, n=model.hidden, k=model.ffn)
+        return Case(op, model.name, m, n=model.hidden, k=model.fc1 if rs_k == "fc1" else model.ffn)
     raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
 
 
 def build_grid(
-    ops: Sequence[str], models: Iterable[ModelShape], ms: Sequence[int], tp: int
+    ops: Sequence[str],
+    models: Iterable[ModelShape],
+    ms: Sequence[int],
+    tp: int,
+    rs_k: str = RS_K_CHOICES[0],
 ) -> List[Case]:
     """All cases, ordered model → m → op (so both ops of one layer run back to back).
 
     Every case is checked for divisibility up front: a grid that cannot run is rejected before
     any GPU time is spent, with the same answer on every rank.
     """
-    cases = [case_for(op, model, m) for model in models for m in ms for op in ops]
+    cases = [case_for(op, model, m, rs_k) for model in models for m in ms for op in ops]
     for case in cases:
         check_divisible(case, tp)
     return cases
