@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import math
 import os
 import shlex
 import sys
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from megatron_flux.bench import grid as G
 from megatron_flux.bench import methods as M
 from megatron_flux.bench import report as R
-from megatron_flux.bench.timing import agree_any, agree_flags, median, short_error, spread, time_interleaved
+from megatron_flux.bench.timing import gather_failures, median, short_error, spread, time_interleaved
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_METHODS = ("cublas_gemm", "comm", "nccl", "torch_async_tp", "flux")
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--m-set", choices=("all", "large", "small"), default="all",
                    help=f"large = {G.LARGE_M}, small = {G.SMALL_M}, all = both")
     g.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help=f"any of {', '.join(M.METHODS)}")
+    g.add_argument("--rs-k", choices=G.RS_K_CHOICES, default=G.RS_K_CHOICES[0],
+                   help="GEMM+RS contraction width: fc1 = fc1 width (as the 2xH200 anchors measured; 2x ffn for "
+                        "SwiGLU models), ffn = Megatron's true fc2 input width")
     g.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     g.add_argument("--b-layout", choices=M.B_LAYOUTS, default="weight_t",
                    help="weight_t: B = weight.t() of a row-major [n, k] weight (Megatron's forward); row_major: contiguous [k, n]")
@@ -118,7 +122,7 @@ def resolve_args(args: argparse.Namespace, tp: int) -> argparse.Namespace:
     args.model_list = models
     args.ms = list(dict.fromkeys(ms))
     args.method_list = [m for m in M.METHODS if m in methods]  # canonical order
-    args.cases = G.build_grid(args.op_list, models, args.ms, tp)
+    args.cases = G.build_grid(args.op_list, models, args.ms, tp, args.rs_k)
     args.threshold = args.max_rel_err if args.max_rel_err is not None else M.default_max_rel_err(DTYPES[args.dtype])
     return args
 
@@ -186,8 +190,9 @@ def _free(device: torch.device) -> None:
 def run_case(case: G.Case, args: argparse.Namespace, group, rank: int, tp: int, device: torch.device, say) -> List[dict]:
     """Build, check and time every requested method on one case; one row per method.
 
-    Every step that can fail on one rank only is followed by an agreement (all-reduce of
-    failure flags) before the next collective, so all ranks skip the same things.
+    Every step that can fail on one rank only is followed by an agreement
+    (:func:`~.timing.gather_failures`) before the next collective, so all ranks drop the same
+    methods and the recorded reason names the rank that failed.
     """
     rows: Dict[str, dict] = {name: _row(case, name) for name in args.method_list}
 
@@ -195,72 +200,73 @@ def run_case(case: G.Case, args: argparse.Namespace, group, rank: int, tp: int, 
         rows[name].update(status=status, reason=reason)
 
     # 1. operands (local), then the gather that completes them (collective)
-    inp, err = None, None
+    inp, local = None, {}
     try:
         inp = M.make_inputs(case, tp, rank, dtype=DTYPES[args.dtype], device=device, seed=args.seed, b_layout=args.b_layout)
     except Exception as exc:
-        err = short_error(exc)
-    if agree_any(err is not None, group, device):
+        local["inputs"] = short_error(exc)
+    failed = gather_failures(local, group)
+    if failed:
         for name in rows:
-            drop(name, "error", f"input setup failed: {err or 'on another rank'}")
+            drop(name, "error", f"input setup failed: {failed['inputs']}")
         del inp
         _free(device)
         return list(rows.values())
     M.gather_inputs(inp, group)
 
     # 2. fp32 reference through the nccl backend (collective)
-    ref, ref_err = None, None
+    ref, local = None, {}
     try:
         ref = M.reference_output(inp, group)
     except Exception as exc:
-        ref_err = short_error(exc)
-    if agree_any(ref_err is not None, group, device):
+        local["ref"] = short_error(exc)
+    ref_err = gather_failures(local, group).get("ref")
+    if ref_err is not None:
         ref = None
-        ref_err = ref_err or "failed on another rank"
-        say(f"  reference failed: {ref_err}")
+        say(f"  reference failed, outputs not checked: {ref_err}")
 
-    # 3. build (local); skip reasons and errors agreed across ranks
-    fns, local = {}, {}
+    # 3. build (local work); an error on any rank beats a skip
+    fns, skips, errors = {}, {}, {}
     for name in args.method_list:
         try:
             fn, notes = M.build_method(name, inp, group)
             fns[name] = fn
             rows[name].update(notes)
         except M.MethodSkipped as exc:
-            local[name] = ("skipped", str(exc))
+            skips[name] = str(exc)
         except Exception as exc:
-            local[name] = ("error", "build: " + short_error(exc))
-    names = list(args.method_list)
-    for name, bad in zip(names, agree_flags([n in local for n in names], group, device)):
-        if bad:
-            status, reason = local.get(name, ("skipped", "not available on another rank"))
-            drop(name, status, reason)
+            errors[name] = "build: " + short_error(exc)
+    skips, errors = gather_failures(skips, group), gather_failures(errors, group)
+    for name in args.method_list:
+        if name in errors or name in skips:
             fns.pop(name, None)
+            drop(name, "error" if name in errors else "skipped", errors.get(name) or skips[name])
 
     # 4. one probe call per method (also the first warm-up), agreed after each method
-    errs = []
+    checked = []
     for name in list(fns):
-        out, perr = None, None
+        out, local = None, {}
         try:
             out = fns[name]()
         except Exception as exc:
-            perr = short_error(exc)
-        if agree_any(perr is not None, group, device):
-            drop(name, "error", "first call: " + (perr or "failed on another rank"))
+            local[name] = short_error(exc)
+        failed = gather_failures(local, group)
+        if failed:
+            drop(name, "error", "first call: " + failed[name])
             del fns[name]
             continue
         if name in M.COMPUTES_OP:
-            errs.append((name, M.rel_err(out, ref) if ref is not None else None))
+            checked.append((name, M.rel_err(out, ref) if ref is not None else None))
         del out
-    if errs:
-        vals = torch.tensor([-1.0 if e is None else e for _, e in errs], dtype=torch.float64, device=device)
+    if checked:
+        vals = torch.tensor([-1.0 if e is None else e for _, e in checked], dtype=torch.float64, device=device)
         dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=group)
-        for (name, _), v in zip(errs, vals.tolist()):
+        for (name, _), v in zip(checked, vals.tolist()):
             r = rows[name]
             r["max_rel_err_threshold"] = args.threshold
             if ref is None:
                 r["check"] = f"not checked: reference failed ({ref_err})"
-            elif v != v or v == float("inf"):
+            elif not math.isfinite(v):
                 r["check"] = "FAIL"
                 r["check_detail"] = "wrong shape or non-finite output"
             else:
@@ -348,6 +354,7 @@ def _run(args, argv, group, rank, tp, device) -> int:
         "triton": env["triton"],
         "dtype": args.dtype,
         "b_layout": args.b_layout,
+        "rs_k": args.rs_k,
         "trials": args.trials,
         "iters": args.iters,
         "warmup": args.warmup,

@@ -48,9 +48,25 @@ def agree_flags(
     return [bool(v) for v in t.tolist()]
 
 
-def agree_any(flag: bool, group: Optional[dist.ProcessGroup], device: torch.device) -> bool:
-    """True on every rank if ``flag`` is true on any rank."""
-    return agree_flags([flag], group, device)[0]
+def gather_failures(local: Dict[str, str], group: Optional[dist.ProcessGroup]) -> Dict[str, str]:
+    """Merge every rank's ``{name: failure text}`` (collective; every rank gets the same dict).
+
+    A name fails everywhere if it failed anywhere, so all ranks drop the same methods; the text
+    says which rank failed and why (one plain text when every rank failed the same way).
+    """
+    world = dist.get_world_size(group)
+    everyone: List[Optional[Dict[str, str]]] = [None] * world
+    dist.all_gather_object(everyone, dict(local), group=group)
+    merged: Dict[str, str] = {}
+    names = list(dict.fromkeys(n for d in everyone for n in (d or {})))
+    for name in names:
+        per_rank = [(r, d[name]) for r, d in enumerate(everyone) if d and name in d]
+        texts = {t for _, t in per_rank}
+        if len(per_rank) == world and len(texts) == 1:
+            merged[name] = per_rank[0][1]
+        else:
+            merged[name] = "; ".join(f"rank {r}: {t}" for r, t in per_rank)
+    return merged
 
 
 def short_error(exc: BaseException) -> str:
@@ -104,7 +120,7 @@ def time_interleaved(
 
     Must be called on every rank of ``group`` with the same method names in the same order.
     Returns times only for methods that never failed on any rank; the others get an error text
-    (this rank's exception, or a note that another rank failed).
+    naming the rank(s) that failed (the same on every rank).
     """
     if trials < 1 or iters < 1 or warmup < 0:
         raise ValueError(f"need trials >= 1, iters >= 1, warmup >= 0 (got {trials}, {iters}, {warmup})")
@@ -124,9 +140,8 @@ def time_interleaved(
     def sync() -> None:
         failed = agree_flags([n in local_err for n in names], group, device)
         for n, f in zip(names, failed):
-            if f and alive[n]:
+            if f:
                 alive[n] = False
-                result.errors[n] = local_err.get(n, "failed on another rank")
 
     use_events = device.type == "cuda"
     # Warm-up per method (compiles Triton kernels, picks cuBLAS algorithms, fills allocators).
@@ -160,6 +175,7 @@ def time_interleaved(
         for t, j, start, end in events:
             times[t][j] = start.elapsed_time(end) / iters
 
+    result.errors = gather_failures(local_err, group)
     # A failed block left a partial time; forget all times of failed methods.
     for j, n in enumerate(names):
         if not alive[n]:
