@@ -1,0 +1,240 @@
+"""Megatron command-line integration: ``--flux-*`` flags, their validation, and spec selection.
+
+Megatron's training entry points take an ``extra_args_provider(parser) -> parser``;
+:func:`add_flux_args` is one, and :func:`compose_extra_args_providers` chains it with a script's
+own. After Megatron has parsed and validated its arguments, call :func:`validate_flux_args`, then
+build the model with the spec from :func:`flux_spec_from_args` (``None`` means "flux is off, use
+your stock spec").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+from typing import Any, Callable, Optional
+
+from megatron_flux.backends import BACKEND_CHOICES
+
+__all__ = [
+    "FluxArgumentError",
+    "add_flux_args",
+    "compose_extra_args_providers",
+    "flux_spec_from_args",
+    "load_flux_config",
+    "validate_flux_args",
+]
+
+GROUP_TITLE = "megatron-flux"
+
+
+class FluxArgumentError(ValueError):
+    """An invalid combination of ``--flux-*`` and Megatron arguments."""
+
+
+def add_flux_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the "megatron-flux" argument group to ``parser`` and return it.
+
+    Usable directly as Megatron's ``extra_args_provider``.
+    """
+    group = parser.add_argument_group(title=GROUP_TITLE)
+    group.add_argument(
+        "--flux-tp-overlap",
+        action="store_true",
+        help="Overlap tensor-parallel communication with the GEMMs of the column/row-parallel "
+        "linears (all-gather+GEMM, GEMM+reduce-scatter). Needs --sequence-parallel; a no-op "
+        "(with a warning) at --tensor-model-parallel-size 1.",
+    )
+    group.add_argument(
+        "--flux-backend",
+        choices=BACKEND_CHOICES,
+        default="auto",
+        help="Backend for the overlapped ops: 'flux' (fused Triton kernels over symmetric "
+        "memory), 'nccl' (reference collectives + matmul, no overlap), or 'auto' (flux where "
+        "it supports the operands, nccl otherwise, logged once per reason).",
+    )
+    group.add_argument(
+        "--flux-config",
+        metavar="PATH",
+        default=None,
+        help="JSON tuning table for the fused kernels (a JSON object). Only validated for now.",
+    )
+    group.add_argument(
+        "--flux-keep-gathered-input",
+        action="store_true",
+        help="Column-parallel layers keep the all-gathered input from forward for the weight "
+        "gradient instead of re-gathering it in backward. Saves one all-gather per column layer "
+        "in backward; costs, per column layer (QKV, FC1), the full-sequence input instead of "
+        "this rank's shard: (tp-1) x seq/tp x micro-batch x hidden x bytes extra activation "
+        "memory until its backward.",
+    )
+    return parser
+
+
+def compose_extra_args_providers(
+    *providers: Optional[Callable[[argparse.ArgumentParser], Any]],
+) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
+    """One ``extra_args_provider`` that runs ``providers`` in order (``None`` entries skipped).
+
+    Each provider gets the parser returned by the previous one; a provider that returns
+    ``None`` (a common slip) keeps the parser it was given.
+    """
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for extra in providers:
+            if extra is None:
+                continue
+            result = extra(parser)
+            parser = parser if result is None else result
+        return parser
+
+    return provider
+
+
+def load_flux_config(path: str) -> dict:
+    """The tuning table at ``path``: must exist and hold a JSON object."""
+    if not os.path.isfile(path):
+        raise FluxArgumentError(f"--flux-config {path!r}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            table = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FluxArgumentError(f"--flux-config {path!r}: not valid JSON ({exc})") from None
+    if not isinstance(table, dict):
+        raise FluxArgumentError(
+            f"--flux-config {path!r}: expected a JSON object, got {type(table).__name__}"
+        )
+    return table
+
+
+# Megatron arguments that select a spec path megatron-flux does not build on.
+_UNSUPPORTED_WITH_OVERLAP = {
+    "use_legacy_models": "--use-legacy-models (megatron-flux plugs into megatron-core models)",
+    "experimental_attention_variant": "--experimental-attention-variant (its spec needs "
+    "Transformer Engine's TELinear)",
+    "heterogeneous_layers_config_path": "--heterogeneous-layers-config-path",
+    "use_kitchen": "--use-kitchen (Kitchen's quantized linears replace megatron-core's)",
+}
+
+
+def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Check ``--flux-*`` against Megatron's arguments; call after Megatron's validation.
+
+    * ``--flux-config`` must name an existing file holding a JSON object (checked even without
+      ``--flux-tp-overlap``: a wrong path is a mistake either way).
+    * ``--flux-tp-overlap`` at ``--tensor-model-parallel-size 1`` has nothing to overlap: it is
+      turned off (``args.flux_tp_overlap = False``, so :func:`flux_spec_from_args` returns
+      ``None``) with exactly one ``UserWarning``. This check comes first because Megatron's own
+      validation already switches ``sequence_parallel`` off at TP=1.
+    * ``--flux-tp-overlap`` needs ``--sequence-parallel`` (the overlapped patterns are
+      all-gather/reduce-scatter along the sequence), as Megatron's ``--tp-comm-overlap`` does.
+    * ``--flux-tp-overlap`` with ``--tp-comm-overlap`` is an error: two systems would both try
+      to overlap the same communication (Transformer Engine userbuffers vs megatron-flux).
+    * ``--flux-tp-overlap`` with ``--transformer-impl transformer_engine`` is an error:
+      megatron-flux rewrites megatron-core's *local* spec (Transformer Engine's linears do their
+      own communication), so pass ``--transformer-impl local``.
+
+    Returns ``args`` (modified only as described for TP=1).
+    """
+    config_path = getattr(args, "flux_config", None)
+    if config_path is not None:
+        load_flux_config(config_path)
+    if getattr(args, "flux_backend", "auto") not in BACKEND_CHOICES:
+        raise FluxArgumentError(
+            f"--flux-backend {args.flux_backend!r}: choose one of {list(BACKEND_CHOICES)}"
+        )
+    if not getattr(args, "flux_tp_overlap", False):
+        return args
+
+    if getattr(args, "tensor_model_parallel_size", 1) == 1:
+        warnings.warn(
+            "--flux-tp-overlap has no effect with --tensor-model-parallel-size 1 (no "
+            "tensor-parallel communication to overlap); using the stock layers.",
+            UserWarning,
+            stacklevel=2,
+        )
+        args.flux_tp_overlap = False
+        return args
+    if not getattr(args, "sequence_parallel", False):
+        raise FluxArgumentError(
+            "--flux-tp-overlap requires --sequence-parallel: megatron-flux overlaps the "
+            "sequence-parallel all-gather / reduce-scatter of the tensor-parallel linears, "
+            "which only exist when sequence parallelism is enabled"
+        )
+    if getattr(args, "tp_comm_overlap", False):
+        raise FluxArgumentError(
+            "--flux-tp-overlap and --tp-comm-overlap both overlap tensor-parallel communication "
+            "(megatron-flux vs Transformer Engine userbuffers); enable only one of them"
+        )
+    impl = getattr(args, "transformer_impl", "local")
+    if impl != "local":
+        raise FluxArgumentError(
+            f"--flux-tp-overlap with --transformer-impl {impl}: megatron-flux swaps the linears "
+            "of megatron-core's local layer spec (Transformer Engine's fused linears do their "
+            "own communication); use --transformer-impl local"
+        )
+    for name, what in _UNSUPPORTED_WITH_OVERLAP.items():
+        if getattr(args, name, None):
+            raise FluxArgumentError(f"--flux-tp-overlap is not supported with {what}")
+    if getattr(args, "spec", None) is not None:
+        raise FluxArgumentError(
+            "--flux-tp-overlap with --spec: a custom spec is not rewritten automatically; drop "
+            "--spec, or put megatron_flux.specs.swap_tp_linears(<your spec>) in your spec module"
+        )
+    return args
+
+
+def flux_spec_from_args(
+    args: argparse.Namespace,
+    config: Any = None,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+):
+    """The megatron-flux GPT spec these arguments ask for, or ``None`` when flux is off.
+
+    ``None`` (``--flux-tp-overlap`` off, or turned off by :func:`validate_flux_args` at TP=1)
+    tells the caller to build its stock spec.
+
+    Without ``config``: the *layer* spec (:func:`~megatron_flux.specs.get_gpt_layer_flux_spec`;
+    GPT or Llama-style by ``args.normalization``; ``args.num_experts``, ``args.moe_grouped_gemm``,
+    ``args.qk_layernorm``, ``args.multi_latent_attention``, ``args.qk_l2_norm`` and, where the
+    installed megatron-core takes it, ``args.moe_use_legacy_grouped_gemm``). Given to
+    ``GPTModel``, its final norm is then megatron-core's default, which without TE or apex is
+    ``WrappedTorchNorm`` and asserts under sequence parallelism.
+
+    With ``config`` (the model's ``TransformerConfig``): the *block* spec for this pipeline stage
+    (:func:`~megatron_flux.specs.get_gpt_decoder_block_flux_spec`), whose final norm is ours;
+    pass it as ``GPTModel(transformer_layer_spec=...)``. Prefer this form.
+    """
+    if not getattr(args, "flux_tp_overlap", False):
+        return None
+    from megatron_flux import specs
+
+    backend = getattr(args, "flux_backend", "auto")
+    normalization = getattr(args, "normalization", "LayerNorm")
+    qk_l2_norm = bool(getattr(args, "qk_l2_norm", False))
+    if config is not None:
+        return specs.get_gpt_decoder_block_flux_spec(
+            config,
+            normalization=normalization,
+            qk_l2_norm=qk_l2_norm,
+            vp_stage=vp_stage,
+            pp_rank=pp_rank,
+            backend=backend,
+        )
+    extra = {}
+    if hasattr(args, "moe_use_legacy_grouped_gemm") and (
+        "moe_use_legacy_grouped_gemm" in specs._local_spec_parameters()
+    ):
+        extra["moe_use_legacy_grouped_gemm"] = args.moe_use_legacy_grouped_gemm
+    return specs.get_gpt_layer_flux_spec(
+        num_experts=getattr(args, "num_experts", None),
+        moe_grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)),
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+        multi_latent_attention=bool(getattr(args, "multi_latent_attention", False)),
+        normalization=normalization,
+        qk_l2_norm=qk_l2_norm,
+        backend=backend,
+        **extra,
+    )
