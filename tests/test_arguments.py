@@ -1,0 +1,243 @@
+"""--flux-* flags: parsing, composition with other providers, validation, spec selection."""
+
+import argparse
+import json
+import warnings
+
+import pytest
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from megatron_flux.arguments import (
+    FluxArgumentError,
+    add_flux_args,
+    compose_extra_args_providers,
+    flux_spec_from_args,
+    load_flux_config,
+    validate_flux_args,
+)
+from megatron_flux.layers.norms import SequenceParallelLayerNorm, SequenceParallelRMSNorm
+from test_specs import flux_linears  # noqa: F401  (fixture)
+
+
+def parse(argv, provider=add_flux_args):
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser = provider(parser)
+    return parser.parse_args(argv)
+
+
+def megatron_like_args(argv=(), **megatron):
+    """Parsed flux flags plus the Megatron attributes validation and spec selection read."""
+    args = parse(list(argv))
+    base = dict(
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        tp_comm_overlap=False,
+        transformer_impl="local",
+        normalization="LayerNorm",
+        num_experts=None,
+        moe_grouped_gemm=False,
+        qk_layernorm=False,
+        multi_latent_attention=False,
+        qk_l2_norm=False,
+        spec=None,
+    )
+    base.update(megatron)
+    for key, value in base.items():
+        setattr(args, key, value)
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# parsing
+# --------------------------------------------------------------------------------------------
+
+
+def test_defaults():
+    args = parse([])
+    assert args.flux_tp_overlap is False
+    assert args.flux_backend == "auto"
+    assert args.flux_config is None
+    assert args.flux_keep_gathered_input is False
+
+
+def test_flags_parse():
+    args = parse(
+        ["--flux-tp-overlap", "--flux-backend", "nccl", "--flux-config", "t.json",
+         "--flux-keep-gathered-input"]
+    )
+    assert args.flux_tp_overlap and args.flux_keep_gathered_input
+    assert args.flux_backend == "nccl" and args.flux_config == "t.json"
+
+
+def test_backend_choices_enforced(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--flux-backend", "nvshmem"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_provider_returns_parser_and_adds_named_group():
+    parser = argparse.ArgumentParser()
+    assert add_flux_args(parser) is parser
+    titles = [g.title for g in parser._action_groups]
+    assert "megatron-flux" in titles
+    group = next(g for g in parser._action_groups if g.title == "megatron-flux")
+    assert {a.dest for a in group._group_actions} == {
+        "flux_tp_overlap", "flux_backend", "flux_config", "flux_keep_gathered_input"
+    }
+
+
+def test_compose_with_another_provider():
+    calls = []
+
+    def script_provider(parser):
+        calls.append("script")
+        group = parser.add_argument_group(title="script")
+        group.add_argument("--my-flag", type=int, default=3)
+        return parser
+
+    def sloppy_provider(parser):  # forgets to return the parser
+        calls.append("sloppy")
+        parser.add_argument("--other", action="store_true")
+
+    provider = compose_extra_args_providers(script_provider, None, add_flux_args, sloppy_provider)
+    args = parse(["--my-flag", "5", "--flux-tp-overlap", "--other"], provider=provider)
+    assert calls == ["script", "sloppy"]
+    assert args.my_flag == 5 and args.flux_tp_overlap and args.other
+    parser = argparse.ArgumentParser()
+    assert provider(parser) is parser
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------------
+
+
+def test_valid_combination_passes_silently():
+    args = megatron_like_args(["--flux-tp-overlap"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert validate_flux_args(args) is args
+    assert args.flux_tp_overlap is True
+
+
+def test_off_is_not_validated_against_megatron_flags():
+    args = megatron_like_args([], sequence_parallel=False, tp_comm_overlap=True,
+                              transformer_impl="transformer_engine")
+    validate_flux_args(args)
+
+
+def test_requires_sequence_parallel():
+    args = megatron_like_args(["--flux-tp-overlap"], sequence_parallel=False)
+    with pytest.raises(FluxArgumentError, match="requires --sequence-parallel"):
+        validate_flux_args(args)
+
+
+def test_tp1_is_a_noop_with_exactly_one_warning():
+    # Megatron's own validation already turned SP off at TP=1; that must not be an error here.
+    args = megatron_like_args(["--flux-tp-overlap"], tensor_model_parallel_size=1,
+                              sequence_parallel=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validate_flux_args(args)
+        validate_flux_args(args)  # validating again does not warn again
+    assert len(caught) == 1
+    assert issubclass(caught[0].category, UserWarning)
+    assert "--tensor-model-parallel-size 1" in str(caught[0].message)
+    assert args.flux_tp_overlap is False
+    assert flux_spec_from_args(args) is None
+
+
+def test_two_overlap_systems_rejected():
+    args = megatron_like_args(["--flux-tp-overlap"], tp_comm_overlap=True)
+    with pytest.raises(FluxArgumentError, match="--tp-comm-overlap"):
+        validate_flux_args(args)
+
+
+def test_transformer_engine_impl_rejected():
+    args = megatron_like_args(["--flux-tp-overlap"], transformer_impl="transformer_engine")
+    with pytest.raises(FluxArgumentError, match="--transformer-impl local"):
+        validate_flux_args(args)
+
+
+@pytest.mark.parametrize(
+    "name,value,match",
+    [
+        ("use_legacy_models", True, "legacy"),
+        ("experimental_attention_variant", "dsa", "experimental-attention-variant"),
+        ("use_kitchen", True, "Kitchen"),
+        ("spec", ["my.module", "my_spec"], "--spec"),
+    ],
+)
+def test_unsupported_spec_paths_rejected(name, value, match):
+    args = megatron_like_args(["--flux-tp-overlap"], **{name: value})
+    with pytest.raises(FluxArgumentError, match=match):
+        validate_flux_args(args)
+
+
+def test_flux_config_validation(tmp_path):
+    good = tmp_path / "table.json"
+    good.write_text(json.dumps({"m4096_n8192_k4096": {"block_m": 128}}))
+    assert load_flux_config(str(good)) == {"m4096_n8192_k4096": {"block_m": 128}}
+    validate_flux_args(megatron_like_args(["--flux-config", str(good)]))
+
+    with pytest.raises(FluxArgumentError, match="no such file"):
+        validate_flux_args(megatron_like_args(["--flux-config", str(tmp_path / "missing.json")]))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(FluxArgumentError, match="not valid JSON"):
+        validate_flux_args(megatron_like_args(["--flux-config", str(bad)]))
+    arr = tmp_path / "list.json"
+    arr.write_text("[1, 2]")
+    with pytest.raises(FluxArgumentError, match="expected a JSON object, got list"):
+        validate_flux_args(megatron_like_args(["--flux-tp-overlap", "--flux-config", str(arr)]))
+    with pytest.raises(FluxArgumentError, match="no such file"):
+        validate_flux_args(megatron_like_args(["--flux-config", str(tmp_path)]))
+
+
+# --------------------------------------------------------------------------------------------
+# spec selection
+# --------------------------------------------------------------------------------------------
+
+
+def test_spec_is_none_when_overlap_off():
+    assert flux_spec_from_args(megatron_like_args([])) is None
+
+
+@pytest.mark.parametrize(
+    "normalization,norm_cls", [("LayerNorm", SequenceParallelLayerNorm), ("RMSNorm", SequenceParallelRMSNorm)]
+)
+def test_layer_spec_from_args(flux_linears, normalization, norm_cls):
+    col, row = flux_linears
+    args = megatron_like_args(["--flux-tp-overlap", "--flux-backend", "nccl"],
+                              normalization=normalization, qk_layernorm=True)
+    validate_flux_args(args)
+    spec = flux_spec_from_args(args)
+    sub = spec.submodules
+    assert sub.input_layernorm is norm_cls
+    assert sub.self_attention.submodules.q_layernorm is norm_cls
+    assert sub.self_attention.submodules.linear_qkv is col.with_backend("nccl")
+    assert sub.mlp.submodules.linear_fc2 is row.with_backend("nccl")
+
+
+def test_moe_and_mla_from_args(flux_linears):
+    col, _ = flux_linears
+    args = megatron_like_args(["--flux-tp-overlap"], num_experts=4, moe_use_legacy_grouped_gemm=False)
+    spec = flux_spec_from_args(args)
+    experts = spec.submodules.mlp.submodules.experts
+    assert experts.submodules.linear_fc1 is col.with_backend("auto")
+    args = megatron_like_args(["--flux-tp-overlap"], multi_latent_attention=True)
+    spec = flux_spec_from_args(args)
+    assert spec.submodules.self_attention.submodules.linear_kv_up_proj is col.with_backend("auto")
+
+
+def test_block_spec_from_args_with_config(flux_linears):
+    _, row = flux_linears
+    args = megatron_like_args(["--flux-tp-overlap", "--flux-backend", "flux"], normalization="RMSNorm")
+    cfg = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2,
+                            normalization="RMSNorm", use_cpu_initialization=True)
+    block = flux_spec_from_args(args, cfg, pp_rank=0)
+    assert isinstance(block, TransformerBlockSubmodules)
+    assert block.layer_norm is SequenceParallelRMSNorm
+    assert len(block.layer_specs) == 2
+    assert block.layer_specs[0].submodules.mlp.submodules.linear_fc2 is row.with_backend("flux")
