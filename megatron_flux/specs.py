@@ -176,7 +176,8 @@ def swap_tp_linears(spec: Any, backend: str = "auto") -> Any:
     ``functools.partial`` builder. Leaves that *are* ``ColumnParallelLinear`` /
     ``RowParallelLinear`` (bare, or as ``ModuleSpec.module``) become
     ``FluxColumnParallelLinear.with_backend(backend)`` / ``FluxRowParallelLinear.with_backend
-    (backend)``; leaves that are already Flux linears are re-targeted to ``backend``. Matching is
+    (backend)``; leaves that are already Flux linears (or subclasses of them) become
+    ``leaf.with_backend(backend)``, i.e. the same class re-targeted to ``backend``. Matching is
     by identity, so other subclasses (Transformer Engine's, quantized or custom linears) are left
     alone with a warning, since their communication is not ours to replace. ``spec`` itself is
     never modified (see the module docstring for what is deliberately not rewritten).
@@ -198,10 +199,15 @@ def swap_tp_linears(spec: Any, backend: str = "auto") -> Any:
     def replace(leaf: Any) -> Any:
         if not isinstance(leaf, type):
             return leaf
-        if leaf is ColumnParallelLinear or issubclass(leaf, flux_col):
+        if issubclass(leaf, (flux_col, flux_row)):
+            # with_backend on a class it made re-targets that class's root, so a user's own
+            # Flux subclass keeps its behaviour and only changes backend.
+            swapped.append(leaf)
+            return leaf.with_backend(backend)
+        if leaf is ColumnParallelLinear:
             swapped.append(leaf)
             return flux_col.with_backend(backend)
-        if leaf is RowParallelLinear or issubclass(leaf, flux_row):
+        if leaf is RowParallelLinear:
             swapped.append(leaf)
             return flux_row.with_backend(backend)
         if leaf.__name__.endswith("Linear") and "Grouped" not in leaf.__name__:
