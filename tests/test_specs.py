@@ -3,9 +3,7 @@
 import dataclasses
 import functools
 import os
-import sys
 import tempfile
-import types
 import warnings
 
 import pytest
@@ -31,43 +29,10 @@ STOCK_LINEARS = (ColumnParallelLinear, RowParallelLinear)
 # --------------------------------------------------------------------------------------------
 
 
-def _standin_linear_module():
-    """Stand-in for megatron_flux.layers.linear until it lands (only the with_backend contract)."""
-    mod = types.ModuleType("megatron_flux.layers.linear")
-
-    def make(base, name):
-        cache = {}
-
-        def __init__(self, *args, flux_backend="auto", **kwargs):
-            base.__init__(self, *args, **kwargs)
-            self.flux_backend = flux_backend
-
-        @classmethod
-        def with_backend(cls, backend):
-            root = cls.__dict__.get("_root", cls)
-            if backend not in cache:
-                def init(self, *a, flux_backend=backend, **kw):
-                    root.__init__(self, *a, flux_backend=flux_backend, **kw)
-                cache[backend] = type(f"{name}_{backend}", (root,), {"__init__": init, "_root": root})
-            return cache[backend]
-
-        cls = type(name, (base,), {"__init__": __init__, "with_backend": with_backend})
-        cls._root = cls
-        return cls
-
-    mod.FluxColumnParallelLinear = make(ColumnParallelLinear, "FluxColumnParallelLinear")
-    mod.FluxRowParallelLinear = make(RowParallelLinear, "FluxRowParallelLinear")
-    return mod
-
-
 @pytest.fixture
-def flux_linears(monkeypatch):
-    try:
-        from megatron_flux.layers.linear import FluxColumnParallelLinear, FluxRowParallelLinear
-    except ImportError:
-        mod = _standin_linear_module()
-        monkeypatch.setitem(sys.modules, "megatron_flux.layers.linear", mod)
-        FluxColumnParallelLinear, FluxRowParallelLinear = mod.FluxColumnParallelLinear, mod.FluxRowParallelLinear
+def flux_linears():
+    from megatron_flux.layers.linear import FluxColumnParallelLinear, FluxRowParallelLinear
+
     return FluxColumnParallelLinear, FluxRowParallelLinear
 
 
@@ -265,6 +230,13 @@ def test_flux_leaves_get_the_new_backend(flux_linears):
     plain = MLPSubmodules(linear_fc1=col, linear_fc2=row)
     out = specs.swap_tp_linears(plain, "nccl")
     assert out.linear_fc1 is col.with_backend("nccl") and out.linear_fc2 is row.with_backend("nccl")
+
+    class MyFluxColumn(col):  # a user's own Flux subclass keeps its class, changes backend
+        pass
+
+    out = specs.swap_tp_linears(MLPSubmodules(linear_fc1=MyFluxColumn.with_backend("nccl")), "flux")
+    assert out.linear_fc1 is MyFluxColumn.with_backend("flux")
+    assert issubclass(out.linear_fc1, MyFluxColumn)
 
 
 def test_moe_spec_experts_and_shared_experts_swapped(flux_linears):
