@@ -20,6 +20,7 @@ from megatron_flux.backends import BACKEND_CHOICES
 __all__ = [
     "FluxArgumentError",
     "add_flux_args",
+    "apply_flux_args_to_config",
     "compose_extra_args_providers",
     "flux_spec_from_args",
     "load_flux_config",
@@ -60,14 +61,16 @@ def add_flux_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="JSON tuning table for the fused kernels (a JSON object). Only validated for now.",
     )
+    # Named after FluxColumnParallelLinear's `flux_keep_gathered_input` (read from the config,
+    # see apply_flux_args_to_config).
     group.add_argument(
         "--flux-keep-gathered-input",
         action="store_true",
         help="Column-parallel layers keep the all-gathered input from forward for the weight "
-        "gradient instead of re-gathering it in backward. Saves one all-gather per column layer "
-        "in backward; costs, per column layer (QKV, FC1), the full-sequence input instead of "
-        "this rank's shard: (tp-1) x seq/tp x micro-batch x hidden x bytes extra activation "
-        "memory until its backward.",
+        "gradient instead of re-gathering it in backward (megatron's default). Saves one "
+        "all-gather per column layer in backward; costs, per column layer (QKV, FC1), the "
+        "full-sequence input instead of this rank's shard: (tp-1) x seq/tp x micro-batch x "
+        "hidden x bytes of extra activation memory, held until that layer's backward.",
     )
     return parser
 
@@ -185,6 +188,18 @@ def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def apply_flux_args_to_config(args: argparse.Namespace, config: Any) -> Any:
+    """Copy the ``--flux-*`` settings the layers read from the ``TransformerConfig``.
+
+    Megatron's ``core_transformer_config_from_args`` copies only arguments named like a
+    ``TransformerConfig`` field, so ours need this step. ``FluxColumnParallelLinear`` reads
+    ``config.flux_keep_gathered_input`` when constructed; :func:`flux_spec_from_args` calls this
+    when given the config. Returns ``config``.
+    """
+    config.flux_keep_gathered_input = bool(getattr(args, "flux_keep_gathered_input", False))
+    return config
+
+
 def flux_spec_from_args(
     args: argparse.Namespace,
     config: Any = None,
@@ -205,7 +220,9 @@ def flux_spec_from_args(
 
     With ``config`` (the model's ``TransformerConfig``): the *block* spec for this pipeline stage
     (:func:`~megatron_flux.specs.get_gpt_decoder_block_flux_spec`), whose final norm is ours;
-    pass it as ``GPTModel(transformer_layer_spec=...)``. Prefer this form.
+    pass it as ``GPTModel(transformer_layer_spec=...)``. Prefer this form. The config also
+    receives the layer settings (:func:`apply_flux_args_to_config`); in the layer-spec form call
+    that yourself before building the model.
     """
     if not getattr(args, "flux_tp_overlap", False):
         return None
@@ -215,6 +232,7 @@ def flux_spec_from_args(
     normalization = getattr(args, "normalization", "LayerNorm")
     qk_l2_norm = bool(getattr(args, "qk_l2_norm", False))
     if config is not None:
+        apply_flux_args_to_config(args, config)
         return specs.get_gpt_decoder_block_flux_spec(
             config,
             normalization=normalization,

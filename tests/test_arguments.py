@@ -11,6 +11,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_flux.arguments import (
     FluxArgumentError,
     add_flux_args,
+    apply_flux_args_to_config,
     compose_extra_args_providers,
     flux_spec_from_args,
     load_flux_config,
@@ -233,11 +234,46 @@ def test_moe_and_mla_from_args(flux_linears):
 
 def test_block_spec_from_args_with_config(flux_linears):
     _, row = flux_linears
-    args = megatron_like_args(["--flux-tp-overlap", "--flux-backend", "flux"], normalization="RMSNorm")
+    args = megatron_like_args(["--flux-tp-overlap", "--flux-backend", "flux",
+                               "--flux-keep-gathered-input"], normalization="RMSNorm")
     cfg = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2,
                             normalization="RMSNorm", use_cpu_initialization=True)
     block = flux_spec_from_args(args, cfg, pp_rank=0)
+    assert cfg.flux_keep_gathered_input is True
     assert isinstance(block, TransformerBlockSubmodules)
     assert block.layer_norm is SequenceParallelRMSNorm
     assert len(block.layer_specs) == 2
     assert block.layer_specs[0].submodules.mlp.submodules.linear_fc2 is row.with_backend("flux")
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of one rank (the column layer's tp_group), torn down afterwards."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        fd, path = tempfile.mkstemp()
+        os.close(fd)
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
+        os.unlink(path)
+
+
+def test_keep_gathered_input_reaches_the_column_layer(flux_linears, world_of_one):
+    """The flag lands where FluxColumnParallelLinear reads it (config.flux_keep_gathered_input)."""
+    import torch
+
+    col, _ = flux_linears
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                            use_cpu_initialization=True)
+    for argv, expected in (([], False), (["--flux-keep-gathered-input"], True)):
+        apply_flux_args_to_config(megatron_like_args(argv), cfg)
+        layer = col(16, 32, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
+                    gather_output=False, tp_group=world_of_one)
+        assert layer.flux_keep_gathered_input is expected
