@@ -339,6 +339,18 @@ def _fake_build(real):
     return build
 
 
+def _wrong_flux_build(real):
+    """build_method whose ``flux`` returns zeros of the right shape: a numerically wrong method."""
+
+    def build(name, inp, group):
+        if name == "flux":
+            zeros = torch.zeros(inp.case.local_shapes(inp.tp)["out"], dtype=inp.a.dtype)
+            return (lambda: zeros), {}
+        return real(name, inp, group)
+
+    return build
+
+
 def _worker(rank, world, store_path, out_dir):
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
@@ -348,7 +360,7 @@ def _worker(rank, world, store_path, out_dir):
     log = []
     # rank 1 is slower at "a": the reported time must be rank 1's on both ranks
     fns = {"a": _sleeper(log, "a", 1 if rank == 0 else 8), "b": _sleeper(log, "b", 2)}
-    r = T.time_interleaved(fns, trials=3, iters=2, warmup=1, group=None, device=cpu)
+    r = T.time_interleaved(fns, trials=3, iters=4, warmup=1, group=None, device=cpu)
     res["timing"] = {"trials_ms": r.trials_ms, "errors": r.errors, "log": log}
 
     calls = {"n": 0}
@@ -361,11 +373,22 @@ def _worker(rank, world, store_path, out_dir):
     r = T.time_interleaved({"fine": lambda: None, "flaky": flaky}, trials=3, iters=2, warmup=1, group=None, device=cpu)
     res["flaky"] = {"trials_ms": r.trials_ms, "errors": r.errors, "calls": calls["n"]}
 
-    M.build_method = _fake_build(M.build_method)
+    real_build = M.build_method
+    M.build_method = _fake_build(real_build)
     args = resolve_args(build_parser().parse_args(
         ["--model-shapes", "tiny:8:16:16", "--ms", "4", "--ops", "ag", "--dtype", "fp32", "--trials", "2", "--iters", "1",
          "--warmup", "0", "--methods", "cublas_gemm", "comm", "torch_async_tp", "flux", "auto"]), tp=world)
     res["rows"] = run_case(args.cases[0], args, dist.group.WORLD, rank, world, cpu, say=lambda msg: None)
+
+    if HAVE_NCCL_BACKEND:  # the numerical check needs the reference backend
+        M.build_method = _wrong_flux_build(real_build)
+        said = []
+        args = resolve_args(build_parser().parse_args(
+            ["--model-shapes", "tiny:16:32:32", "--ms", "8", "--ops", "rs", "--trials", "1", "--iters", "1",
+             "--warmup", "0", "--methods", "nccl", "flux", "auto"]), tp=world)
+        res["check_rows"] = run_case(args.cases[0], args, dist.group.WORLD, rank, world, cpu, say=said.append)
+        res["said"] = said
+    M.build_method = real_build
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(res))
     dist.destroy_process_group()
 
@@ -389,14 +412,15 @@ def two_ranks(tmp_path_factory):
 def test_trial_time_is_the_max_over_ranks(two_ranks):
     t0, t1 = (r["timing"]["trials_ms"] for r in two_ranks)
     assert t0 == t1  # every rank reports the same numbers
-    assert len(t0["a"]) == 3 and all(v >= 7.5 for v in t0["a"])  # rank 1's 8 ms, not rank 0's 1 ms
-    assert all(1.5 <= v < 7.5 for v in t0["b"])
+    # per iteration (4 per block): rank 1's 8 ms, not rank 0's 1 ms, and not the 32 ms block
+    assert len(t0["a"]) == 3 and all(7.5 <= v < 20 for v in t0["a"])
+    assert all(1.5 <= v < 6 for v in t0["b"])
 
 
 def test_trials_are_interleaved_round_robin(two_ranks):
     log = two_ranks[0]["timing"]["log"]
     assert log[:2] == ["a", "b"]  # warm-up, one call each
-    blocks = [log[i:i + 2] for i in range(2, len(log), 2)]
+    blocks = [log[i:i + 4] for i in range(2, len(log), 4)]
     assert all(len(set(b)) == 1 for b in blocks)  # a block is one method's iterations
     assert [b[0] for b in blocks] == ["a", "b", "b", "a", "a", "b"]  # rotated start per trial
 
@@ -419,6 +443,17 @@ def test_run_case_takes_the_same_decisions_on_every_rank(two_ranks):
     assert "build boom" in by["torch_async_tp"]["reason"]
     assert by["flux"]["status"] == "skipped" and by["flux"]["reason"] == "rank 0: no flux on rank 0"
     assert by["auto"]["status"] == "error" and "first call: rank 0: RuntimeError: probe boom" in by["auto"]["reason"]
+
+
+@pytest.mark.skipif(not HAVE_NCCL_BACKEND, reason="megatron_flux.backends.nccl not written yet")
+def test_wrong_outputs_are_flagged_loudly(two_ranks):
+    by = {r["method"]: r for r in two_ranks[0]["check_rows"]}
+    assert by["flux"]["status"] == "ok" and by["flux"]["check"] == "FAIL"
+    assert by["flux"]["max_rel_err"] == pytest.approx(1.0)  # zeros vs the reference
+    assert by["nccl"]["check"] == by["auto"]["check"] == "ok" and by["nccl"]["max_rel_err"] < 2e-2
+    warnings = [m for m in two_ranks[0]["said"] if "WARNING" in m]
+    assert len(warnings) == 1 and "flux" in warnings[0]
+    assert "CHECK FAILED" in R.format_table(two_ranks[0]["check_rows"])
 
 
 # ------------------------------------------------------------------------------ end to end
