@@ -3,7 +3,9 @@
 import dataclasses
 import functools
 import os
+import sys
 import tempfile
+import types
 import warnings
 
 import pytest
@@ -18,8 +20,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import L2Norm, WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_flux import specs
-from megatron_flux.layers.norms import SequenceParallelLayerNorm, SequenceParallelRMSNorm
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_harness import run_distributed  # noqa: E402
+
+from megatron_flux import specs  # noqa: E402
+from megatron_flux.layers.norms import SequenceParallelLayerNorm, SequenceParallelRMSNorm  # noqa: E402
 
 STOCK_LINEARS = (ColumnParallelLinear, RowParallelLinear)
 
@@ -510,3 +515,106 @@ def test_layer_from_flux_spec_builds_and_matches_stock_at_tp1(
     assert keys["decoder.layers.0.input_layernorm.weight"] == (
         "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# TP=2 with sequence parallelism (gloo) against the stock layer at TP=1
+# --------------------------------------------------------------------------------------------
+
+TP = 2
+
+
+def shard_llama_param(name, full, rank, tp=TP):
+    """This rank's slice of a full (TP=1) Llama-layer parameter, Megatron's TP layout."""
+    if name.endswith("layernorm.weight"):
+        return full  # replicated
+    if name == "self_attention.linear_qkv.weight":
+        return full.chunk(tp, dim=0)[rank]  # rows are grouped by query group, groups split
+    if name == "mlp.linear_fc1.weight":  # [gate; up], each split: local [gate_r; up_r]
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
+    if name in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
+        return full.chunk(tp, dim=1)[rank]
+    raise KeyError(name)
+
+
+def _tp2_sp_llama_layer(rank, world_size, full_params, x_full, dy_full):
+    """For keep_gathered_input False and True: this rank's output, input grad, param grads."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed.finalize_model_grads import _allreduce_layernorm_grads
+
+    results = {}
+    for keep_gathered_input in (False, True):
+        cfg = llama_config(tensor_model_parallel_size=TP, sequence_parallel=True)
+        cfg.flux_keep_gathered_input = keep_gathered_input
+        spec = with_cpu_attention(specs.get_gpt_layer_flux_spec(normalization="RMSNorm"))
+        layer = build_module(spec, config=cfg, layer_number=1)
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                p.copy_(shard_llama_param(name, full_params[name], rank))
+        x = x_full.chunk(TP, dim=0)[rank].clone().requires_grad_()
+        out, _ = layer(x, attention_mask=None)
+        out.backward(dy_full.chunk(TP, dim=0)[rank])
+
+        # Megatron's finalize_model_grads step for SP-tagged params (norms), on a DDP-like chunk.
+        chunk = torch.nn.Module()
+        chunk.module = layer
+        chunk.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)
+        _allreduce_layernorm_grads([chunk], cfg, parallel_state.get_tensor_model_parallel_group())
+        results[keep_gathered_input] = {
+            "out": out.detach(),
+            "x_grad": x.grad,
+            "grads": {n: p.grad for n, p in layer.named_parameters()},
+            "keeps": layer.self_attention.linear_qkv.flux_keep_gathered_input,
+            "linear_types": sorted(
+                {type(m).__name__ for m in layer.modules() if "Linear" in type(m).__name__}
+            ),
+        }
+    return results
+
+
+@pytest.mark.slow
+def test_llama_layer_tp2_sequence_parallel_matches_stock_tp1(flux_linears, single_rank_model_parallel):
+    """Flux spec, TP=2 + SP on gloo == stock local spec at TP=1 without SP, same full weights.
+
+    (Stock sequence parallelism cannot be the reference: it allocates on CUDA.) Covers the
+    forward output, the input gradient, every weight gradient (sharded like the weight), and
+    the norms' gradients after megatron-core's own TP all-reduce of ``sequence_parallel``
+    params, which only holds because the norms tag their parameters; with the column layers
+    re-gathering their input for wgrad and keeping it from forward.
+    """
+    cfg = llama_config()
+    stock = build_module(
+        with_cpu_attention(get_gpt_layer_local_spec(normalization="RMSNorm")), config=cfg, layer_number=1
+    )
+    g = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for p in stock.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 0.5) + (p.dim() == 1))
+    full_params = {n: p.detach().clone() for n, p in stock.named_parameters()}
+    x_full = torch.randn(8, 2, cfg.hidden_size, generator=g)
+    dy_full = torch.randn(8, 2, cfg.hidden_size, generator=g)
+    x_ref = x_full.clone().requires_grad_()
+    out_ref, _ = stock(x_ref, attention_mask=None)
+    out_ref.backward(dy_full)
+
+    per_rank = run_distributed(
+        _tp2_sp_llama_layer, TP, full_params, x_full, dy_full,
+        tensor_model_parallel_size=TP, timeout=180,
+    )
+
+    tol = dict(rtol=1e-5, atol=1e-5)
+    for keep in (False, True):
+        results = [r[keep] for r in per_rank]
+        assert results[0]["keeps"] is keep
+        assert results[0]["linear_types"] == [
+            "FluxColumnParallelLinear_auto", "FluxRowParallelLinear_auto"
+        ]
+        torch.testing.assert_close(torch.cat([r["out"] for r in results]), out_ref.detach(), **tol)
+        torch.testing.assert_close(torch.cat([r["x_grad"] for r in results]), x_ref.grad, **tol)
+        for name, p in stock.named_parameters():
+            for rank, r in enumerate(results):
+                torch.testing.assert_close(
+                    r["grads"][name], shard_llama_param(name, p.grad, rank),
+                    msg=f"{name} rank {rank} keep={keep}", **tol,
+                )
