@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import json
-import math
 import os
 import subprocess
 import sys

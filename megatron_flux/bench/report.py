@@ -300,6 +300,25 @@ def collect_env(device: torch.device, group: Optional[dist.ProcessGroup]) -> dic
 # ---------------------------------------------------------------------------------- PNG
 
 
+#: overlap-efficiency panels clip below this (%), labelling the clipped bars with their value
+EFF_FLOOR_PCT = -200.0
+
+
+def _label_cases(ax, cases: Sequence[Tuple[str, int]]) -> None:
+    """m values as tick labels, model names centred under their block, dashed model borders."""
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels([str(m) for _, m in cases], fontsize=7, rotation=90)
+    ax.set_xlim(-0.6, len(cases) - 0.4)
+    start = 0
+    for x in range(1, len(cases) + 1):
+        if x == len(cases) or cases[x][0] != cases[start][0]:
+            ax.text((start + x - 1) / 2, -0.2, cases[start][0], transform=ax.get_xaxis_transform(),
+                    ha="center", va="top", fontsize=8)
+            if x < len(cases):
+                ax.axvline(x - 0.5, color="#bbbbbb", linestyle="--", linewidth=0.8)
+            start = x
+
+
 def plot_png(path: str, rows: Sequence[dict], summary: Dict[str, dict], title: str) -> Optional[str]:
     """Write the figure; return ``None`` on success or the reason it was not drawn.
 
@@ -320,12 +339,11 @@ def plot_png(path: str, rows: Sequence[dict], summary: Dict[str, dict], title: s
     if not ops:
         return "no rows to plot"
     colors = {"nccl": "#7f7f7f", "torch_async_tp": "#1f77b4", "flux": "#d62728", "auto": "#ff7f0e"}
-    fig = plt.figure(figsize=(16, 4.2 * len(ops) + 3.5))
-    grid = fig.add_gridspec(len(ops) + 1, 2, height_ratios=[4.2] * len(ops) + [3.0])
+    fig = plt.figure(figsize=(16, 4.8 * len(ops) + 3.5))
+    grid = fig.add_gridspec(len(ops) + 1, 2, height_ratios=[4.8] * len(ops) + [3.0])
     for i, op in enumerate(ops):
         op_rows = [r for r in rows if r["op"] == op]
         cases = list(dict.fromkeys((r["model"], r["m"]) for r in op_rows))
-        labels = [f"{mod}\nm={m}" for mod, m in cases]
         for j, (metric, meths, ylabel, scale) in enumerate((
             ("ect_ms", [m for m in COMPUTES_OP], "ECT (ms)", 1.0),
             ("overlap_eff", list(OVERLAPPING), "overlap efficiency (%)", 100.0),
@@ -333,14 +351,21 @@ def plot_png(path: str, rows: Sequence[dict], summary: Dict[str, dict], title: s
             ax = fig.add_subplot(grid[i, j])
             present = [m for m in meths if any(r["method"] == m and r.get(metric) is not None for r in op_rows)]
             width = 0.8 / max(1, len(present))
+            shown = []
             for b, meth in enumerate(present):
                 val = {(r["model"], r["m"]): r.get(metric) for r in op_rows if r["method"] == meth}
                 ys = [scale * val[c] if val.get(c) is not None else math.nan for c in cases]
                 xs = [x + (b - (len(present) - 1) / 2) * width for x in range(len(cases))]
                 ax.bar(xs, ys, width, label=meth, color=colors.get(meth))
+                shown += [(x, y) for x, y in zip(xs, ys) if not math.isnan(y)]
+            if metric == "overlap_eff" and shown and min(y for _, y in shown) < EFF_FLOOR_PCT:
+                # a few very negative efficiencies would flatten every other bar: clip, label them
+                ax.set_ylim(EFF_FLOOR_PCT, max(110.0, max(y for _, y in shown) + 10))
+                for x, y in shown:
+                    if y < EFF_FLOOR_PCT:
+                        ax.text(x, EFF_FLOOR_PCT * 0.97, f"{y:.0f}%", rotation=90, fontsize=6, ha="center", va="bottom")
+            _label_cases(ax, cases)
             ax.axhline(0, color="black", linewidth=0.8)
-            ax.set_xticks(range(len(cases)))
-            ax.set_xticklabels(labels, fontsize=7)
             ax.set_ylabel(ylabel)
             ax.set_title(f"{op}: {ylabel.split(' (')[0]}")
             if present:
@@ -349,8 +374,8 @@ def plot_png(path: str, rows: Sequence[dict], summary: Dict[str, dict], title: s
                 ax.text(0.5, 0.5, "no method timed", transform=ax.transAxes, ha="center")
     ax = fig.add_subplot(grid[len(ops), :])
     groups = [(op, label) for op in summary for label in summary[op]]
-    meths = list(OVERLAPPING)
-    width = 0.8 / len(meths)
+    meths = [m for m in OVERLAPPING if any(m in summary[op][label] for op, label in groups)]
+    width = 0.8 / max(1, len(meths))
     for b, meth in enumerate(meths):
         ys = []
         for op, label in groups:
@@ -363,7 +388,8 @@ def plot_png(path: str, rows: Sequence[dict], summary: Dict[str, dict], title: s
     ax.set_xticklabels([f"{op} {label}" for op, label in groups], fontsize=8)
     ax.set_ylabel("median overlap eff. (%)")
     ax.set_title("summary: median overlap efficiency per op and m-range (0 = nccl, 100 = perfect)")
-    ax.legend(fontsize=8)
+    if meths:
+        ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
