@@ -220,6 +220,18 @@ def test_describe_command_reconstructs_the_launcher(monkeypatch):
     assert describe_command(["--out-json", "a b.json"]) == "torchrun --nproc-per-node=2 --no-python megatron-flux bench --out-json 'a b.json'"
 
 
+def test_every_option_survives_torchruns_own_parser():
+    """torchrun parses the whole command line and rejects (or steals) any option of ours that
+    abbreviates one of its own (``--m`` did): each primary spelling must reach the script."""
+    from torch.distributed.run import get_args_parser
+
+    torchrun = get_args_parser()
+    for action in build_parser()._actions:
+        opt = next(o for o in action.option_strings if o.startswith("--"))
+        ns = torchrun.parse_args(["--nproc-per-node", "2", "-m", "megatron_flux.bench", opt, "1"])
+        assert ns.training_script_args == [opt, "1"], opt
+
+
 # ------------------------------------------------------------------------------ report
 
 
