@@ -1,0 +1,296 @@
+"""``FluxColumnParallelLinear`` / ``FluxRowParallelLinear``: megatron-core's TP linears, overlapped.
+
+They are subclasses, not copies, of megatron-core's ``ColumnParallelLinear`` and
+``RowParallelLinear`` (0.16 and 0.19): construction, parameters and their attributes,
+``state_dict`` keys, ``sharded_state_dict`` and every code path other than the
+sequence-parallel one are the parent's, so checkpoints move between stock and Flux layers both
+ways and a model behaves exactly as stock wherever there is nothing to overlap (TP=1, sequence
+parallelism off, experts with explicit communication).
+
+With sequence parallelism on and TP > 1 the matmul runs through :mod:`megatron_flux.ops`
+(all-gather + GEMM for the column layer, GEMM + reduce-scatter for the row layer, and their
+backward twins) on the backend named by ``flux_backend``. That path also runs on CPU/gloo,
+which the stock one cannot (it allocates on ``torch.cuda.current_device()``).
+
+Differences from stock, each deliberate:
+
+* ``config.gradient_accumulation_fusion`` works without apex: the accumulation into
+  ``weight.main_grad`` falls back to torch (stock raises at construction).
+* ``gather_output`` on the sequence-parallel path uses a device-agnostic gather.
+* The row layer adds its bias inside the backend's reduce-scatter (``RS(X Wᵀ) + b``, the same
+  value as stock's ``RS(X Wᵀ)`` then ``+ b``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from megatron.core.tensor_parallel import layers as _mcore_layers
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+from megatron_flux.backends import BACKEND_CHOICES, available_backends
+from megatron_flux.ops import (
+    LinearWithMainGradAccumulation,
+    column_parallel_linear,
+    fused_wgrad_kernel,
+    gather_along_last_dim,
+    row_parallel_linear,
+)
+
+__all__ = ["FluxColumnParallelLinear", "FluxRowParallelLinear"]
+
+#: constructor arguments that only some supported megatron-core versions take (0.19 added
+#: ``name``); dropped when the installed parent does not accept them. Anything else unknown is
+#: passed on so the parent raises its usual ``TypeError``.
+_VERSION_SPECIFIC_ARGS = frozenset({"name"})
+
+
+def _check_backend_name(name: Any) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"flux_backend must be a str, got {type(name).__name__}")
+    if name in BACKEND_CHOICES or name in available_backends():
+        return name
+    raise ValueError(
+        f"unknown megatron-flux backend {name!r}; choose one of "
+        f"{sorted(set(BACKEND_CHOICES) | set(available_backends()))}"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _parent_params(parent: type) -> frozenset:
+    return frozenset(inspect.signature(parent.__init__).parameters)
+
+
+@contextlib.contextmanager
+def _without_grad_accumulation_fusion(config, hide: bool):
+    """Hide ``config.gradient_accumulation_fusion`` while the parent constructs.
+
+    Stock ``ColumnParallelLinear.__init__`` raises when the flag is on and apex's
+    ``fused_weight_gradient_mlp_cuda`` is missing; megatron-flux accumulates in torch then. The
+    config object is shared by every layer of the model, so it is restored even on error.
+    """
+    if not hide:
+        yield
+        return
+    config.gradient_accumulation_fusion = False
+    try:
+        yield
+    finally:
+        config.gradient_accumulation_fusion = True
+
+
+def _mark_activation_offloading(config, input_: torch.Tensor) -> None:
+    """What the parents' forward does to its input inside megatron's CPU-offloading context."""
+    ctx = getattr(config, "_cpu_offloading_context", None)
+    if ctx is None or ctx.inside_context is not True:
+        return
+    if not _mcore_layers.HAVE_TE:
+        assert config.cpu_offloading is False, "CPU Offloading cannot be enabled while TE is not present"
+    else:
+        input_.activation_offloading = config.cpu_offloading_activations
+
+
+class _FluxLinearMixin:
+    """Construction, backend selection and the apex-free fallback shared by both layers."""
+
+    #: the megatron-core class this layer extends (set by the concrete classes)
+    _megatron_parent: type = torch.nn.Module
+    #: in classes made by :meth:`with_backend`: the class they were made from
+    _flux_root: Optional[type] = None
+
+    def __init__(self, input_size: int, output_size: int, *, flux_backend: str = "auto", **kwargs):
+        backend = _check_backend_name(flux_backend)
+        parent_params = _parent_params(self._megatron_parent)
+        kwargs = {
+            k: v for k, v in kwargs.items() if k in parent_params or k not in _VERSION_SPECIFIC_ARGS
+        }
+        config = kwargs.get("config")
+        gaf = bool(getattr(config, "gradient_accumulation_fusion", False))
+        no_apex = gaf and fused_wgrad_kernel() is None
+        if no_apex and getattr(config, "defer_embedding_wgrad_compute", False):
+            raise RuntimeError(
+                f"{type(self).__name__}: defer_embedding_wgrad_compute needs apex's "
+                "fused_weight_gradient_mlp_cuda (megatron's drain_embedding_wgrad_compute "
+                "imports it); install apex or turn the deferral off"
+            )
+        with _without_grad_accumulation_fusion(config, no_apex):
+            super().__init__(input_size, output_size, **kwargs)
+        self.gradient_accumulation_fusion = gaf
+        self.flux_backend = backend
+
+    # ----------------------------------------------------------------------- spec integration
+    @classmethod
+    def with_backend(cls, name: str) -> type:
+        """A subclass whose constructor defaults ``flux_backend`` to ``name`` (cached).
+
+        Megatron specs hold classes, not instances, so this is how a spec selects a backend.
+        The same class object is returned for the same ``(cls, name)``; calling it on a class it
+        made re-targets the original class. The class is reachable as
+        ``megatron_flux.layers.linear.<Base>_<name>``, so modules and specs holding it pickle.
+        """
+        root = cls.__dict__.get("_flux_root") or cls
+        name = _check_backend_name(name)
+        key = (root, name)
+        if key not in _WITH_BACKEND:
+            class_name = f"{root.__name__}_{name}"
+            _WITH_BACKEND[key] = type(
+                class_name,
+                (root,),
+                {
+                    "__init__": functools.partialmethod(root.__init__, flux_backend=name),
+                    "__module__": root.__module__,
+                    "__qualname__": class_name,
+                    "__doc__": f"{root.__name__} with ``flux_backend={name!r}`` by default.",
+                    "_flux_root": root,
+                },
+            )
+        return _WITH_BACKEND[key]
+
+    # ---------------------------------------------------------------------- non-SP fallback
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        """Megatron's matmul, except where it cannot run without apex.
+
+        With ``gradient_accumulation_fusion`` on and apex's kernel unusable (not installed, or
+        CPU tensors) megatron's function would fail in backward on the missing extension; the
+        torch equivalent runs instead. Only non-sequence-parallel calls reach here (the SP path
+        of both layers goes through :mod:`megatron_flux.ops`).
+        """
+        if (
+            kwargs.get("gradient_accumulation_fusion")
+            and weight.requires_grad
+            and kwargs.get("gtp_remat_size", 1) <= 1
+            and (fused_wgrad_kernel() is None or not weight.is_cuda)
+        ):
+            if kwargs.get("sequence_parallel"):
+                raise RuntimeError(
+                    "megatron-flux: sequence-parallel matmul with wgrad deferral needs apex "
+                    "for gradient_accumulation_fusion"
+                )
+            return LinearWithMainGradAccumulation.apply(
+                input, weight, kwargs.get("bias"), kwargs.get("allreduce_dgrad", False),
+                kwargs.get("tp_group"),
+            )
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+    def _uses_flux_ops(self) -> bool:
+        """Whether this layer's matmul goes through megatron-flux's sequence-parallel ops."""
+        return (
+            bool(self.sequence_parallel)
+            and self.tp_group.size() > 1
+            and not self.explicit_expert_comm
+            and getattr(self, "gtp_remat_size", 1) <= 1
+        )
+
+
+_WITH_BACKEND: Dict[Tuple[type, str], type] = {}
+
+
+class FluxColumnParallelLinear(_FluxLinearMixin, ColumnParallelLinear):
+    """megatron-core ``ColumnParallelLinear`` whose sequence-parallel all-gather hides in the GEMM.
+
+    Args: every argument of the installed ``ColumnParallelLinear`` (0.19's ``name`` is accepted
+    and dropped on 0.16), plus
+
+        flux_backend: ``"auto"`` (the fused backend when it supports the operands, else the
+            ``nccl`` reference), or a registered backend name.
+        flux_keep_gathered_input: keep the forward's all-gathered input for the weight gradient
+            instead of re-gathering it in backward (megatron's behaviour, the default). Trades
+            ``tp - 1`` extra activation shards per layer for one collective. ``None`` reads
+            ``config.flux_keep_gathered_input`` (absent → ``False``).
+    """
+
+    _megatron_parent = ColumnParallelLinear
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        flux_backend: str = "auto",
+        flux_keep_gathered_input: Optional[bool] = None,
+        **kwargs,
+    ):
+        super().__init__(input_size, output_size, flux_backend=flux_backend, **kwargs)
+        if flux_keep_gathered_input is None:
+            flux_keep_gathered_input = getattr(self.config, "flux_keep_gathered_input", False)
+        self.flux_keep_gathered_input = bool(flux_keep_gathered_input)
+
+    def _uses_flux_ops(self) -> bool:
+        # Wgrad deferral (megatron's output-layer trick) stays megatron's: its buffers are
+        # drained by megatron's own pipeline code.
+        return super()._uses_flux_ops() and not self.config.defer_embedding_wgrad_compute
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if (
+            kwargs.get("sequence_parallel")
+            and kwargs.get("grad_output_buffer") is None
+            and kwargs.get("gtp_remat_size", 1) <= 1
+        ):
+            return column_parallel_linear(
+                input,
+                weight,
+                kwargs.get("bias"),
+                group=self.tp_group,
+                backend=self.flux_backend,
+                keep_gathered_input=self.flux_keep_gathered_input,
+                gradient_accumulation_fusion=bool(kwargs.get("gradient_accumulation_fusion")),
+            )
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+    def forward(
+        self,
+        input_: torch.Tensor,
+        weight: Optional[torch.Tensor] = None,
+        runtime_gather_output: Optional[bool] = None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The parent's forward; on the sequence-parallel path its matmul (``_forward_impl``)
+        is megatron-flux's all-gather + GEMM and ``gather_output`` is device-agnostic."""
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        # 0.19's inference-optimized gather (eval only) is left to the parent.
+        inference_gather = getattr(self, "use_inference_optimized_all_gather", False)
+        if not (self._uses_flux_ops() and gather) or (inference_gather and not self.training):
+            return super().forward(input_, weight, runtime_gather_output)
+        output_parallel, output_bias = super().forward(input_, weight, runtime_gather_output=False)
+        return gather_along_last_dim(output_parallel, self.tp_group), output_bias
+
+
+class FluxRowParallelLinear(_FluxLinearMixin, RowParallelLinear):
+    """megatron-core ``RowParallelLinear`` whose sequence-parallel reduce-scatter hides in the GEMM.
+
+    Args: every argument of the installed ``RowParallelLinear`` (0.19's ``name`` is accepted
+    and dropped on 0.16), plus ``flux_backend`` as for :class:`FluxColumnParallelLinear`.
+    """
+
+    _megatron_parent = RowParallelLinear
+
+    def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``RS(input_ @ Wᵀ) (+ b)`` on the sequence-parallel path, else the parent's forward."""
+        if not self._uses_flux_ops():
+            return super().forward(input_)
+        _mark_activation_offloading(self.config, input_)
+        output = row_parallel_linear(
+            input_,
+            self.weight,
+            None if self.skip_bias_add else self.bias,
+            group=self.tp_group,
+            backend=self.flux_backend,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+        )
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+def __getattr__(name: str) -> type:
+    """Resolve ``<Base>_<backend>`` to ``Base.with_backend(backend)`` (unpickling in a process
+    that has not built that class yet)."""
+    for base in (FluxColumnParallelLinear, FluxRowParallelLinear):
+        prefix = base.__name__ + "_"
+        if name.startswith(prefix):
+            try:
+                return base.with_backend(name[len(prefix):])
+            except ValueError as exc:
+                raise AttributeError(f"module {__name__!r} has no attribute {name!r} ({exc})") from None
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
