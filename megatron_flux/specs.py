@@ -391,9 +391,8 @@ def get_gpt_decoder_block_flux_spec(
         vp_stage=vp_stage,
         pp_rank=pp_rank,
     )
-    block = swap_norms(block, normalization)
-    block.layer_norm = get_flux_final_norm(normalization)
-    return swap_tp_linears(block, backend)
+    # LNImpl (the final norm and the layers' norms) is FusedLayerNorm or WrappedTorchNorm here.
+    return swap_tp_linears(swap_norms(block, normalization), backend)
 
 
 # --------------------------------------------------------------------------------------------

@@ -266,6 +266,8 @@ def test_mla_identity_checked_down_projections_stay_stock(flux_linears):
 def test_invalid_backend_rejected():
     with pytest.raises(ValueError, match="unknown megatron-flux backend 'nvshmem'"):
         specs.swap_tp_linears(get_gpt_layer_local_spec(), "nvshmem")
+    with pytest.raises(ValueError, match="unknown megatron-flux backend"):  # even with no linear
+        specs.swap_tp_linears(ModuleSpec(module=IdentityOp), "nvshmem")
     with pytest.raises(ValueError, match="unknown megatron-flux backend"):
         specs.get_gpt_layer_flux_spec(backend="NCCL")
 
@@ -310,13 +312,16 @@ def test_swap_norms_replaces_local_norms_only():
 @pytest.mark.parametrize(
     "normalization,norm_cls", [("LayerNorm", SequenceParallelLayerNorm), ("RMSNorm", SequenceParallelRMSNorm)]
 )
-def test_get_gpt_layer_flux_spec(flux_linears, normalization, norm_cls):
+def test_get_gpt_layer_flux_spec(flux_linears, normalization, norm_cls, monkeypatch):
     col, row = flux_linears
     import megatron.core.models.backends as mcore_backends
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
 
-    lnimpl_before = mcore_backends.LNImpl
+    # With apex installed LNImpl is FusedLayerNorm; megatron's local spec with "RMSNorm"
+    # rebinds it to WrappedTorchNorm process-wide. Building our spec must not do that.
+    monkeypatch.setattr(mcore_backends, "LNImpl", FusedLayerNorm)
     spec = specs.get_gpt_layer_flux_spec(normalization=normalization, qk_layernorm=True, backend="nccl")
-    assert mcore_backends.LNImpl is lnimpl_before, "megatron's global LNImpl was rebound"
+    assert mcore_backends.LNImpl is FusedLayerNorm, "megatron's global LNImpl was rebound"
     assert_no_stock_linears(spec)
     assert not any(leaf in (WrappedTorchNorm,) for leaf in leaves(spec))
     sub = spec.submodules
