@@ -100,8 +100,12 @@ def _rewrite_spec(spec: Any, replace: Callable[[Any], Any]) -> Any:
     Containers: dataclass instances (``ModuleSpec`` and the ``*Submodules`` classes), lists,
     tuples, dicts and ``functools.partial`` (function, positional and keyword arguments).
     ``replace(leaf)`` returns the replacement or the leaf itself. Fields in
-    :data:`IDENTITY_CHECKED_FIELDS` are kept as they are.
+    :data:`IDENTITY_CHECKED_FIELDS` are kept as they are. A ``TransformerConfig`` (any
+    ``ModelParallelConfig``) bound into a spec is a leaf, not a container: a model's modules
+    share one config object, and a copy would silently split it.
     """
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
     memo: Dict[int, Any] = {}
     originals = []  # keeps walked objects alive so their ids stay unique during the walk
 
@@ -113,7 +117,11 @@ def _rewrite_spec(spec: Any, replace: Callable[[Any], Any]) -> Any:
     def walk(obj: Any) -> Any:
         if id(obj) in memo:
             return memo[id(obj)]
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if (
+            dataclasses.is_dataclass(obj)
+            and not isinstance(obj, type)
+            and not isinstance(obj, ModelParallelConfig)
+        ):
             new = remember(obj, copy.copy(obj))  # copy.copy skips __init__ (required fields)
             for f in dataclasses.fields(obj):
                 if f.name in IDENTITY_CHECKED_FIELDS:

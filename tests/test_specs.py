@@ -224,6 +224,19 @@ def test_module_spec_leaves_and_import_paths(flux_linears):
     assert tree.linear_fc2.module == ("megatron.core.tensor_parallel.layers", "RowParallelLinear")
 
 
+def test_bound_config_stays_shared(flux_linears):
+    """A config bound into a spec (partial or params) is the model's one config: never copied."""
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    tree = MLPSubmodules(
+        linear_fc1=functools.partial(ColumnParallelLinear, config=cfg),
+        linear_fc2=ModuleSpec(module=RowParallelLinear, params={"config": cfg}),
+    )
+    out = specs.swap_tp_linears(tree, "auto")
+    assert out.linear_fc1.keywords["config"] is cfg
+    assert out.linear_fc2.params["config"] is cfg
+    assert out.linear_fc1.func is flux_linears[0].with_backend("auto")
+
+
 def test_flux_leaves_get_the_new_backend(flux_linears):
     col, row = flux_linears
     spec = specs.swap_tp_linears(get_gpt_layer_local_spec(), "nccl")
