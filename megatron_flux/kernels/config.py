@@ -1,0 +1,70 @@
+"""GEMM block configurations for the fused kernels.
+
+The defaults come from a sweep of a plain persistent TMA GEMM against cuBLAS on H200
+(``shared/reference/triton-gemm-vs-cublas-h200-2026-11-22.json``): 128x256x64 with 3 stages
+and 8 warps wins on the large training shapes, 128x128x64 with 4 stages and 4 warps at
+``M <= 2048``. The tuner (``megatron-flux tune``) overrides them per shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One kernel configuration. ``chunk_rows`` is the AllGather communication chunk (rows of
+    a rank's segment moved and signalled at once), independent of ``block_m``."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    num_stages: int = 3
+    num_warps: int = 8
+    group_m: int = 8
+    chunk_rows: int = 1024
+    epilogue_split: int = 2
+    flatten: bool = True
+    flatten_consume: bool = False
+    warp_specialize: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{name}={v} must be a power of two >= 16")
+        if self.num_stages < 1 or self.num_warps not in (4, 8, 16):
+            raise ValueError(f"bad GemmConfig pipeline settings: {self}")
+        if self.epilogue_split not in (1, 2) or self.block_n // self.epilogue_split < 16:
+            raise ValueError(f"GemmConfig.epilogue_split must be 1 or 2 (block_n/split >= 16): {self}")
+        if self.group_m < 1 or self.chunk_rows < 1:
+            raise ValueError(f"GemmConfig.group_m and chunk_rows must be >= 1: {self}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "GemmConfig":
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown GemmConfig fields {sorted(unknown)}")
+        return cls(**d)
+
+
+def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = False) -> GemmConfig:
+    """Heuristic configuration for ``op`` ("ag" or "rs") on a ``[m_total, k] x [k, n]`` GEMM.
+
+    Measured on H200 with communication disabled (benchmarks/results/kernel-vs-cublas-*.json):
+    AG+GEMM wants the flattened persistent loop with a split epilogue (0.94-1.04x cuBLAS on the
+    grid); GEMM+RS must *not* flatten its producer loop (its epilogue stores to the peer and
+    releases a signal per tile: flattened it ran 2.3-3.7x slower, not flattened 1.01-1.09x).
+    """
+    if interpret:  # the CPU interpreter runs whole blocks in numpy: keep them small
+        return GemmConfig(block_m=16, block_n=32, block_k=16, num_stages=1, num_warps=4, group_m=2,
+                          chunk_rows=16)
+    if op == "rs":
+        return GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=1, flatten=False)
+    if m_total <= 1024 and n <= 16384:
+        return GemmConfig(128, 128, 64, 4, 4, 8, chunk_rows=256, epilogue_split=1, flatten=True)
+    return GemmConfig(128, 256, 64, 3, 8, 8, chunk_rows=1024, epilogue_split=2, flatten=True)

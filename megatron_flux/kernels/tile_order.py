@@ -1,0 +1,71 @@
+"""Rank-swizzled tile schedules.
+
+Both fused kernels split the ``[M, N]`` output, ``M = world * m_local``, into *segments* of
+``m_local`` rows (one per owning rank). Each segment is tiled on its own, ``cdiv(m_local, BM)``
+row-tiles by ``cdiv(N, BN)`` column-tiles, so a tile never spans two ranks and any ``m_local``
+works (the last row-tile of a segment is clipped by the TMA descriptor).
+
+A flat tile index ``t`` in ``[0, world * tiles_per_seg)`` is walked by a persistent grid
+(program ``p`` takes ``t = p, p + NUM_SMS, ...``); ``t // tiles_per_seg`` is the *step* and
+selects the segment, ``t % tiles_per_seg`` is grouped GROUP_M-wise inside it for L2 reuse.
+
+* AllGather+GEMM visits segments ``rank, rank+1, ..., rank-1`` (local rows first, they need no
+  communication; then ring order, the order in which peers' chunks arrive).
+* GEMM+ReduceScatter visits ``rank+1, ..., rank-1, rank`` (rows owned by other ranks first so
+  their partials are pushed early; the own segment last, when the peers' partials are there).
+
+At every step the ranks address pairwise distinct segments, so no two ranks contend for one
+peer's link in the same phase.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def grouped_tile(t, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Map a flat tile index inside one segment to ``(pid_m, pid_n)``, GROUP_M rows at a time."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = t // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (t % group_size_m)
+    pid_n = (t % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def segment_of_step(step, rank, world, OWN_LAST: tl.constexpr):
+    """Segment (owning rank) visited at ``step``: own first (AG) or own last (RS)."""
+    if OWN_LAST:
+        return (rank + 1 + step) % world
+    else:
+        return (rank + step) % world
+
+
+@triton.jit
+def first_tile_at_or_after(pid, start, NUM_SMS: tl.constexpr):
+    """Smallest ``t >= start`` with ``t % NUM_SMS == pid`` (``pid < NUM_SMS``)."""
+    return pid + tl.cdiv(tl.maximum(start - pid, 0), NUM_SMS) * NUM_SMS
+
+
+@triton.jit
+def tile_order_probe_kernel(
+    out_ptr, rank, world, num_pid_m, num_pid_n,
+    OWN_LAST: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+):
+    """Test aid: write ``(step, segment, pid_m, pid_n, program)`` for every tile each program
+    visits, in visit order, to ``out_ptr[t]`` (5 int32 per tile) — the same walk the kernels do."""
+    pid = tl.program_id(0)
+    tiles_per_seg = num_pid_m * num_pid_n
+    total = world * tiles_per_seg
+    for t in range(pid, total, NUM_SMS):
+        step = t // tiles_per_seg
+        seg = segment_of_step(step, rank, world, OWN_LAST)
+        pid_m, pid_n = grouped_tile(t % tiles_per_seg, num_pid_m, num_pid_n, GROUP_M)
+        base = out_ptr + t * 5
+        tl.store(base + 0, step)
+        tl.store(base + 1, seg)
+        tl.store(base + 2, pid_m)
+        tl.store(base + 3, pid_n)
+        tl.store(base + 4, pid)
