@@ -1,0 +1,235 @@
+"""The fused backend: AG+GEMM and GEMM+RS as single Triton kernels over torch symmetric memory.
+
+Host-side schedule of one AllGather+GEMM call on rank ``r`` (``W`` ranks, epoch ``e``):
+
+1. the GEMM kernel is queued on the current stream first; it computes the local rows from the
+   caller's shard at once and spins on chunk signals before each remote tile;
+2. on a side stream (after an event marking the shard ready) the copy engine pushes the shard,
+   chunk by chunk, into every peer's gathered workspace (peers in the order they consume it),
+   each chunk followed by a stream memory write of ``e`` into that peer's signal word;
+3. the current stream waits for the side stream, so the shard and the workspace are safe to reuse.
+
+Because the kernel is queued before the copies and the copies never wait on the kernel, the
+kernel never spins on work queued behind it, also with ``CUDA_DEVICE_MAX_CONNECTIONS=1``; and
+no wait needs an SM, so a grid that is only partly resident still drains.
+
+GEMM+ReduceScatter needs no side stream: the kernel pushes remote tiles and reduces its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_flux.backends.base import TPOverlapBackend
+
+_DEFAULT_MAX_SPINS = 1 << 25
+
+
+def flux_backend_factory_or_reason():
+    """``(factory, None)`` when triton and torch symmetric memory import, else ``(None, reason)``."""
+    try:
+        import triton  # noqa: F401
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError as exc:
+        return None, f"import failed: {exc}"
+    return FluxBackend, None
+
+
+class FluxBackend(TPOverlapBackend):
+    """Fused Triton kernels; see the module docstring for the schedule."""
+
+    name = "flux"
+
+    def __init__(self, config_provider=None):
+        from megatron_flux.kernels.config import default_config
+
+        self._config_provider = config_provider or (lambda op, m, n, k: default_config(op, m, n, k))
+        self._workspaces: Dict[Tuple, object] = {}
+        self._errors: Dict[Tuple, object] = {}
+        self._streams: Dict[int, torch.cuda.Stream] = {}
+        self._num_sms: Dict[int, int] = {}
+        self.max_spins = int(os.environ.get("MEGATRON_FLUX_MAX_SPINS", _DEFAULT_MAX_SPINS))
+        self._nccl = None
+
+    # ---------------------------------------------------------------- support
+    def unsupported_reason(self, a, b, group) -> Optional[str]:
+        if not a.is_cuda:
+            return f"input is on {a.device.type}, not CUDA"
+        world = group.size() if group is not None else 1
+        if world < 2:
+            return "tensor-parallel group has one rank"
+        if a.dtype not in (torch.bfloat16, torch.float16):
+            return f"dtype {a.dtype} (fused kernels take bfloat16/float16)"
+        if b.dtype != a.dtype:
+            return f"operand dtypes differ ({a.dtype} vs {b.dtype})"
+        if a.dim() != 2 or b.dim() != 2:
+            return "operands must be 2-D"
+        if not a.is_contiguous():
+            return "input is not contiguous"
+        if not (b.stride(1) == 1 or b.stride(0) == 1):
+            return f"weight strides {tuple(b.stride())} are neither row- nor column-major"
+        k, n = b.shape
+        if a.shape[1] != k:
+            return f"shapes {tuple(a.shape)} x {tuple(b.shape)} do not chain"
+        if k % 8 or n % 8:
+            return f"k={k} and n={n} must be multiples of 8 (16-byte TMA strides)"
+        if a.data_ptr() % 16 or b.data_ptr() % 16:
+            return "operands are not 16-byte aligned"
+        if torch.cuda.get_device_capability(a.device)[0] < 9:
+            return "fused kernels need compute capability >= 9.0 (TMA)"
+        if a.shape[0] == 0:
+            return "empty input"
+        return None
+
+    # ---------------------------------------------------------------- helpers
+    def _nccl_backend(self):
+        if self._nccl is None:
+            from megatron_flux.backends import get_backend
+
+            self._nccl = get_backend("nccl")
+        return self._nccl
+
+    def _workspace(self, op: str, group, device, dtype):
+        from megatron_flux.comm.workspace import SymmetricWorkspace
+
+        key = (op, group.group_name, device.index, dtype)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            ws = self._workspaces[key] = SymmetricWorkspace(op, group, device, dtype)
+        return ws
+
+    def _error_word(self, op: str, device):
+        from megatron_flux.comm.errors import DeviceErrorWord
+
+        key = (op, device.index)
+        word = self._errors.get(key)
+        if word is None:
+            interval = int(os.environ.get("MEGATRON_FLUX_ERROR_CHECK_INTERVAL", 16))
+            word = self._errors[key] = DeviceErrorWord(device, interval)
+        word.check()
+        return word
+
+    def check_errors(self, sync: bool = True) -> None:
+        """Raise if any fused kernel on this process reported a timed-out wait."""
+        for word in self._errors.values():
+            word.check(sync=sync)
+
+    def _side_stream(self, device) -> torch.cuda.Stream:
+        s = self._streams.get(device.index)
+        if s is None:
+            s = self._streams[device.index] = torch.cuda.Stream(device=device, priority=-1)
+        return s
+
+    def _sms(self, device) -> int:
+        n = self._num_sms.get(device.index)
+        if n is None:
+            n = self._num_sms[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+        return n
+
+    def config(self, op: str, m_total: int, n: int, k: int):
+        return self._config_provider(op, m_total, n, k)
+
+    # ---------------------------------------------------------------- AG + GEMM
+    def all_gather_matmul(self, a_shard, b, group, *, out=None, return_gathered=False, gathered_out=None):
+        from megatron_flux.comm.signals import write_signal
+        from megatron_flux.kernels.ag_gemm import launch_ag_gemm
+
+        reason = self.unsupported_reason(a_shard, b, group)
+        if reason is not None:
+            raise ValueError(f"megatron-flux AG+GEMM: {reason}")
+        world, rank = group.size(), group.rank()
+        m_local, k = a_shard.shape
+        n = b.shape[1]
+        m = world * m_local
+        device = a_shard.device
+        if out is None:
+            out = torch.empty((m, n), dtype=a_shard.dtype, device=device)
+        elif out.shape != (m, n) or not out.is_contiguous() or out.dtype != a_shard.dtype:
+            raise ValueError(f"megatron-flux AG+GEMM: out must be contiguous {(m, n)} {a_shard.dtype}")
+        cfg = self.config("ag", m, n, k)
+        chunk = min(cfg.chunk_rows, m_local)
+        chunks = -(-m_local // chunk)
+        ws = self._workspace("ag", group, device, a_shard.dtype)
+        ws.reserve(m * k, world * chunks)
+        err = self._error_word("ag", device)
+        epoch = ws.next_epoch()
+        parity = epoch & 1
+        gathered = ws.data(rank, parity, m * k).view(m, k)
+
+        current = torch.cuda.current_stream(device)
+        side = self._side_stream(device)
+        shard_ready = current.record_event()
+        launch_ag_gemm(
+            a_shard, gathered, b, out, ws.flags(rank), err.device_word,
+            rank=rank, world=world, epoch=epoch, cfg=dataclasses.replace(cfg, chunk_rows=chunk),
+            num_sms=self._sms(device), max_spins=self.max_spins,
+        )
+        err.after_launch()
+        with torch.cuda.stream(side):
+            side.wait_event(shard_ready)
+            for step in range(1, world):
+                peer = (rank - step) % world  # the peer that consumes our rows earliest
+                dst = ws.data(peer, parity, m * k).view(m, k)[rank * m_local:(rank + 1) * m_local]
+                peer_flags = ws.flags(peer, torch.uint32)
+                for c in range(chunks):
+                    lo, hi = c * chunk, min(m_local, (c + 1) * chunk)
+                    dst[lo:hi].copy_(a_shard[lo:hi])
+                    write_signal(peer_flags, rank * chunks + c, epoch)
+            if return_gathered:
+                gathered[rank * m_local:(rank + 1) * m_local].copy_(a_shard)
+        current.wait_stream(side)
+        if not return_gathered:
+            return out, None
+        if gathered_out is not None:
+            gathered_out.copy_(gathered)
+            return out, gathered_out
+        return out, gathered
+
+    # ---------------------------------------------------------------- GEMM + RS
+    def matmul_reduce_scatter(self, a, b, group, *, out=None, bias=None):
+        from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+
+        reason = self.unsupported_reason(a, b, group)
+        if reason is not None:
+            raise ValueError(f"megatron-flux GEMM+RS: {reason}")
+        world, rank = group.size(), group.rank()
+        m, k = a.shape
+        n = b.shape[1]
+        if m % world:
+            raise ValueError(f"megatron-flux GEMM+RS: {m} rows are not divisible by TP={world}")
+        m_local = m // world
+        device = a.device
+        if out is None:
+            out = torch.empty((m_local, n), dtype=a.dtype, device=device)
+        elif out.shape != (m_local, n) or not out.is_contiguous() or out.dtype != a.dtype:
+            raise ValueError(f"megatron-flux GEMM+RS: out must be contiguous {(m_local, n)} {a.dtype}")
+        if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"megatron-flux GEMM+RS: bias must be contiguous ({n},)")
+        cfg = self.config("rs", m, n, k)
+        tiles_per_seg = -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
+        ws = self._workspace("rs", group, device, a.dtype)
+        ws.reserve(world * m_local * n, world * tiles_per_seg)
+        err = self._error_word("rs", device)
+        epoch = ws.next_epoch()
+        parity = epoch & 1
+        data = ws.data(rank, parity, world * m_local * n)
+        launch_gemm_rs(
+            a, b, out, data, ws.data_ptrs(parity), ws.flag_ptrs(), bias, err.device_word,
+            rank=rank, world=world, epoch=epoch, cfg=cfg, num_sms=self._sms(device),
+            max_spins=self.max_spins,
+        )
+        err.after_launch()
+        return out
+
+    # ---------------------------------------------------------------- plain collectives
+    def all_gather(self, x, group, *, out=None):
+        return self._nccl_backend().all_gather(x, group, out=out)
+
+    def reduce_scatter(self, x, group, *, out=None):
+        return self._nccl_backend().reduce_scatter(x, group, out=out)

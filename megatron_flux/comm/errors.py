@@ -1,0 +1,42 @@
+"""The device error word: how a bounded wait that timed out becomes a Python exception.
+
+Each fused op owns an int32[4] device word ``(op, rank, signal index, value seen)`` that a kernel
+fills when a wait runs out of spins (see :mod:`megatron_flux.kernels.signals`). After a launch the
+word is copied asynchronously into pinned host memory every ``interval`` calls; the next call (or
+:meth:`DeviceErrorWord.check`) reads the host copy without synchronising and raises."""
+
+from __future__ import annotations
+
+import torch
+
+_OPS = {1: "AG+GEMM", 2: "GEMM+RS"}
+
+
+class FusedOpTimeout(RuntimeError):
+    """A fused kernel gave up waiting for a peer's signal."""
+
+
+class DeviceErrorWord:
+    def __init__(self, device: torch.device, interval: int = 16):
+        self.device_word = torch.zeros(4, dtype=torch.int32, device=device)
+        self.host_word = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        self.interval = max(1, interval)
+        self._calls = 0
+
+    def after_launch(self) -> None:
+        self._calls += 1
+        if self._calls % self.interval == 0:
+            self.host_word.copy_(self.device_word, non_blocking=True)
+
+    def check(self, sync: bool = False) -> None:
+        """Raise :class:`FusedOpTimeout` if a kernel reported a timed-out wait."""
+        if sync:
+            self.host_word.copy_(self.device_word, non_blocking=True)
+            torch.cuda.current_stream(self.device_word.device).synchronize()
+        op, rank, index, seen = (int(v) for v in self.host_word.tolist())
+        if op:
+            raise FusedOpTimeout(
+                f"megatron-flux {_OPS.get(op, op)}: rank {rank} timed out waiting for signal "
+                f"{index} (last value seen {seen}); a peer died, diverged (different shapes or "
+                f"call order across the TP group) or is stalled. Outputs since then are invalid."
+            )

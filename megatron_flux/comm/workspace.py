@@ -1,0 +1,121 @@
+"""Symmetric workspaces for the fused kernels.
+
+One :class:`SymmetricWorkspace` per (op, process group, device, dtype). Its single symmetric
+allocation (torch symmetric memory, mapped on every rank of the group) holds
+
+``[ int32 signals (flag_count) | data slot, parity 0 | data slot, parity 1 ]``
+
+Calls alternate the two data slots (``parity = epoch & 1``): a rank can run at most one call
+ahead of its peers (each call needs the peers' data of the same call), so with two slots it never
+writes into a slot a peer is still reading. Signals hold epochs (see
+:mod:`megatron_flux.kernels.signals`), so they are never reset.
+
+The allocation grows (collectively: every rank asks for the same sizes, as SPMD training does)
+and is reused; it never shrinks. Growing zeroes the new signals and runs a barrier before first use.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+_ALIGN = 256
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class SymmetricWorkspace:
+    """Symmetric signals + two parity data slots for one op on one TP group."""
+
+    def __init__(self, op: str, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype):
+        self.op = op
+        self.group = group
+        self.rank = group.rank()
+        self.world = group.size()
+        self.device = device
+        self.dtype = dtype
+        self.elt = torch.empty((), dtype=dtype).element_size()
+        self.epoch = 0
+        self.flag_count = 0
+        self.data_elems = 0
+        self._buffer = None
+        self._handle = None
+        self._retired: List[torch.Tensor] = []
+        self._views: Dict[Tuple[int, str, int], torch.Tensor] = {}
+        self._data_ptrs: List[torch.Tensor] = []
+        self._flag_ptrs = None
+
+    # ---------------------------------------------------------------- allocation
+    def reserve(self, data_elems: int, flag_count: int) -> None:
+        """Make room for ``data_elems`` per slot and ``flag_count`` signals (collective on growth)."""
+        if data_elems <= self.data_elems and flag_count <= self.flag_count:
+            return
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        data_elems = max(data_elems, self.data_elems, 1)
+        flag_count = max(flag_count, self.flag_count, 1)
+        # grow with headroom so a slowly rising shape does not reallocate every call
+        if self._buffer is not None:
+            data_elems = max(data_elems, self.data_elems * 3 // 2)
+            flag_count = max(flag_count, self.flag_count * 3 // 2)
+        flag_bytes = _align(flag_count * 4)
+        slot_bytes = _align(data_elems * self.elt)
+        buf = symm_mem.empty(flag_bytes + 2 * slot_bytes, dtype=torch.uint8, device=self.device)
+        buf[:flag_bytes].zero_()
+        handle = symm_mem.rendezvous(buf, self.group.group_name)
+        handle.barrier(channel=0)  # every rank's signals are zero before anyone signals
+        if self._buffer is not None:
+            # peers finished with the old buffer before the barrier above (stream order); keep it
+            # referenced anyway so a peer's late mapping never points at freed memory
+            self._retired.append(self._buffer)
+        self._buffer, self._handle = buf, handle
+        self.flag_count = flag_bytes // 4
+        self.data_elems = slot_bytes // self.elt
+        self._flag_bytes, self._slot_bytes = flag_bytes, slot_bytes
+        self._views.clear()
+        ptrs = list(handle.buffer_ptrs)
+        self._flag_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
+        self._data_ptrs = [
+            torch.tensor([p + flag_bytes + parity * slot_bytes for p in ptrs], dtype=torch.int64,
+                         device=self.device)
+            for parity in (0, 1)
+        ]
+
+    def next_epoch(self) -> int:
+        """Epoch of the next call (1, 2, ...; int32 signals allow 2**31 - 1 calls per op)."""
+        self.epoch += 1
+        if self.epoch >= 2**31 - 1:
+            raise RuntimeError(f"megatron-flux {self.op}: signal epoch overflow")
+        return self.epoch
+
+    # ---------------------------------------------------------------- views
+    def data(self, rank: int, parity: int, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of ``rank``'s data slot ``parity`` (a peer's is mapped)."""
+        key = (rank, "data", parity)
+        view = self._views.get(key)
+        if view is None:
+            offset = (self._flag_bytes + parity * self._slot_bytes) // self.elt
+            view = self._handle.get_buffer(rank, (self.data_elems,), self.dtype, storage_offset=offset)
+            self._views[key] = view
+        return view[:numel]
+
+    def flags(self, rank: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """``rank``'s signal words (int32 for kernels, uint32 for stream memory ops)."""
+        key = (rank, "flags", 0 if dtype == torch.int32 else 1)
+        view = self._views.get(key)
+        if view is None:
+            view = self._handle.get_buffer(rank, (self.flag_count,), dtype, storage_offset=0)
+            self._views[key] = view
+        return view
+
+    def data_ptrs(self, parity: int) -> torch.Tensor:
+        """int64 device table: every rank's data slot ``parity`` address."""
+        return self._data_ptrs[parity]
+
+    def flag_ptrs(self) -> torch.Tensor:
+        """int64 device table: every rank's signal region address."""
+        return self._flag_ptrs
