@@ -167,6 +167,7 @@ def test_transformer_engine_impl_rejected():
         ("use_legacy_models", True, "legacy"),
         ("experimental_attention_variant", "dsa", "experimental-attention-variant"),
         ("use_kitchen", True, "Kitchen"),
+        ("heterogeneous_layers_config_path", "layers.json", "heterogeneous"),
         ("spec", ["my.module", "my_spec"], "--spec"),
     ],
 )
