@@ -141,7 +141,7 @@ def _rewrite_spec(spec: Any, replace: Callable[[Any], Any]) -> Any:
             new.extend(walk(item) for item in obj)
             return new
         if isinstance(obj, dict):
-            new = remember(obj, type(obj)())
+            new = remember(obj, copy.copy(obj))  # keeps dict subclasses (defaultdict, ...)
             for key, value in obj.items():
                 new[key] = walk(value)
             return new
