@@ -430,6 +430,19 @@ def check_mlp_block_sp(rank, tp):
     _assert_close(fc2.weight.grad, w2r.grad[:, _shard_index(F, tp, rank)], "fc2 weight grad")
 
 
+def check_forward_under_no_grad(rank, tp):
+    """Inference: no graph, nothing kept, same output as with autograd."""
+    _, _, _, _, flux_col, flux_row = _imports()
+    col = _column(flux_col, tp, flux_backend="scratch", flux_keep_gathered_input=True)
+    row = _row(flux_row, tp, flux_backend="scratch")
+    x = _randn(S_LOCAL, B, H, seed=45)
+    with torch.no_grad():
+        h, _ = col(x)
+        y, _ = row(h)
+    assert not h.requires_grad and not y.requires_grad
+    torch.testing.assert_close(y, row(col(x)[0])[0].detach(), rtol=0, atol=0)
+
+
 # -------------------------------------------------------------------------------- bad inputs
 def check_bad_inputs(rank, tp):
     _, _, _, _, flux_col, flux_row = _imports()
@@ -622,6 +635,7 @@ SP_CHECKS = [
     check_row_sp_auto_and_nccl_backends,
     check_row_backend_calls,
     check_mlp_block_sp,
+    check_forward_under_no_grad,
     check_bad_inputs,
 ]
 PARITY_CHECKS = [
