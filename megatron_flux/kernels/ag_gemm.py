@@ -20,8 +20,8 @@ waits on work queued behind it, also with ``CUDA_DEVICE_MAX_CONNECTIONS=1``.
 
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
+from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.signals import wait_signal
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step
 
@@ -63,14 +63,31 @@ def _store(c_desc, c_seg, c_row, off_n, c, RAGGED_C: tl.constexpr, BLOCK_M: tl.c
 
 @triton.jit(do_not_specialize=["rank", "epoch", "max_spins"])
 def ag_gemm_kernel(
-    x_desc, ag_desc, b_desc, c_desc,
+    x_ptr, ag_ptr, b_ptr, c_ptr,
     flags_ptr, err_ptr,
-    m_local, N, K, rank, world, epoch, chunk_rows, max_spins,
+    m_local, N, K, ldb, rank, world, epoch, chunk_rows, max_spins,
     RAGGED: tl.constexpr, B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
+    """Pointers: ``x`` [m_local, K], ``ag`` / ``c`` [world * m_local, K / N] contiguous; ``b``
+    [K, N] (B_KN) or [N, K], row stride ``ldb``. TMA descriptors are built on the device, once
+    per program, so a launch passes only pointers and integers."""
+    x_desc = tl.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
+    if RAGGED:
+        ag_desc = tl.make_tensor_descriptor(ag_ptr, [world, m_local, K], [m_local * K, K, 1],
+                                            [1, BLOCK_M, BLOCK_K])
+        c_desc = tl.make_tensor_descriptor(c_ptr, [world, m_local, N], [m_local * N, N, 1],
+                                           [1, BLOCK_M, BLOCK_N // EPI_SPLIT])
+    else:
+        ag_desc = tl.make_tensor_descriptor(ag_ptr, [world * m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
+        c_desc = tl.make_tensor_descriptor(c_ptr, [world * m_local, N], [N, 1],
+                                           [BLOCK_M, BLOCK_N // EPI_SPLIT])
+    if B_KN:
+        b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K])
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(m_local, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -119,24 +136,16 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     """
     m_local, k = x.shape
     n = b.shape[1]
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    ragged = m_local % bm != 0
-    epi = cfg.epilogue_split
-    x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
-    if ragged:
-        ag_desc = TensorDescriptor.from_tensor(ag.view(world, m_local, k), [1, bm, bk])
-        c_desc = TensorDescriptor.from_tensor(out.view(world, m_local, n), [1, bm, bn // epi])
-    else:
-        ag_desc = TensorDescriptor.from_tensor(ag, [bm, bk])
-        c_desc = TensorDescriptor.from_tensor(out, [bm, bn // epi])
+    bm, bn = cfg.block_m, cfg.block_n
     b_kn = b.stride(1) == 1
-    b_desc = TensorDescriptor.from_tensor(b, [bk, bn]) if b_kn else TensorDescriptor.from_tensor(b.t(), [bn, bk])
     tiles = world * triton.cdiv(m_local, bm) * triton.cdiv(n, bn)
     grid = min(num_sms, tiles)
+    ensure_descriptor_allocator()
     ag_gemm_kernel[(grid,)](
-        x_desc, ag_desc, b_desc, c_desc, flags, err,
-        m_local, n, k, rank, world, epoch, cfg.chunk_rows, max_spins,
-        RAGGED=ragged, B_KN=b_kn, EPI_SPLIT=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=cfg.group_m, NUM_SMS=grid, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
-        num_stages=cfg.num_stages, num_warps=cfg.num_warps,
+        x, ag, b, out, flags, err,
+        m_local, n, k, b.stride(0) if b_kn else b.stride(1), rank, world, epoch, cfg.chunk_rows,
+        max_spins,
+        RAGGED=m_local % bm != 0, B_KN=b_kn, EPI_SPLIT=cfg.epilogue_split, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=grid, FLATTEN=cfg.flatten,
+        WARP_SPECIALIZE=cfg.warp_specialize, num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )

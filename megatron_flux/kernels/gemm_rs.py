@@ -23,8 +23,8 @@ hold epochs and are never reset.
 
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
+from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.signals import set_signal, wait_signal
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step
 
@@ -81,9 +81,9 @@ def _reduce_part(part, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, r
 
 @triton.jit(do_not_specialize=["rank", "epoch", "max_spins"])
 def gemm_rs_kernel(
-    a_desc, b_desc, out_desc,
+    a_ptr, b_ptr, out_ptr,
     data_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr,
-    m_local, N, K, rank, world, epoch, max_spins,
+    m_local, N, K, ldb, rank, world, epoch, max_spins,
     RAGGED: tl.constexpr, B_KN: tl.constexpr, HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
@@ -93,7 +93,18 @@ def gemm_rs_kernel(
     """``data_ptr``: this rank's slot region (``[world, m_local, N]``, output dtype) for this
     call's parity; ``data_ptrs``/``flag_ptrs``: int64 tables of every rank's slot region and
     int32 signal region (``[world, tiles_per_seg]``). PRODUCE/CONSUME select the phases (both in
-    production; the CPU tests run all ranks' producers before their consumers)."""
+    production; the CPU tests run all ranks' producers before their consumers). TMA descriptors
+    are built on the device, once per program."""
+    if RAGGED:
+        a_desc = tl.make_tensor_descriptor(a_ptr, [world, m_local, K], [m_local * K, K, 1],
+                                           [1, BLOCK_M, BLOCK_K])
+    else:
+        a_desc = tl.make_tensor_descriptor(a_ptr, [world * m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
+    if B_KN:
+        b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K])
+    out_desc = tl.make_tensor_descriptor(out_ptr, [m_local, N], [N, 1], [BLOCK_M, BLOCK_N // EPI_SPLIT])
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(m_local, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -160,25 +171,17 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
     m, k = a.shape
     m_local = m // world
     n = b.shape[1]
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    epi_split = cfg.epilogue_split
-    ragged = m_local % bm != 0
-    if ragged:
-        a_desc = TensorDescriptor.from_tensor(a.view(world, m_local, k), [1, bm, bk])
-    else:
-        a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+    bm, bn = cfg.block_m, cfg.block_n
     b_kn = b.stride(1) == 1
-    b_desc = TensorDescriptor.from_tensor(b, [bk, bn]) if b_kn else TensorDescriptor.from_tensor(b.t(), [bn, bk])
-    out_desc = TensorDescriptor.from_tensor(out, [bm, bn // epi_split])
     tiles = world * triton.cdiv(m_local, bm) * triton.cdiv(n, bn)
     grid = min(num_sms, tiles)
+    ensure_descriptor_allocator()
     gemm_rs_kernel[(grid,)](
-        a_desc, b_desc, out_desc, data, data_ptrs, flag_ptrs,
-        bias if bias is not None else data, err,
-        m_local, n, k, rank, world, epoch, max_spins,
-        RAGGED=ragged, B_KN=b_kn, HAS_BIAS=bias is not None, EPI_SPLIT=epi_split,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, NUM_SMS=grid,
-        FLATTEN=cfg.flatten, FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
-        PRODUCE=produce, CONSUME=consume,
+        a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
+        m_local, n, k, b.stride(0) if b_kn else b.stride(1), rank, world, epoch, max_spins,
+        RAGGED=m_local % bm != 0, B_KN=b_kn, HAS_BIAS=bias is not None,
+        EPI_SPLIT=cfg.epilogue_split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, NUM_SMS=grid, FLATTEN=cfg.flatten, FLATTEN_CONSUME=cfg.flatten_consume,
+        WARP_SPECIALIZE=cfg.warp_specialize, PRODUCE=produce, CONSUME=consume,
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )
