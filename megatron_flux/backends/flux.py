@@ -54,6 +54,8 @@ class FluxBackend(TPOverlapBackend):
         self._errors: Dict[Tuple, object] = {}
         self._streams: Dict[int, torch.cuda.Stream] = {}
         self._num_sms: Dict[int, int] = {}
+        self._caps: Dict[int, Tuple[int, int]] = {}
+        self._plans: Dict[Tuple, object] = {}
         self.max_spins = int(os.environ.get("MEGATRON_FLUX_MAX_SPINS", _DEFAULT_MAX_SPINS))
         self._nccl = None
 
@@ -81,7 +83,7 @@ class FluxBackend(TPOverlapBackend):
             return f"k={k} and n={n} must be multiples of 8 (16-byte TMA strides)"
         if a.data_ptr() % 16 or b.data_ptr() % 16:
             return "operands are not 16-byte aligned"
-        if torch.cuda.get_device_capability(a.device)[0] < 9:
+        if self._capability(a.device)[0] < 9:
             return "fused kernels need compute capability >= 9.0 (TMA)"
         if a.shape[0] == 0:
             return "empty input"
@@ -112,13 +114,19 @@ class FluxBackend(TPOverlapBackend):
         if word is None:
             interval = int(os.environ.get("MEGATRON_FLUX_ERROR_CHECK_INTERVAL", 16))
             word = self._errors[key] = DeviceErrorWord(device, interval)
-        word.check()
+        word.check_if_due()
         return word
 
     def check_errors(self, sync: bool = True) -> None:
         """Raise if any fused kernel on this process reported a timed-out wait."""
         for word in self._errors.values():
             word.check(sync=sync)
+
+    def _capability(self, device) -> Tuple[int, int]:
+        cap = self._caps.get(device.index)
+        if cap is None:
+            cap = self._caps[device.index] = torch.cuda.get_device_capability(device)
+        return cap
 
     def _side_stream(self, device) -> torch.cuda.Stream:
         s = self._streams.get(device.index)
@@ -133,7 +141,20 @@ class FluxBackend(TPOverlapBackend):
         return n
 
     def config(self, op: str, m_total: int, n: int, k: int):
-        return self._config_provider(op, m_total, n, k)
+        """Kernel configuration for one op and global shape (cached: the provider may be a
+        tuning-table lookup)."""
+        key = (op, m_total, n, k)
+        cfg = self._plans.get(key)
+        if cfg is None:
+            cfg = self._plans[key] = self._config_provider(op, m_total, n, k)
+        return cfg
+
+    def config_with_chunk(self, cfg, chunk: int):
+        key = ("chunk", cfg, chunk)
+        out = self._plans.get(key)
+        if out is None:
+            out = self._plans[key] = dataclasses.replace(cfg, chunk_rows=chunk)
+        return out
 
     # ---------------------------------------------------------------- AG + GEMM
     def all_gather_matmul(self, a_shard, b, group, *, out=None, return_gathered=False, gathered_out=None):
@@ -153,7 +174,11 @@ class FluxBackend(TPOverlapBackend):
         elif out.shape != (m, n) or not out.is_contiguous() or out.dtype != a_shard.dtype:
             raise ValueError(f"megatron-flux AG+GEMM: out must be contiguous {(m, n)} {a_shard.dtype}")
         cfg = self.config("ag", m, n, k)
-        chunk = min(cfg.chunk_rows, m_local)
+        if cfg.chunk_rows < m_local:
+            chunk = cfg.chunk_rows
+        else:
+            chunk = m_local
+            cfg = self.config_with_chunk(cfg, chunk)
         chunks = -(-m_local // chunk)
         ws = self._workspace("ag", group, device, a_shard.dtype)
         ws.reserve(m * k, world * chunks)
@@ -164,15 +189,14 @@ class FluxBackend(TPOverlapBackend):
 
         current = torch.cuda.current_stream(device)
         side = self._side_stream(device)
-        shard_ready = current.record_event()
+        side.wait_stream(current)  # the shard is ready (recorded before the GEMM is queued)
         launch_ag_gemm(
             a_shard, gathered, b, out, ws.flags(rank), err.device_word,
-            rank=rank, world=world, epoch=epoch, cfg=dataclasses.replace(cfg, chunk_rows=chunk),
-            num_sms=self._sms(device), max_spins=self.max_spins,
+            rank=rank, world=world, epoch=epoch, cfg=cfg, num_sms=self._sms(device),
+            max_spins=self.max_spins,
         )
         err.after_launch()
         with torch.cuda.stream(side):
-            side.wait_event(shard_ready)
             for step in range(1, world):
                 peer = (rank - step) % world  # the peer that consumes our rows earliest
                 dst = ws.data(peer, parity, m * k).view(m, k)[rank * m_local:(rank + 1) * m_local]

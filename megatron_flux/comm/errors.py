@@ -28,6 +28,11 @@ class DeviceErrorWord:
         if self._calls % self.interval == 0:
             self.host_word.copy_(self.device_word, non_blocking=True)
 
+    def check_if_due(self) -> None:
+        """Cheap per-call check: read the host copy only right after a copy was queued."""
+        if self._calls % self.interval == 0 and self._calls:
+            self.check()
+
     def check(self, sync: bool = False) -> None:
         """Raise :class:`FusedOpTimeout` if a kernel reported a timed-out wait."""
         if sync:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch._C._distributed_c10d import _SymmetricMemory
 
 
 def write_signal(flags_u32: torch.Tensor, index: int, value: int) -> None:
@@ -11,8 +12,6 @@ def write_signal(flags_u32: torch.Tensor, index: int, value: int) -> None:
     Outside graph capture this is ``cuStreamWriteValue32`` (a stream memory op that is ordered
     after the stream's earlier copies and issues a system-scope fence first); under capture,
     where torch does not allow it, a 4-byte memset node."""
-    from torch._C._distributed_c10d import _SymmetricMemory
-
     if torch.cuda.is_current_stream_capturing():
         _SymmetricMemory.memset32(flags_u32, offset=index, val=value, count=1)
     else:

@@ -66,5 +66,5 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
     if op == "rs":
         return GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=1, flatten=False)
     if m_total <= 1024 and n <= 16384:
-        return GemmConfig(128, 128, 64, 4, 4, 8, chunk_rows=256, epilogue_split=1, flatten=True)
-    return GemmConfig(128, 256, 64, 3, 8, 8, chunk_rows=1024, epilogue_split=2, flatten=True)
+        return GemmConfig(128, 128, 64, 4, 4, 8, chunk_rows=4096, epilogue_split=1, flatten=True)
+    return GemmConfig(128, 256, 64, 3, 8, 8, chunk_rows=4096, epilogue_split=2, flatten=True)
