@@ -1,0 +1,220 @@
+"""Kernel checks under the Triton CPU interpreter, with simulated ranks in one process.
+
+Run by ``tests/test_kernels_interpret.py`` in a subprocess with ``TRITON_INTERPRET=1`` (the
+variable must be set before the kernels are imported, so it cannot share the pytest process).
+Peers are plain CPU tensors; an int64 tensor of their addresses is the peer-pointer table.
+Interpreted programs run one after another, so a kernel whose waits depend on another rank's
+kernel runs in phases: every rank's producer first, then every rank's consumer.
+
+``python tests/interpret_checks.py`` prints one JSON object ``{check_name: null | failure}``.
+"""
+
+import json
+import os
+import sys
+import traceback
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from megatron_flux.kernels.ag_gemm import launch_ag_gemm  # noqa: E402
+from megatron_flux.kernels.config import GemmConfig  # noqa: E402
+from megatron_flux.kernels.gemm_rs import launch_gemm_rs  # noqa: E402
+from megatron_flux.kernels.tile_order import tile_order_probe_kernel  # noqa: E402
+
+CFG = GemmConfig(block_m=16, block_n=32, block_k=16, num_stages=1, num_warps=4, group_m=2,
+                 chunk_rows=8, epilogue_split=2)
+DTYPE = torch.float16
+TOL = 2e-3
+NSMS = 5  # simulated persistent grid
+
+
+def _rel(x, ref):
+    return float((x.float() - ref).norm() / ref.norm())
+
+
+def _probe(rank, world, num_pid_m, num_pid_n, own_last):
+    total = world * num_pid_m * num_pid_n
+    out = torch.full((total, 5), -1, dtype=torch.int32)
+    tile_order_probe_kernel[(NSMS,)](out, rank, world, num_pid_m, num_pid_n,
+                                     OWN_LAST=own_last, GROUP_M=2, NUM_SMS=NSMS)
+    return out
+
+
+def check_tile_order():
+    """Every tile once; AG visits its own segment first, RS last; ring order; at every step the
+    ranks address pairwise distinct segments (no two ranks on one owner)."""
+    for world in (2, 4, 8):
+        num_pid_m, num_pid_n = 3, 4
+        tps = num_pid_m * num_pid_n
+        for own_last in (False, True):
+            segs_at_step = {}
+            for rank in range(world):
+                out = _probe(rank, world, num_pid_m, num_pid_n, own_last)
+                assert (out >= 0).all(), "a tile was never visited"
+                seen = {(int(s), int(pm), int(pn)) for _, s, pm, pn, _ in out.tolist()}
+                assert len(seen) == world * tps, f"tiles visited more than once (world={world})"
+                for t, (step, seg, pm, pn, prog) in enumerate(out.tolist()):
+                    assert step == t // tps and prog == t % NSMS
+                    expect = (rank + 1 + step) % world if own_last else (rank + step) % world
+                    assert seg == expect, f"world={world} rank={rank} step={step}: segment {seg}"
+                    segs_at_step.setdefault(step, []).append(seg)
+                own = [s for st, s, *_ in out.tolist() if s == rank]
+                assert own and all(st == (world - 1 if own_last else 0)
+                                   for st, s, *_ in out.tolist() if s == rank)
+            for step, segs in segs_at_step.items():
+                by_rank = segs[::tps]  # one entry per rank
+                assert len(set(by_rank)) == world, f"ranks contend at step {step}: {by_rank}"
+
+
+def _ag_case(world, m_local, k, n, b_kn):
+    xs = [torch.randn(m_local, k).to(DTYPE) for _ in range(world)]
+    b = torch.randn(k, n).to(DTYPE) if b_kn else torch.randn(n, k).to(DTYPE).t()
+    return xs, b, torch.cat(xs).float() @ b.float()
+
+
+def check_ag_gemm_all_ranks():
+    """AG+GEMM output on every rank of TP 2/4/8, aligned and ragged m_local, both B layouts."""
+    for world, m_local, b_kn in ((2, 32, False), (4, 20, True), (8, 9, False), (4, 48, False)):
+        k, n = 32, 64
+        xs, b, ref = _ag_case(world, m_local, k, n, b_kn)
+        chunks = triton.cdiv(m_local, CFG.chunk_rows)
+        for rank in range(world):
+            ag = torch.full((world * m_local, k), float("nan")).to(DTYPE)
+            for s in range(world):
+                if s != rank:
+                    ag[s * m_local:(s + 1) * m_local] = xs[s]
+            flags = torch.full((world * chunks,), 7, dtype=torch.int32)
+            err = torch.zeros(4, dtype=torch.int32)
+            out = torch.full((world * m_local, n), float("nan")).to(DTYPE)
+            launch_ag_gemm(xs[rank], ag, b, out, flags, err, rank=rank, world=world, epoch=7,
+                           cfg=CFG, num_sms=NSMS, max_spins=10)
+            assert not torch.isnan(out).any(), f"unwritten output (world={world} rank={rank})"
+            assert err.tolist() == [0, 0, 0, 0], err.tolist()
+            e = _rel(out, ref)
+            assert e < TOL, f"world={world} rank={rank} m_local={m_local}: rel err {e}"
+
+
+def check_ag_signal_indexing():
+    """A missing chunk signal is the one the kernel reports: index = segment * chunks + chunk,
+    the local segment needs no signal, a stale epoch does not count."""
+    world, m_local, k, n, rank = 4, 24, 16, 32, 1
+    xs, b, _ = _ag_case(world, m_local, k, n, False)
+    chunks = triton.cdiv(m_local, CFG.chunk_rows)
+    for missing_seg in (0, 2, 3):
+        for missing_chunk in range(chunks):
+            flags = torch.full((world * chunks,), 5, dtype=torch.int32)
+            flags[rank * chunks:(rank + 1) * chunks] = 0  # own rows: never signalled, never read
+            idx = missing_seg * chunks + missing_chunk
+            flags[idx] = 4  # previous epoch
+            err = torch.zeros(4, dtype=torch.int32)
+            ag = torch.randn(world * m_local, k).to(DTYPE)
+            out = torch.empty(world * m_local, n, dtype=DTYPE)
+            launch_ag_gemm(xs[rank], ag, b, out, flags, err, rank=rank, world=world, epoch=5,
+                           cfg=CFG, num_sms=NSMS, max_spins=3)
+            assert err.tolist() == [1, rank, idx, 4], (missing_seg, missing_chunk, err.tolist())
+
+
+def _rs_world(world, m_local, k, n, b_kn, bias, epoch=3):
+    m = world * m_local
+    a_s = [torch.randn(m, k).to(DTYPE) for _ in range(world)]
+    b_s = [torch.randn(k, n).to(DTYPE) if b_kn else torch.randn(n, k).to(DTYPE).t()
+           for _ in range(world)]
+    bias_t = torch.randn(n).to(DTYPE) if bias else None
+    tps = triton.cdiv(m_local, CFG.block_m) * triton.cdiv(n, CFG.block_n)
+    data = [torch.full((world, m_local, n), float("nan")).to(DTYPE) for _ in range(world)]
+    flags = [torch.zeros(world * tps, dtype=torch.int32) for _ in range(world)]
+    return dict(a=a_s, b=b_s, bias=bias_t, tps=tps, data=data, flags=flags,
+                dptr=torch.tensor([d.data_ptr() for d in data], dtype=torch.int64),
+                fptr=torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64),
+                outs=[torch.full((m_local, n), float("nan")).to(DTYPE) for _ in range(world)],
+                errs=[torch.zeros(4, dtype=torch.int32) for _ in range(world)],
+                world=world, m_local=m_local, epoch=epoch)
+
+
+def _rs_run(w, phases=("produce", "consume"), max_spins=10):
+    for phase in phases:
+        for r in range(w["world"]):
+            launch_gemm_rs(w["a"][r], w["b"][r], w["outs"][r], w["data"][r], w["dptr"], w["fptr"],
+                           w["bias"], w["errs"][r], rank=r, world=w["world"], epoch=w["epoch"],
+                           cfg=CFG, num_sms=NSMS, max_spins=max_spins,
+                           produce=phase == "produce", consume=phase == "consume")
+
+
+def check_gemm_rs_all_ranks():
+    """GEMM+RS output on every rank of TP 2/4/8 (bias, ragged m_local, both B layouts)."""
+    for world, m_local, b_kn, bias in ((2, 32, False, True), (4, 20, True, False), (8, 9, False, True)):
+        k, n = 32, 64
+        w = _rs_world(world, m_local, k, n, b_kn, bias)
+        _rs_run(w)
+        full = sum(a.float() @ b.float() for a, b in zip(w["a"], w["b"]))
+        if bias:
+            full = full + w["bias"].float()
+        for r in range(world):
+            assert w["errs"][r].tolist() == [0, 0, 0, 0], w["errs"][r].tolist()
+            assert not torch.isnan(w["outs"][r]).any(), f"unwritten output rank {r}"
+            e = _rel(w["outs"][r], full[r * m_local:(r + 1) * m_local])
+            assert e < TOL, f"world={world} rank={r}: rel err {e}"
+
+
+def check_gemm_rs_ownership():
+    """Each producer writes exactly its own slot of each owner and signals exactly
+    ``flags[owner][src * tiles + t]``; nobody writes its own slot or signal."""
+    world, m_local, k, n = 4, 16, 32, 64
+    w = _rs_world(world, m_local, k, n, False, False, epoch=9)
+    _rs_run(w, phases=("produce",))
+    for owner in range(world):
+        flags = w["flags"][owner].view(world, w["tps"])
+        for src in range(world):
+            partial = (w["a"][src].float() @ w["b"][src].float())[owner * m_local:(owner + 1) * m_local]
+            slot = w["data"][owner][src]
+            if src == owner:
+                assert torch.isnan(slot).all(), "a rank wrote its own slot"
+                assert (flags[src] == 0).all(), "a rank signalled itself"
+            else:
+                assert not torch.isnan(slot).any(), f"slot {src} of owner {owner} not fully written"
+                assert _rel(slot, partial) < TOL, f"slot {src} of owner {owner} holds the wrong rows"
+                assert (flags[src] == 9).all(), f"signals of src {src} at owner {owner}"
+
+
+def check_gemm_rs_deterministic_and_timeout():
+    """Repeated runs are bitwise identical; a consumer without producers times out instead of
+    hanging, reporting op, rank, a peer's signal index and the stale epoch it saw."""
+    world, m_local, k, n = 4, 16, 32, 64
+    w = _rs_world(world, m_local, k, n, False, True)
+    _rs_run(w)
+    first = [o.clone() for o in w["outs"]]
+    w["epoch"] += 1
+    _rs_run(w)
+    for a, b in zip(first, w["outs"]):
+        assert torch.equal(a, b), "GEMM+RS is not bitwise deterministic"
+    w["epoch"] += 1
+    _rs_run(w, phases=("consume",), max_spins=3)  # nobody produced this epoch
+    for r in range(world):
+        op, rank, index, seen = w["errs"][r].tolist()  # the last program to give up wins
+        assert (op, rank, seen) == (2, r, w["epoch"] - 1), w["errs"][r].tolist()
+        assert 0 <= index < world * w["tps"] and index // w["tps"] != r, "index outside the peers' signals"
+
+
+CHECKS = [check_tile_order, check_ag_gemm_all_ranks, check_ag_signal_indexing,
+          check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout]
+
+
+def main(names):
+    torch.manual_seed(0)
+    results = {}
+    for check in CHECKS:
+        if names and check.__name__ not in names:
+            continue
+        try:
+            check()
+            results[check.__name__] = None
+        except BaseException:
+            results[check.__name__] = traceback.format_exc()
+    print("RESULTS " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,40 @@
+"""The fused kernels' tile order, signal indexing, ownership and math on the CPU (Triton
+interpreter, simulated ranks at TP 2/4/8). The checks live in ``interpret_checks.py`` and run in
+one subprocess, because ``TRITON_INTERPRET`` must be set before the kernels are imported."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+HERE = Path(__file__).resolve().parent
+# not imported here: importing it would switch this process's kernels to the interpreter
+NAMES = ["check_tile_order", "check_ag_gemm_all_ranks", "check_ag_signal_indexing",
+         "check_gemm_rs_all_ranks", "check_gemm_rs_ownership",
+         "check_gemm_rs_deterministic_and_timeout"]
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(HERE.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    proc = subprocess.run([sys.executable, str(HERE / "interpret_checks.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+def test_every_check_ran(results):
+    assert sorted(results) == sorted(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_kernel_logic_under_interpreter(results, name):
+    assert name in results, f"{name} did not run"
+    assert results[name] is None, results[name]
