@@ -36,7 +36,7 @@ import inspect
 import warnings
 from typing import Any, Callable, Dict, Optional
 
-from megatron_flux.backends import BACKEND_CHOICES
+from megatron_flux.backends import validate_backend_name
 from megatron_flux.layers.norms import (
     SequenceParallelLayerNorm,
     SequenceParallelRMSNorm,
@@ -58,21 +58,6 @@ __all__ = [
 IDENTITY_CHECKED_FIELDS = frozenset(
     {"linear_q_down_proj", "linear_kv_down_proj", "linear_qkv_down_proj"}
 )
-
-
-def validate_backend_name(backend: str) -> str:
-    """``backend`` if it names a megatron-flux backend (or ``"auto"``), else ``ValueError``."""
-    if backend in BACKEND_CHOICES:
-        return backend
-    from megatron_flux.backends import available_backends
-
-    registered = available_backends()
-    if backend in registered:
-        return backend
-    raise ValueError(
-        f"unknown megatron-flux backend {backend!r}; choose one of "
-        f"{sorted(set(BACKEND_CHOICES) | set(registered))}"
-    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -66,6 +66,18 @@ def get_backend(name: str) -> TPOverlapBackend:
         return inst
 
 
+def validate_backend_name(name) -> str:
+    """``name`` if it is ``"auto"`` or a backend (built-in or registered), else a clear error."""
+    if not isinstance(name, str):
+        raise TypeError(f"flux_backend must be a str, got {type(name).__name__}")
+    if name in BACKEND_CHOICES or name in available_backends():
+        return name
+    raise ValueError(
+        f"unknown megatron-flux backend {name!r}; choose one of "
+        f"{sorted(set(BACKEND_CHOICES) | set(available_backends()))}"
+    )
+
+
 def log_once(key: str, msg: str, level: int = logging.WARNING) -> None:
     """Log ``msg`` the first time ``key`` is seen in this process."""
     if key in _LOGGED:
@@ -143,4 +155,5 @@ __all__ = [
     "log_once",
     "register_backend",
     "resolve_backend",
+    "validate_backend_name",
 ]

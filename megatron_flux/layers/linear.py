@@ -32,7 +32,7 @@ import torch
 from megatron.core.tensor_parallel import layers as _mcore_layers
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from megatron_flux.backends import BACKEND_CHOICES, available_backends
+from megatron_flux.backends import validate_backend_name
 from megatron_flux.ops import (
     LinearWithMainGradAccumulation,
     column_parallel_linear,
@@ -49,18 +49,6 @@ __all__ = ["FluxColumnParallelLinear", "FluxRowParallelLinear"]
 _VERSION_SPECIFIC_ARGS = frozenset({"name"})
 
 
-def _check_backend_name(name: Any) -> str:
-    if not isinstance(name, str):
-        raise TypeError(f"flux_backend must be a str, got {type(name).__name__}")
-    if name in BACKEND_CHOICES or name in available_backends():
-        return name
-    raise ValueError(
-        f"unknown megatron-flux backend {name!r}; choose one of "
-        f"{sorted(set(BACKEND_CHOICES) | set(available_backends()))}"
-    )
-
-
-@functools.lru_cache(maxsize=None)
 def _parent_params(parent: type) -> frozenset:
     return frozenset(inspect.signature(parent.__init__).parameters)
 
@@ -103,7 +91,7 @@ class _FluxLinearMixin:
     _flux_root: Optional[type] = None
 
     def __init__(self, input_size: int, output_size: int, *, flux_backend: str = "auto", **kwargs):
-        backend = _check_backend_name(flux_backend)
+        backend = validate_backend_name(flux_backend)
         parent_params = _parent_params(self._megatron_parent)
         kwargs = {
             k: v for k, v in kwargs.items() if k in parent_params or k not in _VERSION_SPECIFIC_ARGS
@@ -133,7 +121,7 @@ class _FluxLinearMixin:
         ``megatron_flux.layers.linear.<Base>_<name>``, so modules and specs holding it pickle.
         """
         root = cls.__dict__.get("_flux_root") or cls
-        name = _check_backend_name(name)
+        name = validate_backend_name(name)
         key = (root, name)
         if key not in _WITH_BACKEND:
             class_name = f"{root.__name__}_{name}"
