@@ -160,6 +160,12 @@ def init_distributed(args: argparse.Namespace):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
+    if not use_cuda and not args.model_shapes:
+        # the default grid is GPU-sized: on CPU it would run for hours and measure nothing useful
+        raise SystemExit(
+            "megatron-flux bench: no CUDA GPU here. The benchmark needs >= 2 NVIDIA GPUs (NCCL, "
+            "P2P); launch it with torchrun --nproc-per-node <gpus>. For a CPU smoke run of the "
+            "harness pass --device cpu with a tiny --model-shapes model.")
     timeout = datetime.timedelta(seconds=args.timeout_s)
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))

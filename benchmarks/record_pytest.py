@@ -1,0 +1,62 @@
+"""Run pytest and record the outcome as JSON (command, versions, GPU, per-test results).
+
+``python benchmarks/record_pytest.py OUT.json [pytest args...]``; exits with pytest's status."""
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+
+
+def _versions():
+    out = {"python": platform.python_version()}
+    for mod in ("torch", "triton", "megatron.core"):
+        try:
+            m = __import__(mod, fromlist=["__version__"])
+            out[mod] = getattr(m, "__version__", "?")
+        except Exception as exc:  # recorded, not fatal
+            out[mod] = f"unavailable: {exc}"
+    try:
+        import torch
+
+        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        out["cuda"] = torch.version.cuda
+    except Exception:
+        out["gpus"] = []
+    return out
+
+
+def main():
+    out_path, args = sys.argv[1], sys.argv[2:]
+    with tempfile.TemporaryDirectory() as tmp:
+        xml_path = os.path.join(tmp, "junit.xml")
+        cmd = [sys.executable, "-m", "pytest", *args, f"--junitxml={xml_path}"]
+        proc = subprocess.run(cmd, text=True, capture_output=True)
+        sys.stdout.write(proc.stdout[-20000:])
+        sys.stderr.write(proc.stderr[-5000:])
+        tests = []
+        if os.path.exists(xml_path):
+            for case in ET.parse(xml_path).getroot().iter("testcase"):
+                outcome = "passed"
+                for child in case:
+                    if child.tag in ("failure", "error"):
+                        outcome = "failed"
+                    elif child.tag == "skipped":
+                        outcome = "skipped"
+                tests.append({"test": f"{case.get('classname')}::{case.get('name')}",
+                              "outcome": outcome, "time_s": float(case.get("time", 0))})
+    counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "skipped")}
+    record = {"command": " ".join(["python", "-m", "pytest", *args]), "exit_status": proc.returncode,
+              "counts": counts, "env": _versions(),
+              "env_vars": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                            "NVSHMEM_DISABLE_NVLS", "CUDA_DEVICE_MAX_CONNECTIONS")},
+              "summary_line": (proc.stdout.strip().splitlines() or [""])[-1], "tests": tests}
+    with open(out_path, "w") as f:
+        json.dump(record, f, indent=1)
+    sys.exit(proc.returncode)
+
+
+if __name__ == "__main__":
+    main()
