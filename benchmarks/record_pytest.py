@@ -39,14 +39,14 @@ def main():
         tests = []
         if os.path.exists(xml_path):
             for case in ET.parse(xml_path).getroot().iter("testcase"):
-                outcome = "passed"
+                outcome, message = "passed", None
                 for child in case:
                     if child.tag in ("failure", "error"):
-                        outcome = "failed"
+                        outcome, message = "failed", (child.get("message") or "")[:2000]
                     elif child.tag == "skipped":
-                        outcome = "skipped"
+                        outcome, message = "skipped", (child.get("message") or "")[:500]
                 tests.append({"test": f"{case.get('classname')}::{case.get('name')}",
-                              "outcome": outcome, "time_s": float(case.get("time", 0))})
+                              "outcome": outcome, "time_s": float(case.get("time", 0)), "message": message})
     counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "skipped")}
     record = {"command": " ".join(["python", "-m", "pytest", *args]), "exit_status": proc.returncode,
               "counts": counts, "env": _versions(),

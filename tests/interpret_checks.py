@@ -16,8 +16,10 @@ import traceback
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from megatron_flux.kernels.ag_gemm import launch_ag_gemm  # noqa: E402
 from megatron_flux.kernels.config import GemmConfig  # noqa: E402
@@ -202,8 +204,34 @@ CHECKS = [check_tile_order, check_ag_gemm_all_ranks, check_ag_signal_indexing,
           check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout]
 
 
+@triton.jit
+def _persistent_loop_probe(out_ptr, STEP: tl.constexpr):
+    for t in range(tl.program_id(0), 4, STEP):
+        tl.store(out_ptr + t, t)
+
+
+def interpreter_limitation():
+    """Why this Triton's interpreter cannot run the kernels' persistent loops, or None.
+
+    Triton 3.6's interpreter turns ``tl.program_id`` into a 1-element array that numpy >= 2.5
+    refuses to use as a ``range`` bound; the GPU tests cover the kernels there."""
+    out = torch.full((4,), -1, dtype=torch.int32)
+    try:
+        _persistent_loop_probe[(2,)](out, STEP=2)
+    except Exception as exc:  # the interpreter itself fails, not our code
+        return (f"the Triton {triton.__version__} interpreter cannot run a persistent loop over "
+                f"tl.program_id with numpy {np.__version__}: {exc!r}")
+    if out.tolist() != [0, 1, 2, 3]:
+        return f"the Triton {triton.__version__} interpreter ran a persistent loop wrongly: {out.tolist()}"
+    return None
+
+
 def main(names):
     torch.manual_seed(0)
+    limitation = interpreter_limitation()
+    if limitation:
+        print("RESULTS " + json.dumps({"__skipped__": limitation}))
+        return
     results = {}
     for check in CHECKS:
         if names and check.__name__ not in names:

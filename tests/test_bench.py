@@ -29,7 +29,8 @@ from megatron_flux.bench import timing as T
 from megatron_flux.bench.__main__ import build_parser, describe_command, main as bench_main, resolve_args, run_case
 
 REPO = Path(__file__).resolve().parents[1]
-ANCHORS = Path("/work/shared/reference/anchors-2xH200-2026-11-22.json")
+# shared/ sits beside the checkout (here and in CI); absent on the GPU machine
+ANCHORS = Path(__file__).resolve().parents[2] / "shared/reference/anchors-2xH200-2026-11-22.json"
 HAVE_NCCL_BACKEND = importlib.util.find_spec("megatron_flux.backends.nccl") is not None
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
