@@ -90,6 +90,20 @@ class FluxBackend(TPOverlapBackend):
         return None
 
     # ---------------------------------------------------------------- helpers
+    def _check(self, op: str, a, b, group) -> None:
+        reason = self.unsupported_reason(a, b, group)
+        if reason is not None:
+            raise ValueError(f"megatron-flux {op}: {reason}")
+
+    @staticmethod
+    def _output(op: str, out, shape, like):
+        """``out`` validated, or a new ``shape`` tensor like ``like``."""
+        if out is None:
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
+        if tuple(out.shape) != shape or not out.is_contiguous() or out.dtype != like.dtype:
+            raise ValueError(f"megatron-flux {op}: out must be a contiguous {shape} {like.dtype} tensor")
+        return out
+
     def _nccl_backend(self):
         if self._nccl is None:
             from megatron_flux.backends import get_backend
@@ -161,18 +175,13 @@ class FluxBackend(TPOverlapBackend):
         from megatron_flux.comm.signals import write_signal
         from megatron_flux.kernels.ag_gemm import launch_ag_gemm
 
-        reason = self.unsupported_reason(a_shard, b, group)
-        if reason is not None:
-            raise ValueError(f"megatron-flux AG+GEMM: {reason}")
+        self._check("AG+GEMM", a_shard, b, group)
         world, rank = group.size(), group.rank()
         m_local, k = a_shard.shape
         n = b.shape[1]
         m = world * m_local
         device = a_shard.device
-        if out is None:
-            out = torch.empty((m, n), dtype=a_shard.dtype, device=device)
-        elif out.shape != (m, n) or not out.is_contiguous() or out.dtype != a_shard.dtype:
-            raise ValueError(f"megatron-flux AG+GEMM: out must be contiguous {(m, n)} {a_shard.dtype}")
+        out = self._output("AG+GEMM", out, (m, n), a_shard)
         cfg = self.config("ag", m, n, k)
         if cfg.chunk_rows < m_local:
             chunk = cfg.chunk_rows
@@ -219,9 +228,7 @@ class FluxBackend(TPOverlapBackend):
     def matmul_reduce_scatter(self, a, b, group, *, out=None, bias=None):
         from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
-        reason = self.unsupported_reason(a, b, group)
-        if reason is not None:
-            raise ValueError(f"megatron-flux GEMM+RS: {reason}")
+        self._check("GEMM+RS", a, b, group)
         world, rank = group.size(), group.rank()
         m, k = a.shape
         n = b.shape[1]
@@ -229,10 +236,7 @@ class FluxBackend(TPOverlapBackend):
             raise ValueError(f"megatron-flux GEMM+RS: {m} rows are not divisible by TP={world}")
         m_local = m // world
         device = a.device
-        if out is None:
-            out = torch.empty((m_local, n), dtype=a.dtype, device=device)
-        elif out.shape != (m_local, n) or not out.is_contiguous() or out.dtype != a.dtype:
-            raise ValueError(f"megatron-flux GEMM+RS: out must be contiguous {(m_local, n)} {a.dtype}")
+        out = self._output("GEMM+RS", out, (m_local, n), a)
         if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
             raise ValueError(f"megatron-flux GEMM+RS: bias must be contiguous ({n},)")
         cfg = self.config("rs", m, n, k)

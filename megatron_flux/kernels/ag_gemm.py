@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
+from megatron_flux.kernels.mainloop import tile_mainloop
 from megatron_flux.kernels.signals import wait_signal
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step
 
@@ -31,18 +32,8 @@ def _ag_tile(a_desc, b_desc, c_desc, a_row, c_seg, c_row, off_n, k_tiles,
              RAGGED_A: tl.constexpr, RAGGED_C: tl.constexpr, B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One output tile: K loop over A rows ``a_row`` (segment-relative when RAGGED_A) and store."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(k_tiles):
-        off_k = ki * BLOCK_K
-        if RAGGED_A:
-            a = a_desc.load([c_seg, a_row, off_k]).reshape(BLOCK_M, BLOCK_K)
-        else:
-            a = a_desc.load([a_row, off_k])
-        if B_KN:
-            b = b_desc.load([off_k, off_n])
-        else:
-            b = b_desc.load([off_n, off_k]).T
-        acc = tl.dot(a, b, acc)
+    acc = tile_mainloop(a_desc, b_desc, c_seg, a_row, off_n, k_tiles, RAGGED_A, B_KN,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
     if EPI_SPLIT == 2:
         acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))

@@ -25,27 +25,9 @@ import triton
 import triton.language as tl
 
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
+from megatron_flux.kernels.mainloop import tile_mainloop
 from megatron_flux.kernels.signals import set_signal, wait_signal
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step
-
-
-@triton.jit
-def _mainloop(a_desc, b_desc, a_seg, a_row, off_n, k_tiles,
-              RAGGED: tl.constexpr, B_KN: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(k_tiles):
-        off_k = ki * BLOCK_K
-        if RAGGED:
-            a = a_desc.load([a_seg, a_row, off_k]).reshape(BLOCK_M, BLOCK_K)
-        else:
-            a = a_desc.load([a_row, off_k])
-        if B_KN:
-            b = b_desc.load([off_k, off_n])
-        else:
-            b = b_desc.load([off_n, off_k]).T
-        acc = tl.dot(a, b, acc)
-    return acc
 
 
 @triton.jit
@@ -121,7 +103,7 @@ def gemm_rs_kernel(
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
             row = off_m if RAGGED else seg * m_local + off_m
-            acc = _mainloop(a_desc, b_desc, seg, row, off_n, k_tiles, RAGGED, B_KN,
+            acc = tile_mainloop(a_desc, b_desc, seg, row, off_n, k_tiles, RAGGED, B_KN,
                             BLOCK_M, BLOCK_N, BLOCK_K)
             dst = tl.load(data_ptrs + seg).to(tl.pointer_type(data_ptr.dtype.element_ty))
             slot_base = (rank * m_local).to(tl.int64) * N
@@ -144,7 +126,7 @@ def gemm_rs_kernel(
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
             row = off_m if RAGGED else rank * m_local + off_m
-            acc = _mainloop(a_desc, b_desc, rank, row, off_n, k_tiles, RAGGED, B_KN,
+            acc = tile_mainloop(a_desc, b_desc, rank, row, off_n, k_tiles, RAGGED, B_KN,
                             BLOCK_M, BLOCK_N, BLOCK_K)
             for src in range(world):
                 if src != rank:
