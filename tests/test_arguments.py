@@ -18,6 +18,7 @@ from megatron_flux.arguments import (
     validate_flux_args,
 )
 from megatron_flux.layers.norms import SequenceParallelLayerNorm, SequenceParallelRMSNorm
+from spec_utils import mlp_submodules
 from test_specs import flux_linears  # noqa: F401  (fixture)
 
 
@@ -219,15 +220,15 @@ def test_layer_spec_from_args(flux_linears, normalization, norm_cls):
     assert sub.input_layernorm is norm_cls
     assert sub.self_attention.submodules.q_layernorm is norm_cls
     assert sub.self_attention.submodules.linear_qkv is col.with_backend("nccl")
-    assert sub.mlp.submodules.linear_fc2 is row.with_backend("nccl")
+    assert mlp_submodules(sub.mlp).linear_fc2 is row.with_backend("nccl")
 
 
 def test_moe_and_mla_from_args(flux_linears):
     col, _ = flux_linears
     args = megatron_like_args(["--flux-tp-overlap"], num_experts=4, moe_use_legacy_grouped_gemm=False)
     spec = flux_spec_from_args(args)
-    experts = spec.submodules.mlp.submodules.experts
-    assert experts.submodules.linear_fc1 is col.with_backend("auto")
+    experts = mlp_submodules(spec.submodules.mlp).experts
+    assert mlp_submodules(experts).linear_fc1 is col.with_backend("auto")
     args = megatron_like_args(["--flux-tp-overlap"], multi_latent_attention=True)
     spec = flux_spec_from_args(args)
     assert spec.submodules.self_attention.submodules.linear_kv_up_proj is col.with_backend("auto")
@@ -244,7 +245,7 @@ def test_block_spec_from_args_with_config(flux_linears):
     assert isinstance(block, TransformerBlockSubmodules)
     assert block.layer_norm is SequenceParallelRMSNorm
     assert len(block.layer_specs) == 2
-    assert block.layer_specs[0].submodules.mlp.submodules.linear_fc2 is row.with_backend("flux")
+    assert mlp_submodules(block.layer_specs[0].submodules.mlp).linear_fc2 is row.with_backend("flux")
 
 
 @pytest.fixture

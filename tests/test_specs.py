@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_harness import run_distributed  # noqa: E402
+from spec_utils import mlp_submodules  # noqa: E402
 
 from megatron_flux import specs  # noqa: E402
 from megatron_flux.layers.norms import SequenceParallelLayerNorm, SequenceParallelRMSNorm  # noqa: E402
@@ -135,7 +136,7 @@ def test_swap_gpt_and_llama_local_spec(flux_linears, normalization, backend):
     attn = swapped.submodules.self_attention.submodules
     assert attn.linear_qkv is col.with_backend(backend)
     assert attn.linear_proj is row.with_backend(backend)
-    mlp = swapped.submodules.mlp.submodules
+    mlp = mlp_submodules(swapped.submodules.mlp)
     assert mlp.linear_fc1 is col.with_backend(backend)
     assert mlp.linear_fc2 is row.with_backend(backend)
     # Nothing else changed: same leaves except the linears.
@@ -241,10 +242,10 @@ def test_flux_leaves_get_the_new_backend(flux_linears):
     col, row = flux_linears
     spec = specs.swap_tp_linears(get_gpt_layer_local_spec(), "nccl")
     respec = specs.swap_tp_linears(spec, "flux")
-    mlp = respec.submodules.mlp.submodules
+    mlp = mlp_submodules(respec.submodules.mlp)
     assert mlp.linear_fc1 is col.with_backend("flux")
     assert mlp.linear_fc2 is row.with_backend("flux")
-    assert spec.submodules.mlp.submodules.linear_fc1 is col.with_backend("nccl")
+    assert mlp_submodules(spec.submodules.mlp).linear_fc1 is col.with_backend("nccl")
     plain = MLPSubmodules(linear_fc1=col, linear_fc2=row)
     out = specs.swap_tp_linears(plain, "nccl")
     assert out.linear_fc1 is col.with_backend("nccl") and out.linear_fc2 is row.with_backend("nccl")
@@ -341,7 +342,7 @@ def test_get_gpt_layer_flux_spec(flux_linears, normalization, norm_cls, monkeypa
     assert sub.input_layernorm is norm_cls and sub.pre_mlp_layernorm is norm_cls
     assert sub.self_attention.submodules.q_layernorm is norm_cls
     assert sub.self_attention.submodules.linear_qkv is col.with_backend("nccl")
-    assert sub.mlp.submodules.linear_fc2 is row.with_backend("nccl")
+    assert mlp_submodules(sub.mlp).linear_fc2 is row.with_backend("nccl")
 
 
 def test_get_gpt_layer_flux_spec_argument_checks(flux_linears):
