@@ -253,9 +253,12 @@ def test_flux_leaves_get_the_new_backend(flux_linears):
     class MyFluxColumn(col):  # a user's own Flux subclass keeps its class, changes backend
         pass
 
-    out = specs.swap_tp_linears(MLPSubmodules(linear_fc1=MyFluxColumn.with_backend("nccl")), "flux")
+    # linear_fc2 has no default in 0.19's MLPSubmodules, so both fields are given.
+    tree = MLPSubmodules(linear_fc1=MyFluxColumn.with_backend("nccl"), linear_fc2=row.with_backend("nccl"))
+    out = specs.swap_tp_linears(tree, "flux")
     assert out.linear_fc1 is MyFluxColumn.with_backend("flux")
     assert issubclass(out.linear_fc1, MyFluxColumn)
+    assert out.linear_fc2 is row.with_backend("flux")
 
 
 def test_moe_spec_experts_and_shared_experts_swapped(flux_linears):
