@@ -1,0 +1,93 @@
+# Shared by the launchers (sourced, not run). Sets REPO, PYTHON, NGPUS; checks the machine;
+# makes megatron-core 0.19 (with megatron.training) and megatron-flux importable.
+#
+# Environment knobs:
+#   PYTHON        interpreter (default: python3); needs >= 3.12 (megatron.training)
+#   MCORE_SITE    where to install megatron-core if it is missing (default: /tmp/site)
+#   NPROC         processes = GPUs = tensor-parallel size (default: all local GPUs)
+
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+MCORE_SITE="${MCORE_SITE:-/tmp/site}"
+
+die() { echo "error: $*" >&2; exit 2; }
+
+count_gpus() {
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true
+    else
+        echo 0
+    fi
+}
+
+require_gpus() {  # require_gpus MIN
+    local min="$1"
+    NGPUS="$(count_gpus)"
+    if [ "${NGPUS}" -lt "${min}" ]; then
+        die "this needs a machine with at least ${min} NVIDIA GPUs (found ${NGPUS}; nvidia-smi lists none or is missing).
+  Tensor parallelism runs one process per GPU with TP = number of GPUs, sequence parallel on.
+  Also needed: Python >= 3.12, PyTorch with CUDA, and Triton for --flux-backend flux.
+  Without GPUs you can run the CPU tests: python -m pytest tests -q"
+    fi
+    NPROC="${NPROC:-${NGPUS}}"
+}
+
+require_python() {
+    "${PYTHON}" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' \
+        || die "${PYTHON} is Python $("${PYTHON}" -c 'import platform; print(platform.python_version())'); megatron.training (megatron-core 0.19) needs Python >= 3.12 (set PYTHON=...)"
+    "${PYTHON}" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
+        || die "${PYTHON}: PyTorch is missing or has no CUDA (install a CUDA build of torch >= 2.6)"
+}
+
+# megatron-core 0.19 with megatron.training: use the installed one, else install it into
+# ${MCORE_SITE}: from a carried wheel in ${REPO}/.whl (offline), else from the package index.
+# megatron-flux is used from this checkout (PYTHONPATH), nothing to build.
+ensure_megatron() {
+    export PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}"
+    if [ -d "${MCORE_SITE}/megatron" ]; then
+        export PYTHONPATH="${MCORE_SITE}:${PYTHONPATH}"
+    fi
+    if ! "${PYTHON}" -c 'import megatron.training, megatron.core as m; assert m.__version__.startswith("0.19")' >/dev/null 2>&1; then
+        local wheels=("${REPO}"/.whl/megatron_core-0.19*.whl)
+        if [ -e "${wheels[0]}" ]; then
+            echo "> installing ${wheels[0]##*/} into ${MCORE_SITE} (offline)"
+            "${PYTHON}" -m pip install -q --no-deps --no-index --target "${MCORE_SITE}" "${wheels[0]}"
+        else
+            echo "> installing megatron-core 0.19 into ${MCORE_SITE}"
+            "${PYTHON}" -m pip install -q --no-deps --target "${MCORE_SITE}" "megatron-core>=0.19,<0.20"
+        fi
+        export PYTHONPATH="${MCORE_SITE}:${PYTHONPATH}"
+    fi
+    "${PYTHON}" -c 'import megatron.training, megatron_flux' \
+        || die "cannot import megatron.training and megatron_flux with PYTHONPATH=${PYTHONPATH}"
+}
+
+# Arguments every launcher passes: TP over all local GPUs with sequence parallelism, the local
+# (non-Transformer-Engine) layer implementation, mock data and the null tokenizer (no dataset).
+common_megatron_args() {
+    COMMON_ARGS=(
+        --tensor-model-parallel-size "${NPROC}"
+        --sequence-parallel
+        --transformer-impl local
+        --mock-data
+        --tokenizer-type NullTokenizer
+        --split 99,1,0
+        --train-iters "${TRAIN_ITERS:-30}"
+        --log-interval "${LOG_INTERVAL:-5}"
+        --log-throughput
+        --eval-iters 0
+        --eval-interval 1000000
+        --distributed-timeout-minutes 10
+    )
+}
+
+run_pretrain() {  # run_pretrain MODEL_CONFIG [extra megatron args...]
+    local config="$1"; shift
+    export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+    common_megatron_args
+    cd "${REPO}"
+    set -x
+    "${PYTHON}" -m torch.distributed.run --standalone --nproc-per-node "${NPROC}" \
+        examples/pretrain_gpt.py --model-config "${config}" "${COMMON_ARGS[@]}" "$@"
+}

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Llama-3-8B-shaped pretraining (16 layers, configs/llama3_8b_16l.json) with --flux-tp-overlap,
+# TP = number of local GPUs, sequence parallel, mock data. Prints loss and throughput every
+# LOG_INTERVAL iterations.
+#
+#   bash examples/pretrain_llama.sh                        # flux, TRAIN_ITERS=30
+#   FLUX_BACKEND=nccl bash examples/pretrain_llama.sh      # same model, reference backend
+#   MODEL_CONFIG=configs/tiny_smoke.json bash examples/pretrain_llama.sh --train-iters 20
+#
+# Extra arguments go to Megatron (they override the config). Needs >= 2 NVIDIA GPUs.
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
+require_gpus 2
+require_python
+ensure_megatron
+run_pretrain "${MODEL_CONFIG:-configs/llama3_8b_16l.json}" \
+    --flux-tp-overlap --flux-backend "${FLUX_BACKEND:-auto}" "$@"
