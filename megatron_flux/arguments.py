@@ -59,7 +59,10 @@ def add_flux_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--flux-config",
         metavar="PATH",
         default=None,
-        help="JSON tuning table for the fused kernels (a JSON object). Only validated for now.",
+        help="Tuning table for the fused kernels (JSON written by `megatron-flux tune`): per-shape "
+        "kernel configs, and where 'auto' uses nccl. Takes precedence over the tables shipped "
+        "with megatron-flux (and $MEGATRON_FLUX_CONFIG). Fully validated with --flux-tp-overlap; "
+        "an error names the file and the field.",
     )
     # Named after FluxColumnParallelLinear's `flux_keep_gathered_input` (read from the config,
     # see apply_flux_args_to_config).
@@ -125,7 +128,10 @@ def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
     """Check ``--flux-*`` against Megatron's arguments; call after Megatron's validation.
 
     * ``--flux-config`` must name an existing file holding a JSON object (checked even without
-      ``--flux-tp-overlap``: a wrong path is a mistake either way).
+      ``--flux-tp-overlap``: a wrong path is a mistake either way). With ``--flux-tp-overlap``
+      (at TP > 1) it must also be a valid tuning table (:mod:`megatron_flux.tuning.schema`;
+      the error names the file and the field), and it is installed as this process's
+      highest-priority table (:func:`megatron_flux.tuning.use_table_files`).
     * ``--flux-tp-overlap`` at ``--tensor-model-parallel-size 1`` has nothing to overlap: it is
       turned off (``args.flux_tp_overlap = False``, so :func:`flux_spec_from_args` returns
       ``None``) with exactly one ``UserWarning``. This check comes first because Megatron's own
@@ -185,6 +191,13 @@ def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
             "--flux-tp-overlap with --spec: a custom spec is not rewritten automatically; drop "
             "--spec, or put megatron_flux.specs.swap_tp_linears(<your spec>) in your spec module"
         )
+    if config_path is not None:
+        from megatron_flux.tuning import TuningFileError, use_table_files
+
+        try:
+            use_table_files([config_path])
+        except TuningFileError as exc:
+            raise FluxArgumentError(f"--flux-config: {exc}") from None
     return args
 
 

@@ -100,12 +100,17 @@ def resolve_backend(
     a: torch.Tensor,
     b: torch.Tensor,
     group: dist.ProcessGroup,
+    op: Optional[str] = None,
 ) -> TPOverlapBackend:
     """Pick the backend for one call.
 
     ``"nccl"`` and any explicitly named backend are returned as they are; a backend that cannot
     run these operands raises. ``"auto"`` takes the fused backend when it is available and
-    supports the operands, else the ``nccl`` reference, logging the reason once per reason.
+    supports the operands, else the ``nccl`` reference, logging the reason once per reason; and
+    where a tuning table measured the fused kernel slower than ``nccl`` for this GPU, TP size,
+    dtype and shape (nearest m-bucket), it takes ``nccl`` (:mod:`megatron_flux.tuning.auto`;
+    ``op`` = ``"ag"``/``"rs"`` when the caller knows which op follows, else both are looked up).
+    Every TP rank sees the same tables and shapes, so all ranks choose alike.
     """
     if requested != "auto":
         backend = get_backend(requested)
@@ -118,12 +123,16 @@ def resolve_backend(
         fused = get_backend("flux")
         reason = fused.unsupported_reason(a, b, group)
         if reason is None:
-            return fused
+            global _choose_auto
+            if _choose_auto is None:
+                from megatron_flux.tuning.auto import choose_auto as _choose_auto
+            return _choose_auto(fused, get_backend("nccl"), a, b, group.size(), op)
     log_once(f"auto:{reason}", f"megatron-flux: flux_backend='auto' uses 'nccl' because {reason}")
     return get_backend("nccl")
 
 
 _BUILTIN_DONE = False
+_choose_auto = None  # megatron_flux.tuning.auto.choose_auto, imported on first "auto" fused call
 
 
 def _ensure_builtin() -> None:

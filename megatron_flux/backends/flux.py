@@ -47,9 +47,16 @@ class FluxBackend(TPOverlapBackend):
     name = "flux"
 
     def __init__(self, config_provider=None):
-        from megatron_flux.kernels.config import default_config
+        """``config_provider(op, m_total, n, k) -> GemmConfig``; default: the tuning tables
+        (:class:`~megatron_flux.tuning.provider.TableConfigProvider`: table hit at the nearest
+        m-bucket, else ``default_config``). A provider with ``accepts_context = True`` is also
+        given ``dtype=``, ``tp=`` and ``device=``."""
+        if config_provider is None:
+            from megatron_flux.tuning.provider import TableConfigProvider
 
-        self._config_provider = config_provider or (lambda op, m, n, k: default_config(op, m, n, k))
+            config_provider = TableConfigProvider()
+        self._config_provider = config_provider
+        self._provider_context = bool(getattr(config_provider, "accepts_context", False))
         self._workspaces: Dict[Tuple, object] = {}
         self._errors: Dict[Tuple, object] = {}
         self._streams: Dict[int, torch.cuda.Stream] = {}
@@ -154,14 +161,23 @@ class FluxBackend(TPOverlapBackend):
             n = self._num_sms[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
         return n
 
-    def config(self, op: str, m_total: int, n: int, k: int):
+    def config(self, op: str, m_total: int, n: int, k: int, *, dtype=None, tp=None, device=None):
         """Kernel configuration for one op and global shape (cached: the provider may be a
-        tuning-table lookup)."""
-        key = (op, m_total, n, k)
+        tuning-table lookup). ``dtype``/``tp``/``device`` key the table; without them a
+        context-aware provider answers with the heuristic default."""
+        key = (op, m_total, n, k, dtype, tp, device)
         cfg = self._plans.get(key)
         if cfg is None:
-            cfg = self._plans[key] = self._config_provider(op, m_total, n, k)
+            if self._provider_context:
+                cfg = self._config_provider(op, m_total, n, k, dtype=dtype, tp=tp, device=device)
+            else:
+                cfg = self._config_provider(op, m_total, n, k)
+            self._plans[key] = cfg
         return cfg
+
+    def clear_config_cache(self) -> None:
+        """Forget cached configs (the tuner swaps the provider's answer between candidates)."""
+        self._plans.clear()
 
     def config_with_chunk(self, cfg, chunk: int):
         key = ("chunk", cfg, chunk)
@@ -182,7 +198,7 @@ class FluxBackend(TPOverlapBackend):
         m = world * m_local
         device = a_shard.device
         out = self._output("AG+GEMM", out, (m, n), a_shard)
-        cfg = self.config("ag", m, n, k)
+        cfg = self.config("ag", m, n, k, dtype=a_shard.dtype, tp=world, device=device)
         if cfg.chunk_rows < m_local:
             chunk = cfg.chunk_rows
         else:
@@ -239,7 +255,7 @@ class FluxBackend(TPOverlapBackend):
         out = self._output("GEMM+RS", out, (m_local, n), a)
         if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
             raise ValueError(f"megatron-flux GEMM+RS: bias must be contiguous ({n},)")
-        cfg = self.config("rs", m, n, k)
+        cfg = self.config("rs", m, n, k, dtype=a.dtype, tp=world, device=device)
         tiles_per_seg = -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
         ws = self._workspace("rs", group, device, a.dtype)
         ws.reserve(world * m_local * n, world * tiles_per_seg)

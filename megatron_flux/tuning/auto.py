@@ -1,0 +1,91 @@
+"""The table's part of ``resolve_backend("auto", ...)``.
+
+``resolve_backend`` first checks that the fused backend can run the operands at all; then it
+asks :func:`choose_auto` which of ``fused`` and ``nccl`` to use. The call sites in
+``megatron_flux.ops`` do not say which op follows (they call ``all_gather_matmul`` or
+``matmul_reduce_scatter`` on what they get), so with ``op=None`` both readings of ``(a, b)``
+are looked up:
+
+* AG+GEMM: ``m_total = rows(a) * tp`` (``a`` is this rank's shard);
+* GEMM+RS: ``m_total = rows(a)``.
+
+Where the two readings agree (the normal case: a table has an ``(n, k)`` under one op only)
+the concrete backend is returned. Where they disagree, an :class:`AutoDispatch` is returned
+that picks per method, so the choice is still exact. ``None`` (unknown) counts as "fused",
+which is the non-table ``auto`` policy. Cached per ``(op, rows, k, n, dtype, tp, device)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, Optional
+
+from megatron_flux.backends.base import TPOverlapBackend
+from megatron_flux.tuning.provider import prefer_fused
+
+_CACHE: Dict[tuple, object] = {}
+
+
+def _decide(op, rows, k, n, dtype, tp, device) -> bool:
+    m_total = rows * tp if op == "ag" else rows
+    d = prefer_fused(op, m_total, n, k, dtype, tp, device)
+    if d is False:
+        from megatron_flux.backends import log_once
+
+        log_once(
+            f"auto-table:{op}:{m_total}:{n}:{k}:{dtype}:{tp}",
+            f"megatron-flux: flux_backend='auto' uses 'nccl' for {op} m={m_total} n={n} k={k} "
+            "(the tuning table measured the fused kernel slower there)",
+            logging.INFO,
+        )
+    return d is not False
+
+
+class AutoDispatch(TPOverlapBackend):
+    """Fused or NCCL chosen per method call from the table (the op is known per method)."""
+
+    name = "auto"
+
+    def __init__(self, fused: TPOverlapBackend, nccl: TPOverlapBackend, use_fused_ag: bool, use_fused_rs: bool):
+        self.fused, self.nccl = fused, nccl
+        self.ag = fused if use_fused_ag else nccl
+        self.rs = fused if use_fused_rs else nccl
+
+    def unsupported_reason(self, a, b, group):
+        return self.fused.unsupported_reason(a, b, group)
+
+    def all_gather_matmul(self, a_shard, b, group, **kw):
+        return self.ag.all_gather_matmul(a_shard, b, group, **kw)
+
+    def matmul_reduce_scatter(self, a, b, group, **kw):
+        return self.rs.matmul_reduce_scatter(a, b, group, **kw)
+
+    def all_gather(self, x, group, *, out=None):
+        return self.nccl.all_gather(x, group, out=out)
+
+    def reduce_scatter(self, x, group, *, out=None):
+        return self.nccl.reduce_scatter(x, group, out=out)
+
+
+def choose_auto(fused: TPOverlapBackend, nccl: TPOverlapBackend, a, b, tp: int, op: Optional[str] = None):
+    """``fused``, ``nccl`` or an :class:`AutoDispatch` for ``a @ b`` at TP size ``tp``."""
+    rows, k = a.shape[0], b.shape[0]
+    n = b.shape[1]
+    key = (op, rows, k, n, a.dtype, tp, a.device, id(fused), id(nccl))
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    if op is not None:
+        from megatron_flux.tuning.keys import normalize_op
+
+        out = fused if _decide(normalize_op(op), rows, k, n, a.dtype, tp, a.device) else nccl
+    else:
+        ag = _decide("ag", rows, k, n, a.dtype, tp, a.device)
+        rs = _decide("rs", rows, k, n, a.dtype, tp, a.device)
+        out = (fused if ag else nccl) if ag == rs else AutoDispatch(fused, nccl, ag, rs)
+    _CACHE[key] = out
+    return out
+
+
+def clear_cache() -> None:
+    _CACHE.clear()

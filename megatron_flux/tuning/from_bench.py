@@ -1,0 +1,93 @@
+"""A tuning table from a benchmark JSON (``megatron-flux bench --out-json``): measured times,
+untuned configs.
+
+The benchmark runs ``flux`` with the configs the backend chose then, i.e. ``default_config``
+(no table was shipped yet), so every entry gets ``"tuned": false`` and the config
+``default_config`` returns for that shape; ``flux_ms`` / ``nccl_ms`` are the benchmark's
+medians (communication on, max over ranks per trial). Only rows where both ``flux`` and
+``nccl`` ran and passed the numerical check are used; nothing is interpolated.
+
+``python -m megatron_flux.tuning.from_bench BENCH.json [OUT.json]`` writes the table (default:
+``megatron_flux/tuning/tables/<gpu>-sm<sms>-tp<tp>-<dtype>.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Dict, Optional, Sequence
+
+from megatron_flux.tuning.keys import normalize_gpu_name, normalize_op
+from megatron_flux.tuning.schema import Entry, Table, TuningFileError, default_filename, write_table
+
+
+def _local_nk(op: str, n: int, k: int, tp: int):
+    """The benchmark's global (n, k) -> the backend's per-rank (n, k) (see keys)."""
+    return (n // tp, k) if op == "ag" else (n, k // tp)
+
+
+def table_from_bench(bench: Dict[str, Any], source: str) -> Table:
+    from megatron_flux.kernels.config import default_config
+
+    for fld in ("gpu", "tp", "dtype", "rows", "env"):
+        if fld not in bench:
+            raise TuningFileError(source, fld, "missing from the benchmark JSON")
+    tp = int(bench["tp"])
+    env = bench["env"]
+    gpus = set(env.get("gpus") or [bench["gpu"]])
+    if len(gpus) != 1:
+        raise TuningFileError(source, "env.gpus", f"mixed GPU models {sorted(gpus)}")
+    sms = env.get("sms")
+    if not isinstance(sms, int):
+        raise TuningFileError(source, "env.sms", f"must be the SM count, got {sms!r}")
+    rows: Dict[tuple, Dict[str, dict]] = {}
+    for r in bench["rows"]:
+        if r.get("method") in ("flux", "nccl"):
+            rows.setdefault((r["op"], r["model"], r["m"], r["n"], r["k"]), {})[r["method"]] = r
+    entries = []
+    for (bop, model, m, n, k), meth in sorted(rows.items()):
+        f, c = meth.get("flux"), meth.get("nccl")
+        if not f or not c:
+            continue
+        if any(x.get("status") != "ok" or x.get("check") not in ("ok", None) or x.get("median_ms") is None
+               for x in (f, c)):
+            continue
+        op = normalize_op(bop)
+        ln, lk = _local_nk(op, n, k, tp)
+        entries.append(Entry(
+            op=op, n=ln, k=lk, m=m, config=default_config(op, m, ln, lk), tuned=False,
+            flux_ms=float(f["median_ms"]), nccl_ms=float(c["median_ms"]),
+            notes={"model": model, "bench_op": bop, "global_n": n, "global_k": k,
+                   "flux_spread_ms": f.get("spread_ms"), "nccl_spread_ms": c.get("spread_ms")},
+        ))
+    extra = {"environment": {k: env.get(k) for k in ("date", "torch", "triton", "nccl", "torch_cuda") if k in env},
+             "search": {"searched": False, "b_layout": bench.get("b_layout"), "rs_k": bench.get("rs_k"),
+                        "trials": bench.get("trials"), "iters": bench.get("iters"),
+                        "note": "configs are default_config (not searched); times are the benchmark's medians"}}
+    if "date" in env:
+        extra["created"] = env["date"]
+    return Table(path=source, gpu_name=bench["gpu"], gpu=normalize_gpu_name(bench["gpu"]), sms=sms, tp=tp, dtype=bench["dtype"],
+                 source=source, entries=entries, extra=extra)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or len(argv) > 2:
+        print(__doc__)
+        return 0 if argv else 2
+    src = argv[0]
+    with open(src, encoding="utf-8") as f:
+        bench = json.load(f)
+    t = table_from_bench(bench, os.path.relpath(src) if not os.path.isabs(src) else src)
+    from megatron_flux.tuning.registry import SHIPPED_DIR
+
+    out = argv[1] if len(argv) > 1 else os.path.join(SHIPPED_DIR, default_filename(t.gpu_name, t.sms, t.tp, t.dtype))
+    write_table(t, out)
+    print(f"wrote {out}: {len(t.entries)} entries, fused slower than nccl in "
+          f"{sum(e.flux_ms > e.nccl_ms for e in t.entries)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Runtime answers from the tables: the kernel config for a shape, and fused-vs-NCCL.
+
+Both are cached per full key, so after the first call of a shape a lookup is one dict access.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, Optional, Tuple, Union
+
+from megatron_flux.tuning.device import device_identity
+from megatron_flux.tuning.keys import ShapeKey, dtype_key, normalize_gpu_name, normalize_op
+from megatron_flux.tuning.registry import get_index
+
+DeviceLike = Union[object, Tuple[str, int]]
+
+_DECISIONS: Dict[tuple, Optional[bool]] = {}
+_LOCK = threading.Lock()
+
+
+def _identity(device: DeviceLike) -> Tuple[str, int]:
+    """``(normalised GPU name, SMs)``; ``device`` is a CUDA device or an explicit ``(name, sms)``."""
+    if isinstance(device, tuple) and len(device) == 2 and isinstance(device[0], str):
+        return normalize_gpu_name(device[0]), int(device[1])
+    gpu, sms, _ = device_identity(device)
+    return gpu, sms
+
+
+def shape_key(op: str, n: int, k: int, dtype, tp: int, device: DeviceLike) -> ShapeKey:
+    gpu, sms = _identity(device)
+    return ShapeKey(gpu, sms, int(tp), dtype_key(dtype), normalize_op(op), int(n), int(k))
+
+
+def lookup_entry(op: str, m: int, n: int, k: int, dtype, tp: int, device: DeviceLike):
+    """``(Entry, Table)`` at the nearest m-bucket for this key, or ``None`` (unknown GPU/shape)."""
+    return get_index().lookup(shape_key(op, n, k, dtype, tp, device), int(m))
+
+
+def prefer_fused(op: str, m: int, n: int, k: int, dtype, tp: int, device: DeviceLike) -> Optional[bool]:
+    """Whether the table says the fused kernel beats NCCL for this call.
+
+    ``m`` is the global row count (``m_total``), ``n``/``k`` the per-rank weight shape (see
+    :mod:`.keys`). ``False`` where the nearest bucket's measured ``flux_ms`` is greater than its
+    ``nccl_ms``; ``True`` where it is not; ``None`` when unknown (no entry for this GPU/TP/dtype/
+    op/n/k, or the entry lacks either time, or ``dtype`` is not one the tables know).
+    Cached per argument tuple.
+    """
+    ck = (op, m, n, k, str(dtype), tp, device if isinstance(device, tuple) else _device_cache_key(device))
+    try:
+        return _DECISIONS[ck]
+    except KeyError:
+        pass
+    try:
+        hit = lookup_entry(op, m, n, k, dtype, tp, device)
+    except ValueError as exc:
+        from megatron_flux.tuning.schema import TuningFileError
+
+        if isinstance(exc, TuningFileError):
+            raise
+        hit = None  # a dtype the tables have no key for: unknown
+    decision = None
+    if hit is not None:
+        e = hit[0]
+        if e.flux_ms is not None and e.nccl_ms is not None:
+            decision = not (e.flux_ms > e.nccl_ms)
+    with _LOCK:
+        _DECISIONS[ck] = decision
+    return decision
+
+
+def _device_cache_key(device) -> tuple:
+    t = getattr(device, "type", None)
+    return (t, getattr(device, "index", None)) if t is not None else (str(device),)
+
+
+def clear_caches() -> None:
+    with _LOCK:
+        _DECISIONS.clear()
+
+
+class TableConfigProvider:
+    """``FluxBackend(config_provider=TableConfigProvider())``: the table's GemmConfig at the
+    nearest m-bucket, else :func:`~megatron_flux.kernels.config.default_config`.
+
+    ``FluxBackend.config`` caches the answer per shape, and passes ``dtype``, ``tp`` and
+    ``device`` because this provider sets ``accepts_context``; a call without them (a caller that
+    does not know the device) gets the heuristic default.
+    """
+
+    accepts_context = True
+
+    def __call__(self, op: str, m_total: int, n: int, k: int, *, dtype=None, tp=None, device=None):
+        from megatron_flux.kernels.config import default_config
+
+        if dtype is not None and tp is not None and device is not None:
+            try:
+                hit = lookup_entry(op, m_total, n, k, dtype, tp, device)
+            except ValueError as exc:
+                from megatron_flux.tuning.schema import TuningFileError
+
+                if isinstance(exc, TuningFileError):
+                    raise
+                hit = None
+            if hit is not None:
+                return hit[0].config
+        return default_config(op, m_total, n, k)
