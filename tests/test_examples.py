@@ -1,0 +1,308 @@
+"""CPU checks of the examples: model configs, argument expansion, fusion fallbacks, the spec hook,
+the custom-model spec, the launchers' refusal without GPUs. The pretrain flow through
+megatron.training runs only where it imports (Python >= 3.12, megatron-core 0.19) and CUDA is
+present (Megatron's argument validation queries the GPU)."""
+
+import argparse
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+CONFIGS = sorted((REPO / "configs").glob("*.json"))
+sys.path.insert(0, str(EXAMPLES))
+
+import pretrain_support as ps  # noqa: E402
+
+
+def _load_example(name):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---------------------------------------------------------------- model configs
+
+
+def test_the_three_model_configs_exist():
+    assert {p.name for p in CONFIGS} >= {"tiny_smoke.json", "llama3_8b_16l.json",
+                                         "gpt3_175b_4l.json"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_shapes_fit_tp2(path):
+    cfg = ps.load_model_config(str(path))
+    h, heads = cfg["hidden-size"], cfg["num-attention-heads"]
+    assert h % heads == 0 and heads % 2 == 0 and cfg["ffn-hidden-size"] % 2 == 0
+    assert cfg.get("num-query-groups", heads) % 2 == 0
+    assert cfg["seq-length"] * cfg["micro-batch-size"] % 2 == 0  # sequence parallel split
+    assert cfg["vocab-size"] > 0 and cfg["num-layers"] >= 1
+    assert cfg["global-batch-size"] % cfg["micro-batch-size"] == 0
+    for key in cfg:
+        assert not key.startswith("-") and "_" not in key  # Megatron's dashed names
+
+
+def test_llama_and_gpt_configs_have_their_shapes():
+    llama = ps.load_model_config(str(REPO / "configs/llama3_8b_16l.json"))
+    assert (llama["hidden-size"], llama["ffn-hidden-size"], llama["num-attention-heads"],
+            llama["num-query-groups"], llama["vocab-size"]) == (4096, 14336, 32, 8, 128256)
+    assert llama["normalization"] == "RMSNorm" and llama["swiglu"] is True
+    assert llama["position-embedding-type"] == "rope" and llama["disable-bias-linear"] is True
+    gpt = ps.load_model_config(str(REPO / "configs/gpt3_175b_4l.json"))
+    assert (gpt["hidden-size"], gpt["ffn-hidden-size"], gpt["num-attention-heads"]) == (
+        12288, 49152, 96)
+    assert gpt["normalization"] == "LayerNorm" and "swiglu" not in gpt
+    # parameter memory per GPU at TP=2 (bf16 + fp32 main grad + fp32 master + Adam = 18 B)
+    # leaves room on a 141 GB H200
+    for cfg, gated in ((llama, True), (gpt, False)):
+        h, f, L, v = cfg["hidden-size"], cfg["ffn-hidden-size"], cfg["num-layers"], cfg["vocab-size"]
+        kv = h * cfg.get("num-query-groups", cfg["num-attention-heads"]) // cfg["num-attention-heads"]
+        per_layer = h * (h + 2 * kv) + h * h + (3 if gated else 2) * h * f
+        emb = v * h * (2 if cfg.get("untie-embeddings-and-output-weights") else 1)
+        assert (L * per_layer + emb) / 2 * 18 / 1e9 < 100
+
+
+def test_config_comment_keys_dropped_and_bad_configs_refused(tmp_path):
+    good = tmp_path / "c.json"
+    good.write_text('{"_comment": "x", "num-layers": 2, "swiglu": true, "bf16": false, '
+                    '"seed": null, "split": [99, 1, 0]}')
+    cfg = ps.load_model_config(str(good))
+    assert "_comment" not in cfg
+    assert ps.config_to_argv(cfg) == ["--num-layers", "2", "--swiglu", "--split", "99", "1", "0"]
+    for text in ('["num-layers"]', '{"--num-layers": 2}', '{"a": {"b": 1}}', "{nope"):
+        good.write_text(text)
+        with pytest.raises(ps.ModelConfigError):
+            ps.load_model_config(str(good))
+    with pytest.raises(ps.ModelConfigError):
+        ps.load_model_config(str(tmp_path / "missing.json"))
+
+
+def test_model_config_expands_first_so_command_line_wins(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text('{"num-layers": 2, "hidden-size": 64}')
+    argv = ps.expand_model_config_argv(
+        ["--flux-tp-overlap", "--model-config", str(path), "--num-layers", "4"])
+    assert argv == ["--num-layers", "2", "--hidden-size", "64", "--flux-tp-overlap",
+                    "--num-layers", "4"]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-layers", type=int)
+    parser.add_argument("--hidden-size", type=int)
+    parser.add_argument("--flux-tp-overlap", action="store_true")
+    assert parser.parse_args(argv).num_layers == 4
+    assert ps.expand_model_config_argv([f"--model-config={path}"]) == [
+        "--num-layers", "2", "--hidden-size", "64"]
+    with pytest.raises(ps.ModelConfigError):
+        ps.expand_model_config_argv(["--model-config"])
+
+
+def test_pretrain_support_cli_prints_config_args():
+    out = subprocess.run([sys.executable, str(EXAMPLES / "pretrain_support.py"),
+                          str(REPO / "configs/tiny_smoke.json")],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out[:2] == ["--num-layers", "2"] and "--swiglu" in out
+
+
+# ---------------------------------------------------------------- fusions, spec hook
+
+
+def test_unavailable_fusions_turned_off_and_reported(monkeypatch):
+    monkeypatch.setattr(ps, "unavailable_fusions", lambda: {
+        "gradient_accumulation_fusion": "a", "masked_softmax_fusion": "b",
+        "apply_rope_fusion": "c", "persist_layer_norm": "d"})
+    args = argparse.Namespace(gradient_accumulation_fusion=True, masked_softmax_fusion=True,
+                              apply_rope_fusion=False, no_persist_layer_norm=False,
+                              bias_dropout_fusion=True)
+    messages = ps.disable_unavailable_fusions(args)
+    assert not args.gradient_accumulation_fusion and not args.masked_softmax_fusion
+    assert args.no_persist_layer_norm is True and args.bias_dropout_fusion is True
+    assert len(messages) == 3  # rope was already off
+
+
+def test_unavailable_fusions_follow_megatrons_own_checks(monkeypatch):
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.tensor_parallel import layers
+
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", False)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", None)
+    missing = ps.unavailable_fusions()
+    assert {"gradient_accumulation_fusion", "apply_rope_fusion"} <= set(missing)
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", True)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", object())
+    missing = ps.unavailable_fusions()
+    assert "gradient_accumulation_fusion" not in missing and "apply_rope_fusion" not in missing
+
+
+def _llama_config(**kw):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                ffn_hidden_size=128, normalization="RMSNorm", gated_linear_unit=True,
+                activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=True)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def test_spec_hook_off_without_the_flag():
+    assert ps.flux_layer_spec_hook(argparse.Namespace(flux_tp_overlap=False)) is None
+
+
+def test_spec_hook_gives_the_flux_block_spec(monkeypatch):
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from megatron_flux import FluxColumnParallelLinear, FluxRowParallelLinear
+    from megatron_flux.layers.norms import SequenceParallelRMSNorm
+
+    # the block spec asks parallel_state for this pipeline stage: one stage, rank 0
+    for name, value in (("get_pipeline_model_parallel_world_size", 1),
+                        ("get_pipeline_model_parallel_rank", 0),
+                        ("get_virtual_pipeline_model_parallel_world_size", None)):
+        monkeypatch.setattr(parallel_state, name, lambda *a, _v=value, **k: _v, raising=False)
+    args = argparse.Namespace(flux_tp_overlap=True, flux_backend="nccl", normalization="RMSNorm",
+                              flux_keep_gathered_input=True, qk_l2_norm=False)
+    hook = ps.flux_layer_spec_hook(args)
+    assert "vp_stage" in inspect.signature(hook).parameters  # GPTModelBuilder passes it
+    config = _llama_config()
+    model_cfg = argparse.Namespace(transformer=config)  # stands in for GPTModelConfig
+    spec = hook(model_cfg, vp_stage=None)
+    assert isinstance(spec, TransformerBlockSubmodules) and len(spec.layer_specs) == 2
+    assert spec.layer_norm is SequenceParallelRMSNorm
+    layer = spec.layer_specs[0].submodules
+    assert issubclass(layer.self_attention.submodules.linear_qkv, FluxColumnParallelLinear)
+    assert issubclass(layer.self_attention.submodules.linear_proj, FluxRowParallelLinear)
+    assert layer.self_attention.submodules.linear_qkv is FluxColumnParallelLinear.with_backend("nccl")
+    assert layer.input_layernorm is SequenceParallelRMSNorm
+    assert config.flux_keep_gathered_input is True
+
+
+# ---------------------------------------------------------------- custom model
+
+
+@pytest.mark.parametrize("mode", ["flux", "swap"])
+def test_custom_model_spec(mode):
+    from megatron_flux import FluxColumnParallelLinear, FluxRowParallelLinear
+    from megatron_flux.layers.norms import SequenceParallelRMSNorm
+
+    cm = _load_example("custom_model")
+    args = cm.parse_args(["--num-layers", "3"])
+    config = cm.llama_config(2, args, use_cpu_initialization=True)
+    assert config.sequence_parallel and config.normalization == "RMSNorm"
+    assert not (config.gradient_accumulation_fusion or config.masked_softmax_fusion
+                or config.apply_rope_fusion)
+    spec = cm.llama_block_spec(config, mode, backend="nccl")
+    assert len(spec.layer_specs) == 3 and spec.layer_norm is SequenceParallelRMSNorm
+    sub = spec.layer_specs[0].submodules
+    assert issubclass(sub.self_attention.submodules.linear_qkv, FluxColumnParallelLinear)
+    mlp = sub.mlp
+    mlp_sub = mlp.keywords["submodules"] if hasattr(mlp, "keywords") else mlp.submodules
+    assert issubclass(mlp_sub.linear_fc2, FluxRowParallelLinear)
+    assert sub.input_layernorm is SequenceParallelRMSNorm
+    assert sub.pre_mlp_layernorm is SequenceParallelRMSNorm
+
+
+def test_custom_model_says_it_needs_gpus():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the example would train")
+    res = subprocess.run([sys.executable, str(EXAMPLES / "custom_model.py"), "--steps", "1"],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode != 0 and "NVIDIA GPUs" in res.stderr
+
+
+# ---------------------------------------------------------------- launchers
+
+
+SCRIPTS = ["pretrain_llama.sh", "pretrain_gpt.sh", "device_smoke.sh", "_common.sh"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_shell_scripts_parse(script):
+    subprocess.run(["bash", "-n", str(EXAMPLES / script)], check=True)
+
+
+@pytest.mark.parametrize("script", ["pretrain_llama.sh", "pretrain_gpt.sh"])
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_launchers_refuse_without_two_gpus(tmp_path, script, gpus):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    smi = fake / "nvidia-smi"
+    lines = "".join(f"echo 'GPU {i}: NVIDIA H200 (UUID: x)'\n" for i in range(gpus))
+    smi.write_text("#!/bin/sh\n" + lines)
+    smi.chmod(0o755)
+    res = subprocess.run(["bash", str(EXAMPLES / script)], capture_output=True, text=True,
+                         env={**os.environ, "PATH": f"{fake}:/usr/bin:/bin"})
+    assert res.returncode == 2
+    assert f"at least 2 NVIDIA GPUs (found {gpus}" in res.stderr
+
+
+def test_launchers_pass_the_flag_tp_and_sequence_parallel():
+    common = (EXAMPLES / "_common.sh").read_text()
+    for needed in ('--tensor-model-parallel-size "${NPROC}"', "--sequence-parallel",
+                   "--transformer-impl local", "--mock-data", "--tokenizer-type NullTokenizer",
+                   "--log-throughput", "--nproc-per-node \"${NPROC}\""):
+        assert needed in common, needed
+    assert "--no-index" in common  # offline install from the carried wheel
+    for script, config in (("pretrain_llama.sh", "configs/llama3_8b_16l.json"),
+                           ("pretrain_gpt.sh", "configs/gpt3_175b_4l.json")):
+        text = (EXAMPLES / script).read_text()
+        assert "--flux-tp-overlap" in text and config in text and "require_gpus 2" in text
+
+
+# ---------------------------------------------------------------- megatron.training flow
+
+
+def _megatron_training_or_skip():
+    try:
+        import megatron.training  # noqa: F401
+        import megatron.training.argument_utils  # noqa: F401
+    except Exception as exc:  # Python < 3.12 (typing.override), megatron-core < 0.19
+        pytest.skip(f"megatron.training is not importable here: {type(exc).__name__}: {exc}")
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("Megatron's argument validation queries the GPU (needs CUDA)")
+
+
+_FLOW = r"""
+import sys
+sys.argv = ["pretrain_gpt.py"] + sys.argv[1:]
+import importlib.util
+spec = importlib.util.spec_from_file_location("pretrain_gpt", sys.argv.pop(1))
+mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+args, full = mod.make_pretrain_config()
+t = full.model.transformer
+hook = full.model.transformer_layer_spec
+print("RESULT", args.flux_tp_overlap, args.flux_backend, t.sequence_parallel,
+      t.tensor_model_parallel_size, t.normalization, t.num_layers,
+      t.gradient_accumulation_fusion and not
+      __import__("megatron.core.tensor_parallel.layers", fromlist=["x"])._grad_accum_fusion_available,
+      hook is not None and hook.__name__)
+"""
+
+
+def test_pretrain_flow_parses_flag_and_swaps_spec():
+    _megatron_training_or_skip()
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
+           "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run(
+        [sys.executable, "-c", _FLOW, str(EXAMPLES / "pretrain_gpt.py"),
+         "--model-config", str(REPO / "configs/tiny_smoke.json"),
+         "--tensor-model-parallel-size", "2", "--sequence-parallel", "--transformer-impl", "local",
+         "--mock-data", "--tokenizer-type", "NullTokenizer", "--train-iters", "2",
+         "--flux-tp-overlap", "--flux-backend", "nccl"],
+        capture_output=True, text=True, env=env, timeout=600)
+    line = [l for l in res.stdout.splitlines() if l.startswith("RESULT")]
+    assert res.returncode == 0 and line, res.stderr[-3000:]
+    assert line[0].split()[1:] == ["True", "nccl", "True", "2", "RMSNorm", "2", "False",
+                                   "flux_layer_spec"]
