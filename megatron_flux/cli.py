@@ -15,7 +15,8 @@ USAGE = """usage: megatron-flux {bench,tune} [options]
 subcommands:
   bench   FLUX-style benchmark of AG+GEMM / GEMM+RS methods (run under torchrun;
           see `megatron-flux bench --help`)
-  tune    tile-configuration tuner for the fused kernels (not available yet)
+  tune    per-shape search of the fused kernels' settings, with the nccl time, written
+          as a tuning table (run under torchrun; see `megatron-flux tune --help`)
 """
 
 
@@ -31,9 +32,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return bench_main(rest)
     if cmd == "tune":
-        print("megatron-flux tune: not available yet — the kernel tuner has not been written. "
-              "Use `megatron-flux bench` to measure the current configuration.", file=sys.stderr)
-        return 2
+        from megatron_flux.tuning.search import main as tune_main
+
+        return tune_main(rest)
     print(f"megatron-flux: unknown subcommand {cmd!r}\n\n{USAGE}", file=sys.stderr, end="")
     return 2
 

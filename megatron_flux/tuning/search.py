@@ -1,0 +1,452 @@
+"""``megatron-flux tune``: search the fused kernels' settings per op and m-bucket on this machine.
+
+Run under torchrun, one process per GPU of the TP group::
+
+    torchrun --nproc-per-node 2 -m megatron_flux.tune --models llama3-8b --m-set all
+    torchrun --nproc-per-node 2 --no-python megatron-flux tune --shapes ag:14336:4096 --m 4096
+
+For every ``(op, n, k)`` (from ``--models`` / ``--model-shapes`` / ``--model-config`` like the
+benchmark, or ``--shapes OP:N:K`` in the per-rank form the table keys) and every m-bucket:
+
+1. **candidates** (:func:`generate_candidates`): ``default_config`` first, then GemmConfig
+   variations ordered by how many knobs differ from it (all one-knob changes, then pairs, ...),
+   filtered by validity and a shared-memory budget, at most ``--max-candidates``;
+2. **check**: each candidate runs once through ``FluxBackend`` with that fixed config
+   (communication on) and its output is compared with the ``nccl`` backend's on fp32 copies;
+   a candidate that raises or misses ``--max-rel-err`` on any rank is dropped on all;
+3. **screen**: one short interleaved trial of all survivors;
+4. **final**: the best ``--top`` plus the default, and ``nccl``, timed in ``--trials``
+   interleaved trials (:func:`megatron_flux.bench.timing.time_interleaved`: max over ranks per
+   trial, median over trials). The winner is the fastest median; as the default is always in
+   the final, the tuned config is never slower than the untuned one *in this measurement*.
+
+The table records the winner's config (``"tuned": true``), its ``flux_ms`` and the ``nccl_ms`` of
+the same trials, so ``auto`` can take ``nccl`` where even the best fused config loses. Results
+are merged into ``--out`` (default ``configs/tuning/<gpu>-sm<sms>-tp<tp>-<dtype>.json``); copy
+it to ``megatron_flux/tuning/tables/`` to ship it, or point ``--flux-config`` /
+``$MEGATRON_FLUX_CONFIG`` at it.
+
+Knobs the issue lists that the kernels do not expose yet (no GemmConfig field), so they are not
+searched and are reported in the table's ``search.not_searched``: AllGather pull vs push (the
+backend always pushes with the copy engine) and the comm side-stream priority (fixed at -1).
+``--dry-run`` prints the plan (shapes, buckets, candidate counts) without GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import itertools
+import json
+import os
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron_flux.tuning.keys import OPS, dtype_key, normalize_op
+
+#: knob -> values searched (GemmConfig fields); chunk_rows only for AG (RS ignores it)
+SEARCH_SPACE: Dict[str, Tuple] = {
+    "block_m": (64, 128, 256),
+    "block_n": (64, 128, 256),
+    "block_k": (32, 64, 128),
+    "num_stages": (2, 3, 4, 5),
+    "num_warps": (4, 8),
+    "group_m": (1, 4, 8, 16),
+    "chunk_rows": (256, 512, 1024, 2048, 4096),
+    "epilogue_split": (1, 2),
+    "flatten": (True, False),
+    "warp_specialize": (False, True),
+}
+NOT_SEARCHED = {
+    "ag_pull_vs_push": "the AG backend always pushes shards with the copy engine; no pull variant exists",
+    "comm_stream_priority": "the AG side stream is created with priority -1; not a GemmConfig field",
+}
+#: Hopper: 227 KiB of shared memory per block
+SMEM_BYTES = 227 * 1024
+DEFAULT_OUT_DIR = os.path.join("configs", "tuning")
+
+
+def smem_bytes(cfg, elem_bytes: int = 2) -> int:
+    """Shared memory a config needs: the A/B pipeline stages plus one epilogue tile."""
+    stages = cfg.num_stages * (cfg.block_m * cfg.block_k + cfg.block_k * cfg.block_n) * elem_bytes
+    epilogue = cfg.block_m * (cfg.block_n // cfg.epilogue_split) * elem_bytes
+    return stages + epilogue
+
+
+def _pow2_at_least(x: int) -> int:
+    p = 1
+    while p < x:
+        p *= 2
+    return p
+
+
+def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_candidates: int = 48,
+                        space: Optional[Dict[str, Sequence]] = None, elem_bytes: int = 2,
+                        smem_limit: int = SMEM_BYTES) -> List:
+    """Configs to try for one shape: the default first, then variations by distance from it.
+
+    Distance = number of knobs that differ from ``default_config``; within a distance the order
+    is the product order of ``space`` (deterministic, so every rank builds the same list).
+    Filters: ``GemmConfig`` validity, shared memory ``<= smem_limit``, ``block_m`` no larger
+    than the rows per rank segment rounded up to a power of two (at least 64), ``block_n`` /
+    ``block_k`` no larger than ``n`` / ``k`` rounded up, and for AG ``chunk_rows`` below the rows
+    of a segment (a chunk that large is one chunk: the default already covers it). RS keeps the
+    default ``chunk_rows`` (it has no chunked copy). ``flatten`` / ``warp_specialize`` are
+    searched for both ops.
+    """
+    from megatron_flux.kernels.config import GemmConfig, default_config
+
+    op = normalize_op(op)
+    if m_total % tp:
+        raise ValueError(f"m={m_total} is not divisible by tp={tp}")
+    space = dict(SEARCH_SPACE if space is None else space)
+    base = default_config(op, m_total, n, k)
+    m_local = m_total // tp
+    if op == "rs":
+        space["chunk_rows"] = (base.chunk_rows,)
+    knobs = [f for f in space if f in {x.name for x in dataclasses.fields(GemmConfig)}]
+    unknown = set(space) - set(knobs)
+    if unknown:
+        raise ValueError(f"search space has knobs GemmConfig does not have: {sorted(unknown)}")
+    bm_max = max(64, _pow2_at_least(m_local))
+    seen = {base}
+    scored = []
+    for i, values in enumerate(itertools.product(*(space[f] for f in knobs))):
+        changes = {f: v for f, v in zip(knobs, values) if getattr(base, f) != v}
+        if not changes:
+            continue
+        try:
+            cfg = dataclasses.replace(base, **changes)
+        except (ValueError, TypeError):
+            continue
+        if cfg in seen:
+            continue
+        if smem_bytes(cfg, elem_bytes) > smem_limit:
+            continue
+        if cfg.block_m > bm_max or cfg.block_n > max(64, _pow2_at_least(n)) or cfg.block_k > max(32, _pow2_at_least(k)):
+            continue
+        if op == "ag" and "chunk_rows" in changes and cfg.chunk_rows >= m_local:
+            continue
+        seen.add(cfg)
+        scored.append((len(changes), i, cfg))
+    scored.sort(key=lambda t: (t[0], t[1]))
+    out = [base] + [c for _, _, c in scored]
+    return out[:max(1, max_candidates)]
+
+
+def m_buckets(ms: Sequence[int], tp: int) -> List[int]:
+    """Sorted distinct m-buckets; each must be a positive multiple of ``tp``."""
+    out = sorted(set(int(m) for m in ms))
+    bad = [m for m in out if m < 1 or m % tp]
+    if bad:
+        raise ValueError(f"m-buckets {bad} must be positive multiples of tp={tp}")
+    return out
+
+
+def parse_shape(spec: str) -> Tuple[str, int, int]:
+    """``ag:14336:4096`` -> ``("ag", 14336, 4096)`` (per-rank n and k, as the table keys them)."""
+    parts = spec.split(":")
+    if len(parts) != 3:
+        raise ValueError(f"shape {spec!r} must look like OP:N:K (OP: ag or rs; per-rank n, k)")
+    op = normalize_op(parts[0])
+    try:
+        n, k = int(parts[1]), int(parts[2])
+    except ValueError:
+        raise ValueError(f"shape {spec!r}: N and K must be integers") from None
+    if n < 1 or k < 1:
+        raise ValueError(f"shape {spec!r}: N and K must be positive")
+    return op, n, k
+
+
+def model_shape_from_config(path: str):
+    """A :class:`~megatron_flux.bench.grid.ModelShape` from a model config file (JSON, or YAML
+    when PyYAML is installed) with Megatron's ``hidden_size`` and ``ffn_hidden_size``; gated
+    MLPs (``swiglu`` or ``gated_linear_unit`` true) get ``fc1 = 2 * ffn``."""
+    from megatron_flux.bench.grid import ModelShape
+
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            import yaml
+        except ImportError:
+            raise ValueError(f"{path}: not JSON, and PyYAML is not installed to read YAML") from None
+        cfg = yaml.safe_load(text)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a mapping of model settings")
+    for sub in ("model", "model_config"):  # nested layouts
+        if isinstance(cfg.get(sub), dict) and "hidden_size" not in cfg:
+            cfg = cfg[sub]
+    try:
+        hidden = int(cfg["hidden_size"])
+        ffn = int(cfg.get("ffn_hidden_size") or 4 * hidden)
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{path}: needs hidden_size (and ffn_hidden_size)") from None
+    gated = bool(cfg.get("swiglu") or cfg.get("gated_linear_unit"))
+    name = os.path.splitext(os.path.basename(path))[0]
+    return ModelShape(name, hidden=hidden, fc1=2 * ffn if gated else ffn, ffn=ffn)
+
+
+def plan_shapes(args: argparse.Namespace, tp: int) -> List[Tuple[str, int, int, Optional[str]]]:
+    """``(op, n, k, model)`` per-rank shapes to tune, deduplicated, in a stable order."""
+    from megatron_flux.bench import grid as G
+
+    out: List[Tuple[str, int, int, Optional[str]]] = []
+    seen = set()
+    custom = [G.parse_model_shape(s) for s in args.model_shapes]
+    custom += [model_shape_from_config(p) for p in args.model_config]
+    names = list(args.models or [])
+    if not names and not args.shapes:
+        names = [m.name for m in custom] or list(G.MODELS)
+    names += [m.name for m in custom if m.name not in names]
+    for model in G.select_models(names, custom):
+        for op in args.ops:
+            case = G.case_for(G.AG_GEMM if op == "ag" else G.GEMM_RS, model, tp, args.rs_k)
+            k_loc, n_loc = case.local_shapes(tp)["b"]
+            if (op, n_loc, k_loc) not in seen:
+                seen.add((op, n_loc, k_loc))
+                out.append((op, n_loc, k_loc, model.name))
+    for spec in args.shapes:
+        op, n, k = parse_shape(spec)
+        if (op, n, k) not in seen:
+            seen.add((op, n, k))
+            out.append((op, n, k, None))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from megatron_flux.bench import grid as G
+
+    p = argparse.ArgumentParser(
+        prog="megatron-flux tune",
+        description="Search the fused kernels' settings per op and m-bucket on this machine's GPUs "
+        "and TP size (run under torchrun); write a tuning table with the nccl time per entry.")
+    g = p.add_argument_group("what to tune")
+    g.add_argument("--models", nargs="+", default=None, help=f"benchmark models ({', '.join(G.MODELS)})")
+    g.add_argument("--model-shapes", nargs="+", default=[], metavar="NAME:H:FC1:FFN")
+    g.add_argument("--model-config", nargs="+", default=[], metavar="PATH",
+                   help="model config files (JSON/YAML with hidden_size, ffn_hidden_size, swiglu)")
+    g.add_argument("--shapes", nargs="+", default=[], metavar="OP:N:K",
+                   help="explicit per-rank weight shapes as the table keys them (ag: n=fc1/tp, k=hidden; "
+                   "rs: n=hidden, k=fc2_in/tp)")
+    g.add_argument("--ops", nargs="+", default=list(OPS), type=normalize_op, help="ag and/or rs (AG+GEMM, GEMM+RS)")
+    g.add_argument("--m", "--ms", dest="m", nargs="+", type=int, default=None, help="m-buckets (global tokens)")
+    g.add_argument("--m-set", choices=("all", "large", "small"), default="all",
+                   help="default buckets: the benchmark grid's m (large), small m, or both")
+    g.add_argument("--rs-k", choices=G.RS_K_CHOICES, default=G.RS_K_CHOICES[0])
+    g.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    s = p.add_argument_group("search")
+    s.add_argument("--max-candidates", type=int, default=48, help="configs per (shape, m), default first")
+    s.add_argument("--top", type=int, default=4, help="screened configs that go on to the final (plus the default)")
+    s.add_argument("--screen-iters", type=int, default=5)
+    s.add_argument("--trials", type=int, default=5, help="interleaved final trials (median)")
+    s.add_argument("--iters", type=int, default=10)
+    s.add_argument("--warmup", type=int, default=3)
+    s.add_argument("--max-rel-err", type=float, default=None, help="default: the benchmark's threshold for the dtype")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--timeout-s", type=float, default=900.0)
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default=None, help=f"table file (default: {DEFAULT_OUT_DIR}/<gpu>-sm<sms>-tp<tp>-<dtype>.json)")
+    o.add_argument("--no-merge", action="store_true", help="overwrite --out instead of merging into it")
+    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--dry-run", action="store_true", help="print the plan and candidate counts; no GPU needed")
+    o.add_argument("--tp", type=int, default=None, help="TP size for --dry-run (default: WORLD_SIZE or 2)")
+    return p
+
+
+def resolve_ms(args: argparse.Namespace, tp: int) -> List[int]:
+    from megatron_flux.bench import grid as G
+
+    if args.m:
+        return m_buckets(args.m, tp)
+    ms = {"large": G.LARGE_M, "small": G.SMALL_M, "all": G.SMALL_M + G.LARGE_M}[args.m_set]
+    return m_buckets(ms, tp)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    for name in ("max_candidates", "top", "screen_iters", "trials", "iters"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    try:
+        for spec in args.shapes:
+            parse_shape(spec)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def dry_run(args: argparse.Namespace, out=sys.stdout) -> int:
+    tp = args.tp or int(os.environ.get("WORLD_SIZE", "2"))
+    ms = resolve_ms(args, tp)
+    shapes = plan_shapes(args, tp)
+    total = 0
+    for op, n, k, model in shapes:
+        for m in ms:
+            c = len(generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates))
+            total += c
+            print(f"{op} n={n} k={k} m={m}{'  (' + model + ')' if model else ''}: {c} candidates", file=out)
+    print(f"{len(shapes)} shapes x {len(ms)} m-buckets, {total} candidate runs, TP={tp}, {args.dtype}", file=out)
+    return 0
+
+
+# --------------------------------------------------------------------------- GPU part
+def _global_case(op: str, n: int, k: int, m: int, tp: int, model: Optional[str]):
+    from megatron_flux.bench import grid as G
+
+    if op == "ag":
+        return G.Case(G.AG_GEMM, model or "custom", m, n=n * tp, k=k)
+    return G.Case(G.GEMM_RS, model or "custom", m, n=n, k=k * tp)
+
+
+def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, holder, bar) -> dict:
+    """Check, screen and time the candidates of one (shape, m) on every rank; the entry dict."""
+    import torch
+
+    from megatron_flux.backends import get_backend
+    from megatron_flux.bench import methods as M
+    from megatron_flux.bench.timing import agree_flags, median, time_interleaved
+
+    case = _global_case(op, n, k, m, tp, model)
+    inp = M.make_inputs(case, tp, rank, dtype=dtype, device=device, seed=args.seed)
+    M.gather_inputs(inp, group)
+    ref = M.reference_output(inp, group)
+    out = torch.empty(case.local_shapes(tp)["out"], device=device, dtype=dtype)
+    threshold = args.max_rel_err if args.max_rel_err is not None else M.default_max_rel_err(dtype)
+    cands = generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates)
+    flux_call = M._backend_fn(flux, inp, group, out)
+
+    def use(cfg):
+        if holder[0] is not cfg:
+            holder[0] = cfg
+            flux.clear_config_cache()
+
+    def fn_for(cfg):
+        def call():
+            use(cfg)
+            return flux_call()
+        return call
+
+    # check every candidate's output against the fp32 nccl reference (same order on all ranks)
+    bad = []
+    for cfg in cands:
+        try:
+            err = M.rel_err(fn_for(cfg)(), ref)
+        except Exception:  # compile or launch failure: identical config on every rank
+            err = float("inf")
+        bad.append(not err <= threshold)
+        bar.update(1)
+    bad = agree_flags(bad, group, device)
+    ok = [c for c, b in zip(cands, bad) if not b]
+    if not ok:
+        raise RuntimeError(f"{op} n={n} k={k} m={m}: no candidate passed the output check")
+    names = {f"c{i}": c for i, c in enumerate(ok)}
+    screen = time_interleaved({nm: fn_for(c) for nm, c in names.items()}, trials=1,
+                              iters=args.screen_iters, warmup=1, group=group, device=device)
+    ranked = sorted((t[0], nm) for nm, t in screen.trials_ms.items())
+    finalists = [nm for _, nm in ranked[:args.top]]
+    base = cands[0]
+    if base in ok and "c0" not in finalists:
+        finalists.append("c0")  # the default always competes: tuned >= untuned by construction
+    fns = {nm: fn_for(names[nm]) for nm in finalists}
+    fns["nccl"] = M._backend_fn(get_backend("nccl"), inp, group, out)
+    final = time_interleaved(fns, trials=args.trials, iters=args.iters, warmup=args.warmup,
+                             group=group, device=device)
+    meds = {nm: median(t) for nm, t in final.trials_ms.items()}
+    flux_meds = {nm: v for nm, v in meds.items() if nm != "nccl"}
+    if not flux_meds:
+        raise RuntimeError(f"{op} n={n} k={k} m={m}: every finalist failed: {final.errors}")
+    best = min(flux_meds, key=lambda nm: (flux_meds[nm], nm))
+    entry = {"op": op, "n": n, "k": k, "m": m, "config": names[best].to_dict(), "tuned": True,
+             "flux_ms": flux_meds[best], "nccl_ms": meds.get("nccl"),
+             "notes": {"model": model, "candidates": len(cands), "passed_check": len(ok),
+                       "default_ms": flux_meds.get("c0"), "finalists": len(finalists),
+                       "flux_trials_ms": final.trials_ms.get(best), "nccl_trials_ms": final.trials_ms.get("nccl")}}
+    del inp, ref, out
+    return entry
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        return dry_run(args)
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+        print("megatron-flux tune: needs NVIDIA GPUs (one process per GPU of the TP group, launched "
+              "with torchrun --nproc-per-node <tp>). `--dry-run` shows the plan without GPUs.", file=sys.stderr)
+        return 2
+    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) < 2:
+        print("megatron-flux tune: run under torchrun with >= 2 processes (the TP group).", file=sys.stderr)
+        return 2
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=args.timeout_s), device_id=device)
+    try:
+        return _run(args, dist.group.WORLD, dist.get_rank(), dist.get_world_size(), device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(args, group, rank, tp, device) -> int:
+    import torch
+
+    from megatron_flux.backends import available_backends
+    from megatron_flux.backends.flux import FluxBackend
+    from megatron_flux.tuning.device import device_identity
+    from megatron_flux.tuning.progress import progress
+    from megatron_flux.tuning.schema import Table, default_filename, load_table, merge_tables, validate_table, write_table
+
+    if "flux" not in available_backends():
+        print("megatron-flux tune: the fused backend is unavailable (triton / symmetric memory)", file=sys.stderr)
+        return 2
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    _, sms, gpu_name = device_identity(device)
+    ms = resolve_ms(args, tp)
+    shapes = plan_shapes(args, tp)
+    holder = [None]
+    flux = FluxBackend(config_provider=lambda op, m, n, k: holder[0])
+    total = sum(len(generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates))
+                for op, n, k, _ in shapes for m in ms)
+    bar = progress(total, "tune ", enabled=(rank == 0 and not args.no_progress))
+    entries = []
+    for op, n, k, model in shapes:
+        for m in ms:
+            bar.set_postfix_str(f"{op} n={n} k={k} m={m}")
+            e = tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, holder, bar)
+            entries.append(e)
+            bar.write(f"{op} n={n} k={k} m={m}: flux {e['flux_ms']:.4f} ms (default "
+                      f"{e['notes']['default_ms'] if e['notes']['default_ms'] is not None else float('nan'):.4f}), "
+                      f"nccl {e['nccl_ms'] if e['nccl_ms'] is not None else float('nan'):.4f} ms")
+    bar.close()
+    if rank != 0:
+        return 0
+    out = args.out or os.path.join(DEFAULT_OUT_DIR, default_filename(gpu_name, sms, tp, dtype_key(dtype)))
+    import triton
+
+    obj = {"format": "megatron-flux-tuning", "version": 1, "gpu": {"name": gpu_name, "sms": sms}, "tp": tp,
+           "dtype": dtype_key(dtype), "source": "megatron-flux tune " + " ".join(sys.argv[1:]),
+           "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "environment": {"torch": torch.__version__, "triton": triton.__version__},
+           "search": {"searched": True, "max_candidates": args.max_candidates, "top": args.top,
+                      "trials": args.trials, "iters": args.iters, "rs_k": args.rs_k,
+                      "space": {k: list(v) for k, v in SEARCH_SPACE.items()}, "not_searched": NOT_SEARCHED},
+           "entries": entries}
+    new: Table = validate_table(json.loads(json.dumps(obj)), out)
+    if os.path.exists(out) and not args.no_merge:
+        new = merge_tables(load_table(out), new)
+    write_table(new, out)
+    print(f"wrote {out} ({len(new.entries)} entries)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
