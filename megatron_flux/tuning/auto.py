@@ -9,10 +9,13 @@ are looked up:
 * AG+GEMM: ``m_total = rows(a) * tp`` (``a`` is this rank's shard);
 * GEMM+RS: ``m_total = rows(a)``.
 
-Where the two readings agree (the normal case: a table has an ``(n, k)`` under one op only)
-the concrete backend is returned. Where they disagree, an :class:`AutoDispatch` is returned
-that picks per method, so the choice is still exact. ``None`` (unknown) counts as "fused",
-which is the non-table ``auto`` policy. Cached per ``(op, rows, k, n, dtype, tp, device)``.
+An unknown reading (``None``: no entry) counts as "fused", the non-table ``auto`` policy.
+Where both readings give the same backend (no entry at all, or both fused) it is returned as
+is. Otherwise an :class:`AutoDispatch` is returned that picks per method (``all_gather_matmul``
+is the AG reading, ``matmul_reduce_scatter`` the RS one), so the choice is exact; its ``name``
+says what it picked, e.g. ``auto(ag:nccl,rs:flux)``. Passing ``op`` skips the other reading.
+Cached per ``(op, rows, k, n, dtype, tp, device)``: after the first call of a shape, one dict
+lookup.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ class AutoDispatch(TPOverlapBackend):
         self.fused, self.nccl = fused, nccl
         self.ag = fused if use_fused_ag else nccl
         self.rs = fused if use_fused_rs else nccl
+        self.name = f"auto(ag:{self.ag.name},rs:{self.rs.name})"
+
+    def backend_for(self, op: str) -> TPOverlapBackend:
+        return self.ag if op == "ag" else self.rs
 
     def unsupported_reason(self, a, b, group):
         return self.fused.unsupported_reason(a, b, group)

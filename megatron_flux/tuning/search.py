@@ -282,7 +282,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def dry_run(args: argparse.Namespace, out=sys.stdout) -> int:
+def dry_run(args: argparse.Namespace, out=None) -> int:
+    out = sys.stdout if out is None else out
     tp = args.tp or int(os.environ.get("WORLD_SIZE", "2"))
     ms = resolve_ms(args, tp)
     shapes = plan_shapes(args, tp)

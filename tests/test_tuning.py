@@ -1,0 +1,447 @@
+"""CPU tests of the tuning tables: keys, nearest bucket, lookup, fallback, validation, auto."""
+
+import copy
+import io
+import json
+import os
+
+import pytest
+import torch
+
+from megatron_flux import tuning as T
+from megatron_flux.kernels.config import GemmConfig, default_config
+from megatron_flux.tuning import auto, registry, schema
+from megatron_flux.tuning.keys import dtype_key, nearest_bucket, normalize_gpu_name, normalize_op
+
+H200 = ("NVIDIA H200", 132)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "benchmarks", "results", "bench-h200x2-2026-11-22.json")
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch):
+    monkeypatch.delenv(registry.ENV_FILES, raising=False)
+    monkeypatch.delenv(registry.ENV_SHIPPED, raising=False)
+    T.reset()
+    yield
+    T.reset()
+
+
+def table_obj(**over):
+    cfg = GemmConfig(128, 128, 64, 4, 4, 8).to_dict()
+    obj = {
+        "format": "megatron-flux-tuning", "version": 1,
+        "gpu": {"name": "NVIDIA Test GPU", "sms": 100}, "tp": 2, "dtype": "bf16", "source": "unit test",
+        "entries": [
+            {"op": "ag", "n": 512, "k": 256, "m": 64, "config": dict(cfg, block_n=64), "tuned": True,
+             "flux_ms": 2.0, "nccl_ms": 1.0},
+            {"op": "ag", "n": 512, "k": 256, "m": 1024, "config": dict(cfg, block_m=64), "tuned": True,
+             "flux_ms": 1.0, "nccl_ms": 2.0},
+            {"op": "rs", "n": 256, "k": 256, "m": 256, "config": {"num_stages": 2}, "tuned": False},
+        ],
+    }
+    obj.update(over)
+    return obj
+
+
+def write(tmp_path, obj, name="t.json"):
+    p = tmp_path / name
+    p.write_text(json.dumps(obj))
+    return str(p)
+
+
+TEST_GPU = ("NVIDIA Test GPU", 100)
+
+
+# ---------------------------------------------------------------- keys
+def test_gpu_name_normalisation():
+    assert normalize_gpu_name("NVIDIA H200") == "h200"
+    assert normalize_gpu_name("  nvidia  H100 80GB HBM3 ") == "h100-80gb-hbm3"
+    assert normalize_gpu_name("NVIDIA H200 NVL") == "h200-nvl"
+    with pytest.raises(ValueError):
+        normalize_gpu_name("")
+
+
+def test_dtype_and_op_keys():
+    assert dtype_key(torch.bfloat16) == "bf16" and dtype_key(torch.float16) == "fp16"
+    assert dtype_key("bfloat16") == "bf16" and dtype_key(torch.float32) == "fp32"
+    with pytest.raises(ValueError):
+        dtype_key(torch.int8)
+    assert normalize_op("AG+GEMM") == "ag" and normalize_op("GEMM+RS") == "rs" and normalize_op("rs") == "rs"
+    with pytest.raises(ValueError):
+        normalize_op("allreduce")
+
+
+def test_shape_key_has_every_field():
+    key = T.provider.shape_key("AG+GEMM", 512, 256, torch.bfloat16, 2, ("NVIDIA H200", 132))
+    assert key == T.ShapeKey("h200", 132, 2, "bf16", "ag", 512, 256)
+
+
+# ---------------------------------------------------------------- nearest bucket
+@pytest.mark.parametrize("m,want", [
+    (64, 64), (1, 64), (100, 64), (3000, 4096), (2896, 2048), (2897, 4096), (1024, 1024), (1448, 1024),
+    (1449, 2048), (100000, 8192), (32, 64),
+])
+def test_nearest_bucket_log2(m, want):
+    assert nearest_bucket(m, [8192, 64, 1024, 2048, 4096]) == want
+
+
+def test_nearest_bucket_tie_goes_to_smaller_and_empty_is_none():
+    assert nearest_bucket(32, [16, 64]) == 16
+    assert nearest_bucket(32, [64, 16]) == 16
+    assert nearest_bucket(5, []) is None
+
+
+# ---------------------------------------------------------------- lookup and fallback
+def test_lookup_nearest_bucket_and_config(tmp_path):
+    T.use_table_files([write(tmp_path, table_obj())])
+    prov = T.TableConfigProvider()
+    cfg = prov("ag", 64, 512, 256, dtype=torch.bfloat16, tp=2, device=TEST_GPU)
+    assert cfg.block_n == 64
+    assert prov("ag", 700, 512, 256, dtype=torch.bfloat16, tp=2, device=TEST_GPU).block_m == 64  # -> 1024
+    assert prov("ag", 200, 512, 256, dtype=torch.bfloat16, tp=2, device=TEST_GPU).block_n == 64  # -> 64
+    # missing config fields come from default_config for that shape
+    rs = prov("rs", 256, 256, 256, dtype=torch.bfloat16, tp=2, device=TEST_GPU)
+    assert rs == GemmConfig.from_dict(dict(default_config("rs", 256, 256, 256).to_dict(), num_stages=2))
+
+
+@pytest.mark.parametrize("change", [
+    dict(dtype=torch.float16), dict(n=1024), dict(k=128), dict(op="rs"), "no-context",
+])
+def test_shape_misses_fall_back_to_default_config(tmp_path, change):
+    T.use_table_files([write(tmp_path, table_obj())])
+    args = dict(op="ag", m=64, n=512, k=256, dtype=torch.bfloat16, tp=2, device=TEST_GPU)
+    prov = T.TableConfigProvider()
+    hit = prov(**{"m_total" if a == "m" else a: v for a, v in args.items()})
+    assert hit != default_config("ag", 64, 512, 256)  # the table's block_n=64 config
+    if change == "no-context":
+        got = prov("ag", 64, 512, 256)
+    else:
+        args.update(change)
+        got = prov(**{"m_total" if a == "m" else a: v for a, v in args.items()})
+    assert got == default_config(args["op"], args["m"], args["n"], args["k"])
+
+
+@pytest.mark.parametrize("device,tp", [(("NVIDIA H100", 132), 2), (("NVIDIA H200", 114), 2), (H200, 4)])
+def test_machine_misses_fall_back_without_user_tables(device, tp):
+    """The shipped H200/132 SMs/TP=2 table does not apply to another GPU, SM count or TP."""
+    prov = T.TableConfigProvider()
+    assert prov("rs", 8192, 12288, 24576, dtype=torch.bfloat16, tp=2, device=H200).epilogue_split == 1
+    assert T.prefer_fused("rs", 8192, 12288, 24576, torch.bfloat16, 2, H200) is False
+    assert T.prefer_fused("rs", 8192, 12288, 24576, torch.bfloat16, tp, device) is None
+    got = prov("rs", 8192, 12288, 24576, dtype=torch.bfloat16, tp=tp, device=device)
+    assert got == default_config("rs", 8192, 12288, 24576)
+
+
+def test_unknown_gpu_without_user_tables_is_not_an_error():
+    prov = T.TableConfigProvider()
+    got = prov("ag", 4096, 14336, 4096, dtype=torch.bfloat16, tp=2, device=("Imaginary GPU 9000", 7))
+    assert got == default_config("ag", 4096, 14336, 4096)
+    assert T.prefer_fused("ag", 4096, 14336, 4096, torch.bfloat16, 2, ("Imaginary GPU 9000", 7)) is None
+    # also for dtypes without a key at all
+    assert T.prefer_fused("ag", 4096, 14336, 4096, torch.int8, 2, H200) is None
+
+
+def test_user_table_for_another_machine_is_a_clear_error(tmp_path):
+    path = write(tmp_path, table_obj())
+    T.use_table_files([path])
+    with pytest.raises(T.TuningFileError, match="gpu.name") as ei:
+        T.prefer_fused("ag", 64, 512, 256, torch.bfloat16, 2, H200)
+    assert path in str(ei.value) and "NVIDIA Test GPU" in str(ei.value)
+    T.reset()
+    T.use_table_files([path])
+    with pytest.raises(T.TuningFileError, match="'tp'"):
+        T.prefer_fused("ag", 64, 512, 256, torch.bfloat16, 4, TEST_GPU)
+
+
+def test_user_table_wins_over_shipped_and_env_var(tmp_path, monkeypatch):
+    shipped = T.prefer_fused("ag", 64, 14336, 4096, torch.bfloat16, 2, H200)
+    assert shipped is False  # measured: nccl 0.063 ms, flux 0.138 ms
+    obj = table_obj(gpu={"name": "NVIDIA H200", "sms": 132},
+                    entries=[{"op": "ag", "n": 14336, "k": 4096, "m": 64, "tuned": True,
+                              "config": {}, "flux_ms": 0.01, "nccl_ms": 0.06}])
+    monkeypatch.setenv(registry.ENV_FILES, write(tmp_path, obj, "env.json"))
+    T.reset()
+    assert T.prefer_fused("ag", 64, 14336, 4096, torch.bfloat16, 2, H200) is True
+    # the other buckets still come from the shipped table (merged per key)
+    assert T.prefer_fused("ag", 4096, 14336, 4096, torch.bfloat16, 2, H200) is True
+    assert T.get_index().buckets(T.ShapeKey("h200", 132, 2, "bf16", "ag", 14336, 4096)) == [
+        64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    # --flux-config (use_table_files) beats the environment variable
+    obj2 = copy.deepcopy(obj)
+    obj2["entries"][0].update(flux_ms=0.1, nccl_ms=0.05)
+    T.use_table_files([write(tmp_path, obj2, "flag.json")])
+    T.provider.clear_caches()
+    assert T.prefer_fused("ag", 64, 14336, 4096, torch.bfloat16, 2, H200) is False
+
+
+def test_env_var_directory_and_shipped_off(tmp_path, monkeypatch):
+    d = tmp_path / "tables"
+    d.mkdir()
+    write(d, table_obj(), "a.json")
+    monkeypatch.setenv(registry.ENV_FILES, str(d))
+    monkeypatch.setenv(registry.ENV_SHIPPED, "0")
+    T.reset()
+    assert T.prefer_fused("ag", 64, 512, 256, torch.bfloat16, 2, TEST_GPU) is False
+    assert T.get_index().buckets(T.ShapeKey("h200", 132, 2, "bf16", "ag", 14336, 4096)) == []
+
+
+# ---------------------------------------------------------------- auto decision
+def test_prefer_fused_from_table(tmp_path):
+    T.use_table_files([write(tmp_path, table_obj())])
+    assert T.prefer_fused("ag", 64, 512, 256, torch.bfloat16, 2, TEST_GPU) is False   # 2.0 > 1.0
+    assert T.prefer_fused("ag", 128, 512, 256, torch.bfloat16, 2, TEST_GPU) is False  # nearest 64
+    assert T.prefer_fused("ag", 4096, 512, 256, torch.bfloat16, 2, TEST_GPU) is True  # 1.0 < 2.0
+    assert T.prefer_fused("rs", 256, 256, 256, torch.bfloat16, 2, TEST_GPU) is None   # no times
+    assert T.prefer_fused("rs", 256, 999, 256, torch.bfloat16, 2, TEST_GPU) is None   # unknown n
+
+
+def test_shipped_h200_table_decisions_match_the_benchmark():
+    bench = json.load(open(BENCH))
+    med = {(r["op"], r["m"], r["n"], r["k"], r["method"]): r["median_ms"] for r in bench["rows"]}
+    checked = 0
+    for (op, m, n, k, meth), v in med.items():
+        if meth != "flux":
+            continue
+        local = (n // 2, k) if op == "AG+GEMM" else (n, k // 2)
+        want = not (v > med[(op, m, n, k, "nccl")])
+        assert T.prefer_fused(op, m, *local, torch.bfloat16, 2, H200) is want, (op, m, n, k)
+        checked += 1
+    assert checked == 48
+
+
+def test_shipped_table_is_valid_and_untuned_and_from_the_benchmark():
+    files = T.shipped_table_files()
+    assert [os.path.basename(f) for f in files] == ["h200-sm132-tp2-bf16.json"]
+    t = T.load_table(files[0])
+    assert t.source == "benchmarks/results/bench-h200x2-2026-11-22.json"
+    assert t.tp == 2 and t.sms == 132 and t.gpu == "h200" and t.dtype == "bf16"
+    assert len(t.entries) == 48 and not any(e.tuned for e in t.entries)
+    assert all(e.config == default_config(e.op, e.m, e.n, e.k) for e in t.entries)
+    # regenerating from the committed benchmark gives the same file contents
+    from megatron_flux.tuning.from_bench import table_from_bench
+
+    again = table_from_bench(json.load(open(BENCH)), t.source)
+    assert schema.table_to_dict(again) == schema.table_to_dict(t)
+
+
+def _fake_backends():
+    from megatron_flux.backends.base import TPOverlapBackend
+
+    class Fake(TPOverlapBackend):
+        def __init__(self, name):
+            self.name = name
+            self.calls = []
+
+        def all_gather_matmul(self, a_shard, b, group, **kw):
+            self.calls.append("ag")
+
+        def matmul_reduce_scatter(self, a, b, group, **kw):
+            self.calls.append("rs")
+
+        def all_gather(self, x, group, *, out=None):
+            self.calls.append("all_gather")
+
+        def reduce_scatter(self, x, group, *, out=None):
+            self.calls.append("reduce_scatter")
+
+    return Fake("flux"), Fake("nccl")
+
+
+class _Group:
+    def size(self):
+        return 2
+
+
+@pytest.fixture
+def fake_fused(monkeypatch):
+    """'flux' registered as a fake that supports any operands; the device reads as an H200."""
+    import megatron_flux.backends as B
+    from megatron_flux.tuning import device as D
+
+    fused, nccl = _fake_backends()
+    B._ensure_builtin()
+    monkeypatch.setitem(B._INSTANCES, "flux", fused)
+    monkeypatch.setitem(B._REGISTRY, "flux", fused)
+    monkeypatch.setitem(B._INSTANCES, "nccl", nccl)
+    monkeypatch.setattr(B, "fused_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(D, "device_identity", lambda device: ("h200", 132, "NVIDIA H200"))
+    monkeypatch.setattr(T.provider, "device_identity", lambda device: ("h200", 132, "NVIDIA H200"))
+    return fused, nccl
+
+
+def _picked(impl, op):
+    return impl.backend_for(op) if isinstance(impl, auto.AutoDispatch) else impl
+
+
+def test_resolve_backend_auto_consults_the_table(fake_fused):
+    from megatron_flux.backends import resolve_backend
+
+    fused, nccl = fake_fused
+    bf = torch.bfloat16
+    g = _Group()
+    # llama3-8b AG+GEMM: rank shard [m/2, 4096] @ [4096, 14336]
+    small = resolve_backend("auto", torch.empty(32, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf), g)
+    assert _picked(small, "ag") is nccl       # m=64: flux 0.138 ms > nccl 0.063 ms
+    assert _picked(small, "rs") is fused      # that (n, k) has no RS entry: non-table policy
+    assert small.name == "auto(ag:nccl,rs:flux)"
+    small.all_gather_matmul(None, None, g)
+    assert nccl.calls == ["ag"] and fused.calls == []
+    large = resolve_backend("auto", torch.empty(2048, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf), g)
+    assert large is fused                     # m=4096: flux 0.736 ms < nccl 0.818 ms
+    # GEMM+RS gpt3-175b m=8192: [8192, 24576] @ [24576, 12288]: flux 8.29 > nccl 7.52
+    rs = resolve_backend("auto", torch.empty(8192, 24576, dtype=bf), torch.empty(24576, 12288, dtype=bf), g)
+    assert _picked(rs, "rs") is nccl
+    # the same with the op given: the concrete backend
+    assert resolve_backend("auto", torch.empty(8192, 24576, dtype=bf), torch.empty(24576, 12288, dtype=bf),
+                           g, op="rs") is nccl
+    assert resolve_backend("auto", torch.empty(32, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf),
+                           g, op="ag") is nccl
+    # a shape the table does not know: the non-table policy (fused)
+    unk = resolve_backend("auto", torch.empty(64, 48, dtype=bf), torch.empty(48, 80, dtype=bf), g)
+    assert unk is fused
+    # named backends ignore the table
+    assert resolve_backend("flux", torch.empty(32, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf), g) is fused
+
+
+def test_resolve_backend_auto_dispatches_per_op_when_ambiguous(fake_fused, tmp_path):
+    from megatron_flux.backends import resolve_backend
+
+    fused, nccl = fake_fused
+    # (n, k) = (512, 512) listed under both ops: AG at m = 64*2 = 128 loses, RS at m = 64 wins
+    cfg = {}
+    obj = table_obj(gpu={"name": "NVIDIA H200", "sms": 132}, entries=[
+        {"op": "ag", "n": 512, "k": 512, "m": 128, "config": cfg, "tuned": True, "flux_ms": 2.0, "nccl_ms": 1.0},
+        {"op": "rs", "n": 512, "k": 512, "m": 64, "config": cfg, "tuned": True, "flux_ms": 1.0, "nccl_ms": 2.0},
+    ])
+    T.use_table_files([write(tmp_path, obj)])
+    a, b = torch.empty(64, 512, dtype=torch.bfloat16), torch.empty(512, 512, dtype=torch.bfloat16)
+    impl = resolve_backend("auto", a, b, _Group())
+    assert isinstance(impl, auto.AutoDispatch)
+    impl.all_gather_matmul(a, b, None)
+    impl.matmul_reduce_scatter(a, b, None)
+    assert nccl.calls == ["ag"] and fused.calls == ["rs"]
+    assert resolve_backend("auto", a, b, _Group(), op="rs") is fused
+    assert resolve_backend("auto", a, b, _Group(), op="ag") is nccl
+
+
+def test_auto_decision_is_cached_per_shape(fake_fused, monkeypatch):
+    from megatron_flux.backends import resolve_backend
+
+    calls = []
+    real = auto.prefer_fused
+    monkeypatch.setattr(auto, "prefer_fused", lambda *a: calls.append(a) or real(*a))
+    a, b = torch.empty(32, 4096, dtype=torch.bfloat16), torch.empty(4096, 14336, dtype=torch.bfloat16)
+    for _ in range(5):
+        resolve_backend("auto", a, b, _Group())
+    assert len(calls) == 2  # one lookup per reading (ag, rs), then cached
+
+
+# ---------------------------------------------------------------- validation errors
+BAD = [
+    (lambda o: o.update(format="x"), "format"),
+    (lambda o: o.update(version=99), "version"),
+    (lambda o: o.update(version="1"), "version"),
+    (lambda o: o.pop("source"), "source"),
+    (lambda o: o.update(source=""), "source"),
+    (lambda o: o.update(tp=1), "tp"),
+    (lambda o: o.update(dtype="int8"), "dtype"),
+    (lambda o: o["gpu"].pop("sms"), "gpu.sms"),
+    (lambda o: o["gpu"].update(sms=0), "gpu.sms"),
+    (lambda o: o["gpu"].update(name=""), "gpu.name"),
+    (lambda o: o.update(extra_field=1), "extra_field"),
+    (lambda o: o.update(entries={}), "entries"),
+    (lambda o: o["entries"][1].update(op="ar"), "entries[1].op"),
+    (lambda o: o["entries"][1].update(n=0), "entries[1].n"),
+    (lambda o: o["entries"][1].update(m=65), "entries[1].m"),
+    (lambda o: o["entries"][0].pop("tuned"), "entries[0].tuned"),
+    (lambda o: o["entries"][0].update(flux_ms=-1), "entries[0].flux_ms"),
+    (lambda o: o["entries"][0].update(nccl_ms="fast"), "entries[0].nccl_ms"),
+    (lambda o: o["entries"][0]["config"].update(block_m=100), "entries[0].config"),
+    (lambda o: o["entries"][0]["config"].update(blockm=128), "entries[0].config.blockm"),
+    (lambda o: o["entries"][0]["config"].update(flatten=1), "entries[0].config.flatten"),
+    (lambda o: o["entries"][0]["config"].update(num_warps=4.0), "entries[0].config.num_warps"),
+    (lambda o: o["entries"][2].update(typo=1), "entries[2].typo"),
+    (lambda o: o["entries"].append(copy.deepcopy(o["entries"][0])), "entries[3]"),
+]
+
+
+@pytest.mark.parametrize("mutate,field", BAD, ids=[f for _, f in BAD])
+def test_validation_errors_name_file_and_field(tmp_path, mutate, field):
+    obj = table_obj()
+    mutate(obj)
+    path = write(tmp_path, obj, "broken.json")
+    with pytest.raises(T.TuningFileError) as ei:
+        T.load_table(path)
+    assert ei.value.field == field
+    assert ei.value.path == path
+    assert path in str(ei.value) and repr(field) in str(ei.value)
+
+
+def test_unreadable_files(tmp_path):
+    with pytest.raises(T.TuningFileError, match="no such file"):
+        T.load_table(str(tmp_path / "nope.json"))
+    p = tmp_path / "bad.json"
+    p.write_text("{oops")
+    with pytest.raises(T.TuningFileError, match="not valid JSON") as ei:
+        T.use_table_files([str(p)])
+    assert str(p) in str(ei.value)
+
+
+def test_malformed_file_through_env_var_fails_at_first_lookup(tmp_path, monkeypatch):
+    obj = table_obj()
+    obj["entries"][0]["m"] = "64"
+    monkeypatch.setenv(registry.ENV_FILES, write(tmp_path, obj, "env.json"))
+    with pytest.raises(T.TuningFileError, match=r"env\.json.*entries\[0\]\.m"):
+        T.prefer_fused("ag", 64, 512, 256, torch.bfloat16, 2, TEST_GPU)
+
+
+def test_flux_config_flag_validates_and_installs_the_table(tmp_path):
+    from megatron_flux.arguments import FluxArgumentError, validate_flux_args
+
+    def args(path):
+        import argparse
+
+        return argparse.Namespace(flux_config=path, flux_backend="auto", flux_tp_overlap=True,
+                                  tensor_model_parallel_size=2, sequence_parallel=True,
+                                  tp_comm_overlap=False, transformer_impl="local", spec=None)
+
+    bad = table_obj()
+    bad["entries"][0]["config"]["block_k"] = 3
+    with pytest.raises(FluxArgumentError, match=r"bad\.json.*entries\[0\]\.config"):
+        validate_flux_args(args(write(tmp_path, bad, "bad.json")))
+    good = write(tmp_path, table_obj(), "good.json")
+    validate_flux_args(args(good))
+    assert registry.user_table_files() == [good]
+    assert T.prefer_fused("ag", 64, 512, 256, torch.bfloat16, 2, TEST_GPU) is False
+
+
+# ---------------------------------------------------------------- JSON round trip and merge
+def test_json_round_trip_and_merge(tmp_path):
+    t = schema.validate_table(table_obj(), "mem")
+    out = str(tmp_path / "sub" / "rt.json")
+    T.write_table(t, out)
+    back = T.load_table(out)
+    assert back.entries == sorted(t.entries, key=lambda e: (e.op, e.n, e.k, e.m))
+    assert (back.gpu_name, back.sms, back.tp, back.dtype, back.source) == (t.gpu_name, t.sms, t.tp, t.dtype, t.source)
+    assert schema.table_to_dict(back) == schema.table_to_dict(schema.validate_table(json.load(open(out)), out))
+
+    newer = table_obj(source="second run", entries=[
+        {"op": "ag", "n": 512, "k": 256, "m": 64, "config": {}, "tuned": True, "flux_ms": 0.5, "nccl_ms": 1.0},
+        {"op": "ag", "n": 512, "k": 256, "m": 8192, "config": {}, "tuned": True, "flux_ms": 5.0, "nccl_ms": 6.0},
+    ])
+    merged = schema.merge_tables(back, schema.validate_table(newer, out))
+    got = {(e.op, e.m): e.flux_ms for e in merged.entries}
+    assert got == {("ag", 64): 0.5, ("ag", 1024): 1.0, ("ag", 8192): 5.0, ("rs", 256): None}
+    assert "unit test" in merged.source and "second run" in merged.source
+    with pytest.raises(T.TuningFileError, match="'tp'"):
+        schema.merge_tables(back, schema.validate_table(table_obj(tp=4), "x"))
+    assert schema.default_filename("NVIDIA H200", 132, 2, "bf16") == "h200-sm132-tp2-bf16.json"
+
+
+def test_write_refuses_an_invalid_table(tmp_path):
+    t = schema.validate_table(table_obj(), "mem")
+    t.tp = 1
+    with pytest.raises(T.TuningFileError, match="'tp'"):
+        T.write_table(t, str(tmp_path / "x.json"))
+    assert not (tmp_path / "x.json").exists()

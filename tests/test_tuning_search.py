@@ -1,0 +1,131 @@
+"""CPU parts of `megatron-flux tune`: candidates, buckets, shapes, CLI parsing, progress."""
+
+import io
+import json
+
+import pytest
+
+from megatron_flux import cli
+from megatron_flux.kernels.config import GemmConfig, default_config
+from megatron_flux.tuning import search as S
+from megatron_flux.tuning.progress import NullProgress, SimpleProgress, progress
+
+
+def test_candidates_start_with_default_are_unique_valid_and_bounded():
+    for op in ("ag", "rs"):
+        c = S.generate_candidates(op, 4096, 14336, 4096, 2, max_candidates=40)
+        assert c[0] == default_config(op, 4096, 14336, 4096)
+        assert len(c) == 40 and len(set(c)) == 40
+        assert all(isinstance(x, GemmConfig) and S.smem_bytes(x) <= S.SMEM_BYTES for x in c)
+
+
+def test_candidates_order_by_distance_from_default():
+    base = default_config("ag", 4096, 14336, 4096)
+    c = S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6)
+    dist = [sum(getattr(x, f) != getattr(base, f) for f in S.SEARCH_SPACE) for x in c]
+    assert dist == sorted(dist) and dist[0] == 0 and dist[1] == 1
+    # every single-knob change that passes the filters is there
+    singles = {(f, getattr(x, f)) for x, d in zip(c, dist) if d == 1 for f in S.SEARCH_SPACE
+               if getattr(x, f) != getattr(base, f)}
+    assert ("num_stages", 4) in singles and ("warp_specialize", True) in singles and ("chunk_rows", 512) in singles
+    # deterministic: every rank builds the same list
+    assert c == S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6)
+
+
+def test_candidate_filters():
+    # rs never varies chunk_rows; ag keeps chunks below the rows of a segment
+    rs = S.generate_candidates("rs", 4096, 4096, 14336, 2, max_candidates=10**6)
+    assert {x.chunk_rows for x in rs} == {default_config("rs", 4096, 4096, 14336).chunk_rows}
+    ag = S.generate_candidates("ag", 1024, 14336, 4096, 2, max_candidates=10**6)
+    assert all(x.chunk_rows < 512 for x in ag[1:] if x.chunk_rows != ag[0].chunk_rows)
+    # small m: no block_m above the segment rows (rounded up, at least 64)
+    small = S.generate_candidates("ag", 64, 14336, 4096, 2, max_candidates=10**6)
+    assert max(x.block_m for x in small[1:]) == 64
+    # a tight shared-memory budget removes the big pipelines
+    tight = S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6, smem_limit=100 * 1024)
+    assert all(S.smem_bytes(x) <= 100 * 1024 for x in tight[1:])
+    with pytest.raises(ValueError, match="divisible"):
+        S.generate_candidates("ag", 65, 128, 128, 2)
+    with pytest.raises(ValueError, match="GemmConfig does not have"):
+        S.generate_candidates("ag", 64, 128, 128, 2, space={"pull": (True, False)})
+
+
+def test_m_buckets_and_shapes():
+    assert S.m_buckets([4096, 64, 64, 1024], 2) == [64, 1024, 4096]
+    with pytest.raises(ValueError, match="multiples of tp=4"):
+        S.m_buckets([64, 66], 4)
+    assert S.parse_shape("AG+GEMM:14336:4096") == ("ag", 14336, 4096)
+    for bad in ("ag:1", "xx:1:2", "rs:a:2", "rs:0:2"):
+        with pytest.raises(ValueError):
+            S.parse_shape(bad)
+
+
+def test_plan_shapes_match_the_shipped_table_keys():
+    args = S.parse_args(["--models", "llama3-8b", "gpt3-175b"])
+    plan = S.plan_shapes(args, 2)
+    assert plan == [("ag", 14336, 4096, "llama3-8b"), ("rs", 4096, 14336, "llama3-8b"),
+                    ("ag", 24576, 12288, "gpt3-175b"), ("rs", 12288, 24576, "gpt3-175b")]
+    args = S.parse_args(["--shapes", "rs:4096:7168", "--ops", "ag"])
+    assert S.plan_shapes(args, 2) == [("rs", 4096, 7168, None)]
+
+
+def test_model_config_file(tmp_path):
+    p = tmp_path / "llama-tiny.json"
+    p.write_text(json.dumps({"hidden_size": 256, "ffn_hidden_size": 512, "swiglu": True}))
+    args = S.parse_args(["--model-config", str(p), "--ops", "ag"])
+    assert S.plan_shapes(args, 2) == [("ag", 512, 256, "llama-tiny")]
+    p.write_text(json.dumps({"ffn_hidden_size": 512}))
+    with pytest.raises(ValueError, match="hidden_size"):
+        S.model_shape_from_config(str(p))
+
+
+def test_tune_cli_arg_parsing():
+    a = S.parse_args([])
+    assert a.ops == ["ag", "rs"] and a.dtype == "bf16" and a.m is None and a.m_set == "all"
+    assert S.resolve_ms(a, 2) == [64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    a = S.parse_args(["--ops", "GEMM+RS", "--m", "4096", "1024", "--dtype", "fp16", "--out", "x.json",
+                      "--max-candidates", "8", "--top", "2", "--trials", "3", "--no-merge"])
+    assert a.ops == ["rs"] and S.resolve_ms(a, 2) == [1024, 4096] and a.dtype == "fp16"
+    assert (a.out, a.max_candidates, a.top, a.trials, a.no_merge) == ("x.json", 8, 2, 3, True)
+    assert S.resolve_ms(S.parse_args(["--m-set", "small"]), 2) == [64, 128, 256, 512]
+    for bad in (["--trials", "0"], ["--ops", "allreduce"], ["--shapes", "ag:1"], ["--dtype", "int8"]):
+        with pytest.raises(SystemExit):
+            S.parse_args(bad)
+
+
+def test_dry_run_and_cli_dispatch(capsys):
+    assert cli.main(["tune", "--dry-run", "--tp", "2", "--models", "llama3-8b", "--m", "64", "4096",
+                     "--max-candidates", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "ag n=14336 k=4096 m=64  (llama3-8b): 5 candidates" in out
+    assert "2 shapes x 2 m-buckets, 20 candidate runs, TP=2, bf16" in out
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["tune", "--help"])
+    assert ei.value.code == 0
+    assert "--max-candidates" in capsys.readouterr().out
+
+
+def test_tune_without_gpus_says_so(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["tune", "--models", "llama3-8b"]) == 2
+    assert "needs NVIDIA GPUs" in capsys.readouterr().err
+
+
+def test_simple_progress_bar():
+    buf = io.StringIO()
+    bar = SimpleProgress(4, "tune ", stream=buf, width=8)
+    bar.update(1)
+    bar.set_postfix_str("ag m=64")
+    bar.update(2)
+    bar.write("done one")
+    bar.close()
+    text = buf.getvalue()
+    assert "[##......] 1/4" in text and "[######..] 3/4  75% ag m=64" in text and "done one\n" in text
+    assert text.endswith("\n")
+    bar.update(10)
+    assert bar.n == 4
+    quiet = progress(3, enabled=False)
+    assert isinstance(quiet, NullProgress)
+    assert isinstance(progress(3, force_simple=True), SimpleProgress)
