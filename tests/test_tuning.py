@@ -445,3 +445,23 @@ def test_write_refuses_an_invalid_table(tmp_path):
     with pytest.raises(T.TuningFileError, match="'tp'"):
         T.write_table(t, str(tmp_path / "x.json"))
     assert not (tmp_path / "x.json").exists()
+
+
+def test_flux_backend_default_provider_is_the_table(tmp_path):
+    from megatron_flux.backends.flux import FluxBackend
+
+    T.use_table_files([write(tmp_path, table_obj())])
+    fb = FluxBackend()
+    ctx = dict(dtype=torch.bfloat16, tp=2, device=TEST_GPU)
+    assert fb.config("ag", 100, 512, 256, **ctx).block_n == 64            # nearest bucket 64
+    assert fb.config("ag", 100, 512, 256) == default_config("ag", 100, 512, 256)  # no context
+    assert fb.config("ag", 100, 999, 256, **ctx) == default_config("ag", 100, 999, 256)
+    # a plain 4-argument provider keeps working, and answers are cached per shape
+    seen = []
+    fixed = GemmConfig(64, 64, 32, 2, 4, 1)
+    fb2 = FluxBackend(config_provider=lambda op, m, n, k: seen.append((op, m, n, k)) or fixed)
+    assert fb2.config("rs", 64, 128, 128, **ctx) is fixed and fb2.config("rs", 64, 128, 128, **ctx) is fixed
+    assert seen == [("rs", 64, 128, 128)]
+    fb2.clear_config_cache()
+    fb2.config("rs", 64, 128, 128, **ctx)
+    assert len(seen) == 2
