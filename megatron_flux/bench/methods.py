@@ -197,7 +197,7 @@ def build_method(
             raise MethodSkipped(f"flux backend does not support these operands: {reason}")
         return _backend_fn(backend, inp, group, out), {}
     if name == "auto":
-        backend = backends.resolve_backend("auto", a, b, group)
+        backend = backends.resolve_backend("auto", a, b, group, op="ag" if case.op == AG_GEMM else "rs")
         return _backend_fn(backend, inp, group, out), {"resolved_backend": backend.name}
     raise ValueError(f"unknown method {name!r}; expected one of {METHODS}")
 

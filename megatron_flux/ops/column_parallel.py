@@ -90,7 +90,7 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
             if keep
             else None
         )
-        impl = resolve_backend(backend, x2d, wt, group)
+        impl = resolve_backend(backend, x2d, wt, group, op="ag")
         y2d, gathered = impl.all_gather_matmul(
             x2d, wt, group, return_gathered=keep, gathered_out=gathered_out
         )
@@ -133,7 +133,7 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
 
         grad_input = None
         if need_dgrad:
-            impl = resolve_backend(ctx.backend, dy, weight, group)
+            impl = resolve_backend(ctx.backend, dy, weight, group, op="rs")
             grad_input = impl.matmul_reduce_scatter(dy, weight, group).view(ctx.input_shape)
 
         grad_weight = (

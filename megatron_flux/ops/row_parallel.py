@@ -46,7 +46,7 @@ class RowParallelLinearFunction(torch.autograd.Function):
         tp = dist.get_world_size(group=group)
         x2d = input.contiguous().view(-1, input.shape[-1])
         wt = weight.t()
-        impl = resolve_backend(backend, x2d, wt, group)
+        impl = resolve_backend(backend, x2d, wt, group, op="rs")
         y2d = impl.matmul_reduce_scatter(x2d, wt, group, bias=bias)
 
         ctx.save_for_backward(x2d if ctx.needs_input_grad[1] else None, weight)
@@ -62,7 +62,7 @@ class RowParallelLinearFunction(torch.autograd.Function):
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         group = ctx.group
         dy = grad_output.contiguous().view(-1, grad_output.shape[-1])
-        impl = resolve_backend(ctx.backend, dy, weight, group)
+        impl = resolve_backend(ctx.backend, dy, weight, group, op="ag")
 
         grad_input = grad_weight = None
         if need_dgrad:
