@@ -88,8 +88,9 @@ class FluxBackend(TPOverlapBackend):
             return f"shapes {tuple(a.shape)} x {tuple(b.shape)} do not chain"
         if k % 8 or n % 8:
             return f"k={k} and n={n} must be multiples of 8 (16-byte TMA strides)"
-        if a.data_ptr() % 16 or b.data_ptr() % 16:
-            return "operands are not 16-byte aligned"
+        lead = b.stride(0) if b.stride(1) == 1 else b.stride(1)
+        if lead % 8:
+            return f"weight leading stride {lead} is not a multiple of 8 (16-byte TMA strides)"
         if self._capability(a.device)[0] < 9:
             return "fused kernels need compute capability >= 9.0 (TMA)"
         if a.shape[0] == 0:
@@ -101,6 +102,20 @@ class FluxBackend(TPOverlapBackend):
         reason = self.unsupported_reason(a, b, group)
         if reason is not None:
             raise ValueError(f"megatron-flux {op}: {reason}")
+
+    @staticmethod
+    def _aligned(t):
+        """``t``, or a copy when its address is not 16-byte aligned (TMA needs 16).
+
+        Alignment is not a reason to fall back: ``auto`` decides on each rank alone, and every
+        other input to that decision (shapes, dtypes, strides, device) is the same on all ranks
+        of an SPMD program, while addresses need not be; ranks choosing differently would pair
+        a fused kernel with an NCCL collective."""
+        if t.data_ptr() % 16 == 0:
+            return t
+        if t.stride(1) == 1:
+            return t.clone(memory_format=torch.contiguous_format)
+        return t.t().clone(memory_format=torch.contiguous_format).t()
 
     @staticmethod
     def _output(op: str, out, shape, like):
@@ -192,6 +207,7 @@ class FluxBackend(TPOverlapBackend):
         from megatron_flux.kernels.ag_gemm import launch_ag_gemm
 
         self._check("AG+GEMM", a_shard, b, group)
+        a_shard, b = self._aligned(a_shard), self._aligned(b)
         world, rank = group.size(), group.rank()
         m_local, k = a_shard.shape
         n = b.shape[1]
@@ -245,6 +261,7 @@ class FluxBackend(TPOverlapBackend):
         from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
         self._check("GEMM+RS", a, b, group)
+        a, b = self._aligned(a), self._aligned(b)
         world, rank = group.size(), group.rank()
         m, k = a.shape
         n = b.shape[1]

@@ -1,0 +1,42 @@
+"""CPU-checkable parts of the fused backend: what it refuses, and how it fixes alignment.
+
+The kernels themselves are tested on GPUs (test_flux_gpu.py) and under the interpreter
+(test_kernels_interpret.py)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megatron_flux.backends.flux import FluxBackend  # noqa: E402
+
+
+class _Group:
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+
+def test_cpu_tensors_are_refused_with_a_reason():
+    a, b = torch.randn(8, 16), torch.randn(16, 8)
+    assert "CUDA" in FluxBackend().unsupported_reason(a, b, _Group(2))
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_misaligned_operands_are_copied_not_refused(layout):
+    """Addresses may differ across ranks, so alignment must never change the backend choice:
+    a misaligned operand is copied to an aligned one with the same values and layout."""
+    storage = torch.randn(1 + 16 * 8, dtype=torch.float16)
+    if layout == "kn":
+        t = storage[1:].view(16, 8)          # row-major [k, n], 2 bytes off
+    else:
+        t = storage[1:].view(8, 16).t()      # weight.t() of a row-major [n, k], 2 bytes off
+    assert t.data_ptr() % 16 != 0
+    fixed = FluxBackend._aligned(t)
+    assert fixed.data_ptr() % 16 == 0
+    assert torch.equal(fixed, t)
+    assert (fixed.stride(1) == 1) == (t.stride(1) == 1), "layout changed"
+    aligned = torch.randn(16, 8, dtype=torch.float16)
+    assert FluxBackend._aligned(aligned) is aligned
