@@ -24,6 +24,30 @@ import torch
 import torch.distributed as dist
 
 
+def output_like(
+    out: Optional[torch.Tensor],
+    shape: Tuple[int, ...],
+    like: torch.Tensor,
+    op: str,
+    *,
+    contiguous: bool = False,
+) -> torch.Tensor:
+    """``out`` after checking it fits (shape, dtype, device, and contiguity when the consumer
+    needs it), or a fresh tensor shaped ``shape`` like ``like``. Shared by the backends so every
+    backend rejects a misfit ``out=`` the same way."""
+    shape = tuple(shape)
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if (tuple(out.shape) != shape or out.dtype != like.dtype or out.device != like.device
+            or (contiguous and not out.is_contiguous())):
+        raise ValueError(
+            f"{op}: out must be a {'contiguous ' if contiguous else ''}{shape} {like.dtype} tensor "
+            f"on {like.device}, got {tuple(out.shape)} {out.dtype} on {out.device}"
+            + ("" if out.is_contiguous() else " (not contiguous)")
+        )
+    return out
+
+
 class TPOverlapBackend(abc.ABC):
     """One way of running AG+GEMM and GEMM+RS over a tensor-parallel group."""
 

@@ -25,7 +25,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_flux.backends.base import TPOverlapBackend
+from megatron_flux.backends.base import TPOverlapBackend, output_like
 
 _DEFAULT_MAX_SPINS = 1 << 25
 
@@ -117,15 +117,6 @@ class FluxBackend(TPOverlapBackend):
             return t.clone(memory_format=torch.contiguous_format)
         return t.t().clone(memory_format=torch.contiguous_format).t()
 
-    @staticmethod
-    def _output(op: str, out, shape, like):
-        """``out`` validated, or a new ``shape`` tensor like ``like``."""
-        if out is None:
-            return torch.empty(shape, dtype=like.dtype, device=like.device)
-        if tuple(out.shape) != shape or not out.is_contiguous() or out.dtype != like.dtype:
-            raise ValueError(f"megatron-flux {op}: out must be a contiguous {shape} {like.dtype} tensor")
-        return out
-
     def _nccl_backend(self):
         if self._nccl is None:
             from megatron_flux.backends import get_backend
@@ -213,7 +204,7 @@ class FluxBackend(TPOverlapBackend):
         n = b.shape[1]
         m = world * m_local
         device = a_shard.device
-        out = self._output("AG+GEMM", out, (m, n), a_shard)
+        out = output_like(out, (m, n), a_shard, "megatron-flux AG+GEMM", contiguous=True)
         cfg = self.config("ag", m, n, k, dtype=a_shard.dtype, tp=world, device=device)
         if cfg.chunk_rows < m_local:
             chunk = cfg.chunk_rows
@@ -269,7 +260,7 @@ class FluxBackend(TPOverlapBackend):
             raise ValueError(f"megatron-flux GEMM+RS: {m} rows are not divisible by TP={world}")
         m_local = m // world
         device = a.device
-        out = self._output("GEMM+RS", out, (m_local, n), a)
+        out = output_like(out, (m_local, n), a, "megatron-flux GEMM+RS", contiguous=True)
         if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
             raise ValueError(f"megatron-flux GEMM+RS: bias must be contiguous ({n},)")
         cfg = self.config("rs", m, n, k, dtype=a.dtype, tp=world, device=device)

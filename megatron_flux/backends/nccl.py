@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_flux.backends.base import TPOverlapBackend
+from megatron_flux.backends.base import TPOverlapBackend, output_like
 
 __all__ = ["NcclBackend"]
 
@@ -52,7 +52,7 @@ class NcclBackend(TPOverlapBackend):
         x = x.contiguous()
         tp = dist.get_world_size(group=group)
         shape = (x.shape[0] * tp, *x.shape[1:])
-        out = _check_out(out, shape, x, "all_gather")
+        out = output_like(out, shape, x, "all_gather")
         if tp == 1:
             return out.copy_(x)
         if out.is_contiguous():
@@ -73,7 +73,7 @@ class NcclBackend(TPOverlapBackend):
                 f"divisible by the tensor-parallel size {tp}"
             )
         shape = (x.shape[0] // tp, *x.shape[1:])
-        out = _check_out(out, shape, x, "reduce_scatter")
+        out = output_like(out, shape, x, "reduce_scatter")
         if tp == 1:
             return out.copy_(x)
         target = out if out.is_contiguous() else torch.empty(shape, dtype=x.dtype, device=x.device)
@@ -125,7 +125,7 @@ class NcclBackend(TPOverlapBackend):
         if out is None:
             result = torch.matmul(gathered, b)
         else:
-            _check_out(out, shape, a_shard, "all_gather_matmul")
+            output_like(out, shape, a_shard, "all_gather_matmul")
             result = torch.matmul(gathered, b, out=out)
         return result, (gathered if return_gathered else None)
 
@@ -175,18 +175,3 @@ def _check_operands(op: str, a: torch.Tensor, b: torch.Tensor) -> None:
         )
     if a.device != b.device:
         raise ValueError(f"{op}: A is on {a.device} but B is on {b.device}")
-
-
-def _check_out(
-    out: Optional[torch.Tensor], shape: Tuple[int, ...], like: torch.Tensor, op: str
-) -> torch.Tensor:
-    """``out`` itself after checking it fits, or a fresh tensor shaped ``shape`` like ``like``."""
-    shape = tuple(shape)
-    if out is None:
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
-    if tuple(out.shape) != shape or out.dtype != like.dtype or out.device != like.device:
-        raise ValueError(
-            f"{op}: out must be a {shape} {like.dtype} tensor on {like.device}, got "
-            f"{tuple(out.shape)} {out.dtype} on {out.device}"
-        )
-    return out
