@@ -20,7 +20,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from megatron_flux.kernels.config import GemmConfig, default_config
+from megatron_flux.kernels.config import GemmConfig, default_config, tiles_per_segment
 
 CANDIDATES = [
     GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=2, flatten=True),
@@ -84,7 +84,7 @@ def _rs_runner(m, n, k, tp, cfg, dtype):
     w = torch.randn(n, k, device="cuda", dtype=dtype)
     out = torch.empty(m_local, n, device="cuda", dtype=dtype)
     data = torch.zeros(tp, m_local, n, device="cuda", dtype=dtype)
-    tiles = -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
+    tiles = tiles_per_segment(m_local, n, cfg)
     flags = torch.full((tp * tiles,), 1 << 30, dtype=torch.int32, device="cuda")
     data_ptrs = torch.tensor([data.data_ptr()] * tp, dtype=torch.int64, device="cuda")
     flag_ptrs = torch.tensor([flags.data_ptr()] * tp, dtype=torch.int64, device="cuda")

@@ -21,6 +21,7 @@ waits on work queued behind it, also with ``CUDA_DEVICE_MAX_CONNECTIONS=1``.
 import triton
 import triton.language as tl
 
+from megatron_flux.kernels.config import launch_geometry
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.mainloop import tile_mainloop
 from megatron_flux.kernels.signals import wait_signal
@@ -127,16 +128,13 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     """
     m_local, k = x.shape
     n = b.shape[1]
-    bm, bn = cfg.block_m, cfg.block_n
-    b_kn = b.stride(1) == 1
-    tiles = world * triton.cdiv(m_local, bm) * triton.cdiv(n, bn)
-    grid = min(num_sms, tiles)
+    geo = launch_geometry(m_local, n, b, world, cfg, num_sms)
     ensure_descriptor_allocator()
-    ag_gemm_kernel[(grid,)](
+    ag_gemm_kernel[(geo.grid,)](
         x, ag, b, out, flags, err,
-        m_local, n, k, b.stride(0) if b_kn else b.stride(1), rank, world, epoch, cfg.chunk_rows,
-        max_spins,
-        RAGGED=m_local % bm != 0, B_KN=b_kn, EPI_SPLIT=cfg.epilogue_split, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=grid, FLATTEN=cfg.flatten,
+        m_local, n, k, geo.ldb, rank, world, epoch, cfg.chunk_rows, max_spins,
+        RAGGED=geo.ragged, B_KN=geo.b_kn, EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=geo.grid,
+        FLATTEN=cfg.flatten,
         WARP_SPECIALIZE=cfg.warp_specialize, num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )

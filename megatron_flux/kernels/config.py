@@ -52,6 +52,34 @@ class GemmConfig:
         return cls(**d)
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchGeometry:
+    """How one fused launch is laid out; the host code that sizes signal regions and the
+    launchers must agree on it, so both take it from :func:`launch_geometry`."""
+
+    tiles_per_segment: int  # output tiles in one rank's m_local rows
+    grid: int               # persistent programs
+    ragged: bool            # m_local is not a multiple of block_m (3-D, clipped descriptors)
+    b_kn: bool              # B is row-major [K, N] (else a transposed row-major [N, K])
+    ldb: int                # B's leading stride
+
+
+def tiles_per_segment(m_local: int, n: int, cfg: GemmConfig) -> int:
+    return -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
+
+
+def launch_geometry(m_local: int, n: int, b, world: int, cfg: GemmConfig, num_sms: int) -> LaunchGeometry:
+    b_kn = b.stride(1) == 1
+    tps = tiles_per_segment(m_local, n, cfg)
+    return LaunchGeometry(
+        tiles_per_segment=tps,
+        grid=min(num_sms, world * tps),
+        ragged=m_local % cfg.block_m != 0,
+        b_kn=b_kn,
+        ldb=b.stride(0) if b_kn else b.stride(1),
+    )
+
+
 def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = False) -> GemmConfig:
     """Heuristic configuration for ``op`` ("ag" or "rs") on a ``[m_total, k] x [k, n]`` GEMM.
 

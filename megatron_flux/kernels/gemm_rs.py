@@ -24,6 +24,7 @@ hold epochs and are never reset.
 import triton
 import triton.language as tl
 
+from megatron_flux.kernels.config import launch_geometry
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.mainloop import tile_mainloop
 from megatron_flux.kernels.signals import set_signal, wait_signal
@@ -153,17 +154,14 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
     m, k = a.shape
     m_local = m // world
     n = b.shape[1]
-    bm, bn = cfg.block_m, cfg.block_n
-    b_kn = b.stride(1) == 1
-    tiles = world * triton.cdiv(m_local, bm) * triton.cdiv(n, bn)
-    grid = min(num_sms, tiles)
+    geo = launch_geometry(m_local, n, b, world, cfg, num_sms)
     ensure_descriptor_allocator()
-    gemm_rs_kernel[(grid,)](
+    gemm_rs_kernel[(geo.grid,)](
         a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
-        m_local, n, k, b.stride(0) if b_kn else b.stride(1), rank, world, epoch, max_spins,
-        RAGGED=m_local % bm != 0, B_KN=b_kn, HAS_BIAS=bias is not None,
-        EPI_SPLIT=cfg.epilogue_split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, NUM_SMS=grid, FLATTEN=cfg.flatten, FLATTEN_CONSUME=cfg.flatten_consume,
+        m_local, n, k, geo.ldb, rank, world, epoch, max_spins,
+        RAGGED=geo.ragged, B_KN=geo.b_kn, HAS_BIAS=bias is not None,
+        EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, NUM_SMS=geo.grid, FLATTEN=cfg.flatten, FLATTEN_CONSUME=cfg.flatten_consume,
         WARP_SPECIALIZE=cfg.warp_specialize, PRODUCE=produce, CONSUME=consume,
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )
