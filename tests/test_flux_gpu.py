@@ -8,11 +8,14 @@ setting) and the driver default.
 """
 
 import os
-import socket
+import sys
 import traceback
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_harness import run_nccl_world  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -22,12 +25,6 @@ _NEEDS_2_GPUS = pytest.mark.skipif(
 
 # (m_local, k, n): training-like, ragged m_local (not a multiple of any block), tiny, odd n
 SHAPES = [(256, 512, 1024), (100, 264, 520), (1, 64, 64), (777, 1024, 392), (1024, 2048, 3072)]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rel(x, ref):
@@ -123,8 +120,6 @@ def _worker(rank, world, port, env, queue):
 @_NEEDS_2_GPUS
 @pytest.mark.parametrize("max_connections", ["1", "default"])
 def test_fused_ops_match_nccl(max_connections):
-    import torch.multiprocessing as mp
-
     world = torch.cuda.device_count()
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
            "MEGATRON_FLUX_MAX_SPINS": str(1 << 24)}
@@ -132,24 +127,9 @@ def test_fused_ops_match_nccl(max_connections):
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = max_connections
     else:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = ""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, env, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = []
-    try:
-        for _ in range(world):
-            results.append(queue.get(timeout=600))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    errors = [r for r in results if r[1] != "ok"]
-    assert not errors, "\n".join(str(e[2]) for e in errors)
-    assert all(r[2] > 100 for r in results)
+    n_checks = run_nccl_world(_worker, world, env, timeout=600)
+    assert all(n > 100 for n in n_checks)
+
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

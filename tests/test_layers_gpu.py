@@ -7,11 +7,14 @@ Needs megatron-core on the GPU machine; skipped below 2 GPUs.
 """
 
 import os
-import socket
+import sys
 import traceback
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_harness import run_nccl_world  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -89,23 +92,5 @@ def _worker(rank, world, port, queue):
 @_NEEDS_2_GPUS
 def test_mlp_block_flux_matches_nccl():
     pytest.importorskip("megatron.core")
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    world = 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        results = [queue.get(timeout=300) for _ in range(world)]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    errors = [r[2] for r in results if r[1] != "ok"]
-    assert not errors, "\n".join(errors)
+    checks = run_nccl_world(_worker, 2, timeout=300)
+    assert all(c > 0 for c in checks)

@@ -1,0 +1,36 @@
+"""Spawn one NCCL rank per GPU for the GPU tests and collect what each rank reports.
+
+A worker is a module-level ``worker(rank, world, port, *args, queue)`` that puts
+``(rank, "ok", payload)`` or ``(rank, "error", traceback_text)`` on ``queue`` exactly once.
+:func:`run_nccl_world` fails the test with every rank's traceback, never waits past
+``timeout``, and kills ranks left behind (one may be stuck in a collective)."""
+
+import os
+import sys
+
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_harness import free_port  # noqa: E402
+
+
+def run_nccl_world(worker, world, *args, timeout=600):
+    """Run ``worker`` on ``world`` spawned ranks; return the ranks' payloads in arrival order."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = []
+    try:
+        for _ in range(world):
+            results.append(queue.get(timeout=timeout))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = [str(r[2]) for r in results if r[1] != "ok"]
+    assert not errors, "\n".join(errors)
+    return [r[2] for r in results]
