@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-_OPS = {1: "AG+GEMM", 2: "GEMM+RS"}
+from megatron_flux.kernels.signals import OP_AG_GEMM, OP_GEMM_RS
+
+_OPS = {OP_AG_GEMM: "AG+GEMM", OP_GEMM_RS: "GEMM+RS"}
 
 
 class FusedOpTimeout(RuntimeError):

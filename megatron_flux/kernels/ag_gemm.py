@@ -105,7 +105,7 @@ def ag_gemm_kernel(
         seg = segment_of_step(step, rank, world, False)
         for c in range(chunks_per_seg):
             idx = seg * chunks_per_seg + c
-            wait_signal(flags_ptr + idx, epoch, max_spins, err_ptr, 1, rank, idx)
+            wait_signal(flags_ptr + idx, epoch, max_spins, err_ptr, 1, rank, idx)  # op code OP_AG_GEMM
         first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
         for t in tl.range(first, (step + 1) * tiles_per_seg, NUM_SMS, flatten=FLATTEN,
                           warp_specialize=WARP_SPECIALIZE):

@@ -132,7 +132,7 @@ def gemm_rs_kernel(
             for src in range(world):
                 if src != rank:
                     idx = src * tiles_per_seg + t_in_seg
-                    wait_signal(my_flags + idx, epoch, max_spins, err_ptr, 2, rank, idx)
+                    wait_signal(my_flags + idx, epoch, max_spins, err_ptr, 2, rank, idx)  # op code OP_GEMM_RS
             if EPI_SPLIT == 2:
                 acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
                 _reduce_part(acc0, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
