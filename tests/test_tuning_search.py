@@ -21,7 +21,7 @@ def test_candidates_start_with_default_are_unique_valid_and_bounded():
 
 def test_candidates_order_by_distance_from_default():
     base = default_config("ag", 4096, 14336, 4096)
-    c = S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6)
+    c = S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6, seeds=())
     dist = [sum(getattr(x, f) != getattr(base, f) for f in S.SEARCH_SPACE) for x in c]
     assert dist == sorted(dist) and dist[0] == 0 and dist[1] == 1
     # every single-knob change that passes the filters is there
@@ -29,7 +29,25 @@ def test_candidates_order_by_distance_from_default():
                if getattr(x, f) != getattr(base, f)}
     assert ("num_stages", 4) in singles and ("warp_specialize", True) in singles and ("chunk_rows", 512) in singles
     # deterministic: every rank builds the same list
-    assert c == S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6)
+    assert c == S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6, seeds=())
+
+
+def test_seed_configs_come_right_after_the_default_and_respect_the_filters():
+    for op, m in (("ag", 4096), ("rs", 4096), ("ag", 64)):
+        base = default_config(op, m, 14336, 4096)
+        c = S.generate_candidates(op, m, 14336, 4096, 2, max_candidates=10**6)
+        expected = []
+        for seed in S.SEED_CONFIGS:
+            cfg = GemmConfig(**{**base.to_dict(), **seed})
+            if cfg != base and cfg not in expected and cfg.block_m <= max(64, m // 2):
+                expected.append(cfg)
+        assert c[0] == base and c[1:1 + len(expected)] == expected, op
+        assert len(c) == len(set(c))
+    # the multi-knob seeds are there although they differ from the default in several knobs
+    c = S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=8)
+    assert any(x.warp_specialize and x.epilogue_split == 1 for x in c)
+    # m = 64 on 2 ranks: 32-row segments, no 128-row seed survives
+    assert all(x.block_m == 64 for x in S.generate_candidates("ag", 64, 14336, 4096, 2)[1:])
 
 
 def test_candidate_filters():

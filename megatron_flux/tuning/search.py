@@ -62,6 +62,25 @@ NOT_SEARCHED = {
     "ag_pull_vs_push": "the AG backend always pushes shards with the copy engine; no pull variant exists",
     "comm_stream_priority": "the AG side stream is created with priority -1; not a GemmConfig field",
 }
+#: Multi-knob configurations tried right after the default, before the one-knob variations:
+#: the winners of a 44-config sweep of a plain persistent TMA GEMM against cuBLAS on H200
+#: (128x256x64/3/8 with or without warp specialization and a split epilogue; 128x128x64/4/4 at
+#: M <= 2048), and smaller-M tiles for decode-sized m, where 128-row tiles are mostly padding.
+#: Fields not given keep the default's values (chunk_rows, flatten, ...).
+SEED_CONFIGS: Tuple[Dict[str, object], ...] = (
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, group_m=8,
+         epilogue_split=2, warp_specialize=False),
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, group_m=8,
+         epilogue_split=1, warp_specialize=True),
+    dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4, group_m=8,
+         epilogue_split=1),
+    dict(block_m=128, block_n=128, block_k=128, num_stages=3, num_warps=8, group_m=8,
+         epilogue_split=1),
+    dict(block_m=64, block_n=256, block_k=64, num_stages=4, num_warps=4, group_m=8,
+         epilogue_split=1),
+    dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, group_m=8,
+         epilogue_split=1),
+)
 #: Hopper: 227 KiB of shared memory per block
 SMEM_BYTES = 227 * 1024
 DEFAULT_OUT_DIR = os.path.join("configs", "tuning")
@@ -83,8 +102,10 @@ def _pow2_at_least(x: int) -> int:
 
 def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_candidates: int = 48,
                         space: Optional[Dict[str, Sequence]] = None, elem_bytes: int = 2,
-                        smem_limit: int = SMEM_BYTES) -> List:
-    """Configs to try for one shape: the default first, then variations by distance from it.
+                        smem_limit: int = SMEM_BYTES,
+                        seeds: Sequence[Dict[str, object]] = SEED_CONFIGS) -> List:
+    """Configs to try for one shape: the default first, then :data:`SEED_CONFIGS`, then
+    variations by distance from the default.
 
     Distance = number of knobs that differ from ``default_config``; within a distance the order
     is the product order of ``space`` (deterministic, so every rank builds the same list).
@@ -112,6 +133,21 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     bm_max = max(64, _pow2_at_least(m_local))
     seen = {base}
     scored = []
+
+    def fits(cfg) -> bool:
+        return (smem_bytes(cfg, elem_bytes) <= smem_limit and cfg.block_m <= bm_max
+                and cfg.block_n <= max(64, _pow2_at_least(n))
+                and cfg.block_k <= max(32, _pow2_at_least(k)))
+
+    seed_cfgs = []
+    for seed in seeds:
+        try:
+            cfg = dataclasses.replace(base, **seed)
+        except (ValueError, TypeError):
+            continue
+        if cfg not in seen and fits(cfg):
+            seen.add(cfg)
+            seed_cfgs.append(cfg)
     for i, values in enumerate(itertools.product(*(space[f] for f in knobs))):
         changes = {f: v for f, v in zip(knobs, values) if getattr(base, f) != v}
         if not changes:
@@ -122,16 +158,14 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
             continue
         if cfg in seen:
             continue
-        if smem_bytes(cfg, elem_bytes) > smem_limit:
-            continue
-        if cfg.block_m > bm_max or cfg.block_n > max(64, _pow2_at_least(n)) or cfg.block_k > max(32, _pow2_at_least(k)):
+        if not fits(cfg):
             continue
         if op == "ag" and "chunk_rows" in changes and cfg.chunk_rows >= m_local:
             continue
         seen.add(cfg)
         scored.append((len(changes), i, cfg))
     scored.sort(key=lambda t: (t[0], t[1]))
-    out = [base] + [c for _, _, c in scored]
+    out = [base] + seed_cfgs + [c for _, _, c in scored]
     return out[:max(1, max_candidates)]
 
 
