@@ -5,6 +5,8 @@
 #   PYTHON        interpreter (default: python3); needs >= 3.12 (megatron.training)
 #   MCORE_SITE    where to install megatron-core if it is missing (default: /tmp/site)
 #   NPROC         processes = GPUs = tensor-parallel size (default: all local GPUs)
+#   FLUX_BACKEND  backend of --flux-tp-overlap: auto (default), flux or nccl
+#   FLUX_TP_OVERLAP=0  run without the flag: megatron-core's own linears (the baseline)
 
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -80,6 +82,15 @@ common_megatron_args() {
         --eval-interval 1000000
         --distributed-timeout-minutes 10
     )
+}
+
+# The plugin's flag, or nothing with FLUX_TP_OVERLAP=0 (stock megatron-core linears).
+flux_megatron_args() {
+    if [ "${FLUX_TP_OVERLAP:-1}" = "0" ]; then
+        FLUX_ARGS=()
+    else
+        FLUX_ARGS=(--flux-tp-overlap --flux-backend "${FLUX_BACKEND:-auto}")
+    fi
 }
 
 run_pretrain() {  # run_pretrain MODEL_CONFIG [extra megatron args...]

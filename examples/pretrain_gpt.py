@@ -86,7 +86,11 @@ from megatron.training.utils import (  # noqa: E402
 )
 
 import megatron_flux  # noqa: E402
-from megatron_flux import add_flux_args, validate_flux_args  # noqa: E402
+from megatron_flux import (  # noqa: E402
+    add_flux_args,
+    compose_extra_args_providers,
+    validate_flux_args,
+)
 
 stimer = StragglerDetector()
 
@@ -210,9 +214,12 @@ train_valid_test_datasets_provider.is_distributed = True
 
 def make_pretrain_config():
     """Parse and validate the arguments; return ``(args, PretrainConfigContainer)``."""
-    # megatron-flux's flags join Megatron's through the extra-args provider.
+    # megatron-flux's flags (and this script's --core-attention) join Megatron's through the
+    # extra-args provider.
     args = parse_and_validate_args(
-        extra_args_provider=add_flux_args,
+        extra_args_provider=compose_extra_args_providers(
+            add_flux_args, pretrain_support.add_example_args
+        ),
         args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
     )
     validate_flux_args(args)
@@ -228,13 +235,21 @@ def make_pretrain_config():
 
     model_cfg = gpt_config_from_args(args)
     # The spec swap: Megatron's GPT builder calls this per model chunk and gets megatron-flux's
-    # block spec (None, i.e. Megatron's default spec, without --flux-tp-overlap).
-    flux_spec = pretrain_support.flux_layer_spec_hook(args)
-    if flux_spec is not None:
-        model_cfg.transformer_layer_spec = flux_spec
+    # block spec. Without --flux-tp-overlap: megatron-core's linears with SP-capable norms (the
+    # stock local norm cannot run sequence-parallel), or None, Megatron's default spec.
+    layer_spec = pretrain_support.layer_spec_hook(args)
+    if layer_spec is not None:
+        model_cfg.transformer_layer_spec = layer_spec
+    if args.flux_tp_overlap:
         print_rank_0(
             f"> megatron-flux: --flux-tp-overlap on, backend {args.flux_backend}, "
-            f"TP {args.tensor_model_parallel_size}, sequence parallel {args.sequence_parallel}"
+            f"TP {args.tensor_model_parallel_size}, sequence parallel {args.sequence_parallel}, "
+            f"core attention {args.core_attention}"
+        )
+    elif layer_spec is not None:
+        print_rank_0(
+            "> megatron-flux off: megatron-core's linears with sequence-parallel-capable "
+            f"norms, core attention {args.core_attention}"
         )
     return args, pretrain_cfg_container_from_args(args, model_cfg)
 

@@ -10,5 +10,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 require_gpus 2
 require_python
 ensure_megatron
-run_pretrain "${MODEL_CONFIG:-configs/gpt3_175b_4l.json}" \
-    --flux-tp-overlap --flux-backend "${FLUX_BACKEND:-auto}" "$@"
+flux_megatron_args
+run_pretrain "${MODEL_CONFIG:-configs/gpt3_175b_4l.json}" "${FLUX_ARGS[@]}" "$@"

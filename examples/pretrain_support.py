@@ -10,8 +10,11 @@ Kept out of the pretrain script so that they import with megatron-core alone (no
   last value).
 * :func:`disable_unavailable_fusions`: turns off the Megatron fusions whose kernels come from
   apex or Transformer Engine when those are not installed.
-* :func:`flux_layer_spec_hook`: the ``GPTModelConfig.transformer_layer_spec`` callable that gives
-  Megatron's GPT builder megatron-flux's block spec.
+* :func:`add_example_args`: this script's own arguments (``--core-attention``).
+* :func:`layer_spec_hook`: the ``GPTModelConfig.transformer_layer_spec`` callable: megatron-flux's
+  block spec with ``--flux-tp-overlap`` (:func:`flux_layer_spec_hook`); without it, under
+  sequence parallelism with the local layers, megatron-core's own linears with SP-capable norms
+  (:func:`stock_layer_spec_hook`, the baseline the flux runs are compared with).
 
 ``python examples/pretrain_support.py configs/X.json`` prints the config's arguments, one per
 line (what the launchers use).
@@ -181,6 +184,75 @@ def disable_unavailable_fusions(args: Any) -> List[str]:
 # --------------------------------------------------------------------------------------------
 
 
+CORE_ATTENTION_CHOICES = ("local", "sdpa")
+
+
+def add_example_args(parser):
+    """``--core-attention {local,sdpa}`` (this script's own argument, not megatron-flux's)."""
+    group = parser.add_argument_group(title="pretrain_gpt.py example")
+    group.add_argument(
+        "--core-attention",
+        choices=CORE_ATTENTION_CHOICES,
+        default="local",
+        help="core attention of the local layer spec: Megatron's DotProductAttention ('local', "
+        "materializes the [s, s] scores) or megatron-flux's SDPACoreAttention ('sdpa', "
+        "torch.nn.functional.scaled_dot_product_attention, flash kernels on CUDA). Applies "
+        "with and without --flux-tp-overlap, so both are measured on the same attention.",
+    )
+    return parser
+
+
+def _with_core_attention(spec: Any, args: Any) -> Any:
+    if getattr(args, "core_attention", "local") != "sdpa":
+        return spec
+    from megatron_flux.specs import swap_core_attention
+
+    return swap_core_attention(spec)
+
+
+def stock_layer_spec_hook(args: Any) -> Optional[Callable[..., Any]]:
+    """Megatron's own local block spec, made to run under sequence parallelism, or ``None``.
+
+    Without Transformer Engine or apex, Megatron's local spec normalizes with
+    ``WrappedTorchNorm``, which asserts under sequence parallelism, so a stock SP run of a
+    ``--transformer-impl local`` model cannot start. This spec keeps megatron-core's
+    Column/RowParallelLinear (NCCL, then the GEMM) and replaces only the norms with
+    megatron-flux's SP-capable ones (:func:`megatron_flux.specs.swap_norms`), plus
+    ``--core-attention``. ``None`` (Megatron's default spec) when sequence parallelism is off,
+    the layers are Transformer Engine's, or nothing needs changing.
+    """
+    if getattr(args, "flux_tp_overlap", False):
+        return None
+    local = getattr(args, "transformer_impl", "local") == "local"
+    needs_norms = local and getattr(args, "sequence_parallel", False)
+    if not local or not (needs_norms or getattr(args, "core_attention", "local") == "sdpa"):
+        return None
+
+    def stock_layer_spec(model_cfg: Any, vp_stage: Optional[int] = None):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        from megatron_flux.specs import swap_norms
+
+        config = getattr(model_cfg, "transformer", model_cfg)
+        block = get_gpt_decoder_block_spec(
+            config,
+            use_transformer_engine=False,
+            normalization=None if needs_norms else config.normalization,
+            qk_l2_norm=bool(getattr(args, "qk_l2_norm", False)),
+            vp_stage=vp_stage,
+        )
+        if needs_norms:
+            block = swap_norms(block, config.normalization)
+        return _with_core_attention(block, args)
+
+    return stock_layer_spec
+
+
+def layer_spec_hook(args: Any) -> Optional[Callable[..., Any]]:
+    """The spec callable for these arguments: flux's, the SP-capable stock one, or ``None``."""
+    return flux_layer_spec_hook(args) or stock_layer_spec_hook(args)
+
+
 def flux_layer_spec_hook(args: Any) -> Optional[Callable[..., Any]]:
     """``GPTModelConfig.transformer_layer_spec`` for megatron-flux, or ``None`` when it is off.
 
@@ -197,7 +269,7 @@ def flux_layer_spec_hook(args: Any) -> Optional[Callable[..., Any]]:
 
     def flux_layer_spec(model_cfg: Any, vp_stage: Optional[int] = None):
         config = getattr(model_cfg, "transformer", model_cfg)
-        return flux_spec_from_args(args, config, vp_stage=vp_stage)
+        return _with_core_attention(flux_spec_from_args(args, config, vp_stage=vp_stage), args)
 
     return flux_layer_spec
 

@@ -184,6 +184,55 @@ def test_spec_hook_gives_the_flux_block_spec(monkeypatch):
     assert config.flux_keep_gathered_input is True
 
 
+def _block_spec_env(monkeypatch):
+    from megatron.core import parallel_state
+
+    for name, value in (("get_pipeline_model_parallel_world_size", 1),
+                        ("get_pipeline_model_parallel_rank", 0),
+                        ("get_virtual_pipeline_model_parallel_world_size", None)):
+        monkeypatch.setattr(parallel_state, name, lambda *a, _v=value, **k: _v, raising=False)
+
+
+def _stock_args(**kw):
+    base = dict(flux_tp_overlap=False, transformer_impl="local", sequence_parallel=True,
+                core_attention="local", qk_l2_norm=False)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_stock_spec_hook_keeps_megatron_linears_with_sp_norms(monkeypatch):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_flux.layers.norms import SequenceParallelRMSNorm
+
+    _block_spec_env(monkeypatch)
+    hook = ps.layer_spec_hook(_stock_args())
+    assert hook is not None and hook.__name__ == "stock_layer_spec"
+    assert "vp_stage" in inspect.signature(hook).parameters
+    spec = hook(argparse.Namespace(transformer=_llama_config()), vp_stage=None)
+    assert spec.layer_norm is SequenceParallelRMSNorm and len(spec.layer_specs) == 2
+    layer = spec.layer_specs[0].submodules
+    attn = layer.self_attention.submodules
+    assert attn.linear_qkv is ColumnParallelLinear and attn.linear_proj is RowParallelLinear
+    assert attn.core_attention is DotProductAttention
+    assert layer.input_layernorm is SequenceParallelRMSNorm
+
+
+def test_stock_spec_hook_is_megatrons_default_where_nothing_needs_changing():
+    assert ps.layer_spec_hook(_stock_args(sequence_parallel=False)) is None
+    assert ps.layer_spec_hook(_stock_args(transformer_impl="transformer_engine")) is None
+    assert ps.stock_layer_spec_hook(_stock_args(flux_tp_overlap=True)) is None
+
+
+def test_example_args_core_attention():
+    parser = ps.add_example_args(argparse.ArgumentParser())
+    assert parser.parse_args([]).core_attention == "local"
+    assert parser.parse_args(["--core-attention", "sdpa"]).core_attention == "sdpa"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--core-attention", "flash"])
+
+
 # ---------------------------------------------------------------- custom model
 
 
@@ -255,7 +304,23 @@ def test_launchers_pass_the_flag_tp_and_sequence_parallel():
     for script, config in (("pretrain_llama.sh", "configs/llama3_8b_16l.json"),
                            ("pretrain_gpt.sh", "configs/gpt3_175b_4l.json")):
         text = (EXAMPLES / script).read_text()
-        assert "--flux-tp-overlap" in text and config in text and "require_gpus 2" in text
+        assert "flux_megatron_args" in text and '"${FLUX_ARGS[@]}"' in text
+        assert config in text and "require_gpus 2" in text
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, "--flux-tp-overlap --flux-backend auto"),
+    ({"FLUX_BACKEND": "flux"}, "--flux-tp-overlap --flux-backend flux"),
+    ({"FLUX_TP_OVERLAP": "0", "FLUX_BACKEND": "flux"}, ""),
+])
+def test_launcher_flag_switch(env, expected):
+    res = subprocess.run(
+        ["bash", "-c", f'source "{EXAMPLES}/_common.sh"; flux_megatron_args; echo "${{FLUX_ARGS[*]}}"'],
+        capture_output=True, text=True,
+        env={k: v for k, v in {**os.environ, **env}.items()
+             if k not in ("FLUX_TP_OVERLAP", "FLUX_BACKEND") or k in env})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == expected
 
 
 # ---------------------------------------------------------------- megatron.training flow
