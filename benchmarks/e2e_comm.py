@@ -1,0 +1,93 @@
+"""TP communication per training step of a sequence-parallel transformer, timed with NCCL.
+
+Run under torchrun on the GPUs of one TP group::
+
+    torchrun --nproc-per-node 2 benchmarks/e2e_comm.py --tokens 4096 --hidden 4096 \\
+        --layers 16 --microbatches 2 --out comm.json
+
+With sequence parallelism every column/row-parallel pair of a layer moves one [tokens, hidden]
+activation per collective. Per layer and micro-batch there are 8 of them:
+
+* forward: all-gather before linear_qkv and linear_fc1, reduce-scatter after linear_proj and
+  linear_fc2;
+* backward: reduce-scatter of the input gradients of linear_qkv and linear_fc1, all-gather of
+  the output gradients of linear_proj and linear_fc2 (megatron-core also re-gathers the inputs of
+  linear_qkv and linear_fc1 for their weight gradients, overlapped with the input-gradient GEMM;
+  megatron-flux keeps the gathered input instead, so those are not counted).
+
+The step's TP communication is ``layers x microbatches x 4 x (t_all_gather + t_reduce_scatter)``,
+each collective timed alone (interleaved trials, medians, max over ranks). This is the time the
+plugin's ``nccl`` backend spends with the GPU doing nothing else; the end-to-end report divides the
+step time that ``flux`` saves by it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_flux.bench.timing import median, spread, time_interleaved  # noqa: E402
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, required=True, help="sequence length x micro-batch size")
+    ap.add_argument("--hidden", type=int, required=True)
+    ap.add_argument("--layers", type=int, required=True)
+    ap.add_argument("--microbatches", type=int, required=True, help="per step and TP group")
+    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    if args.tokens % tp:
+        raise SystemExit(f"--tokens {args.tokens} is not divisible by TP {tp}")
+    dev = torch.device("cuda", local_rank)
+    full = torch.randn(args.tokens, args.hidden, device=dev, dtype=torch.bfloat16)
+    shard = torch.randn(args.tokens // tp, args.hidden, device=dev, dtype=torch.bfloat16)
+    gathered = torch.empty_like(full)
+    scattered = torch.empty_like(shard)
+    fns = {
+        "all_gather": lambda: dist.all_gather_into_tensor(gathered, shard),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(scattered, full),
+    }
+    res = time_interleaved(fns, trials=args.trials, iters=args.iters, warmup=5, group=None,
+                           device=dev)
+    if res.errors:
+        raise SystemExit(f"collective failed: {res.errors}")
+    t_ag, t_rs = median(res.trials_ms["all_gather"]), median(res.trials_ms["reduce_scatter"])
+    per_step = args.layers * args.microbatches * 4 * (t_ag + t_rs)
+    out = {
+        "tp": tp,
+        "gpu": torch.cuda.get_device_name(dev),
+        "tokens": args.tokens,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "microbatches": args.microbatches,
+        "collectives_per_layer_and_microbatch": {"all_gather": 4, "reduce_scatter": 4},
+        "all_gather_ms": {"median": t_ag, "spread": spread(res.trials_ms["all_gather"])},
+        "reduce_scatter_ms": {"median": t_rs, "spread": spread(res.trials_ms["reduce_scatter"])},
+        "tp_comm_ms_per_step": per_step,
+        "trials": args.trials,
+        "iters": args.iters,
+    }
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+        print(json.dumps(out, indent=2))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# End-to-end proof on the 2-GPU box, one job (fits one 10-minute device call):
+#   1. Llama-3-8B-shaped pretraining (configs/llama3_8b_16l.json) for E2E_ITERS iterations,
+#      back to back with: stock megatron-core linears (FLUX_TP_OVERLAP=0), the plugin's nccl
+#      backend, the plugin's flux backend; same seed, same mock data, --log-interval 1;
+#   2. the TP communication per step at that shape (benchmarks/e2e_comm.py);
+#   3. benchmarks/e2e_report.py -> $OUT/e2e.json (losses, step times, tokens/s, parity, hidden
+#      communication);
+#   4. if time is left, examples/custom_model.py for a few steps with the flux backend.
+# Needs: .whl/megatron_core-0.19*.whl carried. Usage: OUT=/somewhere bash benchmarks/e2e_device.sh
+set -uo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "${REPO}"
+OUT="${OUT:-/tmp/e2e}"
+ITERS="${E2E_ITERS:-200}"
+RUN_TIMEOUT="${E2E_RUN_TIMEOUT:-170}"
+CONFIG=configs/llama3_8b_16l.json
+mkdir -p "${OUT}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 MCORE_SITE=/tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/megatron_core-0.19*.whl || exit 2
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "${OUT}/gpus.csv"
+
+run() {  # run NAME ENV...
+    local name="$1"; shift
+    echo "== ${name}: $(date +%T)"
+    env "$@" TRAIN_ITERS="${ITERS}" LOG_INTERVAL=1 MODEL_CONFIG="${CONFIG}" \
+        timeout "${RUN_TIMEOUT}" bash examples/pretrain_llama.sh > "${OUT}/${name}.log" 2>&1
+    echo "   exit $? at $(date +%T)"
+    grep -E "iteration +(1|${ITERS})/" "${OUT}/${name}.log" | cut -c1-400
+    grep -iE "error|Traceback" "${OUT}/${name}.log" | head -5
+}
+run stock FLUX_TP_OVERLAP=0
+run nccl FLUX_BACKEND=nccl
+run flux FLUX_BACKEND=flux
+
+echo "== TP communication per step"
+python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/e2e_comm.py \
+    --tokens 4096 --hidden 4096 --layers 16 --microbatches 2 --out "${OUT}/comm.json" \
+    > "${OUT}/comm.log" 2>&1 || tail -5 "${OUT}/comm.log"
+
+versions="$(PYTHONPATH=/tmp/site python3 -c 'import json,torch,triton,megatron.core as m; print(json.dumps({"torch": torch.__version__, "triton": triton.__version__, "megatron_core": m.__version__, "gpu": torch.cuda.get_device_name(0), "tp": torch.cuda.device_count()}))')"
+python3 benchmarks/e2e_report.py --log stock="${OUT}/stock.log" --log nccl="${OUT}/nccl.log" \
+    --log flux="${OUT}/flux.log" --comm "${OUT}/comm.json" --tokens-per-step 8192 --warmup 20 \
+    --model "llama3-8b-16l (configs/llama3_8b_16l.json)" \
+    --command "OUT=\$OUT bash benchmarks/e2e_device.sh  (E2E_ITERS=${ITERS}; each run: bash examples/pretrain_llama.sh with TRAIN_ITERS=${ITERS} LOG_INTERVAL=1, FLUX_TP_OVERLAP=0 | FLUX_BACKEND=nccl | FLUX_BACKEND=flux)" \
+    --extra "versions=${versions}" --extra "gpu=$(echo "${versions}" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)["gpu"]))')" \
+    --extra "tp=2" --extra 'env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}' \
+    --out "${OUT}/e2e.json"
+
+if [ "${SECONDS}" -lt 500 ]; then
+    echo "== custom_model.py, flux, 5 steps"
+    PYTHONPATH="/tmp/site:${REPO}" timeout $((580 - SECONDS)) python3 -m torch.distributed.run \
+        --standalone --nproc-per-node 2 examples/custom_model.py --steps 5 --backend flux \
+        --num-layers 2 > "${OUT}/custom_flux.log" 2>&1
+    echo "   exit $?"; tail -8 "${OUT}/custom_flux.log"
+fi
+echo "== done in ${SECONDS}s"
