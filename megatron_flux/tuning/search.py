@@ -452,7 +452,31 @@ def _run(args, group, rank, tp, device) -> int:
     total = sum(len(generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates))
                 for op, n, k, _ in shapes for m in ms)
     bar = progress(total, "tune ", enabled=(rank == 0 and not args.no_progress))
+    out = args.out or os.path.join(DEFAULT_OUT_DIR, default_filename(gpu_name, sms, tp, dtype_key(dtype)))
+    previous = load_table(out) if rank == 0 and os.path.exists(out) and not args.no_merge else None
+    import triton
+
+    def write(entries) -> Table:
+        """The table so far (merged into what ``out`` held before this run), written by rank 0
+        after every entry, so an interrupted run keeps what it measured."""
+        obj = {"format": "megatron-flux-tuning", "version": 1, "gpu": {"name": gpu_name, "sms": sms}, "tp": tp,
+               "dtype": dtype_key(dtype), "source": "megatron-flux tune " + " ".join(sys.argv[1:]),
+               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "environment": {"torch": torch.__version__, "triton": triton.__version__},
+               "search": {"searched": True, "max_candidates": args.max_candidates, "top": args.top,
+                          "trials": args.trials, "iters": args.iters, "rs_k": args.rs_k,
+                          "space": {k: list(v) for k, v in SEARCH_SPACE.items()},
+                          "seeds": [dict(s) for s in SEED_CONFIGS], "not_searched": NOT_SEARCHED},
+               "entries": entries}
+        new: Table = validate_table(json.loads(json.dumps(obj)), out)
+        if previous is not None:
+            new = merge_tables(previous, new)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        write_table(new, out)
+        return new
+
     entries = []
+    new = None
     for op, n, k, model in shapes:
         for m in ms:
             bar.set_postfix_str(f"{op} n={n} k={k} m={m}")
@@ -461,24 +485,11 @@ def _run(args, group, rank, tp, device) -> int:
             bar.write(f"{op} n={n} k={k} m={m}: flux {e['flux_ms']:.4f} ms (default "
                       f"{e['notes']['default_ms'] if e['notes']['default_ms'] is not None else float('nan'):.4f}), "
                       f"nccl {e['nccl_ms'] if e['nccl_ms'] is not None else float('nan'):.4f} ms")
+            if rank == 0:
+                new = write(entries)
     bar.close()
     if rank != 0:
         return 0
-    out = args.out or os.path.join(DEFAULT_OUT_DIR, default_filename(gpu_name, sms, tp, dtype_key(dtype)))
-    import triton
-
-    obj = {"format": "megatron-flux-tuning", "version": 1, "gpu": {"name": gpu_name, "sms": sms}, "tp": tp,
-           "dtype": dtype_key(dtype), "source": "megatron-flux tune " + " ".join(sys.argv[1:]),
-           "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "environment": {"torch": torch.__version__, "triton": triton.__version__},
-           "search": {"searched": True, "max_candidates": args.max_candidates, "top": args.top,
-                      "trials": args.trials, "iters": args.iters, "rs_k": args.rs_k,
-                      "space": {k: list(v) for k, v in SEARCH_SPACE.items()}, "not_searched": NOT_SEARCHED},
-           "entries": entries}
-    new: Table = validate_table(json.loads(json.dumps(obj)), out)
-    if os.path.exists(out) and not args.no_merge:
-        new = merge_tables(load_table(out), new)
-    write_table(new, out)
     print(f"wrote {out} ({len(new.entries)} entries)")
     return 0
 
