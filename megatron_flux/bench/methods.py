@@ -13,7 +13,10 @@ them alike:
 * ``torch_async_tp`` PyTorch's own micro-pipelined ops over symmetric memory
                      (``torch.ops.symm_mem.fused_all_gather_matmul`` /
                      ``fused_matmul_reduce_scatter``). CUDA only.
-* ``flux``           the registered fused ``flux`` backend (Triton over symmetric memory).
+* ``flux``           the registered fused ``flux`` backend (Triton over symmetric memory), with
+                     the kernel settings of the matching tuning table (or the defaults).
+* ``flux_default``   the fused backend with the untuned heuristic settings (``default_config``)
+                     whatever the tables say: the "untuned" side of tuned-vs-untuned.
 * ``auto``           whatever ``resolve_backend("auto", ...)`` picks for these operands.
 
 A method that cannot run here raises :class:`MethodSkipped` with the reason at build time; the
@@ -33,11 +36,12 @@ import torch.distributed as dist
 
 from megatron_flux.bench.grid import AG_GEMM, GEMM_RS, Case
 
-METHODS: Tuple[str, ...] = ("cublas_gemm", "comm", "nccl", "torch_async_tp", "flux", "auto")
+METHODS: Tuple[str, ...] = ("cublas_gemm", "comm", "nccl", "torch_async_tp", "flux",
+                            "flux_default", "auto")
 #: methods whose output is the op's result (checked against the fp32 reference, get metrics)
-COMPUTES_OP: Tuple[str, ...] = ("nccl", "torch_async_tp", "flux", "auto")
+COMPUTES_OP: Tuple[str, ...] = ("nccl", "torch_async_tp", "flux", "flux_default", "auto")
 #: methods that overlap communication with the GEMM (the ones overlap efficiency is about)
-OVERLAPPING: Tuple[str, ...] = ("torch_async_tp", "flux", "auto")
+OVERLAPPING: Tuple[str, ...] = ("torch_async_tp", "flux", "flux_default", "auto")
 
 #: ``b_layout`` choices: ``weight_t`` passes ``weight.t()`` of a row-major ``[n, k]`` weight (what
 #: Megatron's forward does), ``row_major`` a contiguous ``[k, n]`` matrix.
@@ -149,6 +153,18 @@ def _backend_fn(backend, inp: CaseInputs, group, out: torch.Tensor) -> Callable[
     return lambda: backend.matmul_reduce_scatter(a, b, group, out=out)
 
 
+_DEFAULT_CONFIG_BACKEND = []
+
+
+def _default_config_backend(backend_cls, default_config):
+    """One FluxBackend per process that always uses ``default_config`` (its workspaces are
+    reused across cases, like the registered backend's)."""
+    if not _DEFAULT_CONFIG_BACKEND:
+        _DEFAULT_CONFIG_BACKEND.append(
+            backend_cls(config_provider=lambda op, m, n, k: default_config(op, m, n, k)))
+    return _DEFAULT_CONFIG_BACKEND[0]
+
+
 def build_method(
     name: str, inp: CaseInputs, group: dist.ProcessGroup
 ) -> Tuple[Callable[[], torch.Tensor], Dict[str, str]]:
@@ -163,7 +179,7 @@ def build_method(
     shapes = case.local_shapes(inp.tp)
     dev, dt = a.device, a.dtype
     out = None
-    if name in ("cublas_gemm", "nccl", "flux", "auto"):
+    if name in ("cublas_gemm", "nccl", "flux", "flux_default", "auto"):
         out_shape = (inp.gemm_a.shape[0], b.shape[1]) if name == "cublas_gemm" else shapes["out"]
         out = torch.empty(out_shape, device=dev, dtype=dt)
 
@@ -187,11 +203,17 @@ def build_method(
         if case.op == AG_GEMM:
             return (lambda: ops.fused_all_gather_matmul(a, [b], gather_dim=0, group_name=gname)[1][0]), {}
         return (lambda: ops.fused_matmul_reduce_scatter(a, b, "sum", scatter_dim=0, group_name=gname)), {}
-    if name == "flux":
+    if name in ("flux", "flux_default"):
         reason = backends.fused_unavailable_reason(dev)
         if reason is not None:
             raise MethodSkipped(reason)
-        backend = backends.get_backend("flux")
+        if name == "flux":
+            backend = backends.get_backend("flux")
+        else:
+            from megatron_flux.backends.flux import FluxBackend
+            from megatron_flux.kernels.config import default_config
+
+            backend = _default_config_backend(FluxBackend, default_config)
         reason = backend.unsupported_reason(a, b, group)
         if reason is not None:
             raise MethodSkipped(f"flux backend does not support these operands: {reason}")
