@@ -5,6 +5,8 @@ Public API (imported lazily so ``import megatron_flux`` stays cheap):
 * :class:`FluxColumnParallelLinear`, :class:`FluxRowParallelLinear`: drop-in subclasses of
   megatron-core's Column/RowParallelLinear.
 * :func:`swap_tp_linears`, :func:`get_gpt_layer_flux_spec`: put them into Megatron layer specs.
+* :class:`SDPACoreAttention`, :func:`swap_core_attention`: megatron-core's local
+  ``DotProductAttention`` on torch's fused scaled-dot-product attention, and its spec swap.
 * :func:`add_flux_args`: Megatron ``extra_args_provider`` adding ``--flux-tp-overlap`` & co.
 * :func:`register_backend`, :func:`get_backend`: the backend registry.
 """
@@ -20,11 +22,13 @@ _LAZY = {
     "FluxRowParallelLinear": "megatron_flux.layers.linear",
     "SequenceParallelLayerNorm": "megatron_flux.layers.norms",
     "SequenceParallelRMSNorm": "megatron_flux.layers.norms",
+    "SDPACoreAttention": "megatron_flux.layers.attention",
     "swap_tp_linears": "megatron_flux.specs",
     "get_gpt_layer_flux_spec": "megatron_flux.specs",
     "get_gpt_decoder_block_flux_spec": "megatron_flux.specs",
     "get_flux_final_norm": "megatron_flux.specs",
     "swap_norms": "megatron_flux.specs",
+    "swap_core_attention": "megatron_flux.specs",
     "FluxSpecProvider": "megatron_flux.specs",
     "add_flux_args": "megatron_flux.arguments",
     "validate_flux_args": "megatron_flux.arguments",

@@ -13,6 +13,9 @@ Megatron builds for its *local* implementation and rewrite its leaves:
   → :class:`~megatron_flux.layers.norms.SequenceParallelLayerNorm` / ``...RMSNorm``, because
   ``WrappedTorchNorm`` (the local norm without apex) cannot run with sequence parallelism, which
   the overlap needs.
+* :func:`swap_core_attention`: megatron-core's local ``DotProductAttention`` →
+  :class:`~megatron_flux.layers.attention.SDPACoreAttention` (torch's fused
+  scaled-dot-product attention instead of a materialised ``[b, np, s, s]`` score matrix).
 
 The rewrite copies every container (never mutating the input, which Megatron callers may reuse)
 and memoises by object identity, so an object shared by several layers (Megatron passes the same
@@ -37,6 +40,7 @@ import warnings
 from typing import Any, Callable, Dict, Optional
 
 from megatron_flux.backends import validate_backend_name
+from megatron_flux.layers.attention import SDPACoreAttention
 from megatron_flux.layers.norms import (
     SequenceParallelLayerNorm,
     SequenceParallelRMSNorm,
@@ -48,6 +52,7 @@ __all__ = [
     "get_flux_final_norm",
     "get_gpt_decoder_block_flux_spec",
     "get_gpt_layer_flux_spec",
+    "swap_core_attention",
     "swap_norms",
     "swap_tp_linears",
     "validate_backend_name",
@@ -264,6 +269,60 @@ def get_flux_final_norm(normalization: str = "LayerNorm") -> type:
     block spec with this class avoids that; :func:`get_gpt_decoder_block_flux_spec` does so.
     """
     return get_flux_norm(normalization)
+
+
+# --------------------------------------------------------------------------------------------
+# Core attention
+# --------------------------------------------------------------------------------------------
+
+
+def swap_core_attention(spec: Any, core_attention_cls: type = SDPACoreAttention) -> Any:
+    """A copy of ``spec`` whose megatron-core ``DotProductAttention`` leaves are ``core_attention_cls``.
+
+    Why: the local spec's ``DotProductAttention`` materialises the ``[b, np, sq, sk]`` scores
+    and probabilities, which dominate a long-sequence step; :class:`~megatron_flux.layers.
+    attention.SDPACoreAttention` (the default) computes the same attention with torch's fused
+    kernels. Works on the same spec forms as :func:`swap_tp_linears` (layer, block,
+    ``*Submodules``, 0.19 ``functools.partial`` builders), with the same copy and sharing
+    semantics; ``spec`` itself is never modified. Only leaves that *are* ``DotProductAttention``
+    (bare, or as ``ModuleSpec.module``, also given as an import path) are replaced, wherever
+    they are (the local spec's self-attention, MLA's local spec too); subclasses and Transformer
+    Engine's ``TEDotProductAttention`` are left alone, and so is everything else in the spec.
+
+    Args:
+        spec: the spec to rewrite.
+        core_attention_cls: the replacement, a class with ``DotProductAttention``'s
+            constructor and forward signatures; default ``SDPACoreAttention``.
+
+    Returns:
+        The rewritten copy. Warns if it contains neither ``DotProductAttention`` nor
+        ``core_attention_cls`` (a TE spec, say).
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if not isinstance(core_attention_cls, type):
+        raise TypeError(
+            f"swap_core_attention: core_attention_cls must be a class, got {core_attention_cls!r}"
+        )
+    swapped = []
+
+    def replace(leaf: Any) -> Any:
+        if leaf is DotProductAttention:
+            swapped.append(leaf)
+            return core_attention_cls
+        if leaf is core_attention_cls:
+            swapped.append(leaf)  # already swapped: no "nothing replaced" warning
+        return leaf
+
+    new_spec = _rewrite_spec(spec, replace)
+    if not swapped:
+        warnings.warn(
+            "megatron-flux swap_core_attention found no megatron-core DotProductAttention in the "
+            "spec; nothing was replaced. Build it from megatron-core's local spec "
+            "(get_gpt_layer_local_spec / --transformer-impl local).",
+            stacklevel=2,
+        )
+    return new_spec
 
 
 # --------------------------------------------------------------------------------------------
