@@ -219,6 +219,26 @@ def test_stock_spec_hook_keeps_megatron_linears_with_sp_norms(monkeypatch):
     assert layer.input_layernorm is SequenceParallelRMSNorm
 
 
+def test_core_attention_sdpa_in_stock_and_flux_specs(monkeypatch):
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from megatron_flux import FluxColumnParallelLinear, SDPACoreAttention
+
+    _block_spec_env(monkeypatch)
+    for args, linear in ((_stock_args(core_attention="sdpa"), ColumnParallelLinear),
+                         (_stock_args(core_attention="sdpa", flux_tp_overlap=True,
+                                      flux_backend="nccl", normalization="RMSNorm",
+                                      flux_keep_gathered_input=True), FluxColumnParallelLinear)):
+        spec = ps.layer_spec_hook(args)(argparse.Namespace(transformer=_llama_config()))
+        attn = spec.layer_specs[0].submodules.self_attention.submodules
+        assert attn.core_attention is SDPACoreAttention
+        assert issubclass(attn.linear_qkv, linear)
+    # the shipped model configs ask for it, without a dataloader mask (so flash can run)
+    for name in ("llama3_8b_16l.json", "gpt3_175b_4l.json"):
+        cfg = ps.load_model_config(str(REPO / "configs" / name))
+        assert cfg["core-attention"] == "sdpa" and cfg["no-create-attention-mask-in-dataloader"]
+
+
 def test_stock_spec_hook_is_megatrons_default_where_nothing_needs_changing():
     assert ps.layer_spec_hook(_stock_args(sequence_parallel=False)) is None
     assert ps.layer_spec_hook(_stock_args(transformer_impl="transformer_engine")) is None
