@@ -232,6 +232,9 @@ def make_pretrain_config():
     # before the model config is made from the arguments.
     for message in pretrain_support.disable_unavailable_fusions(args):
         print_rank_0(f"> {message}")
+    message = pretrain_support.use_prebuilt_dataset_helpers()
+    if message:
+        print_rank_0(f"> {message}")
 
     model_cfg = gpt_config_from_args(args)
     # The spec swap: Megatron's GPT builder calls this per model chunk and gets megatron-flux's

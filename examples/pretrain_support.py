@@ -179,6 +179,29 @@ def disable_unavailable_fusions(args: Any) -> List[str]:
     return messages
 
 
+def use_prebuilt_dataset_helpers() -> Optional[str]:
+    """Skip Megatron's ``make`` of the dataset helpers when the installed wheel ships them built.
+
+    ``megatron.training`` runs ``make -C megatron/core/datasets`` on rank 0 at start-up and exits
+    if it fails. The megatron-core wheels on PyPI ship the compiled ``helpers_cpp`` extension but
+    not the Makefile, so that ``make`` always fails there. When the extension imports and there
+    is no Makefile, replace ``compile_helpers`` with a no-op (Megatron imports it at call time)
+    and return a message saying so; otherwise (a source checkout) leave it alone, return None.
+    """
+    import os
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+        from megatron.core.datasets import utils as dataset_utils
+    except ImportError:
+        return None
+    if os.path.exists(os.path.join(os.path.dirname(dataset_utils.__file__), "Makefile")):
+        return None
+    dataset_utils.compile_helpers = lambda: None
+    return ("dataset helpers: using the prebuilt megatron.core.datasets.helpers_cpp (the wheel "
+            "has no Makefile to rebuild it from)")
+
+
 # --------------------------------------------------------------------------------------------
 # The spec hook
 # --------------------------------------------------------------------------------------------

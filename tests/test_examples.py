@@ -140,6 +140,28 @@ def test_unavailable_fusions_follow_megatrons_own_checks(monkeypatch):
     assert "gradient_accumulation_fusion" not in missing and "apply_rope_fusion" not in missing
 
 
+def test_prebuilt_dataset_helpers_skip_make_only_without_a_makefile(monkeypatch, tmp_path):
+    import types
+
+    from megatron.core.datasets import utils as dataset_utils
+
+    original = dataset_utils.compile_helpers
+    # no prebuilt extension importable (Python 3.11 here; the wheel's is cp312): untouched
+    monkeypatch.setitem(sys.modules, "megatron.core.datasets.helpers_cpp", None)
+    assert ps.use_prebuilt_dataset_helpers() is None
+    assert dataset_utils.compile_helpers is original
+    # prebuilt extension, no Makefile (a wheel): make is skipped
+    monkeypatch.setitem(sys.modules, "megatron.core.datasets.helpers_cpp", types.ModuleType("h"))
+    monkeypatch.setattr(dataset_utils, "__file__", str(tmp_path / "utils.py"))
+    msg = ps.use_prebuilt_dataset_helpers()
+    assert "prebuilt" in msg and dataset_utils.compile_helpers() is None
+    monkeypatch.setattr(dataset_utils, "compile_helpers", original)
+    # a source checkout with its Makefile: make runs as Megatron intends
+    (tmp_path / "Makefile").write_text("all:\n")
+    assert ps.use_prebuilt_dataset_helpers() is None
+    assert dataset_utils.compile_helpers is original
+
+
 def _llama_config(**kw):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
