@@ -29,7 +29,7 @@ run() {  # run NAME ENV...
         timeout "${RUN_TIMEOUT}" bash examples/pretrain_llama.sh > "${OUT}/${name}.log" 2>&1
     echo "   exit $? at $(date +%T)"
     grep -E "iteration +(1|${ITERS})/" "${OUT}/${name}.log" | cut -c1-400
-    grep -iE "error|Traceback" "${OUT}/${name}.log" | head -5
+    grep -iE "^\S*(error|Traceback)|Error:" "${OUT}/${name}.log" | grep -v "error_inj\|ignore_errors" | head -8
 }
 run stock FLUX_TP_OVERLAP=0
 run nccl FLUX_BACKEND=nccl
