@@ -16,6 +16,9 @@ from megatron_flux.tuning.keys import dtype_key, nearest_bucket, normalize_gpu_n
 H200 = ("NVIDIA H200", 132)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks", "results", "bench-h200x2-2026-11-22.json")
+TUNED_BENCH_REL = "benchmarks/results/bench-tuned-h200x2-2026-11-22.json"
+TUNED_BENCH = os.path.join(REPO, TUNED_BENCH_REL)
+TUNE_RAW = os.path.join(REPO, "benchmarks", "results", "raw", "tune-h200x2-2026-11-22.json")
 
 
 @pytest.fixture(autouse=True)
@@ -196,33 +199,53 @@ def test_prefer_fused_from_table(tmp_path):
     assert T.prefer_fused("rs", 256, 999, 256, torch.bfloat16, 2, TEST_GPU) is None   # unknown n
 
 
-def test_shipped_h200_table_decisions_match_the_benchmark():
-    bench = json.load(open(BENCH))
-    med = {(r["op"], r["m"], r["n"], r["k"], r["method"]): r["median_ms"] for r in bench["rows"]}
-    checked = 0
-    for (op, m, n, k, meth), v in med.items():
-        if meth != "flux":
-            continue
-        local = (n // 2, k) if op == "AG+GEMM" else (n, k // 2)
-        want = not (v > med[(op, m, n, k, "nccl")])
-        assert T.prefer_fused(op, m, *local, torch.bfloat16, 2, H200) is want, (op, m, n, k)
-        checked += 1
-    assert checked == 48
+def test_shipped_h200_table_decisions_follow_its_times_and_the_margin():
+    files = T.shipped_table_files()
+    t = T.load_table(files[0])
+    assert T.provider.auto_margin() == T.provider.DEFAULT_AUTO_MARGIN == 0.02
+    fused = 0
+    for e in t.entries:
+        want = e.flux_ms <= 0.98 * e.nccl_ms
+        assert T.prefer_fused(e.op, e.m, e.n, e.k, torch.bfloat16, 2, H200) is want, e
+        fused += want
+    assert fused == 18  # of 48: never at m <= 256, where the host cost dominates
+    assert not any(T.prefer_fused(e.op, e.m, e.n, e.k, torch.bfloat16, 2, H200)
+                   for e in t.entries if e.m <= 256)
 
 
-def test_shipped_table_is_valid_and_untuned_and_from_the_benchmark():
+def test_auto_margin_from_the_environment(monkeypatch):
+    # rs n=4096 k=14336 m=2048: fused measured 0.983x nccl, inside the default 2 % margin
+    assert T.prefer_fused("rs", 2048, 4096, 14336, torch.bfloat16, 2, H200) is False
+    monkeypatch.setenv(T.provider.ENV_AUTO_MARGIN, "0")
+    assert T.prefer_fused("rs", 2048, 4096, 14336, torch.bfloat16, 2, H200) is True
+    monkeypatch.setenv(T.provider.ENV_AUTO_MARGIN, "0.5")
+    assert T.prefer_fused("ag", 2048, 14336, 4096, torch.bfloat16, 2, H200) is False
+    for bad in ("x", "-0.1", "1"):
+        monkeypatch.setenv(T.provider.ENV_AUTO_MARGIN, bad)
+        with pytest.raises(ValueError, match="MEGATRON_FLUX_AUTO_MARGIN"):
+            T.prefer_fused("ag", 2048, 14336, 4096, torch.bfloat16, 2, H200)
+
+
+def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark():
     files = T.shipped_table_files()
     assert [os.path.basename(f) for f in files] == ["h200-sm132-tp2-bf16.json"]
     t = T.load_table(files[0])
-    assert t.source == "benchmarks/results/bench-h200x2-2026-11-22.json"
+    assert t.source.startswith("megatron-flux tune ")
     assert t.tp == 2 and t.sms == 132 and t.gpu == "h200" and t.dtype == "bf16"
-    assert len(t.entries) == 48 and not any(e.tuned for e in t.entries)
-    assert all(e.config == default_config(e.op, e.m, e.n, e.k) for e in t.entries)
-    # regenerating from the committed benchmark gives the same file contents
-    from megatron_flux.tuning.from_bench import table_from_bench
+    assert len(t.entries) == 48 and all(e.tuned for e in t.entries)
+    assert t.extra["search"]["confirmed_by"]["bench"] == TUNED_BENCH_REL
+    # the configs differ from the defaults somewhere (the search found better ones)
+    assert any(e.config != default_config(e.op, e.m, e.n, e.k) for e in t.entries)
+    # regenerating from the committed tuning run and benchmark gives the same file contents
+    from megatron_flux.tuning.confirm import confirm_table
 
-    again = table_from_bench(json.load(open(BENCH)), t.source)
+    again = confirm_table(T.load_table(TUNE_RAW), json.load(open(TUNED_BENCH)), TUNED_BENCH_REL)
     assert schema.table_to_dict(again) == schema.table_to_dict(t)
+    # each entry's times are those of the run less favourable to fused
+    for e in t.entries:
+        nt = e.notes
+        worse = max(nt["tune_flux_ms"] / nt["tune_nccl_ms"], nt["bench_flux_ms"] / nt["bench_nccl_ms"])
+        assert e.flux_ms / e.nccl_ms == pytest.approx(worse)
 
 
 def _fake_backends():
@@ -282,14 +305,15 @@ def test_resolve_backend_auto_consults_the_table(fake_fused):
     g = _Group()
     # llama3-8b AG+GEMM: rank shard [m/2, 4096] @ [4096, 14336]
     small = resolve_backend("auto", torch.empty(32, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf), g)
-    assert _picked(small, "ag") is nccl       # m=64: flux 0.138 ms > nccl 0.063 ms
-    assert _picked(small, "rs") is fused      # that (n, k) has no RS entry: non-table policy
-    assert small.name == "auto(ag:nccl,rs:flux)"
+    # m=64: fused 2.4x slower; the RS reading (m=32, that (n, k) has no RS entry) is below the
+    # size heuristic's 1024 rows: nccl both ways
+    assert small is nccl
     small.all_gather_matmul(None, None, g)
     assert nccl.calls == ["ag"] and fused.calls == []
     large = resolve_backend("auto", torch.empty(2048, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf), g)
-    assert large is fused                     # m=4096: flux 0.736 ms < nccl 0.818 ms
-    # GEMM+RS gpt3-175b m=8192: [8192, 24576] @ [24576, 12288]: flux 8.29 > nccl 7.52
+    assert _picked(large, "ag") is fused      # m=4096: fused 0.915x nccl
+    assert _picked(large, "rs") is fused      # no RS entry, 2048 rows >= 1024: heuristic fused
+    # GEMM+RS gpt3-175b m=8192: [8192, 24576] @ [24576, 12288]: fused 1.032x nccl
     rs = resolve_backend("auto", torch.empty(8192, 24576, dtype=bf), torch.empty(24576, 12288, dtype=bf), g)
     assert _picked(rs, "rs") is nccl
     # the same with the op given: the concrete backend
@@ -297,9 +321,11 @@ def test_resolve_backend_auto_consults_the_table(fake_fused):
                            g, op="rs") is nccl
     assert resolve_backend("auto", torch.empty(32, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf),
                            g, op="ag") is nccl
-    # a shape the table does not know: the non-table policy (fused)
+    # a shape the table does not know: the size heuristic (nccl below 1024 global rows)
     unk = resolve_backend("auto", torch.empty(64, 48, dtype=bf), torch.empty(48, 80, dtype=bf), g)
-    assert unk is fused
+    assert unk is nccl
+    unk = resolve_backend("auto", torch.empty(1024, 48, dtype=bf), torch.empty(48, 80, dtype=bf), g)
+    assert unk is fused  # AG reading 2048 rows, RS reading 1024
     # named backends ignore the table
     assert resolve_backend("flux", torch.empty(32, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf), g) is fused
 
@@ -465,3 +491,26 @@ def test_flux_backend_default_provider_is_the_table(tmp_path):
     fb2.clear_config_cache()
     fb2.config("rs", 64, 128, 128, **ctx)
     assert len(seen) == 2
+
+
+def test_confirm_keeps_the_times_less_favourable_to_fused(tmp_path):
+    from megatron_flux.tuning.confirm import confirm_table
+
+    t = T.load_table(write(tmp_path, table_obj()))
+    # table_obj: ag n=512 k=256 m=64 flux 2.0 nccl 1.0; m=1024 flux 1.0 nccl 2.0
+    bench = {"tp": 2, "rows": [
+        {"op": "AG+GEMM", "m": 64, "n": 1024, "k": 256, "method": "flux", "status": "ok", "check": "ok", "median_ms": 1.0},
+        {"op": "AG+GEMM", "m": 64, "n": 1024, "k": 256, "method": "nccl", "status": "ok", "check": "ok", "median_ms": 1.0},
+        {"op": "AG+GEMM", "m": 1024, "n": 1024, "k": 256, "method": "flux", "status": "ok", "check": "ok", "median_ms": 3.0},
+        {"op": "AG+GEMM", "m": 1024, "n": 1024, "k": 256, "method": "nccl", "status": "ok", "check": "ok", "median_ms": 2.0},
+    ]}
+    c = confirm_table(t, bench, "b.json")
+    by_m = {(e.op, e.m): e for e in c.entries}
+    assert (by_m[("ag", 64)].flux_ms, by_m[("ag", 64)].nccl_ms) == (2.0, 1.0)   # the table's was worse
+    assert by_m[("ag", 64)].notes["times_from"] == "tune"
+    assert (by_m[("ag", 1024)].flux_ms, by_m[("ag", 1024)].nccl_ms) == (3.0, 2.0)  # the bench's was worse
+    assert by_m[("ag", 1024)].notes["times_from"] == "bench"
+    assert all(e.config == o.config for e, o in zip(c.entries, t.entries))
+    assert by_m[("rs", 256)].notes["confirmed"] is False  # no times, no bench row: kept as is
+    with pytest.raises(T.TuningFileError, match="tp"):
+        confirm_table(t, {**bench, "tp": 4}, "b.json")

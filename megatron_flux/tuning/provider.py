@@ -5,6 +5,7 @@ Both are cached per full key, so after the first call of a shape a lookup is one
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Dict, Optional, Tuple, Union
 
@@ -16,6 +17,27 @@ DeviceLike = Union[object, Tuple[str, int]]
 
 _DECISIONS: Dict[tuple, Optional[bool]] = {}
 _LOCK = threading.Lock()
+
+#: ``auto`` takes the fused kernel only where the table measured it at least this fraction
+#: faster than NCCL: the same NCCL+cuBLAS op measured up to 8 % apart between two runs on the
+#: 2xH200 box, so a smaller measured win is as likely noise as gain, and "never slower than
+#: NCCL" comes first. ``$MEGATRON_FLUX_AUTO_MARGIN`` overrides it (0 = any measured win).
+DEFAULT_AUTO_MARGIN = 0.02
+ENV_AUTO_MARGIN = "MEGATRON_FLUX_AUTO_MARGIN"
+
+
+def auto_margin() -> float:
+    """The margin in effect (:data:`DEFAULT_AUTO_MARGIN` or ``$MEGATRON_FLUX_AUTO_MARGIN``)."""
+    raw = os.environ.get(ENV_AUTO_MARGIN)
+    if raw is None or raw == "":
+        return DEFAULT_AUTO_MARGIN
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"${ENV_AUTO_MARGIN}={raw!r}: expected a number in [0, 1)") from None
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"${ENV_AUTO_MARGIN}={raw!r}: expected a number in [0, 1)")
+    return value
 
 
 def _identity(device: DeviceLike) -> Tuple[str, int]:
@@ -40,12 +62,14 @@ def prefer_fused(op: str, m: int, n: int, k: int, dtype, tp: int, device: Device
     """Whether the table says the fused kernel beats NCCL for this call.
 
     ``m`` is the global row count (``m_total``), ``n``/``k`` the per-rank weight shape (see
-    :mod:`.keys`). ``False`` where the nearest bucket's measured ``flux_ms`` is greater than its
-    ``nccl_ms``; ``True`` where it is not; ``None`` when unknown (no entry for this GPU/TP/dtype/
+    :mod:`.keys`). ``True`` where the nearest bucket's measured ``flux_ms`` is at most
+    ``(1 - auto_margin()) * nccl_ms``; ``False`` where it is not; ``None`` when unknown (no entry for this GPU/TP/dtype/
     op/n/k, or the entry lacks either time, or ``dtype`` is not one the tables know).
     Cached per argument tuple.
     """
-    ck = (op, m, n, k, str(dtype), tp, device if isinstance(device, tuple) else _device_cache_key(device))
+    margin = auto_margin()
+    ck = (op, m, n, k, str(dtype), tp, margin,
+          device if isinstance(device, tuple) else _device_cache_key(device))
     try:
         return _DECISIONS[ck]
     except KeyError:
@@ -62,7 +86,7 @@ def prefer_fused(op: str, m: int, n: int, k: int, dtype, tp: int, device: Device
     if hit is not None:
         e = hit[0]
         if e.flux_ms is not None and e.nccl_ms is not None:
-            decision = not (e.flux_ms > e.nccl_ms)
+            decision = e.flux_ms <= (1.0 - margin) * e.nccl_ms
     with _LOCK:
         _DECISIONS[ck] = decision
     return decision

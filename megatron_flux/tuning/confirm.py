@@ -1,0 +1,89 @@
+"""Confirm a tuned table's fused-vs-NCCL times with an independent benchmark run.
+
+``megatron-flux tune`` times each winner against ``nccl`` in a few short trials; on the 2×H200
+box the same NCCL+cuBLAS op has measured up to 8 % apart between two runs, so one short run can
+say "fused wins" where it does not. This takes a tuned table and a benchmark JSON made *with that
+table* (``MEGATRON_FLUX_CONFIG=table.json megatron-flux bench ...``, method ``flux``) and keeps,
+per entry, the pair of times (``flux_ms``, ``nccl_ms``) from whichever run is **less favourable
+to the fused kernel** (larger flux/nccl ratio). ``auto`` then takes fused only where it won in
+both runs. Configs are not touched; both runs' times are kept in the entry's ``notes``.
+
+``python -m megatron_flux.tuning.confirm TABLE.json BENCH.json OUT.json``
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Dict, Optional, Sequence
+
+from megatron_flux.tuning.keys import normalize_op
+from megatron_flux.tuning.schema import Entry, Table, TuningFileError, load_table, write_table
+
+
+def _bench_times(bench: Dict[str, Any], source: str) -> Dict[tuple, Dict[str, float]]:
+    """``{(op, local n, local k, m): {"flux": ms, "nccl": ms}}`` from rows that ran and passed."""
+    if "rows" not in bench or "tp" not in bench:
+        raise TuningFileError(source, "rows", "not a megatron-flux benchmark JSON")
+    tp = int(bench["tp"])
+    out: Dict[tuple, Dict[str, float]] = {}
+    for r in bench["rows"]:
+        if r.get("method") not in ("flux", "nccl") or r.get("status") != "ok":
+            continue
+        if r.get("check") not in ("ok", None) or r.get("median_ms") is None:
+            continue
+        op = normalize_op(r["op"])
+        n, k = (r["n"] // tp, r["k"]) if op == "ag" else (r["n"], r["k"] // tp)
+        out.setdefault((op, n, k, int(r["m"])), {})[r["method"]] = float(r["median_ms"])
+    return out
+
+
+def confirm_table(table: Table, bench: Dict[str, Any], bench_source: str) -> Table:
+    """``table`` with each entry's times taken from the run less favourable to fused."""
+    if int(bench.get("tp", -1)) != table.tp:
+        raise TuningFileError(bench_source, "tp", f"{bench.get('tp')} != the table's {table.tp}")
+    times = _bench_times(bench, bench_source)
+    entries = []
+    confirmed = 0
+    for e in table.entries:
+        b = times.get((e.op, e.n, e.k, e.m), {})
+        notes = dict(e.notes or {})
+        if e.flux_ms is None or e.nccl_ms is None or "flux" not in b or "nccl" not in b:
+            notes["confirmed"] = False
+            entries.append(Entry(**{**e.__dict__, "notes": notes}))
+            continue
+        notes.update(tune_flux_ms=e.flux_ms, tune_nccl_ms=e.nccl_ms, bench_flux_ms=b["flux"],
+                     bench_nccl_ms=b["nccl"], bench_source=bench_source, confirmed=True)
+        use_bench = b["flux"] / b["nccl"] > e.flux_ms / e.nccl_ms
+        notes["times_from"] = "bench" if use_bench else "tune"
+        flux_ms, nccl_ms = (b["flux"], b["nccl"]) if use_bench else (e.flux_ms, e.nccl_ms)
+        entries.append(Entry(op=e.op, n=e.n, k=e.k, m=e.m, config=e.config, tuned=e.tuned,
+                             flux_ms=flux_ms, nccl_ms=nccl_ms, notes=notes))
+        confirmed += 1
+    extra = dict(table.extra or {})
+    extra["search"] = {**dict(extra.get("search") or {}), "confirmed_by": {
+        "bench": bench_source, "entries": confirmed,
+        "rule": "times of the run less favourable to fused (larger flux/nccl)"}}
+    return Table(path=table.path, gpu_name=table.gpu_name, gpu=table.gpu, sms=table.sms,
+                 tp=table.tp, dtype=table.dtype, source=table.source, entries=entries, extra=extra)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 3:
+        print(__doc__)
+        return 2
+    table_path, bench_path, out = argv
+    with open(bench_path, encoding="utf-8") as f:
+        bench = json.load(f)
+    t = confirm_table(load_table(table_path), bench, bench_path)
+    write_table(t, out)
+    n = sum(1 for e in t.entries if (e.notes or {}).get("confirmed"))
+    fused = sum(1 for e in t.entries if e.flux_ms is not None and e.nccl_ms is not None
+                and e.flux_ms <= e.nccl_ms)
+    print(f"wrote {out}: {len(t.entries)} entries, {n} confirmed, fused not slower in {fused}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
