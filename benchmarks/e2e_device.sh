@@ -35,10 +35,14 @@ run stock FLUX_TP_OVERLAP=0
 run nccl FLUX_BACKEND=nccl
 run flux FLUX_BACKEND=flux
 
+if [ "${E2E_SKIP_COMM:-0}" = 0 ]; then
 echo "== TP communication per step"
 python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/e2e_comm.py \
     --tokens 4096 --hidden 4096 --layers 16 --microbatches 2 --out "${OUT}/comm.json" \
     > "${OUT}/comm.log" 2>&1 || tail -5 "${OUT}/comm.log"
+else
+    cp "${E2E_COMM_JSON}" "${OUT}/comm.json"  # from an earlier run of this script
+fi
 
 versions="$(PYTHONPATH=/tmp/site python3 -c 'import json,torch,triton,megatron.core as m; print(json.dumps({"torch": torch.__version__, "triton": triton.__version__, "megatron_core": m.__version__, "gpu": torch.cuda.get_device_name(0), "tp": torch.cuda.device_count()}))')"
 python3 benchmarks/e2e_report.py --log stock="${OUT}/stock.log" --log nccl="${OUT}/nccl.log" \
@@ -49,7 +53,7 @@ python3 benchmarks/e2e_report.py --log stock="${OUT}/stock.log" --log nccl="${OU
     --extra "tp=2" --extra 'env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}' \
     --out "${OUT}/e2e.json"
 
-if [ "${SECONDS}" -lt 500 ]; then
+if [ "${SECONDS}" -lt 500 ] && [ "${E2E_SKIP_CUSTOM:-0}" = 0 ]; then
     echo "== custom_model.py, flux, 5 steps"
     PYTHONPATH="/tmp/site:${REPO}" timeout $((580 - SECONDS)) python3 -m torch.distributed.run \
         --standalone --nproc-per-node 2 examples/custom_model.py --steps 5 --backend flux \
