@@ -14,6 +14,11 @@ rank). A method's result is the **median over trials**; its spread is **max − 
 (the full range, the most conservative of the usual spreads; ``trials_ms`` is kept so readers
 can compute any other).
 
+Python's garbage collector is collected once and then disabled for the duration of one call of
+:func:`time_interleaved` (as ``timeit`` does): at small m the ops are host-bound, and a
+collection triggered by one method's allocations would otherwise land in whichever method's
+block comes next.
+
 Failures: the sync point is an all-reduce of per-method failure flags, so a method that raised
 on any rank is dropped on every rank before anyone calls it again; no rank is left waiting in a
 collective that its peers skipped. (A method that raises on one rank *inside* a collective that
@@ -23,6 +28,7 @@ ends that run.)
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 import traceback
@@ -124,6 +130,18 @@ def time_interleaved(
     """
     if trials < 1 or iters < 1 or warmup < 0:
         raise ValueError(f"need trials >= 1, iters >= 1, warmup >= 0 (got {trials}, {iters}, {warmup})")
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        return _time_interleaved(fns, trials=trials, iters=iters, warmup=warmup, group=group,
+                                 device=device)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _time_interleaved(fns, *, trials, iters, warmup, group, device) -> TimingResult:
     names = list(fns)
     result = TimingResult()
     alive = {n: True for n in names}
