@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tune on the 2-GPU box, then benchmark tuned vs untuned vs nccl vs auto, in one job (one
+# Tune on the GPU box (TP = all local GPUs), then benchmark tuned vs untuned vs nccl vs auto, in one job (one
 # 10-minute device call):
 #   1. megatron-flux tune over the benchmark grid (3 models x 2 ops x 8 m-buckets), writing the
 #      table after every entry to $OUT/table.json (TUNE_TIMEOUT bounds it; what was measured stays);
@@ -12,9 +12,10 @@ mkdir -p "${OUT}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="${PWD}${PYTHONPATH:+:${PYTHONPATH}}"
 TUNE_TIMEOUT="${TUNE_TIMEOUT:-300}"
+NGPUS="${NGPUS:-$(nvidia-smi -L | grep -c '^GPU ')}"  # TP size = local GPUs
 
 echo "== tune ($(date +%T))"
-timeout "${TUNE_TIMEOUT}" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+timeout "${TUNE_TIMEOUT}" python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}" \
     -m megatron_flux.tune --m-set all --max-candidates 8 --top 2 --screen-iters 5 \
     --trials 3 --iters 10 --no-progress --no-merge --out "${OUT}/table.json" > "${OUT}/tune.log" 2>&1
 echo "   exit $? at $(date +%T) (${SECONDS}s)"
@@ -23,7 +24,7 @@ grep -E "Error|Traceback" "${OUT}/tune.log" | head -5
 
 echo "== bench, tuned table ($(date +%T))"
 MEGATRON_FLUX_CONFIG="${OUT}/table.json" timeout $((590 - SECONDS)) python3 -m torch.distributed.run \
-    --standalone --nproc-per-node 2 -m megatron_flux.bench --m-set all \
+    --standalone --nproc-per-node "${NGPUS}" -m megatron_flux.bench --m-set all \
     --methods cublas_gemm comm nccl torch_async_tp flux flux_default auto --trials 5 --iters 20 \
     --out-json "${OUT}/bench.json" --out-png "${OUT}/bench.png" > "${OUT}/bench.log" 2>&1
 echo "   exit $? (${SECONDS}s)"

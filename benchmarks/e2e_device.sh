@@ -15,6 +15,7 @@ OUT="${OUT:-/tmp/e2e}"
 ITERS="${E2E_ITERS:-200}"
 RUN_TIMEOUT="${E2E_RUN_TIMEOUT:-170}"
 CONFIG=configs/llama3_8b_16l.json
+NGPUS="${NGPUS:-$(nvidia-smi -L | grep -c '^GPU ')}"  # TP size = local GPUs (the launchers' rule)
 mkdir -p "${OUT}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 MCORE_SITE=/tmp/site
@@ -37,7 +38,7 @@ run flux FLUX_BACKEND=flux
 
 if [ "${E2E_SKIP_COMM:-0}" = 0 ]; then
 echo "== TP communication per step"
-python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/e2e_comm.py \
+python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}" benchmarks/e2e_comm.py \
     --tokens 4096 --hidden 4096 --layers 16 --microbatches 2 --out "${OUT}/comm.json" \
     > "${OUT}/comm.log" 2>&1 || tail -5 "${OUT}/comm.log"
 else
@@ -50,13 +51,13 @@ python3 benchmarks/e2e_report.py --log stock="${OUT}/stock.log" --log nccl="${OU
     --model "llama3-8b-16l (configs/llama3_8b_16l.json)" \
     --command "OUT=\$OUT bash benchmarks/e2e_device.sh  (E2E_ITERS=${ITERS}; each run: bash examples/pretrain_llama.sh with TRAIN_ITERS=${ITERS} LOG_INTERVAL=1, FLUX_TP_OVERLAP=0 | FLUX_BACKEND=nccl | FLUX_BACKEND=flux)" \
     --extra "versions=${versions}" --extra "gpu=$(echo "${versions}" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)["gpu"]))')" \
-    --extra "tp=2" --extra 'env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}' \
+    --extra "tp=${NGPUS}" --extra 'env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}' \
     --out "${OUT}/e2e.json"
 
 if [ "${SECONDS}" -lt 500 ] && [ "${E2E_SKIP_CUSTOM:-0}" = 0 ]; then
     echo "== custom_model.py, flux, 5 steps"
     PYTHONPATH="/tmp/site:${REPO}" timeout $((580 - SECONDS)) python3 -m torch.distributed.run \
-        --standalone --nproc-per-node 2 examples/custom_model.py --steps 5 --backend flux \
+        --standalone --nproc-per-node "${NGPUS}" examples/custom_model.py --steps 5 --backend flux \
         --num-layers 2 > "${OUT}/custom_flux.log" 2>&1
     echo "   exit $?"; tail -8 "${OUT}/custom_flux.log"
 fi
