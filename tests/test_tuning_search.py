@@ -147,3 +147,18 @@ def test_simple_progress_bar():
     quiet = progress(3, enabled=False)
     assert isinstance(quiet, NullProgress)
     assert isinstance(progress(3, force_simple=True), SimpleProgress)
+
+
+def test_comm_priority_is_an_ag_knob_only():
+    ag = S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6)
+    rs = S.generate_candidates("rs", 4096, 4096, 14336, 2, max_candidates=10**6)
+    assert {c.comm_priority for c in ag} == {-1, 0}
+    assert {c.comm_priority for c in rs} == {-1}
+    assert default_config("ag", 4096, 14336, 4096).comm_priority == -1
+    for bad in (1, -6, 0.5):
+        with pytest.raises(ValueError, match="comm_priority"):
+            GemmConfig(comm_priority=bad)
+    # tables written before the knob existed load with the default
+    d = default_config("ag", 4096, 14336, 4096).to_dict()
+    d.pop("comm_priority")
+    assert GemmConfig.from_dict(d).comm_priority == -1

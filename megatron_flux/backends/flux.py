@@ -59,7 +59,7 @@ class FluxBackend(TPOverlapBackend):
         self._provider_context = bool(getattr(config_provider, "accepts_context", False))
         self._workspaces: Dict[Tuple, object] = {}
         self._errors: Dict[Tuple, object] = {}
-        self._streams: Dict[int, torch.cuda.Stream] = {}
+        self._streams: Dict[Tuple[int, int], torch.cuda.Stream] = {}
         self._num_sms: Dict[int, int] = {}
         self._caps: Dict[int, Tuple[int, int]] = {}
         self._plans: Dict[Tuple, object] = {}
@@ -155,10 +155,12 @@ class FluxBackend(TPOverlapBackend):
             cap = self._caps[device.index] = torch.cuda.get_device_capability(device)
         return cap
 
-    def _side_stream(self, device) -> torch.cuda.Stream:
-        s = self._streams.get(device.index)
+    def _side_stream(self, device, priority: int = -1) -> torch.cuda.Stream:
+        """The AG copy-engine stream of this device at this CUDA priority (one per pair)."""
+        key = (device.index, priority)
+        s = self._streams.get(key)
         if s is None:
-            s = self._streams[device.index] = torch.cuda.Stream(device=device, priority=-1)
+            s = self._streams[key] = torch.cuda.Stream(device=device, priority=priority)
         return s
 
     def _sms(self, device) -> int:
@@ -220,7 +222,7 @@ class FluxBackend(TPOverlapBackend):
         gathered = ws.data(rank, parity, m * k).view(m, k)
 
         current = torch.cuda.current_stream(device)
-        side = self._side_stream(device)
+        side = self._side_stream(device, cfg.comm_priority)
         side.wait_stream(current)  # the shard is ready (recorded before the GEMM is queued)
         launch_ag_gemm(
             a_shard, gathered, b, out, ws.flags(rank), err.device_word,

@@ -15,7 +15,9 @@ from typing import Any, Dict
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
     """One kernel configuration. ``chunk_rows`` is the AllGather communication chunk (rows of
-    a rank's segment moved and signalled at once), independent of ``block_m``."""
+    a rank's segment moved and signalled at once), independent of ``block_m``.
+    ``comm_priority`` is the CUDA priority of the AllGather's copy-engine side stream (lower is
+    higher; -1 above the default 0); GEMM+RS has no side stream and ignores it."""
 
     block_m: int = 128
     block_n: int = 256
@@ -28,6 +30,7 @@ class GemmConfig:
     flatten: bool = True
     flatten_consume: bool = False
     warp_specialize: bool = False
+    comm_priority: int = -1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -38,6 +41,8 @@ class GemmConfig:
             raise ValueError(f"bad GemmConfig pipeline settings: {self}")
         if self.epilogue_split not in (1, 2) or self.block_n // self.epilogue_split < 16:
             raise ValueError(f"GemmConfig.epilogue_split must be 1 or 2 (block_n/split >= 16): {self}")
+        if not isinstance(self.comm_priority, int) or not -5 <= self.comm_priority <= 0:
+            raise ValueError(f"GemmConfig.comm_priority must be an int in [-5, 0]: {self}")
         if self.group_m < 1 or self.chunk_rows < 1:
             raise ValueError(f"GemmConfig.group_m and chunk_rows must be >= 1: {self}")
 

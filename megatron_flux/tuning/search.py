@@ -26,9 +26,11 @@ are merged into ``--out`` (default ``configs/tuning/<gpu>-sm<sms>-tp<tp>-<dtype>
 it to ``megatron_flux/tuning/tables/`` to ship it, or point ``--flux-config`` /
 ``$MEGATRON_FLUX_CONFIG`` at it.
 
-Knobs the issue lists that the kernels do not expose yet (no GemmConfig field), so they are not
-searched and are reported in the table's ``search.not_searched``: AllGather pull vs push (the
-backend always pushes with the copy engine) and the comm side-stream priority (fixed at -1).
+The comm settings searched are the AllGather chunk size (``chunk_rows``) and the CUDA priority of
+its copy-engine side stream (``comm_priority``). Not searched, and reported in the table's
+``search.not_searched``: AllGather pull vs push (the backend always pushes with the copy
+engine; a pull needs the peer's shard in its symmetric buffer first, and a cross-rank
+"ready" wait that no stream primitive here provides without an SM).
 ``--dry-run`` prints the plan (shapes, buckets, candidate counts) without GPUs.
 """
 
@@ -57,10 +59,10 @@ SEARCH_SPACE: Dict[str, Tuple] = {
     "epilogue_split": (1, 2),
     "flatten": (True, False),
     "warp_specialize": (False, True),
+    "comm_priority": (-1, 0),
 }
 NOT_SEARCHED = {
     "ag_pull_vs_push": "the AG backend always pushes shards with the copy engine; no pull variant exists",
-    "comm_stream_priority": "the AG side stream is created with priority -1; not a GemmConfig field",
 }
 #: Multi-knob configurations tried right after the default, before the one-knob variations:
 #: the winners of a 44-config sweep of a plain persistent TMA GEMM against cuBLAS on H200
@@ -124,8 +126,9 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     space = dict(SEARCH_SPACE if space is None else space)
     base = default_config(op, m_total, n, k)
     m_local = m_total // tp
-    if op == "rs":
+    if op == "rs":  # no chunked copy, no side stream
         space["chunk_rows"] = (base.chunk_rows,)
+        space["comm_priority"] = (base.comm_priority,)
     knobs = [f for f in space if f in {x.name for x in dataclasses.fields(GemmConfig)}]
     unknown = set(space) - set(knobs)
     if unknown:
