@@ -11,9 +11,13 @@ activation per collective. Per layer and micro-batch there are 8 of them:
 * forward: all-gather before linear_qkv and linear_fc1, reduce-scatter after linear_proj and
   linear_fc2;
 * backward: reduce-scatter of the input gradients of linear_qkv and linear_fc1, all-gather of
-  the output gradients of linear_proj and linear_fc2 (megatron-core also re-gathers the inputs of
-  linear_qkv and linear_fc1 for their weight gradients, overlapped with the input-gradient GEMM;
-  megatron-flux keeps the gathered input instead, so those are not counted).
+  the output gradients of linear_proj and linear_fc2.
+
+Not counted: the re-gather of the inputs of linear_qkv and linear_fc1 for their weight gradients
+(2 more all-gathers per layer and micro-batch). megatron-core overlaps it with the input-gradient
+GEMM. megatron-flux does too beside a non-fused dgrad, but runs it to completion before a fused
+one, because a concurrent collective could starve a peer's spinning grid. It skips it with
+``--flux-keep-gathered-input``. The 2026-11-22 runs used neither option.
 
 The step's TP communication is ``layers x microbatches x 4 x (t_all_gather + t_reduce_scatter)``,
 each collective timed alone (interleaved trials, medians, max over ranks). This is the time the

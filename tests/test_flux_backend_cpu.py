@@ -40,3 +40,17 @@ def test_misaligned_operands_are_copied_not_refused(layout):
     assert (fixed.stride(1) == 1) == (t.stride(1) == 1), "layout changed"
     aligned = torch.randn(16, 8, dtype=torch.float16)
     assert FluxBackend._aligned(aligned) is aligned
+
+
+def test_which_backends_may_run_beside_other_kernels():
+    """The column op overlaps its weight-gradient re-gather with the dgrad only where the dgrad
+    backend does not spin on peers while holding SMs."""
+    from megatron_flux.backends.flux import FluxBackend
+    from megatron_flux.backends.nccl import NcclBackend
+    from megatron_flux.tuning.auto import AutoDispatch
+
+    assert FluxBackend.waits_across_ranks_on_sms is True
+    assert NcclBackend.waits_across_ranks_on_sms is False
+    fused, nccl = FluxBackend.__new__(FluxBackend), NcclBackend()
+    assert AutoDispatch(fused, nccl, True, False).waits_across_ranks_on_sms is True
+    assert AutoDispatch(fused, nccl, False, False).waits_across_ranks_on_sms is False

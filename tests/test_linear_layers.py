@@ -88,6 +88,10 @@ def _register_scratch_backend():
             with self._call("all_gather", out is not None):
                 return super().all_gather(x, group, out=out)
 
+        def all_gather_start(self, x, group, *, out=None):
+            with self._call("all_gather_start", out is not None):
+                return super().all_gather_start(x, group, out=out)
+
         def reduce_scatter(self, x, group, *, out=None):
             with self._call("reduce_scatter", out is not None):
                 return super().reduce_scatter(x, group, out=out)
@@ -277,9 +281,21 @@ def check_column_reuse_equals_regather(rank, tp):
 
 
 def check_column_backend_calls(rank, tp):
-    """One fused call per GEMM; re-gather (into a buffer we own) only without reuse."""
+    """One fused call per GEMM; re-gather (into a buffer we own) only without reuse, started
+    before the dgrad and asynchronous unless the dgrad backend spins on peers holding SMs."""
     backend = _register_scratch_backend()
     _check_column_sp(rank, tp, keep=False)
+    assert backend.calls == [
+        ("all_gather_matmul", False, False),
+        ("all_gather_start", True),
+        ("matmul_reduce_scatter", False),
+    ], backend.calls
+    backend.calls.clear()
+    backend.waits_across_ranks_on_sms = True  # as the flux backend: nothing may run beside it
+    try:
+        _check_column_sp(rank, tp, keep=False)
+    finally:
+        backend.waits_across_ranks_on_sms = False
     assert backend.calls == [
         ("all_gather_matmul", False, False),
         ("all_gather", True),

@@ -120,6 +120,27 @@ def check_plain_collectives(rank, world):
     torch.testing.assert_close(holder.t(), _rows(sum(per_rank), rank, 2), **TOL)
 
 
+def check_all_gather_start(rank, world):
+    """The asynchronous re-gather gives all_gather's result, into the given buffer."""
+    be = NcclBackend()
+    full = _full(world * M_LOCAL, K, seed=9)
+    mine = _rows(full, rank, M_LOCAL).clone()
+    out = torch.full_like(full, float("nan"))
+    pending = be.all_gather_start(mine, dist.group.WORLD, out=out)
+    got = pending.wait()
+    assert got is out and pending.wait() is out  # waiting twice is harmless
+    torch.testing.assert_close(got, full, rtol=0, atol=0)
+    torch.testing.assert_close(be.all_gather_start(mine, dist.group.WORLD).wait(), full,
+                               rtol=0, atol=0)
+    # a non-contiguous out: gathered synchronously through a temporary, then copied
+    wide = torch.full((world * M_LOCAL, 2 * K), float("nan"), dtype=full.dtype)
+    strided = wide[:, ::2]
+    assert be.all_gather_start(mine, dist.group.WORLD, out=strided).wait() is strided
+    torch.testing.assert_close(strided, full, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="all_gather"):
+        be.all_gather_start(mine, dist.group.WORLD, out=torch.empty(1, dtype=full.dtype))
+
+
 def check_reduce_scatter_fallback_without_tensor_collective(rank, world):
     """A process group without the tensor reduce-scatter (older gloo) gets all-reduce + slice."""
     calls = []
@@ -205,6 +226,7 @@ CHECKS = [
     check_all_gather_matmul_non_contiguous_shard,
     check_matmul_reduce_scatter,
     check_plain_collectives,
+    check_all_gather_start,
     check_reduce_scatter_fallback_without_tensor_collective,
     check_reduce_scatter_real_errors_propagate,
     check_single_rank_group,

@@ -48,11 +48,32 @@ def output_like(
     return out
 
 
+class PendingGather:
+    """A row all-gather that may still be running: :meth:`wait` makes the caller's stream wait
+    for it and returns the gathered tensor."""
+
+    def __init__(self, out: torch.Tensor, work=None):
+        self._out, self._work = out, work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._out
+
+
 class TPOverlapBackend(abc.ABC):
     """One way of running AG+GEMM and GEMM+RS over a tensor-parallel group."""
 
     #: registry name (``"nccl"``, ``"flux"``, ...)
     name: str = ""
+
+    #: Whether this backend's fused kernels wait on other ranks while holding SMs (persistent
+    #: kernels that spin on peers' signals). Nothing else may then run beside them on the GPU:
+    #: a concurrent kernel (an asynchronous NCCL collective, say) that takes SMs from one rank's
+    #: grid can leave the peers' spinning grids waiting for tiles that never get an SM. The ops
+    #: only overlap other communication with backends where this is ``False``.
+    waits_across_ranks_on_sms: bool = False
 
     def unsupported_reason(
         self, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup
@@ -117,6 +138,13 @@ class TPOverlapBackend(abc.ABC):
     ) -> torch.Tensor:
         """Plain row all-gather of a contiguous ``[m_local, ...]`` tensor (weight-gradient
         re-gather when the forward's gathered input was not kept)."""
+
+    def all_gather_start(
+        self, x: torch.Tensor, group: dist.ProcessGroup, *, out: Optional[torch.Tensor] = None
+    ) -> PendingGather:
+        """:meth:`all_gather`, possibly still running when this returns; ``.wait()`` before
+        using the result. The default runs it to completion here."""
+        return PendingGather(self.all_gather(x, group, out=out))
 
     @abc.abstractmethod
     def reduce_scatter(

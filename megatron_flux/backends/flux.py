@@ -45,6 +45,7 @@ class FluxBackend(TPOverlapBackend):
     """Fused Triton kernels; see the module docstring for the schedule."""
 
     name = "flux"
+    waits_across_ranks_on_sms = True  # persistent grids spin on peers' signals
 
     def __init__(self, config_provider=None):
         """``config_provider(op, m_total, n, k) -> GemmConfig``; default: the tuning tables
@@ -285,6 +286,9 @@ class FluxBackend(TPOverlapBackend):
     # ---------------------------------------------------------------- plain collectives
     def all_gather(self, x, group, *, out=None):
         return self._nccl_backend().all_gather(x, group, out=out)
+
+    def all_gather_start(self, x, group, *, out=None):
+        return self._nccl_backend().all_gather_start(x, group, out=out)
 
     def reduce_scatter(self, x, group, *, out=None):
         return self._nccl_backend().reduce_scatter(x, group, out=out)

@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_flux.backends.base import TPOverlapBackend, output_like
+from megatron_flux.backends.base import PendingGather, TPOverlapBackend, output_like
 
 __all__ = ["NcclBackend"]
 
@@ -61,6 +61,26 @@ class NcclBackend(TPOverlapBackend):
         tmp = torch.empty(shape, dtype=x.dtype, device=x.device)
         _all_gather_single(tmp, x, group=group)
         return out.copy_(tmp)
+
+    def all_gather_start(
+        self, x: torch.Tensor, group: dist.ProcessGroup, *, out: Optional[torch.Tensor] = None
+    ) -> PendingGather:
+        """The all-gather issued with ``async_op=True`` (into a contiguous ``out``), so the
+        caller can queue independent work before :meth:`PendingGather.wait`; Megatron's
+        weight-gradient re-gather overlaps the input-gradient GEMM this way."""
+        x = x.contiguous()
+        tp = dist.get_world_size(group=group)
+        shape = (x.shape[0] * tp, *x.shape[1:])
+        if tp == 1 or (out is not None and not out.is_contiguous()):
+            return PendingGather(self.all_gather(x, group, out=out))
+        out = output_like(out, shape, x, "all_gather")
+        try:
+            work = _all_gather_single(out, x, group=group, async_op=True)
+        except (NotImplementedError, RuntimeError) as exc:
+            if not _is_unsupported_collective(exc):
+                raise
+            return PendingGather(self.all_gather(x, group, out=out))
+        return PendingGather(out, work)
 
     def reduce_scatter(
         self, x: torch.Tensor, group: dist.ProcessGroup, *, out: Optional[torch.Tensor] = None

@@ -116,25 +116,31 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
         group = ctx.group
         dy = grad_output.contiguous().view(-1, grad_output.shape[-1])
 
+        dgrad_impl = resolve_backend(ctx.backend, dy, weight, group, op="rs") if need_dgrad else None
         total_input = None
+        pending = None
         if need_wgrad:
             if ctx.kept_gathered:
                 total_input = saved_input
             else:
                 # Re-gather into a buffer we own (the backend may reuse its own before wgrad),
-                # issued before the dgrad so a backend that runs it asynchronously can overlap.
+                # started before the dgrad. Beside a dgrad GEMM that does not wait on other
+                # ranks, it runs asynchronously and overlaps it, as in megatron-core; beside a
+                # fused kernel that spins on peers while holding SMs, a concurrent collective
+                # could starve a peer's grid, so it completes first.
                 impl = resolve_backend(ctx.backend, saved_input, weight.t(), group)
                 tp = dist.get_world_size(group=group)
-                total_input = impl.all_gather(
-                    saved_input,
-                    group,
-                    out=saved_input.new_empty((saved_input.shape[0] * tp, saved_input.shape[1])),
-                )
+                buf = saved_input.new_empty((saved_input.shape[0] * tp, saved_input.shape[1]))
+                if dgrad_impl is None or not dgrad_impl.waits_across_ranks_on_sms:
+                    pending = impl.all_gather_start(saved_input, group, out=buf)
+                else:
+                    total_input = impl.all_gather(saved_input, group, out=buf)
 
         grad_input = None
         if need_dgrad:
-            impl = resolve_backend(ctx.backend, dy, weight, group, op="rs")
-            grad_input = impl.matmul_reduce_scatter(dy, weight, group).view(ctx.input_shape)
+            grad_input = dgrad_impl.matmul_reduce_scatter(dy, weight, group).view(ctx.input_shape)
+        if pending is not None:
+            total_input = pending.wait()
 
         grad_weight = (
             accumulate_weight_grad(weight, ctx.wgrad_target, dy, total_input) if need_wgrad else None

@@ -73,6 +73,8 @@ class AutoDispatch(TPOverlapBackend):
         self.ag = fused if use_fused_ag else nccl
         self.rs = fused if use_fused_rs else nccl
         self.name = f"auto(ag:{self.ag.name},rs:{self.rs.name})"
+        self.waits_across_ranks_on_sms = bool(
+            self.ag.waits_across_ranks_on_sms or self.rs.waits_across_ranks_on_sms)
 
     def backend_for(self, op: str) -> TPOverlapBackend:
         return self.ag if op == "ag" else self.rs
@@ -88,6 +90,9 @@ class AutoDispatch(TPOverlapBackend):
 
     def all_gather(self, x, group, *, out=None):
         return self.nccl.all_gather(x, group, out=out)
+
+    def all_gather_start(self, x, group, *, out=None):
+        return self.nccl.all_gather_start(x, group, out=out)
 
     def reduce_scatter(self, x, group, *, out=None):
         return self.nccl.reduce_scatter(x, group, out=out)
