@@ -54,3 +54,23 @@ def test_which_backends_may_run_beside_other_kernels():
     fused, nccl = FluxBackend.__new__(FluxBackend), NcclBackend()
     assert AutoDispatch(fused, nccl, True, False).waits_across_ranks_on_sms is True
     assert AutoDispatch(fused, nccl, False, False).waits_across_ranks_on_sms is False
+
+
+def test_reserved_sms_from_the_environment(monkeypatch):
+    from megatron_flux.backends import flux as F
+    from megatron_flux.kernels.config import GemmConfig, launch_geometry
+
+    monkeypatch.delenv(F.ENV_RESERVED_SMS, raising=False)
+    assert F.reserved_sms(132) == 0
+    monkeypatch.setenv(F.ENV_RESERVED_SMS, "32")
+    assert F.reserved_sms(132) == 32
+    for bad in ("x", "-1", "132"):
+        monkeypatch.setenv(F.ENV_RESERVED_SMS, bad)
+        with pytest.raises(ValueError, match="MEGATRON_FLUX_RESERVED_SMS"):
+            F.reserved_sms(132)
+    # the grid shrinks with the SMs it may fill; the tiles per segment (signal regions) do not
+    b = torch.empty(4096, 14336).t()
+    full = launch_geometry(2048, 14336, b, 2, GemmConfig(), 132)
+    reserved = launch_geometry(2048, 14336, b, 2, GemmConfig(), 100)
+    assert (full.grid, reserved.grid) == (132, 100)
+    assert full.tiles_per_segment == reserved.tiles_per_segment

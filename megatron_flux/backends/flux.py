@@ -41,6 +41,30 @@ def flux_backend_factory_or_reason():
     return FluxBackend, None
 
 
+ENV_RESERVED_SMS = "MEGATRON_FLUX_RESERVED_SMS"
+
+
+def reserved_sms(total: int) -> int:
+    """SMs the fused grids leave free, from ``$MEGATRON_FLUX_RESERVED_SMS`` (default 0).
+
+    The persistent grids wait on their peers while holding SMs, so every CTA of every rank must
+    be resident. A kernel that runs beside them, such as an asynchronous data-parallel NCCL
+    collective under ``--overlap-grad-reduce``, takes SMs. Reserving at least as many SMs as
+    it uses (NCCL: up to its channel count) keeps the grids fully resident; correctness does
+    not depend on the grid size, only the speed does.
+    """
+    raw = os.environ.get(ENV_RESERVED_SMS, "")
+    if raw == "":
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"${ENV_RESERVED_SMS}={raw!r}: expected an integer") from None
+    if not 0 <= value < total:
+        raise ValueError(f"${ENV_RESERVED_SMS}={raw!r}: must be in [0, {total}) on a {total}-SM GPU")
+    return value
+
+
 class FluxBackend(TPOverlapBackend):
     """Fused Triton kernels; see the module docstring for the schedule."""
 
@@ -165,9 +189,11 @@ class FluxBackend(TPOverlapBackend):
         return s
 
     def _sms(self, device) -> int:
+        """SMs the persistent grids may fill: the device's, less ``$MEGATRON_FLUX_RESERVED_SMS``."""
         n = self._num_sms.get(device.index)
         if n is None:
-            n = self._num_sms[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+            total = torch.cuda.get_device_properties(device).multi_processor_count
+            n = self._num_sms[device.index] = total - reserved_sms(total)
         return n
 
     def config(self, op: str, m_total: int, n: int, k: int, *, dtype=None, tp=None, device=None):
