@@ -16,6 +16,9 @@ import them by name.
   mostly importing torch and megatron) and returns ``{check.__name__: None | failure text}``,
   so a test module can spawn once and report every check as its own pytest test.
 
+* :func:`gloo_world_of_one` (a context manager): an in-process gloo group of one rank, for the
+  tests that need a process group but no peers; torn down afterwards if it made it.
+
 ``tensor_model_parallel_size=N`` also runs megatron-core's
 ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=N)`` (and tears it down).
 Each rank uses one torch thread, so a 4-rank world does not oversubscribe a small machine.
@@ -23,17 +26,19 @@ Each rank uses one torch thread, so a 4-rank world does not oversubscribe a smal
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
 import socket
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-__all__ = ["DistributedError", "free_port", "run_checks", "run_distributed"]
+__all__ = ["DistributedError", "free_port", "gloo_world_of_one", "run_checks", "run_distributed"]
 
 #: after a check fails on some rank, how long the other ranks get to finish that check before
 #: the world is stopped (a rank that failed before a collective leaves the others blocked in it)
@@ -51,6 +56,27 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_world_of_one():
+    """``torch.distributed`` as a gloo group of one rank in this process (file rendezvous);
+    yields ``dist.group.WORLD``. An existing group is reused and left alone."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    path = None
+    if created:
+        fd, path = tempfile.mkstemp()
+        os.close(fd)
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        if created:
+            dist.destroy_process_group()
+            with contextlib.suppress(FileNotFoundError):  # the FileStore may remove it itself
+                os.unlink(path)
 
 
 def _worker(rank, world_size, port, timeout, tp_size, fn, args, kwargs, messages) -> None:

@@ -18,6 +18,7 @@ from megatron_flux.arguments import (
     validate_flux_args,
 )
 from megatron_flux.layers.norms import SequenceParallelLayerNorm, SequenceParallelRMSNorm
+from dist_harness import gloo_world_of_one
 from spec_utils import mlp_submodules
 from test_specs import flux_linears  # noqa: F401  (fixture)
 
@@ -251,20 +252,8 @@ def test_block_spec_from_args_with_config(flux_linears):
 @pytest.fixture
 def world_of_one():
     """A gloo process group of one rank (the column layer's tp_group), torn down afterwards."""
-    import os
-    import tempfile
-
-    import torch.distributed as dist
-
-    created = not dist.is_initialized()
-    if created:
-        fd, path = tempfile.mkstemp()
-        os.close(fd)
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    if created:
-        dist.destroy_process_group()
-        os.unlink(path)
+    with gloo_world_of_one() as group:
+        yield group
 
 
 def test_keep_gathered_input_reaches_the_column_layer(flux_linears, world_of_one):

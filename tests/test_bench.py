@@ -517,21 +517,10 @@ def test_timing_disables_gc_during_the_trials_and_restores_it():
     seen = []
     fns = {"a": lambda: seen.append(gc.isenabled()), "b": lambda: seen.append(gc.isenabled())}
     assert gc.isenabled()
-    import os
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from dist_harness import gloo_world_of_one
 
-    import torch.distributed as dist
-
-    # the sync points are collectives: a one-rank gloo group
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
+    with gloo_world_of_one():  # the sync points are collectives
         res = time_interleaved(fns, trials=2, iters=2, warmup=1, group=None, device=torch.device("cpu"))
-    finally:
-        if started:
-            dist.destroy_process_group()
     assert seen and not any(seen)  # every timed call ran with the collector off
     assert gc.isenabled() and set(res.trials_ms) == {"a", "b"}

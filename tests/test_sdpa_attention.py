@@ -15,7 +15,6 @@ import inspect
 import math
 import os
 import sys
-import tempfile
 import warnings
 
 import pytest
@@ -30,6 +29,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_harness import gloo_world_of_one  # noqa: E402
 from test_specs import fingerprint, leaves  # noqa: E402  (the spec walkers test_specs uses)
 
 import megatron_flux  # noqa: E402
@@ -68,31 +68,23 @@ class RecordingRngTracker:
 def cpu_megatron():
     """gloo world of 1 + megatron parallel_state at TP=PP=1, CUDA-only helpers on CPU."""
     import megatron.core.fusions.fused_softmax as fused_softmax
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    created = not dist.is_initialized()
-    if created:
-        fd, path = tempfile.mkstemp()
-        os.close(fd)
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1)
-    tracker = RecordingRngTracker()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ps, "get_global_memory_buffer", lambda: CpuMemoryBuffer())
-        mp.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: tracker)
-        mp.setattr(
-            fused_softmax,
-            "get_default_causal_mask",
-            lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1),
-        )
-        mp.setattr(torch.cuda, "current_device", lambda: "cpu")  # RoPE's inv_freq
-        yield tracker
-    ps.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
-        os.unlink(path)
+    with gloo_world_of_one():
+        ps.initialize_model_parallel(1, 1)
+        tracker = RecordingRngTracker()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ps, "get_global_memory_buffer", lambda: CpuMemoryBuffer())
+            mp.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: tracker)
+            mp.setattr(
+                fused_softmax,
+                "get_default_causal_mask",
+                lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1),
+            )
+            mp.setattr(torch.cuda, "current_device", lambda: "cpu")  # RoPE's inv_freq
+            yield tracker
+        ps.destroy_model_parallel()
 
 
 def attn_config(num_heads=8, num_groups=None, **overrides):

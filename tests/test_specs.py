@@ -4,7 +4,6 @@ import dataclasses
 import functools
 import os
 import sys
-import tempfile
 import types
 import warnings
 
@@ -21,7 +20,7 @@ from megatron.core.transformer.torch_norm import L2Norm, WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_harness import run_distributed  # noqa: E402
+from dist_harness import gloo_world_of_one, run_distributed  # noqa: E402
 from spec_utils import mlp_submodules  # noqa: E402
 
 from megatron_flux import specs  # noqa: E402
@@ -468,20 +467,12 @@ def llama_config(**overrides):
 @pytest.fixture(scope="module")
 def single_rank_model_parallel():
     """torch.distributed (gloo, world 1) + megatron parallel_state at TP=PP=1, in-process."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    created = not dist.is_initialized()
-    if created:
-        fd, path = tempfile.mkstemp()
-        os.close(fd)
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1)
-    yield
-    ps.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
-        os.unlink(path)
+    with gloo_world_of_one():
+        ps.initialize_model_parallel(1, 1)
+        yield
+        ps.destroy_model_parallel()
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
