@@ -49,38 +49,26 @@ class NcclBackend(TPOverlapBackend):
     def all_gather(
         self, x: torch.Tensor, group: dist.ProcessGroup, *, out: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
-        x = x.contiguous()
-        tp = dist.get_world_size(group=group)
-        shape = (x.shape[0] * tp, *x.shape[1:])
-        out = output_like(out, shape, x, "all_gather")
-        if tp == 1:
-            return out.copy_(x)
-        if out.is_contiguous():
-            _all_gather_single(out, x, group=group)
-            return out
-        tmp = torch.empty(shape, dtype=x.dtype, device=x.device)
-        _all_gather_single(tmp, x, group=group)
-        return out.copy_(tmp)
+        return self.all_gather_start(x, group, out=out).wait()
 
     def all_gather_start(
         self, x: torch.Tensor, group: dist.ProcessGroup, *, out: Optional[torch.Tensor] = None
     ) -> PendingGather:
         """The all-gather issued with ``async_op=True`` (into a contiguous ``out``), so the
         caller can queue independent work before :meth:`PendingGather.wait`; Megatron's
-        weight-gradient re-gather overlaps the input-gradient GEMM this way."""
+        weight-gradient re-gather overlaps the input-gradient GEMM this way. A single rank
+        copies, and a non-contiguous ``out`` is filled through a temporary, synchronously."""
         x = x.contiguous()
         tp = dist.get_world_size(group=group)
         shape = (x.shape[0] * tp, *x.shape[1:])
-        if tp == 1 or (out is not None and not out.is_contiguous()):
-            return PendingGather(self.all_gather(x, group, out=out))
         out = output_like(out, shape, x, "all_gather")
-        try:
-            work = _all_gather_single(out, x, group=group, async_op=True)
-        except (NotImplementedError, RuntimeError) as exc:
-            if not _is_unsupported_collective(exc):
-                raise
-            return PendingGather(self.all_gather(x, group, out=out))
-        return PendingGather(out, work)
+        if tp == 1:
+            return PendingGather(out.copy_(x))
+        if out.is_contiguous():
+            return PendingGather(out, _all_gather_single(out, x, group=group, async_op=True))
+        tmp = torch.empty(shape, dtype=x.dtype, device=x.device)
+        _all_gather_single(tmp, x, group=group)
+        return PendingGather(out.copy_(tmp))
 
     def reduce_scatter(
         self, x: torch.Tensor, group: dist.ProcessGroup, *, out: Optional[torch.Tensor] = None
