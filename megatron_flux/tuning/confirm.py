@@ -17,6 +17,7 @@ import json
 import sys
 from typing import Any, Dict, Optional, Sequence
 
+from megatron_flux.tuning.from_bench import local_nk, measured_pairs
 from megatron_flux.tuning.keys import normalize_op
 from megatron_flux.tuning.schema import Entry, Table, TuningFileError, load_table, write_table
 
@@ -27,14 +28,10 @@ def _bench_times(bench: Dict[str, Any], source: str) -> Dict[tuple, Dict[str, fl
         raise TuningFileError(source, "rows", "not a megatron-flux benchmark JSON")
     tp = int(bench["tp"])
     out: Dict[tuple, Dict[str, float]] = {}
-    for r in bench["rows"]:
-        if r.get("method") not in ("flux", "nccl") or r.get("status") != "ok":
-            continue
-        if r.get("check") not in ("ok", None) or r.get("median_ms") is None:
-            continue
-        op = normalize_op(r["op"])
-        n, k = (r["n"] // tp, r["k"]) if op == "ag" else (r["n"], r["k"] // tp)
-        out.setdefault((op, n, k, int(r["m"])), {})[r["method"]] = float(r["median_ms"])
+    for (bop, _model, m, n, k), meth in measured_pairs(bench).items():
+        op = normalize_op(bop)
+        out[(op, *local_nk(op, n, k, tp), int(m))] = {
+            name: float(row["median_ms"]) for name, row in meth.items()}
     return out
 
 

@@ -22,9 +22,24 @@ from megatron_flux.tuning.keys import normalize_gpu_name, normalize_op
 from megatron_flux.tuning.schema import Entry, Table, TuningFileError, default_filename, write_table
 
 
-def _local_nk(op: str, n: int, k: int, tp: int):
+def local_nk(op: str, n: int, k: int, tp: int):
     """The benchmark's global (n, k) -> the backend's per-rank (n, k) (see keys)."""
     return (n // tp, k) if op == "ag" else (n, k // tp)
+
+
+def measured_pairs(bench: Dict[str, Any]) -> Dict[tuple, Dict[str, dict]]:
+    """``{(bench op, model, m, n, k): {"flux": row, "nccl": row}}`` for the cases where both
+    methods ran and passed the numerical check (rows as in the benchmark JSON)."""
+    rows: Dict[tuple, Dict[str, dict]] = {}
+    for r in bench["rows"]:
+        if r.get("method") in ("flux", "nccl"):
+            rows.setdefault((r["op"], r.get("model"), r["m"], r["n"], r["k"]), {})[r["method"]] = r
+    return {
+        key: meth for key, meth in rows.items()
+        if all(x is not None and x.get("status") == "ok" and x.get("check") in ("ok", None)
+               and x.get("median_ms") is not None
+               for x in (meth.get("flux"), meth.get("nccl")))
+    }
 
 
 def table_from_bench(bench: Dict[str, Any], source: str) -> Table:
@@ -41,20 +56,11 @@ def table_from_bench(bench: Dict[str, Any], source: str) -> Table:
     sms = env.get("sms")
     if not isinstance(sms, int):
         raise TuningFileError(source, "env.sms", f"must be the SM count, got {sms!r}")
-    rows: Dict[tuple, Dict[str, dict]] = {}
-    for r in bench["rows"]:
-        if r.get("method") in ("flux", "nccl"):
-            rows.setdefault((r["op"], r["model"], r["m"], r["n"], r["k"]), {})[r["method"]] = r
     entries = []
-    for (bop, model, m, n, k), meth in sorted(rows.items()):
-        f, c = meth.get("flux"), meth.get("nccl")
-        if not f or not c:
-            continue
-        if any(x.get("status") != "ok" or x.get("check") not in ("ok", None) or x.get("median_ms") is None
-               for x in (f, c)):
-            continue
+    for (bop, model, m, n, k), meth in sorted(measured_pairs(bench).items()):
+        f, c = meth["flux"], meth["nccl"]
         op = normalize_op(bop)
-        ln, lk = _local_nk(op, n, k, tp)
+        ln, lk = local_nk(op, n, k, tp)
         entries.append(Entry(
             op=op, n=ln, k=lk, m=m, config=default_config(op, m, ln, lk), tuned=False,
             flux_ms=float(f["median_ms"]), nccl_ms=float(c["median_ms"]),
