@@ -124,9 +124,14 @@ def test_median_and_spread_over_trials():
         T.spread([])
 
 
-def test_rotation_starts_each_trial_with_the_next_method():
-    names = ["a", "b", "c"]
-    assert [T.rotated(names, t) for t in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+def test_trial_order_rotates_the_first_method_and_varies_predecessors():
+    names = ["a", "b", "c", "d", "e"]
+    orders = [T.trial_order(names, t) for t in range(20)]
+    assert all(sorted(o) == names for o in orders)
+    assert [o[0] for o in orders[:5]] == names
+    assert orders == [T.trial_order(names, t) for t in range(20)]  # deterministic (same on every rank)
+    preceded = {n: {o[i - 1] for o in orders for i in range(1, len(o)) if o[i] == n} for n in names}
+    assert all(len(p) >= 3 for p in preceded.values()), preceded
 
 
 # ------------------------------------------------------------------------------ grid
@@ -436,7 +441,7 @@ def test_trials_are_interleaved_round_robin(two_ranks):
     assert log[:2] == ["a", "b"]  # warm-up, one call each
     blocks = [log[i:i + 4] for i in range(2, len(log), 4)]
     assert all(len(set(b)) == 1 for b in blocks)  # a block is one method's iterations
-    assert [b[0] for b in blocks] == ["a", "b", "b", "a", "a", "b"]  # rotated start per trial
+    assert [b[0] for b in blocks] == ["a", "b", "b", "a", "a", "b"]  # first method rotates per trial
 
 
 def test_a_method_failing_on_one_rank_is_dropped_on_all(two_ranks):
