@@ -28,31 +28,42 @@ def _versions():
     return out
 
 
+def tests_from_junit(xml_path):
+    """Per-test outcome, time and message from a pytest ``--junitxml`` file."""
+    tests = []
+    for case in ET.parse(xml_path).getroot().iter("testcase"):
+        outcome, message = "passed", None
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome, message = "failed", (child.get("message") or "")[:2000]
+            elif child.tag == "skipped":
+                outcome, message = "skipped", (child.get("message") or "")[:500]
+        tests.append({"test": f"{case.get('classname')}::{case.get('name')}",
+                      "outcome": outcome, "time_s": float(case.get("time", 0)), "message": message})
+    return tests
+
+
 def main():
     out_path, args = sys.argv[1], sys.argv[2:]
     with tempfile.TemporaryDirectory() as tmp:
         xml_path = os.path.join(tmp, "junit.xml")
         cmd = [sys.executable, "-m", "pytest", *args, f"--junitxml={xml_path}"]
-        proc = subprocess.run(cmd, text=True, capture_output=True)
-        sys.stdout.write(proc.stdout[-20000:])
-        sys.stderr.write(proc.stderr[-5000:])
-        tests = []
-        if os.path.exists(xml_path):
-            for case in ET.parse(xml_path).getroot().iter("testcase"):
-                outcome, message = "passed", None
-                for child in case:
-                    if child.tag in ("failure", "error"):
-                        outcome, message = "failed", (child.get("message") or "")[:2000]
-                    elif child.tag == "skipped":
-                        outcome, message = "skipped", (child.get("message") or "")[:500]
-                tests.append({"test": f"{case.get('classname')}::{case.get('name')}",
-                              "outcome": outcome, "time_s": float(case.get("time", 0)), "message": message})
+        # Stream pytest's output as it comes (an outer `timeout` then still leaves a log
+        # that says which test was running); keep the last line for the record.
+        last = ""
+        with subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                if line.strip():
+                    last = line.strip()
+        tests = tests_from_junit(xml_path) if os.path.exists(xml_path) else []
     counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "skipped")}
     record = {"command": " ".join(["python", "-m", "pytest", *args]), "exit_status": proc.returncode,
               "counts": counts, "env": _versions(),
               "env_vars": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                             "NVSHMEM_DISABLE_NVLS", "CUDA_DEVICE_MAX_CONNECTIONS")},
-              "summary_line": (proc.stdout.strip().splitlines() or [""])[-1], "tests": tests}
+              "summary_line": last, "tests": tests}
     with open(out_path, "w") as f:
         json.dump(record, f, indent=1)
     sys.exit(proc.returncode)
