@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End-to-end proof on the 2-GPU box, one job (fits one 10-minute device call):
+# End-to-end proof on the GPU box (TP = all local GPUs), one job (fits one 10-minute device call):
 #   1. Llama-3-8B-shaped pretraining (configs/llama3_8b_16l.json) for E2E_ITERS iterations,
 #      back to back with: stock megatron-core linears (FLUX_TP_OVERLAP=0), the plugin's nccl
 #      backend, the plugin's flux backend; same seed, same mock data, --log-interval 1;
@@ -7,6 +7,7 @@
 #   3. benchmarks/e2e_report.py -> $OUT/e2e.json (losses, step times, tokens/s, parity, hidden
 #      communication);
 #   4. if time is left, examples/custom_model.py for a few steps with the flux backend.
+# E2E_KEEP_GATHERED=1 adds a fourth run, flux with --flux-keep-gathered-input (no wgrad re-gather).
 # Needs: .whl/megatron_core-0.19*.whl carried. Usage: OUT=/somewhere bash benchmarks/e2e_device.sh
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,11 +24,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/site .whl/megatron_core-0.19*.whl || exit 2
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "${OUT}/gpus.csv"
 
+RUN_ARGS=()  # extra pretrain arguments for the next run() only
 run() {  # run NAME ENV...
     local name="$1"; shift
     echo "== ${name}: $(date +%T)"
     env "$@" TRAIN_ITERS="${ITERS}" LOG_INTERVAL=1 MODEL_CONFIG="${CONFIG}" \
-        timeout "${RUN_TIMEOUT}" bash examples/pretrain_llama.sh > "${OUT}/${name}.log" 2>&1
+        timeout "${RUN_TIMEOUT}" bash examples/pretrain_llama.sh "${RUN_ARGS[@]}" > "${OUT}/${name}.log" 2>&1
+    RUN_ARGS=()
     echo "   exit $? at $(date +%T)"
     grep -E "iteration +(1|${ITERS})/" "${OUT}/${name}.log" | cut -c1-400
     grep -iE "^\S*(error|Traceback)|Error:" "${OUT}/${name}.log" | grep -v "error_inj\|ignore_errors" | head -8
@@ -35,6 +38,12 @@ run() {  # run NAME ENV...
 run stock FLUX_TP_OVERLAP=0
 run nccl FLUX_BACKEND=nccl
 run flux FLUX_BACKEND=flux
+KEEP_LOG=()
+if [ "${E2E_KEEP_GATHERED:-0}" = 1 ]; then  # flux, keeping the gathered inputs for wgrad (no re-gather)
+    RUN_ARGS=(--flux-keep-gathered-input)
+    run flux_keep FLUX_BACKEND=flux
+    KEEP_LOG=(--log flux_keep="${OUT}/flux_keep.log")
+fi
 
 if [ "${E2E_SKIP_COMM:-0}" = 0 ]; then
 echo "== TP communication per step"
@@ -47,7 +56,7 @@ fi
 
 versions="$(PYTHONPATH=/tmp/site python3 -c 'import json,torch,triton,megatron.core as m; print(json.dumps({"torch": torch.__version__, "triton": triton.__version__, "megatron_core": m.__version__, "gpu": torch.cuda.get_device_name(0), "tp": torch.cuda.device_count()}))')"
 python3 benchmarks/e2e_report.py --log stock="${OUT}/stock.log" --log nccl="${OUT}/nccl.log" \
-    --log flux="${OUT}/flux.log" --comm "${OUT}/comm.json" --tokens-per-step 8192 --warmup 20 \
+    --log flux="${OUT}/flux.log" "${KEEP_LOG[@]}" --comm "${OUT}/comm.json" --tokens-per-step 8192 --warmup 20 \
     --model "llama3-8b-16l (configs/llama3_8b_16l.json)" \
     --command "OUT=\$OUT bash benchmarks/e2e_device.sh  (E2E_ITERS=${ITERS}; each run: bash examples/pretrain_llama.sh with TRAIN_ITERS=${ITERS} LOG_INTERVAL=1, FLUX_TP_OVERLAP=0 | FLUX_BACKEND=nccl | FLUX_BACKEND=flux)" \
     --extra "versions=${versions}" --extra "gpu=$(echo "${versions}" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)["gpu"]))')" \
