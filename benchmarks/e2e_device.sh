@@ -58,7 +58,7 @@ versions="$(PYTHONPATH=/tmp/site python3 -c 'import json,torch,triton,megatron.c
 python3 benchmarks/e2e_report.py --log stock="${OUT}/stock.log" --log nccl="${OUT}/nccl.log" \
     --log flux="${OUT}/flux.log" "${KEEP_LOG[@]}" --comm "${OUT}/comm.json" --tokens-per-step 8192 --warmup 20 \
     --model "llama3-8b-16l (configs/llama3_8b_16l.json)" \
-    --command "OUT=\$OUT bash benchmarks/e2e_device.sh  (E2E_ITERS=${ITERS}; each run: bash examples/pretrain_llama.sh with TRAIN_ITERS=${ITERS} LOG_INTERVAL=1, FLUX_TP_OVERLAP=0 | FLUX_BACKEND=nccl | FLUX_BACKEND=flux)" \
+    --command "OUT=\$OUT E2E_KEEP_GATHERED=${E2E_KEEP_GATHERED:-0} E2E_RUN_TIMEOUT=${RUN_TIMEOUT} bash benchmarks/e2e_device.sh  (TP=${NGPUS}, E2E_ITERS=${ITERS}; each run: bash examples/pretrain_llama.sh with TRAIN_ITERS=${ITERS} LOG_INTERVAL=1, FLUX_TP_OVERLAP=0 | FLUX_BACKEND=nccl | FLUX_BACKEND=flux [| flux + --flux-keep-gathered-input])" \
     --extra "versions=${versions}" --extra "gpu=$(echo "${versions}" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)["gpu"]))')" \
     --extra "tp=${NGPUS}" --extra 'env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}' \
     --out "${OUT}/e2e.json"

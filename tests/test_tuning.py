@@ -16,9 +16,13 @@ from megatron_flux.tuning.keys import dtype_key, nearest_bucket, normalize_gpu_n
 H200 = ("NVIDIA H200", 132)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks", "results", "bench-h200x2-2026-11-22.json")
-TUNED_BENCH_REL = "benchmarks/results/bench-tuned-h200x2-2026-11-22.json"
-TUNED_BENCH = os.path.join(REPO, TUNED_BENCH_REL)
-TUNE_RAW = os.path.join(REPO, "benchmarks", "results", "raw", "tune-h200x2-2026-11-22.json")
+# shipped table -> (TP, the tuning run, the benchmark that confirmed it), all committed
+SHIPPED = {
+    "h200-sm132-tp2-bf16.json": (2, "benchmarks/results/raw/tune-h200x2-2026-11-22.json",
+                                 "benchmarks/results/bench-tuned-h200x2-2026-11-22.json"),
+    "h200-sm132-tp4-bf16.json": (4, "benchmarks/results/raw/tune-h200x4-2026-11-22.json",
+                                 "benchmarks/results/bench-h200x4-2026-11-22.json"),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -226,20 +230,25 @@ def test_auto_margin_from_the_environment(monkeypatch):
             T.prefer_fused("ag", 2048, 14336, 4096, torch.bfloat16, 2, H200)
 
 
-def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark():
-    files = T.shipped_table_files()
-    assert [os.path.basename(f) for f in files] == ["h200-sm132-tp2-bf16.json"]
-    t = T.load_table(files[0])
+def test_shipped_tables_are_the_committed_runs():
+    assert sorted(os.path.basename(f) for f in T.shipped_table_files()) == sorted(SHIPPED)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
+    tp, tune_rel, bench_rel = SHIPPED[name]
+    t = T.load_table(os.path.join(registry.SHIPPED_DIR, name))
     assert t.source.startswith("megatron-flux tune ")
-    assert t.tp == 2 and t.sms == 132 and t.gpu == "h200" and t.dtype == "bf16"
+    assert t.tp == tp and t.sms == 132 and t.gpu == "h200" and t.dtype == "bf16"
     assert len(t.entries) == 48 and all(e.tuned for e in t.entries)
-    assert t.extra["search"]["confirmed_by"]["bench"] == TUNED_BENCH_REL
+    assert t.extra["search"]["confirmed_by"]["bench"] == bench_rel
     # the configs differ from the defaults somewhere (the search found better ones)
     assert any(e.config != default_config(e.op, e.m, e.n, e.k) for e in t.entries)
     # regenerating from the committed tuning run and benchmark gives the same file contents
     from megatron_flux.tuning.confirm import confirm_table
 
-    again = confirm_table(T.load_table(TUNE_RAW), json.load(open(TUNED_BENCH)), TUNED_BENCH_REL)
+    again = confirm_table(T.load_table(os.path.join(REPO, tune_rel)),
+                          json.load(open(os.path.join(REPO, bench_rel))), bench_rel)
     assert schema.table_to_dict(again) == schema.table_to_dict(t)
     # each entry's times are those of the run less favourable to fused
     for e in t.entries:
