@@ -119,6 +119,40 @@ def check_ag_signal_indexing():
             assert err.tolist() == [1, rank, idx, 4], (missing_seg, missing_chunk, err.tolist())
 
 
+def check_next_call_cannot_release_a_wait():
+    """TP=3, workspace of simulated ranks: rank 0 in call 5 has rank 1's chunks but not rank 2's;
+    rank 1, already in call 6 under a layout with twice the chunks, has signalled segment 1 into
+    rank 0's signals. Rank 0's kernel must keep waiting on rank 2 (and time out here), not take
+    rank 1's call-6 signals for rank 2's call-5 data, which it would in one shared region."""
+    from fake_symm import FakeWorld
+
+    world, me, m_local, k, n, epoch = 3, 0, 32, 16, 32, 5
+    xs, b, _ = _ag_case(world, m_local, k, n, False)
+    chunks = triton.cdiv(m_local, CFG.chunk_rows)  # call 5's layout: 4 chunks per segment
+    w = FakeWorld(world, "ag", DTYPE)
+    w.reserve(world * m_local * k, world * 2 * chunks)
+    ws = w.ws[me]
+
+    def run(flags):
+        err = torch.zeros(4, dtype=torch.int32)
+        ag = torch.randn(world * m_local, k).to(DTYPE)
+        out = torch.empty(world * m_local, n, dtype=DTYPE)
+        launch_ag_gemm(xs[me], ag, b, out, flags, err, rank=me, world=world, epoch=epoch,
+                       cfg=CFG, num_sms=NSMS, max_spins=3)
+        return err.tolist()
+
+    now, early = ws.flags(me, epoch & 1), ws.flags(me, (epoch + 1) & 1)
+    now[1 * chunks:2 * chunks] = epoch        # rank 1's call-5 chunks arrived
+    early[1 * 2 * chunks:2 * 2 * chunks] = epoch + 1  # rank 1's call-6 signals, 8 per segment
+    op, rank, index, seen = run(now)  # the last program to give up writes the word
+    assert (op, rank, seen) == (1, me, 0) and 2 * chunks <= index < 3 * chunks, \
+        f"rank 0 did not wait for rank 2's chunks: {(op, rank, index, seen)}"
+    # control: the same writes into one shared region release the wait (the bug this prevents)
+    shared = now.clone()
+    shared[1 * 2 * chunks:2 * 2 * chunks] = epoch + 1
+    assert run(shared) == [0, 0, 0, 0]
+
+
 def _rs_world(world, m_local, k, n, b_kn, bias, epoch=3):
     m = world * m_local
     a_s = [torch.randn(m, k).to(DTYPE) for _ in range(world)]
@@ -201,7 +235,8 @@ def check_gemm_rs_deterministic_and_timeout():
 
 
 CHECKS = [check_tile_order, check_ag_gemm_all_ranks, check_ag_signal_indexing,
-          check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout]
+          check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout,
+          check_next_call_cannot_release_a_wait]
 
 
 @triton.jit

@@ -72,6 +72,39 @@ def _check_rs(flux, group, rank, world, m_local, k, n, dtype, layout, tol, gen, 
     return out
 
 
+def _check_back_to_back(flux, group, rank, world, gen, rounds=12):
+    """AG+GEMM and GEMM+RS calls queued back to back, with no collective between them (the
+    references are computed first), alternating two shapes whose configs give different signal
+    layouts; every output is checked afterwards."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    m_local, k, dtype = 256, 512, torch.bfloat16
+    cases = []
+    for n in (512, 1024):
+        x = torch.randn(m_local, k, generator=gen, device=dev).to(dtype)
+        w = torch.randn(n, k, generator=gen, device=dev).to(dtype)
+        torch.distributed.broadcast(w, 0, group=group)
+        gathered = torch.empty(world * m_local, k, dtype=dtype, device=dev)
+        torch.distributed.all_gather_into_tensor(gathered, x, group=group)
+        ag_ref = gathered.float() @ w.t().float()
+        a = torch.randn(world * m_local, k, generator=gen, device=dev).to(dtype)
+        wr = torch.randn(n, k, generator=gen, device=dev).to(dtype)
+        full = a.float() @ wr.t().float()
+        torch.distributed.all_reduce(full, group=group)
+        rs_ref = full[rank * m_local:(rank + 1) * m_local]
+        cases.append((x, w.t(), ag_ref, a, wr.t(), rs_ref))
+    outs = []
+    for i in range(rounds):
+        x, b, _, a, br, _ = cases[i % 2]
+        outs.append((i % 2, flux.all_gather_matmul(x, b, group)[0], flux.matmul_reduce_scatter(a, br, group)))
+    torch.cuda.synchronize()
+    flux.check_errors()
+    for which, ag_out, rs_out in outs:
+        _, _, ag_ref, _, _, rs_ref = cases[which]
+        assert _rel(ag_out, ag_ref) < 2e-2, f"back-to-back AG+GEMM rel err {_rel(ag_out, ag_ref)}"
+        assert _rel(rs_out, rs_ref) < 2e-2, f"back-to-back GEMM+RS rel err {_rel(rs_out, rs_ref)}"
+    return 2 * rounds
+
+
 def _worker(rank, world, port, env, queue):
     try:
         os.environ.update(env)
@@ -100,6 +133,21 @@ def _worker(rank, world, port, env, queue):
             _check_ag(flux, group, rank, world, m_local, k, n, torch.bfloat16, "nk", 2e-2, gen)
             _check_rs(flux, group, rank, world, m_local, k, n, torch.bfloat16, "nk", 2e-2, gen, False)
             n_checks += 2
+        # consecutive calls under different signal layouts (chunks per segment, tiles per
+        # segment): at TP >= 3 a peer may signal the next call while this rank still waits on a
+        # third rank (the workspace keeps the two calls' signals apart by parity)
+        from megatron_flux.kernels.config import GemmConfig
+
+        def alternating(op, m_total, n, k):
+            if n == 1024:
+                return GemmConfig(block_m=64, block_n=128, num_stages=3, num_warps=4, chunk_rows=32,
+                                  epilogue_split=1)
+            return GemmConfig(block_m=128, block_n=128, num_stages=3, num_warps=8, chunk_rows=128,
+                              epilogue_split=1)
+
+        flux_alt = FluxBackend(config_provider=alternating)
+        n_checks += _check_back_to_back(flux_alt, group, rank, world, gen)
+        flux_alt.check_errors()
         # bitwise determinism of AG+GEMM
         x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
         b = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -252,7 +252,7 @@ class FluxBackend(TPOverlapBackend):
         side = self._side_stream(device, cfg.comm_priority)
         side.wait_stream(current)  # the shard is ready (recorded before the GEMM is queued)
         launch_ag_gemm(
-            a_shard, gathered, b, out, ws.flags(rank), err.device_word,
+            a_shard, gathered, b, out, ws.flags(rank, parity), err.device_word,
             rank=rank, world=world, epoch=epoch, cfg=cfg, num_sms=self._sms(device),
             max_spins=self.max_spins,
         )
@@ -261,7 +261,7 @@ class FluxBackend(TPOverlapBackend):
             for step in range(1, world):
                 peer = (rank - step) % world  # the peer that consumes our rows earliest
                 dst = ws.data(peer, parity, m * k).view(m, k)[rank * m_local:(rank + 1) * m_local]
-                peer_flags = ws.flags(peer, torch.uint32)
+                peer_flags = ws.flags(peer, parity, torch.uint32)
                 for c in range(chunks):
                     lo, hi = c * chunk, min(m_local, (c + 1) * chunk)
                     dst[lo:hi].copy_(a_shard[lo:hi])
@@ -302,7 +302,7 @@ class FluxBackend(TPOverlapBackend):
         parity = epoch & 1
         data = ws.data(rank, parity, world * m_local * n)
         launch_gemm_rs(
-            a, b, out, data, ws.data_ptrs(parity), ws.flag_ptrs(), bias, err.device_word,
+            a, b, out, data, ws.data_ptrs(parity), ws.flag_ptrs(parity), bias, err.device_word,
             rank=rank, world=world, epoch=epoch, cfg=cfg, num_sms=self._sms(device),
             max_spins=self.max_spins,
         )

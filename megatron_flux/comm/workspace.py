@@ -3,11 +3,17 @@
 One :class:`SymmetricWorkspace` per (op, process group, device, dtype). Its single symmetric
 allocation (torch symmetric memory, mapped on every rank of the group) holds
 
-``[ int32 signals (flag_count) | data slot, parity 0 | data slot, parity 1 ]``
+``[ signals, parity 0 | signals, parity 1 | data slot, parity 0 | data slot, parity 1 ]``
 
-Calls alternate the two data slots (``parity = epoch & 1``): a rank can run at most one call
-ahead of its peers (each call needs the peers' data of the same call), so with two slots it never
-writes into a slot a peer is still reading. Signals hold epochs (see
+Calls alternate the two halves (``parity = epoch & 1``). A peer can be at most one call ahead of
+this rank: its call ``e + 2`` needs data that this rank sends only after its own call ``e`` has
+finished. So with two halves nobody writes into a slot or signal word that a call still uses.
+
+The signals need the split as much as the data: their index layout depends on the call's shape
+and config (``src * chunks + c``, ``src * tiles + t``), and at TP >= 3 a peer that finished call
+``e`` may already signal call ``e + 1``, under another layout, while this rank still waits for
+a third rank's call-``e`` signal. In one shared region that write could land on the awaited
+word with a value ``>= e`` and release the wait before the data came. Signals hold epochs (see
 :mod:`megatron_flux.kernels.signals`), so they are never reset.
 
 The allocation grows (collectively: every rank asks for the same sizes, as SPMD training does)
@@ -47,11 +53,12 @@ class SymmetricWorkspace:
         self._retired: List[torch.Tensor] = []
         self._views: Dict[Tuple[int, str, int], torch.Tensor] = {}
         self._data_ptrs: List[torch.Tensor] = []
-        self._flag_ptrs = None
+        self._flag_ptrs: List[torch.Tensor] = []
 
     # ---------------------------------------------------------------- allocation
     def reserve(self, data_elems: int, flag_count: int) -> None:
-        """Make room for ``data_elems`` per slot and ``flag_count`` signals (collective on growth)."""
+        """Make room for ``data_elems`` per slot and ``flag_count`` signals per parity (collective
+        on growth)."""
         if data_elems <= self.data_elems and flag_count <= self.flag_count:
             return
         from torch.distributed import _symmetric_memory as symm_mem
@@ -64,8 +71,8 @@ class SymmetricWorkspace:
             flag_count = max(flag_count, self.flag_count * 3 // 2)
         flag_bytes = _align(flag_count * 4)
         slot_bytes = _align(data_elems * self.elt)
-        buf = symm_mem.empty(flag_bytes + 2 * slot_bytes, dtype=torch.uint8, device=self.device)
-        buf[:flag_bytes].zero_()
+        buf = symm_mem.empty(2 * flag_bytes + 2 * slot_bytes, dtype=torch.uint8, device=self.device)
+        buf[:2 * flag_bytes].zero_()
         handle = symm_mem.rendezvous(buf, self.group.group_name)
         handle.barrier(channel=0)  # every rank's signals are zero before anyone signals
         if self._buffer is not None:
@@ -78,9 +85,12 @@ class SymmetricWorkspace:
         self._flag_bytes, self._slot_bytes = flag_bytes, slot_bytes
         self._views.clear()
         ptrs = list(handle.buffer_ptrs)
-        self._flag_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
+        self._flag_ptrs = [
+            torch.tensor([p + parity * flag_bytes for p in ptrs], dtype=torch.int64, device=self.device)
+            for parity in (0, 1)
+        ]
         self._data_ptrs = [
-            torch.tensor([p + flag_bytes + parity * slot_bytes for p in ptrs], dtype=torch.int64,
+            torch.tensor([p + 2 * flag_bytes + parity * slot_bytes for p in ptrs], dtype=torch.int64,
                          device=self.device)
             for parity in (0, 1)
         ]
@@ -98,17 +108,18 @@ class SymmetricWorkspace:
         key = (rank, "data", parity)
         view = self._views.get(key)
         if view is None:
-            offset = (self._flag_bytes + parity * self._slot_bytes) // self.elt
+            offset = (2 * self._flag_bytes + parity * self._slot_bytes) // self.elt
             view = self._handle.get_buffer(rank, (self.data_elems,), self.dtype, storage_offset=offset)
             self._views[key] = view
         return view[:numel]
 
-    def flags(self, rank: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        """``rank``'s signal words (int32 for kernels, uint32 for stream memory ops)."""
-        key = (rank, "flags", 0 if dtype == torch.int32 else 1)
+    def flags(self, rank: int, parity: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """``rank``'s signal words of ``parity`` (int32 for kernels, uint32 for stream memory ops)."""
+        key = (rank, "flags", parity, 0 if dtype == torch.int32 else 1)
         view = self._views.get(key)
         if view is None:
-            view = self._handle.get_buffer(rank, (self.flag_count,), dtype, storage_offset=0)
+            view = self._handle.get_buffer(rank, (self.flag_count,), dtype,
+                                           storage_offset=parity * self.flag_count)
             self._views[key] = view
         return view
 
@@ -116,6 +127,6 @@ class SymmetricWorkspace:
         """int64 device table: every rank's data slot ``parity`` address."""
         return self._data_ptrs[parity]
 
-    def flag_ptrs(self) -> torch.Tensor:
-        """int64 device table: every rank's signal region address."""
-        return self._flag_ptrs
+    def flag_ptrs(self, parity: int) -> torch.Tensor:
+        """int64 device table: every rank's signal region ``parity`` address."""
+        return self._flag_ptrs[parity]
