@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Planned first job of the next device session (TP = all local GPUs; one 10-minute call):
-#   1. the GPU-marked tests (fused kernels, layers; new since the last GPU run: comm_priority,
-#      the reserved-SM grid, the overlapped re-gather beside a non-fused dgrad);
-#   2. the benchmark grid with the shipped (tuned, confirmed) table, the 2 % auto margin and GC
-#      off during trials: is auto ever slower than nccl beyond noise?  -> $OUT/bench.json
-#   3. if time is left, flux training with --flux-keep-gathered-input (no re-gathers).
+#   1. the GPU-marked tests, now with back-to-back fused calls alternating two signal layouts
+#      (the per-parity signal regions; untested on GPUs so far)       -> $OUT/tests-gpu.json, .log
+#   2. host cost per call, with a cProfile of the fused path on rank 0 -> $OUT/host.json, .log
+#      (TP=4 showed a 0.3 ms floor per fused AG call and a slower training step than stock)
+#   3. if time is left, the TP=2 e2e jobs again (stock / nccl / flux) for a step-time spread:
+#      run benchmarks/e2e_device.sh in a call of its own.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/next}"
@@ -14,17 +15,9 @@ NGPUS="${NGPUS:-$(nvidia-smi -L | grep -c '^GPU ')}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 2
 export PYTHONPATH="${PWD}:/tmp/site"
-timeout 200 python3 benchmarks/record_pytest.py "${OUT}/tests-gpu.json" tests -q \
+timeout 330 python3 benchmarks/record_pytest.py "${OUT}/tests-gpu.json" tests -v \
     -p no:cacheprovider -m gpu > "${OUT}/tests-gpu.log" 2>&1
 echo "gpu tests exit $? (${SECONDS}s)"; tail -3 "${OUT}/tests-gpu.log"
-timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}" \
-    -m megatron_flux.bench --m-set all --methods cublas_gemm comm nccl torch_async_tp flux auto \
-    --trials 7 --iters 20 --out-json "${OUT}/bench.json" --out-png "${OUT}/bench.png" \
-    > "${OUT}/bench.log" 2>&1
-echo "bench exit $? (${SECONDS}s)"; tail -20 "${OUT}/bench.log"
-if [ "${SECONDS}" -lt 430 ]; then
-    FLUX_BACKEND=flux TRAIN_ITERS=100 LOG_INTERVAL=1 MODEL_CONFIG=configs/llama3_8b_16l.json \
-        timeout $((580 - SECONDS)) bash examples/pretrain_llama.sh --flux-keep-gathered-input \
-        > "${OUT}/flux_keep.log" 2>&1
-    echo "flux keep-gathered exit $?"; grep -E "iteration +(50|100)/" "${OUT}/flux_keep.log" | cut -c1-200
-fi
+timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}" \
+    benchmarks/host_overhead.py --out "${OUT}/host.json" > "${OUT}/host.log" 2>&1
+echo "host overhead exit $? (${SECONDS}s)"; grep -v -i warn "${OUT}/host.log" | tail -40

@@ -1,45 +1,130 @@
-"""Host (CPU) cost per fused call vs its GPU time, under torchrun (2 ranks).
+"""Host (CPU) cost per call of each backend vs its GPU time, under torchrun (TP = world size).
 
 If issuing a call takes longer on the CPU than the call runs on the GPU, back-to-back timings
-measure Python, not kernels. Prints, per op and m: CPU issue time per call (no sync inside the
-loop) and GPU time per call (events), for the flux and nccl backends."""
+measure Python, not kernels, and so does a training step made of such calls. Per backend, op and
+m (llama3-8b fc1/fc2 shapes by default) this records:
+
+* ``cpu_issue_ms``: wall time per call of a loop of back-to-back calls, no sync inside the loop
+  (median of ``--trials`` loops);
+* ``gpu_ms``: CUDA-event time per call over the same loops (median);
+* for the fused backend, a ``cProfile`` of one extra loop on rank 0: the functions with the most
+  own time (``tottime``) and cumulative time, so the host path's cost can be attributed.
+
+``torchrun --nproc-per-node N benchmarks/host_overhead.py --out host.json``
+"""
+
+import argparse
+import cProfile
+import io
+import json
 import os
+import pstats
+import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from megatron_flux.backends import get_backend
 
-dist.init_process_group("nccl")
-rank, world = dist.get_rank(), dist.get_world_size()
-torch.cuda.set_device(rank)
-group = dist.group.WORLD
-h, ffn = 4096, 28672
-for name in ("nccl", "flux"):
-    be = get_backend(name)
-    for m in (64, 1024, 4096):
-        x = torch.randn(m // world, h, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(ffn // world, h, device="cuda", dtype=torch.bfloat16)
-        a = torch.randn(m, ffn // world, device="cuda", dtype=torch.bfloat16)
-        w2 = torch.randn(h, ffn // world, device="cuda", dtype=torch.bfloat16)
-        for op, fn in (("AG+GEMM", lambda: be.all_gather_matmul(x, w.t(), group)),
-                       ("GEMM+RS", lambda: be.matmul_reduce_scatter(a, w2.t(), group))):
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
-            dist.barrier()
-            n = 50
-            t0 = time.perf_counter()
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                fn()
-            t_issue = (time.perf_counter() - t0) / n * 1e3
-            end.record()
-            end.synchronize()
-            t_gpu = start.elapsed_time(end) / n
-            if rank == 0:
-                print(f"{name:5s} {op:8s} m={m:5d}  cpu issue {t_issue:.3f} ms/call  gpu {t_gpu:.3f} ms/call", flush=True)
-dist.destroy_process_group()
+def _profile_rows(prof: cProfile.Profile, calls: int, top: int):
+    stats = pstats.Stats(prof)
+    rows = []
+    for (path, line, func), (cc, nc, tt, ct, _callers) in stats.stats.items():
+        rows.append({"function": f"{os.path.basename(path)}:{line}({func})", "calls_per_op": nc / calls,
+                     "own_us_per_op": tt / calls * 1e6, "cum_us_per_op": ct / calls * 1e6})
+    by_own = sorted(rows, key=lambda r: -r["own_us_per_op"])[:top]
+    by_cum = sorted(rows, key=lambda r: -r["cum_us_per_op"])[:top]
+    return {"by_own_time": by_own, "by_cumulative_time": by_cum}
+
+
+def _time_loop(fn, iters: int):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(iters):
+        fn()
+    cpu = (time.perf_counter() - t0) / iters * 1e3
+    end.record()
+    end.synchronize()
+    return cpu, start.elapsed_time(end) / iters
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--ffn", type=int, default=14336, help="MLP width (fc1 is 2x this, gated)")
+    ap.add_argument("--m", type=int, nargs="+", default=[64, 1024, 4096, 8192], help="global rows")
+    ap.add_argument("--backends", nargs="+", default=["nccl", "flux"])
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from megatron_flux.backends import get_backend
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    group = dist.group.WORLD
+    h, fc1, ffn = args.hidden, 2 * args.ffn, args.ffn
+    dt = torch.bfloat16
+    rows = []
+    for name in args.backends:
+        be = get_backend(name)
+        for m in args.m:
+            x = torch.randn(m // world, h, device="cuda", dtype=dt)
+            w1 = torch.randn(fc1 // world, h, device="cuda", dtype=dt)
+            a = torch.randn(m, ffn // world, device="cuda", dtype=dt)
+            w2 = torch.randn(h, ffn // world, device="cuda", dtype=dt)
+            ops = (("AG+GEMM", fc1, h, lambda: be.all_gather_matmul(x, w1.t(), group)),
+                   ("GEMM+RS", h, ffn, lambda: be.matmul_reduce_scatter(a, w2.t(), group)))
+            for op, n, k, fn in ops:
+                for _ in range(5):
+                    fn()
+                loops = [_time_loop(fn, args.iters) for _ in range(args.trials)]
+                row = {"backend": name, "op": op, "m": m, "n": n, "k": k, "tp": world,
+                       "cpu_issue_ms": statistics.median(c for c, _ in loops),
+                       "gpu_ms": statistics.median(g for _, g in loops),
+                       "cpu_issue_trials_ms": [c for c, _ in loops], "gpu_trials_ms": [g for _, g in loops]}
+                if name != "nccl":
+                    prof = cProfile.Profile()
+                    torch.cuda.synchronize()
+                    dist.barrier()
+                    prof.enable()
+                    for _ in range(args.iters):
+                        fn()
+                    prof.disable()
+                    torch.cuda.synchronize()
+                    if rank == 0:
+                        row["profile_rank0"] = _profile_rows(prof, args.iters, args.top)
+                rows.append(row)
+                if rank == 0:
+                    print(f"{name:5s} {op:8s} m={m:5d}  cpu issue {row['cpu_issue_ms']:.3f} ms/call  "
+                          f"gpu {row['gpu_ms']:.3f} ms/call", flush=True)
+    if rank == 0:
+        import triton
+
+        record = {"command": "torchrun --nproc-per-node %d benchmarks/host_overhead.py %s" % (
+                      world, " ".join(sys.argv[1:])),
+                  "gpu": torch.cuda.get_device_name(), "tp": world, "torch": torch.__version__,
+                  "triton": triton.__version__,
+                  "env_vars": {k: os.environ.get(k) for k in ("CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_NVLS_ENABLE",
+                                                                "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
+                  "definition": __doc__, "rows": rows}
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+        buf = io.StringIO()
+        for row in rows:
+            for r in row.get("profile_rank0", {}).get("by_own_time", [])[:8]:
+                buf.write(f"{row['op']} m={row['m']}: {r['own_us_per_op']:7.1f} us own  "
+                          f"x{r['calls_per_op']:.1f}  {r['function']}\n")
+        print(buf.getvalue())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
