@@ -24,7 +24,7 @@ echo "   exit $? (${SECONDS}s)"; tail -3 "${OUT}/tests-gpu.log"
 
 echo "== tune ($(date +%T))"
 timeout "${TUNE_TIMEOUT:-190}" python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}" \
-    -m megatron_flux.tune --m-set all --max-candidates 8 --top 2 --screen-iters 5 \
+    -m megatron_flux.tune --m-set all --max-candidates 12 --top 2 --screen-iters 5 \
     --trials 3 --iters 10 --no-progress --no-merge --out "${OUT}/table.json" > "${OUT}/tune.log" 2>&1
 echo "   exit $? (${SECONDS}s)"
 grep -cE "^(ag|rs) n=" "${OUT}/tune.log"

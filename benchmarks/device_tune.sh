@@ -16,7 +16,7 @@ NGPUS="${NGPUS:-$(nvidia-smi -L | grep -c '^GPU ')}"  # TP size = local GPUs
 
 echo "== tune ($(date +%T))"
 timeout "${TUNE_TIMEOUT}" python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}" \
-    -m megatron_flux.tune --m-set all --max-candidates 8 --top 2 --screen-iters 5 \
+    -m megatron_flux.tune --m-set all --max-candidates 12 --top 2 --screen-iters 5 \
     --trials 3 --iters 10 --no-progress --no-merge --out "${OUT}/table.json" > "${OUT}/tune.log" 2>&1
 echo "   exit $? at $(date +%T) (${SECONDS}s)"
 grep -E "^(ag|rs) n=" "${OUT}/tune.log" | tail -60

@@ -153,6 +153,39 @@ def check_next_call_cannot_release_a_wait():
     assert run(shared) == [0, 0, 0, 0]
 
 
+def check_ready_barrier():
+    """The pulling AG's "shards ready" barrier at TP 2/4/8: every rank signals every peer at
+    ``base + rank``, then waits for all peers; with one rank missing, every other rank reports
+    that rank's word, and nobody writes its own."""
+    from fake_symm import FakeWorld
+
+    from megatron_flux.kernels.ready_barrier import launch_ready_barrier
+
+    for world in (2, 4, 8):
+        for missing in (None, world - 1):
+            w = FakeWorld(world, "ag", DTYPE)
+            w.reserve(16, 3 * world)
+            base, epoch, parity = 2 * world, 9, 1
+            errs = [torch.zeros(4, dtype=torch.int32) for _ in range(world)]
+            for phase in ("signal", "wait"):
+                for r in range(world):
+                    if r == missing:
+                        continue
+                    launch_ready_barrier(w.ws[r].flag_ptrs(parity), errs[r], rank=r, world=world,
+                                         base=base, epoch=epoch, max_spins=3,
+                                         signal=phase == "signal", wait=phase == "wait")
+            for r in range(world):
+                flags = w.ws[r].flags(r, parity)
+                assert (flags[:base] == 0).all() and flags[base + r] == 0, (world, r, flags.tolist())
+                senders = [p for p in range(world) if p not in (r, missing)]
+                assert all(flags[base + p] == epoch for p in senders), (world, r, flags.tolist())
+                assert (w.ws[r].flags(r, 1 - parity) == 0).all(), "wrote the other parity"
+                if r == missing:
+                    continue
+                expect = [0, 0, 0, 0] if missing is None else [1, r, base + missing, 0]
+                assert errs[r].tolist() == expect, (world, r, missing, errs[r].tolist())
+
+
 def _rs_world(world, m_local, k, n, b_kn, bias, epoch=3):
     m = world * m_local
     a_s = [torch.randn(m, k).to(DTYPE) for _ in range(world)]
@@ -236,7 +269,7 @@ def check_gemm_rs_deterministic_and_timeout():
 
 CHECKS = [check_tile_order, check_ag_gemm_all_ranks, check_ag_signal_indexing,
           check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout,
-          check_next_call_cannot_release_a_wait]
+          check_next_call_cannot_release_a_wait, check_ready_barrier]
 
 
 @triton.jit

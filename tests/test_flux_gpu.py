@@ -3,10 +3,12 @@
 Spawns one process per visible GPU (skipped below 2 GPUs). Each check draws fresh random
 inputs, poisons outputs with NaN first, and compares with the reference; repeated calls with
 changing shapes exercise signal/epoch reuse and the workspace parity; repeated identical calls
-must be bitwise identical. Runs under both ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron's
-setting) and the driver default.
+must be bitwise identical; the pulling AllGather runs over every shape; fused calls queued back to
+back alternate signal layouts and pull/push. Runs under both ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+(Megatron's setting) and the driver default.
 """
 
+import dataclasses
 import os
 import sys
 import traceback
@@ -138,16 +140,26 @@ def _worker(rank, world, port, env, queue):
         # third rank (the workspace keeps the two calls' signals apart by parity)
         from megatron_flux.kernels.config import GemmConfig
 
-        def alternating(op, m_total, n, k):
+        def alternating(op, m_total, n, k):  # and AG alternates pulling and pushing
             if n == 1024:
                 return GemmConfig(block_m=64, block_n=128, num_stages=3, num_warps=4, chunk_rows=32,
-                                  epilogue_split=1)
+                                  epilogue_split=1, ag_pull=True)
             return GemmConfig(block_m=128, block_n=128, num_stages=3, num_warps=8, chunk_rows=128,
                               epilogue_split=1)
 
         flux_alt = FluxBackend(config_provider=alternating)
         n_checks += _check_back_to_back(flux_alt, group, rank, world, gen)
         flux_alt.check_errors()
+        # the pulling AllGather over every shape and layout
+        from megatron_flux.kernels.config import default_config
+
+        flux_pull = FluxBackend(config_provider=lambda op, m_total, n, k: dataclasses.replace(
+            default_config(op, m_total, n, k), ag_pull=True, chunk_rows=64))
+        for layout in ("nk", "kn"):
+            for (m_local, k, n) in SHAPES:
+                _check_ag(flux_pull, group, rank, world, m_local, k, n, torch.bfloat16, layout, 2e-2, gen)
+                n_checks += 1
+        flux_pull.check_errors()
         # bitwise determinism of AG+GEMM
         x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
         b = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -16,7 +16,8 @@ HERE = Path(__file__).resolve().parent
 # not imported here: importing it would switch this process's kernels to the interpreter
 NAMES = ["check_tile_order", "check_ag_gemm_all_ranks", "check_ag_signal_indexing",
          "check_gemm_rs_all_ranks", "check_gemm_rs_ownership",
-         "check_gemm_rs_deterministic_and_timeout", "check_next_call_cannot_release_a_wait"]
+         "check_gemm_rs_deterministic_and_timeout", "check_next_call_cannot_release_a_wait",
+         "check_ready_barrier"]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,13 @@ Host-side schedule of one AllGather+GEMM call on rank ``r`` (``W`` ranks, epoch 
    each chunk followed by a stream memory write of ``e`` into that peer's signal word;
 3. the current stream waits for the side stream, so the shard and the workspace are safe to reuse.
 
+With ``GemmConfig.ag_pull`` (a tuning knob) step 0 is: copy the shard into this rank's own
+symmetric slot and run a one-warp "shards ready" barrier (:mod:`megatron_flux.kernels.ready_barrier`)
+on the current stream, before the GEMM; step 2 then *pulls* each peer's shard from its slot into
+the local workspace (in the order the GEMM visits them), each chunk followed by a stream memory
+write into this rank's own signal word. The barrier finishes before the GEMM is queued behind it,
+so it never waits beside the persistent grid.
+
 Because the kernel is queued before the copies and the copies never wait on the kernel, the
 kernel never spins on work queued behind it, also with ``CUDA_DEVICE_MAX_CONNECTIONS=1``; and
 no wait needs an SM, so a grid that is only partly resident still drains.
@@ -242,14 +249,25 @@ class FluxBackend(TPOverlapBackend):
             cfg = self.config_with_chunk(cfg, chunk)
         chunks = -(-m_local // chunk)
         ws = self._workspace("ag", group, device, a_shard.dtype)
-        ws.reserve(m * k, world * chunks)
+        # signals: [src * chunks + c] chunk arrivals, then (pull) [world * chunks + p] shard ready
+        ready_base = world * chunks
+        ws.reserve(m * k, ready_base + world)
         err = self._error_word("ag", device)
         epoch = ws.next_epoch()
         parity = epoch & 1
         gathered = ws.data(rank, parity, m * k).view(m, k)
+        own_rows = gathered[rank * m_local:(rank + 1) * m_local]
 
         current = torch.cuda.current_stream(device)
         side = self._side_stream(device, cfg.comm_priority)
+        if cfg.ag_pull:
+            # peers pull this rank's shard from its own slot; the barrier runs before the GEMM
+            # on this stream, so it never waits beside a persistent grid holding the SMs
+            from megatron_flux.kernels.ready_barrier import launch_ready_barrier
+
+            own_rows.copy_(a_shard)
+            launch_ready_barrier(ws.flag_ptrs(parity), err.device_word, rank=rank, world=world,
+                                 base=ready_base, epoch=epoch, max_spins=self.max_spins)
         side.wait_stream(current)  # the shard is ready (recorded before the GEMM is queued)
         launch_ag_gemm(
             a_shard, gathered, b, out, ws.flags(rank, parity), err.device_word,
@@ -258,16 +276,28 @@ class FluxBackend(TPOverlapBackend):
         )
         err.after_launch()
         with torch.cuda.stream(side):
-            for step in range(1, world):
-                peer = (rank - step) % world  # the peer that consumes our rows earliest
-                dst = ws.data(peer, parity, m * k).view(m, k)[rank * m_local:(rank + 1) * m_local]
-                peer_flags = ws.flags(peer, parity, torch.uint32)
-                for c in range(chunks):
-                    lo, hi = c * chunk, min(m_local, (c + 1) * chunk)
-                    dst[lo:hi].copy_(a_shard[lo:hi])
-                    write_signal(peer_flags, rank * chunks + c, epoch)
-            if return_gathered:
-                gathered[rank * m_local:(rank + 1) * m_local].copy_(a_shard)
+            if cfg.ag_pull:
+                my_flags = ws.flags(rank, parity, torch.uint32)
+                for step in range(1, world):
+                    src = (rank + step) % world  # the order this rank's GEMM visits segments
+                    rows = slice(src * m_local, (src + 1) * m_local)
+                    src_rows = ws.data(src, parity, m * k).view(m, k)[rows]
+                    dst = gathered[rows]
+                    for c in range(chunks):
+                        lo, hi = c * chunk, min(m_local, (c + 1) * chunk)
+                        dst[lo:hi].copy_(src_rows[lo:hi])
+                        write_signal(my_flags, src * chunks + c, epoch)
+            else:
+                for step in range(1, world):
+                    peer = (rank - step) % world  # the peer that consumes our rows earliest
+                    dst = ws.data(peer, parity, m * k).view(m, k)[rank * m_local:(rank + 1) * m_local]
+                    peer_flags = ws.flags(peer, parity, torch.uint32)
+                    for c in range(chunks):
+                        lo, hi = c * chunk, min(m_local, (c + 1) * chunk)
+                        dst[lo:hi].copy_(a_shard[lo:hi])
+                        write_signal(peer_flags, rank * chunks + c, epoch)
+                if return_gathered:
+                    own_rows.copy_(a_shard)
         current.wait_stream(side)
         if not return_gathered:
             return out, None

@@ -17,7 +17,10 @@ class GemmConfig:
     """One kernel configuration. ``chunk_rows`` is the AllGather communication chunk (rows of
     a rank's segment moved and signalled at once), independent of ``block_m``.
     ``comm_priority`` is the CUDA priority of the AllGather's copy-engine side stream (lower is
-    higher; -1 above the default 0); GEMM+RS has no side stream and ignores it."""
+    higher; -1 above the default 0); GEMM+RS has no side stream and ignores it.
+    ``ag_pull`` makes each AllGather rank pull its peers' shards with its own copy engine (after
+    a cross-rank "shards ready" barrier) instead of pushing its shard into theirs; GEMM+RS
+    ignores it."""
 
     block_m: int = 128
     block_n: int = 256
@@ -31,6 +34,7 @@ class GemmConfig:
     flatten_consume: bool = False
     warp_specialize: bool = False
     comm_priority: int = -1
+    ag_pull: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -43,6 +47,8 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.epilogue_split must be 1 or 2 (block_n/split >= 16): {self}")
         if not isinstance(self.comm_priority, int) or not -5 <= self.comm_priority <= 0:
             raise ValueError(f"GemmConfig.comm_priority must be an int in [-5, 0]: {self}")
+        if not isinstance(self.ag_pull, bool):
+            raise ValueError(f"GemmConfig.ag_pull must be a bool: {self}")
         if self.group_m < 1 or self.chunk_rows < 1:
             raise ValueError(f"GemmConfig.group_m and chunk_rows must be >= 1: {self}")
 

@@ -26,11 +26,9 @@ are merged into ``--out`` (default ``configs/tuning/<gpu>-sm<sms>-tp<tp>-<dtype>
 it to ``megatron_flux/tuning/tables/`` to ship it, or point ``--flux-config`` /
 ``$MEGATRON_FLUX_CONFIG`` at it.
 
-The comm settings searched are the AllGather chunk size (``chunk_rows``) and the CUDA priority of
-its copy-engine side stream (``comm_priority``). Not searched, and reported in the table's
-``search.not_searched``: AllGather pull vs push (the backend always pushes with the copy
-engine; a pull needs the peer's shard in its symmetric buffer first, and a cross-rank
-"ready" wait that no stream primitive here provides without an SM).
+The comm settings searched for AllGather are the chunk size (``chunk_rows``), the CUDA priority
+of the copy-engine side stream (``comm_priority``) and pull vs push (``ag_pull``). For AG the
+default's pulling twin is tried right after the default, so every entry compares the two.
 ``--dry-run`` prints the plan (shapes, buckets, candidate counts) without GPUs.
 """
 
@@ -60,10 +58,13 @@ SEARCH_SPACE: Dict[str, Tuple] = {
     "flatten": (True, False),
     "warp_specialize": (False, True),
     "comm_priority": (-1, 0),
+    "ag_pull": (False, True),
 }
-NOT_SEARCHED = {
-    "ag_pull_vs_push": "the AG backend always pushes shards with the copy engine; no pull variant exists",
-}
+#: order of the single-knob variations within each round (see generate_candidates)
+_VARIATION_ORDER = ("chunk_rows", "comm_priority", "ag_pull", "num_stages", "block_n", "block_m",
+                    "block_k", "warp_specialize", "epilogue_split", "group_m", "num_warps", "flatten")
+#: knobs the backend has but the search leaves alone (recorded in the table's search.not_searched)
+NOT_SEARCHED: Dict[str, str] = {}
 #: Multi-knob configurations tried right after the default, before the one-knob variations:
 #: the winners of a 44-config sweep of a plain persistent TMA GEMM against cuBLAS on H200
 #: (128x256x64/3/8 with or without warp specialization and a split epilogue; 128x128x64/4/4 at
@@ -106,8 +107,9 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
                         space: Optional[Dict[str, Sequence]] = None, elem_bytes: int = 2,
                         smem_limit: int = SMEM_BYTES,
                         seeds: Sequence[Dict[str, object]] = SEED_CONFIGS) -> List:
-    """Configs to try for one shape: the default first, then :data:`SEED_CONFIGS`, then
-    variations by distance from the default.
+    """Configs to try for one shape: the default first, then (AG) the default pulling instead of
+    pushing, then :data:`SEED_CONFIGS`, then variations by distance from the default; the
+    single-knob ones breadth-first (one value of each knob, comm knobs first, then the next).
 
     Distance = number of knobs that differ from ``default_config``; within a distance the order
     is the product order of ``space`` (deterministic, so every rank builds the same list).
@@ -129,6 +131,7 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     if op == "rs":  # no chunked copy, no side stream
         space["chunk_rows"] = (base.chunk_rows,)
         space["comm_priority"] = (base.comm_priority,)
+        space["ag_pull"] = (base.ag_pull,)
     knobs = [f for f in space if f in {x.name for x in dataclasses.fields(GemmConfig)}]
     unknown = set(space) - set(knobs)
     if unknown:
@@ -143,6 +146,10 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
                 and cfg.block_k <= max(32, _pow2_at_least(k)))
 
     seed_cfgs = []
+    if op == "ag" and len(set(space.get("ag_pull", ()))) > 1:  # pull vs push on every entry
+        twin = dataclasses.replace(base, ag_pull=not base.ag_pull)
+        seen.add(twin)
+        seed_cfgs.append(twin)
     for seed in seeds:
         try:
             cfg = dataclasses.replace(base, **seed)
@@ -166,9 +173,21 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
         if op == "ag" and "chunk_rows" in changes and cfg.chunk_rows >= m_local:
             continue
         seen.add(cfg)
-        scored.append((len(changes), i, cfg))
-    scored.sort(key=lambda t: (t[0], t[1]))
-    out = [base] + seed_cfgs + [c for _, _, c in scored]
+        scored.append((len(changes), i, cfg, changes))
+    # single-knob variations breadth-first: one value of every knob (comm knobs first), then a
+    # second value of every knob, ...; a capped candidate list thus covers every knob
+    per_knob: Dict[str, int] = {}
+    keyed = []
+    for d, i, cfg, changes in sorted(scored, key=lambda t: (t[0], t[1])):
+        if d == 1:
+            (knob,) = changes
+            nth = per_knob[knob] = per_knob.get(knob, -1) + 1
+            keyed.append(((1, nth, _VARIATION_ORDER.index(knob) if knob in _VARIATION_ORDER
+                           else len(_VARIATION_ORDER), i), cfg))
+        else:
+            keyed.append(((d, 0, 0, i), cfg))
+    keyed.sort(key=lambda t: t[0])
+    out = [base] + seed_cfgs + [c for _, c in keyed]
     return out[:max(1, max_candidates)]
 
 
