@@ -230,6 +230,7 @@ class FluxBackend(TPOverlapBackend):
 
     # ---------------------------------------------------------------- AG + GEMM
     def all_gather_matmul(self, a_shard, b, group, *, out=None, return_gathered=False, gathered_out=None):
+        from megatron_flux.comm.ag_copies import ag_chunk_copies
         from megatron_flux.comm.signals import write_signal
         from megatron_flux.kernels.ag_gemm import launch_ag_gemm
 
@@ -275,29 +276,14 @@ class FluxBackend(TPOverlapBackend):
             max_spins=self.max_spins,
         )
         err.after_launch()
+        copies = ag_chunk_copies(ws, a_shard, rank=rank, world=world, parity=parity, chunk=chunk,
+                                 pull=cfg.ag_pull)
         with torch.cuda.stream(side):
-            if cfg.ag_pull:
-                my_flags = ws.flags(rank, parity, torch.uint32)
-                for step in range(1, world):
-                    src = (rank + step) % world  # the order this rank's GEMM visits segments
-                    rows = slice(src * m_local, (src + 1) * m_local)
-                    src_rows = ws.data(src, parity, m * k).view(m, k)[rows]
-                    dst = gathered[rows]
-                    for c in range(chunks):
-                        lo, hi = c * chunk, min(m_local, (c + 1) * chunk)
-                        dst[lo:hi].copy_(src_rows[lo:hi])
-                        write_signal(my_flags, src * chunks + c, epoch)
-            else:
-                for step in range(1, world):
-                    peer = (rank - step) % world  # the peer that consumes our rows earliest
-                    dst = ws.data(peer, parity, m * k).view(m, k)[rank * m_local:(rank + 1) * m_local]
-                    peer_flags = ws.flags(peer, parity, torch.uint32)
-                    for c in range(chunks):
-                        lo, hi = c * chunk, min(m_local, (c + 1) * chunk)
-                        dst[lo:hi].copy_(a_shard[lo:hi])
-                        write_signal(peer_flags, rank * chunks + c, epoch)
-                if return_gathered:
-                    own_rows.copy_(a_shard)
+            for dst, src, flags, index in copies:
+                dst.copy_(src)
+                write_signal(flags, index, epoch)
+            if return_gathered and not cfg.ag_pull:  # pulling filled its own slot up front
+                own_rows.copy_(a_shard)
         current.wait_stream(side)
         if not return_gathered:
             return out, None
