@@ -3,6 +3,7 @@
 # 10-minute device call):
 #   1. megatron-flux tune over the benchmark grid (3 models x 2 ops x 8 m-buckets), writing the
 #      table after every entry to $OUT/table.json (TUNE_TIMEOUT bounds it; what was measured stays);
+#      then the training config's own GEMMs at m=4096 (TUNE_MODEL_CONFIG; empty skips it);
 #   2. the benchmark with MEGATRON_FLUX_CONFIG=$OUT/table.json: flux (tuned), flux_default
 #      (untuned), auto, nccl, cublas_gemm, comm, torch_async_tp -> $OUT/bench.json + png.
 set -uo pipefail
@@ -21,6 +22,19 @@ timeout "${TUNE_TIMEOUT}" python3 -m torch.distributed.run --standalone --nproc-
 echo "   exit $? at $(date +%T) (${SECONDS}s)"
 grep -E "^(ag|rs) n=" "${OUT}/tune.log" | tail -60
 grep -E "Error|Traceback" "${OUT}/tune.log" | head -5
+
+if [ -n "${TUNE_MODEL_CONFIG-configs/llama3_8b_16l.json}" ]; then
+    # the training config's own four TP GEMMs (QKV, proj, fc1, fc2 with its true width), at its
+    # tokens per micro-batch; merged into the same table (no bench rows: left unconfirmed)
+    echo "== tune ${TUNE_MODEL_CONFIG-configs/llama3_8b_16l.json} ($(date +%T))"
+    timeout "${TUNE_MODEL_TIMEOUT:-90}" python3 -m torch.distributed.run --standalone \
+        --nproc-per-node "${NGPUS}" -m megatron_flux.tune \
+        --model-config "${TUNE_MODEL_CONFIG-configs/llama3_8b_16l.json}" --m 4096 --max-candidates 12 \
+        --top 2 --screen-iters 5 --trials 3 --iters 10 --no-progress --out "${OUT}/table.json" \
+        > "${OUT}/tune_model.log" 2>&1
+    echo "   exit $? at $(date +%T) (${SECONDS}s)"
+    grep -E "^(ag|rs) n=" "${OUT}/tune_model.log" | tail -8
+fi
 
 echo "== bench, tuned table ($(date +%T))"
 MEGATRON_FLUX_CONFIG="${OUT}/table.json" timeout $((590 - SECONDS)) python3 -m torch.distributed.run \

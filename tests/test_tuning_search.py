@@ -3,13 +3,17 @@
 import dataclasses
 import io
 import json
+import os
 
 import pytest
 
 from megatron_flux import cli
 from megatron_flux.kernels.config import GemmConfig, default_config
 from megatron_flux.tuning import search as S
+from megatron_flux.tuning.model_shapes import tokens_per_microbatch, tp_gemms
 from megatron_flux.tuning.progress import NullProgress, SimpleProgress, progress
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_candidates_start_with_default_are_unique_valid_and_bounded():
@@ -94,10 +98,42 @@ def test_model_config_file(tmp_path):
     p = tmp_path / "llama-tiny.json"
     p.write_text(json.dumps({"hidden_size": 256, "ffn_hidden_size": 512, "swiglu": True}))
     args = S.parse_args(["--model-config", str(p), "--ops", "ag"])
-    assert S.plan_shapes(args, 2) == [("ag", 512, 256, "llama-tiny")]
+    assert S.plan_shapes(args, 2) == [("ag", 512, 256, "llama-tiny:fc1")]
     p.write_text(json.dumps({"ffn_hidden_size": 512}))
     with pytest.raises(ValueError, match="hidden_size"):
-        S.model_shape_from_config(str(p))
+        tp_gemms(str(p), 2)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_the_shipped_training_configs_plan_their_four_tp_gemms(tp):
+    """The pretrain scripts' configs (Megatron argument names with '-') give the GEMMs that the
+    training runs: QKV and fc1 (AG), proj and fc2 (RS, with fc2's true input width)."""
+    llama = tp_gemms(os.path.join(REPO, "configs", "llama3_8b_16l.json"), tp)
+    assert [(g.op, g.n, g.k) for g in llama] == [
+        ("ag", (32 + 2 * 8) * 128 // tp, 4096), ("rs", 4096, 4096 // tp),
+        ("ag", 2 * 14336 // tp, 4096), ("rs", 4096, 14336 // tp)]
+    assert [g.label for g in llama] == ["llama3_8b_16l:" + x for x in ("qkv", "proj", "fc1", "fc2")]
+    gpt = tp_gemms(os.path.join(REPO, "configs", "gpt3_175b_4l.json"), tp)
+    assert [(g.op, g.n, g.k) for g in gpt] == [
+        ("ag", 3 * 12288 // tp, 12288), ("rs", 12288, 12288 // tp),
+        ("ag", 49152 // tp, 12288), ("rs", 12288, 49152 // tp)]
+    args = S.parse_args(["--model-config", os.path.join(REPO, "configs", "llama3_8b_16l.json")])
+    assert [(op, n, k) for op, n, k, _ in S.plan_shapes(args, tp)] == [(g.op, g.n, g.k) for g in llama]
+    assert tokens_per_microbatch(os.path.join(REPO, "configs", "llama3_8b_16l.json")) == 4096
+
+
+def test_model_config_errors_name_the_file_and_field(tmp_path):
+    p = tmp_path / "odd.json"
+    p.write_text(json.dumps({"hidden-size": 100, "num-attention-heads": 3}))
+    with pytest.raises(ValueError, match="odd.json: hidden_size = 100 is not a multiple"):
+        tp_gemms(str(p), 2)
+    p.write_text(json.dumps({"hidden-size": 96, "num-attention-heads": 6, "ffn-hidden-size": 99}))
+    with pytest.raises(ValueError, match=r"fc1 width \(from ffn_hidden_size\) = 99 is not divisible by TP = 2"):
+        tp_gemms(str(p), 2)
+    p.write_text(json.dumps({"hidden-size": 96, "num-attention-heads": 6, "group-query-attention": True,
+                             "num-query-groups": 4}))
+    with pytest.raises(ValueError, match="not a multiple of num_query_groups"):
+        tp_gemms(str(p), 2)
 
 
 def test_tune_cli_arg_parsing():

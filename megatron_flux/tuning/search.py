@@ -44,6 +44,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_flux.tuning.keys import OPS, dtype_key, normalize_op
+from megatron_flux.tuning.model_shapes import tp_gemms
 
 #: knob -> values searched (GemmConfig fields); chunk_rows only for AG (RS ignores it)
 SEARCH_SPACE: Dict[str, Tuple] = {
@@ -215,37 +216,6 @@ def parse_shape(spec: str) -> Tuple[str, int, int]:
     return op, n, k
 
 
-def model_shape_from_config(path: str):
-    """A :class:`~megatron_flux.bench.grid.ModelShape` from a model config file (JSON, or YAML
-    when PyYAML is installed) with Megatron's ``hidden_size`` and ``ffn_hidden_size``; gated
-    MLPs (``swiglu`` or ``gated_linear_unit`` true) get ``fc1 = 2 * ffn``."""
-    from megatron_flux.bench.grid import ModelShape
-
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError:
-        try:
-            import yaml
-        except ImportError:
-            raise ValueError(f"{path}: not JSON, and PyYAML is not installed to read YAML") from None
-        cfg = yaml.safe_load(text)
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a mapping of model settings")
-    for sub in ("model", "model_config"):  # nested layouts
-        if isinstance(cfg.get(sub), dict) and "hidden_size" not in cfg:
-            cfg = cfg[sub]
-    try:
-        hidden = int(cfg["hidden_size"])
-        ffn = int(cfg.get("ffn_hidden_size") or 4 * hidden)
-    except (KeyError, TypeError, ValueError):
-        raise ValueError(f"{path}: needs hidden_size (and ffn_hidden_size)") from None
-    gated = bool(cfg.get("swiglu") or cfg.get("gated_linear_unit"))
-    name = os.path.splitext(os.path.basename(path))[0]
-    return ModelShape(name, hidden=hidden, fc1=2 * ffn if gated else ffn, ffn=ffn)
-
-
 def plan_shapes(args: argparse.Namespace, tp: int) -> List[Tuple[str, int, int, Optional[str]]]:
     """``(op, n, k, model)`` per-rank shapes to tune, deduplicated, in a stable order."""
     from megatron_flux.bench import grid as G
@@ -253,9 +223,8 @@ def plan_shapes(args: argparse.Namespace, tp: int) -> List[Tuple[str, int, int, 
     out: List[Tuple[str, int, int, Optional[str]]] = []
     seen = set()
     custom = [G.parse_model_shape(s) for s in args.model_shapes]
-    custom += [model_shape_from_config(p) for p in args.model_config]
     names = list(args.models or [])
-    if not names and not args.shapes:
+    if not names and not args.shapes and not args.model_config:
         names = [m.name for m in custom] or list(G.MODELS)
     names += [m.name for m in custom if m.name not in names]
     for model in G.select_models(names, custom):
@@ -265,6 +234,11 @@ def plan_shapes(args: argparse.Namespace, tp: int) -> List[Tuple[str, int, int, 
             if (op, n_loc, k_loc) not in seen:
                 seen.add((op, n_loc, k_loc))
                 out.append((op, n_loc, k_loc, model.name))
+    for path in args.model_config:  # the model's own four TP GEMMs (true fc2 width)
+        for g in tp_gemms(path, tp):
+            if g.op in args.ops and (g.op, g.n, g.k) not in seen:
+                seen.add((g.op, g.n, g.k))
+                out.append((g.op, g.n, g.k, g.label))
     for spec in args.shapes:
         op, n, k = parse_shape(spec)
         if (op, n, k) not in seen:
@@ -284,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--models", nargs="+", default=None, help=f"benchmark models ({', '.join(G.MODELS)})")
     g.add_argument("--model-shapes", nargs="+", default=[], metavar="NAME:H:FC1:FFN")
     g.add_argument("--model-config", nargs="+", default=[], metavar="PATH",
-                   help="model config files (JSON/YAML with hidden_size, ffn_hidden_size, swiglu)")
+                   help="model config files (configs/*.json, or JSON/YAML with hidden_size, "
+                   "ffn_hidden_size, swiglu, num_attention_heads, ...): their QKV, proj, fc1 and fc2 "
+                   "GEMMs per rank (tuning/model_shapes.py)")
     g.add_argument("--shapes", nargs="+", default=[], metavar="OP:N:K",
                    help="explicit per-rank weight shapes as the table keys them (ag: n=fc1/tp, k=hidden; "
                    "rs: n=hidden, k=fc2_in/tp)")
