@@ -8,10 +8,25 @@ A worker is a module-level ``worker(rank, world, port, *args, queue)`` that puts
 import os
 import sys
 
+import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_harness import free_port  # noqa: E402
+
+
+#: never NVLink multicast on the shared GPU boxes
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                    "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def init_rank(rank, world, port, env=None):
+    """In a spawned worker: set ``env`` (plus :data:`NO_MULTICAST_ENV`), pick GPU ``rank`` and
+    join the NCCL world at ``port``."""
+    os.environ.update({**NO_MULTICAST_ENV, **(env or {})})
+    torch.cuda.set_device(rank)
+    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=world, device_id=torch.device("cuda", rank))
 
 
 def run_nccl_world(worker, world, *args, timeout=600):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_harness import run_nccl_world  # noqa: E402
+from gpu_harness import init_rank, run_nccl_world  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -109,12 +109,7 @@ def _check_back_to_back(flux, group, rank, world, gen, rounds=12):
 
 def _worker(rank, world, port, env, queue):
     try:
-        os.environ.update(env)
-        torch.cuda.set_device(rank)
-        torch.distributed.init_process_group(
-            "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            device_id=torch.device("cuda", rank),
-        )
+        init_rank(rank, world, port, env)
         from megatron_flux.backends.flux import FluxBackend
 
         group = torch.distributed.group.WORLD

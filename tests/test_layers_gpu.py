@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_harness import run_nccl_world  # noqa: E402
+from gpu_harness import init_rank, run_nccl_world  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -40,12 +40,7 @@ def _mlp(config, h, ffn, backend, keep_gathered):
 
 def _worker(rank, world, port, queue):
     try:
-        os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                           "NVSHMEM_DISABLE_NVLS": "1"})
-        torch.cuda.set_device(rank)
-        torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}",
-                                             rank=rank, world_size=world,
-                                             device_id=torch.device("cuda", rank))
+        init_rank(rank, world, port)
         from megatron.core import parallel_state, tensor_parallel
         from megatron.core.model_parallel_config import ModelParallelConfig
 
