@@ -12,7 +12,7 @@ OUT="${OUT:-/tmp/tune}"
 mkdir -p "${OUT}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="${PWD}${PYTHONPATH:+:${PYTHONPATH}}"
-TUNE_TIMEOUT="${TUNE_TIMEOUT:-300}"
+TUNE_TIMEOUT="${TUNE_TIMEOUT:-250}"
 NGPUS="${NGPUS:-$(nvidia-smi -L | grep -c '^GPU ')}"  # TP size = local GPUs
 
 echo "== tune ($(date +%T))"
@@ -24,10 +24,10 @@ grep -E "^(ag|rs) n=" "${OUT}/tune.log" | tail -60
 grep -E "Error|Traceback" "${OUT}/tune.log" | head -5
 
 if [ -n "${TUNE_MODEL_CONFIG-configs/llama3_8b_16l.json}" ]; then
-    # the training config's own four TP GEMMs (QKV, proj, fc1, fc2 with its true width), at its
+    # the training config's own TP GEMMs (QKV, proj, fc1, fc2 and their data gradients), at its
     # tokens per micro-batch; merged into the same table (no bench rows: left unconfirmed)
     echo "== tune ${TUNE_MODEL_CONFIG-configs/llama3_8b_16l.json} ($(date +%T))"
-    timeout "${TUNE_MODEL_TIMEOUT:-90}" python3 -m torch.distributed.run --standalone \
+    timeout "${TUNE_MODEL_TIMEOUT:-120}" python3 -m torch.distributed.run --standalone \
         --nproc-per-node "${NGPUS}" -m megatron_flux.tune \
         --model-config "${TUNE_MODEL_CONFIG-configs/llama3_8b_16l.json}" --m 4096 --max-candidates 12 \
         --top 2 --screen-iters 5 --trials 3 --iters 10 --no-progress --out "${OUT}/table.json" \

@@ -98,7 +98,7 @@ def test_model_config_file(tmp_path):
     p = tmp_path / "llama-tiny.json"
     p.write_text(json.dumps({"hidden_size": 256, "ffn_hidden_size": 512, "swiglu": True}))
     args = S.parse_args(["--model-config", str(p), "--ops", "ag"])
-    assert S.plan_shapes(args, 2) == [("ag", 512, 256, "llama-tiny:fc1")]
+    assert S.plan_shapes(args, 2) == [("ag", 512, 256, "llama-tiny:fc1"), ("ag", 256, 256, "llama-tiny:fc2.dgrad")]
     p.write_text(json.dumps({"ffn_hidden_size": 512}))
     with pytest.raises(ValueError, match="hidden_size"):
         tp_gemms(str(p), 2)
@@ -117,8 +117,13 @@ def test_the_shipped_training_configs_plan_their_four_tp_gemms(tp):
     assert [(g.op, g.n, g.k) for g in gpt] == [
         ("ag", 3 * 12288 // tp, 12288), ("rs", 12288, 12288 // tp),
         ("ag", 49152 // tp, 12288), ("rs", 12288, 49152 // tp)]
+    # backward: each linear's data gradient is the reverse op with n and k swapped
+    both = tp_gemms(os.path.join(REPO, "configs", "llama3_8b_16l.json"), tp, backward=True)
+    assert both[:4] == llama
+    assert [(g.op, g.n, g.k, g.label) for g in both[4:]] == [
+        ("rs" if g.op == "ag" else "ag", g.k, g.n, g.label + ".dgrad") for g in llama]
     args = S.parse_args(["--model-config", os.path.join(REPO, "configs", "llama3_8b_16l.json")])
-    assert [(op, n, k) for op, n, k, _ in S.plan_shapes(args, tp)] == [(g.op, g.n, g.k) for g in llama]
+    assert [(op, n, k) for op, n, k, _ in S.plan_shapes(args, tp)] == [(g.op, g.n, g.k) for g in both]
     assert tokens_per_microbatch(os.path.join(REPO, "configs", "llama3_8b_16l.json")) == 4096
 
 

@@ -1,7 +1,6 @@
 """The tensor-parallel GEMMs of a model config, per rank, as the tuning tables key them.
 
-A Megatron GPT/Llama layer with sequence parallelism runs four of them per micro-batch (and the
-reverse pair of each in backward, which has the same weight shapes transposed):
+A Megatron GPT/Llama layer with sequence parallelism runs four of them per micro-batch in forward:
 
 =========  ======  ===================================  =======================
 linear     op      n (per rank)                          k (per rank)
@@ -11,6 +10,11 @@ proj       RS      hidden                                heads * kv_channels / t
 fc1        AG      ffn (x2 when gated: SwiGLU) / tp      hidden
 fc2        RS      hidden                                ffn / tp
 =========  ======  ===================================  =======================
+
+and in backward each linear's data gradient is the reverse pair with ``n`` and ``k`` swapped:
+a column linear's (QKV, fc1) is GEMM+RS, a row linear's (proj, fc2) is AG+GEMM. With
+``backward=True`` those four follow, labelled ``<linear>.dgrad``; shapes that coincide are the
+same table entry and appear once in a tuning plan.
 
 ``groups`` is ``num_query_groups`` under grouped-query attention, else ``heads``;
 ``kv_channels`` defaults to ``hidden / heads``. Config files are the ones the pretrain scripts
@@ -71,8 +75,9 @@ def _per_rank(width: int, tp: int, what: str, path: str) -> int:
     return width // tp
 
 
-def tp_gemms(path: str, tp: int) -> List[TPGemm]:
-    """The config's TP GEMMs at TP size ``tp``, in layer order (QKV, proj, fc1, fc2)."""
+def tp_gemms(path: str, tp: int, backward: bool = False) -> List[TPGemm]:
+    """The config's TP GEMMs at TP size ``tp``, in layer order (QKV, proj, fc1, fc2), then with
+    ``backward`` their data-gradient GEMMs in the same order."""
     cfg = load_settings(path)
     if "hidden_size" not in cfg:
         raise ValueError(f"{path}: needs hidden_size (and ffn_hidden_size)")
@@ -101,6 +106,8 @@ def tp_gemms(path: str, tp: int) -> List[TPGemm]:
     fc1 = 2 * ffn if gated else ffn
     out.append(TPGemm("ag", _per_rank(fc1, tp, "fc1 width (from ffn_hidden_size)", path), hidden, f"{name}:fc1"))
     out.append(TPGemm("rs", hidden, _per_rank(ffn, tp, "ffn_hidden_size", path), f"{name}:fc2"))
+    if backward:
+        out += [TPGemm("rs" if g.op == "ag" else "ag", g.k, g.n, f"{g.label}.dgrad") for g in list(out)]
     return out
 
 

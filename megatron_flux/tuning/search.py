@@ -234,8 +234,8 @@ def plan_shapes(args: argparse.Namespace, tp: int) -> List[Tuple[str, int, int, 
             if (op, n_loc, k_loc) not in seen:
                 seen.add((op, n_loc, k_loc))
                 out.append((op, n_loc, k_loc, model.name))
-    for path in args.model_config:  # the model's own four TP GEMMs (true fc2 width)
-        for g in tp_gemms(path, tp):
+    for path in args.model_config:  # the model's own TP GEMMs, forward and data gradient
+        for g in tp_gemms(path, tp, backward=True):
             if g.op in args.ops and (g.op, g.n, g.k) not in seen:
                 seen.add((g.op, g.n, g.k))
                 out.append((g.op, g.n, g.k, g.label))
@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-config", nargs="+", default=[], metavar="PATH",
                    help="model config files (configs/*.json, or JSON/YAML with hidden_size, "
                    "ffn_hidden_size, swiglu, num_attention_heads, ...): their QKV, proj, fc1 and fc2 "
-                   "GEMMs per rank (tuning/model_shapes.py)")
+                   "GEMMs per rank, forward and data gradient (tuning/model_shapes.py)")
     g.add_argument("--shapes", nargs="+", default=[], metavar="OP:N:K",
                    help="explicit per-rank weight shapes as the table keys them (ag: n=fc1/tp, k=hidden; "
                    "rs: n=hidden, k=fc2_in/tp)")
