@@ -1,4 +1,4 @@
-"""The ``megatron-flux`` console script: ``megatron-flux {bench,tune} [options]``.
+"""The ``megatron-flux`` console script: ``megatron-flux {bench,tune,plan} [options]``.
 
 A thin dispatcher so one installed entry point covers the package's tools; each subcommand
 owns its own options (``megatron-flux bench --help``). Under torchrun use
@@ -10,13 +10,15 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-USAGE = """usage: megatron-flux {bench,tune} [options]
+USAGE = """usage: megatron-flux {bench,tune,plan} [options]
 
 subcommands:
   bench   FLUX-style benchmark of AG+GEMM / GEMM+RS methods (run under torchrun;
           see `megatron-flux bench --help`)
   tune    per-shape search of the fused kernels' settings, with the nccl time, written
           as a tuning table (run under torchrun; see `megatron-flux tune --help`)
+  plan    what the plugin runs for each TP GEMM of a model config: table entry, auto's
+          choice and why, kernel settings (no GPU needed; see `megatron-flux plan --help`)
 """
 
 
@@ -35,6 +37,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_flux.tuning.search import main as tune_main
 
         return tune_main(rest)
+    if cmd == "plan":
+        from megatron_flux.tuning.plan import main as plan_main
+
+        return plan_main(rest)
     print(f"megatron-flux: unknown subcommand {cmd!r}\n\n{USAGE}", file=sys.stderr, end="")
     return 2
 

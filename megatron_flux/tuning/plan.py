@@ -1,0 +1,110 @@
+"""``megatron-flux plan``: what the plugin will run for each TP GEMM of a model, without a GPU.
+
+For a model config (the pretrain scripts' ``configs/*.json``), a TP size and a GPU identity
+(the local GPU's by default, or ``--gpu NAME --sms N``), prints per GEMM, forward and data
+gradient (:mod:`megatron_flux.tuning.model_shapes`):
+
+* the table entry ``auto`` and the fused backend would use (nearest m-bucket), with its measured
+  fused and NCCL times, or ``-`` when no table knows the shape;
+* ``auto``'s choice and why: the table (with the margin of ``$MEGATRON_FLUX_AUTO_MARGIN``), or
+  the size rule for shapes no table knows;
+* the fused kernel's settings for that shape (the table's or the heuristic default).
+
+``megatron-flux plan --model-config configs/llama3_8b_16l.json --tp 2 --gpu "NVIDIA H200" --sms 132``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Dict, List, Optional, Sequence
+
+from megatron_flux.tuning.model_shapes import tokens_per_microbatch, tp_gemms
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def plan_rows(config_path: str, tp: int, m: int, device, dtype) -> List[Dict[str, object]]:
+    """One row per TP GEMM of the config (see the module docstring); ``device`` is a CUDA device
+    or ``(gpu name, SM count)``."""
+    from megatron_flux.tuning.auto import UNKNOWN_MIN_FUSED_M
+    from megatron_flux.tuning.provider import TableConfigProvider, auto_margin, lookup_entry, prefer_fused
+
+    provider = TableConfigProvider()
+    rows = []
+    for g in tp_gemms(config_path, tp, backward=True):
+        hit = lookup_entry(g.op, m, g.n, g.k, dtype, tp, device)
+        decision = prefer_fused(g.op, m, g.n, g.k, dtype, tp, device)
+        if decision is None:
+            auto, why = m >= UNKNOWN_MIN_FUSED_M, f"no table entry: fused from m={UNKNOWN_MIN_FUSED_M}"
+        else:
+            auto, why = decision, f"table, margin {auto_margin():.0%}"
+        row = {"gemm": g.label, "op": g.op, "m": m, "n": g.n, "k": g.k,
+               "auto": "fused" if auto else "nccl", "why": why,
+               "config": provider(g.op, m, g.n, g.k, dtype=dtype, tp=tp, device=device).to_dict()}
+        if hit is not None:
+            entry, table = hit
+            row.update(table_m=entry.m, flux_ms=entry.flux_ms, nccl_ms=entry.nccl_ms,
+                       table=getattr(table, "path", None) or getattr(table, "source", None))
+        rows.append(row)
+    return rows
+
+
+def _format(rows: Sequence[Dict[str, object]]) -> str:
+    head = f"{'gemm':28s} {'op':3s} {'n':>6s} {'k':>6s} {'m':>6s} {'table m':>7s} {'flux/nccl':>9s}  {'auto':5s} why"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r.get("flux_ms") and r.get("nccl_ms"):
+            ratio = f"{r['flux_ms'] / r['nccl_ms']:.3f}"
+        else:
+            ratio = "-"
+        table_m = str(r.get("table_m", "-"))
+        lines.append(f"{r['gemm']:28s} {r['op']:3s} {r['n']:>6d} {r['k']:>6d} {r['m']:>6d} {table_m:>7s} "
+                     f"{ratio:>9s}  {r['auto']:5s} {r['why']}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-flux plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-config", required=True, metavar="PATH")
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--m", type=int, default=None,
+                   help="global rows of the TP GEMMs (default: seq-length x micro-batch-size of the config)")
+    p.add_argument("--gpu", default=None, help="GPU name as the tables key it, e.g. 'NVIDIA H200' "
+                   "(default: the local GPU)")
+    p.add_argument("--sms", type=int, default=None, help="SM count (with --gpu)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import torch
+
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.tp < 1:
+        p.error("--tp must be >= 1")
+    if (args.gpu is None) != (args.sms is None):
+        p.error("--gpu and --sms go together")
+    if args.gpu is not None:
+        device = (args.gpu, args.sms)
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        p.error("no CUDA device here: name the GPU with --gpu NAME --sms N (e.g. --gpu 'NVIDIA H200' --sms 132)")
+    m = args.m or tokens_per_microbatch(args.model_config)
+    if not m:
+        p.error(f"{args.model_config} has no seq-length: give --m")
+    try:
+        rows = plan_rows(args.model_config, args.tp, m, device, getattr(torch, _DTYPES[args.dtype]))
+    except ValueError as exc:
+        print(f"megatron-flux plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(rows, indent=1) if args.json else _format(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
