@@ -7,7 +7,9 @@
 #   3. benchmarks/e2e_report.py -> $OUT/e2e.json (losses, step times, tokens/s, parity, hidden
 #      communication);
 #   4. if time is left, examples/custom_model.py for a few steps with the flux backend.
-# E2E_KEEP_GATHERED=1 adds a fourth run, flux with --flux-keep-gathered-input (no wgrad re-gather).
+# E2E_KEEP_GATHERED=1 adds a run of flux with --flux-keep-gathered-input (no wgrad re-gather);
+# E2E_AUTO=1 a run with FLUX_BACKEND=auto (the launchers' default). Every run samples GPU
+# utilization (nvidia-smi, 200 ms); the logs and samples end up in $OUT/logs.tgz.
 # Needs: .whl/megatron_core-0.19*.whl carried. Usage: OUT=/somewhere bash benchmarks/e2e_device.sh
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,24 +27,33 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "${OUT}/gpus.csv"
 
 RUN_ARGS=()  # extra pretrain arguments for the next run() only
+REPORT_ARGS=()  # --log/--util of every run, for e2e_report.py
 run() {  # run NAME ENV...
     local name="$1"; shift
     echo "== ${name}: $(date +%T)"
+    # GPU busy share, sampled beside the run (e2e_report.py keeps the timed iterations' samples)
+    nvidia-smi --query-gpu=timestamp,index,utilization.gpu --format=csv,noheader,nounits -lms 200 \
+        > "${OUT}/${name}.util.csv" 2>/dev/null &
+    local smi=$!
     env "$@" TRAIN_ITERS="${ITERS}" LOG_INTERVAL=1 MODEL_CONFIG="${CONFIG}" \
         timeout "${RUN_TIMEOUT}" bash examples/pretrain_llama.sh "${RUN_ARGS[@]}" > "${OUT}/${name}.log" 2>&1
+    local rc=$?
+    kill "${smi}" 2>/dev/null; wait "${smi}" 2>/dev/null
     RUN_ARGS=()
-    echo "   exit $? at $(date +%T)"
+    REPORT_ARGS+=(--log "${name}=${OUT}/${name}.log" --util "${name}=${OUT}/${name}.util.csv")
+    echo "   exit ${rc} at $(date +%T)"
     grep -E "iteration +(1|${ITERS})/" "${OUT}/${name}.log" | cut -c1-400
     grep -iE "^\S*(error|Traceback)|Error:" "${OUT}/${name}.log" | grep -v "error_inj\|ignore_errors" | head -8
 }
 run stock FLUX_TP_OVERLAP=0
 run nccl FLUX_BACKEND=nccl
 run flux FLUX_BACKEND=flux
-KEEP_LOG=()
 if [ "${E2E_KEEP_GATHERED:-0}" = 1 ]; then  # flux, keeping the gathered inputs for wgrad (no re-gather)
     RUN_ARGS=(--flux-keep-gathered-input)
     run flux_keep FLUX_BACKEND=flux
-    KEEP_LOG=(--log flux_keep="${OUT}/flux_keep.log")
+fi
+if [ "${E2E_AUTO:-0}" = 1 ]; then  # the launchers' default: fused or NCCL per shape from the tables
+    run auto FLUX_BACKEND=auto
 fi
 
 if [ "${E2E_SKIP_COMM:-0}" = 0 ]; then
@@ -55,10 +66,9 @@ else
 fi
 
 versions="$(PYTHONPATH=/tmp/site python3 -c 'import json,torch,triton,megatron.core as m; print(json.dumps({"torch": torch.__version__, "triton": triton.__version__, "megatron_core": m.__version__, "gpu": torch.cuda.get_device_name(0), "tp": torch.cuda.device_count()}))')"
-python3 benchmarks/e2e_report.py --log stock="${OUT}/stock.log" --log nccl="${OUT}/nccl.log" \
-    --log flux="${OUT}/flux.log" "${KEEP_LOG[@]}" --comm "${OUT}/comm.json" --tokens-per-step 8192 --warmup 20 \
+python3 benchmarks/e2e_report.py "${REPORT_ARGS[@]}" --comm "${OUT}/comm.json" --tokens-per-step 8192 --warmup 20 \
     --model "llama3-8b-16l (configs/llama3_8b_16l.json)" \
-    --command "OUT=\$OUT E2E_KEEP_GATHERED=${E2E_KEEP_GATHERED:-0} E2E_RUN_TIMEOUT=${RUN_TIMEOUT} bash benchmarks/e2e_device.sh  (TP=${NGPUS}, E2E_ITERS=${ITERS}; each run: bash examples/pretrain_llama.sh with TRAIN_ITERS=${ITERS} LOG_INTERVAL=1, FLUX_TP_OVERLAP=0 | FLUX_BACKEND=nccl | FLUX_BACKEND=flux [| flux + --flux-keep-gathered-input])" \
+    --command "OUT=\$OUT E2E_KEEP_GATHERED=${E2E_KEEP_GATHERED:-0} E2E_AUTO=${E2E_AUTO:-0} E2E_RUN_TIMEOUT=${RUN_TIMEOUT} bash benchmarks/e2e_device.sh  (TP=${NGPUS}, E2E_ITERS=${ITERS}; each run: bash examples/pretrain_llama.sh with TRAIN_ITERS=${ITERS} LOG_INTERVAL=1, FLUX_TP_OVERLAP=0 | FLUX_BACKEND=nccl | FLUX_BACKEND=flux [| flux + --flux-keep-gathered-input] [| FLUX_BACKEND=auto])" \
     --extra "versions=${versions}" --extra "gpu=$(echo "${versions}" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)["gpu"]))')" \
     --extra "tp=${NGPUS}" --extra 'env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}' \
     --out "${OUT}/e2e.json"
@@ -70,4 +80,6 @@ if [ "${SECONDS}" -lt 500 ] && [ "${E2E_SKIP_CUSTOM:-0}" = 0 ]; then
         --num-layers 2 > "${OUT}/custom_flux.log" 2>&1
     echo "   exit $?"; tail -8 "${OUT}/custom_flux.log"
 fi
+# the logs and utilization samples travel as one file ($OUT returns at most 8)
+(cd "${OUT}" && tar czf logs.tgz -- *.log *.util.csv 2>/dev/null && rm -f -- *.log *.util.csv)
 echo "== done in ${SECONDS}s"

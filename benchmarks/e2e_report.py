@@ -31,6 +31,7 @@ it is still reported, under ``loss_parity.first_bound``.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import re
 import statistics
@@ -38,6 +39,7 @@ import sys
 from typing import Dict, List, Tuple
 
 ITER_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+)")
+STAMP_RE = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?)\]\s+iteration\s+(\d+)/")
 TIME_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 LOSS_RE = re.compile(r"lm loss: ([0-9.Ee+-]+)")
 TFLOPS_RE = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
@@ -65,6 +67,39 @@ def parse_log(path: str) -> Dict[int, Tuple[float, float, float]]:
                 float(tf.group(1)) if tf else nan,
             )
     return rows
+
+
+def iteration_times(path: str) -> Dict[int, datetime.datetime]:
+    """``{iteration: wall-clock time of its log line}`` (Megatron's ``[YYYY-MM-DD hh:mm:ss.f]``)."""
+    out: Dict[int, datetime.datetime] = {}
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = STAMP_RE.search(line)
+            if m:
+                out[int(m.group(2))] = datetime.datetime.fromisoformat(m.group(1))
+    return out
+
+
+def gpu_utilization(util_csv: str, start: datetime.datetime, end: datetime.datetime) -> Dict[str, object]:
+    """Median ``utilization.gpu`` per GPU from ``nvidia-smi --query-gpu=timestamp,index,
+    utilization.gpu --format=csv,noheader,nounits`` samples taken between ``start`` and ``end``
+    (the timed iterations). The percentage is the share of sample periods with a kernel running:
+    a step that leaves the GPUs idle while the host catches up shows well below 100."""
+    per_gpu: Dict[str, List[float]] = {}
+    with open(util_csv, errors="replace") as f:
+        for line in f:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) != 3:
+                continue
+            try:
+                t = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
+                value = float(parts[2])
+            except ValueError:
+                continue
+            if start <= t <= end:
+                per_gpu.setdefault(parts[1], []).append(value)
+    return {"median_pct": {g: statistics.median(v) for g, v in sorted(per_gpu.items())},
+            "samples": {g: len(v) for g, v in sorted(per_gpu.items())}}
 
 
 def _mean_abs(ref: List[float], other: List[float]) -> float:
@@ -110,6 +145,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--log", action="append", required=True, help="NAME=PATH (stock, nccl, flux)")
     ap.add_argument("--comm", help="benchmarks/e2e_comm.py output")
+    ap.add_argument("--util", action="append", default=[],
+                    help="NAME=PATH: nvidia-smi utilization samples taken during run NAME")
     ap.add_argument("--tokens-per-step", type=int, required=True)
     ap.add_argument("--warmup", type=int, default=20, help="iterations left out of step time")
     ap.add_argument("--command", required=True)
@@ -165,6 +202,16 @@ def main(argv=None) -> int:
             if n != "nccl" and losses and len(losses) == len(ref):
                 noise = stock if n != "stock" and stock and len(stock) == len(ref) else None
                 out["loss_parity"][n] = parity(ref, losses, noise)
+    util = {}
+    for item in args.util:
+        name, _, path = item.partition("=")
+        stamps = iteration_times(dict(i.partition("=")[::2] for i in args.log)[name])
+        timed = [i for i in stamps if args.warmup < i <= steps]
+        if timed:
+            util[name] = gpu_utilization(path, stamps[min(timed)], stamps[max(timed)])
+    if util:
+        out["gpu_utilization"] = util
+        out["gpu_utilization_definition"] = gpu_utilization.__doc__.split("\n\n")[0]
     if args.comm:
         with open(args.comm) as f:
             comm = json.load(f)

@@ -117,3 +117,28 @@ def test_the_committed_e2e_result_passes_its_own_bound():
     assert d["loss_parity"]["flux"]["within_bound"] is True
     for key in ("command", "gpu", "tp", "model", "step_time_ms", "tokens_per_s"):
         assert key in d
+
+
+def test_gpu_utilization_counts_only_the_timed_iterations(tmp_path):
+    """Samples before the first timed iteration (start-up, warm-up) and after the last are
+    left out; the median is per GPU."""
+    import datetime
+
+    log = tmp_path / "flux.log"
+    t0 = datetime.datetime(2026, 11, 22, 6, 53, 30)
+    with open(log, "w") as f:
+        for i in range(1, 31):  # one iteration per second
+            stamp = (t0 + datetime.timedelta(seconds=i)).strftime("%Y-%m-%d %H:%M:%S.%f")
+            f.write(LINE.replace("2026-11-22 06:53:30.472809", stamp)
+                    .format(it=i, n=30, s=2 * i, t=300.0, loss=5.0))
+    util = tmp_path / "flux.util.csv"
+    with open(util, "w") as f:
+        for sec in range(0, 40):
+            stamp = (t0 + datetime.timedelta(seconds=sec, milliseconds=500)).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+            busy = 0 if sec < 11 or sec >= 30 else (90 if sec % 2 else 70)  # idle outside 11..30
+            for gpu in (0, 1):
+                f.write(f"{stamp}, {gpu}, {busy + gpu}\n")
+    _, out = run(tmp_path, {"flux": str(log)}, f"--util=flux={util}")
+    u = out["gpu_utilization"]["flux"]
+    assert u["samples"] == {"0": 19, "1": 19}  # iterations 11..30 span seconds 11.0-30.0
+    assert u["median_pct"] == {"0": 90.0, "1": 91.0}
