@@ -182,7 +182,7 @@ def check_ready_barrier():
                 assert (w.ws[r].flags(r, 1 - parity) == 0).all(), "wrote the other parity"
                 if r == missing:
                     continue
-                expect = [0, 0, 0, 0] if missing is None else [1, r, base + missing, 0]
+                expect = [0, 0, 0, 0] if missing is None else [3, r, missing, 0]  # OP_AG_READY
                 assert errs[r].tolist() == expect, (world, r, missing, errs[r].tolist())
 
 

@@ -74,3 +74,21 @@ def test_reserved_sms_from_the_environment(monkeypatch):
     reserved = launch_geometry(2048, 14336, b, 2, GemmConfig(), 100)
     assert (full.grid, reserved.grid) == (132, 100)
     assert full.tiles_per_segment == reserved.tiles_per_segment
+
+
+@pytest.mark.parametrize("word,expected", [
+    ([1, 0, 5, 3], r"AG\+GEMM: rank 0 timed out waiting for signal 5 \(last value seen 3\)"),
+    ([2, 1, 7, 0], r"GEMM\+RS: rank 1 timed out waiting for signal 7"),
+    ([3, 2, 1, 4], r"AG\+GEMM \(pull\): rank 2 timed out waiting for rank 1's shard to be ready"),
+])
+def test_a_timed_out_wait_names_the_op_the_rank_and_what_it_waited_for(word, expected):
+    """The error word a kernel fills becomes an exception naming op, rank and signal (or, for
+    the pulling AllGather's ready barrier, the peer whose shard never came)."""
+    from megatron_flux.comm.errors import DeviceErrorWord, FusedOpTimeout
+
+    err = DeviceErrorWord.__new__(DeviceErrorWord)  # no pinned memory on a CPU-only build
+    err.host_word = torch.tensor(word, dtype=torch.int32)
+    with pytest.raises(FusedOpTimeout, match=expected):
+        err.check()
+    err.host_word = torch.zeros(4, dtype=torch.int32)
+    err.check()  # all clear: no error

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_flux.kernels.signals import OP_AG_GEMM, OP_GEMM_RS
+from megatron_flux.kernels.signals import OP_AG_GEMM, OP_AG_READY, OP_GEMM_RS
 
-_OPS = {OP_AG_GEMM: "AG+GEMM", OP_GEMM_RS: "GEMM+RS"}
+_OPS = {OP_AG_GEMM: "AG+GEMM", OP_GEMM_RS: "GEMM+RS", OP_AG_READY: "AG+GEMM"}
 
 
 class FusedOpTimeout(RuntimeError):
@@ -41,6 +41,13 @@ class DeviceErrorWord:
             self.host_word.copy_(self.device_word, non_blocking=True)
             torch.cuda.current_stream(self.device_word.device).synchronize()
         op, rank, index, seen = (int(v) for v in self.host_word.tolist())
+        if op == OP_AG_READY:
+            raise FusedOpTimeout(
+                f"megatron-flux AG+GEMM (pull): rank {rank} timed out waiting for rank {index}'s "
+                f"shard to be ready (last value seen {seen}); that rank died, diverged (different "
+                f"shapes, configs or call order across the TP group) or is stalled. Outputs since "
+                f"then are invalid."
+            )
         if op:
             raise FusedOpTimeout(
                 f"megatron-flux {_OPS.get(op, op)}: rank {rank} timed out waiting for signal "

@@ -6,7 +6,8 @@ Signal schedule (rank ``r`` of ``W``, call epoch ``e``, signal words from ``base
   after this rank copied its shard into its own symmetric slot (stream order), so a peer that
   sees the signal may pull the shard.
 * wait: for every peer ``p != r``, spin (acquire, bounded) until ``flags[r][base + p] >= e``. A
-  wait that runs out records ``(AG+GEMM, r, base + p, seen)`` in the error word and gives up.
+  wait that runs out records ``(OP_AG_READY, r, p, seen)`` in the error word and gives up, so
+  the error names the peer whose shard never became ready.
 
 It runs on the caller's stream *before* the AG+GEMM kernel, so it never competes with the
 persistent grid for SMs, and the copy engine's pulls (queued after it) only start once every
@@ -17,7 +18,7 @@ interpreter, where programs run one after another; on GPUs both are set.
 import triton
 import triton.language as tl
 
-from megatron_flux.kernels.signals import OP_AG_GEMM, set_signal, wait_signal
+from megatron_flux.kernels.signals import OP_AG_READY, set_signal, wait_signal
 
 
 @triton.jit(do_not_specialize=["rank", "base", "epoch", "max_spins"])
@@ -32,11 +33,11 @@ def ready_barrier_kernel(flag_ptrs, err_ptr, rank, world, base, epoch, max_spins
         mine = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
         for p in range(0, world):
             if p != rank:
-                wait_signal(mine + base + p, epoch, max_spins, err_ptr, OP_CODE, rank, base + p)
+                wait_signal(mine + base + p, epoch, max_spins, err_ptr, OP_CODE, rank, p)
 
 
 def launch_ready_barrier(flag_ptrs, err, *, rank, world, base, epoch, max_spins, signal=True, wait=True):
     """Queue the barrier on the current stream. ``flag_ptrs``: int64 table of every rank's
     signal region (this call's parity); ``err``: the op's int32[4] error word."""
     ready_barrier_kernel[(1,)](flag_ptrs, err, rank, world, base, epoch, max_spins,
-                               SIGNAL=signal, WAIT=wait, OP_CODE=OP_AG_GEMM, num_warps=1)
+                               SIGNAL=signal, WAIT=wait, OP_CODE=OP_AG_READY, num_warps=1)

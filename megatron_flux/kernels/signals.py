@@ -15,6 +15,7 @@ import triton.language as tl
 #: op codes written into the error word
 OP_AG_GEMM = 1
 OP_GEMM_RS = 2
+OP_AG_READY = 3  # the pulling AllGather's "shards ready" barrier; the index is the peer's rank
 
 
 @triton.jit
