@@ -92,3 +92,16 @@ def test_a_timed_out_wait_names_the_op_the_rank_and_what_it_waited_for(word, exp
         err.check()
     err.host_word = torch.zeros(4, dtype=torch.int32)
     err.check()  # all clear: no error
+
+
+def test_cuda_graph_capture_is_refused_so_auto_falls_back(monkeypatch):
+    """Under capture the epoch would be frozen into the graph and replays would not wait for
+    their data: the fused backend says so, and `auto` then takes NCCL (capturable)."""
+
+    class _CudaLike:
+        is_cuda = True
+        device = torch.device("cpu")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    reason = FluxBackend().unsupported_reason(_CudaLike(), _CudaLike(), _Group(2))
+    assert reason is not None and "CUDA graph capture" in reason

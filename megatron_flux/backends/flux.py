@@ -102,6 +102,10 @@ class FluxBackend(TPOverlapBackend):
     def unsupported_reason(self, a, b, group) -> Optional[str]:
         if not a.is_cuda:
             return f"input is on {a.device.type}, not CUDA"
+        if torch.cuda.is_current_stream_capturing():
+            # a captured call would freeze its epoch into the graph: on every replay after the
+            # first, the signals already hold that epoch and no wait would wait for its data
+            return "CUDA graph capture (the fused kernels' epoch signals cannot be replayed)"
         world = group.size() if group is not None else 1
         if world < 2:
             return "tensor-parallel group has one rank"

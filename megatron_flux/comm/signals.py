@@ -7,12 +7,9 @@ from torch._C._distributed_c10d import _SymmetricMemory
 
 
 def write_signal(flags_u32: torch.Tensor, index: int, value: int) -> None:
-    """Queue ``flags_u32[index] = value`` on the current stream.
+    """Queue ``flags_u32[index] = value`` on the current stream: ``cuStreamWriteValue32``, a
+    stream memory op ordered after the stream's earlier copies (with a system-scope fence first).
 
-    Outside graph capture this is ``cuStreamWriteValue32`` (a stream memory op that is ordered
-    after the stream's earlier copies and issues a system-scope fence first); under capture,
-    where torch does not allow it, a 4-byte memset node."""
-    if torch.cuda.is_current_stream_capturing():
-        _SymmetricMemory.memset32(flags_u32, offset=index, val=value, count=1)
-    else:
-        _SymmetricMemory.stream_write_value32(flags_u32, index, value)
+    Never under CUDA graph capture: the fused backend refuses capture (a replayed graph would
+    write the same epoch again, see ``FluxBackend.unsupported_reason``)."""
+    _SymmetricMemory.stream_write_value32(flags_u32, index, value)
