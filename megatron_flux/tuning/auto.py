@@ -24,7 +24,7 @@ lookup.
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from megatron_flux.backends.base import TPOverlapBackend
 from megatron_flux.tuning.provider import prefer_fused
@@ -35,14 +35,29 @@ _CACHE: Dict[tuple, object] = {}
 UNKNOWN_MIN_FUSED_M = 1024
 
 
-def _decide(op, rows, k, n, dtype, tp, device) -> bool:
-    m_total = rows * tp if op == "ag" else rows
+def decide(op: str, m_total: int, n: int, k: int, dtype, tp: int, device) -> Tuple[bool, bool]:
+    """``(fused?, from the table?)`` for one op and global row count: the table entry (with the
+    margin) where one exists, else fused from :data:`UNKNOWN_MIN_FUSED_M` rows."""
     d = prefer_fused(op, m_total, n, k, dtype, tp, device)
     if d is None:
-        d = m_total >= UNKNOWN_MIN_FUSED_M
-        if not d:
-            from megatron_flux.backends import log_once
+        return m_total >= UNKNOWN_MIN_FUSED_M, False
+    return d, True
 
+
+def _decide(op, rows, k, n, dtype, tp, device) -> bool:
+    m_total = rows * tp if op == "ag" else rows
+    fused, from_table = decide(op, m_total, n, k, dtype, tp, device)
+    if not fused:
+        from megatron_flux.backends import log_once
+
+        if from_table:
+            log_once(
+                f"auto-table:{op}:{m_total}:{n}:{k}:{dtype}:{tp}",
+                f"megatron-flux: flux_backend='auto' uses 'nccl' for {op} m={m_total} n={n} k={k} "
+                "(the tuning table did not measure the fused kernel faster there by the margin)",
+                logging.INFO,
+            )
+        else:
             log_once(
                 f"auto-small-m:{op}:{m_total}:{n}:{k}:{dtype}:{tp}",
                 f"megatron-flux: flux_backend='auto' uses 'nccl' for {op} m={m_total} n={n} k={k} "
@@ -50,17 +65,7 @@ def _decide(op, rows, k, n, dtype, tp, device) -> bool:
                 "kernel's host cost usually outweighs the hidden communication)",
                 logging.INFO,
             )
-        return d
-    if d is False:
-        from megatron_flux.backends import log_once
-
-        log_once(
-            f"auto-table:{op}:{m_total}:{n}:{k}:{dtype}:{tp}",
-            f"megatron-flux: flux_backend='auto' uses 'nccl' for {op} m={m_total} n={n} k={k} "
-            "(the tuning table did not measure the fused kernel faster there by the margin)",
-            logging.INFO,
-        )
-    return d is not False
+    return fused
 
 
 class AutoDispatch(TPOverlapBackend):

@@ -28,18 +28,16 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 def plan_rows(config_path: str, tp: int, m: int, device, dtype) -> List[Dict[str, object]]:
     """One row per TP GEMM of the config (see the module docstring); ``device`` is a CUDA device
     or ``(gpu name, SM count)``."""
-    from megatron_flux.tuning.auto import UNKNOWN_MIN_FUSED_M
-    from megatron_flux.tuning.provider import TableConfigProvider, auto_margin, lookup_entry, prefer_fused
+    from megatron_flux.tuning.auto import UNKNOWN_MIN_FUSED_M, decide
+    from megatron_flux.tuning.provider import TableConfigProvider, auto_margin, lookup_entry
 
     provider = TableConfigProvider()
     rows = []
     for g in tp_gemms(config_path, tp, backward=True):
         hit = lookup_entry(g.op, m, g.n, g.k, dtype, tp, device)
-        decision = prefer_fused(g.op, m, g.n, g.k, dtype, tp, device)
-        if decision is None:
-            auto, why = m >= UNKNOWN_MIN_FUSED_M, f"no table entry: fused from m={UNKNOWN_MIN_FUSED_M}"
-        else:
-            auto, why = decision, f"table, margin {auto_margin():.0%}"
+        auto, from_table = decide(g.op, m, g.n, g.k, dtype, tp, device)
+        why = (f"table, margin {auto_margin():.0%}" if from_table
+               else f"no table entry: fused from m={UNKNOWN_MIN_FUSED_M}")
         row = {"gemm": g.label, "op": g.op, "m": m, "n": g.n, "k": g.k,
                "auto": "fused" if auto else "nccl", "why": why,
                "config": provider(g.op, m, g.n, g.k, dtype=dtype, tp=tp, device=device).to_dict()}
