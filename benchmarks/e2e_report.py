@@ -155,10 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
-    runs = {}
-    for item in args.log:
-        name, _, path = item.partition("=")
-        runs[name] = parse_log(path)
+    log_paths = dict(item.partition("=")[::2] for item in args.log)
+    runs = {name: parse_log(path) for name, path in log_paths.items()}
     missing = [n for n, r in runs.items() if not r]
     out: dict = {"command": args.command, "model": args.model, "failed_runs": missing}
     for item in args.extra:
@@ -205,7 +203,7 @@ def main(argv=None) -> int:
     util = {}
     for item in args.util:
         name, _, path = item.partition("=")
-        stamps = iteration_times(dict(i.partition("=")[::2] for i in args.log)[name])
+        stamps = iteration_times(log_paths[name])
         timed = [i for i in stamps if args.warmup < i <= steps]
         if timed:
             util[name] = gpu_utilization(path, stamps[min(timed)], stamps[max(timed)])
