@@ -10,10 +10,8 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/next}"
 mkdir -p "${OUT}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-NGPUS="${NGPUS:-$(nvidia-smi -L | grep -c '^GPU ')}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 2
+source benchmarks/device_env.sh
+install_carried_wheels || exit 2
 export PYTHONPATH="${PWD}:/tmp/site"
 timeout 330 python3 benchmarks/record_pytest.py "${OUT}/tests-gpu.json" tests -v \
     -p no:cacheprovider -m gpu > "${OUT}/tests-gpu.log" 2>&1

@@ -10,10 +10,10 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/tune}"
 mkdir -p "${OUT}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh
 export PYTHONPATH="${PWD}${PYTHONPATH:+:${PYTHONPATH}}"
 TUNE_TIMEOUT="${TUNE_TIMEOUT:-250}"
-NGPUS="${NGPUS:-$(nvidia-smi -L | grep -c '^GPU ')}"  # TP size = local GPUs
+DEADLINE="${DEADLINE:-590}"  # seconds this script may take in all (the benchmark gets the rest)
 
 echo "== tune ($(date +%T))"
 timeout "${TUNE_TIMEOUT}" python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}" \
@@ -37,7 +37,7 @@ if [ -n "${TUNE_MODEL_CONFIG-configs/llama3_8b_16l.json}" ]; then
 fi
 
 echo "== bench, tuned table ($(date +%T))"
-MEGATRON_FLUX_CONFIG="${OUT}/table.json" timeout $((590 - SECONDS)) python3 -m torch.distributed.run \
+MEGATRON_FLUX_CONFIG="${OUT}/table.json" timeout $((DEADLINE - SECONDS)) python3 -m torch.distributed.run \
     --standalone --nproc-per-node "${NGPUS}" -m megatron_flux.bench --m-set all \
     --methods cublas_gemm comm nccl torch_async_tp flux flux_default auto --trials 5 --iters 20 \
     --out-json "${OUT}/bench.json" --out-png "${OUT}/bench.png" > "${OUT}/bench.log" 2>&1

@@ -18,12 +18,10 @@ OUT="${OUT:-/tmp/e2e}"
 ITERS="${E2E_ITERS:-200}"
 RUN_TIMEOUT="${E2E_RUN_TIMEOUT:-170}"
 CONFIG=configs/llama3_8b_16l.json
-NGPUS="${NGPUS:-$(nvidia-smi -L | grep -c '^GPU ')}"  # TP size = local GPUs (the launchers' rule)
 mkdir -p "${OUT}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 MCORE_SITE=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/megatron_core-0.19*.whl || exit 2
+source benchmarks/device_env.sh  # TP = local GPUs (the launchers' rule)
+export MCORE_SITE=/tmp/site
+install_carried_wheels ".whl/megatron_core-0.19*.whl" || exit 2
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "${OUT}/gpus.csv"
 
 RUN_ARGS=()  # extra pretrain arguments for the next run() only
