@@ -51,11 +51,16 @@ def load_settings(path: str) -> Dict[str, Any]:
         cfg = yaml.safe_load(text)
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: expected a mapping of model settings")
-    cfg = {str(k).replace("-", "_"): v for k, v in cfg.items() if not str(k).startswith("_")}
+    cfg = _underscored(cfg)
     for sub in ("model", "model_config"):  # nested layouts
         if isinstance(cfg.get(sub), dict) and "hidden_size" not in cfg:
-            cfg = {str(k).replace("-", "_"): v for k, v in cfg[sub].items()}
+            cfg = _underscored(cfg[sub])
     return cfg
+
+
+def _underscored(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Megatron argument names with ``_`` for ``-``; ``_``-prefixed (comment) keys dropped."""
+    return {str(k).replace("-", "_"): v for k, v in cfg.items() if not str(k).startswith("_")}
 
 
 def _int(cfg: Dict[str, Any], key: str, path: str, default=None) -> int:
