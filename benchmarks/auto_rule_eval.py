@@ -9,7 +9,8 @@ the prediction with the entry's measured times (fused counts only with the 2 % m
   log2 k);
 * ``nccl``: always NCCL.
 
-``python benchmarks/auto_rule_eval.py`` prints accuracy and the geomean time vs NCCL per table.
+``python benchmarks/auto_rule_eval.py [--out JSON]`` prints accuracy and the geomean time vs NCCL
+per table.
 """
 
 import glob
@@ -46,8 +47,25 @@ def evaluate(path):
     return tp, len(entries), out, oracle
 
 
-if __name__ == "__main__":
+def main(argv=None):
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="also write the results as JSON")
+    args = ap.parse_args(argv)
+    record = {"command": "python benchmarks/auto_rule_eval.py" + (f" --out {args.out}" if args.out else ""),
+              "margin": MARGIN, "tables": {}}
     for path in sorted(glob.glob(os.path.join(TABLES, "*.json"))):
         tp, n, out, oracle = evaluate(path)
         cells = ", ".join(f"{k}: {r}/{n} right, {g:.3f}x" for k, (r, g) in out.items())
         print(f"{os.path.basename(path)} (TP={tp}): {cells}; oracle {oracle:.3f}x")
+        record["tables"][os.path.basename(path)] = {
+            "tp": tp, "entries": n, "oracle_geomean_vs_nccl": oracle,
+            "rules": {k: {"right": r, "geomean_vs_nccl": g} for k, (r, g) in out.items()}}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
