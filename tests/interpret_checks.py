@@ -22,12 +22,14 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from megatron_flux.kernels.ag_gemm import launch_ag_gemm  # noqa: E402
-from megatron_flux.kernels.config import GemmConfig  # noqa: E402
+from megatron_flux.kernels.config import GemmConfig, rs_signal_count  # noqa: E402
 from megatron_flux.kernels.gemm_rs import launch_gemm_rs  # noqa: E402
 from megatron_flux.kernels.tile_order import tile_order_probe_kernel  # noqa: E402
 
 CFG = GemmConfig(block_m=16, block_n=32, block_k=16, num_stages=1, num_warps=4, group_m=2,
                  chunk_rows=8, epilogue_split=2)
+#: GEMM+RS pushing with vector stores, one epilogue store per tile
+RS_CFGS = (CFG, GemmConfig(**{**CFG.to_dict(), "rs_tma_push": False, "epilogue_split": 1}))
 DTYPE = torch.float16
 TOL = 2e-3
 NSMS = 5  # simulated persistent grid
@@ -186,16 +188,16 @@ def check_ready_barrier():
                 assert errs[r].tolist() == expect, (world, r, missing, errs[r].tolist())
 
 
-def _rs_world(world, m_local, k, n, b_kn, bias, epoch=3):
+def _rs_world(world, m_local, k, n, b_kn, bias, epoch=3, cfg=CFG):
     m = world * m_local
     a_s = [torch.randn(m, k).to(DTYPE) for _ in range(world)]
     b_s = [torch.randn(k, n).to(DTYPE) if b_kn else torch.randn(n, k).to(DTYPE).t()
            for _ in range(world)]
     bias_t = torch.randn(n).to(DTYPE) if bias else None
-    tps = triton.cdiv(m_local, CFG.block_m) * triton.cdiv(n, CFG.block_n)
+    tps = triton.cdiv(m_local, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     data = [torch.full((world, m_local, n), float("nan")).to(DTYPE) for _ in range(world)]
-    flags = [torch.zeros(world * tps, dtype=torch.int32) for _ in range(world)]
-    return dict(a=a_s, b=b_s, bias=bias_t, tps=tps, data=data, flags=flags,
+    flags = [torch.zeros(rs_signal_count(m_local, n, world, cfg), dtype=torch.int32) for _ in range(world)]
+    return dict(a=a_s, b=b_s, bias=bias_t, tps=tps, data=data, flags=flags, cfg=cfg,
                 dptr=torch.tensor([d.data_ptr() for d in data], dtype=torch.int64),
                 fptr=torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64),
                 outs=[torch.full((m_local, n), float("nan")).to(DTYPE) for _ in range(world)],
@@ -208,15 +210,16 @@ def _rs_run(w, phases=("produce", "consume"), max_spins=10):
         for r in range(w["world"]):
             launch_gemm_rs(w["a"][r], w["b"][r], w["outs"][r], w["data"][r], w["dptr"], w["fptr"],
                            w["bias"], w["errs"][r], rank=r, world=w["world"], epoch=w["epoch"],
-                           cfg=CFG, num_sms=NSMS, max_spins=max_spins,
+                           cfg=w["cfg"], num_sms=NSMS, max_spins=max_spins,
                            produce=phase == "produce", consume=phase == "consume")
 
 
 def check_gemm_rs_all_ranks():
     """GEMM+RS output on every rank of TP 2/4/8 (bias, ragged m_local, both B layouts)."""
-    for world, m_local, b_kn, bias in ((2, 32, False, True), (4, 20, True, False), (8, 9, False, True)):
+    cases = [(2, 32, False, True), (4, 20, True, False), (8, 9, False, True)]
+    for (world, m_local, b_kn, bias), cfg in [(c, f) for c in cases for f in RS_CFGS]:
         k, n = 32, 64
-        w = _rs_world(world, m_local, k, n, b_kn, bias)
+        w = _rs_world(world, m_local, k, n, b_kn, bias, cfg=cfg)
         _rs_run(w)
         full = sum(a.float() @ b.float() for a, b in zip(w["a"], w["b"]))
         if bias:
@@ -225,17 +228,24 @@ def check_gemm_rs_all_ranks():
             assert w["errs"][r].tolist() == [0, 0, 0, 0], w["errs"][r].tolist()
             assert not torch.isnan(w["outs"][r]).any(), f"unwritten output rank {r}"
             e = _rel(w["outs"][r], full[r * m_local:(r + 1) * m_local])
-            assert e < TOL, f"world={world} rank={r}: rel err {e}"
+            assert e < TOL, f"world={world} rank={r} {cfg}: rel err {e}"
 
 
 def check_gemm_rs_ownership():
     """Each producer writes exactly its own slot of each owner and signals exactly
-    ``flags[owner][src * tiles + t]``; nobody writes its own slot or signal."""
+    ``flags[owner][src]`` (its arrival counters back at zero); nobody writes its own slot or
+    signal."""
+    for cfg in RS_CFGS:
+        _check_gemm_rs_ownership(cfg)
+
+
+def _check_gemm_rs_ownership(cfg):
     world, m_local, k, n = 4, 16, 32, 64
-    w = _rs_world(world, m_local, k, n, False, False, epoch=9)
+    w = _rs_world(world, m_local, k, n, False, False, epoch=9, cfg=cfg)
     _rs_run(w, phases=("produce",))
     for owner in range(world):
-        flags = w["flags"][owner].view(world, w["tps"])
+        flags = w["flags"][owner][:world].view(world, 1)
+        assert (w["flags"][owner][world:] == 0).all(), "arrival counters not reset"
         for src in range(world):
             partial = (w["a"][src].float() @ w["b"][src].float())[owner * m_local:(owner + 1) * m_local]
             slot = w["data"][owner][src]
@@ -264,7 +274,7 @@ def check_gemm_rs_deterministic_and_timeout():
     for r in range(world):
         op, rank, index, seen = w["errs"][r].tolist()  # the last program to give up wins
         assert (op, rank, seen) == (2, r, w["epoch"] - 1), w["errs"][r].tolist()
-        assert 0 <= index < world * w["tps"] and index // w["tps"] != r, "index outside the peers' signals"
+        assert 0 <= index < world and index != r, "index is not a peer's step signal"
 
 
 CHECKS = [check_tile_order, check_ag_gemm_all_ranks, check_ag_signal_indexing,

@@ -3,8 +3,8 @@
 Spawns one process per visible GPU (skipped below 2 GPUs). Each check draws fresh random
 inputs, poisons outputs with NaN first, and compares with the reference; repeated calls with
 changing shapes exercise signal/epoch reuse and the workspace parity; repeated identical calls
-must be bitwise identical; the pulling AllGather runs over every shape; fused calls queued back to
-back alternate signal layouts and pull/push. Runs under both ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+must be bitwise identical; the pulling AllGather and GEMM+RS's schedule knobs run over every shape;
+fused calls queued back to back alternate signal layouts, pull/push and RS push modes. Runs under both ``CUDA_DEVICE_MAX_CONNECTIONS=1``
 (Megatron's setting) and the driver default.
 """
 
@@ -135,10 +135,10 @@ def _worker(rank, world, port, env, queue):
         # third rank (the workspace keeps the two calls' signals apart by parity)
         from megatron_flux.kernels.config import GemmConfig
 
-        def alternating(op, m_total, n, k):  # and AG alternates pulling and pushing
-            if n == 1024:
+        def alternating(op, m_total, n, k):  # AG alternates pulling and pushing, RS TMA and
+            if n == 1024:                    # vector pushes
                 return GemmConfig(block_m=64, block_n=128, num_stages=3, num_warps=4, chunk_rows=32,
-                                  epilogue_split=1, ag_pull=True)
+                                  epilogue_split=1, ag_pull=True, rs_tma_push=False, flatten=False)
             return GemmConfig(block_m=128, block_n=128, num_stages=3, num_warps=8, chunk_rows=128,
                               epilogue_split=1)
 
@@ -155,6 +155,17 @@ def _worker(rank, world, port, env, queue):
                 _check_ag(flux_pull, group, rank, world, m_local, k, n, torch.bfloat16, layout, 2e-2, gen)
                 n_checks += 1
         flux_pull.check_errors()
+        # GEMM+RS schedule knobs over every shape: vector-store pushes, unflattened loops
+        rs_variants = [dict(rs_tma_push=False), dict(rs_tma_push=False, flatten=False),
+                       dict(flatten=False, flatten_consume=False, epilogue_split=1)]
+        for variant in rs_variants:
+            flux_rs = FluxBackend(config_provider=lambda op, m_total, n, k, v=variant: dataclasses.replace(
+                default_config(op, m_total, n, k), **v))
+            for (m_local, k, n) in SHAPES:
+                _check_rs(flux_rs, group, rank, world, m_local, k, n, torch.bfloat16, "nk", 2e-2, gen,
+                          with_bias=(m_local % 2 == 0))
+                n_checks += 1
+            flux_rs.check_errors()
         # bitwise determinism of AG+GEMM
         x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
         b = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -206,4 +217,28 @@ def test_wait_times_out_loudly():
                    num_sms=4, max_spins=1000)
     word.after_launch()
     with pytest.raises(FusedOpTimeout, match="AG\\+GEMM: rank 0 timed out"):
+        word.check(sync=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rs_wait_times_out_loudly():
+    """GEMM+RS whose peer never pushes: the owner's one wait per peer gives up and raises."""
+    from megatron_flux.comm.errors import DeviceErrorWord, FusedOpTimeout
+    from megatron_flux.kernels.config import GemmConfig, rs_signal_count
+    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+
+    dev = torch.device("cuda", 0)
+    cfg = GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=2, num_warps=4)
+    a = torch.randn(256, 64, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(64, 128, device=dev, dtype=torch.bfloat16)
+    out = torch.empty(128, 128, device=dev, dtype=torch.bfloat16)
+    data = torch.empty(2, 128, 128, device=dev, dtype=torch.bfloat16)
+    flags = torch.zeros(rs_signal_count(128, 128, 2, cfg), dtype=torch.int32, device=dev)
+    # both "ranks" map to this GPU's buffers: rank 0 pushes into itself, rank 1 never runs
+    ptrs = lambda t: torch.tensor([t.data_ptr()] * 2, dtype=torch.int64, device=dev)  # noqa: E731
+    word = DeviceErrorWord(dev, interval=1)
+    launch_gemm_rs(a, b, out, data, ptrs(data), ptrs(flags), None, word.device_word, rank=0,
+                   world=2, epoch=1, cfg=cfg, num_sms=4, max_spins=1000)
+    word.after_launch()
+    with pytest.raises(FusedOpTimeout, match="GEMM\\+RS: rank 0 timed out"):
         word.check(sync=True)

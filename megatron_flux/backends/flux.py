@@ -298,7 +298,7 @@ class FluxBackend(TPOverlapBackend):
 
     # ---------------------------------------------------------------- GEMM + RS
     def matmul_reduce_scatter(self, a, b, group, *, out=None, bias=None):
-        from megatron_flux.kernels.config import tiles_per_segment
+        from megatron_flux.kernels.config import rs_signal_count
         from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
         self._check("GEMM+RS", a, b, group)
@@ -314,9 +314,8 @@ class FluxBackend(TPOverlapBackend):
         if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
             raise ValueError(f"megatron-flux GEMM+RS: bias must be contiguous ({n},)")
         cfg = self.config("rs", m, n, k, dtype=a.dtype, tp=world, device=device)
-        tiles_per_seg = tiles_per_segment(m_local, n, cfg)
         ws = self._workspace("rs", group, device, a.dtype)
-        ws.reserve(world * m_local * n, world * tiles_per_seg)
+        ws.reserve(world * m_local * n, rs_signal_count(m_local, n, world, cfg))
         err = self._error_word("rs", device)
         epoch = ws.next_epoch()
         parity = epoch & 1

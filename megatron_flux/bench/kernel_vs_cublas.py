@@ -20,7 +20,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from megatron_flux.kernels.config import GemmConfig, default_config, tiles_per_segment
+from megatron_flux.kernels.config import GemmConfig, default_config, rs_signal_count
 
 CANDIDATES = [
     GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=2, flatten=True),
@@ -31,6 +31,15 @@ CANDIDATES = [
     GemmConfig(128, 128, 64, 4, 8, 8, epilogue_split=1, flatten=False),
     GemmConfig(64, 256, 64, 4, 4, 8, epilogue_split=2, flatten=True),
     GemmConfig(256, 128, 64, 3, 8, 8, epilogue_split=1, flatten=False),
+]
+#: GEMM+RS: the knobs of its schedule (TMA or vector pushes, flattened reduction loop)
+RS_CANDIDATES = [
+    GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=1, flatten=True, flatten_consume=True),
+    GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=2, flatten=True, flatten_consume=False),
+    GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=2, flatten=True, flatten_consume=True,
+               rs_tma_push=False),
+    GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=1, flatten=True, flatten_consume=True,
+               warp_specialize=True),
 ]
 
 
@@ -84,8 +93,8 @@ def _rs_runner(m, n, k, tp, cfg, dtype):
     w = torch.randn(n, k, device="cuda", dtype=dtype)
     out = torch.empty(m_local, n, device="cuda", dtype=dtype)
     data = torch.zeros(tp, m_local, n, device="cuda", dtype=dtype)
-    tiles = tiles_per_segment(m_local, n, cfg)
-    flags = torch.full((tp * tiles,), 1 << 30, dtype=torch.int32, device="cuda")
+    flags = torch.full((rs_signal_count(m_local, n, tp, cfg),), 1 << 30, dtype=torch.int32, device="cuda")
+    flags[tp:] = 0  # the per-step arrival counters start at zero
     data_ptrs = torch.tensor([data.data_ptr()] * tp, dtype=torch.int64, device="cuda")
     flag_ptrs = torch.tensor([flags.data_ptr()] * tp, dtype=torch.int64, device="cuda")
     err = torch.zeros(4, dtype=torch.int32, device="cuda")
@@ -113,7 +122,8 @@ def run(args) -> dict:
     for op, model, m, n, k in _grid(args):
         best = None
         results = {}
-        configs = [default_config("ag" if op == "AG+GEMM" else "rs", m, n, k)] + ([] if args.default_only else CANDIDATES)
+        extra = CANDIDATES if op == "AG+GEMM" else RS_CANDIDATES
+        configs = [default_config("ag" if op == "AG+GEMM" else "rs", m, n, k)] + ([] if args.default_only else extra)
         if args.only_config is not None:  # one candidate per process: a faulting variant
             configs = [configs[args.only_config]]  # (sticky CUDA error) cannot hide the others
         fns = {}

@@ -9,7 +9,13 @@ and 8 warps wins on the large training shapes, 128x128x64 with 4 stages and 4 wa
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Dict
+
+
+def interpreting() -> bool:
+    """Whether kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +26,11 @@ class GemmConfig:
     higher; -1 above the default 0); GEMM+RS has no side stream and ignores it.
     ``ag_pull`` makes each AllGather rank pull its peers' shards with its own copy engine (after
     a cross-rank "shards ready" barrier) instead of pushing its shard into theirs; GEMM+RS
-    ignores it."""
+    ignores it.
+
+    GEMM+RS knobs (AG+GEMM ignores them): ``rs_tma_push`` writes the partial tiles into the
+    owner's buffer with TMA stores (else plain vector stores); ``flatten_consume`` flattens the
+    reduction loop."""
 
     block_m: int = 128
     block_n: int = 256
@@ -35,6 +45,7 @@ class GemmConfig:
     warp_specialize: bool = False
     comm_priority: int = -1
     ag_pull: bool = False
+    rs_tma_push: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -47,8 +58,9 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.epilogue_split must be 1 or 2 (block_n/split >= 16): {self}")
         if not isinstance(self.comm_priority, int) or not -5 <= self.comm_priority <= 0:
             raise ValueError(f"GemmConfig.comm_priority must be an int in [-5, 0]: {self}")
-        if not isinstance(self.ag_pull, bool):
-            raise ValueError(f"GemmConfig.ag_pull must be a bool: {self}")
+        for name in ("flatten", "flatten_consume", "warp_specialize", "ag_pull", "rs_tma_push"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GemmConfig.{name} must be a bool: {self}")
         if self.group_m < 1 or self.chunk_rows < 1:
             raise ValueError(f"GemmConfig.group_m and chunk_rows must be >= 1: {self}")
 
@@ -79,6 +91,13 @@ def tiles_per_segment(m_local: int, n: int, cfg: GemmConfig) -> int:
     return -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
 
 
+def rs_signal_count(m_local: int, n: int, world: int, cfg: GemmConfig) -> int:
+    """Signal words one GEMM+RS call needs per rank and parity: ``[src]`` (raised by the peer
+    ``src`` when its grid finished this rank's segment), then ``world`` arrival counters
+    ``[world + step]`` that this rank's own programs count up and the last one resets."""
+    return 2 * world
+
+
 def launch_geometry(m_local: int, n: int, b, world: int, cfg: GemmConfig, num_sms: int) -> LaunchGeometry:
     b_kn = b.stride(1) == 1
     tps = tiles_per_segment(m_local, n, cfg)
@@ -96,14 +115,16 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
 
     Measured on H200 with communication disabled (benchmarks/results/kernel-vs-cublas-*.json):
     AG+GEMM wants the flattened persistent loop with a split epilogue (0.94-1.04x cuBLAS on the
-    grid); GEMM+RS must *not* flatten its producer loop (its epilogue stores to the peer and
-    releases a signal per tile: flattened it ran 2.3-3.7x slower, not flattened 1.01-1.09x).
+    grid). GEMM+RS has no synchronisation inside its loops and flattens both (its first
+    schedule, a release per tile inside the loop, ran 2.3-3.7x slower flattened).
     """
     if interpret:  # the CPU interpreter runs whole blocks in numpy: keep them small
         return GemmConfig(block_m=16, block_n=32, block_k=16, num_stages=1, num_warps=4, group_m=2,
                           chunk_rows=16)
     if op == "rs":
-        return GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=1, flatten=False)
+        if m_total < 1024:  # few rows: 64-row tiles (what the tuner picked on H200 below m=1024)
+            return GemmConfig(64, 128, 128, 4, 4, 8, epilogue_split=1, flatten=True, flatten_consume=True)
+        return GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=2, flatten=True, flatten_consume=True)
     if m_total <= 1024 and n <= 16384:
         return GemmConfig(128, 128, 64, 4, 4, 8, chunk_rows=4096, epilogue_split=1, flatten=True)
     return GemmConfig(128, 256, 64, 3, 8, 8, chunk_rows=4096, epilogue_split=2, flatten=True)

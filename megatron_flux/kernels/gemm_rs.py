@@ -3,31 +3,44 @@
 Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
 
 * The partial product's rows are split in ``W`` segments of ``m_local`` rows; segment ``s`` is
-  owned by rank ``s``. Program ``p`` of the persistent grid takes flat tiles
-  ``p, p + NUM_SMS, ...``.
-* Steps ``0..W-2`` visit the peers' segments ``r+1, r+2, ...`` (each rank hits a different owner
-  at each step). Epilogue = the *write* of ReduceScatter: the tile is rounded to the output dtype
-  and stored straight into the owner's symmetric buffer, slot ``r``
-  (``data[owner][r, rows, cols]``), then the tile's signal ``flags[owner][r, tile] = epoch``
-  is released (system scope).
-* Step ``W-1`` is the own segment. Epilogue = the *reduction*: the fp32 accumulator is summed
-  with the peers' pushed partials in fixed rank order ``0..W-1`` (each after an acquire wait on
-  its signal, bounded), bias is added once, and the tile is TMA-stored to ``out``. The fixed
-  order makes results bitwise identical run to run. Because every rank computes the others'
-  rows first, a peer's partial normally landed long before the owner reaches that tile.
+  owned by rank ``s``. Program ``p`` of the persistent grid (``G`` programs) takes tiles
+  ``p, p + G, ...`` of each step.
+* Producer, steps ``0..W-2``: the peers' segments ``r+1, r+2, ...`` (each rank hits a different
+  owner at each step), one flattened, pipelined tile loop per step. Epilogue = the *write* of
+  ReduceScatter: the tile is rounded to the output dtype and stored straight into the owner's
+  symmetric buffer, slot ``r`` (``data[owner][r, rows, cols]``), by TMA (``rs_tma_push``) or
+  vector stores.
+* Signals, one per step: after a step's loop every program drains its stores and counts
+  itself in at ``flags[r][W + step]``; the last of the ``G`` programs raises
+  ``flags[owner][r] = epoch`` (release, system scope). Nothing synchronises inside the loops.
+  (The first schedule raised a signal per pushed tile and waited per tile; its release sat in
+  the loop, which then could not be flattened. Measured against this one in
+  ``benchmarks/NOTES.md``, session 4.)
+* Consumer, step ``W-1``: the own segment. Each program computes its first own tile's GEMM, then
+  waits once (acquire, bounded) for every peer's ``flags[r][src]``, then runs the rest of its
+  tiles without waits. Epilogue = the *reduction*: the fp32 accumulator
+  plus the peers' pushed partials in fixed rank order ``0..W-1``, bias once, TMA store to
+  ``out``. The fixed order makes results bitwise identical run to run.
 
-Workspace slots alternate between two parities from call to call (chosen by the host), so a
-rank racing one call ahead never overwrites partials its owner has not consumed yet; signals
-hold epochs and are never reset.
+Waiting for a peer's whole step costs little makespan: programs that finish producing early
+would only start their reduction tiles early, the last producer program also finishes its
+reduction last, and when the grid covers every tile in one wave the first own tile's GEMM runs
+beside the peers' producers before the wait. Every rank computes the others' rows first, so the partials have normally
+landed before the owner reaches its reduction.
+
+Workspace slots and signals alternate between two parities from call to call (chosen by the
+host), so a rank racing one call ahead never overwrites partials its owner has not consumed
+yet; signals hold epochs and are never reset (the arrival counters are reset by their last
+arrival).
 """
 
 import triton
 import triton.language as tl
 
-from megatron_flux.kernels.config import launch_geometry
+from megatron_flux.kernels.config import interpreting, launch_geometry
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.mainloop import tile_mainloop
-from megatron_flux.kernels.signals import set_signal, wait_signal
+from megatron_flux.kernels.signals import publish_when_grid_done, wait_signal
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step
 
 
@@ -62,6 +75,42 @@ def _reduce_part(part, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, r
     out_desc.store([off_m, off_n], part.to(out_desc.dtype))
 
 
+@triton.jit
+def _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH: tl.constexpr,
+               EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store one fp32 partial tile, rounded, into the owner's slot (TMA or vector stores)."""
+    HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
+    if EPI_SPLIT == 2:
+        acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        if TMA_PUSH:
+            dst_desc.store([off_m, off_n], acc0.to(dst_desc.dtype))
+            dst_desc.store([off_m, off_n + HALF], acc1.to(dst_desc.dtype))
+        else:
+            _push_part(dst, slot_base, acc0, off_m, off_n, m_local, N, BLOCK_M, HALF)
+            _push_part(dst, slot_base, acc1, off_m, off_n + HALF, m_local, N, BLOCK_M, HALF)
+    else:
+        if TMA_PUSH:
+            dst_desc.store([off_m, off_n], acc.to(dst_desc.dtype))
+        else:
+            _push_part(dst, slot_base, acc, off_m, off_n, m_local, N, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _reduce_tile(acc, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank, world,
+                 HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
+    if EPI_SPLIT == 2:
+        acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        _reduce_part(acc0, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
+                     world, HAS_BIAS, BLOCK_M, HALF)
+        _reduce_part(acc1, data_ptr, bias_ptr, out_desc, off_m, off_n + HALF, m_local, N,
+                     rank, world, HAS_BIAS, BLOCK_M, HALF)
+    else:
+        _reduce_part(acc, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank, world,
+                     HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
 @triton.jit(do_not_specialize=["rank", "epoch", "max_spins"])
 def gemm_rs_kernel(
     a_ptr, b_ptr, out_ptr,
@@ -71,13 +120,15 @@ def gemm_rs_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     FLATTEN: tl.constexpr, FLATTEN_CONSUME: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    TMA_PUSH: tl.constexpr, ASYNC_FENCE: tl.constexpr,
     PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True,
 ):
     """``data_ptr``: this rank's slot region (``[world, m_local, N]``, output dtype) for this
     call's parity; ``data_ptrs``/``flag_ptrs``: int64 tables of every rank's slot region and
-    int32 signal region (``[world, tiles_per_seg]``). PRODUCE/CONSUME select the phases (both in
-    production; the CPU tests run all ranks' producers before their consumers). TMA descriptors
-    are built on the device, once per program."""
+    int32 signal region (layout: :func:`~megatron_flux.kernels.config.rs_signal_count`).
+    PRODUCE/CONSUME select the phases (both in production; the CPU tests run all ranks'
+    producers before their consumers). ASYNC_FENCE: drain TMA stores before a per-step
+    signal (off only under the interpreter). TMA descriptors are built on the device."""
     if RAGGED:
         a_desc = tl.make_tensor_descriptor(a_ptr, [world, m_local, K], [m_local * K, K, 1],
                                            [1, BLOCK_M, BLOCK_K])
@@ -87,61 +138,75 @@ def gemm_rs_kernel(
         b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N])
     else:
         b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K])
-    out_desc = tl.make_tensor_descriptor(out_ptr, [m_local, N], [N, 1], [BLOCK_M, BLOCK_N // EPI_SPLIT])
+    HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
+    out_desc = tl.make_tensor_descriptor(out_ptr, [m_local, N], [N, 1], [BLOCK_M, HALF])
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(m_local, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     tiles_per_seg = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
-    n_remote = (world - 1) * tiles_per_seg
-    HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
+    slot_base = (rank * m_local).to(tl.int64) * N  # this rank's slot in every owner's region
+    my_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
 
     if PRODUCE:
-        for t in tl.range(pid, n_remote, NUM_SMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-            seg = segment_of_step(t // tiles_per_seg, rank, world, True)
-            t_in_seg = t % tiles_per_seg
-            pid_m, pid_n = grouped_tile(t_in_seg, num_pid_m, num_pid_n, GROUP_M)
-            off_m = pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
-            row = off_m if RAGGED else seg * m_local + off_m
-            acc = tile_mainloop(a_desc, b_desc, seg, row, off_n, k_tiles, RAGGED, B_KN,
-                            BLOCK_M, BLOCK_N, BLOCK_K)
+        for step in range(0, world - 1):
+            seg = segment_of_step(step, rank, world, True)
             dst = tl.load(data_ptrs + seg).to(tl.pointer_type(data_ptr.dtype.element_ty))
-            slot_base = (rank * m_local).to(tl.int64) * N
-            if EPI_SPLIT == 2:
-                acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
-                _push_part(dst, slot_base, acc0, off_m, off_n, m_local, N, BLOCK_M, HALF)
-                _push_part(dst, slot_base, acc1, off_m, off_n + HALF, m_local, N, BLOCK_M, HALF)
-            else:
-                _push_part(dst, slot_base, acc, off_m, off_n, m_local, N, BLOCK_M, BLOCK_N)
-            flag = tl.load(flag_ptrs + seg).to(tl.pointer_type(tl.int32))
-            set_signal(flag + rank * tiles_per_seg + t_in_seg, epoch)
+            dst_desc = tl.make_tensor_descriptor(dst + slot_base, [m_local, N], [N, 1], [BLOCK_M, HALF])
+            owner_flags = tl.load(flag_ptrs + seg).to(tl.pointer_type(tl.int32))
+            first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
+            for t in tl.range(first, (step + 1) * tiles_per_seg, NUM_SMS, flatten=FLATTEN,
+                              warp_specialize=WARP_SPECIALIZE):
+                t_in_seg = t - step * tiles_per_seg
+                pid_m, pid_n = grouped_tile(t_in_seg, num_pid_m, num_pid_n, GROUP_M)
+                off_m = pid_m * BLOCK_M
+                off_n = pid_n * BLOCK_N
+                row = off_m if RAGGED else seg * m_local + off_m
+                acc = tile_mainloop(a_desc, b_desc, seg, row, off_n, k_tiles, RAGGED, B_KN,
+                                    BLOCK_M, BLOCK_N, BLOCK_K)
+                _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH,
+                           EPI_SPLIT, BLOCK_M, BLOCK_N)
+            publish_when_grid_done(my_flags + world + step, NUM_SMS, owner_flags + rank, epoch,
+                                   ASYNC_FENCE and TMA_PUSH)
 
     if CONSUME:
-        my_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
-        total = world * tiles_per_seg
-        for t in tl.range(first_tile_at_or_after(pid, n_remote, NUM_SMS), total, NUM_SMS,
-                          flatten=FLATTEN_CONSUME):
-            t_in_seg = t % tiles_per_seg
-            pid_m, pid_n = grouped_tile(t_in_seg, num_pid_m, num_pid_n, GROUP_M)
-            off_m = pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
-            row = off_m if RAGGED else rank * m_local + off_m
-            acc = tile_mainloop(a_desc, b_desc, rank, row, off_n, k_tiles, RAGGED, B_KN,
-                            BLOCK_M, BLOCK_N, BLOCK_K)
-            for src in range(world):
-                if src != rank:
-                    idx = src * tiles_per_seg + t_in_seg
-                    wait_signal(my_flags + idx, epoch, max_spins, err_ptr, 2, rank, idx)  # op code OP_GEMM_RS
-            if EPI_SPLIT == 2:
-                acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
-                _reduce_part(acc0, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
-                             world, HAS_BIAS, BLOCK_M, HALF)
-                _reduce_part(acc1, data_ptr, bias_ptr, out_desc, off_m, off_n + HALF, m_local, N,
-                             rank, world, HAS_BIAS, BLOCK_M, HALF)
-            else:
-                _reduce_part(acc, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
-                             world, HAS_BIAS, BLOCK_M, BLOCK_N)
+        # The first own tile is peeled so its GEMM runs before the one wait for the peers (when
+        # the grid covers every tile in one wave, a program's only reduction tile then overlaps
+        # the peers' producer tiles); the rest of the loop has no synchronisation.
+        own_start = (world - 1) * tiles_per_seg
+        first = first_tile_at_or_after(pid, own_start, NUM_SMS)
+        if first < world * tiles_per_seg:
+            _consume_tile(a_desc, b_desc, out_desc, data_ptr, bias_ptr, my_flags, err_ptr,
+                          first - own_start, m_local, N, k_tiles, rank, world, epoch, max_spins,
+                          num_pid_m, num_pid_n, True, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT,
+                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+        for t in tl.range(first + NUM_SMS, world * tiles_per_seg, NUM_SMS, flatten=FLATTEN_CONSUME):
+            _consume_tile(a_desc, b_desc, out_desc, data_ptr, bias_ptr, my_flags, err_ptr,
+                          t - own_start, m_local, N, k_tiles, rank, world, epoch, max_spins,
+                          num_pid_m, num_pid_n, False, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT,
+                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+@triton.jit
+def _consume_tile(a_desc, b_desc, out_desc, data_ptr, bias_ptr, my_flags, err_ptr, t_in_seg,
+                  m_local, N, k_tiles, rank, world, epoch, max_spins, num_pid_m, num_pid_n,
+                  WAIT: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """One tile of the own segment: its GEMM, with WAIT the wait for every peer's step signal,
+    then the reduction epilogue."""
+    pid_m, pid_n = grouped_tile(t_in_seg, num_pid_m, num_pid_n, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    row = off_m if RAGGED else rank * m_local + off_m
+    acc = tile_mainloop(a_desc, b_desc, rank, row, off_n, k_tiles, RAGGED, B_KN,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
+    if WAIT:
+        for src in range(0, world):
+            if src != rank:
+                wait_signal(my_flags + src, epoch, max_spins, err_ptr, 2, rank, src)  # OP_GEMM_RS
+    _reduce_tile(acc, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank, world,
+                 HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N)
 
 
 def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, world, epoch, cfg,
@@ -162,6 +227,7 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
         RAGGED=geo.ragged, B_KN=geo.b_kn, HAS_BIAS=bias is not None,
         EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, NUM_SMS=geo.grid, FLATTEN=cfg.flatten, FLATTEN_CONSUME=cfg.flatten_consume,
-        WARP_SPECIALIZE=cfg.warp_specialize, PRODUCE=produce, CONSUME=consume,
+        WARP_SPECIALIZE=cfg.warp_specialize, TMA_PUSH=cfg.rs_tma_push,
+        ASYNC_FENCE=not interpreting(), PRODUCE=produce, CONSUME=consume,
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )

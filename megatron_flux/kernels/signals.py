@@ -40,3 +40,32 @@ def set_signal(flag_ptr, epoch):
     The CTA barrier first makes every thread's stores part of what the release orders."""
     tl.debug_barrier()
     tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def drain_async_stores(token, ASYNC_STORES: tl.constexpr):
+    """Wait until this thread's TMA stores are complete (not merely read out of shared memory,
+    which is all Triton waits for) and order them before later generic-proxy accesses, so a
+    following release publishes them. A no-op without TMA stores (and under the interpreter,
+    whose stores are synchronous and which has no inline assembly)."""
+    if ASYNC_STORES:
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, $1;",
+            "=r,r", [token], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def publish_when_grid_done(counter_ptr, grid, flag_ptr, epoch, ASYNC_STORES: tl.constexpr):
+    """Count this program in at ``counter_ptr``; the last of ``grid`` programs resets the counter
+    and publishes ``epoch`` at ``flag_ptr`` (release, system scope).
+
+    Every program first drains its stores and releases them at system scope with its arrival
+    (acq_rel), and the last arrival acquires all of them, so the single release that follows
+    covers every program's stores (release is cumulative). The counter is reset before the
+    signal, so the next call (stream-ordered after this one) starts from zero."""
+    drain_async_stores(epoch, ASYNC_STORES)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+    if arrived == grid - 1:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")

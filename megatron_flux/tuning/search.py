@@ -60,9 +60,15 @@ SEARCH_SPACE: Dict[str, Tuple] = {
     "warp_specialize": (False, True),
     "comm_priority": (-1, 0),
     "ag_pull": (False, True),
+    "rs_tma_push": (True, False),
+    "flatten_consume": (True, False),
 }
+#: knobs only one op has; the other op keeps its default's value
+_OP_KNOBS = {"ag": ("chunk_rows", "comm_priority", "ag_pull"),
+             "rs": ("rs_tma_push", "flatten_consume")}
 #: order of the single-knob variations within each round (see generate_candidates)
-_VARIATION_ORDER = ("chunk_rows", "comm_priority", "ag_pull", "num_stages", "block_n", "block_m",
+_VARIATION_ORDER = ("chunk_rows", "comm_priority", "ag_pull", "rs_tma_push", "flatten_consume",
+                    "num_stages", "block_n", "block_m",
                     "block_k", "warp_specialize", "epilogue_split", "group_m", "num_warps", "flatten")
 #: knobs the backend has but the search leaves alone (recorded in the table's search.not_searched)
 NOT_SEARCHED: Dict[str, str] = {}
@@ -118,8 +124,8 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     than the rows per rank segment rounded up to a power of two (at least 64), ``block_n`` /
     ``block_k`` no larger than ``n`` / ``k`` rounded up, and for AG ``chunk_rows`` below the rows
     of a segment (a chunk that large is one chunk: the default already covers it). RS keeps the
-    default ``chunk_rows`` (it has no chunked copy). ``flatten`` / ``warp_specialize`` are
-    searched for both ops.
+    default ``chunk_rows``, side-stream priority and ``ag_pull`` (it has no chunked copy); AG keeps
+    the default's RS knobs. ``flatten`` / ``warp_specialize`` are searched for both ops.
     """
     from megatron_flux.kernels.config import GemmConfig, default_config
 
@@ -129,10 +135,11 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     space = dict(SEARCH_SPACE if space is None else space)
     base = default_config(op, m_total, n, k)
     m_local = m_total // tp
-    if op == "rs":  # no chunked copy, no side stream
-        space["chunk_rows"] = (base.chunk_rows,)
-        space["comm_priority"] = (base.comm_priority,)
-        space["ag_pull"] = (base.ag_pull,)
+    for other, knobs_of_other in _OP_KNOBS.items():  # e.g. RS has no chunked copy, no side stream
+        if other != op:
+            for knob in knobs_of_other:
+                if knob in space:
+                    space[knob] = (getattr(base, knob),)
     knobs = [f for f in space if f in {x.name for x in dataclasses.fields(GemmConfig)}]
     unknown = set(space) - set(knobs)
     if unknown:
