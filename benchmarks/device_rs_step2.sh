@@ -6,8 +6,9 @@
 #   2. the GEMM+RS grid: flux = the shipped table's tuned configs pinned to the first schedule,
 #      flux_default = the per-step default                   -> $OUT/bench-rs.json
 # Ran during session 4 while GemmConfig still had the knob rs_tile_signals (the first GEMM+RS
-# schedule), removed right after these runs; step 3 pins table entries to it, so rerunning this
-# script needs that state of the tree (the commit that adds benchmarks/results/bench-rs-step-*).
+# schedule), removed right after these runs (commit 8bdb9ff; the intermediate tree was not
+# committed). Kept as the record of what ran: its pin of table entries to rs_tile_signals=True
+# is now an unknown-field error, so the script does not run on later trees as it stands.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/rs_step2}"
