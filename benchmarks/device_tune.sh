@@ -29,7 +29,7 @@ if [ -n "${TUNE_MODEL_CONFIG-configs/llama3_8b_16l.json}" ]; then
     echo "== tune ${TUNE_MODEL_CONFIG-configs/llama3_8b_16l.json} ($(date +%T))"
     timeout "${TUNE_MODEL_TIMEOUT:-120}" python3 -m torch.distributed.run --standalone \
         --nproc-per-node "${NGPUS}" -m megatron_flux.tune \
-        --model-config "${TUNE_MODEL_CONFIG-configs/llama3_8b_16l.json}" --m 4096 --max-candidates 12 \
+        --model-config "${TUNE_MODEL_CONFIG-configs/llama3_8b_16l.json}" --ms 4096 --max-candidates 12 \
         --top 2 --screen-iters 5 --trials 3 --iters 10 --no-progress --out "${OUT}/table.json" \
         > "${OUT}/tune_model.log" 2>&1
     echo "   exit $? at $(date +%T) (${SECONDS}s)"
