@@ -9,12 +9,14 @@ Calls alternate the two halves (``parity = epoch & 1``). A peer can be at most o
 this rank: its call ``e + 2`` needs data that this rank sends only after its own call ``e`` has
 finished. So with two halves nobody writes into a slot or signal word that a call still uses.
 
-The signals need the split as much as the data: their index layout depends on the call's shape
-and config (``src * chunks + c``, ``src * tiles + t``), and at TP >= 3 a peer that finished call
+The signals need the split as much as the data: the AllGather's index layout depends on the
+call's shape and config (``src * chunks + c``), and at TP >= 3 a peer that finished call
 ``e`` may already signal call ``e + 1``, under another layout, while this rank still waits for
 a third rank's call-``e`` signal. In one shared region that write could land on the awaited
-word with a value ``>= e`` and release the wait before the data came. Signals hold epochs (see
-:mod:`megatron_flux.kernels.signals`), so they are never reset.
+word with a value ``>= e`` and release the wait before the data came. (GEMM+RS's layout, one
+word per peer then this rank's own arrival counters, does not depend on the config; it gets the
+same split.) Signals hold epochs (see :mod:`megatron_flux.kernels.signals`), so they are never
+reset.
 
 The allocation grows (collectively: every rank asks for the same sizes, as SPMD training does)
 and is reused; it never shrinks. Growing zeroes the new signals and runs a barrier before first use.
