@@ -196,7 +196,7 @@ def _rs_world(world, m_local, k, n, b_kn, bias, epoch=3, cfg=CFG):
     bias_t = torch.randn(n).to(DTYPE) if bias else None
     tps = triton.cdiv(m_local, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     data = [torch.full((world, m_local, n), float("nan")).to(DTYPE) for _ in range(world)]
-    flags = [torch.zeros(rs_signal_count(m_local, n, world, cfg), dtype=torch.int32) for _ in range(world)]
+    flags = [torch.zeros(rs_signal_count(world), dtype=torch.int32) for _ in range(world)]
     return dict(a=a_s, b=b_s, bias=bias_t, tps=tps, data=data, flags=flags, cfg=cfg,
                 dptr=torch.tensor([d.data_ptr() for d in data], dtype=torch.int64),
                 fptr=torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64),

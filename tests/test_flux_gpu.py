@@ -233,7 +233,7 @@ def test_rs_wait_times_out_loudly():
     b = torch.randn(64, 128, device=dev, dtype=torch.bfloat16)
     out = torch.empty(128, 128, device=dev, dtype=torch.bfloat16)
     data = torch.empty(2, 128, 128, device=dev, dtype=torch.bfloat16)
-    flags = torch.zeros(rs_signal_count(128, 128, 2, cfg), dtype=torch.int32, device=dev)
+    flags = torch.zeros(rs_signal_count(2), dtype=torch.int32, device=dev)
     # both "ranks" map to this GPU's buffers: rank 0 pushes into itself, rank 1 never runs
     ptrs = lambda t: torch.tensor([t.data_ptr()] * 2, dtype=torch.int64, device=dev)  # noqa: E731
     word = DeviceErrorWord(dev, interval=1)

@@ -315,7 +315,7 @@ class FluxBackend(TPOverlapBackend):
             raise ValueError(f"megatron-flux GEMM+RS: bias must be contiguous ({n},)")
         cfg = self.config("rs", m, n, k, dtype=a.dtype, tp=world, device=device)
         ws = self._workspace("rs", group, device, a.dtype)
-        ws.reserve(world * m_local * n, rs_signal_count(m_local, n, world, cfg))
+        ws.reserve(world * m_local * n, rs_signal_count(world))
         err = self._error_word("rs", device)
         epoch = ws.next_epoch()
         parity = epoch & 1

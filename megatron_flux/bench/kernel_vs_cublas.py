@@ -93,7 +93,7 @@ def _rs_runner(m, n, k, tp, cfg, dtype):
     w = torch.randn(n, k, device="cuda", dtype=dtype)
     out = torch.empty(m_local, n, device="cuda", dtype=dtype)
     data = torch.zeros(tp, m_local, n, device="cuda", dtype=dtype)
-    flags = torch.full((rs_signal_count(m_local, n, tp, cfg),), 1 << 30, dtype=torch.int32, device="cuda")
+    flags = torch.full((rs_signal_count(tp),), 1 << 30, dtype=torch.int32, device="cuda")
     flags[tp:] = 0  # the per-step arrival counters start at zero
     data_ptrs = torch.tensor([data.data_ptr()] * tp, dtype=torch.int64, device="cuda")
     flag_ptrs = torch.tensor([flags.data_ptr()] * tp, dtype=torch.int64, device="cuda")

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from megatron_flux.kernels.config import launch_geometry
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
-from megatron_flux.kernels.mainloop import tile_mainloop
+from megatron_flux.kernels.mainloop import split_columns, tile_mainloop
 from megatron_flux.kernels.signals import wait_signal
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step
 
@@ -37,7 +37,7 @@ def _ag_tile(a_desc, b_desc, c_desc, a_row, c_seg, c_row, off_n, k_tiles,
                         BLOCK_M, BLOCK_N, BLOCK_K)
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
     if EPI_SPLIT == 2:
-        acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        acc0, acc1 = split_columns(acc, BLOCK_M, HALF)
         _store(c_desc, c_seg, c_row, off_n, acc0.to(c_desc.dtype), RAGGED_C, BLOCK_M, HALF)
         _store(c_desc, c_seg, c_row, off_n + HALF, acc1.to(c_desc.dtype), RAGGED_C, BLOCK_M, HALF)
     else:

@@ -39,9 +39,9 @@ import triton.language as tl
 
 from megatron_flux.kernels.config import interpreting, launch_geometry
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
-from megatron_flux.kernels.mainloop import tile_mainloop
+from megatron_flux.kernels.mainloop import segment_tile, split_columns
 from megatron_flux.kernels.signals import publish_when_grid_done, wait_signal
-from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step
+from megatron_flux.kernels.tile_order import first_tile_at_or_after, segment_of_step
 
 
 @triton.jit
@@ -55,10 +55,14 @@ def _tile_offsets(slot_base, off_m, off_n, m_local, N, BLOCK_M: tl.constexpr, WI
 
 
 @triton.jit
-def _push_part(dst_ptr, slot_base, part, off_m, off_n, m_local, N,
+def _push_part(part, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH: tl.constexpr,
                BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    offs, mask = _tile_offsets(slot_base, off_m, off_n, m_local, N, BLOCK_M, WIDTH)
-    tl.store(dst_ptr + offs, part.to(dst_ptr.dtype.element_ty), mask=mask)
+    """Round ``part`` and store it into the owner's slot, by TMA or by masked vector stores."""
+    if TMA_PUSH:
+        dst_desc.store([off_m, off_n], part.to(dst_desc.dtype))
+    else:
+        offs, mask = _tile_offsets(slot_base, off_m, off_n, m_local, N, BLOCK_M, WIDTH)
+        tl.store(dst + offs, part.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -81,18 +85,12 @@ def _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH
     """Store one fp32 partial tile, rounded, into the owner's slot (TMA or vector stores)."""
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
     if EPI_SPLIT == 2:
-        acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
-        if TMA_PUSH:
-            dst_desc.store([off_m, off_n], acc0.to(dst_desc.dtype))
-            dst_desc.store([off_m, off_n + HALF], acc1.to(dst_desc.dtype))
-        else:
-            _push_part(dst, slot_base, acc0, off_m, off_n, m_local, N, BLOCK_M, HALF)
-            _push_part(dst, slot_base, acc1, off_m, off_n + HALF, m_local, N, BLOCK_M, HALF)
+        acc0, acc1 = split_columns(acc, BLOCK_M, HALF)
+        _push_part(acc0, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH, BLOCK_M, HALF)
+        _push_part(acc1, dst, dst_desc, slot_base, off_m, off_n + HALF, m_local, N, TMA_PUSH,
+                   BLOCK_M, HALF)
     else:
-        if TMA_PUSH:
-            dst_desc.store([off_m, off_n], acc.to(dst_desc.dtype))
-        else:
-            _push_part(dst, slot_base, acc, off_m, off_n, m_local, N, BLOCK_M, BLOCK_N)
+        _push_part(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -101,7 +99,7 @@ def _reduce_tile(acc, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, ra
                  BLOCK_N: tl.constexpr):
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
     if EPI_SPLIT == 2:
-        acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        acc0, acc1 = split_columns(acc, BLOCK_M, HALF)
         _reduce_part(acc0, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
                      world, HAS_BIAS, BLOCK_M, HALF)
         _reduce_part(acc1, data_ptr, bias_ptr, out_desc, off_m, off_n + HALF, m_local, N,
@@ -157,13 +155,9 @@ def gemm_rs_kernel(
             first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
             for t in tl.range(first, (step + 1) * tiles_per_seg, NUM_SMS, flatten=FLATTEN,
                               warp_specialize=WARP_SPECIALIZE):
-                t_in_seg = t - step * tiles_per_seg
-                pid_m, pid_n = grouped_tile(t_in_seg, num_pid_m, num_pid_n, GROUP_M)
-                off_m = pid_m * BLOCK_M
-                off_n = pid_n * BLOCK_N
-                row = off_m if RAGGED else seg * m_local + off_m
-                acc = tile_mainloop(a_desc, b_desc, seg, row, off_n, k_tiles, RAGGED, B_KN,
-                                    BLOCK_M, BLOCK_N, BLOCK_K)
+                acc, off_m, off_n = segment_tile(a_desc, b_desc, t - step * tiles_per_seg, seg,
+                                                 m_local, k_tiles, num_pid_m, num_pid_n, RAGGED,
+                                                 B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
                 _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH,
                            EPI_SPLIT, BLOCK_M, BLOCK_N)
             publish_when_grid_done(my_flags + world + step, NUM_SMS, owner_flags + rank, epoch,
@@ -195,12 +189,9 @@ def _consume_tile(a_desc, b_desc, out_desc, data_ptr, bias_ptr, my_flags, err_pt
                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """One tile of the own segment: its GEMM, with WAIT the wait for every peer's step signal,
     then the reduction epilogue."""
-    pid_m, pid_n = grouped_tile(t_in_seg, num_pid_m, num_pid_n, GROUP_M)
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
-    row = off_m if RAGGED else rank * m_local + off_m
-    acc = tile_mainloop(a_desc, b_desc, rank, row, off_n, k_tiles, RAGGED, B_KN,
-                        BLOCK_M, BLOCK_N, BLOCK_K)
+    acc, off_m, off_n = segment_tile(a_desc, b_desc, t_in_seg, rank, m_local, k_tiles,
+                                     num_pid_m, num_pid_n, RAGGED, B_KN, BLOCK_M, BLOCK_N,
+                                     BLOCK_K, GROUP_M)
     if WAIT:
         for src in range(0, world):
             if src != rank:

@@ -1,7 +1,10 @@
-"""The K loop shared by the fused kernels: one output tile's fp32 accumulator."""
+"""The K loop shared by the fused kernels (one output tile's fp32 accumulator), and the tile
+helpers around it."""
 
 import triton
 import triton.language as tl
+
+from megatron_flux.kernels.tile_order import grouped_tile
 
 
 @triton.jit
@@ -26,3 +29,25 @@ def tile_mainloop(a_desc, b_desc, a_seg, a_row, off_n, k_tiles,
             b = b_desc.load([off_n, off_k]).T
         acc = tl.dot(a, b, acc)
     return acc
+
+
+@triton.jit
+def split_columns(acc, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
+    """A ``[BLOCK_M, 2 * HALF]`` tile as its left and right ``[BLOCK_M, HALF]`` halves (the split
+    epilogue stores each half on its own, with half the shared-memory staging)."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+
+
+@triton.jit
+def segment_tile(a_desc, b_desc, t_in_seg, seg, m_local, k_tiles, num_pid_m, num_pid_n,
+                 RAGGED_A: tl.constexpr, B_KN: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile ``t_in_seg`` of segment ``seg`` (GROUP_M-grouped order): ``(acc, off_m, off_n)``,
+    with ``off_m`` relative to the segment's first row."""
+    pid_m, pid_n = grouped_tile(t_in_seg, num_pid_m, num_pid_n, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    row = off_m if RAGGED_A else seg * m_local + off_m
+    acc = tile_mainloop(a_desc, b_desc, seg, row, off_n, k_tiles, RAGGED_A, B_KN,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
+    return acc, off_m, off_n
