@@ -43,8 +43,8 @@ def test_misaligned_operands_are_copied_not_refused(layout):
 
 
 def test_which_backends_may_run_beside_other_kernels():
-    """The column op overlaps its weight-gradient re-gather with the dgrad only where the dgrad
-    backend does not spin on peers while holding SMs."""
+    """Which backends spin on peers while holding SMs (their re-gather beside the dgrad must then
+    need no SM: the fused backend's runs on the copy engine)."""
     from megatron_flux.backends.flux import FluxBackend
     from megatron_flux.backends.nccl import NcclBackend
     from megatron_flux.tuning.auto import AutoDispatch
@@ -80,6 +80,7 @@ def test_reserved_sms_from_the_environment(monkeypatch):
     ([1, 0, 5, 3], r"AG\+GEMM: rank 0 timed out waiting for signal 5 \(last value seen 3\)"),
     ([2, 1, 7, 0], r"GEMM\+RS: rank 1 timed out waiting for signal 7"),
     ([3, 2, 1, 4], r"AG\+GEMM \(pull\): rank 2 timed out waiting for rank 1's shard to be ready"),
+    ([4, 0, 1, 6], r"all-gather \(copy engine\): rank 0 timed out waiting for rank 1's rows"),
 ])
 def test_a_timed_out_wait_names_the_op_the_rank_and_what_it_waited_for(word, expected):
     """The error word a kernel fills becomes an exception naming op, rank and signal (or, for

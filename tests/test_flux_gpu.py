@@ -4,7 +4,9 @@ Spawns one process per visible GPU (skipped below 2 GPUs). Each check draws fres
 inputs, poisons outputs with NaN first, and compares with the reference; repeated calls with
 changing shapes exercise signal/epoch reuse and the workspace parity; repeated identical calls
 must be bitwise identical; the pulling AllGather and GEMM+RS's schedule knobs run over every shape;
-fused calls queued back to back alternate signal layouts, pull/push and RS push modes. Runs under both ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+fused calls queued back to back alternate signal layouts, pull/push and RS push modes; the
+copy-engine all-gather runs beside GEMM+RS in the column backward's order. Runs under both
+``CUDA_DEVICE_MAX_CONNECTIONS=1``
 (Megatron's setting) and the driver default.
 """
 
@@ -107,6 +109,41 @@ def _check_back_to_back(flux, group, rank, world, gen, rounds=12):
     return 2 * rounds
 
 
+def _check_gather_beside_rs(flux, group, rank, world, gen, rounds=10):
+    """The copy-engine all-gather in the column backward's order: started, then a GEMM+RS
+    queued, then waited for; rounds queued back to back (no collective between them) over
+    changing shapes, 3-D and fp32 inputs. Rows must equal NCCL's gather exactly."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cases = []
+    for i in range(rounds):
+        m_local, k, n = SHAPES[i % len(SHAPES)]
+        dtype = torch.float32 if i == 3 else torch.bfloat16
+        shape = (m_local, 2, k // 2) if i % 2 else (m_local, k)
+        x = torch.randn(*shape, generator=gen, device=dev).to(dtype)
+        g_ref = torch.empty((world * m_local, *shape[1:]), dtype=dtype, device=dev)
+        torch.distributed.all_gather_into_tensor(g_ref, x, group=group)
+        a = torch.randn(world * m_local, k, generator=gen, device=dev).to(torch.bfloat16)
+        w = torch.randn(n, k, generator=gen, device=dev).to(torch.bfloat16)
+        full = a.float() @ w.t().float()
+        torch.distributed.all_reduce(full, group=group)
+        cases.append((x, g_ref, a, w.t(), full[rank * m_local:(rank + 1) * m_local]))
+    results = []
+    for x, _, a, b, _ in cases:
+        pending = flux.all_gather_start(x, group)
+        rs_out = flux.matmul_reduce_scatter(a, b, group)
+        results.append((pending.wait().clone(), rs_out))  # valid until the next start
+    torch.cuda.synchronize()
+    flux.check_errors()
+    for (g, rs_out), (_, g_ref, _, _, rs_ref) in zip(results, cases):
+        assert g.shape == g_ref.shape, f"gather shape {tuple(g.shape)} != {tuple(g_ref.shape)}"
+        assert torch.equal(g, g_ref), "copy-engine all-gather differs from NCCL's"
+        assert _rel(rs_out, rs_ref) < 2e-2, f"GEMM+RS beside the gather: rel err {_rel(rs_out, rs_ref)}"
+    out = torch.full_like(cases[0][1], float("nan"))
+    assert flux.all_gather_start(cases[0][0], group, out=out).wait() is out
+    assert torch.equal(out, cases[0][1]), "copy-engine all-gather into out= differs"
+    return rounds + 1
+
+
 def _worker(rank, world, port, env, queue):
     try:
         init_rank(rank, world, port, env)
@@ -145,6 +182,7 @@ def _worker(rank, world, port, env, queue):
         flux_alt = FluxBackend(config_provider=alternating)
         n_checks += _check_back_to_back(flux_alt, group, rank, world, gen)
         flux_alt.check_errors()
+        n_checks += _check_gather_beside_rs(flux, group, rank, world, gen)
         # the pulling AllGather over every shape and layout
         from megatron_flux.kernels.config import default_config
 
@@ -241,4 +279,23 @@ def test_rs_wait_times_out_loudly():
                    world=2, epoch=1, cfg=cfg, num_sms=4, max_spins=1000)
     word.after_launch()
     with pytest.raises(FusedOpTimeout, match="GEMM\\+RS: rank 0 timed out"):
+        word.check(sync=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gather_wait_times_out_loudly():
+    """The copy-engine all-gather's wait for a peer whose rows never come gives up and raises,
+    naming the op, this rank and the peer."""
+    from megatron_flux.comm.errors import DeviceErrorWord, FusedOpTimeout
+    from megatron_flux.kernels.ready_barrier import launch_ready_barrier
+    from megatron_flux.kernels.signals import OP_GATHER
+
+    dev = torch.device("cuda", 0)
+    flags = torch.zeros(2, dtype=torch.int32, device=dev)  # never signalled
+    ptrs = torch.tensor([flags.data_ptr()] * 2, dtype=torch.int64, device=dev)
+    word = DeviceErrorWord(dev, interval=1)
+    launch_ready_barrier(ptrs, word.device_word, rank=0, world=2, base=0, epoch=1, max_spins=1000,
+                         signal=False, wait=True, op_code=OP_GATHER)
+    word.after_launch()
+    with pytest.raises(FusedOpTimeout, match="all-gather \\(copy engine\\): rank 0 timed out waiting for rank 1"):
         word.check(sync=True)

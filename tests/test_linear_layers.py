@@ -48,13 +48,16 @@ def _register_scratch_backend():
     from megatron_flux.backends.nccl import NcclBackend
 
     class ScratchBackend(NcclBackend):
-        """Reference math; a gathered buffer it owns is clobbered by its next call."""
+        """Reference math; a gathered buffer it owns is clobbered by its next call (the one of
+        ``all_gather_start``, by its next ``all_gather_start``, which is all the contract
+        promises)."""
 
         name = "scratch"
 
         def __init__(self):
             super().__init__()
             self._handed_out = None
+            self._started_out = None
             self._depth = 0  # NcclBackend's fused ops call its own all_gather: not a new call
             self.calls = []
 
@@ -89,8 +92,18 @@ def _register_scratch_backend():
                 return super().all_gather(x, group, out=out)
 
         def all_gather_start(self, x, group, *, out=None):
+            if self._depth == 0 and self._started_out is not None:
+                self._started_out.fill_(float("nan"))
+                self._started_out = None
             with self._call("all_gather_start", out is not None):
-                return super().all_gather_start(x, group, out=out)
+                pending = super().all_gather_start(x, group, out=out)
+            if out is None:
+                self._started_out = pending.wait()
+            return pending
+
+        def matmul_reduce_scatter_start(self, a, b, group, *, bias=None):
+            with self._call("matmul_reduce_scatter_start", bias is not None):
+                return super().matmul_reduce_scatter_start(a, b, group, bias=bias)
 
         def reduce_scatter(self, x, group, *, out=None):
             with self._call("reduce_scatter", out is not None):
@@ -281,31 +294,27 @@ def check_column_reuse_equals_regather(rank, tp):
 
 
 def check_column_backend_calls(rank, tp):
-    """One fused call per GEMM; re-gather (into a buffer we own) only without reuse, started
-    before the dgrad and asynchronous unless the dgrad backend spins on peers holding SMs."""
+    """One fused call per GEMM. Without reuse, the re-gather starts before the dgrad (so it
+    runs beside it) and may hand back a buffer the backend owns; the dgrad is started before
+    the wgrad and waited for after it. The same order whatever the backend's kind: the fused
+    backend's re-gather needs no SM beside its persistent grid."""
     backend = _register_scratch_backend()
-    _check_column_sp(rank, tp, keep=False)
-    assert backend.calls == [
-        ("all_gather_matmul", False, False),
-        ("all_gather_start", True),
-        ("matmul_reduce_scatter", False),
-    ], backend.calls
-    backend.calls.clear()
-    backend.waits_across_ranks_on_sms = True  # as the flux backend: nothing may run beside it
-    try:
-        _check_column_sp(rank, tp, keep=False)
-    finally:
-        backend.waits_across_ranks_on_sms = False
-    assert backend.calls == [
-        ("all_gather_matmul", False, False),
-        ("all_gather", True),
-        ("matmul_reduce_scatter", False),
-    ], backend.calls
-    backend.calls.clear()
+    for spins_on_sms in (False, True):
+        backend.waits_across_ranks_on_sms = spins_on_sms
+        try:
+            _check_column_sp(rank, tp, keep=False)
+        finally:
+            backend.waits_across_ranks_on_sms = False
+        assert backend.calls == [
+            ("all_gather_matmul", False, False),
+            ("all_gather_start", False),
+            ("matmul_reduce_scatter_start", False),
+        ], backend.calls
+        backend.calls.clear()
     _check_column_sp(rank, tp, keep=True)
     assert backend.calls == [
         ("all_gather_matmul", True, True),  # kept past the next call: passes gathered_out
-        ("matmul_reduce_scatter", False),
+        ("matmul_reduce_scatter_start", False),
     ], backend.calls
 
 
@@ -413,6 +422,23 @@ def check_row_backend_calls(rank, tp):
     backend.calls.clear()
     _check_row_sp(rank, tp, frozen=True)
     assert backend.calls == [("matmul_reduce_scatter", True), ("all_gather_matmul", False, False)]
+
+
+def check_megatron_passthrough_routing(rank, tp):
+    """``flux_backend='megatron'`` hands the sequence-parallel path back to megatron-core's own
+    code (no backend call at all), and the attribute may change between forwards (the
+    interleaved benchmark switches it per block of iterations)."""
+    flux_col, flux_row = _imports()[4:6]
+    backend = _register_scratch_backend()
+    col = _column(flux_col, tp, flux_backend="megatron")
+    row = _row(flux_row, tp, flux_backend="megatron")
+    assert not col._uses_flux_ops() and not row._uses_flux_ops()
+    for layer in (col, row):
+        layer.flux_backend = "scratch"
+    assert col._uses_flux_ops() and row._uses_flux_ops()
+    x = _randn(S_LOCAL, B, H, seed=40)
+    col(x)
+    assert backend.calls == [("all_gather_matmul", False, False)], backend.calls
 
 
 def check_mlp_block_sp(rank, tp):
@@ -650,6 +676,7 @@ SP_CHECKS = [
     check_row_sp_non_contiguous_input,
     check_row_sp_auto_and_nccl_backends,
     check_row_backend_calls,
+    check_megatron_passthrough_routing,
     check_mlp_block_sp,
     check_forward_under_no_grad,
     check_bad_inputs,

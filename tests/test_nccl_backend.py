@@ -104,6 +104,25 @@ def check_matmul_reduce_scatter(rank, world):
     torch.testing.assert_close(out, _rows(ref, rank, M_LOCAL) + bias, **TOL)
 
 
+def check_matmul_reduce_scatter_start(rank, world):
+    """The asynchronous twin gives the same rows, the bias once after the reduction, and
+    several started calls may be in flight before the first wait."""
+    be = NcclBackend()
+    m = M_LOCAL * world
+    partials = [_full(m, K, seed=150 + r) for r in range(world)]
+    bias = _full(N, seed=17)
+    b = _weight_layouts(18)["weight_t"]
+    ref = _rows(sum(p @ b for p in partials), rank, M_LOCAL)
+    first = be.matmul_reduce_scatter_start(partials[rank], b, dist.group.WORLD)
+    second = be.matmul_reduce_scatter_start(partials[rank], b, dist.group.WORLD, bias=bias)
+    torch.testing.assert_close(second.wait(), ref + bias, **TOL)
+    torch.testing.assert_close(first.wait(), ref, **TOL)
+    assert second.wait() is second.wait(), "wait() twice must not add the bias twice"
+    torch.testing.assert_close(second.wait(), ref + bias, **TOL)
+    with pytest.raises(ValueError, match="not divisible by the tensor-parallel size"):
+        be.matmul_reduce_scatter_start(torch.zeros(m + 1, K, dtype=torch.float64), b, dist.group.WORLD)
+
+
 def check_plain_collectives(rank, world):
     be = NcclBackend()
     full = _full(2 * world, 3, 4, seed=9)
@@ -225,6 +244,7 @@ CHECKS = [
     check_all_gather_matmul_out_buffers,
     check_all_gather_matmul_non_contiguous_shard,
     check_matmul_reduce_scatter,
+    check_matmul_reduce_scatter_start,
     check_plain_collectives,
     check_all_gather_start,
     check_reduce_scatter_fallback_without_tensor_collective,
@@ -244,6 +264,21 @@ def world_results(request):
 def test_nccl_backend(world_results, check):
     failure = world_results[check.__name__]
     assert failure is None, failure
+
+
+def test_megatron_is_a_layer_setting_not_a_backend():
+    """``megatron`` is accepted wherever a layer's backend is named, but the ops refuse it and
+    nothing can register under it."""
+    from megatron_flux.backends import (BACKEND_CHOICES, MEGATRON_PASSTHROUGH, register_backend,
+                                        validate_backend_name)
+
+    assert MEGATRON_PASSTHROUGH in BACKEND_CHOICES
+    assert validate_backend_name("megatron") == "megatron"
+    a = torch.zeros(2, K, dtype=torch.float64)
+    with pytest.raises(ValueError, match="layer setting"):
+        resolve_backend("megatron", a, a.t(), None)
+    with pytest.raises(ValueError, match="layer settings, not backends"):
+        register_backend("megatron", NcclBackend())
 
 
 def test_registry_resolves_nccl_on_cpu():

@@ -49,17 +49,25 @@ def output_like(
 
 
 class PendingGather:
-    """A row all-gather that may still be running: :meth:`wait` makes the caller's stream wait
-    for it and returns the gathered tensor."""
+    """A collective (or fused op) that may still be running: :meth:`wait` makes the caller's
+    stream wait for it and returns its result, after ``then(result)`` when given (e.g. a bias
+    add that must follow the reduction)."""
 
-    def __init__(self, out: torch.Tensor, work=None):
-        self._out, self._work = out, work
+    def __init__(self, out: torch.Tensor, work=None, then=None):
+        self._out, self._work, self._then = out, work, then
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
             self._work = None
+        if self._then is not None:
+            self._then(self._out)
+            self._then = None
         return self._out
+
+
+#: the same handle, for results that are not gathers
+Pending = PendingGather
 
 
 class TPOverlapBackend(abc.ABC):
@@ -71,8 +79,9 @@ class TPOverlapBackend(abc.ABC):
     #: Whether this backend's fused kernels wait on other ranks while holding SMs (persistent
     #: kernels that spin on peers' signals). Nothing else may then run beside them on the GPU:
     #: a concurrent kernel (an asynchronous NCCL collective, say) that takes SMs from one rank's
-    #: grid can leave the peers' spinning grids waiting for tiles that never get an SM. The ops
-    #: only overlap other communication with backends where this is ``False``.
+    #: grid can leave the peers' spinning grids waiting for tiles that never get an SM. Such a
+    #: backend's ``all_gather_start`` must therefore need no SM while its other ops run (the
+    #: fused backend's uses the copy engine): the column backward queues it beside the dgrad.
     waits_across_ranks_on_sms: bool = False
 
     def unsupported_reason(
@@ -143,8 +152,28 @@ class TPOverlapBackend(abc.ABC):
         self, x: torch.Tensor, group: dist.ProcessGroup, *, out: Optional[torch.Tensor] = None
     ) -> PendingGather:
         """:meth:`all_gather`, possibly still running when this returns; ``.wait()`` before
-        using the result. The default runs it to completion here."""
+        using the result. The default runs it to completion here.
+
+        The column layer's backward starts the weight-gradient re-gather with this *before*
+        queuing its input-gradient GEMM+RS and waits after it, so a backend whose gather needs
+        no SMs (or runs asynchronously) hides it behind that GEMM. Without ``out`` the result
+        may be a buffer the backend owns, valid until its next ``all_gather_start`` on this
+        group and stream."""
         return PendingGather(self.all_gather(x, group, out=out))
+
+    def matmul_reduce_scatter_start(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        bias: Optional[torch.Tensor] = None,
+    ) -> PendingGather:
+        """:meth:`matmul_reduce_scatter` whose reduction may still be running when this
+        returns; ``.wait()`` before using the result. Megatron's column backward overlaps the
+        input gradient's reduce-scatter with the weight-gradient GEMM this way. The default
+        runs it to completion here (a fused kernel has nothing left to overlap)."""
+        return PendingGather(self.matmul_reduce_scatter(a, b, group, bias=bias))
 
     @abc.abstractmethod
     def reduce_scatter(

@@ -21,6 +21,16 @@ kernel never spins on work queued behind it, also with ``CUDA_DEVICE_MAX_CONNECT
 no wait needs an SM, so a grid that is only partly resident still drains.
 
 GEMM+ReduceScatter needs no side stream: the kernel pushes remote tiles and reduces its own.
+
+The plain all-gather of the column layer's backward (``all_gather_start``: the input, again, for
+the weight gradient) also runs on the copy engine, so it needs no SM beside the input
+gradient's GEMM+RS grid: ``all_gather_start`` queues the pushes of this rank's rows into every
+peer's gather workspace (side stream, after an event marking the rows ready); the caller then
+queues its GEMM+RS; ``wait()`` queues the signal writes behind the pushes, makes the current
+stream wait for them, and runs a one-warp bounded wait for every peer's signal. With
+``CUDA_DEVICE_MAX_CONNECTIONS=1`` the signal writes sit behind the GEMM+RS kernel in the single
+hardware queue (a stream memory write that waits for its copy holds the queue), so the kernel is
+never queued behind them.
 """
 
 from __future__ import annotations
@@ -72,6 +82,51 @@ def reserved_sms(total: int) -> int:
     return value
 
 
+class _CopyEngineGather:
+    """The handle :meth:`FluxBackend.all_gather_start` returns; :meth:`wait` finishes the call."""
+
+    def __init__(self, backend, ws, err, copies, gathered, out, rank, world, parity, epoch,
+                 current, side):
+        self._backend, self._ws, self._err, self._copies = backend, ws, err, copies
+        self._gathered, self._out = gathered, out
+        self._rank, self._world, self._parity, self._epoch = rank, world, parity, epoch
+        self._current, self._side = current, side
+        self._result = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is not None:
+            return self._result
+        from megatron_flux.comm.signals import write_signal
+        from megatron_flux.kernels.ready_barrier import launch_ready_barrier
+        from megatron_flux.kernels.signals import OP_GATHER
+
+        current = torch.cuda.current_stream(self._current.device)
+        torch.cuda.set_stream(self._side)
+        try:
+            for _, _, flags, index in self._copies:
+                write_signal(flags, index, self._epoch)  # after the push, on the same stream
+        finally:
+            torch.cuda.set_stream(current)
+        # own rows copied and the shard free for reuse, on the stream that started the gather
+        self._backend._order(self._current.device, "done")(self._current, self._side)
+        torch.cuda.set_stream(self._current)
+        try:
+            launch_ready_barrier(self._ws.flag_ptrs(self._parity), self._err.device_word,
+                                 rank=self._rank, world=self._world, base=0, epoch=self._epoch,
+                                 max_spins=self._backend.max_spins, signal=False, wait=True,
+                                 op_code=OP_GATHER)
+        finally:
+            torch.cuda.set_stream(current)
+        self._err.after_launch()
+        self._copies = None
+        if self._out is not None:
+            self._out.copy_(self._gathered)
+            self._result = self._out
+        else:
+            self._result = self._gathered
+        return self._result
+
+
 class FluxBackend(TPOverlapBackend):
     """Fused Triton kernels; see the module docstring for the schedule."""
 
@@ -95,6 +150,8 @@ class FluxBackend(TPOverlapBackend):
         self._num_sms: Dict[int, int] = {}
         self._caps: Dict[int, Tuple[int, int]] = {}
         self._plans: Dict[Tuple, object] = {}
+        self._reasons: Dict[Tuple, Optional[str]] = {}
+        self._orders: Dict[Tuple, object] = {}
         self.max_spins = int(os.environ.get("MEGATRON_FLUX_MAX_SPINS", _DEFAULT_MAX_SPINS))
         self._nccl = None
 
@@ -106,6 +163,16 @@ class FluxBackend(TPOverlapBackend):
             # a captured call would freeze its epoch into the graph: on every replay after the
             # first, the signals already hold that epoch and no wait would wait for its data
             return "CUDA graph capture (the fused kernels' epoch signals cannot be replayed)"
+        # the rest depends on the operands' signature only: asked on every call, answered once
+        key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+               group.size() if group is not None else 1)
+        try:
+            return self._reasons[key]
+        except KeyError:
+            reason = self._reasons[key] = self._signature_reason(a, b, group)
+            return reason
+
+    def _signature_reason(self, a, b, group) -> Optional[str]:
         world = group.size() if group is not None else 1
         if world < 2:
             return "tensor-parallel group has one rank"
@@ -234,7 +301,7 @@ class FluxBackend(TPOverlapBackend):
 
     # ---------------------------------------------------------------- AG + GEMM
     def all_gather_matmul(self, a_shard, b, group, *, out=None, return_gathered=False, gathered_out=None):
-        from megatron_flux.comm.ag_copies import ag_chunk_copies
+        from megatron_flux.comm.ag_copies import ag_copy_plan, materialize
         from megatron_flux.comm.signals import write_signal
         from megatron_flux.kernels.ag_gemm import launch_ag_gemm
 
@@ -260,12 +327,14 @@ class FluxBackend(TPOverlapBackend):
         err = self._error_word("ag", device)
         epoch = ws.next_epoch()
         parity = epoch & 1
-        gathered = ws.data(rank, parity, m * k).view(m, k)
-        own_rows = gathered[rank * m_local:(rank + 1) * m_local]
+        pull = cfg.ag_pull
+        gathered, own_rows, flags, plan = ws.memo(
+            ("ag-call", rank, world, parity, m_local, k, chunk, pull),
+            lambda: self._ag_views(ws, rank, world, parity, m_local, k, chunk, pull, ag_copy_plan))
 
         current = torch.cuda.current_stream(device)
         side = self._side_stream(device, cfg.comm_priority)
-        if cfg.ag_pull:
+        if pull:
             # peers pull this rank's shard from its own slot; the barrier runs before the GEMM
             # on this stream, so it never waits beside a persistent grid holding the SMs
             from megatron_flux.kernels.ready_barrier import launch_ready_barrier
@@ -273,28 +342,49 @@ class FluxBackend(TPOverlapBackend):
             own_rows.copy_(a_shard)
             launch_ready_barrier(ws.flag_ptrs(parity), err.device_word, rank=rank, world=world,
                                  base=ready_base, epoch=epoch, max_spins=self.max_spins)
-        side.wait_stream(current)  # the shard is ready (recorded before the GEMM is queued)
+        self._order(device, "ready")(side, current)  # the shard is ready (before the GEMM)
         launch_ag_gemm(
-            a_shard, gathered, b, out, ws.flags(rank, parity), err.device_word,
+            a_shard, gathered, b, out, flags, err.device_word,
             rank=rank, world=world, epoch=epoch, cfg=cfg, num_sms=self._sms(device),
             max_spins=self.max_spins,
         )
         err.after_launch()
-        copies = ag_chunk_copies(ws, a_shard, rank=rank, world=world, parity=parity, chunk=chunk,
-                                 pull=cfg.ag_pull)
-        with torch.cuda.stream(side):
-            for dst, src, flags, index in copies:
+        torch.cuda.set_stream(side)
+        try:
+            for dst, src, peer_flags, index in materialize(plan, a_shard):
                 dst.copy_(src)
-                write_signal(flags, index, epoch)
-            if return_gathered and not cfg.ag_pull:  # pulling filled its own slot up front
+                write_signal(peer_flags, index, epoch)
+            if return_gathered and not pull:  # pulling filled its own slot up front
                 own_rows.copy_(a_shard)
-        current.wait_stream(side)
+        finally:
+            torch.cuda.set_stream(current)
+        self._order(device, "done")(current, side)
         if not return_gathered:
             return out, None
         if gathered_out is not None:
             gathered_out.copy_(gathered)
             return out, gathered_out
         return out, gathered
+
+    @staticmethod
+    def _ag_views(ws, rank, world, parity, m_local, k, chunk, pull, ag_copy_plan):
+        """``(gathered [m, k], own rows, this rank's int32 signals, copy plan)`` of one shape."""
+        m = world * m_local
+        gathered = ws.data(rank, parity, m * k).view(m, k)
+        own_rows = gathered[rank * m_local:(rank + 1) * m_local]
+        plan = ag_copy_plan(ws, m_local, k, rank=rank, world=world, parity=parity, chunk=chunk,
+                            pull=pull)
+        return gathered, own_rows, ws.flags(rank, parity), plan
+
+    def _order(self, device, which: str):
+        """The reusable cross-stream ordering of this device for ``which`` hand-off."""
+        key = (device.index, which)
+        order = self._orders.get(key)
+        if order is None:
+            from megatron_flux.comm.streams import StreamOrder
+
+            order = self._orders[key] = StreamOrder()
+        return order
 
     # ---------------------------------------------------------------- GEMM + RS
     def matmul_reduce_scatter(self, a, b, group, *, out=None, bias=None):
@@ -333,7 +423,58 @@ class FluxBackend(TPOverlapBackend):
         return self._nccl_backend().all_gather(x, group, out=out)
 
     def all_gather_start(self, x, group, *, out=None):
-        return self._nccl_backend().all_gather_start(x, group, out=out)
+        """The row all-gather on the copy engine (see the module docstring); falls back to
+        NCCL's asynchronous all-gather where the fused path cannot run (CPU, one rank, CUDA
+        graph capture, other dtypes). Without ``out`` the result is this backend's gather
+        workspace, valid until its next ``all_gather_start`` on this group."""
+        reason = self._gather_unsupported_reason(x, group)
+        if reason is not None:
+            return self._nccl_backend().all_gather_start(x, group, out=out)
+        from megatron_flux.comm.ag_copies import ag_copy_plan, materialize
+
+        x = x.contiguous()
+        rows = x.view(x.shape[0], -1)
+        world, rank = group.size(), group.rank()
+        m_local, k = rows.shape
+        m = world * m_local
+        shape = (m, *x.shape[1:])
+        if out is not None:
+            output_like(out, shape, x, "megatron-flux all_gather_start")
+        device = x.device
+        ws = self._workspace("gather", group, device, x.dtype)
+        ws.reserve(m * k, world)  # signals: [src] = the epoch once src's rows are here
+        err = self._error_word("gather", device)
+        epoch = ws.next_epoch()
+        parity = epoch & 1
+        gathered, own_rows, _, plan = ws.memo(
+            ("gather-call", rank, world, parity, m_local, k),
+            lambda: self._ag_views(ws, rank, world, parity, m_local, k, m_local, False, ag_copy_plan))
+        current = torch.cuda.current_stream(device)
+        side = self._side_stream(device)
+        self._order(device, "ready")(side, current)  # this rank's rows are ready
+        copies = materialize(plan, rows)
+        torch.cuda.set_stream(side)
+        try:
+            for dst, src, _, _ in copies:
+                dst.copy_(src)
+            own_rows.copy_(rows)
+        finally:
+            torch.cuda.set_stream(current)
+        return _CopyEngineGather(self, ws, err, copies, gathered.view(shape), out, rank, world,
+                                 parity, epoch, current, side)
+
+    def _gather_unsupported_reason(self, x, group) -> Optional[str]:
+        if not x.is_cuda:
+            return "not CUDA"
+        if group is None or group.size() < 2:
+            return "one rank"
+        if torch.cuda.is_current_stream_capturing():
+            return "CUDA graph capture"
+        if x.dim() < 1 or x.numel() == 0:
+            return "empty"
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"dtype {x.dtype}"
+        return None
 
     def reduce_scatter(self, x, group, *, out=None):
         return self._nccl_backend().reduce_scatter(x, group, out=out)

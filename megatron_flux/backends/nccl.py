@@ -166,6 +166,33 @@ class NcclBackend(TPOverlapBackend):
             result.add_(bias)
         return result
 
+    def matmul_reduce_scatter_start(self, a, b, group, *, bias=None) -> PendingGather:
+        """The GEMM, then the reduce-scatter issued with ``async_op=True`` (megatron-core's
+        column backward: the input gradient's reduce-scatter runs beside the weight-gradient
+        GEMM). Where the group lacks the tensor reduce-scatter (some gloo builds), it runs to
+        completion here."""
+        tp = dist.get_world_size(group=group)
+        kind = str(dist.get_backend(group)) if tp > 1 else ""
+        if tp == 1 or self._no_reduce_scatter.get(kind, False) or a.dim() != 2 or a.shape[0] % tp:
+            return PendingGather(self.matmul_reduce_scatter(a, b, group, bias=bias))
+        _check_operands("matmul_reduce_scatter", a, b)
+        if bias is not None and (
+            bias.shape != (b.shape[1],) or bias.dtype != a.dtype or bias.device != a.device
+        ):
+            return PendingGather(self.matmul_reduce_scatter(a, b, group, bias=bias))
+        partial = torch.matmul(a.contiguous(), b)
+        out = torch.empty((a.shape[0] // tp, b.shape[1]), dtype=a.dtype, device=a.device)
+        try:
+            work = _reduce_scatter_single(out, partial, group=group, async_op=True)
+        except (RuntimeError, NotImplementedError) as exc:
+            if not _is_unsupported_collective(exc):
+                raise
+            self._no_reduce_scatter[kind] = True
+            self._reduce_scatter_into(out, partial, group, tp)
+            work = None
+        then = (lambda r: r.add_(bias)) if bias is not None else None
+        return PendingGather(out, work, then)
+
 
 def _check_operands(op: str, a: torch.Tensor, b: torch.Tensor) -> None:
     """Reject operands ``torch.matmul`` would either refuse cryptically or broadcast silently."""

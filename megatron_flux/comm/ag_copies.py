@@ -12,11 +12,15 @@ call's parity half of the workspace (:mod:`megatron_flux.comm.workspace`):
   rank's own signal ``src * chunks + c``.
 
 Kept free of CUDA so the schedule can be checked on CPU tensors with simulated ranks.
+
+:func:`ag_copy_plan` is the same schedule with the shard's rows left as row ranges, so a backend
+can build it once per (workspace, shape, parity) and only slice the caller's shard per call:
+the layers issue hundreds of these calls per training step, and the views cost host time.
 """
 
 from __future__ import annotations
 
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -28,14 +32,22 @@ class ChunkCopy(NamedTuple):
     index: int           # which word
 
 
-def ag_chunk_copies(ws, a_shard: torch.Tensor, *, rank: int, world: int, parity: int, chunk: int,
-                    pull: bool) -> List[ChunkCopy]:
-    """The copy-engine work of one call, in issue order (see the module docstring)."""
-    m_local, k = a_shard.shape
+class PlannedCopy(NamedTuple):
+    dst: torch.Tensor
+    src: Optional[torch.Tensor]  # a peer's slot rows (pull); None: rows lo:hi of the shard (push)
+    lo: int
+    hi: int
+    flags: torch.Tensor
+    index: int
+
+
+def ag_copy_plan(ws, m_local: int, k: int, *, rank: int, world: int, parity: int, chunk: int,
+                 pull: bool) -> List[PlannedCopy]:
+    """:func:`ag_chunk_copies` without the shard: pushes name its rows ``lo:hi``."""
     m = world * m_local
     chunks = -(-m_local // chunk)
     bounds = [(c * chunk, min(m_local, (c + 1) * chunk)) for c in range(chunks)]
-    out: List[ChunkCopy] = []
+    out: List[PlannedCopy] = []
     if pull:
         gathered = ws.data(rank, parity, m * k).view(m, k)
         my_flags = ws.flags(rank, parity, torch.uint32)
@@ -44,7 +56,7 @@ def ag_chunk_copies(ws, a_shard: torch.Tensor, *, rank: int, world: int, parity:
             seg = slice(src * m_local, (src + 1) * m_local)
             theirs = ws.data(src, parity, m * k).view(m, k)[seg]
             mine = gathered[seg]
-            out.extend(ChunkCopy(mine[lo:hi], theirs[lo:hi], my_flags, src * chunks + c)
+            out.extend(PlannedCopy(mine[lo:hi], theirs[lo:hi], lo, hi, my_flags, src * chunks + c)
                        for c, (lo, hi) in enumerate(bounds))
     else:
         seg = slice(rank * m_local, (rank + 1) * m_local)
@@ -52,6 +64,22 @@ def ag_chunk_copies(ws, a_shard: torch.Tensor, *, rank: int, world: int, parity:
             peer = (rank - step) % world
             theirs = ws.data(peer, parity, m * k).view(m, k)[seg]
             peer_flags = ws.flags(peer, parity, torch.uint32)
-            out.extend(ChunkCopy(theirs[lo:hi], a_shard[lo:hi], peer_flags, rank * chunks + c)
+            out.extend(PlannedCopy(theirs[lo:hi], None, lo, hi, peer_flags, rank * chunks + c)
                        for c, (lo, hi) in enumerate(bounds))
     return out
+
+
+def materialize(plan: List[PlannedCopy], shard: torch.Tensor) -> List[ChunkCopy]:
+    """The plan's copies for this call's ``shard`` (``[m_local, k]`` rows)."""
+    m_local = shard.shape[0]
+    return [ChunkCopy(p.dst, p.src if p.src is not None
+                      else (shard if p.lo == 0 and p.hi == m_local else shard[p.lo:p.hi]),
+                      p.flags, p.index) for p in plan]
+
+
+def ag_chunk_copies(ws, a_shard: torch.Tensor, *, rank: int, world: int, parity: int, chunk: int,
+                    pull: bool) -> List[ChunkCopy]:
+    """The copy-engine work of one call, in issue order (see the module docstring)."""
+    m_local, k = a_shard.shape
+    plan = ag_copy_plan(ws, m_local, k, rank=rank, world=world, parity=parity, chunk=chunk, pull=pull)
+    return materialize(plan, a_shard)

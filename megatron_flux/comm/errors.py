@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from megatron_flux.kernels.signals import OP_AG_GEMM, OP_AG_READY, OP_GEMM_RS
+from megatron_flux.kernels.signals import OP_AG_GEMM, OP_AG_READY, OP_GATHER, OP_GEMM_RS
 
-_OPS = {OP_AG_GEMM: "AG+GEMM", OP_GEMM_RS: "GEMM+RS", OP_AG_READY: "AG+GEMM"}
+_OPS = {OP_AG_GEMM: "AG+GEMM", OP_GEMM_RS: "GEMM+RS", OP_AG_READY: "AG+GEMM",
+        OP_GATHER: "all-gather (copy engine)"}
 
 
 class FusedOpTimeout(RuntimeError):
@@ -47,6 +48,13 @@ class DeviceErrorWord:
                 f"shard to be ready (last value seen {seen}); that rank died, diverged (different "
                 f"shapes, configs or call order across the TP group) or is stalled. Outputs since "
                 f"then are invalid."
+            )
+        if op == OP_GATHER:
+            raise FusedOpTimeout(
+                f"megatron-flux all-gather (copy engine): rank {rank} timed out waiting for rank "
+                f"{index}'s rows (last value seen {seen}); that rank died, diverged (different "
+                f"shapes or call order across the TP group) or is stalled. Outputs since then "
+                f"are invalid."
             )
         if op:
             raise FusedOpTimeout(

@@ -97,6 +97,16 @@ class SymmetricWorkspace:
             for parity in (0, 1)
         ]
 
+    def memo(self, key, make):
+        """``make()``, cached until the workspace grows (its views die with the old buffer).
+
+        The fused ops keep their per-shape views and copy plans here, so a steady-state call
+        builds none of them."""
+        value = self._views.get(key)
+        if value is None:
+            value = self._views[key] = make()
+        return value
+
     def next_epoch(self) -> int:
         """Epoch of the next call (1, 2, ...; int32 signals allow 2**31 - 1 calls per op)."""
         self.epoch += 1

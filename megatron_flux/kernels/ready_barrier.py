@@ -11,7 +11,9 @@ Signal schedule (rank ``r`` of ``W``, call epoch ``e``, signal words from ``base
 
 It runs on the caller's stream *before* the AG+GEMM kernel, so it never competes with the
 persistent grid for SMs, and the copy engine's pulls (queued after it) only start once every
-peer's shard is in place. ``SIGNAL``/``WAIT`` split the two halves for simulated ranks under the
+peer's shard is in place. The wait half alone also ends the copy-engine all-gather
+(``FluxBackend.all_gather_start``), whose signals are the peers' stream memory writes.
+``SIGNAL``/``WAIT`` split the two halves for simulated ranks under the
 interpreter, where programs run one after another; on GPUs both are set.
 """
 
@@ -36,8 +38,11 @@ def ready_barrier_kernel(flag_ptrs, err_ptr, rank, world, base, epoch, max_spins
                 wait_signal(mine + base + p, epoch, max_spins, err_ptr, OP_CODE, rank, p)
 
 
-def launch_ready_barrier(flag_ptrs, err, *, rank, world, base, epoch, max_spins, signal=True, wait=True):
+def launch_ready_barrier(flag_ptrs, err, *, rank, world, base, epoch, max_spins, signal=True, wait=True,
+                         op_code=OP_AG_READY):
     """Queue the barrier on the current stream. ``flag_ptrs``: int64 table of every rank's
-    signal region (this call's parity); ``err``: the op's int32[4] error word."""
+    signal region (this call's parity); ``err``: the op's int32[4] error word. With
+    ``signal=False`` it is a bounded wait for signals the peers raise otherwise (the
+    copy-engine all-gather's stream memory writes); ``op_code`` names the op in a timeout."""
     ready_barrier_kernel[(1,)](flag_ptrs, err, rank, world, base, epoch, max_spins,
-                               SIGNAL=signal, WAIT=wait, OP_CODE=OP_AG_READY, num_warps=1)
+                               SIGNAL=signal, WAIT=wait, OP_CODE=op_code, num_warps=1)

@@ -8,10 +8,12 @@ input a second time for the weight gradient. Here each of those steps is one bac
 
 ============  ======================================================================
 forward       ``Y  = all_gather_matmul(X, Wᵀ)`` (+ bias)
-dgrad         ``dX = matmul_reduce_scatter(dY, W)``
+dgrad         ``dX = matmul_reduce_scatter(dY, W)``, started before the wgrad and waited for
+              after it (megatron-core overlaps the reduce-scatter with the wgrad GEMM)
 wgrad         ``dW = dYᵀ @ AG(X)``: AG(X) kept from forward (``keep_gathered_input``) or
-              re-gathered with ``backend.all_gather`` (megatron's default: saves
-              ``tp - 1`` shards of activation memory per layer at the cost of a collective)
+              re-gathered with ``backend.all_gather_start`` beside the dgrad (megatron's
+              default: saves ``tp - 1`` shards of activation memory per layer at the cost of
+              a collective, which runs hidden behind the dgrad)
 bias grad     ``db = Σ_rows dY`` (dY is full-sequence here, so no reduction is needed)
 ============  ======================================================================
 
@@ -117,35 +119,24 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
         dy = grad_output.contiguous().view(-1, grad_output.shape[-1])
 
         dgrad_impl = resolve_backend(ctx.backend, dy, weight, group, op="rs") if need_dgrad else None
-        total_input = None
-        pending = None
-        if need_wgrad:
-            if ctx.kept_gathered:
-                total_input = saved_input
-            else:
-                # Re-gather into a buffer we own (the backend may reuse its own before wgrad),
-                # started before the dgrad. Beside a dgrad GEMM that does not wait on other
-                # ranks, it runs asynchronously and overlaps it, as in megatron-core; beside a
-                # fused kernel that spins on peers while holding SMs, a concurrent collective
-                # could starve a peer's grid, so it completes first.
-                impl = resolve_backend(ctx.backend, saved_input, weight.t(), group)
-                tp = dist.get_world_size(group=group)
-                buf = saved_input.new_empty((saved_input.shape[0] * tp, saved_input.shape[1]))
-                if dgrad_impl is None or not dgrad_impl.waits_across_ranks_on_sms:
-                    pending = impl.all_gather_start(saved_input, group, out=buf)
-                else:
-                    total_input = impl.all_gather(saved_input, group, out=buf)
-
-        grad_input = None
-        if need_dgrad:
-            grad_input = dgrad_impl.matmul_reduce_scatter(dy, weight, group).view(ctx.input_shape)
-        if pending is not None:
-            total_input = pending.wait()
+        # The weight gradient's re-gather of the input (unless forward kept it) starts first and
+        # is waited for after the dgrad is queued, so it runs beside the dgrad GEMM: an async
+        # NCCL all-gather beside cuBLAS (megatron-core's order), or, with the fused backend,
+        # copy-engine pushes that need no SM beside its persistent GEMM+RS grid.
+        regather = None
+        if need_wgrad and not ctx.kept_gathered:
+            impl = dgrad_impl or resolve_backend(ctx.backend, saved_input, weight.t(), group, op="ag")
+            regather = impl.all_gather_start(saved_input, group)
+        # The dgrad's reduce-scatter may still run while the wgrad GEMM does (NCCL: as
+        # megatron-core; fused: already reduced).
+        pending_dgrad = dgrad_impl.matmul_reduce_scatter_start(dy, weight, group) if need_dgrad else None
+        total_input = regather.wait() if regather is not None else saved_input
 
         grad_weight = (
             accumulate_weight_grad(weight, ctx.wgrad_target, dy, total_input) if need_wgrad else None
         )
         grad_bias = dy.sum(dim=0) if need_bgrad else None
+        grad_input = pending_dgrad.wait().view(ctx.input_shape) if need_dgrad else None
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
