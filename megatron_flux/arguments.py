@@ -52,8 +52,9 @@ def add_flux_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=BACKEND_CHOICES,
         default="auto",
         help="Backend for the overlapped ops: 'flux' (fused Triton kernels over symmetric "
-        "memory), 'nccl' (reference collectives + matmul, no overlap), or 'auto' (flux where "
-        "it supports the operands, nccl otherwise, logged once per reason).",
+        "memory), 'nccl' (reference collectives + matmul, no overlap), 'auto' (flux where "
+        "it supports the operands and the tuning table says it wins, nccl otherwise), or "
+        "'megatron' (megatron-core's own code inside the same layers: an A/B baseline).",
     )
     group.add_argument(
         "--flux-config",

@@ -9,6 +9,7 @@ backend but a policy, resolved per call by :func:`resolve_backend`.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Callable, Dict, Optional, Tuple, Union
 
@@ -22,23 +23,35 @@ logger = logging.getLogger("megatron_flux")
 BackendOrFactory = Union[TPOverlapBackend, Callable[[], TPOverlapBackend]]
 
 _REGISTRY: Dict[str, BackendOrFactory] = {}
+#: resolve_backend's answers per call signature (see there); cleared whenever a backend is
+#: registered or the tuning tables or their caches change (clear_resolution_cache)
+_RESOLVED: Dict[tuple, TPOverlapBackend] = {}
 _INSTANCES: Dict[str, TPOverlapBackend] = {}
 _LOCK = threading.Lock()
 _LOGGED: set = set()
 
+#: A layer setting, not a backend: the Flux linears run megatron-core's own sequence-parallel
+#: code (the parent class's NCCL-then-cuBLAS path, byte for byte), so one model can A/B the
+#: plugin against stock Megatron in the same process (``benchmarks/interleave_report.py``).
+MEGATRON_PASSTHROUGH = "megatron"
+
 #: names accepted by ``flux_backend=`` / ``--flux-backend``
-BACKEND_CHOICES = ("auto", "flux", "nccl")
+BACKEND_CHOICES = ("auto", "flux", "nccl", MEGATRON_PASSTHROUGH)
 
 
 def register_backend(name: str, impl: BackendOrFactory, *, override: bool = False) -> None:
     """Register ``impl`` under ``name``. Re-registering a name needs ``override=True``."""
-    if not name or name == "auto":
-        raise ValueError(f"invalid backend name {name!r}: 'auto' is a policy, not a backend")
+    if not name or name in ("auto", MEGATRON_PASSTHROUGH):
+        raise ValueError(
+            f"invalid backend name {name!r}: 'auto' and {MEGATRON_PASSTHROUGH!r} are layer "
+            "settings, not backends"
+        )
     with _LOCK:
         if name in _REGISTRY and not override:
             raise ValueError(f"backend {name!r} is already registered (pass override=True)")
         _REGISTRY[name] = impl
         _INSTANCES.pop(name, None)
+        _RESOLVED.clear()
 
 
 def available_backends() -> Tuple[str, ...]:
@@ -95,6 +108,11 @@ def fused_unavailable_reason(device: torch.device) -> Optional[str]:
     return None
 
 
+def clear_resolution_cache() -> None:
+    """Forget :func:`resolve_backend`'s cached answers (new backends, tables or margins)."""
+    _RESOLVED.clear()
+
+
 def resolve_backend(
     requested: str,
     a: torch.Tensor,
@@ -111,7 +129,31 @@ def resolve_backend(
     dtype and shape (nearest m-bucket), it takes ``nccl`` (:mod:`megatron_flux.tuning.auto`;
     ``op`` = ``"ag"``/``"rs"`` when the caller knows which op follows, else both are looked up).
     Every TP rank sees the same tables and shapes, so all ranks choose alike.
+
+    The answer depends only on the operands' shapes, strides, dtypes and devices, the group's
+    size, whether the stream is capturing a CUDA graph and the ``auto`` margin, so it is cached
+    per those: a training step asks the same few questions hundreds of times, and the layers'
+    host cost per call is what bounds small or host-heavy steps.
     """
+    capturing = a.is_cuda and torch.cuda.is_current_stream_capturing()
+    key = (requested, op, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype,
+           b.device, group.size() if group is not None else 1, capturing,
+           os.environ.get("MEGATRON_FLUX_AUTO_MARGIN"))
+    hit = _RESOLVED.get(key)
+    if hit is not None:
+        return hit
+    backend = _resolve_uncached(requested, a, b, group, op)
+    _RESOLVED[key] = backend
+    return backend
+
+
+def _resolve_uncached(requested, a, b, group, op) -> TPOverlapBackend:
+    if requested == MEGATRON_PASSTHROUGH:
+        raise ValueError(
+            f"flux_backend={MEGATRON_PASSTHROUGH!r} is a layer setting (the Flux linears run "
+            "megatron-core's own code); megatron_flux.ops has no megatron path: pass 'auto', "
+            "'flux', 'nccl' or a registered backend"
+        )
     if requested != "auto":
         backend = get_backend(requested)
         reason = backend.unsupported_reason(a, b, group)
@@ -158,8 +200,10 @@ def _ensure_builtin() -> None:
 
 __all__ = [
     "BACKEND_CHOICES",
+    "MEGATRON_PASSTHROUGH",
     "TPOverlapBackend",
     "available_backends",
+    "clear_resolution_cache",
     "get_backend",
     "log_once",
     "register_backend",

@@ -19,6 +19,11 @@ Differences from stock, each deliberate:
 * ``gather_output`` on the sequence-parallel path uses a device-agnostic gather.
 * The row layer adds its bias inside the backend's reduce-scatter (``RS(X Wᵀ) + b``, the same
   value as stock's ``RS(X Wᵀ)`` then ``+ b``).
+
+``flux_backend="megatron"`` turns all of that off: the layer runs its parent's code, exactly as
+stock megatron-core would. ``flux_backend`` is a plain attribute read on every forward, so a
+benchmark can switch one model between ``megatron``, ``nccl``, ``flux`` and ``auto`` between
+iterations (``examples/pretrain_support.py``, ``--flux-interleave-backends``).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch
 from megatron.core.tensor_parallel import layers as _mcore_layers
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from megatron_flux.backends import validate_backend_name
+from megatron_flux.backends import MEGATRON_PASSTHROUGH, validate_backend_name
 from megatron_flux.ops import (
     LinearWithMainGradAccumulation,
     column_parallel_linear,
@@ -154,9 +159,13 @@ class _FluxLinearMixin:
             and (fused_wgrad_kernel() is None or not weight.is_cuda)
         ):
             if kwargs.get("sequence_parallel"):
+                why = ("flux_backend='megatron' runs megatron-core's own sequence-parallel matmul"
+                       if self.flux_backend == MEGATRON_PASSTHROUGH
+                       else "the sequence-parallel matmul with wgrad deferral is megatron-core's")
                 raise RuntimeError(
-                    "megatron-flux: sequence-parallel matmul with wgrad deferral needs apex "
-                    "for gradient_accumulation_fusion"
+                    f"megatron-flux {type(self).__name__}: {why}, which needs apex's "
+                    "fused_weight_gradient_mlp_cuda for gradient_accumulation_fusion; install "
+                    "apex, turn the fusion off, or use flux_backend 'nccl'/'flux'/'auto'"
                 )
             return LinearWithMainGradAccumulation.apply(
                 input, weight, kwargs.get("bias"), kwargs.get("allreduce_dgrad", False),
@@ -167,7 +176,8 @@ class _FluxLinearMixin:
     def _uses_flux_ops(self) -> bool:
         """Whether this layer's matmul goes through megatron-flux's sequence-parallel ops."""
         return (
-            bool(self.sequence_parallel)
+            self.flux_backend != MEGATRON_PASSTHROUGH
+            and bool(self.sequence_parallel)
             and self.tp_group.size() > 1
             and not self.explicit_expert_comm
             and getattr(self, "gtp_remat_size", 1) <= 1
@@ -184,7 +194,8 @@ class FluxColumnParallelLinear(_FluxLinearMixin, ColumnParallelLinear):
     and dropped on 0.16), plus
 
         flux_backend: ``"auto"`` (the fused backend when it supports the operands, else the
-            ``nccl`` reference), or a registered backend name.
+            ``nccl`` reference), a registered backend name, or ``"megatron"`` (the parent's
+            own code, for A/B comparisons in one model).
         flux_keep_gathered_input: keep the forward's all-gathered input for the weight gradient
             instead of re-gathering it in backward (megatron's behaviour, the default). Trades
             ``tp - 1`` extra activation shards per layer for one collective. ``None`` reads
@@ -215,6 +226,7 @@ class FluxColumnParallelLinear(_FluxLinearMixin, ColumnParallelLinear):
     def _forward_impl(self, input, weight, *args, **kwargs):
         if (
             kwargs.get("sequence_parallel")
+            and self.flux_backend != MEGATRON_PASSTHROUGH
             and kwargs.get("grad_output_buffer") is None
             and kwargs.get("gtp_remat_size", 1) <= 1
         ):

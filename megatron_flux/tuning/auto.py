@@ -124,4 +124,7 @@ def choose_auto(fused: TPOverlapBackend, nccl: TPOverlapBackend, a, b, tp: int, 
 
 
 def clear_cache() -> None:
+    from megatron_flux.backends import clear_resolution_cache
+
     _CACHE.clear()
+    clear_resolution_cache()

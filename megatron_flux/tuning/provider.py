@@ -98,8 +98,11 @@ def _device_cache_key(device) -> tuple:
 
 
 def clear_caches() -> None:
+    from megatron_flux.backends import clear_resolution_cache
+
     with _LOCK:
         _DECISIONS.clear()
+    clear_resolution_cache()
 
 
 class TableConfigProvider:

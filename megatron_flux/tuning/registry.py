@@ -121,6 +121,7 @@ def use_table_files(paths: Sequence[str], *, validate: bool = True) -> List[Tabl
     with _LOCK:
         _user_files[:] = files
         _index = None
+    _forget_decisions()
     return tables
 
 
@@ -130,6 +131,15 @@ def reset() -> None:
     with _LOCK:
         _user_files.clear()
         _index = None
+    _forget_decisions()
+
+
+def _forget_decisions() -> None:
+    """Drop the fused-vs-NCCL decisions made from the previous tables."""
+    from megatron_flux.tuning import auto, provider
+
+    provider.clear_caches()
+    auto.clear_cache()
 
 
 def build_index() -> TableIndex:
