@@ -10,6 +10,11 @@ m (llama3-8b fc1/fc2 shapes by default) this records:
 * for the fused backend, a ``cProfile`` of one extra loop on rank 0: the functions with the most
   own time (``tottime``) and cumulative time, so the host path's cost can be attributed.
 
+With ``--layers`` the same is measured one level up, for what a training step calls: forward and
+backward of ``column_parallel_linear`` (fc1 shape) and ``row_parallel_linear`` (fc2 shape) on
+``[s/tp, 1, h]`` activations, per backend (``auto`` included), cProfiled for every backend but
+``nccl``. ``op`` is then ``column fwd+bwd`` / ``row fwd+bwd``.
+
 ``torchrun --nproc-per-node N benchmarks/host_overhead.py --out host.json``
 """
 
@@ -52,15 +57,41 @@ def _time_loop(fn, iters: int):
     return cpu, start.elapsed_time(end) / iters
 
 
+def _layer_ops(name, group, world, m, h, fc1, ffn, dt):
+    """fwd+bwd closures of the column (fc1) and row (fc2) ops with backend ``name``."""
+    from megatron_flux.ops import column_parallel_linear, row_parallel_linear
+
+    x = torch.randn(m // world, 1, h, device="cuda", dtype=dt, requires_grad=True)
+    w1 = torch.randn(fc1 // world, h, device="cuda", dtype=dt, requires_grad=True)
+    g1 = torch.randn(m, 1, fc1 // world, device="cuda", dtype=dt)
+    a = torch.randn(m, 1, ffn // world, device="cuda", dtype=dt, requires_grad=True)
+    w2 = torch.randn(h, ffn // world, device="cuda", dtype=dt, requires_grad=True)
+    g2 = torch.randn(m // world, 1, h, device="cuda", dtype=dt)
+
+    def column():
+        column_parallel_linear(x, w1, group=group, backend=name).backward(g1)
+        x.grad = w1.grad = None
+
+    def row():
+        row_parallel_linear(a, w2, group=group, backend=name).backward(g2)
+        a.grad = w2.grad = None
+
+    return (("column fwd+bwd", fc1, h, column), ("row fwd+bwd", h, ffn, row))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--ffn", type=int, default=14336, help="MLP width (fc1 is 2x this, gated)")
-    ap.add_argument("--m", type=int, nargs="+", default=[64, 1024, 4096, 8192], help="global rows")
+    # not --m: torchrun takes an ambiguous prefix of its own options (--m -> --master-port...)
+    ap.add_argument("--ms", dest="m", type=int, nargs="+", default=[64, 1024, 4096, 8192],
+                    help="global rows")
     ap.add_argument("--backends", nargs="+", default=["nccl", "flux"])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--layers", action="store_true",
+                    help="time the ops' forward+backward (column fc1, row fc2) instead of the backends")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -74,14 +105,17 @@ def main():
     dt = torch.bfloat16
     rows = []
     for name in args.backends:
-        be = get_backend(name)
+        be = None if args.layers else get_backend(name)
         for m in args.m:
             x = torch.randn(m // world, h, device="cuda", dtype=dt)
             w1 = torch.randn(fc1 // world, h, device="cuda", dtype=dt)
             a = torch.randn(m, ffn // world, device="cuda", dtype=dt)
             w2 = torch.randn(h, ffn // world, device="cuda", dtype=dt)
-            ops = (("AG+GEMM", fc1, h, lambda: be.all_gather_matmul(x, w1.t(), group)),
-                   ("GEMM+RS", h, ffn, lambda: be.matmul_reduce_scatter(a, w2.t(), group)))
+            if args.layers:
+                ops = _layer_ops(name, group, world, m, h, fc1, ffn, dt)
+            else:
+                ops = (("AG+GEMM", fc1, h, lambda: be.all_gather_matmul(x, w1.t(), group)),
+                       ("GEMM+RS", h, ffn, lambda: be.matmul_reduce_scatter(a, w2.t(), group)))
             for op, n, k, fn in ops:
                 for _ in range(5):
                     fn()

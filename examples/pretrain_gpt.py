@@ -155,6 +155,10 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model=None):
 
 def forward_step(data_iterator, model: GPTModel, return_schedule_plan: bool = False):
     """Forward step: the batch, the model's per-token losses, and the loss function."""
+    args = get_args()
+    interleaver = pretrain_support.backend_interleaver(args)
+    if interleaver is not None:  # benchmarking: this iteration's backend (see --flux-interleave-*)
+        interleaver.switch(model, args.curr_iteration, print_rank_0)
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     with stimer(bdata=True):
@@ -223,6 +227,7 @@ def make_pretrain_config():
         args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
     )
     validate_flux_args(args)
+    pretrain_support.backend_interleaver(args)  # a bad --flux-interleave-* fails here, not later
 
     # With --transformer-impl local and neither apex nor Transformer Engine installed, several
     # of Megatron's default-on fusions have no kernel: gradient accumulation fusion (apex's

@@ -10,7 +10,12 @@ Kept out of the pretrain script so that they import with megatron-core alone (no
   last value).
 * :func:`disable_unavailable_fusions`: turns off the Megatron fusions whose kernels come from
   apex or Transformer Engine when those are not installed.
-* :func:`add_example_args`: this script's own arguments (``--core-attention``).
+* :func:`add_example_args`: this script's own arguments (``--core-attention``,
+  ``--flux-interleave-backends``/``--flux-interleave-steps``).
+* :class:`BackendInterleaver`: switches every Flux linear of the model between backends in
+  blocks of iterations, so one training job times stock megatron-core (``megatron``), the
+  plugin's ``nccl``, ``flux`` and ``auto`` back to back under the same conditions
+  (``benchmarks/interleave_report.py`` reads the log).
 * :func:`layer_spec_hook`: the ``GPTModelConfig.transformer_layer_spec`` callable: megatron-flux's
   block spec with ``--flux-tp-overlap`` (:func:`flux_layer_spec_hook`); without it, under
   sequence parallelism with the local layers, megatron-core's own linears with SP-capable norms
@@ -222,7 +227,93 @@ def add_example_args(parser):
         "torch.nn.functional.scaled_dot_product_attention, flash kernels on CUDA). Applies "
         "with and without --flux-tp-overlap, so both are measured on the same attention.",
     )
+    group.add_argument(
+        "--flux-interleave-backends",
+        nargs="+",
+        metavar="BACKEND",
+        default=None,
+        help="Benchmarking: rotate the Flux linears' backend between these ('megatron' = "
+        "megatron-core's own code in the same layers, 'nccl', 'flux', 'auto') every "
+        "--flux-interleave-steps iterations, logging each switch. Step times of one job then "
+        "compare the backends under the same conditions. Needs --flux-tp-overlap.",
+    )
+    group.add_argument(
+        "--flux-interleave-steps",
+        type=int,
+        default=5,
+        metavar="N",
+        help="Iterations per block of --flux-interleave-backends (default 5).",
+    )
     return parser
+
+
+INTERLEAVE_TAG = "[flux-interleave]"
+
+
+class BackendInterleaver:
+    """Set ``flux_backend`` on every Flux linear of a model, in blocks of ``steps`` iterations.
+
+    Iteration ``i`` (0-based, Megatron's ``args.curr_iteration``) runs ``backends[(i // steps) %
+    len(backends)]``. Call :meth:`switch` at the start of every forward step: it does nothing
+    unless the block changed, and then logs ``[flux-interleave] iteration <i + 1>: backend <name>``
+    (Megatron's 1-based iteration numbers, as in its ``iteration N/ T`` lines). A micro-batch's
+    backward uses the backend its forward used (the ops keep it on the autograd context).
+    """
+
+    def __init__(self, backends: Sequence[str], steps: int):
+        from megatron_flux.backends import validate_backend_name
+
+        if not backends:
+            raise ValueError("--flux-interleave-backends: name at least one backend")
+        if steps < 1:
+            raise ValueError(f"--flux-interleave-steps {steps}: must be >= 1")
+        self.backends = [validate_backend_name(b) for b in backends]
+        self.steps = int(steps)
+        self.current: Optional[str] = None
+        self._layers: Dict[int, List[Any]] = {}
+
+    def backend_for(self, iteration: int) -> str:
+        return self.backends[(iteration // self.steps) % len(self.backends)]
+
+    def _flux_layers(self, model: Any) -> List[Any]:
+        from megatron_flux.layers.linear import FluxColumnParallelLinear, FluxRowParallelLinear
+
+        layers = self._layers.get(id(model))
+        if layers is None:
+            flux = (FluxColumnParallelLinear, FluxRowParallelLinear)
+            layers = [m for m in model.modules() if isinstance(m, flux)]
+            if not layers:
+                raise RuntimeError(
+                    "--flux-interleave-backends: the model has no Flux linears (pass "
+                    "--flux-tp-overlap)")
+            self._layers[id(model)] = layers
+        return layers
+
+    def switch(self, model: Any, iteration: int, log: Callable[[str], None] = print) -> str:
+        name = self.backend_for(iteration)
+        layers = self._flux_layers(model)
+        if layers[0].flux_backend != name:
+            for layer in layers:
+                layer.flux_backend = name
+        if name != self.current:
+            self.current = name
+            log(f"{INTERLEAVE_TAG} iteration {iteration + 1}: backend {name}")
+        return name
+
+
+def backend_interleaver(args: Any) -> Optional[BackendInterleaver]:
+    """The interleaver these arguments ask for (cached on ``args``), or ``None``."""
+    backends = getattr(args, "flux_interleave_backends", None)
+    if not backends:
+        return None
+    cached = getattr(args, "_flux_interleaver", None)
+    if cached is None:
+        if not getattr(args, "flux_tp_overlap", False):
+            raise ValueError("--flux-interleave-backends needs --flux-tp-overlap (it switches "
+                             "the Flux linears' backend)")
+        cached = BackendInterleaver(backends, getattr(args, "flux_interleave_steps", 5))
+        args._flux_interleaver = cached
+    return cached
 
 
 def _with_core_attention(spec: Any, args: Any) -> Any:

@@ -413,3 +413,68 @@ def test_pretrain_flow_parses_flag_and_swaps_spec():
     assert res.returncode == 0 and line, res.stderr[-3000:]
     assert line[0].split()[1:] == ["True", "nccl", "True", "2", "RMSNorm", "2", "False",
                                    "flux_layer_spec"]
+
+
+# ---------------------------------------------------------------- interleaved backends
+
+
+class _FakeLinear:
+    def __init__(self):
+        self.flux_backend = "auto"
+
+
+def test_interleaver_rotates_backends_in_blocks(monkeypatch):
+    """Iteration i runs backends[(i // steps) % n]; every Flux linear is switched, and each
+    switch is logged once with Megatron's 1-based iteration number."""
+    import megatron_flux.layers.linear as L
+
+    class FakeCol(_FakeLinear, L.FluxColumnParallelLinear):
+        def __init__(self):
+            _FakeLinear.__init__(self)
+
+    class FakeRow(_FakeLinear, L.FluxRowParallelLinear):
+        def __init__(self):
+            _FakeLinear.__init__(self)
+
+    layers = [FakeCol(), FakeRow(), FakeCol()]
+
+    class Model:
+        def modules(self):
+            return iter([object()] + layers)
+
+    inter = ps.BackendInterleaver(["megatron", "nccl", "flux"], steps=2)
+    model, logged = Model(), []
+    seen = [inter.switch(model, i, logged.append) for i in range(8)]
+    assert seen == ["megatron", "megatron", "nccl", "nccl", "flux", "flux", "megatron", "megatron"]
+    assert all(layer.flux_backend == "megatron" for layer in layers)
+    assert logged == [f"{ps.INTERLEAVE_TAG} iteration {k}: backend {b}"
+                      for k, b in ((1, "megatron"), (3, "nccl"), (5, "flux"), (7, "megatron"))]
+
+
+def test_interleaver_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="unknown megatron-flux backend"):
+        ps.BackendInterleaver(["megatron", "fast"], steps=2)
+    with pytest.raises(ValueError, match=">= 1"):
+        ps.BackendInterleaver(["nccl"], steps=0)
+
+    class Empty:
+        def modules(self):
+            return iter([object()])
+
+    with pytest.raises(RuntimeError, match="no Flux linears"):
+        ps.BackendInterleaver(["nccl"], steps=1).switch(Empty(), 0)
+    args = argparse.Namespace(flux_interleave_backends=["nccl"], flux_interleave_steps=3,
+                              flux_tp_overlap=False)
+    with pytest.raises(ValueError, match="needs --flux-tp-overlap"):
+        ps.backend_interleaver(args)
+    args.flux_tp_overlap = True
+    inter = ps.backend_interleaver(args)
+    assert inter.steps == 3 and ps.backend_interleaver(args) is inter  # cached
+    assert ps.backend_interleaver(argparse.Namespace()) is None
+
+
+def test_interleave_args_parse():
+    parser = ps.add_example_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--flux-interleave-backends", "megatron", "flux", "--flux-interleave-steps", "4"])
+    assert args.flux_interleave_backends == ["megatron", "flux"] and args.flux_interleave_steps == 4
+    assert parser.parse_args([]).flux_interleave_backends is None

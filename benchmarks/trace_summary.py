@@ -1,0 +1,219 @@
+"""Where a training step's time goes, per profiled step, from a torch-profiler chrome trace.
+
+Megatron writes the trace with ``--profile --use-pytorch-profiler --profile-step-start S
+--profile-step-end E`` (``<tensorboard-dir>/../torch_profile/rank-<r>.json.gz``);
+``ProfilerStep#N`` spans Megatron's logged iteration ``N``. With ``--log`` of a job run with
+``--flux-interleave-backends``, each step is labelled with its backend.
+
+Per step (GPU work is attributed to the step whose host span launched it, via the launch's
+correlation id):
+
+* ``host_ms``: the step's span on the host; ``gpu_busy_ms``: the union of its kernels and copies
+  over all streams; ``gpu_span_ms``: first GPU start to last GPU end; ``gpu_gaps_ms``: time
+  inside the span with nothing running, and how much of it came in gaps over 50 us;
+* ``gpu_ms_by_kind``: kernel time summed per kind (``gemm``, ``fused_ag``, ``fused_rs``,
+  ``nccl``, ``attention``, ``memcpy``, ``other``; overlapping kernels count twice);
+* ``launches`` and ``launch_api_ms``: kernel launches and the host time spent in CUDA runtime
+  and driver calls; ``syncs``: blocking calls (``*Synchronize``, non-async ``cudaMemcpy``)
+  with their total host time; ``stream_waits``: ``cudaStreamWaitEvent`` calls (not blocking;
+  traces summarised before 2026-11-22 counted them among ``syncs``);
+* ``linear_host_ms``: host time inside the TP linears' autograd functions (forward and backward
+  nodes), with the call count.
+
+``python benchmarks/trace_summary.py rank-0.json.gz [--log job.log] --out summary.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import re
+import statistics
+import sys
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+STEP_RE = re.compile(r"ProfilerStep#(\d+)")
+KINDS = [
+    ("fused_ag", re.compile(r"ag_gemm", re.I)),
+    ("fused_rs", re.compile(r"gemm_rs", re.I)),
+    ("nccl", re.compile(r"nccl", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient_attention", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul|sm90_", re.I)),
+]
+LINEAR_RE = re.compile(r"(ColumnParallelLinear|RowParallelLinear|LinearWithGradAccumulation)")
+SYNC_RE = re.compile(r"Synchronize|^cudaMemcpy$|^cuMemcpyDtoH")
+WAIT_RE = re.compile(r"^cudaStreamWaitEvent$")
+LAUNCH_RE = re.compile(r"LaunchKernel|cuLaunch")
+
+
+def kind_of(name: str, cat: str) -> str:
+    if cat in ("gpu_memcpy", "gpu_memset"):
+        return "memcpy"
+    for kind, rx in KINDS:
+        if rx.search(name):
+            return kind
+    return "other"
+
+
+def _union(intervals: List[tuple]) -> float:
+    total, end = 0.0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def _gaps(intervals: List[tuple], big_us: float = 50.0):
+    merged: List[list] = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    gaps = [b[0] - a[1] for a, b in zip(merged, merged[1:])]
+    return sum(gaps), sum(g for g in gaps if g > big_us), sum(1 for g in gaps if g > big_us)
+
+
+def load(path: str) -> List[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def backend_by_iteration(log: Optional[str]) -> Dict[int, str]:
+    if not log:
+        return {}
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from interleave_report import parse
+
+    switches, steps = parse(log)
+    starts = [k for k, _ in switches]
+    out = {}
+    for it in range(1, max(list(steps) + [0]) + 1):
+        i = bisect.bisect_right(starts, it) - 1
+        if i >= 0:
+            out[it] = switches[i][1]
+    return out
+
+
+def summarize(events: List[dict], labels: Dict[int, str]) -> dict:
+    steps = []
+    for e in events:
+        m = STEP_RE.fullmatch(str(e.get("name", "")))
+        if m and e.get("ph") == "X" and e.get("cat") in ("user_annotation", "cpu_op", None):
+            steps.append((e["ts"], e["ts"] + e["dur"], int(m.group(1))))
+    steps.sort()
+    if not steps:
+        raise SystemExit("no ProfilerStep#N spans in the trace")
+    starts = [s for s, _, _ in steps]
+
+    def step_at(ts: float) -> Optional[int]:
+        i = bisect.bisect_right(starts, ts) - 1
+        if i < 0 or ts > steps[i][1]:
+            return None
+        return i
+
+    launch_step: Dict[int, int] = {}
+    per = [defaultdict(float) for _ in steps]
+    gpu: List[List[tuple]] = [[] for _ in steps]
+    linear_calls = [0 for _ in steps]
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat, name = e.get("cat", ""), str(e.get("name", ""))
+        if cat in ("cuda_runtime", "cuda_driver"):
+            i = step_at(e["ts"])
+            if i is None:
+                continue
+            corr = (e.get("args") or {}).get("correlation")
+            if corr is not None:
+                launch_step[corr] = i
+            per[i]["launch_api_ms"] += e["dur"] / 1e3
+            if LAUNCH_RE.search(name):
+                per[i]["launches"] += 1
+            if SYNC_RE.search(name):
+                per[i]["syncs"] += 1
+                per[i]["sync_ms"] += e["dur"] / 1e3
+            elif WAIT_RE.search(name):
+                per[i]["stream_waits"] += 1
+        elif cat == "cpu_op" and LINEAR_RE.search(name):
+            i = step_at(e["ts"])
+            if i is not None:
+                per[i]["linear_host_ms"] += e["dur"] / 1e3
+                linear_calls[i] += 1
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        i = launch_step.get((e.get("args") or {}).get("correlation"))
+        if i is None:
+            continue
+        gpu[i].append((e["ts"], e["ts"] + e["dur"]))
+        per[i]["kind:" + kind_of(str(e.get("name", "")), e["cat"])] += e["dur"] / 1e3
+    rows = []
+    for i, (s, e, n) in enumerate(steps):
+        g = gpu[i]
+        span = (max(x[1] for x in g) - min(x[0] for x in g)) if g else 0.0
+        gap, big, nbig = _gaps(g) if g else (0.0, 0.0, 0)
+        d = per[i]
+        rows.append({
+            "step": n,
+            "backend": labels.get(n),
+            "host_ms": round((e - s) / 1e3, 3),
+            "gpu_busy_ms": round(_union(g) / 1e3, 3),
+            "gpu_span_ms": round(span / 1e3, 3),
+            "gpu_gaps_ms": round(gap / 1e3, 3),
+            "gpu_gaps_over_50us_ms": round(big / 1e3, 3),
+            "gpu_gaps_over_50us": nbig,
+            "gpu_ms_by_kind": {k[5:]: round(v, 3) for k, v in sorted(d.items()) if k.startswith("kind:")},
+            "launches": int(d["launches"]),
+            "launch_api_ms": round(d["launch_api_ms"], 3),
+            "syncs": int(d["syncs"]),
+            "sync_ms": round(d["sync_ms"], 3),
+            "stream_waits": int(d["stream_waits"]),
+            "linear_host_ms": round(d["linear_host_ms"], 3),
+            "linear_calls": linear_calls[i],
+        })
+    by_backend: Dict[str, dict] = {}
+    for name in sorted({r["backend"] for r in rows if r["backend"]}):
+        rs = [r for r in rows if r["backend"] == name]
+        agg = {k: round(statistics.median(r[k] for r in rs), 3)
+               for k in ("host_ms", "gpu_busy_ms", "gpu_span_ms", "gpu_gaps_ms",
+                         "gpu_gaps_over_50us_ms", "launches", "launch_api_ms", "syncs",
+                         "linear_host_ms")}
+        kinds = sorted({k for r in rs for k in r["gpu_ms_by_kind"]})
+        agg["gpu_ms_by_kind"] = {k: round(statistics.median(r["gpu_ms_by_kind"].get(k, 0.0) for r in rs), 3)
+                                 for k in kinds}
+        agg["steps"] = [r["step"] for r in rs]
+        by_backend[name] = agg
+    return {"steps": rows, "median_by_backend": by_backend}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trace")
+    p.add_argument("--log", help="job log with [flux-interleave] lines (labels the steps)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    report = summarize(load(args.trace), backend_by_iteration(args.log))
+    report["trace"] = args.trace
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    for r in report["steps"]:
+        print(f"step {r['step']:>4} {str(r['backend']):>9}: host {r['host_ms']:7.1f}  busy "
+              f"{r['gpu_busy_ms']:7.1f}  span {r['gpu_span_ms']:7.1f}  gaps {r['gpu_gaps_ms']:6.1f} "
+              f"(>50us {r['gpu_gaps_over_50us_ms']:6.1f}/{r['gpu_gaps_over_50us']})  launches "
+              f"{r['launches']:5d}  syncs {r['syncs']:3d} {r['sync_ms']:6.1f}ms  linears "
+              f"{r['linear_host_ms']:6.1f}ms/{r['linear_calls']}  {r['gpu_ms_by_kind']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
