@@ -5,7 +5,8 @@
 #      between backends every IL_STEPS iterations (--flux-interleave-backends; 'megatron' is
 #      megatron-core's own code in the same layers), IL_ITERS iterations, with a torch-profiler
 #      trace of iterations PROF_START+1..PROF_END on every rank (PROFILE=0: none); IL_EXTRA
-#      holds extra Megatron arguments (e.g. "--manual-gc --manual-gc-interval 50");
+#      holds extra Megatron arguments (e.g. "--manual-gc --manual-gc-interval 50"); IL_COMM_MS,
+#      the TP communication per step (benchmarks/e2e_comm.py), adds the share each backend hid;
 #   3. benchmarks/interleave_report.py (step times per backend, the profiled iterations excluded)
 #      -> $OUT/interleave.json; benchmarks/trace_summary.py per rank -> $OUT/trace-r<r>.json;
 #      rank 0's trace -> $OUT/rank-0.json.gz when under 15 MB; the log -> $OUT/logs.tgz.
@@ -49,7 +50,7 @@ grep -iE "^\S*(error|Traceback)|Error:" "${OUT}/interleave.log" | grep -v "error
 
 versions="$(python3 -c 'import json,torch,triton,megatron.core as m; print(json.dumps({"torch": torch.__version__, "triton": triton.__version__, "megatron_core": m.__version__, "gpu": torch.cuda.get_device_name(0), "tp": torch.cuda.device_count()}))')"
 python3 benchmarks/interleave_report.py --log "${OUT}/interleave.log" --tokens-per-step "${IL_TOKENS}" \
-    --warmup 20 --drop-first 1 --exclude "${EXCLUDE}" \
+    --warmup 20 --drop-first 1 --exclude "${EXCLUDE}" ${IL_COMM_MS:+--comm-ms "${IL_COMM_MS}"} \
     --extra "command=\"OUT=\$OUT IL_BACKENDS='${IL_BACKENDS}' IL_STEPS=${IL_STEPS} IL_ITERS=${IL_ITERS} PROFILE=${PROFILE:-1} PROF_START=${PROF_START} PROF_END=${PROF_END} IL_EXTRA='${IL_EXTRA:-}' bash benchmarks/device_interleave.sh (TP=${NGPUS}; FLUX_BACKEND=auto bash examples/pretrain_llama.sh --flux-interleave-backends ${IL_BACKENDS} --flux-interleave-steps ${IL_STEPS} ${IL_EXTRA:-}, + Megatron's --profile --use-pytorch-profiler on the excluded iterations unless PROFILE=0)\"" \
     --extra "model=\"llama3-8b-16l (configs/llama3_8b_16l.json)\"" \
     --extra "versions=${versions}" --extra "tp=${NGPUS}" \

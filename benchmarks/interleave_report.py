@@ -113,7 +113,17 @@ def summarize(path: str, *, warmup: int, drop_first: int, tokens_per_step: int,
             "min_max": [round(min(ratios), 4), round(max(ratios), 4)],
         }
     losses = {it: loss for it, (_, loss) in sorted(steps.items()) if loss is not None}
+    # the training proof's schema (issue 4): the reference 'megatron' is stock megatron-core
+    label = {reference: "stock"} if reference == "megatron" else {}
+    schema = {
+        "steps": len(steps),
+        "step_time_ms": {label.get(n, n): r["median_ms"] for n, r in backends.items()},
+        "tokens_per_s": {label.get(n, n): r["tokens_per_s"] for n, r in backends.items()},
+        "speedup_vs_stock" if reference == "megatron" else f"speedup_vs_{reference}":
+            {n: v["median"] for n, v in speedup.items()},
+    }
     return {
+        **schema,
         "log": path,
         "schedule": [{"from_iteration": k, "backend": b} for k, b in switches[: 2 * len(backends) + 2]],
         "steps_logged": len(steps),
@@ -128,7 +138,9 @@ def summarize(path: str, *, warmup: int, drop_first: int, tokens_per_step: int,
             f"per block: median step time of the preceding '{reference}' block / this block's "
             "median; then the median, quartiles and range over blocks (> 1: faster than the "
             "reference)"),
-        "loss": [losses[k] for k in sorted(losses)],
+        "loss": {"interleaved": [losses[k] for k in sorted(losses)]},
+        "loss_note": ("one loss curve: the backends alternate every block of iterations; loss "
+                      "parity between backends comes from separate runs (benchmarks/e2e_device.sh)"),
     }
 
 
@@ -141,6 +153,9 @@ def main(argv=None) -> int:
     p.add_argument("--reference", default="megatron")
     p.add_argument("--exclude", default=None, metavar="A-B",
                    help="ignore iterations A..B too (e.g. the profiled ones)")
+    p.add_argument("--comm-ms", type=float, default=None,
+                   help="TP communication per step (benchmarks/e2e_comm.py): adds the share of it "
+                        "each backend hid against the reference, (ref - backend) / comm")
     p.add_argument("--extra", action="append", default=[], metavar="KEY=JSON",
                    help="extra top-level fields (JSON values), e.g. command=...")
     p.add_argument("--out", required=True)
@@ -152,6 +167,13 @@ def main(argv=None) -> int:
     report = summarize(args.log, warmup=args.warmup, drop_first=args.drop_first,
                        tokens_per_step=args.tokens_per_step, reference=args.reference,
                        exclude=exclude)
+    if args.comm_ms:
+        ref = report["backends"].get(args.reference)
+        if ref is not None:
+            report["tp_comm_ms_per_step"] = args.comm_ms
+            report["tp_comm_hidden_fraction"] = {
+                n: round((ref["median_ms"] - r["median_ms"]) / args.comm_ms, 3)
+                for n, r in report["backends"].items() if n != args.reference}
     for item in args.extra:
         key, _, value = item.partition("=")
         try:

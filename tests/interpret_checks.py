@@ -188,6 +188,53 @@ def check_ready_barrier():
                 assert errs[r].tolist() == expect, (world, r, missing, errs[r].tolist())
 
 
+def check_copy_engine_gather():
+    """The copy-engine all-gather (the column backward's re-gather) at TP 2/4/8: each rank's plan
+    pushes its rows into every peer's slot and signals word ``rank`` there; the wait half of the
+    ready barrier (base 0) then passes on every rank and the gathered rows are everyone's rows in
+    rank order. With one rank's pushes missing, every other rank's wait reports that rank."""
+    from fake_symm import FakeWorld
+
+    from megatron_flux.comm.ag_copies import ag_copy_plan, materialize
+    from megatron_flux.kernels.ready_barrier import launch_ready_barrier
+    from megatron_flux.kernels.signals import OP_GATHER
+
+    m_local, k, epoch, parity = 3, 5, 7, 1
+    for world in (2, 4, 8):
+        m = world * m_local
+        shards = [torch.randn(m_local, k).to(DTYPE) for _ in range(world)]
+        for missing in (None, 1):
+            w = FakeWorld(world, "gather", DTYPE)
+            w.reserve(m * k, world)
+            int_flags = {w.ws[r].flags(r, parity).data_ptr(): r for r in range(world)}
+            for r in range(world):  # what all_gather_start and wait() queue, in order
+                if r == missing:
+                    continue
+                plan = ag_copy_plan(w.ws[r], m_local, k, rank=r, world=world, parity=parity,
+                                    chunk=m_local, pull=False)
+                assert len(plan) == world - 1, "one push per peer"
+                for dst, src, flags, index in materialize(plan, shards[r]):
+                    dst.copy_(src)
+                    peer = int_flags[flags.data_ptr()]
+                    assert peer != r and index == r, (world, r, peer, index)
+                    w.ws[peer].flags(peer, parity)[index] = epoch
+                w.ws[r].data(r, parity, m * k).view(m, k)[r * m_local:(r + 1) * m_local].copy_(shards[r])
+            errs = [torch.zeros(4, dtype=torch.int32) for _ in range(world)]
+            for r in range(world):
+                if r == missing:
+                    continue
+                launch_ready_barrier(w.ws[r].flag_ptrs(parity), errs[r], rank=r, world=world,
+                                     base=0, epoch=epoch, max_spins=3, signal=False, wait=True,
+                                     op_code=OP_GATHER)
+                assert (w.ws[r].flags(r, 1 - parity) == 0).all(), "wrote the other parity"
+                if missing is None:
+                    assert errs[r].tolist() == [0, 0, 0, 0], (world, r, errs[r].tolist())
+                    got = w.ws[r].data(r, parity, m * k).view(m, k)
+                    assert torch.equal(got, torch.cat(shards)), f"TP={world} rank {r}: wrong rows"
+                else:
+                    assert errs[r].tolist() == [OP_GATHER, r, missing, 0], (world, r, errs[r].tolist())
+
+
 def _rs_world(world, m_local, k, n, b_kn, bias, epoch=3, cfg=CFG):
     m = world * m_local
     a_s = [torch.randn(m, k).to(DTYPE) for _ in range(world)]
@@ -279,7 +326,7 @@ def check_gemm_rs_deterministic_and_timeout():
 
 CHECKS = [check_tile_order, check_ag_gemm_all_ranks, check_ag_signal_indexing,
           check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout,
-          check_next_call_cannot_release_a_wait, check_ready_barrier]
+          check_next_call_cannot_release_a_wait, check_ready_barrier, check_copy_engine_gather]
 
 
 @triton.jit

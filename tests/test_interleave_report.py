@@ -44,16 +44,20 @@ def test_blocks_are_attributed_and_their_first_steps_dropped(tmp_path):
     excl = R.summarize(log, warmup=20, drop_first=1, tokens_per_step=8192, reference="megatron",
                        exclude=(25, 40))
     assert sum(r["steps"] for r in excl["backends"].values()) == 3  # iterations 21..24, block of 21
-    assert len(rep["loss"]) == 40
+    assert len(rep["loss"]["interleaved"]) == 40
+    assert rep["step_time_ms"]["stock"] == rep["backends"]["megatron"]["median_ms"]
+    assert rep["speedup_vs_stock"]["flux"] == sp["flux"]["median"] and "stock" in rep["tokens_per_s"]
 
 
 def test_report_cli_writes_json(tmp_path):
     log = write_log(tmp_path / "job.log")
     out = tmp_path / "r.json"
     assert R.main(["--log", log, "--tokens-per-step", "8192", "--warmup", "4", "--out", str(out),
-                   "--extra", 'command="x"', "--exclude", "30-32"]) == 0
+                   "--extra", 'command="x"', "--exclude", "30-32", "--comm-ms", "20"]) == 0
     rep = json.loads(out.read_text())
     assert rep["command"] == "x" and rep["excluded_iterations"] == [30, 32]
+    hidden = rep["tp_comm_hidden_fraction"]
+    assert abs(hidden["flux"] - (rep["backends"]["megatron"]["median_ms"] - rep["backends"]["flux"]["median_ms"]) / 20) < 1e-3
 
 
 def _trace(path):
