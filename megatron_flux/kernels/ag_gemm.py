@@ -23,6 +23,7 @@ import triton.language as tl
 
 from megatron_flux.kernels.config import launch_geometry
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
+from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import split_columns, tile_mainloop
 from megatron_flux.kernels.signals import wait_signal
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step
@@ -130,11 +131,15 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     n = b.shape[1]
     geo = launch_geometry(m_local, n, b, world, cfg, num_sms)
     ensure_descriptor_allocator()
-    ag_gemm_kernel[(geo.grid,)](
-        x, ag, b, out, flags, err,
-        m_local, n, k, geo.ldb, rank, world, epoch, cfg.chunk_rows, max_spins,
-        RAGGED=geo.ragged, B_KN=geo.b_kn, EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=geo.grid,
-        FLATTEN=cfg.flatten,
-        WARP_SPECIALIZE=cfg.warp_specialize, num_stages=cfg.num_stages, num_warps=cfg.num_warps,
+    _LAUNCH(
+        geo.grid,
+        (x, ag, b, out, flags, err, m_local, n, k, geo.ldb, rank, world, epoch, cfg.chunk_rows,
+         max_spins),
+        dict(RAGGED=geo.ragged, B_KN=geo.b_kn, EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m,
+             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=geo.grid,
+             FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+_LAUNCH = KernelLauncher(ag_gemm_kernel)

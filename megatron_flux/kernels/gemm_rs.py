@@ -39,6 +39,7 @@ import triton.language as tl
 
 from megatron_flux.kernels.config import interpreting, launch_geometry
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
+from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import segment_tile, split_columns
 from megatron_flux.kernels.signals import publish_when_grid_done, wait_signal
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, segment_of_step
@@ -212,13 +213,18 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
     n = b.shape[1]
     geo = launch_geometry(m_local, n, b, world, cfg, num_sms)
     ensure_descriptor_allocator()
-    gemm_rs_kernel[(geo.grid,)](
-        a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
-        m_local, n, k, geo.ldb, rank, world, epoch, max_spins,
-        RAGGED=geo.ragged, B_KN=geo.b_kn, HAS_BIAS=bias is not None,
-        EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, NUM_SMS=geo.grid, FLATTEN=cfg.flatten, FLATTEN_CONSUME=cfg.flatten_consume,
-        WARP_SPECIALIZE=cfg.warp_specialize, TMA_PUSH=cfg.rs_tma_push,
-        ASYNC_FENCE=not interpreting(), PRODUCE=produce, CONSUME=consume,
-        num_stages=cfg.num_stages, num_warps=cfg.num_warps,
+    _LAUNCH(
+        geo.grid,
+        (a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
+         m_local, n, k, geo.ldb, rank, world, epoch, max_spins),
+        dict(RAGGED=geo.ragged, B_KN=geo.b_kn, HAS_BIAS=bias is not None,
+             EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=geo.grid, FLATTEN=cfg.flatten,
+             FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
+             TMA_PUSH=cfg.rs_tma_push, ASYNC_FENCE=not interpreting(), PRODUCE=produce,
+             CONSUME=consume),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+_LAUNCH = KernelLauncher(gemm_rs_kernel)

@@ -20,6 +20,7 @@ interpreter, where programs run one after another; on GPUs both are set.
 import triton
 import triton.language as tl
 
+from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.signals import OP_AG_READY, set_signal, wait_signal
 
 
@@ -44,5 +45,8 @@ def launch_ready_barrier(flag_ptrs, err, *, rank, world, base, epoch, max_spins,
     signal region (this call's parity); ``err``: the op's int32[4] error word. With
     ``signal=False`` it is a bounded wait for signals the peers raise otherwise (the
     copy-engine all-gather's stream memory writes); ``op_code`` names the op in a timeout."""
-    ready_barrier_kernel[(1,)](flag_ptrs, err, rank, world, base, epoch, max_spins,
-                               SIGNAL=signal, WAIT=wait, OP_CODE=op_code, num_warps=1)
+    _LAUNCH(1, (flag_ptrs, err, rank, world, base, epoch, max_spins),
+            dict(SIGNAL=signal, WAIT=wait, OP_CODE=op_code), num_warps=1)
+
+
+_LAUNCH = KernelLauncher(ready_barrier_kernel)

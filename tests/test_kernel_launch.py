@@ -1,0 +1,104 @@
+"""megatron_flux.kernels.launch: the opt-in direct launch's specialisation key and call shape,
+with a stand-in for Triton's JIT function (the real launch is exercised by the GPU tests)."""
+
+import inspect
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megatron_flux.kernels import launch as L  # noqa: E402
+
+
+def test_key_refines_tritons_specialisation():
+    k = lambda *args: L.specialization_key(args, (("C", 1),), (4, 3))  # noqa: E731
+    base = torch.zeros(64, dtype=torch.float16)
+    assert k(base, 32) == k(torch.zeros(64, dtype=torch.float16), 48)  # both aligned, both % 16
+    assert k(base, 1) != k(base, 2)                                    # Triton makes 1 a constant
+    assert k(base, 16) != k(base, 17)                                  # divisibility by 16
+    assert k(base, 17) == k(base, 33)                                  # Triton keeps no other facts
+    assert k(base, 5) != k(base, 2**31 + 5)                            # int32 vs int64
+    assert k(base[1:], 16) != k(base, 16)                              # 2-byte offset: unaligned
+    assert k(base.float(), 16) != k(base, 16)                          # dtype
+    assert L.specialization_key((base,), (("C", 1),), (4, 3)) != L.specialization_key((base,), (("C", 2),), (4, 3))
+    assert L.specialization_key((base,), (), (4, 3)) != L.specialization_key((base,), (), (8, 3))
+    with pytest.raises(TypeError, match="unsupported argument type"):
+        k(base, 1.5)
+
+
+class _Param:
+    def __init__(self, name, constexpr, default=inspect.Parameter.empty):
+        self.name, self.is_constexpr, self.default = name, constexpr, default
+
+
+class _Compiled:
+    function, packed_metadata = "fn", "md"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *a):
+        self.runs.append(a)
+
+
+class _FakeJit:
+    __name__ = "fake_kernel"
+    params = [_Param("x", False), _Param("n", False), _Param("A", True), _Param("B", True, 7)]
+
+    def __init__(self):
+        self.launches, self.compiled = [], _Compiled()
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.launches.append((grid, args, kw))
+            return self.compiled
+        return run
+
+
+def test_direct_launch_is_opt_in_and_reuses_the_compiled_kernel(monkeypatch):
+    jit = _FakeJit()
+    launcher = L.KernelLauncher(jit)
+    x = torch.zeros(8, dtype=torch.float16)
+    monkeypatch.delenv(L.ENV_DIRECT_LAUNCH, raising=False)
+    for _ in range(2):
+        launcher(3, (x, 16), {"A": 2}, num_warps=4)
+    assert len(jit.launches) == 2 and not jit.compiled.runs  # off: Triton every time
+    assert jit.launches[0] == ((3,), (x, 16), {"A": 2, "num_warps": 4, "num_stages": 3})
+
+    monkeypatch.setenv(L.ENV_DIRECT_LAUNCH, "1")
+    monkeypatch.setattr(L.torch._C, "_cuda_getCurrentRawStream", lambda device: 99, raising=False)
+    launcher(5, (x, 32), {"A": 2}, num_warps=4)   # new key: through Triton, compiled kept
+    launcher(5, (x, 48), {"A": 2}, num_warps=4)   # same key: direct
+    assert len(jit.launches) == 3
+    assert jit.compiled.runs == [(5, 1, 1, 99, "fn", "md", None, None, None, x, 48, 2, 7)]
+    assert launcher.direct_calls == 1
+    launcher(5, (x, 1), {"A": 2}, num_warps=4)    # 1 is its own specialisation: Triton again
+    assert len(jit.launches) == 4
+    assert len(launcher._compiled) == 2
+
+
+def test_direct_launch_steps_aside_for_hooks_and_odd_signatures(monkeypatch):
+    monkeypatch.setenv(L.ENV_DIRECT_LAUNCH, "1")
+    jit = _FakeJit()
+    jit.params = [_Param("A", True), _Param("x", False)]  # a constexpr before a runtime argument
+    launcher = L.KernelLauncher(jit)
+    x = torch.zeros(8, dtype=torch.float16)
+    for _ in range(2):
+        launcher(1, (x,), {"A": 1}, num_warps=1)
+    assert len(jit.launches) == 2 and not jit.compiled.runs
+    jit2 = _FakeJit()
+    launcher2 = L.KernelLauncher(jit2)
+    monkeypatch.setattr(L, "_launch_hooks", lambda: (lambda *a: None, None))  # a profiler's hook
+    for _ in range(2):
+        launcher2(1, (x, 16), {"A": 1}, num_warps=1)
+    assert len(jit2.launches) == 2 and not jit2.compiled.runs
+
+
+def test_empty_hook_chains_are_inactive():
+    class Chain:
+        def __init__(self, calls):
+            self.calls = calls
+
+    assert not L._hook_active(None) and not L._hook_active(Chain([]))
+    assert L._hook_active(Chain([print])) and L._hook_active(print)
