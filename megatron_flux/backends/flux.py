@@ -40,7 +40,6 @@ import os
 from typing import Dict, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megatron_flux.backends.base import TPOverlapBackend, output_like
 
