@@ -164,7 +164,7 @@ def check_reduce_scatter_fallback_without_tensor_collective(rank, world):
     """A process group without the tensor reduce-scatter (older gloo) gets all-reduce + slice."""
     calls = []
 
-    def unsupported(out, inp, group=None):
+    def unsupported(out, inp, group=None, async_op=False):
         calls.append(1)
         raise RuntimeError("Backend gloo does not support _reduce_scatter_base")
 
@@ -185,7 +185,7 @@ def check_reduce_scatter_fallback_without_tensor_collective(rank, world):
 
 
 def check_reduce_scatter_real_errors_propagate(rank, world):
-    def broken(out, inp, group=None):
+    def broken(out, inp, group=None, async_op=False):
         raise RuntimeError("connection reset by peer")
 
     original = nccl_mod._reduce_scatter_single

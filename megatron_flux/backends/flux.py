@@ -96,26 +96,21 @@ class _CopyEngineGather:
         if self._result is not None:
             return self._result
         from megatron_flux.comm.signals import write_signal
+        from megatron_flux.comm.streams import on_stream
         from megatron_flux.kernels.ready_barrier import launch_ready_barrier
         from megatron_flux.kernels.signals import OP_GATHER
 
         current = torch.cuda.current_stream(self._current.device)
-        torch.cuda.set_stream(self._side)
-        try:
+        with on_stream(self._side, current):
             for _, _, flags, index in self._copies:
                 write_signal(flags, index, self._epoch)  # after the push, on the same stream
-        finally:
-            torch.cuda.set_stream(current)
         # own rows copied and the shard free for reuse, on the stream that started the gather
         self._backend._order(self._current.device, "done")(self._current, self._side)
-        torch.cuda.set_stream(self._current)
-        try:
+        with on_stream(self._current, current):
             launch_ready_barrier(self._ws.flag_ptrs(self._parity), self._err.device_word,
                                  rank=self._rank, world=self._world, base=0, epoch=self._epoch,
                                  max_spins=self._backend.max_spins, signal=False, wait=True,
                                  op_code=OP_GATHER)
-        finally:
-            torch.cuda.set_stream(current)
         self._err.after_launch()
         self._copies = None
         if self._out is not None:
@@ -300,8 +295,9 @@ class FluxBackend(TPOverlapBackend):
 
     # ---------------------------------------------------------------- AG + GEMM
     def all_gather_matmul(self, a_shard, b, group, *, out=None, return_gathered=False, gathered_out=None):
-        from megatron_flux.comm.ag_copies import ag_copy_plan, materialize
+        from megatron_flux.comm.ag_copies import materialize
         from megatron_flux.comm.signals import write_signal
+        from megatron_flux.comm.streams import on_stream
         from megatron_flux.kernels.ag_gemm import launch_ag_gemm
 
         self._check("AG+GEMM", a_shard, b, group)
@@ -329,7 +325,7 @@ class FluxBackend(TPOverlapBackend):
         pull = cfg.ag_pull
         gathered, own_rows, flags, plan = ws.memo(
             ("ag-call", rank, world, parity, m_local, k, chunk, pull),
-            lambda: self._ag_views(ws, rank, world, parity, m_local, k, chunk, pull, ag_copy_plan))
+            lambda: self._ag_views(ws, rank, world, parity, m_local, k, chunk, pull))
 
         current = torch.cuda.current_stream(device)
         side = self._side_stream(device, cfg.comm_priority)
@@ -348,15 +344,12 @@ class FluxBackend(TPOverlapBackend):
             max_spins=self.max_spins,
         )
         err.after_launch()
-        torch.cuda.set_stream(side)
-        try:
+        with on_stream(side, current):
             for dst, src, peer_flags, index in materialize(plan, a_shard):
                 dst.copy_(src)
                 write_signal(peer_flags, index, epoch)
             if return_gathered and not pull:  # pulling filled its own slot up front
                 own_rows.copy_(a_shard)
-        finally:
-            torch.cuda.set_stream(current)
         self._order(device, "done")(current, side)
         if not return_gathered:
             return out, None
@@ -366,8 +359,10 @@ class FluxBackend(TPOverlapBackend):
         return out, gathered
 
     @staticmethod
-    def _ag_views(ws, rank, world, parity, m_local, k, chunk, pull, ag_copy_plan):
+    def _ag_views(ws, rank, world, parity, m_local, k, chunk, pull):
         """``(gathered [m, k], own rows, this rank's int32 signals, copy plan)`` of one shape."""
+        from megatron_flux.comm.ag_copies import ag_copy_plan
+
         m = world * m_local
         gathered = ws.data(rank, parity, m * k).view(m, k)
         own_rows = gathered[rank * m_local:(rank + 1) * m_local]
@@ -429,7 +424,8 @@ class FluxBackend(TPOverlapBackend):
         reason = self._gather_unsupported_reason(x, group)
         if reason is not None:
             return self._nccl_backend().all_gather_start(x, group, out=out)
-        from megatron_flux.comm.ag_copies import ag_copy_plan, materialize
+        from megatron_flux.comm.ag_copies import materialize
+        from megatron_flux.comm.streams import on_stream
 
         x = x.contiguous()
         rows = x.view(x.shape[0], -1)
@@ -447,18 +443,15 @@ class FluxBackend(TPOverlapBackend):
         parity = epoch & 1
         gathered, own_rows, _, plan = ws.memo(
             ("gather-call", rank, world, parity, m_local, k),
-            lambda: self._ag_views(ws, rank, world, parity, m_local, k, m_local, False, ag_copy_plan))
+            lambda: self._ag_views(ws, rank, world, parity, m_local, k, m_local, False))
         current = torch.cuda.current_stream(device)
         side = self._side_stream(device)
         self._order(device, "ready")(side, current)  # this rank's rows are ready
         copies = materialize(plan, rows)
-        torch.cuda.set_stream(side)
-        try:
+        with on_stream(side, current):
             for dst, src, _, _ in copies:
                 dst.copy_(src)
             own_rows.copy_(rows)
-        finally:
-            torch.cuda.set_stream(current)
         return _CopyEngineGather(self, ws, err, copies, gathered.view(shape), out, rank, world,
                                  parity, epoch, current, side)
 

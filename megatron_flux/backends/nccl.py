@@ -91,19 +91,20 @@ class NcclBackend(TPOverlapBackend):
         return out
 
     def _reduce_scatter_into(
-        self, out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup, tp: int
-    ) -> None:
+        self, out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup, tp: int,
+        async_op: bool = False,
+    ):
         """Sum ``x`` over the group into this rank's rows ``out`` (both contiguous).
 
-        Uses the tensor reduce-scatter when the process group implements it; otherwise (gloo
-        on some torch versions) an all-reduce of a copy followed by taking this rank's rows:
-        more traffic, same result.
+        Uses the tensor reduce-scatter when the process group implements it, returning its work
+        handle with ``async_op`` (else ``None``); otherwise (gloo on some torch versions) an
+        all-reduce of a copy followed by taking this rank's rows, always to completion: more
+        traffic, same result.
         """
         kind = str(dist.get_backend(group))
         if not self._no_reduce_scatter.get(kind, False):
             try:
-                _reduce_scatter_single(out, x, group=group)
-                return
+                return _reduce_scatter_single(out, x, group=group, async_op=async_op)
             except (RuntimeError, NotImplementedError) as exc:
                 if not _is_unsupported_collective(exc):
                     raise
@@ -112,6 +113,7 @@ class NcclBackend(TPOverlapBackend):
         dist.all_reduce(summed, group=group)
         rank = dist.get_rank(group=group)
         out.copy_(summed.narrow(0, rank * out.shape[0], out.shape[0]))
+        return None
 
     # ------------------------------------------------------------------------------ fused ops
     def all_gather_matmul(
@@ -146,20 +148,7 @@ class NcclBackend(TPOverlapBackend):
         out: Optional[torch.Tensor] = None,
         bias: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        _check_operands("matmul_reduce_scatter", a, b)
-        tp = dist.get_world_size(group=group)
-        if a.shape[0] % tp != 0:
-            raise ValueError(
-                f"matmul_reduce_scatter: m={a.shape[0]} rows of A are not divisible by the "
-                f"tensor-parallel size {tp} (each rank must own m/tp rows of the result)"
-            )
-        if bias is not None and (
-            bias.shape != (b.shape[1],) or bias.dtype != a.dtype or bias.device != a.device
-        ):
-            raise ValueError(
-                f"matmul_reduce_scatter: bias must be a [{b.shape[1]}] {a.dtype} tensor on "
-                f"{a.device}, got {tuple(bias.shape)} {bias.dtype} on {bias.device}"
-            )
+        _check_reduce_scatter_operands(a, b, dist.get_world_size(group=group), bias)
         partial = torch.matmul(a.contiguous(), b)
         result = self.reduce_scatter(partial, group, out=out)
         if bias is not None:
@@ -172,26 +161,34 @@ class NcclBackend(TPOverlapBackend):
         GEMM). Where the group lacks the tensor reduce-scatter (some gloo builds), it runs to
         completion here."""
         tp = dist.get_world_size(group=group)
-        kind = str(dist.get_backend(group)) if tp > 1 else ""
-        if tp == 1 or self._no_reduce_scatter.get(kind, False) or a.dim() != 2 or a.shape[0] % tp:
-            return PendingGather(self.matmul_reduce_scatter(a, b, group, bias=bias))
-        _check_operands("matmul_reduce_scatter", a, b)
-        if bias is not None and (
-            bias.shape != (b.shape[1],) or bias.dtype != a.dtype or bias.device != a.device
-        ):
-            return PendingGather(self.matmul_reduce_scatter(a, b, group, bias=bias))
+        _check_reduce_scatter_operands(a, b, tp, bias)
         partial = torch.matmul(a.contiguous(), b)
         out = torch.empty((a.shape[0] // tp, b.shape[1]), dtype=a.dtype, device=a.device)
-        try:
-            work = _reduce_scatter_single(out, partial, group=group, async_op=True)
-        except (RuntimeError, NotImplementedError) as exc:
-            if not _is_unsupported_collective(exc):
-                raise
-            self._no_reduce_scatter[kind] = True
-            self._reduce_scatter_into(out, partial, group, tp)
-            work = None
+        work = None
+        if tp == 1:
+            out.copy_(partial)
+        else:
+            work = self._reduce_scatter_into(out, partial, group, tp, async_op=True)
         then = (lambda r: r.add_(bias)) if bias is not None else None
         return PendingGather(out, work, then)
+
+
+def _check_reduce_scatter_operands(a: torch.Tensor, b: torch.Tensor, tp: int, bias) -> None:
+    """What ``matmul_reduce_scatter`` (either form) refuses: bad operands, rows not divisible
+    by the group size, a bias of the wrong shape, dtype or device."""
+    _check_operands("matmul_reduce_scatter", a, b)
+    if a.shape[0] % tp != 0:
+        raise ValueError(
+            f"matmul_reduce_scatter: m={a.shape[0]} rows of A are not divisible by the "
+            f"tensor-parallel size {tp} (each rank must own m/tp rows of the result)"
+        )
+    if bias is not None and (
+        bias.shape != (b.shape[1],) or bias.dtype != a.dtype or bias.device != a.device
+    ):
+        raise ValueError(
+            f"matmul_reduce_scatter: bias must be a [{b.shape[1]}] {a.dtype} tensor on "
+            f"{a.device}, got {tuple(bias.shape)} {bias.dtype} on {bias.device}"
+        )
 
 
 def _check_operands(op: str, a: torch.Tensor, b: torch.Tensor) -> None:

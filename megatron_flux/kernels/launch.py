@@ -29,6 +29,8 @@ from typing import Any, Dict, Sequence, Tuple
 
 import torch
 
+from megatron_flux.kernels.config import interpreting
+
 ENV_DIRECT_LAUNCH = "MEGATRON_FLUX_DIRECT_LAUNCH"
 _INT32 = (-(2**31), 2**31)
 
@@ -58,15 +60,28 @@ def _hook_active(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _hook_holder():
+    """Where this Triton keeps its launch hooks (``triton.knobs.runtime`` from 3.4 on, the
+    ``CompiledKernel`` class before), looked up once: :func:`_launch_hooks` runs per launch."""
+    global _HOOKS
+    if _HOOKS is None:
+        try:
+            from triton import knobs
+
+            _HOOKS = knobs.runtime
+        except (ImportError, AttributeError):
+            from triton.compiler.compiler import CompiledKernel
+
+            _HOOKS = CompiledKernel
+    return _HOOKS
+
+
+_HOOKS = None
+
+
 def _launch_hooks():
-    try:
-        from triton import knobs
-
-        return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    except (ImportError, AttributeError):
-        from triton.compiler.compiler import CompiledKernel
-
-        return CompiledKernel.launch_enter_hook, CompiledKernel.launch_exit_hook
+    holder = _hook_holder()
+    return holder.launch_enter_hook, holder.launch_exit_hook
 
 
 class KernelLauncher:
@@ -91,8 +106,6 @@ class KernelLauncher:
 
     def __call__(self, grid: int, args: Sequence[Any], constexprs: Dict[str, Any], *, num_warps: int,
                  num_stages: int = 3) -> None:
-        from megatron_flux.kernels.config import interpreting
-
         if (not self._direct_ok or not direct_launch_enabled() or interpreting()
                 or any(_hook_active(h) for h in _launch_hooks())):
             self.jit_fn[(grid,)](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)

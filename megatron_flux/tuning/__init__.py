@@ -35,11 +35,9 @@ from megatron_flux.tuning.schema import (
 
 def reset() -> None:
     """Forget installed tables and every cached lookup and decision (tests, a new config)."""
-    from megatron_flux.tuning import auto, provider, registry
+    from megatron_flux.tuning import registry
 
-    registry.reset()
-    provider.clear_caches()
-    auto.clear_cache()
+    registry.reset()  # also drops provider's and auto's cached decisions
 
 
 __all__ = [
