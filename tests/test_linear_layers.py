@@ -99,11 +99,26 @@ def _register_scratch_backend():
                 pending = super().all_gather_start(x, group, out=out)
             if out is None:
                 self._started_out = pending.wait()
-            return pending
+            return self._logged_wait(pending, "all_gather_start")
 
         def matmul_reduce_scatter_start(self, a, b, group, *, bias=None):
             with self._call("matmul_reduce_scatter_start", bias is not None):
-                return super().matmul_reduce_scatter_start(a, b, group, bias=bias)
+                pending = super().matmul_reduce_scatter_start(a, b, group, bias=bias)
+            return self._logged_wait(pending, "matmul_reduce_scatter_start")
+
+        def _logged_wait(self, pending, what):
+            """``pending`` whose wait() is recorded as ``(what + ".wait",)`` in the calls (not
+            for the backend's own nested use, e.g. ``all_gather`` waiting at once)."""
+            if self._depth > 0:
+                return pending
+            calls, inner = self.calls, pending.wait
+
+            def wait():
+                calls.append((what + ".wait",))
+                return inner()
+
+            pending.wait = wait
+            return pending
 
         def reduce_scatter(self, x, group, *, out=None):
             with self._call("reduce_scatter", out is not None):
@@ -309,12 +324,15 @@ def check_column_backend_calls(rank, tp):
             ("all_gather_matmul", False, False),
             ("all_gather_start", False),
             ("matmul_reduce_scatter_start", False),
+            ("all_gather_start.wait",),              # after the dgrad is queued
+            ("matmul_reduce_scatter_start.wait",),   # after the wgrad
         ], backend.calls
         backend.calls.clear()
     _check_column_sp(rank, tp, keep=True)
     assert backend.calls == [
         ("all_gather_matmul", True, True),  # kept past the next call: passes gathered_out
         ("matmul_reduce_scatter_start", False),
+        ("matmul_reduce_scatter_start.wait",),
     ], backend.calls
 
 

@@ -281,6 +281,28 @@ def test_megatron_is_a_layer_setting_not_a_backend():
         register_backend("megatron", NcclBackend())
 
 
+@pytest.mark.parametrize("what", ["register_backend", "provider", "auto", "registry.reset",
+                                  "registry.use_table_files"])
+def test_resolution_cache_is_dropped_when_its_inputs_change(what):
+    """resolve_backend's cached answers die with whatever they were computed from: a newly
+    registered backend, the tables, or the decisions cached from them."""
+    from megatron_flux import backends as B
+    from megatron_flux.tuning import auto, provider, registry
+
+    B._RESOLVED[("sentinel",)] = NcclBackend()
+    if what == "register_backend":
+        B.register_backend("nccl", NcclBackend, override=True)
+    elif what == "provider":
+        provider.clear_caches()
+    elif what == "auto":
+        auto.clear_cache()
+    elif what == "registry.reset":
+        registry.reset()
+    else:
+        registry.use_table_files([], validate=False)
+    assert ("sentinel",) not in B._RESOLVED
+
+
 def test_registry_resolves_nccl_on_cpu():
     """``nccl`` is registered lazily, and ``auto`` falls back to it for CPU tensors."""
     backend = get_backend("nccl")
