@@ -28,8 +28,9 @@ from megatron_flux.kernels.tile_order import tile_order_probe_kernel  # noqa: E4
 
 CFG = GemmConfig(block_m=16, block_n=32, block_k=16, num_stages=1, num_warps=4, group_m=2,
                  chunk_rows=8, epilogue_split=2)
-#: GEMM+RS pushing with vector stores, one epilogue store per tile
-RS_CFGS = (CFG, GemmConfig(**{**CFG.to_dict(), "rs_tma_push": False, "epilogue_split": 1}))
+#: GEMM+RS pushing with vector stores, one epilogue store per tile; reducing with vector loads
+RS_CFGS = (CFG, GemmConfig(**{**CFG.to_dict(), "rs_tma_push": False, "epilogue_split": 1}),
+           GemmConfig(**{**CFG.to_dict(), "rs_tma_reduce": False}))
 DTYPE = torch.float16
 TOL = 2e-3
 NSMS = 5  # simulated persistent grid
@@ -99,6 +100,55 @@ def check_ag_gemm_all_ranks():
             assert err.tolist() == [0, 0, 0, 0], err.tolist()
             e = _rel(out, ref)
             assert e < TOL, f"world={world} rank={rank} m_local={m_local}: rel err {e}"
+
+
+def check_ag_stream_k():
+    """The stream-K tail at TP 1/2/4: same product as the data-parallel schedule on every rank
+    (aligned and ragged m_local, tiles split over 2-4 programs), bitwise identical when
+    repeated, every counter back at zero; and the plan's rule (small tails only)."""
+    import dataclasses
+
+    from megatron_flux.kernels import stream_k as SK
+
+    # (world, m_local, k, n, grid): tiles = world * cdiv(m_local, 16) * cdiv(n, 32); the
+    # tail (tiles % grid) is at most 0.35 of the grid and lies in the last segment
+    cases = [(2, 64, 64, 64, 5), (1, 48, 48, 96, 4), (1, 40, 64, 64, 5), (4, 40, 32, 64, 11),
+             (2, 48, 80, 32, 5), (2, 25, 64, 64, 7)]
+    cfg = dataclasses.replace(CFG, stream_k=1)
+    for world, m_local, k, n, grid in cases:
+        xs, b, ref = _ag_case(world, m_local, k, n, False)
+        tps = triton.cdiv(m_local, CFG.block_m) * triton.cdiv(n, CFG.block_n)
+        chunks = triton.cdiv(m_local, CFG.chunk_rows)
+        _, sk = SK.stream_k_plan(world * tps, grid, 1, tps)
+        assert sk > 0, (world, m_local, n, grid)
+        for rank in range(world):
+            ag = torch.full((world * m_local, k), float("nan")).to(DTYPE)
+            for s in range(world):
+                if s != rank:
+                    ag[s * m_local:(s + 1) * m_local] = xs[s]
+            flags = torch.full((world * chunks,), 7, dtype=torch.int32)
+            runs = []
+            for _ in range(2):
+                err = torch.zeros(4, dtype=torch.int32)
+                out = torch.full((world * m_local, n), float("nan")).to(DTYPE)
+                launch_ag_gemm(xs[rank], ag, b, out, flags, err, rank=rank, world=world,
+                               epoch=7, cfg=cfg, num_sms=grid, max_spins=10)
+                assert err.tolist() == [0, 0, 0, 0], err.tolist()
+                assert not torch.isnan(out).any(), f"unwritten tile {(world, rank)}"
+                runs.append(out.clone())
+            where = f"world={world} rank={rank} m_local={m_local} grid={grid} sk={sk}"
+            assert _rel(runs[0], ref) < TOL, f"{where}: rel err {_rel(runs[0], ref)}"
+            assert torch.equal(runs[0], runs[1]), f"{where}: not bitwise repeatable"
+            assert int(SK._SCRATCH[("cpu",)].counters.abs().sum()) == 0, f"{where}: counters"
+    # the plan (132 SMs; 128x256 tiles of the TP=2 grid: llama3-8b fc1 m=1024 has 448 tiles)
+    assert SK.stream_k_plan(3584, 132, 0, 1792) == (132, 0)
+    assert SK.stream_k_plan(3584, 132, 1, 1792) == (132, 20)  # llama3-70b m=4096: tail 0.15
+    assert SK.stream_k_plan(3072, 132, 1, 1536) == (132, 36)  # gpt3-175b m=4096: tail 0.27
+    assert SK.stream_k_plan(448, 132, 1, 224) == (132, 0)  # tail 0.39 of a wave: not split
+    assert SK.stream_k_plan(1792, 132, 1, 896) == (132, 0)  # tail 0.58: not split
+    assert SK.stream_k_plan(396, 132, 1, 198) == (132, 0)  # whole waves: nothing to split
+    assert SK.stream_k_plan(100, 132, 1, 100) == (100, 0)  # below one wave
+    assert SK.stream_k_plan(3584, 132, 1, 10) == (132, 0)  # would span two segments
 
 
 def check_ag_signal_indexing():
@@ -324,7 +374,7 @@ def check_gemm_rs_deterministic_and_timeout():
         assert 0 <= index < world and index != r, "index is not a peer's step signal"
 
 
-CHECKS = [check_tile_order, check_ag_gemm_all_ranks, check_ag_signal_indexing,
+CHECKS = [check_tile_order, check_ag_gemm_all_ranks, check_ag_stream_k, check_ag_signal_indexing,
           check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout,
           check_next_call_cannot_release_a_wait, check_ready_barrier, check_copy_engine_gather]
 

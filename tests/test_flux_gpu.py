@@ -5,7 +5,8 @@ inputs, poisons outputs with NaN first, and compares with the reference; repeate
 changing shapes exercise signal/epoch reuse and the workspace parity; repeated identical calls
 must be bitwise identical; the pulling AllGather and GEMM+RS's schedule knobs run over every shape;
 fused calls queued back to back alternate signal layouts, pull/push and RS push modes; the
-copy-engine all-gather runs beside GEMM+RS in the column backward's order. Runs under both
+copy-engine all-gather runs beside GEMM+RS in the column backward's order; AG+GEMM's stream-K
+tail runs over every shape. Runs under both
 ``CUDA_DEVICE_MAX_CONNECTIONS=1``
 (Megatron's setting) and the driver default.
 """
@@ -193,9 +194,11 @@ def _worker(rank, world, port, env, queue):
                 _check_ag(flux_pull, group, rank, world, m_local, k, n, torch.bfloat16, layout, 2e-2, gen)
                 n_checks += 1
         flux_pull.check_errors()
-        # GEMM+RS schedule knobs over every shape: vector-store pushes, unflattened loops
+        # GEMM+RS schedule knobs over every shape: vector-store pushes, unflattened loops,
+        # vector-load reduction
         rs_variants = [dict(rs_tma_push=False), dict(rs_tma_push=False, flatten=False),
-                       dict(flatten=False, flatten_consume=False, epilogue_split=1)]
+                       dict(flatten=False, flatten_consume=False, epilogue_split=1),
+                       dict(rs_tma_reduce=False)]
         for variant in rs_variants:
             flux_rs = FluxBackend(config_provider=lambda op, m_total, n, k, v=variant: dataclasses.replace(
                 default_config(op, m_total, n, k), **v))
@@ -204,6 +207,27 @@ def _worker(rank, world, port, env, queue):
                           with_bias=(m_local % 2 == 0))
                 n_checks += 1
             flux_rs.check_errors()
+        # AG+GEMM's stream-K tail (default tiles, and 128x256 with warp specialization) over
+        # every shape and layout, and bitwise repeatable on a shape whose tail it splits
+        sk_variants = [dict(stream_k=1),
+                       dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8,
+                            epilogue_split=1, warp_specialize=True, stream_k=1)]
+        for variant in sk_variants:
+            flux_sk = FluxBackend(config_provider=lambda op, m_total, n, k, v=variant: dataclasses.replace(
+                default_config(op, m_total, n, k), **v))
+            for layout in ("nk", "kn"):
+                for (m_local, k, n) in SHAPES:
+                    _check_ag(flux_sk, group, rank, world, m_local, k, n, torch.bfloat16,
+                              layout, 2e-2, gen)
+                    n_checks += 1
+            # 8 x 9 tiles of 128x256 per rank: the tail (world * 72 % SMs) is split on H200
+            x = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+            b = torch.randn(4096, 2304, device="cuda", dtype=torch.bfloat16, generator=gen)
+            first = flux_sk.all_gather_matmul(x, b, group)[0].clone()
+            for _ in range(3):
+                assert torch.equal(first, flux_sk.all_gather_matmul(x, b, group)[0]), \
+                    f"AG+GEMM with {variant} not deterministic"
+            flux_sk.check_errors()
         # bitwise determinism of AG+GEMM
         x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
         b = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -6,8 +6,10 @@ The fused kernels run their exact production code path, but wired to this GPU al
 signal is pre-set (no wait ever spins), AG+GEMM's "remote" rows are read from a local buffer and
 GEMM+RS pushes its "remote" tiles into local memory and reduces local partials. What is left is
 the GEMM plus the fused epilogue, which must stay within ~1.02x of cuBLAS for the overlap to pay.
-Shapes are the benchmark grid's per-rank shapes at ``--tp``. Timing: CUDA events, ``--iters``
-back-to-back launches per trial, methods interleaved inside every trial, median over trials.
+Shapes are the benchmark grid's per-rank shapes at ``--tp``. Per shape it times the heuristic
+default config, the shipped table's config (what the backend runs) and their stream-K variants
+(``--configs``). Timing: CUDA events, ``--iters`` back-to-back launches per trial, methods
+interleaved inside every trial, median over trials.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def _ag_runner(m, n, k, tp, cfg, dtype):
     x = torch.randn(m_local, k, device="cuda", dtype=dtype)
     ag = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype)
-    out = torch.empty(m, n, device="cuda", dtype=dtype)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)  # unwritten tiles show
     chunks = -(-m_local // min(cfg.chunk_rows, m_local))
     flags = torch.full((tp * chunks,), 1 << 30, dtype=torch.int32, device="cuda")
     err = torch.zeros(4, dtype=torch.int32, device="cuda")
@@ -91,7 +93,7 @@ def _rs_runner(m, n, k, tp, cfg, dtype):
     m_local = m // tp
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype)
-    out = torch.empty(m_local, n, device="cuda", dtype=dtype)
+    out = torch.full((m_local, n), float("nan"), device="cuda", dtype=dtype)  # unwritten tiles show
     data = torch.zeros(tp, m_local, n, device="cuda", dtype=dtype)
     flags = torch.full((rs_signal_count(tp),), 1 << 30, dtype=torch.int32, device="cuda")
     flags[tp:] = 0  # the per-step arrival counters start at zero
@@ -122,8 +124,7 @@ def run(args) -> dict:
     for op, model, m, n, k in _grid(args):
         best = None
         results = {}
-        extra = CANDIDATES if op == "AG+GEMM" else RS_CANDIDATES
-        configs = [default_config("ag" if op == "AG+GEMM" else "rs", m, n, k)] + ([] if args.default_only else extra)
+        configs, labels = _configs(op, m, n, k, args)
         if args.only_config is not None:  # one candidate per process: a faulting variant
             configs = [configs[args.only_config]]  # (sticky CUDA error) cannot hide the others
         fns = {}
@@ -137,14 +138,16 @@ def run(args) -> dict:
                 torch.cuda.synchronize()
                 got, ref = check()
                 rel = float((got - ref).norm() / ref.norm())
-                if rel > 2e-2 or int(err[0]):
-                    results[f"cfg{i}"] = {"cfg": cfg.to_dict(), "error": f"rel err {rel}"}
+                if not rel <= 2e-2 or int(err[0]):  # NaN (an unwritten tile) fails too
+                    results[f"cfg{i}"] = {"cfg": cfg.to_dict(), "label": labels[i],
+                                          "error": f"rel err {rel}"}
                     continue
                 fns[f"cfg{i}"] = fused
                 checks[f"cfg{i}"] = cfg
                 cublas = ref_fn
             except Exception as exc:  # out of shared memory etc.
-                results[f"cfg{i}"] = {"cfg": cfg.to_dict(), "error": repr(exc)[:200]}
+                results[f"cfg{i}"] = {"cfg": cfg.to_dict(), "label": labels[i],
+                                      "error": repr(exc)[:200]}
         if cublas is None:
             rows.append({"op": op, "model": model, "m": m, "n": n, "k": k, "error": results})
             continue
@@ -153,22 +156,64 @@ def run(args) -> dict:
         cub = statistics.median(times["cublas"])
         for name, cfg in checks.items():
             med = statistics.median(times[name])
-            results[name] = {"cfg": cfg.to_dict(), "ms": med, "ratio": med / cub}
+            i = int(name[3:])
+            results[name] = {"cfg": cfg.to_dict(), "label": labels[i], "ms": med, "ratio": med / cub,
+                             "trials_ms": times[name]}
             if best is None or med < best[1]:
                 best = (name, med)
+        by_label = {r["label"]: r.get("ratio") for r in results.values()}
         row = {"op": op, "model": model, "m": m, "n": n, "k": k, "cublas_ms": cub,
-               "default_ratio": results.get("cfg0", {}).get("ratio"), "best_ratio": best[1] / cub,
+               "cublas_trials_ms": times["cublas"],
+               "default_ratio": by_label.get("default"), "table_ratio": by_label.get("table"),
+               "best_ratio": best[1] / cub, "best_label": results[best[0]]["label"],
                "best_cfg": results[best[0]]["cfg"], "configs": results}
         rows.append(row)
-        print(f"{op:8s} {model:11s} M={m:5d} N={n:6d} K={k:6d} cublas {cub:.4f} ms  "
-              f"default x{row['default_ratio'] or float('nan'):.3f}  best x{row['best_ratio']:.3f} "
-              f"({best[0]})", flush=True)
+        shown = "  ".join(f"{lab} x{r:.3f}" for lab, r in by_label.items() if r is not None)
+        print(f"{op:8s} {model:11s} M={m:5d} N={n:6d} K={k:6d} cublas {cub:.4f} ms  {shown}  "
+              f"best {results[best[0]]['label']}", flush=True)
         del fns, checks
         torch.cuda.empty_cache()
     return {"what": "fused kernels with communication disabled vs cuBLAS (per-rank shapes)",
             "command": " ".join([sys.executable] + sys.argv), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": __import__("triton").__version__, "tp": args.tp,
             "rows": rows}
+
+
+def _configs(op, m, n, k, args):
+    """``(configs, labels)`` to time for one shape, per ``--configs``: the heuristic ``default``,
+    the shipped ``table``'s entry (the config the backend runs), their stream-K variants
+    (``sk``, AG+GEMM only), their vector-load reductions (``rsvec``, GEMM+RS only) and the
+    fixed ``candidates`` lists; duplicates dropped."""
+    import dataclasses
+
+    from megatron_flux.tuning.provider import TableConfigProvider
+
+    short = "ag" if op == "AG+GEMM" else "rs"
+    default = default_config(short, m, n, k)
+    table = TableConfigProvider()(short, m, n, k, dtype=torch.bfloat16, tp=args.tp,
+                                  device=torch.device("cuda", torch.cuda.current_device()))
+    out = []
+    if "default" in args.configs:
+        out.append(("default", default))
+    if "table" in args.configs:
+        out.append(("table", table))
+    if "sk" in args.configs and op == "AG+GEMM":  # with and without stream-K
+        for label, cfg in (("default", default), ("table", table)):
+            twin = dataclasses.replace(cfg, stream_k=1 - cfg.stream_k)
+            out.append((f"{label}{'+sk' if twin.stream_k else '-sk'}", twin))
+    if "rsvec" in args.configs and op == "GEMM+RS":
+        out.append(("default-vecreduce", dataclasses.replace(default, rs_tma_reduce=False)))
+        out.append(("table-vecreduce", dataclasses.replace(table, rs_tma_reduce=False)))
+    if "candidates" in args.configs:
+        extra = CANDIDATES if op == "AG+GEMM" else RS_CANDIDATES
+        out += [(f"cand{i}", c) for i, c in enumerate(extra)]
+    seen, configs, labels = set(), [], []
+    for label, cfg in out:
+        if cfg not in seen:
+            seen.add(cfg)
+            configs.append(cfg)
+            labels.append(label)
+    return configs, labels
 
 
 def _grid(args):
@@ -191,11 +236,16 @@ def main(argv=None):
     p.add_argument("--ops", nargs="+", default=["AG+GEMM", "GEMM+RS"])
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--default-only", action="store_true")
+    p.add_argument("--configs", nargs="+", default=["default", "table", "sk", "rsvec"],
+                   choices=["default", "table", "sk", "rsvec", "candidates"],
+                   help="which configs to time per shape (see _configs)")
+    p.add_argument("--default-only", action="store_true", help="same as --configs default")
     p.add_argument("--only-config", type=int, default=None,
-                   help="run only candidate i (0 = the default heuristic, 1.. = CANDIDATES)")
+                   help="run only the i-th config of the --configs list")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.default_only:
+        args.configs = ["default"]
     result = run(args)
     if args.json:
         with open(args.json, "w") as f:

@@ -12,20 +12,30 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   epoch``. Before a step's tiles each program waits (acquire, bounded) on that segment's
   chunks; the wait sits between the persistent tile loops so they stay flattened/pipelined.
 * Epilogue: TMA store of the tile (clipped to the segment when ``m_local % BLOCK_M != 0``).
+* Stream-K tail (``GemmConfig.stream_k``, :mod:`.stream_k`): the last ``sk_tiles`` flat tiles
+  (the partial last wave, in the last step's segment) leave the data-parallel loops; after them
+  every program takes an equal share of those tiles' K-iterations, and each tile is completed
+  by the last of its programs to finish (fp32 partials summed in a fixed order). All waits for
+  the peers' chunks have happened by then (every program waits for every step).
 
 Nothing here issues communication: the host side (:mod:`megatron_flux.backends.flux`) queues
 the chunk copies and signal writes on a side stream *after* this kernel, so the kernel never
 waits on work queued behind it, also with ``CUDA_DEVICE_MAX_CONNECTIONS=1``.
 """
 
+import warnings
+
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from megatron_flux.kernels.config import launch_geometry
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
-from megatron_flux.kernels.mainloop import split_columns, tile_mainloop
+from megatron_flux.kernels.mainloop import split_columns, tile_mainloop, tile_mainloop_k
 from megatron_flux.kernels.signals import wait_signal
+from megatron_flux.kernels.stream_k import sk_covering, sk_publish_part, sk_range, sk_sum_parts, \
+    stream_k_plan, stream_k_scratch
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step
 
 
@@ -36,6 +46,13 @@ def _ag_tile(a_desc, b_desc, c_desc, a_row, c_seg, c_row, off_n, k_tiles,
     """One output tile: K loop over A rows ``a_row`` (segment-relative when RAGGED_A) and store."""
     acc = tile_mainloop(a_desc, b_desc, c_seg, a_row, off_n, k_tiles, RAGGED_A, B_KN,
                         BLOCK_M, BLOCK_N, BLOCK_K)
+    _epilogue(c_desc, c_seg, c_row, off_n, acc, RAGGED_C, EPI_SPLIT, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _epilogue(c_desc, c_seg, c_row, off_n, acc, RAGGED_C: tl.constexpr, EPI_SPLIT: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Round the fp32 tile and store it (in two column halves with EPI_SPLIT=2)."""
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
     if EPI_SPLIT == 2:
         acc0, acc1 = split_columns(acc, BLOCK_M, HALF)
@@ -54,19 +71,22 @@ def _store(c_desc, c_seg, c_row, off_n, c, RAGGED_C: tl.constexpr, BLOCK_M: tl.c
         c_desc.store([c_row, off_n], c)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "max_spins"])
+@triton.jit(do_not_specialize=["rank", "epoch", "max_spins", "sk_tiles"])
 def ag_gemm_kernel(
     x_ptr, ag_ptr, b_ptr, c_ptr,
-    flags_ptr, err_ptr,
-    m_local, N, K, ldb, rank, world, epoch, chunk_rows, max_spins,
+    flags_ptr, err_ptr, sk_partials_ptr, sk_counters_ptr,
+    m_local, N, K, ldb, rank, world, epoch, chunk_rows, max_spins, sk_tiles,
     RAGGED: tl.constexpr, B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, STREAM_K: tl.constexpr,
+    SK_LOCAL: tl.constexpr = False,
 ):
     """Pointers: ``x`` [m_local, K], ``ag`` / ``c`` [world * m_local, K / N] contiguous; ``b``
     [K, N] (B_KN) or [N, K], row stride ``ldb``. TMA descriptors are built on the device, once
-    per program, so a launch passes only pointers and integers."""
+    per program, so a launch passes only pointers and integers. With STREAM_K the last
+    ``sk_tiles`` tiles run split along K through the scratch ``sk_partials`` / ``sk_counters``
+    (:mod:`.stream_k`); without it ``sk_tiles`` is 0 and the scratch is not touched."""
     x_desc = tl.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
     if RAGGED:
         ag_desc = tl.make_tensor_descriptor(ag_ptr, [world, m_local, K], [m_local * K, K, 1],
@@ -87,9 +107,11 @@ def ag_gemm_kernel(
     tiles_per_seg = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
     chunks_per_seg = tl.cdiv(m_local, chunk_rows)
+    dp_end = world * tiles_per_seg - sk_tiles  # tiles before it are data-parallel
 
     # Step 0: local rows, read from the caller's shard.
-    for t in tl.range(pid, tiles_per_seg, NUM_SMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+    for t in tl.range(pid, tl.minimum(tiles_per_seg, dp_end), NUM_SMS, flatten=FLATTEN,
+                      warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         if RAGGED:
@@ -108,8 +130,8 @@ def ag_gemm_kernel(
             idx = seg * chunks_per_seg + c
             wait_signal(flags_ptr + idx, epoch, max_spins, err_ptr, 1, rank, idx)  # op code OP_AG_GEMM
         first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
-        for t in tl.range(first, (step + 1) * tiles_per_seg, NUM_SMS, flatten=FLATTEN,
-                          warp_specialize=WARP_SPECIALIZE):
+        for t in tl.range(first, tl.minimum((step + 1) * tiles_per_seg, dp_end), NUM_SMS,
+                          flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
             pid_m, pid_n = grouped_tile(t - step * tiles_per_seg, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M
             if RAGGED:
@@ -118,6 +140,52 @@ def ag_gemm_kernel(
                 row = seg * m_local + off_m
             _ag_tile(ag_desc, b_desc, c_desc, row, seg, row, pid_n * BLOCK_N, k_tiles,
                      RAGGED, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
+
+    if STREAM_K:
+        _stream_k_tiles(x_desc, ag_desc, b_desc, c_desc, sk_partials_ptr, sk_counters_ptr, pid,
+                        dp_end, sk_tiles, tiles_per_seg, k_tiles, m_local, num_pid_m, num_pid_n,
+                        rank, world, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                        NUM_SMS, SK_LOCAL)
+
+
+@triton.jit
+def _stream_k_tiles(x_desc, ag_desc, b_desc, c_desc, partials_ptr, counters_ptr, pid, dp_end,
+                    sk_tiles, tiles_per_seg, k_tiles, m_local, num_pid_m, num_pid_n, rank, world,
+                    RAGGED: tl.constexpr, B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, SK_LOCAL: tl.constexpr):
+    """This program's share of the stream-K tiles ``dp_end ..``: K-iterations ``[it, end)``
+    (see :mod:`.stream_k`), one tile part at a time."""
+    it, end, per = sk_range(pid, sk_tiles, k_tiles, NUM_SMS)
+    while it < end:
+        u = it // k_tiles  # stream-K tile index
+        k_lo = it - u * k_tiles
+        k_hi = tl.minimum(end - u * k_tiles, k_tiles)
+        t = dp_end + u
+        step = t // tiles_per_seg
+        seg = segment_of_step(step, rank, world, False)
+        pid_m, pid_n = grouped_tile(t - step * tiles_per_seg, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        if RAGGED:
+            row = off_m
+        else:
+            row = seg * m_local + off_m
+        if SK_LOCAL:  # world == 1: the one segment is the caller's shard
+            acc = tile_mainloop_k(x_desc, b_desc, seg, off_m, off_n, k_lo, k_hi, False, B_KN,
+                                  BLOCK_M, BLOCK_N, BLOCK_K)
+        else:  # the last step's segment (stream_k_plan keeps them there)
+            acc = tile_mainloop_k(ag_desc, b_desc, seg, row, off_n, k_lo, k_hi, RAGGED, B_KN,
+                                  BLOCK_M, BLOCK_N, BLOCK_K)
+        first, last = sk_covering(u, per, k_tiles)
+        if first == last:  # the whole tile is this program's
+            _epilogue(c_desc, seg, row, off_n, acc, RAGGED, EPI_SPLIT, BLOCK_M, BLOCK_N)
+        elif sk_publish_part(acc, partials_ptr, counters_ptr, pid, u, per, k_tiles, first, last,
+                             BLOCK_M, BLOCK_N):
+            tile = sk_sum_parts(partials_ptr, counters_ptr, u, per, k_tiles, first, last,
+                                BLOCK_M, BLOCK_N)
+            _epilogue(c_desc, seg, row, off_n, tile, RAGGED, EPI_SPLIT, BLOCK_M, BLOCK_N)
+        it = (u + 1) * k_tiles
 
 
 def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sms, max_spins):
@@ -130,16 +198,41 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     m_local, k = x.shape
     n = b.shape[1]
     geo = launch_geometry(m_local, n, b, world, cfg, num_sms)
+    mode = 0 if cfg in _STREAM_K_TOO_BIG else cfg.stream_k
+    grid, sk_tiles = stream_k_plan(world * geo.tiles_per_segment, num_sms, mode,
+                                   geo.tiles_per_segment)
+    if sk_tiles:
+        scratch = stream_k_scratch(x.device, grid, cfg.block_m, cfg.block_n)
+        partials, counters = scratch.partials, scratch.counters
+    else:
+        partials, counters = err, err  # never touched
     ensure_descriptor_allocator()
-    _LAUNCH(
-        geo.grid,
-        (x, ag, b, out, flags, err, m_local, n, k, geo.ldb, rank, world, epoch, cfg.chunk_rows,
-         max_spins),
-        dict(RAGGED=geo.ragged, B_KN=geo.b_kn, EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m,
-             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=geo.grid,
-             FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    try:
+        _LAUNCH(
+            grid,
+            (x, ag, b, out, flags, err, partials, counters, m_local, n, k, geo.ldb, rank, world,
+             epoch, cfg.chunk_rows, max_spins, sk_tiles),
+            dict(RAGGED=geo.ragged, B_KN=geo.b_kn, EPI_SPLIT=cfg.epilogue_split,
+                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                 GROUP_M=cfg.group_m, NUM_SMS=grid, FLATTEN=cfg.flatten,
+                 WARP_SPECIALIZE=cfg.warp_specialize, STREAM_K=sk_tiles > 0,
+                 SK_LOCAL=sk_tiles > 0 and world == 1),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    except OutOfResources as exc:
+        # The stream-K loop's own pipeline buffers do not fit beside this config's (raised when
+        # the binary is loaded, before anything ran): this config runs without stream-K.
+        if not sk_tiles:
+            raise
+        _STREAM_K_TOO_BIG.add(cfg)
+        warnings.warn(f"megatron-flux AG+GEMM: {cfg} needs more shared memory with stream_k="
+                      f"{cfg.stream_k} than this GPU has ({exc}); running it without stream-K")
+        launch_ag_gemm(x, ag, b, out, flags, err, rank=rank, world=world, epoch=epoch, cfg=cfg,
+                       num_sms=num_sms, max_spins=max_spins)
+
+
+#: configs whose stream-K variant exceeded shared memory (they run data-parallel)
+_STREAM_K_TOO_BIG: set = set()
 
 
 _LAUNCH = KernelLauncher(ag_gemm_kernel)

@@ -27,10 +27,13 @@ class GemmConfig:
     ``ag_pull`` makes each AllGather rank pull its peers' shards with its own copy engine (after
     a cross-rank "shards ready" barrier) instead of pushing its shard into theirs; GEMM+RS
     ignores it.
+    ``stream_k`` (AG+GEMM only): 0 runs every output tile on one program; 1 splits the tiles of
+    a small partial last wave along K over the whole grid (:mod:`megatron_flux.kernels.stream_k`).
 
     GEMM+RS knobs (AG+GEMM ignores them): ``rs_tma_push`` writes the partial tiles into the
-    owner's buffer with TMA stores (else plain vector stores); ``flatten_consume`` flattens the
-    reduction loop."""
+    owner's buffer with TMA stores (else plain vector stores); ``rs_tma_reduce`` reads the
+    peers' partials in the reduction by TMA (else masked vector loads); ``flatten_consume``
+    flattens the reduction loop."""
 
     block_m: int = 128
     block_n: int = 256
@@ -46,6 +49,8 @@ class GemmConfig:
     comm_priority: int = -1
     ag_pull: bool = False
     rs_tma_push: bool = True
+    rs_tma_reduce: bool = True
+    stream_k: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -58,9 +63,12 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.epilogue_split must be 1 or 2 (block_n/split >= 16): {self}")
         if not isinstance(self.comm_priority, int) or not -5 <= self.comm_priority <= 0:
             raise ValueError(f"GemmConfig.comm_priority must be an int in [-5, 0]: {self}")
-        for name in ("flatten", "flatten_consume", "warp_specialize", "ag_pull", "rs_tma_push"):
+        for name in ("flatten", "flatten_consume", "warp_specialize", "ag_pull", "rs_tma_push",
+                     "rs_tma_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemmConfig.{name} must be a bool: {self}")
+        if self.stream_k not in (0, 1) or isinstance(self.stream_k, bool):
+            raise ValueError(f"GemmConfig.stream_k must be 0 or 1: {self}")
         if self.group_m < 1 or self.chunk_rows < 1:
             raise ValueError(f"GemmConfig.group_m and chunk_rows must be >= 1: {self}")
 
@@ -117,7 +125,9 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
     Measured on H200 with communication disabled (benchmarks/results/kernel-vs-cublas-*.json):
     AG+GEMM wants the flattened persistent loop with a split epilogue (0.94-1.04x cuBLAS on the
     grid). GEMM+RS has no synchronisation inside its loops and flattens both (its first
-    schedule, a release per tile inside the loop, ran 2.3-3.7x slower flattened).
+    schedule, a release per tile inside the loop, ran 2.3-3.7x slower flattened). AG+GEMM
+    splits a small last wave along K (``stream_k=1``; 1-3.7 % faster where it applies, a no-op
+    elsewhere: :mod:`megatron_flux.kernels.stream_k`).
     """
     if interpret:  # the CPU interpreter runs whole blocks in numpy: keep them small
         return GemmConfig(block_m=16, block_n=32, block_k=16, num_stages=1, num_warps=4, group_m=2,
@@ -127,5 +137,7 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
             return GemmConfig(64, 128, 128, 4, 4, 8, epilogue_split=1, flatten=True, flatten_consume=True)
         return GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=2, flatten=True, flatten_consume=True)
     if m_total <= 1024 and n <= 16384:
-        return GemmConfig(128, 128, 64, 4, 4, 8, chunk_rows=4096, epilogue_split=1, flatten=True)
-    return GemmConfig(128, 256, 64, 3, 8, 8, chunk_rows=4096, epilogue_split=2, flatten=True)
+        return GemmConfig(128, 128, 64, 4, 4, 8, chunk_rows=4096, epilogue_split=1, flatten=True,
+                          stream_k=1)
+    return GemmConfig(128, 256, 64, 3, 8, 8, chunk_rows=4096, epilogue_split=2, flatten=True,
+                      stream_k=1)

@@ -41,18 +41,20 @@ from megatron_flux.kernels.config import interpreting, launch_geometry
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import segment_tile, split_columns
-from megatron_flux.kernels.signals import publish_when_grid_done, wait_signal
+from megatron_flux.kernels.signals import fence_async_proxy, publish_when_grid_done, wait_signal
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, segment_of_step
 
 
 @triton.jit
-def _tile_offsets(slot_base, off_m, off_n, m_local, N, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """Element offsets and mask of a ``[BLOCK_M, WIDTH]`` tile of a ``[m_local, N]`` slot."""
-    rows = off_m + tl.arange(0, BLOCK_M)
+def _tile_ptrs(base, slot_base, off_m, off_n, m_local, N, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """Pointers and mask of a ``[BLOCK_M, WIDTH]`` tile of the ``[m_local, N]`` slot at
+    ``base + slot_base``: one 64-bit scalar base, 32-bit offsets inside the tile (whole-tile
+    64-bit offsets cost the consumer spilled registers)."""
+    rows = tl.arange(0, BLOCK_M)
     cols = off_n + tl.arange(0, WIDTH)
-    offs = slot_base + rows.to(tl.int64)[:, None] * N + cols[None, :]
-    mask = (rows[:, None] < m_local) & (cols[None, :] < N)
-    return offs, mask
+    ptrs = (base + slot_base + off_m.to(tl.int64) * N) + (rows[:, None] * N + cols[None, :])
+    mask = ((off_m + rows)[:, None] < m_local) & (cols[None, :] < N)
+    return ptrs, mask
 
 
 @triton.jit
@@ -62,18 +64,30 @@ def _push_part(part, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUS
     if TMA_PUSH:
         dst_desc.store([off_m, off_n], part.to(dst_desc.dtype))
     else:
-        offs, mask = _tile_offsets(slot_base, off_m, off_n, m_local, N, BLOCK_M, WIDTH)
-        tl.store(dst + offs, part.to(dst.dtype.element_ty), mask=mask)
+        ptrs, mask = _tile_ptrs(dst, slot_base, off_m, off_n, m_local, N, BLOCK_M, WIDTH)
+        tl.store(ptrs, part.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _reduce_part(part, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank, world,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """``part`` (fp32, own partial) + peers' partials in rank order (+ bias) -> ``out``."""
+def _reduce_part(part, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
+                 world, TMA_REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 WIDTH: tl.constexpr):
+    """``part`` (fp32, own partial) + peers' partials in rank order (+ bias) -> ``out``.
+
+    TMA_REDUCE reads the partials by TMA through ``slots_desc`` (``[world, m_local, N]``, rows
+    past a segment's end read as zeros); else masked vector loads. (The vector loads with
+    whole-tile int64 offsets made the consumer spill registers: ptxas for sm_90a, 364 bytes
+    with 128x256 tiles; TMA reads, none.)"""
     for src in range(world):
         if src != rank:
-            offs, mask = _tile_offsets((src * m_local).to(tl.int64) * N, off_m, off_n, m_local, N, BLOCK_M, WIDTH)
-            part += tl.load(data_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if TMA_REDUCE:
+                part += slots_desc.load([src, off_m, off_n]).reshape(BLOCK_M, WIDTH).to(tl.float32)
+            else:
+                rows = off_m + tl.arange(0, BLOCK_M)
+                cols = off_n + tl.arange(0, WIDTH)
+                offs = (src * m_local).to(tl.int64) * N + rows.to(tl.int64)[:, None] * N + cols[None, :]
+                mask = (rows[:, None] < m_local) & (cols[None, :] < N)
+                part += tl.load(data_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         cols = off_n + tl.arange(0, WIDTH)
         part += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -95,19 +109,19 @@ def _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH
 
 
 @triton.jit
-def _reduce_tile(acc, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank, world,
-                 HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+def _reduce_tile(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
+                 world, TMA_REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
     if EPI_SPLIT == 2:
         acc0, acc1 = split_columns(acc, BLOCK_M, HALF)
-        _reduce_part(acc0, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
-                     world, HAS_BIAS, BLOCK_M, HALF)
-        _reduce_part(acc1, data_ptr, bias_ptr, out_desc, off_m, off_n + HALF, m_local, N,
-                     rank, world, HAS_BIAS, BLOCK_M, HALF)
+        _reduce_part(acc0, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_local, N,
+                     rank, world, TMA_REDUCE, HAS_BIAS, BLOCK_M, HALF)
+        _reduce_part(acc1, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n + HALF, m_local,
+                     N, rank, world, TMA_REDUCE, HAS_BIAS, BLOCK_M, HALF)
     else:
-        _reduce_part(acc, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank, world,
-                     HAS_BIAS, BLOCK_M, BLOCK_N)
+        _reduce_part(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_local, N,
+                     rank, world, TMA_REDUCE, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["rank", "epoch", "max_spins"])
@@ -120,7 +134,7 @@ def gemm_rs_kernel(
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     FLATTEN: tl.constexpr, FLATTEN_CONSUME: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     TMA_PUSH: tl.constexpr, ASYNC_FENCE: tl.constexpr,
-    PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True,
+    PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True, TMA_REDUCE: tl.constexpr = True,
 ):
     """``data_ptr``: this rank's slot region (``[world, m_local, N]``, output dtype) for this
     call's parity; ``data_ptrs``/``flag_ptrs``: int64 tables of every rank's slot region and
@@ -168,28 +182,32 @@ def gemm_rs_kernel(
         # The first own tile is peeled so its GEMM runs before the one wait for the peers (when
         # the grid covers every tile in one wave, a program's only reduction tile then overlaps
         # the peers' producer tiles); the rest of the loop has no synchronisation.
+        slots_desc = tl.make_tensor_descriptor(data_ptr, [world, m_local, N], [m_local * N, N, 1],
+                                               [1, BLOCK_M, HALF])
         own_start = (world - 1) * tiles_per_seg
         first = first_tile_at_or_after(pid, own_start, NUM_SMS)
         if first < world * tiles_per_seg:
-            _consume_tile(a_desc, b_desc, out_desc, data_ptr, bias_ptr, my_flags, err_ptr,
-                          first - own_start, m_local, N, k_tiles, rank, world, epoch, max_spins,
-                          num_pid_m, num_pid_n, True, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+            _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
+                          err_ptr, first - own_start, m_local, N, k_tiles, rank, world, epoch,
+                          max_spins, num_pid_m, num_pid_n, True, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT,
+                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE)
         for t in tl.range(first + NUM_SMS, world * tiles_per_seg, NUM_SMS, flatten=FLATTEN_CONSUME):
-            _consume_tile(a_desc, b_desc, out_desc, data_ptr, bias_ptr, my_flags, err_ptr,
-                          t - own_start, m_local, N, k_tiles, rank, world, epoch, max_spins,
-                          num_pid_m, num_pid_n, False, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+            _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
+                          err_ptr, t - own_start, m_local, N, k_tiles, rank, world, epoch,
+                          max_spins, num_pid_m, num_pid_n, False, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT,
+                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE)
 
 
 @triton.jit
-def _consume_tile(a_desc, b_desc, out_desc, data_ptr, bias_ptr, my_flags, err_ptr, t_in_seg,
-                  m_local, N, k_tiles, rank, world, epoch, max_spins, num_pid_m, num_pid_n,
-                  WAIT: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags, err_ptr,
+                  t_in_seg, m_local, N, k_tiles, rank, world, epoch, max_spins, num_pid_m,
+                  num_pid_n, WAIT: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  TMA_REDUCE: tl.constexpr, ASYNC_FENCE: tl.constexpr):
     """One tile of the own segment: its GEMM, with WAIT the wait for every peer's step signal,
-    then the reduction epilogue."""
+    then the reduction epilogue. After the wait (generic-proxy acquire), TMA reads of the
+    partials are ordered behind it with a proxy fence."""
     acc, off_m, off_n = segment_tile(a_desc, b_desc, t_in_seg, rank, m_local, k_tiles,
                                      num_pid_m, num_pid_n, RAGGED, B_KN, BLOCK_M, BLOCK_N,
                                      BLOCK_K, GROUP_M)
@@ -197,8 +215,9 @@ def _consume_tile(a_desc, b_desc, out_desc, data_ptr, bias_ptr, my_flags, err_pt
         for src in range(0, world):
             if src != rank:
                 wait_signal(my_flags + src, epoch, max_spins, err_ptr, 2, rank, src)  # OP_GEMM_RS
-    _reduce_tile(acc, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank, world,
-                 HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N)
+        fence_async_proxy(epoch, ASYNC_FENCE and TMA_REDUCE)
+    _reduce_tile(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
+                 world, TMA_REDUCE, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N)
 
 
 def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, world, epoch, cfg,
@@ -222,7 +241,7 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
              BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=geo.grid, FLATTEN=cfg.flatten,
              FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
              TMA_PUSH=cfg.rs_tma_push, ASYNC_FENCE=not interpreting(), PRODUCE=produce,
-             CONSUME=consume),
+             CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -18,17 +18,42 @@ def tile_mainloop(a_desc, b_desc, a_seg, a_row, off_n, k_tiles,
     ``[N, K]`` (transposed on load)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for ki in range(k_tiles):
-        off_k = ki * BLOCK_K
-        if RAGGED_A:
-            a = a_desc.load([a_seg, a_row, off_k]).reshape(BLOCK_M, BLOCK_K)
-        else:
-            a = a_desc.load([a_row, off_k])
-        if B_KN:
-            b = b_desc.load([off_k, off_n])
-        else:
-            b = b_desc.load([off_n, off_k]).T
+        a, b = _load_ab(a_desc, b_desc, a_seg, a_row, off_n, ki * BLOCK_K, RAGGED_A, B_KN,
+                        BLOCK_M, BLOCK_K)
         acc = tl.dot(a, b, acc)
     return acc
+
+
+@triton.jit
+def tile_mainloop_k(a_desc, b_desc, a_seg, a_row, off_n, k_lo, k_hi,
+                    RAGGED_A: tl.constexpr, B_KN: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """:func:`tile_mainloop` over K-tiles ``[k_lo, k_hi)`` only (a stream-K part of a tile).
+
+    Pipelined 2 deep, whatever the kernel's ``num_stages``: Triton gives this loop buffers of
+    its own beside the main loop's, and with 3 stages a 128x256x64 tile's kernel would need
+    more shared memory than Hopper has (measured by compiling for sm_90: 224 KiB at 2)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in tl.range(k_lo, k_hi, num_stages=2):
+        a, b = _load_ab(a_desc, b_desc, a_seg, a_row, off_n, ki * BLOCK_K, RAGGED_A, B_KN,
+                        BLOCK_M, BLOCK_K)
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _load_ab(a_desc, b_desc, a_seg, a_row, off_n, off_k, RAGGED_A: tl.constexpr, B_KN: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K-step's A ``[BLOCK_M, BLOCK_K]`` and B ``[BLOCK_K, BLOCK_N]`` blocks."""
+    if RAGGED_A:
+        a = a_desc.load([a_seg, a_row, off_k]).reshape(BLOCK_M, BLOCK_K)
+    else:
+        a = a_desc.load([a_row, off_k])
+    if B_KN:
+        b = b_desc.load([off_k, off_n])
+    else:
+        b = b_desc.load([off_n, off_k]).T
+    return a, b
 
 
 @triton.jit

@@ -56,6 +56,15 @@ def drain_async_stores(token, ASYNC_STORES: tl.constexpr):
 
 
 @triton.jit
+def fence_async_proxy(token, ENABLED: tl.constexpr):
+    """Order this thread's earlier generic-proxy accesses (an acquire) before its later
+    async-proxy ones (TMA loads). A no-op when not ENABLED (the interpreter)."""
+    if ENABLED:
+        tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r", [token],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def publish_when_grid_done(counter_ptr, grid, flag_ptr, epoch, ASYNC_STORES: tl.constexpr):
     """Count this program in at ``counter_ptr``; the last of ``grid`` programs resets the counter
     and publishes ``epoch`` at ``flag_ptr`` (release, system scope).

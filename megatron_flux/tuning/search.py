@@ -61,13 +61,16 @@ SEARCH_SPACE: Dict[str, Tuple] = {
     "comm_priority": (-1, 0),
     "ag_pull": (False, True),
     "rs_tma_push": (True, False),
+    "rs_tma_reduce": (True, False),
     "flatten_consume": (True, False),
+    "stream_k": (0, 1),
 }
 #: knobs only one op has; the other op keeps its default's value
-_OP_KNOBS = {"ag": ("chunk_rows", "comm_priority", "ag_pull"),
-             "rs": ("rs_tma_push", "flatten_consume")}
+_OP_KNOBS = {"ag": ("chunk_rows", "comm_priority", "ag_pull", "stream_k"),
+             "rs": ("rs_tma_push", "rs_tma_reduce", "flatten_consume")}
 #: order of the single-knob variations within each round (see generate_candidates)
-_VARIATION_ORDER = ("chunk_rows", "comm_priority", "ag_pull", "rs_tma_push", "flatten_consume",
+_VARIATION_ORDER = ("stream_k", "chunk_rows", "comm_priority", "ag_pull", "rs_tma_push",
+                    "rs_tma_reduce", "flatten_consume",
                     "num_stages", "block_n", "block_m",
                     "block_k", "warp_specialize", "epilogue_split", "group_m", "num_warps", "flatten")
 #: knobs the backend has but the search leaves alone (recorded in the table's search.not_searched)

@@ -1,0 +1,147 @@
+"""Stream-K tail for the persistent AG+GEMM: the last, partial wave split along K.
+
+A persistent grid of ``G`` programs over ``T`` equal output tiles runs ``ceil(T / G)`` rounds,
+the last one only ``(T % G) / G`` full: on H200 (``G = 132``) llama3-8b's fc1 at m = 1024 has
+448 tiles of 128x256, i.e. 3.39 waves run as 4 (85 % of the SMs busy on average), and most
+training shapes lose about 3 % this way (13.6 waves run as 14). cuBLAS avoids it; a fused
+kernel that cannot is slower than NCCL + cuBLAS by that much before any communication is hidden.
+
+Schedule (``GemmConfig.stream_k``, AG+GEMM only):
+
+* ``0``: off, every tile is one program's (the data-parallel schedule).
+* ``1``: when the partial last wave is small (``T % G <= MAX_TAIL_FRACTION * G``), its tiles
+  are *stream-K tiles*; the rest stays data-parallel. Stream-K tiles are kept inside the last
+  segment (see :func:`stream_k_plan`).
+* The stream-K tiles' ``S * k_tiles`` K-iterations are cut into ``G`` equal contiguous ranges,
+  one per program (``per = cdiv(S * k_tiles, G)``), walked after the program's data-parallel
+  tiles. A range covers the end of one tile, maybe whole tiles, and the start of another.
+* A tile covered by one program is stored directly. Otherwise every program covering it
+  writes its fp32 partial to its own scratch slot (``[program, 0]`` for the first tile of its
+  range, ``[program, 1]`` for the last: only those can be partial), then counts itself in on
+  the tile's counter (acq_rel, GPU scope). The last to arrive resets the counter, adds the
+  slots up in program order and stores the tile, so the result does not depend on who arrived
+  last: repeated calls are bitwise identical. Nobody waits for anybody, so a program that is
+  not resident yet (another kernel holding SMs) delays the tile but cannot deadlock it.
+
+Why the threshold (measured on H200 with communication disabled, two GPUs as replicates,
+``benchmarks/NOTES.md`` session 6): splitting saves ``1 - tail`` of a tile's time and costs the
+partials' round trip and a shorter, 2-stage K loop. With the tail at 0.15-0.30 of a wave it
+was 1-3.7 % faster than data-parallel (llama3-70b fc1 at m = 4096 and 8192, gpt3-175b at 4096,
+llama3-8b at 8192); at 0.55-0.82 it was 0.5-15 % slower. A variant that also split one full
+wave before the tail was slower than this one on all 12 grid shapes and was removed.
+
+The host side here sizes the plan and keeps one scratch (slots + counters) per device and
+stream: kernels on one stream run one after another, so they can share it, and the counters
+are back at zero when each launch ends.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+STREAM_K_MODES = (0, 1)
+#: split the partial last wave only when it fills at most this share of the grid
+MAX_TAIL_FRACTION = 0.35
+
+
+def stream_k_plan(total_tiles: int, num_sms: int, mode: int, last_segment_tiles: int) -> Tuple[int, int]:
+    """``(grid, stream-K tiles)`` for ``total_tiles`` output tiles on ``num_sms`` SMs.
+
+    Stream-K (mode 1) takes the ``total_tiles % num_sms`` tiles of the partial last wave when
+    they are at most :data:`MAX_TAIL_FRACTION` of a wave, there is at least one whole wave
+    before them, and they lie in the last segment (``last_segment_tiles`` tiles): the kernel
+    reads them through one A descriptor (one K loop: two loops feeding one accumulator made
+    ptxas serialise every wgmma of the kernel). Otherwise the grid is
+    ``min(num_sms, total_tiles)`` and nothing is split."""
+    if mode not in STREAM_K_MODES:
+        raise ValueError(f"stream_k mode must be one of {STREAM_K_MODES}, got {mode}")
+    if total_tiles <= 0:
+        return 0, 0
+    tail = total_tiles % num_sms
+    if (mode == 0 or tail == 0 or total_tiles < num_sms or tail > MAX_TAIL_FRACTION * num_sms
+            or tail > last_segment_tiles):
+        return min(num_sms, total_tiles), 0
+    return num_sms, tail
+
+
+class _Scratch:
+    __slots__ = ("partials", "counters")
+
+    def __init__(self, partials: torch.Tensor, counters: torch.Tensor):
+        self.partials = partials
+        self.counters = counters
+
+
+_SCRATCH: Dict[tuple, _Scratch] = {}
+
+
+def stream_k_scratch(device: torch.device, grid: int, block_m: int, block_n: int) -> _Scratch:
+    """Slots ``[grid, 2, block_m * block_n]`` fp32 and ``2 * grid`` int32 counters (zero) for
+    launches on the current stream of ``device`` (one per CPU, for the interpreter); grown,
+    never shrunk."""
+    if device.type == "cpu":
+        key = ("cpu",)
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (index, torch.cuda.current_stream(device).cuda_stream)
+    need = grid * 2 * block_m * block_n
+    s = _SCRATCH.get(key)
+    if s is None or s.partials.numel() < need or s.counters.numel() < 2 * grid:
+        old_p = s.partials.numel() if s is not None else 0
+        old_c = s.counters.numel() if s is not None else 0
+        s = _SCRATCH[key] = _Scratch(
+            torch.empty(max(need, old_p), dtype=torch.float32, device=device),
+            torch.zeros(max(2 * grid, old_c), dtype=torch.int32, device=device))
+    return s
+
+
+@triton.jit
+def sk_range(pid, sk_tiles, k_tiles, NUM_SMS: tl.constexpr):
+    """This program's K-iterations ``[start, end)`` of the stream-K phase, and ``per``."""
+    total = sk_tiles * k_tiles
+    per = tl.cdiv(total, NUM_SMS)
+    start = tl.minimum(pid * per, total)
+    end = tl.minimum(start + per, total)
+    return start, end, per
+
+
+@triton.jit
+def sk_covering(u, per, k_tiles):
+    """The first and last program whose K-iterations cover stream-K tile ``u``."""
+    return (u * k_tiles) // per, ((u + 1) * k_tiles - 1) // per
+
+
+@triton.jit
+def sk_publish_part(acc, partials_ptr, counters_ptr, pid, u, per, k_tiles, first, last,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write this program's part ``acc`` of tile ``u`` (covered by programs ``first..last``,
+    more than one) to its slot and count it in; True for the last to arrive, which then owns
+    the tile (:func:`sk_sum_parts`). The caller stores a tile covered by one program itself:
+    keeping the two paths apart keeps ``acc`` out of any merge with the summed tile (a merged
+    accumulator made ptxas serialise every wgmma of the kernel, C7515)."""
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    j = tl.where(u == (pid * per) // k_tiles, 0, 1)
+    tl.store(partials_ptr + (pid * 2 + j).to(tl.int64) * (BLOCK_M * BLOCK_N) + offs, acc)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counters_ptr + u, 1, sem="acq_rel", scope="gpu")
+    return arrived == last - first
+
+
+@triton.jit
+def sk_sum_parts(partials_ptr, counters_ptr, u, per, k_tiles, first, last,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile ``u`` as the sum of its programs' parts in program order (fixed, so bitwise
+    reproducible); resets the tile's counter for the next launch."""
+    tl.atomic_xchg(counters_ptr + u, 0, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for p in range(first, last + 1):
+        jp = tl.where(u == (p * per) // k_tiles, 0, 1)
+        tile += tl.load(partials_ptr + (p * 2 + jp).to(tl.int64) * (BLOCK_M * BLOCK_N) + offs,
+                        cache_modifier=".cg")
+    return tile
