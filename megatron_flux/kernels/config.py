@@ -126,7 +126,7 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
     AG+GEMM wants the flattened persistent loop with a split epilogue (0.94-1.04x cuBLAS on the
     grid). GEMM+RS has no synchronisation inside its loops and flattens both (its first
     schedule, a release per tile inside the loop, ran 2.3-3.7x slower flattened). AG+GEMM
-    splits a small last wave along K (``stream_k=1``; 1-3.7 % faster where it applies, a no-op
+    splits a small last wave along K (``stream_k=1``; 0.9-3.8 % faster where it applies, a no-op
     elsewhere: :mod:`megatron_flux.kernels.stream_k`).
     """
     if interpret:  # the CPU interpreter runs whole blocks in numpy: keep them small

@@ -1,10 +1,9 @@
 """Stream-K tail for the persistent AG+GEMM: the last, partial wave split along K.
 
 A persistent grid of ``G`` programs over ``T`` equal output tiles runs ``ceil(T / G)`` rounds,
-the last one only ``(T % G) / G`` full: on H200 (``G = 132``) llama3-8b's fc1 at m = 1024 has
-448 tiles of 128x256, i.e. 3.39 waves run as 4 (85 % of the SMs busy on average), and most
-training shapes lose about 3 % this way (13.6 waves run as 14). cuBLAS avoids it; a fused
-kernel that cannot is slower than NCCL + cuBLAS by that much before any communication is hidden.
+the last one only ``(T % G) / G`` full. On H200 (``G = 132``) the 128x256 tiles of llama3-70b's
+fc1 at m = 4096 (TP=2) make 27.15 waves, run as 28: 3 % of the kernel's time with most SMs
+idle. With the fused op's whole margin over NCCL + cuBLAS at a few percent, that matters.
 
 Schedule (``GemmConfig.stream_k``, AG+GEMM only):
 
@@ -26,8 +25,8 @@ Schedule (``GemmConfig.stream_k``, AG+GEMM only):
 Why the threshold (measured on H200 with communication disabled, two GPUs as replicates,
 ``benchmarks/NOTES.md`` session 6): splitting saves ``1 - tail`` of a tile's time and costs the
 partials' round trip and a shorter, 2-stage K loop. With the tail at 0.15-0.30 of a wave it
-was 1-3.7 % faster than data-parallel (llama3-70b fc1 at m = 4096 and 8192, gpt3-175b at 4096,
-llama3-8b at 8192); at 0.55-0.82 it was 0.5-15 % slower. A variant that also split one full
+was 0.9-3.8 % faster than data-parallel (llama3-70b fc1 at m = 4096 and 8192, gpt3-175b at 4096,
+llama3-8b at 8192); at 0.55-0.82 it was 0.2-15 % slower. A variant that also split one full
 wave before the tail was slower than this one on all 12 grid shapes and was removed.
 
 The host side here sizes the plan and keeps one scratch (slots + counters) per device and
