@@ -24,6 +24,7 @@ import triton.language as tl  # noqa: E402
 from megatron_flux.kernels.ag_gemm import launch_ag_gemm  # noqa: E402
 from megatron_flux.kernels.config import GemmConfig, rs_signal_count  # noqa: E402
 from megatron_flux.kernels.gemm_rs import launch_gemm_rs  # noqa: E402
+from megatron_flux.kernels.stream_k import _slot_ptrs, sk_covering, sk_range  # noqa: E402
 from megatron_flux.kernels.tile_order import tile_order_probe_kernel  # noqa: E402
 
 CFG = GemmConfig(block_m=16, block_n=32, block_k=16, num_stages=1, num_warps=4, group_m=2,
@@ -80,6 +81,17 @@ def _ag_case(world, m_local, k, n, b_kn):
     return xs, b, torch.cat(xs).float() @ b.float()
 
 
+def _gathered_by(rank, xs):
+    """Rank ``rank``'s gathered workspace after the peers' copies: every peer's rows in place,
+    its own rows NaN (the kernel must read those from its shard, never from here)."""
+    m_local, k = xs[0].shape
+    ag = torch.full((len(xs) * m_local, k), float("nan")).to(DTYPE)
+    for s, x in enumerate(xs):
+        if s != rank:
+            ag[s * m_local:(s + 1) * m_local] = x
+    return ag
+
+
 def check_ag_gemm_all_ranks():
     """AG+GEMM output on every rank of TP 2/4/8, aligned and ragged m_local, both B layouts."""
     for world, m_local, b_kn in ((2, 32, False), (4, 20, True), (8, 9, False), (4, 48, False)):
@@ -87,10 +99,7 @@ def check_ag_gemm_all_ranks():
         xs, b, ref = _ag_case(world, m_local, k, n, b_kn)
         chunks = triton.cdiv(m_local, CFG.chunk_rows)
         for rank in range(world):
-            ag = torch.full((world * m_local, k), float("nan")).to(DTYPE)
-            for s in range(world):
-                if s != rank:
-                    ag[s * m_local:(s + 1) * m_local] = xs[s]
+            ag = _gathered_by(rank, xs)
             flags = torch.full((world * chunks,), 7, dtype=torch.int32)
             err = torch.zeros(4, dtype=torch.int32)
             out = torch.full((world * m_local, n), float("nan")).to(DTYPE)
@@ -122,10 +131,7 @@ def check_ag_stream_k():
         _, sk = SK.stream_k_plan(world * tps, grid, 1, tps)
         assert sk > 0, (world, m_local, n, grid)
         for rank in range(world):
-            ag = torch.full((world * m_local, k), float("nan")).to(DTYPE)
-            for s in range(world):
-                if s != rank:
-                    ag[s * m_local:(s + 1) * m_local] = xs[s]
+            ag = _gathered_by(rank, xs)
             flags = torch.full((world * chunks,), 7, dtype=torch.int32)
             runs = []
             for _ in range(2):
@@ -149,6 +155,36 @@ def check_ag_stream_k():
     assert SK.stream_k_plan(396, 132, 1, 198) == (132, 0)  # whole waves: nothing to split
     assert SK.stream_k_plan(100, 132, 1, 100) == (100, 0)  # below one wave
     assert SK.stream_k_plan(3584, 132, 1, 10) == (132, 0)  # would span two segments
+    # Slots: within one launch no two partial writes share a slot. (The interpreter runs
+    # programs one after another, so a program finishes its first tile before it writes its
+    # next partial; the math above cannot see a slot reused by the same program, the GPU can.)
+    for sk_tiles, k_tiles, grid in ((3, 4, 5), (7, 10, 4), (20, 64, 132), (1, 64, 132), (5, 3, 2)):
+        partials = torch.zeros(grid * 2 * 4)
+        log = torch.zeros(grid * 8, dtype=torch.float32)
+        _sk_slot_probe[(grid,)](partials, log, sk_tiles, k_tiles, NUM_SMS=grid)
+        written = sorted(v for v in log.tolist() if v)
+        kept = sorted(v for v in partials.tolist() if v)
+        assert written and written == sorted(set(kept)), \
+            f"slot reused (sk_tiles={sk_tiles}, k_tiles={k_tiles}, grid={grid})"
+
+
+@triton.jit
+def _sk_slot_probe(partials_ptr, log_ptr, sk_tiles, k_tiles, NUM_SMS: tl.constexpr):
+    """Walk each program's stream-K range as the AG kernel does and write a marker
+    ``1 + u * NUM_SMS + pid`` (a 2x2 block) into the slot of every partial tile part; log it."""
+    pid = tl.program_id(0)
+    it, end, per = sk_range(pid, sk_tiles, k_tiles, NUM_SMS)
+    n = 0
+    while it < end:
+        u = it // k_tiles
+        first, last = sk_covering(u, per, k_tiles)
+        if first != last:
+            marker = (1 + u * NUM_SMS + pid).to(tl.float32)
+            tl.store(_slot_ptrs(partials_ptr, pid, u, per, k_tiles, 2, 2),
+                     tl.full((2, 2), 0.0, tl.float32) + marker)
+            tl.store(log_ptr + pid * 8 + n, marker)
+            n += 1
+        it = (u + 1) * k_tiles
 
 
 def check_ag_signal_indexing():

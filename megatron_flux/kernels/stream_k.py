@@ -122,9 +122,7 @@ def sk_publish_part(acc, partials_ptr, counters_ptr, pid, u, per, k_tiles, first
     the tile (:func:`sk_sum_parts`). The caller stores a tile covered by one program itself:
     keeping the two paths apart keeps ``acc`` out of any merge with the summed tile (a merged
     accumulator made ptxas serialise every wgmma of the kernel, C7515)."""
-    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    j = tl.where(u == (pid * per) // k_tiles, 0, 1)
-    tl.store(partials_ptr + (pid * 2 + j).to(tl.int64) * (BLOCK_M * BLOCK_N) + offs, acc)
+    tl.store(_slot_ptrs(partials_ptr, pid, u, per, k_tiles, BLOCK_M, BLOCK_N), acc)
     tl.debug_barrier()
     arrived = tl.atomic_add(counters_ptr + u, 1, sem="acq_rel", scope="gpu")
     return arrived == last - first
@@ -137,10 +135,18 @@ def sk_sum_parts(partials_ptr, counters_ptr, u, per, k_tiles, first, last,
     reproducible); resets the tile's counter for the next launch."""
     tl.atomic_xchg(counters_ptr + u, 0, sem="relaxed", scope="gpu")
     tl.debug_barrier()
-    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for p in range(first, last + 1):
-        jp = tl.where(u == (p * per) // k_tiles, 0, 1)
-        tile += tl.load(partials_ptr + (p * 2 + jp).to(tl.int64) * (BLOCK_M * BLOCK_N) + offs,
+        tile += tl.load(_slot_ptrs(partials_ptr, p, u, per, k_tiles, BLOCK_M, BLOCK_N),
                         cache_modifier=".cg")
     return tile
+
+
+@triton.jit
+def _slot_ptrs(partials_ptr, program, u, per, k_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Pointers of ``program``'s slot for stream-K tile ``u``: ``[program, 0]`` when ``u`` is
+    the first tile of its K range, else ``[program, 1]`` (only a range's first and last tiles
+    can be partial)."""
+    j = tl.where(u == (program * per) // k_tiles, 0, 1)
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    return partials_ptr + (program * 2 + j).to(tl.int64) * (BLOCK_M * BLOCK_N) + offs
