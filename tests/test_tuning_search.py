@@ -233,3 +233,24 @@ def test_comm_priority_is_an_ag_knob_only():
     d = default_config("ag", 4096, 14336, 4096).to_dict()
     d.pop("comm_priority")
     assert GemmConfig.from_dict(d).comm_priority == -1
+
+
+def test_pick_winner_keeps_the_default_unless_beaten_by_the_margin():
+    from megatron_flux.tuning.search import pick_winner
+
+    meds = {"c0": 1.000, "c1": 0.995, "c2": 1.02}
+    assert pick_winner(meds, "c0", 0.01) == "c0"  # 0.5 % faster: noise, keep the default
+    assert pick_winner(meds, "c0", 0.0) == "c1"  # no margin: plain minimum
+    assert pick_winner({"c0": 1.0, "c1": 0.98}, "c0", 0.01) == "c1"  # 2 % faster wins
+    assert pick_winner({"c1": 0.99, "c2": 0.99}, "c0", 0.01) == "c1"  # default absent: minimum, ties by name
+    with pytest.raises(ValueError):
+        pick_winner({}, "c0", 0.01)
+
+
+def test_min_gain_is_validated():
+    from megatron_flux.tuning.search import parse_args
+
+    assert parse_args([]).min_gain == 0.01
+    assert parse_args(["--min-gain", "0"]).min_gain == 0.0
+    with pytest.raises(SystemExit):
+        parse_args(["--min-gain", "1.5"])
