@@ -18,8 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks", "results", "bench-h200x2-2026-11-22.json")
 # shipped table -> (TP, the tuning run, the benchmark that confirmed it), all committed
 SHIPPED = {
-    "h200-sm132-tp2-bf16.json": (2, "benchmarks/results/raw/tune-h200x2-s4/table.json",
-                                 "benchmarks/results/bench-tuned-s4-h200x2-2026-11-22.json"),
+    "h200-sm132-tp2-bf16.json": (2, "benchmarks/results/raw/tune-h200x2-s8/table.json",
+                                 "benchmarks/results/bench-h200x2-2026-11-23.json"),
     "h200-sm132-tp4-bf16.json": (4, "benchmarks/results/raw/tune-h200x4-2026-11-22.json",
                                  "benchmarks/results/bench-h200x4-2026-11-22.json"),
 }
@@ -129,24 +129,21 @@ def test_shape_misses_fall_back_to_default_config(tmp_path, change):
     assert got == default_config(args["op"], args["m"], args["n"], args["k"])
 
 
-def _shipped_tp2_entry(op, n, k, m):
-    t = T.load_table(os.path.join(registry.SHIPPED_DIR, "h200-sm132-tp2-bf16.json"))
-    (entry,) = [e for e in t.entries if (e.op, e.n, e.k, e.m) == (op, n, k, m)]
-    return entry
+def _shipped_tp2_entries():
+    return T.load_table(os.path.join(registry.SHIPPED_DIR, "h200-sm132-tp2-bf16.json")).entries
 
 
 @pytest.mark.parametrize("device,tp", [(("NVIDIA H100", 132), 2), (("NVIDIA H200", 114), 2), (H200, 4)])
 def test_machine_misses_fall_back_without_user_tables(device, tp):
     """The shipped H200/132 SMs/TP=2 table does not apply to another GPU, SM count or TP."""
     prov = T.TableConfigProvider()
-    entry = _shipped_tp2_entry("rs", 12288, 24576, 2048)  # tuned to 128x128 tiles
-    assert prov("rs", 2048, 12288, 24576, dtype=torch.bfloat16, tp=2, device=H200) == entry.config
-    assert entry.config != default_config("rs", 2048, 12288, 24576)
-    assert T.prefer_fused("rs", 2048, 12288, 24576, torch.bfloat16, 2, H200) is (
-        entry.flux_ms <= 0.98 * entry.nccl_ms)
-    assert T.prefer_fused("rs", 2048, 12288, 24576, torch.bfloat16, tp, device) is None
-    got = prov("rs", 2048, 12288, 24576, dtype=torch.bfloat16, tp=tp, device=device)
-    assert got == default_config("rs", 2048, 12288, 24576)
+    # an entry whose tuned config is not the default (there must be one: the search found it)
+    entry = next(e for e in _shipped_tp2_entries() if e.config != default_config(e.op, e.m, e.n, e.k))
+    op, m, n, k = entry.op, entry.m, entry.n, entry.k
+    assert prov(op, m, n, k, dtype=torch.bfloat16, tp=2, device=H200) == entry.config
+    assert T.prefer_fused(op, m, n, k, torch.bfloat16, 2, H200) is (entry.flux_ms <= 0.98 * entry.nccl_ms)
+    assert T.prefer_fused(op, m, n, k, torch.bfloat16, tp, device) is None
+    assert prov(op, m, n, k, dtype=torch.bfloat16, tp=tp, device=device) == default_config(op, m, n, k)
 
 
 def test_unknown_gpu_without_user_tables_is_not_an_error():
@@ -228,10 +225,15 @@ def test_shipped_h200_table_decisions_follow_its_times_and_the_margin():
 
 
 def test_auto_margin_from_the_environment(monkeypatch):
-    # rs n=4096 k=14336 m=2048: fused measured 0.983x nccl, inside the default 2 % margin
-    assert T.prefer_fused("rs", 2048, 4096, 14336, torch.bfloat16, 2, H200) is False
+    # the shipped entry where fused wins by the least: the margin decides it
+    e = min((e for e in _shipped_tp2_entries() if e.flux_ms < e.nccl_ms), key=lambda e: e.nccl_ms - e.flux_ms)
+    gain = 1 - e.flux_ms / e.nccl_ms
+    key = (e.op, e.m, e.n, e.k, torch.bfloat16, 2, H200)
+    assert T.prefer_fused(*key) is (e.flux_ms <= 0.98 * e.nccl_ms)  # the default 2 % margin
     monkeypatch.setenv(T.provider.ENV_AUTO_MARGIN, "0")
-    assert T.prefer_fused("rs", 2048, 4096, 14336, torch.bfloat16, 2, H200) is True
+    assert T.prefer_fused(*key) is True
+    monkeypatch.setenv(T.provider.ENV_AUTO_MARGIN, f"{gain + 0.005:.6f}")
+    assert T.prefer_fused(*key) is False
     monkeypatch.setenv(T.provider.ENV_AUTO_MARGIN, "0.5")
     assert T.prefer_fused("ag", 2048, 14336, 4096, torch.bfloat16, 2, H200) is False
     for bad in ("x", "-0.1", "1"):
@@ -335,14 +337,16 @@ def test_resolve_backend_auto_consults_the_table(fake_fused):
     small.all_gather_matmul(None, None, g)
     assert nccl.calls == ["ag"] and fused.calls == []
     large = resolve_backend("auto", torch.empty(2048, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf), g)
-    assert _picked(large, "ag") is fused      # m=4096: fused 0.915x nccl
+    assert _picked(large, "ag") is fused      # m=4096: fused 0.911x nccl
     assert _picked(large, "rs") is fused      # no RS entry, 2048 rows >= 1024: heuristic fused
-    # GEMM+RS gpt3-175b m=8192: [8192, 24576] @ [24576, 12288]: fused 1.032x nccl
+    # GEMM+RS gpt3-175b m=8192: [8192, 24576] @ [24576, 12288]: what the shipped entry says
+    (e,) = [e for e in _shipped_tp2_entries() if (e.op, e.n, e.k, e.m) == ("rs", 12288, 24576, 8192)]
+    want = fused if e.flux_ms <= 0.98 * e.nccl_ms else nccl
     rs = resolve_backend("auto", torch.empty(8192, 24576, dtype=bf), torch.empty(24576, 12288, dtype=bf), g)
-    assert _picked(rs, "rs") is nccl
+    assert _picked(rs, "rs") is want
     # the same with the op given: the concrete backend
     assert resolve_backend("auto", torch.empty(8192, 24576, dtype=bf), torch.empty(24576, 12288, dtype=bf),
-                           g, op="rs") is nccl
+                           g, op="rs") is want
     assert resolve_backend("auto", torch.empty(32, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf),
                            g, op="ag") is nccl
     # a shape the table does not know: the size heuristic (nccl below 1024 global rows)
@@ -538,3 +542,26 @@ def test_confirm_keeps_the_times_less_favourable_to_fused(tmp_path):
     assert by_m[("rs", 256)].notes["confirmed"] is False  # no times, no bench row: kept as is
     with pytest.raises(T.TuningFileError, match="tp"):
         confirm_table(t, {**bench, "tp": 4}, "b.json")
+
+
+def test_confirm_keeps_earlier_confirmations_the_bench_did_not_rerun(tmp_path):
+    """A partial retune is confirmed by a benchmark of the shapes it touched; the rest stand."""
+    from megatron_flux.tuning.confirm import confirm_table
+
+    t = T.load_table(write(tmp_path, table_obj()))
+    row = lambda m, meth, ms: {"op": "AG+GEMM", "m": m, "n": 1024, "k": 256, "method": meth,  # noqa: E731
+                               "status": "ok", "check": "ok", "median_ms": ms}
+    first = confirm_table(t, {"tp": 2, "rows": [row(64, "flux", 1.0), row(64, "nccl", 1.0),
+                                                row(1024, "flux", 3.0), row(1024, "nccl", 2.0)]}, "b1.json")
+    # the kernel improved: a second benchmark of m=1024 only, fused now 0.5x
+    second = confirm_table(first, {"tp": 2, "rows": [row(1024, "flux", 1.0), row(1024, "nccl", 2.0)]}, "b2.json")
+    by_m = {(e.op, e.m): e for e in second.entries}
+    m64, m1024 = by_m[("ag", 64)], by_m[("ag", 1024)]
+    assert m64.notes["confirmed"] and m64.notes["bench_source"] == "b1.json"   # kept as confirmed by b1
+    assert (m64.flux_ms, m64.nccl_ms) == (2.0, 1.0)
+    # compared with its own tuning run (1.0 vs 2.0), not with b1's 3.0 vs 2.0: it can move both ways
+    assert m1024.notes["bench_source"] == "b2.json" and m1024.notes["tune_flux_ms"] == 1.0
+    assert (m1024.flux_ms, m1024.nccl_ms) == (1.0, 2.0)
+    assert by_m[("rs", 256)].notes["confirmed"] is False
+    cb = second.extra["search"]["confirmed_by"]
+    assert (cb["bench"], cb["entries"], cb["kept_from_earlier"], cb["earlier_benches"]) == ("b2.json", 1, 1, ["b1.json"])

@@ -8,6 +8,15 @@ per entry, the pair of times (``flux_ms``, ``nccl_ms``) from whichever run is **
 to the fused kernel** (larger flux/nccl ratio). ``auto`` then takes fused only where it won in
 both runs. Configs are not touched; both runs' times are kept in the entry's ``notes``.
 
+Tables grow by partial retunes (``tune --no-merge`` on some shapes, merged into the shipped
+table), each confirmed by a benchmark of the shapes it touched. So:
+
+- an entry the benchmark ran is compared with **its own tuning run's** times (``notes
+  ["tune_flux_ms"]`` when an earlier confirmation stored them), never with an earlier
+  benchmark's: a kernel change must be able to move an entry both ways;
+- an entry the benchmark did not run keeps an earlier confirmation as it stands (its notes name
+  that benchmark in ``bench_source``); one never confirmed is marked ``confirmed: False``.
+
 ``python -m megatron_flux.tuning.confirm TABLE.json BENCH.json OUT.json``
 """
 
@@ -41,26 +50,35 @@ def confirm_table(table: Table, bench: Dict[str, Any], bench_source: str) -> Tab
         raise TuningFileError(bench_source, "tp", f"{bench.get('tp')} != the table's {table.tp}")
     times = _bench_times(bench, bench_source)
     entries = []
-    confirmed = 0
+    confirmed = kept = 0
     for e in table.entries:
         b = times.get((e.op, e.n, e.k, e.m), {})
         notes = dict(e.notes or {})
         if e.flux_ms is None or e.nccl_ms is None or "flux" not in b or "nccl" not in b:
-            notes["confirmed"] = False
+            if notes.get("confirmed") and notes.get("bench_source"):
+                kept += 1  # confirmed by an earlier benchmark that ran this shape
+            else:
+                notes["confirmed"] = False
             entries.append(Entry(**{**e.__dict__, "notes": notes}))
             continue
-        notes.update(tune_flux_ms=e.flux_ms, tune_nccl_ms=e.nccl_ms, bench_flux_ms=b["flux"],
+        tune_flux = float(notes.get("tune_flux_ms", e.flux_ms))
+        tune_nccl = float(notes.get("tune_nccl_ms", e.nccl_ms))
+        notes.update(tune_flux_ms=tune_flux, tune_nccl_ms=tune_nccl, bench_flux_ms=b["flux"],
                      bench_nccl_ms=b["nccl"], bench_source=bench_source, confirmed=True)
-        use_bench = b["flux"] / b["nccl"] > e.flux_ms / e.nccl_ms
+        use_bench = b["flux"] / b["nccl"] > tune_flux / tune_nccl
         notes["times_from"] = "bench" if use_bench else "tune"
-        flux_ms, nccl_ms = (b["flux"], b["nccl"]) if use_bench else (e.flux_ms, e.nccl_ms)
+        flux_ms, nccl_ms = (b["flux"], b["nccl"]) if use_bench else (tune_flux, tune_nccl)
         entries.append(Entry(op=e.op, n=e.n, k=e.k, m=e.m, config=e.config, tuned=e.tuned,
                              flux_ms=flux_ms, nccl_ms=nccl_ms, notes=notes))
         confirmed += 1
     extra = dict(table.extra or {})
+    earlier = sorted({e.notes["bench_source"] for e in entries
+                      if e.notes.get("confirmed") and e.notes.get("bench_source") != bench_source})
     extra["search"] = {**dict(extra.get("search") or {}), "confirmed_by": {
-        "bench": bench_source, "entries": confirmed,
-        "rule": "times of the run less favourable to fused (larger flux/nccl)"}}
+        "bench": bench_source, "entries": confirmed, "kept_from_earlier": kept,
+        "earlier_benches": earlier,
+        "rule": "times of the run less favourable to fused (larger flux/nccl) of the entry's "
+                "tuning run and the latest benchmark that ran it"}}
     return Table(path=table.path, gpu_name=table.gpu_name, gpu=table.gpu, sms=table.sms,
                  tp=table.tp, dtype=table.dtype, source=table.source, entries=entries, extra=extra)
 
