@@ -17,7 +17,8 @@ table), each confirmed by a benchmark of the shapes it touched. So:
 - an entry the benchmark did not run keeps an earlier confirmation as it stands (its notes name
   that benchmark in ``bench_source``); one never confirmed is marked ``confirmed: False``.
 
-``python -m megatron_flux.tuning.confirm TABLE.json BENCH.json OUT.json``
+``python -m megatron_flux.tuning.confirm TABLE.json BENCH.json [BENCH2.json ...] OUT.json``
+(several benchmarks, e.g. the large- and the small-m grid, are applied in the order given).
 """
 
 from __future__ import annotations
@@ -85,13 +86,14 @@ def confirm_table(table: Table, bench: Dict[str, Any], bench_source: str) -> Tab
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) != 3:
+    if len(argv) < 3:
         print(__doc__)
         return 2
-    table_path, bench_path, out = argv
-    with open(bench_path, encoding="utf-8") as f:
-        bench = json.load(f)
-    t = confirm_table(load_table(table_path), bench, bench_path)
+    table_path, bench_paths, out = argv[0], argv[1:-1], argv[-1]
+    t = load_table(table_path)
+    for bench_path in bench_paths:
+        with open(bench_path, encoding="utf-8") as f:
+            t = confirm_table(t, json.load(f), bench_path)
     write_table(t, out)
     n = sum(1 for e in t.entries if (e.notes or {}).get("confirmed"))
     fused = sum(1 for e in t.entries if e.flux_ms is not None and e.nccl_ms is not None
