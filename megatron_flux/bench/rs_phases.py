@@ -1,0 +1,137 @@
+"""Where GEMM+RS loses to cuBLAS with communication disabled: its two phases timed apart.
+
+``python -m megatron_flux.bench.rs_phases [--tp 2] [--json PATH]`` on one GPU.
+
+The GEMM+RS kernel computes the peers' row segments first (producer: tiles pushed into the
+owner's slot) and then its own segment (consumer: tiles plus the reduction of the peers'
+partials). Wired to one GPU as in :mod:`.kernel_vs_cublas` (signals pre-set, "remote" slots
+local), this times, per grid shape and for the config the backend runs (shipped table, else
+default):
+
+* ``full``: both phases, the production launch;
+* ``produce``: the producer phase alone (``(tp-1)/tp`` of the tiles, push epilogue);
+* ``consume``: the consumer phase alone (``1/tp`` of the tiles, reduction epilogue), and the
+  same with the other ``flatten_consume`` setting;
+``--config '{"block_n": 128, "num_warps": 4, ...}'`` overrides fields of that config (e.g. the
+tile that a plain Triton GEMM prefers at the shape).
+
+* ``cublas``: ``torch.matmul`` of the whole ``[m, k] @ [k, n]``; ``cublas_seg``: of one
+  ``m / tp``-row segment (what one phase's tiles amount to at TP=2).
+
+Each phase's ratio to ``cublas_seg`` (scaled by its share of the rows) says which epilogue or
+loop structure costs the time; ``full`` against ``produce + consume`` says what the phase
+boundary costs. Timing as in :mod:`.kernel_vs_cublas` (interleaved, median of trials).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+
+import torch
+
+from megatron_flux.bench.kernel_vs_cublas import _grid, _time
+from megatron_flux.kernels.config import rs_signal_count
+
+
+def _runners(m, n, k, tp, cfg, dtype):
+    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+
+    m_local = m // tp
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    out = torch.empty(m_local, n, device="cuda", dtype=dtype)
+    data = torch.zeros(tp, m_local, n, device="cuda", dtype=dtype)
+    flags = torch.full((rs_signal_count(tp),), 1 << 30, dtype=torch.int32, device="cuda")
+    flags[tp:] = 0  # the per-step arrival counters start at zero
+    data_ptrs = torch.tensor([data.data_ptr()] * tp, dtype=torch.int64, device="cuda")
+    flag_ptrs = torch.tensor([flags.data_ptr()] * tp, dtype=torch.int64, device="cuda")
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    flipped = dataclasses.replace(cfg, flatten_consume=not cfg.flatten_consume)
+
+    def launch(c, produce, consume):
+        return lambda: launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err,
+                                      rank=0, world=tp, epoch=1, cfg=c, num_sms=sms,
+                                      max_spins=1 << 20, produce=produce, consume=consume)
+
+    seg = a[:m_local]
+    fns = {
+        "full": launch(cfg, True, True),
+        "produce": launch(cfg, True, False),
+        "consume": launch(cfg, False, True),
+        f"consume_flatten_consume={flipped.flatten_consume}": launch(flipped, False, True),
+        "cublas": lambda: torch.matmul(a, w.t()),
+        "cublas_seg": lambda: torch.matmul(seg, w.t()),
+    }
+    # correctness of the production launch (own rows = own partial + the pushed slots)
+    fns["full"]()
+    torch.cuda.synchronize()
+    ref = (a.float() @ w.t().float())[:m_local]
+    for src in range(1, tp):
+        ref = ref + data[src].float()
+    rel = float((out.float() - ref).norm() / ref.norm())
+    if not rel <= 2e-2 or int(err[0]):
+        raise RuntimeError(f"GEMM+RS m={m} n={n} k={k}: rel err {rel}, err flag {int(err[0])}")
+    return fns
+
+
+def run(args) -> dict:
+    from megatron_flux.tuning.provider import TableConfigProvider
+
+    rows = []
+    for op, model, m, n, k in _grid(args):
+        if op != "GEMM+RS":
+            continue
+        cfg = TableConfigProvider()("rs", m, n, k, dtype=torch.bfloat16, tp=args.tp,
+                                    device=torch.device("cuda", torch.cuda.current_device()))
+        if args.config:
+            cfg = dataclasses.replace(cfg, **json.loads(args.config))
+        fns = _runners(m, n, k, args.tp, cfg, torch.bfloat16)
+        times = _time(fns, args.trials, args.iters)
+        med = {name: statistics.median(t) for name, t in times.items()}
+        seg = med["cublas_seg"]
+        row = {"op": op, "model": model, "m": m, "n": n, "k": k, "cfg": cfg.to_dict(),
+               "median_ms": med, "trials_ms": times,
+               "full_vs_cublas": med["full"] / med["cublas"],
+               "produce_vs_cublas_seg": med["produce"] / ((args.tp - 1) * seg),
+               "consume_vs_cublas_seg": med["consume"] / seg,
+               "full_vs_phases": med["full"] / (med["produce"] + med["consume"])}
+        rows.append(row)
+        flipped = [name for name in med if name.startswith("consume_flatten")][0]
+        print(f"RS {model:11s} M={m:5d} N={n:6d} K={k:6d} cublas {med['cublas']:.4f} "
+              f"full x{row['full_vs_cublas']:.3f}  produce x{row['produce_vs_cublas_seg']:.3f}  "
+              f"consume x{row['consume_vs_cublas_seg']:.3f} ({flipped} x{med[flipped] / seg:.3f})  "
+              f"full/(produce+consume) {row['full_vs_phases']:.3f}", flush=True)
+        del fns
+        torch.cuda.empty_cache()
+    return {"what": "GEMM+RS phases with communication disabled vs cuBLAS (per-rank shapes)",
+            "command": " ".join([sys.executable] + sys.argv), "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": __import__("triton").__version__, "tp": args.tp,
+            "rows": rows}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--models", nargs="+", default=["gpt3-175b", "llama3-70b", "llama3-8b"])
+    p.add_argument("--m", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--config", default=None,
+                   help="JSON object of GemmConfig fields that override the backend's config")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    args.ops = ["GEMM+RS"]
+    result = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
