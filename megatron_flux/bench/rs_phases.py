@@ -12,15 +12,18 @@ default):
 * ``produce``: the producer phase alone (``(tp-1)/tp`` of the tiles, push epilogue);
 * ``consume``: the consumer phase alone (``1/tp`` of the tiles, reduction epilogue), and the
   same with the other ``flatten_consume`` setting;
-``--config '{"block_n": 128, "num_warps": 4, ...}'`` overrides fields of that config (e.g. the
-tile that a plain Triton GEMM prefers at the shape).
-
+* ``single``: the same kernel at ``world = 1`` on one segment's rows, a plain persistent GEMM
+  (``consume - single`` is what the reduction's reads cost, ``single - cublas_seg`` the tile);
 * ``cublas``: ``torch.matmul`` of the whole ``[m, k] @ [k, n]``; ``cublas_seg``: of one
   ``m / tp``-row segment (what one phase's tiles amount to at TP=2).
 
 Each phase's ratio to ``cublas_seg`` (scaled by its share of the rows) says which epilogue or
 loop structure costs the time; ``full`` against ``produce + consume`` says what the phase
 boundary costs. Timing as in :mod:`.kernel_vs_cublas` (interleaved, median of trials).
+
+``--config '{"block_n": 128, "num_warps": 4, ...}'`` overrides fields of that config (e.g. the
+tile that a plain Triton GEMM prefers at the shape); repeat it (``'{}'``: the config as is) to
+time several configs in one interleaved loop, which is the only fair comparison on this box.
 """
 
 from __future__ import annotations
@@ -59,7 +62,21 @@ def _runners(m, n, k, tp, cfg, dtype):
                                       max_spins=1 << 20, produce=produce, consume=consume)
 
     seg = a[:m_local]
+    # the same kernel at world = 1 on one segment's rows: a plain persistent GEMM (own tiles,
+    # nothing to reduce), so consume - single = the reduction's reads, single - cublas_seg = the tile
+    out1 = torch.empty_like(out)
+    data1 = torch.zeros(1, m_local, n, device="cuda", dtype=dtype)
+    flags1 = torch.full((rs_signal_count(1),), 1 << 30, dtype=torch.int32, device="cuda")
+    flags1[1:] = 0
+    ptrs1 = (torch.tensor([data1.data_ptr()], dtype=torch.int64, device="cuda"),
+             torch.tensor([flags1.data_ptr()], dtype=torch.int64, device="cuda"))
+
+    def single():
+        launch_gemm_rs(seg, w.t(), out1, data1, ptrs1[0], ptrs1[1], None, err, rank=0, world=1,
+                       epoch=1, cfg=cfg, num_sms=sms, max_spins=1 << 20)
+
     fns = {
+        "single": single,
         "full": launch(cfg, True, True),
         "produce": launch(cfg, True, False),
         "consume": launch(cfg, False, True),
@@ -74,8 +91,13 @@ def _runners(m, n, k, tp, cfg, dtype):
     for src in range(1, tp):
         ref = ref + data[src].float()
     rel = float((out.float() - ref).norm() / ref.norm())
-    if not rel <= 2e-2 or int(err[0]):
-        raise RuntimeError(f"GEMM+RS m={m} n={n} k={k}: rel err {rel}, err flag {int(err[0])}")
+    single()
+    torch.cuda.synchronize()
+    ref1 = (seg.float() @ w.t().float())
+    rel1 = float((out1.float() - ref1).norm() / ref1.norm())
+    if not (rel <= 2e-2 and rel1 <= 2e-2) or int(err[0]):
+        raise RuntimeError(f"GEMM+RS m={m} n={n} k={k}: rel err {rel} / {rel1} (world 1), "
+                           f"err flag {int(err[0])}")
     return fns
 
 
@@ -86,26 +108,34 @@ def run(args) -> dict:
     for op, model, m, n, k in _grid(args):
         if op != "GEMM+RS":
             continue
-        cfg = TableConfigProvider()("rs", m, n, k, dtype=torch.bfloat16, tp=args.tp,
-                                    device=torch.device("cuda", torch.cuda.current_device()))
-        if args.config:
-            cfg = dataclasses.replace(cfg, **json.loads(args.config))
-        fns = _runners(m, n, k, args.tp, cfg, torch.bfloat16)
+        table = TableConfigProvider()("rs", m, n, k, dtype=torch.bfloat16, tp=args.tp,
+                                      device=torch.device("cuda", torch.cuda.current_device()))
+        cfgs = [dataclasses.replace(table, **json.loads(c)) for c in (args.config or ["{}"])]
+        fns = {}
+        for i, cfg in enumerate(cfgs):  # every config's methods in one interleaved loop
+            fns.update({f"{i}:{name}": fn
+                        for name, fn in _runners(m, n, k, args.tp, cfg, torch.bfloat16).items()})
         times = _time(fns, args.trials, args.iters)
-        med = {name: statistics.median(t) for name, t in times.items()}
-        seg = med["cublas_seg"]
-        row = {"op": op, "model": model, "m": m, "n": n, "k": k, "cfg": cfg.to_dict(),
-               "median_ms": med, "trials_ms": times,
-               "full_vs_cublas": med["full"] / med["cublas"],
-               "produce_vs_cublas_seg": med["produce"] / ((args.tp - 1) * seg),
-               "consume_vs_cublas_seg": med["consume"] / seg,
-               "full_vs_phases": med["full"] / (med["produce"] + med["consume"])}
-        rows.append(row)
-        flipped = [name for name in med if name.startswith("consume_flatten")][0]
-        print(f"RS {model:11s} M={m:5d} N={n:6d} K={k:6d} cublas {med['cublas']:.4f} "
-              f"full x{row['full_vs_cublas']:.3f}  produce x{row['produce_vs_cublas_seg']:.3f}  "
-              f"consume x{row['consume_vs_cublas_seg']:.3f} ({flipped} x{med[flipped] / seg:.3f})  "
-              f"full/(produce+consume) {row['full_vs_phases']:.3f}", flush=True)
+        allmed = {name: statistics.median(t) for name, t in times.items()}
+        for i, cfg in enumerate(cfgs):
+            med = {name.split(":", 1)[1]: v for name, v in allmed.items() if name.startswith(f"{i}:")}
+            seg = med["cublas_seg"]
+            row = {"op": op, "model": model, "m": m, "n": n, "k": k, "cfg": cfg.to_dict(),
+                   "cfg_index": i, "median_ms": med,
+                   "trials_ms": {name.split(":", 1)[1]: t for name, t in times.items()
+                                 if name.startswith(f"{i}:")},
+                   "full_vs_cublas": med["full"] / med["cublas"],
+                   "produce_vs_cublas_seg": med["produce"] / ((args.tp - 1) * seg),
+                   "consume_vs_cublas_seg": med["consume"] / seg,
+                   "single_vs_cublas_seg": med["single"] / seg,
+                   "full_vs_phases": med["full"] / (med["produce"] + med["consume"])}
+            rows.append(row)
+            flipped = [name for name in med if name.startswith("consume_flatten")][0]
+            print(f"RS[{i}] {model:11s} M={m:5d} N={n:6d} K={k:6d} cublas {med['cublas']:.4f} "
+                  f"full x{row['full_vs_cublas']:.3f}  produce x{row['produce_vs_cublas_seg']:.3f}  "
+                  f"consume x{row['consume_vs_cublas_seg']:.3f} ({flipped} x{med[flipped] / seg:.3f})  "
+                  f"single x{row['single_vs_cublas_seg']:.3f}  "
+                  f"full/(produce+consume) {row['full_vs_phases']:.3f}", flush=True)
         del fns
         torch.cuda.empty_cache()
     return {"what": "GEMM+RS phases with communication disabled vs cuBLAS (per-rank shapes)",
@@ -121,8 +151,9 @@ def main(argv=None):
     p.add_argument("--m", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--config", default=None,
-                   help="JSON object of GemmConfig fields that override the backend's config")
+    p.add_argument("--config", action="append", default=None,
+                   help="JSON object of GemmConfig fields that override the backend's config; "
+                        "repeat to time several configs in one interleaved loop (none: as is)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.ops = ["GEMM+RS"]
