@@ -14,6 +14,8 @@ default):
   same with the other ``flatten_consume`` setting;
 * ``single``: the same kernel at ``world = 1`` on one segment's rows, a plain persistent GEMM
   (``consume - single`` is what the reduction's reads cost, ``single - cublas_seg`` the tile);
+* ``plain``: the whole ``[m, k] @ [k, n]`` by the AG+GEMM kernel, signals pre-set, no stream-K:
+  this codebase's persistent GEMM with no ReduceScatter (compare with ``full``);
 * ``cublas``: ``torch.matmul`` of the whole ``[m, k] @ [k, n]``; ``cublas_seg``: of one
   ``m / tp``-row segment (what one phase's tiles amount to at TP=2).
 
@@ -36,7 +38,7 @@ import sys
 
 import torch
 
-from megatron_flux.bench.kernel_vs_cublas import _grid, _time
+from megatron_flux.bench.kernel_vs_cublas import _ag_runner, _grid, _time
 from megatron_flux.kernels.config import rs_signal_count
 
 
@@ -75,7 +77,11 @@ def _runners(m, n, k, tp, cfg, dtype):
         launch_gemm_rs(seg, w.t(), out1, data1, ptrs1[0], ptrs1[1], None, err, rank=0, world=1,
                        epoch=1, cfg=cfg, num_sms=sms, max_spins=1 << 20)
 
+    # the whole [m, k] @ [k, n] by the AG+GEMM kernel with its signals pre-set and no stream-K:
+    # the fused codebase's persistent GEMM over the same rows as ``full``, with no RS at all
+    plain, _, plain_check, _ = _ag_runner(m, n, k, tp, dataclasses.replace(cfg, stream_k=0), dtype)
     fns = {
+        "plain": plain,
         "single": single,
         "full": launch(cfg, True, True),
         "produce": launch(cfg, True, False),
@@ -95,8 +101,12 @@ def _runners(m, n, k, tp, cfg, dtype):
     torch.cuda.synchronize()
     ref1 = (seg.float() @ w.t().float())
     rel1 = float((out1.float() - ref1).norm() / ref1.norm())
-    if not (rel <= 2e-2 and rel1 <= 2e-2) or int(err[0]):
-        raise RuntimeError(f"GEMM+RS m={m} n={n} k={k}: rel err {rel} / {rel1} (world 1), "
+    plain()
+    torch.cuda.synchronize()
+    got2, ref2 = plain_check()
+    rel2 = float((got2 - ref2).norm() / ref2.norm())
+    if not (rel <= 2e-2 and rel1 <= 2e-2 and rel2 <= 2e-2) or int(err[0]):
+        raise RuntimeError(f"GEMM+RS m={m} n={n} k={k}: rel err {rel} / {rel1} (world 1) / {rel2} (plain), "
                            f"err flag {int(err[0])}")
     return fns
 
@@ -128,13 +138,14 @@ def run(args) -> dict:
                    "produce_vs_cublas_seg": med["produce"] / ((args.tp - 1) * seg),
                    "consume_vs_cublas_seg": med["consume"] / seg,
                    "single_vs_cublas_seg": med["single"] / seg,
+                   "plain_vs_cublas": med["plain"] / med["cublas"],
                    "full_vs_phases": med["full"] / (med["produce"] + med["consume"])}
             rows.append(row)
             flipped = [name for name in med if name.startswith("consume_flatten")][0]
             print(f"RS[{i}] {model:11s} M={m:5d} N={n:6d} K={k:6d} cublas {med['cublas']:.4f} "
                   f"full x{row['full_vs_cublas']:.3f}  produce x{row['produce_vs_cublas_seg']:.3f}  "
                   f"consume x{row['consume_vs_cublas_seg']:.3f} ({flipped} x{med[flipped] / seg:.3f})  "
-                  f"single x{row['single_vs_cublas_seg']:.3f}  "
+                  f"single x{row['single_vs_cublas_seg']:.3f}  plain x{row['plain_vs_cublas']:.3f}  "
                   f"full/(produce+consume) {row['full_vs_phases']:.3f}", flush=True)
         del fns
         torch.cuda.empty_cache()
