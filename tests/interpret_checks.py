@@ -21,6 +21,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from megatron_flux.bench.plain_gemm import launch_plain_gemm  # noqa: E402
 from megatron_flux.kernels.ag_gemm import launch_ag_gemm  # noqa: E402
 from megatron_flux.kernels.config import GemmConfig, rs_signal_count  # noqa: E402
 from megatron_flux.kernels.gemm_rs import launch_gemm_rs  # noqa: E402
@@ -410,7 +411,25 @@ def check_gemm_rs_deterministic_and_timeout():
         assert 0 <= index < world and index != r, "index is not a peer's step signal"
 
 
-CHECKS = [check_tile_order, check_ag_gemm_all_ranks, check_ag_stream_k, check_ag_signal_indexing,
+def check_plain_gemm():
+    """The benchmarks' plain persistent GEMM (the yardstick) on ragged shapes, every tile once."""
+    for m, n, k in ((40, 72, 48), (16, 32, 16), (33, 104, 24)):
+        a = torch.randn(m, k).to(DTYPE)
+        b = torch.randn(n, k).to(DTYPE)
+        c = torch.full((m, n), float("nan")).to(DTYPE)
+        launch_plain_gemm(a, b, c, CFG, NSMS)
+        assert not torch.isnan(c).any(), f"unwritten output ({m}x{n}x{k})"
+        e = _rel(c, a.double() @ b.double().T)
+        assert e < TOL, f"{m}x{n}x{k}: rel err {e}"
+    try:
+        launch_plain_gemm(a[:, :20].contiguous(), b[:, :20].contiguous(), c, CFG, NSMS)
+    except ValueError as exc:
+        assert "multiples of 8" in str(exc), exc
+    else:
+        raise AssertionError("a k that TMA cannot stride was accepted")
+
+
+CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_stream_k, check_ag_signal_indexing,
           check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout,
           check_next_call_cannot_release_a_wait, check_ready_barrier, check_copy_engine_gather]
 

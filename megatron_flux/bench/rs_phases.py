@@ -16,6 +16,8 @@ default):
   (``consume - single`` is what the reduction's reads cost, ``single - cublas_seg`` the tile);
 * ``plain``: the whole ``[m, k] @ [k, n]`` by the AG+GEMM kernel, signals pre-set, no stream-K:
   this codebase's persistent GEMM with no ReduceScatter (compare with ``full``);
+* ``triton_plain``: :mod:`.plain_gemm`, a plain persistent TMA GEMM over the whole output
+  (no segments, grouped over all rows) with the same config: the yardstick for the tile loop;
 * ``cublas``: ``torch.matmul`` of the whole ``[m, k] @ [k, n]``; ``cublas_seg``: of one
   ``m / tp``-row segment (what one phase's tiles amount to at TP=2).
 
@@ -80,7 +82,12 @@ def _runners(m, n, k, tp, cfg, dtype):
     # the whole [m, k] @ [k, n] by the AG+GEMM kernel with its signals pre-set and no stream-K:
     # the fused codebase's persistent GEMM over the same rows as ``full``, with no RS at all
     plain, _, plain_check, _ = _ag_runner(m, n, k, tp, dataclasses.replace(cfg, stream_k=0), dtype)
+    # the yardstick: a plain persistent TMA GEMM over the whole output, no segments, same config
+    from megatron_flux.bench.plain_gemm import launch_plain_gemm
+
+    c_plain = torch.empty(m, n, device="cuda", dtype=dtype)
     fns = {
+        "triton_plain": lambda: launch_plain_gemm(a, w, c_plain, cfg, sms),
         "plain": plain,
         "single": single,
         "full": launch(cfg, True, True),
@@ -102,11 +109,13 @@ def _runners(m, n, k, tp, cfg, dtype):
     ref1 = (seg.float() @ w.t().float())
     rel1 = float((out1.float() - ref1).norm() / ref1.norm())
     plain()
+    fns["triton_plain"]()
     torch.cuda.synchronize()
+    rel3 = float((c_plain.float() - a.float() @ w.t().float()).norm() / (a.float() @ w.t().float()).norm())
     got2, ref2 = plain_check()
     rel2 = float((got2 - ref2).norm() / ref2.norm())
-    if not (rel <= 2e-2 and rel1 <= 2e-2 and rel2 <= 2e-2) or int(err[0]):
-        raise RuntimeError(f"GEMM+RS m={m} n={n} k={k}: rel err {rel} / {rel1} (world 1) / {rel2} (plain), "
+    if not (rel <= 2e-2 and rel1 <= 2e-2 and rel2 <= 2e-2 and rel3 <= 2e-2) or int(err[0]):
+        raise RuntimeError(f"GEMM+RS m={m} n={n} k={k}: rel err {rel} / {rel1} (world 1) / {rel2} (plain) / {rel3} (triton_plain), "
                            f"err flag {int(err[0])}")
     return fns
 
@@ -139,6 +148,7 @@ def run(args) -> dict:
                    "consume_vs_cublas_seg": med["consume"] / seg,
                    "single_vs_cublas_seg": med["single"] / seg,
                    "plain_vs_cublas": med["plain"] / med["cublas"],
+                   "triton_plain_vs_cublas": med["triton_plain"] / med["cublas"],
                    "full_vs_phases": med["full"] / (med["produce"] + med["consume"])}
             rows.append(row)
             flipped = [name for name in med if name.startswith("consume_flatten")][0]
@@ -146,6 +156,7 @@ def run(args) -> dict:
                   f"full x{row['full_vs_cublas']:.3f}  produce x{row['produce_vs_cublas_seg']:.3f}  "
                   f"consume x{row['consume_vs_cublas_seg']:.3f} ({flipped} x{med[flipped] / seg:.3f})  "
                   f"single x{row['single_vs_cublas_seg']:.3f}  plain x{row['plain_vs_cublas']:.3f}  "
+                  f"triton_plain x{row['triton_plain_vs_cublas']:.3f}  "
                   f"full/(produce+consume) {row['full_vs_phases']:.3f}", flush=True)
         del fns
         torch.cuda.empty_cache()

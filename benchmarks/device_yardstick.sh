@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call (1 GPU used, < 5 minutes): the fused kernels' tile loop against the plain
+# persistent TMA GEMM (bench/plain_gemm.py) and cuBLAS, communication disabled, in one
+# interleaved loop per shape (bench/rs_phases.py: full, produce, consume, single, plain,
+# triton_plain, cublas), for the table's config and 128x128/4/4:
+#   llama3-8b m = 1024..8192 (N = 4096, where the RS kernel loses most)  -> $OUT/yardstick-8b.json
+#   gpt3-175b m = 2048, 8192                                              -> $OUT/yardstick-175b.json
+# Usage: OUT=/somewhere bash benchmarks/device_yardstick.sh
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-/tmp/yardstick}"
+mkdir -p "${OUT}"
+source benchmarks/device_env.sh
+export PYTHONPATH="${PWD}" CUDA_VISIBLE_DEVICES=0
+T128='{"block_m": 128, "block_n": 128, "block_k": 64, "num_stages": 4, "num_warps": 4, "epilogue_split": 2}'
+timeout 150 python3 -m megatron_flux.bench.rs_phases --models llama3-8b --trials 7 --iters 10 \
+    --config '{}' --config "${T128}" --json "${OUT}/yardstick-8b.json" 2>&1 | grep "^RS"
+timeout 120 python3 -m megatron_flux.bench.rs_phases --models gpt3-175b --m 2048 8192 --trials 5 \
+    --iters 5 --config '{}' --json "${OUT}/yardstick-175b.json" 2>&1 | grep "^RS"
+echo "== done in ${SECONDS}s"
