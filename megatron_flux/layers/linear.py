@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Any, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from megatron.core.tensor_parallel import layers as _mcore_layers
