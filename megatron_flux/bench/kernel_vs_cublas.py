@@ -116,6 +116,19 @@ def _rs_runner(m, n, k, tp, cfg, dtype):
     return fused, (lambda: torch.matmul(a, w.t())), check, err
 
 
+def _plain_runner(m, n, k, tp, cfg, dtype):
+    """The yardstick (:mod:`.plain_gemm`) on the whole ``[m, k] @ [k, n]`` with ``cfg``."""
+    from megatron_flux.bench.plain_gemm import launch_plain_gemm
+
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    c = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return ((lambda: launch_plain_gemm(a, w, c, cfg, sms)), (lambda: torch.matmul(a, w.t())),
+            (lambda: (c.float(), a.float() @ w.t().float())), err)
+
+
 def run(args) -> dict:
     from megatron_flux.bench.grid import MODELS  # noqa: F401  (same grid as the main benchmark)
 
@@ -132,7 +145,10 @@ def run(args) -> dict:
         cublas = None
         for i, cfg in enumerate(configs):
             try:
-                maker = _ag_runner if op == "AG+GEMM" else _rs_runner
+                if labels[i].startswith("plain"):
+                    maker = _plain_runner
+                else:
+                    maker = _ag_runner if op == "AG+GEMM" else _rs_runner
                 fused, ref_fn, check, err = maker(m, n, k, args.tp, cfg, dtype)
                 fused()
                 torch.cuda.synchronize()
@@ -159,18 +175,18 @@ def run(args) -> dict:
             i = int(name[3:])
             results[name] = {"cfg": cfg.to_dict(), "label": labels[i], "ms": med, "ratio": med / cub,
                              "trials_ms": times[name]}
-            if best is None or med < best[1]:
+            if not labels[i].startswith("plain") and (best is None or med < best[1]):  # fused only
                 best = (name, med)
         by_label = {r["label"]: r.get("ratio") for r in results.values()}
         row = {"op": op, "model": model, "m": m, "n": n, "k": k, "cublas_ms": cub,
                "cublas_trials_ms": times["cublas"],
                "default_ratio": by_label.get("default"), "table_ratio": by_label.get("table"),
-               "best_ratio": best[1] / cub, "best_label": results[best[0]]["label"],
-               "best_cfg": results[best[0]]["cfg"], "configs": results}
+               "best_ratio": best and best[1] / cub, "best_label": best and results[best[0]]["label"],
+               "best_cfg": best and results[best[0]]["cfg"], "configs": results}
         rows.append(row)
         shown = "  ".join(f"{lab} x{r:.3f}" for lab, r in by_label.items() if r is not None)
         print(f"{op:8s} {model:11s} M={m:5d} N={n:6d} K={k:6d} cublas {cub:.4f} ms  {shown}  "
-              f"best {results[best[0]]['label']}", flush=True)
+              f"best {row['best_label']}", flush=True)
         del fns, checks
         torch.cuda.empty_cache()
     return {"what": "fused kernels with communication disabled vs cuBLAS (per-rank shapes)",
@@ -182,8 +198,10 @@ def run(args) -> dict:
 def _configs(op, m, n, k, args):
     """``(configs, labels)`` to time for one shape, per ``--configs``: the heuristic ``default``,
     the shipped ``table``'s entry (the config the backend runs), their stream-K variants
-    (``sk``, AG+GEMM only), their vector-load reductions (``rsvec``, GEMM+RS only) and the
-    fixed ``candidates`` lists; duplicates dropped."""
+    (``sk``, AG+GEMM only), their vector-load reductions (``rsvec``, GEMM+RS only), the
+    fixed ``candidates`` lists and the plain persistent GEMM with the default's and the table's
+    tile (``plain``, :mod:`.plain_gemm`: the yardstick for the fused tile loop); duplicates
+    dropped."""
     import dataclasses
 
     from megatron_flux.tuning.provider import TableConfigProvider
@@ -207,10 +225,13 @@ def _configs(op, m, n, k, args):
     if "candidates" in args.configs:
         extra = CANDIDATES if op == "AG+GEMM" else RS_CANDIDATES
         out += [(f"cand{i}", c) for i, c in enumerate(extra)]
+    if "plain" in args.configs:  # the yardstick with the default's and the table's tile
+        out += [("plain-default", default), ("plain-table", table)]
     seen, configs, labels = set(), [], []
     for label, cfg in out:
-        if cfg not in seen:
-            seen.add(cfg)
+        key = (label.startswith("plain"), cfg)
+        if key not in seen:
+            seen.add(key)
             configs.append(cfg)
             labels.append(label)
     return configs, labels
@@ -237,7 +258,7 @@ def main(argv=None):
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--configs", nargs="+", default=["default", "table", "sk", "rsvec"],
-                   choices=["default", "table", "sk", "rsvec", "candidates"],
+                   choices=["default", "table", "sk", "rsvec", "candidates", "plain"],
                    help="which configs to time per shape (see _configs)")
     p.add_argument("--default-only", action="store_true", help="same as --configs default")
     p.add_argument("--only-config", type=int, default=None,
