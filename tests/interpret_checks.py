@@ -417,10 +417,12 @@ def check_plain_gemm():
         a = torch.randn(m, k).to(DTYPE)
         b = torch.randn(n, k).to(DTYPE)
         c = torch.full((m, n), float("nan")).to(DTYPE)
-        launch_plain_gemm(a, b, c, CFG, NSMS)
-        assert not torch.isnan(c).any(), f"unwritten output ({m}x{n}x{k})"
-        e = _rel(c, a.double() @ b.double().T)
-        assert e < TOL, f"{m}x{n}x{k}: rel err {e}"
+        for host in (False, True):
+            c.fill_(float("nan"))
+            launch_plain_gemm(a, b, c, CFG, NSMS, host_descriptors=host)
+            assert not torch.isnan(c).any(), f"unwritten output ({m}x{n}x{k}, host={host})"
+            e = _rel(c, a.double() @ b.double().T)
+            assert e < TOL, f"{m}x{n}x{k} host={host}: rel err {e}"
     try:
         launch_plain_gemm(a[:, :20].contiguous(), b[:, :20].contiguous(), c, CFG, NSMS)
     except ValueError as exc:

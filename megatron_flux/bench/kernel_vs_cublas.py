@@ -15,6 +15,7 @@ interleaved inside every trial, median over trials.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -116,7 +117,7 @@ def _rs_runner(m, n, k, tp, cfg, dtype):
     return fused, (lambda: torch.matmul(a, w.t())), check, err
 
 
-def _plain_runner(m, n, k, tp, cfg, dtype):
+def _plain_runner(m, n, k, tp, cfg, dtype, host_descriptors=False):
     """The yardstick (:mod:`.plain_gemm`) on the whole ``[m, k] @ [k, n]`` with ``cfg``."""
     from megatron_flux.bench.plain_gemm import launch_plain_gemm
 
@@ -125,7 +126,8 @@ def _plain_runner(m, n, k, tp, cfg, dtype):
     c = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
     err = torch.zeros(4, dtype=torch.int32, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return ((lambda: launch_plain_gemm(a, w, c, cfg, sms)), (lambda: torch.matmul(a, w.t())),
+    return ((lambda: launch_plain_gemm(a, w, c, cfg, sms, host_descriptors)),
+            (lambda: torch.matmul(a, w.t())),
             (lambda: (c.float(), a.float() @ w.t().float())), err)
 
 
@@ -146,7 +148,7 @@ def run(args) -> dict:
         for i, cfg in enumerate(configs):
             try:
                 if labels[i].startswith("plain"):
-                    maker = _plain_runner
+                    maker = functools.partial(_plain_runner, host_descriptors="hostdesc" in labels[i])
                 else:
                     maker = _ag_runner if op == "AG+GEMM" else _rs_runner
                 fused, ref_fn, check, err = maker(m, n, k, args.tp, cfg, dtype)
@@ -226,10 +228,11 @@ def _configs(op, m, n, k, args):
         extra = CANDIDATES if op == "AG+GEMM" else RS_CANDIDATES
         out += [(f"cand{i}", c) for i, c in enumerate(extra)]
     if "plain" in args.configs:  # the yardstick with the default's and the table's tile
-        out += [("plain-default", default), ("plain-table", table)]
+        out += [("plain-default", default), ("plain-table", table),
+                ("plain-hostdesc-default", default)]
     seen, configs, labels = set(), [], []
     for label, cfg in out:
-        key = (label.startswith("plain"), cfg)
+        key = (label.split("-default")[0].split("-table")[0], cfg) if label.startswith("plain") else (None, cfg)
         if key not in seen:
             seen.add(key)
             configs.append(cfg)

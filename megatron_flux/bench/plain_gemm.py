@@ -8,7 +8,8 @@ Tile schedule: one flat tile space over the *whole* ``[M, N]`` output (no per-ra
 grouped GROUP_M row-tiles at a time for L2 reuse (:func:`~megatron_flux.kernels.tile_order.
 grouped_tile`); program ``p`` of the persistent grid takes tiles ``p, p + NUM_SMS, ...`` in one
 ``tl.range`` loop (flattened with FLATTEN), K loop inside, TMA loads of A ``[BLOCK_M, BLOCK_K]``
-and B ``[BLOCK_N, BLOCK_K]``, one TMA store per tile. No signals, no waits.
+and B ``[BLOCK_N, BLOCK_K]``, one TMA store per tile. No signals, no waits. Two entry points:
+descriptors built on the device (as the fused kernels do) or encoded on the host.
 """
 
 import triton
@@ -22,10 +23,27 @@ from megatron_flux.kernels.tile_order import grouped_tile
 def plain_gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr):
-    """``a`` ``[M, K]``, ``b`` ``[N, K]``, ``c`` ``[M, N]``, all contiguous."""
+    """``a`` ``[M, K]``, ``b`` ``[N, K]``, ``c`` ``[M, N]``, all contiguous; TMA descriptors
+    built on the device, as the fused kernels do."""
     a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
     b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
     c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N])
+    _tiles(a_desc, b_desc, c_desc, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN)
+
+
+@triton.jit
+def plain_gemm_host_desc_kernel(a_desc, b_desc, c_desc, M, N, K,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr):
+    """The same with host-encoded TMA descriptors (kernel parameters), as Triton's tutorial
+    persistent GEMM can: tells whether building descriptors on the device costs anything."""
+    _tiles(a_desc, b_desc, c_desc, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN)
+
+
+@triton.jit
+def _tiles(a_desc, b_desc, c_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+           FLATTEN: tl.constexpr):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -39,8 +57,9 @@ def plain_gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
         c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
 
 
-def launch_plain_gemm(a, b_nk, c, cfg, num_sms):
-    """``c = a @ b_nk.T`` with ``cfg``'s tile, stages, warps, GROUP_M and ``flatten``."""
+def launch_plain_gemm(a, b_nk, c, cfg, num_sms, host_descriptors=False):
+    """``c = a @ b_nk.T`` with ``cfg``'s tile, stages, warps, GROUP_M and ``flatten``; the TMA
+    descriptors are built on the device unless ``host_descriptors``."""
     m, k = a.shape
     n = b_nk.shape[0]
     if not (a.is_contiguous() and b_nk.is_contiguous() and c.is_contiguous()):
@@ -52,8 +71,16 @@ def launch_plain_gemm(a, b_nk, c, cfg, num_sms):
         raise ValueError(f"plain_gemm: TMA needs k and n to be multiples of {align} (got {k}, {n})")
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = min(num_sms, tiles)
-    ensure_descriptor_allocator()
-    plain_gemm_kernel[(grid,)](a, b_nk, c, m, n, k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                               BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=grid,
-                               FLATTEN=cfg.flatten, num_warps=cfg.num_warps,
-                               num_stages=cfg.num_stages)
+    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                GROUP_M=cfg.group_m, NUM_SMS=grid, FLATTEN=cfg.flatten, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+    if host_descriptors:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        plain_gemm_host_desc_kernel[(grid,)](
+            TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]),
+            TensorDescriptor.from_tensor(b_nk, [cfg.block_n, cfg.block_k]),
+            TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_n]), m, n, k, **meta)
+    else:
+        ensure_descriptor_allocator()
+        plain_gemm_kernel[(grid,)](a, b_nk, c, m, n, k, **meta)

@@ -18,6 +18,7 @@ default):
   this codebase's persistent GEMM with no ReduceScatter (compare with ``full``);
 * ``triton_plain``: :mod:`.plain_gemm`, a plain persistent TMA GEMM over the whole output
   (no segments, grouped over all rows) with the same config: the yardstick for the tile loop;
+  ``triton_plain_hostdesc`` the same with host-encoded TMA descriptors;
 * ``cublas``: ``torch.matmul`` of the whole ``[m, k] @ [k, n]``; ``cublas_seg``: of one
   ``m / tp``-row segment (what one phase's tiles amount to at TP=2).
 
@@ -88,6 +89,7 @@ def _runners(m, n, k, tp, cfg, dtype):
     c_plain = torch.empty(m, n, device="cuda", dtype=dtype)
     fns = {
         "triton_plain": lambda: launch_plain_gemm(a, w, c_plain, cfg, sms),
+        "triton_plain_hostdesc": lambda: launch_plain_gemm(a, w, c_plain, cfg, sms, host_descriptors=True),
         "plain": plain,
         "single": single,
         "full": launch(cfg, True, True),
@@ -149,6 +151,7 @@ def run(args) -> dict:
                    "single_vs_cublas_seg": med["single"] / seg,
                    "plain_vs_cublas": med["plain"] / med["cublas"],
                    "triton_plain_vs_cublas": med["triton_plain"] / med["cublas"],
+                   "triton_plain_hostdesc_vs_cublas": med["triton_plain_hostdesc"] / med["cublas"],
                    "full_vs_phases": med["full"] / (med["produce"] + med["consume"])}
             rows.append(row)
             flipped = [name for name in med if name.startswith("consume_flatten")][0]
@@ -156,7 +159,8 @@ def run(args) -> dict:
                   f"full x{row['full_vs_cublas']:.3f}  produce x{row['produce_vs_cublas_seg']:.3f}  "
                   f"consume x{row['consume_vs_cublas_seg']:.3f} ({flipped} x{med[flipped] / seg:.3f})  "
                   f"single x{row['single_vs_cublas_seg']:.3f}  plain x{row['plain_vs_cublas']:.3f}  "
-                  f"triton_plain x{row['triton_plain_vs_cublas']:.3f}  "
+                  f"triton_plain x{row['triton_plain_vs_cublas']:.3f} "
+                  f"(host desc x{row['triton_plain_hostdesc_vs_cublas']:.3f})  "
                   f"full/(produce+consume) {row['full_vs_phases']:.3f}", flush=True)
         del fns
         torch.cuda.empty_cache()
