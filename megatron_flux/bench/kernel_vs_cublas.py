@@ -88,24 +88,44 @@ def _ag_runner(m, n, k, tp, cfg, dtype):
     return fused, (lambda: torch.matmul(full, w.t())), (lambda: (out.float(), full.float() @ w.t().float())), err
 
 
-def _rs_runner(m, n, k, tp, cfg, dtype):
+def rs_on_one_gpu(a, w, world, err):
+    """GEMM+RS of ``a @ w.T`` wired to this GPU alone, as rank 0 of ``world``: every peer slot
+    is a local buffer, every peer signal pre-set (no wait spins), the arrival counters zero.
+    Returns ``(launch, out, data)``: ``launch(cfg, produce=True, consume=True)`` runs the
+    kernel into ``out`` ``[m / world, n]``; ``data[src]`` holds what "rank src" pushed."""
     from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
+    m_local, n = a.shape[0] // world, w.shape[0]
+    out = torch.full((m_local, n), float("nan"), device="cuda", dtype=a.dtype)  # unwritten tiles show
+    data = torch.zeros(world, m_local, n, device="cuda", dtype=a.dtype)
+    flags = torch.full((rs_signal_count(world),), 1 << 30, dtype=torch.int32, device="cuda")
+    flags[world:] = 0  # the per-step arrival counters start at zero
+    data_ptrs = torch.tensor([data.data_ptr()] * world, dtype=torch.int64, device="cuda")
+    flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def launch(cfg, produce=True, consume=True):
+        launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err, rank=0, world=world,
+                       epoch=1, cfg=cfg, num_sms=sms, max_spins=1 << 20, produce=produce,
+                       consume=consume)
+
+    return launch, out, data
+
+
+def rel_err(got, ref) -> float:
+    """``|got - ref| / |ref|`` (Frobenius); NaN when ``got`` has an unwritten (NaN) tile."""
+    return float((got - ref).norm() / ref.norm())
+
+
+def _rs_runner(m, n, k, tp, cfg, dtype):
     m_local = m // tp
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype)
-    out = torch.full((m_local, n), float("nan"), device="cuda", dtype=dtype)  # unwritten tiles show
-    data = torch.zeros(tp, m_local, n, device="cuda", dtype=dtype)
-    flags = torch.full((rs_signal_count(tp),), 1 << 30, dtype=torch.int32, device="cuda")
-    flags[tp:] = 0  # the per-step arrival counters start at zero
-    data_ptrs = torch.tensor([data.data_ptr()] * tp, dtype=torch.int64, device="cuda")
-    flag_ptrs = torch.tensor([flags.data_ptr()] * tp, dtype=torch.int64, device="cuda")
     err = torch.zeros(4, dtype=torch.int32, device="cuda")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    launch, out, data = rs_on_one_gpu(a, w, tp, err)
 
     def fused():
-        launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err, rank=0, world=tp,
-                       epoch=1, cfg=cfg, num_sms=sms, max_spins=1 << 20)
+        launch(cfg)
 
     def check():
         # own rows = own partial + the other slots (this rank pushed its remote tiles into slot 0)
@@ -147,15 +167,11 @@ def run(args) -> dict:
         cublas = None
         for i, cfg in enumerate(configs):
             try:
-                if labels[i].startswith("plain"):
-                    maker = functools.partial(_plain_runner, host_descriptors="hostdesc" in labels[i])
-                else:
-                    maker = _ag_runner if op == "AG+GEMM" else _rs_runner
+                maker = _runner(op, labels[i])
                 fused, ref_fn, check, err = maker(m, n, k, args.tp, cfg, dtype)
                 fused()
                 torch.cuda.synchronize()
-                got, ref = check()
-                rel = float((got - ref).norm() / ref.norm())
+                rel = rel_err(*check())
                 if not rel <= 2e-2 or int(err[0]):  # NaN (an unwritten tile) fails too
                     results[f"cfg{i}"] = {"cfg": cfg.to_dict(), "label": labels[i],
                                           "error": f"rel err {rel}"}
@@ -177,7 +193,7 @@ def run(args) -> dict:
             i = int(name[3:])
             results[name] = {"cfg": cfg.to_dict(), "label": labels[i], "ms": med, "ratio": med / cub,
                              "trials_ms": times[name]}
-            if not labels[i].startswith("plain") and (best is None or med < best[1]):  # fused only
+            if _runner_kind(labels[i]) == "fused" and (best is None or med < best[1]):
                 best = (name, med)
         by_label = {r["label"]: r.get("ratio") for r in results.values()}
         row = {"op": op, "model": model, "m": m, "n": n, "k": k, "cublas_ms": cub,
@@ -232,12 +248,27 @@ def _configs(op, m, n, k, args):
                 ("plain-hostdesc-default", default)]
     seen, configs, labels = set(), [], []
     for label, cfg in out:
-        key = (label.split("-default")[0].split("-table")[0], cfg) if label.startswith("plain") else (None, cfg)
+        key = (_runner_kind(label), cfg)
         if key not in seen:
             seen.add(key)
             configs.append(cfg)
             labels.append(label)
     return configs, labels
+
+
+def _runner_kind(label):
+    """What a ``_configs`` label runs: ``"fused"``, ``"plain"`` or ``"plain-hostdesc"``."""
+    if label.startswith("plain-hostdesc"):
+        return "plain-hostdesc"
+    return "plain" if label.startswith("plain") else "fused"
+
+
+def _runner(op, label):
+    """The runner factory ``(m, n, k, tp, cfg, dtype) -> (fn, cublas_fn, check, err)``."""
+    kind = _runner_kind(label)
+    if kind == "fused":
+        return _ag_runner if op == "AG+GEMM" else _rs_runner
+    return functools.partial(_plain_runner, host_descriptors=kind == "plain-hostdesc")
 
 
 def _grid(args):
@@ -252,29 +283,38 @@ def _grid(args):
                 yield "GEMM+RS", model_name, m, spec.hidden, spec.fc1 // args.tp  # k as in the anchors file
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_grid_args(p: argparse.ArgumentParser) -> None:
+    """The shape grid, timing and output arguments of the single-GPU kernel benchmarks."""
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--models", nargs="+", default=["gpt3-175b", "llama3-70b", "llama3-8b"])
     p.add_argument("--m", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
-    p.add_argument("--ops", nargs="+", default=["AG+GEMM", "GEMM+RS"])
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json", default=None)
+
+
+def write_json(result: dict, path) -> dict:
+    """``result`` to ``path`` (when given), then returned."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_grid_args(p)
+    p.add_argument("--ops", nargs="+", default=["AG+GEMM", "GEMM+RS"])
     p.add_argument("--configs", nargs="+", default=["default", "table", "sk", "rsvec"],
                    choices=["default", "table", "sk", "rsvec", "candidates", "plain"],
                    help="which configs to time per shape (see _configs)")
     p.add_argument("--default-only", action="store_true", help="same as --configs default")
     p.add_argument("--only-config", type=int, default=None,
                    help="run only the i-th config of the --configs list")
-    p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.default_only:
         args.configs = ["default"]
-    result = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return write_json(run(args), args.json)
 
 
 if __name__ == "__main__":

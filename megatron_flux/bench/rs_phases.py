@@ -41,84 +41,53 @@ import sys
 
 import torch
 
-from megatron_flux.bench.kernel_vs_cublas import _ag_runner, _grid, _time
-from megatron_flux.kernels.config import rs_signal_count
+from megatron_flux.bench.kernel_vs_cublas import _ag_runner, _grid, _time, add_grid_args, rel_err, \
+    rs_on_one_gpu, write_json
 
 
 def _runners(m, n, k, tp, cfg, dtype):
-    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+    from megatron_flux.bench.plain_gemm import launch_plain_gemm
 
     m_local = m // tp
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype)
-    out = torch.empty(m_local, n, device="cuda", dtype=dtype)
-    data = torch.zeros(tp, m_local, n, device="cuda", dtype=dtype)
-    flags = torch.full((rs_signal_count(tp),), 1 << 30, dtype=torch.int32, device="cuda")
-    flags[tp:] = 0  # the per-step arrival counters start at zero
-    data_ptrs = torch.tensor([data.data_ptr()] * tp, dtype=torch.int64, device="cuda")
-    flag_ptrs = torch.tensor([flags.data_ptr()] * tp, dtype=torch.int64, device="cuda")
     err = torch.zeros(4, dtype=torch.int32, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    launch, out, data = rs_on_one_gpu(a, w, tp, err)
     flipped = dataclasses.replace(cfg, flatten_consume=not cfg.flatten_consume)
-
-    def launch(c, produce, consume):
-        return lambda: launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err,
-                                      rank=0, world=tp, epoch=1, cfg=c, num_sms=sms,
-                                      max_spins=1 << 20, produce=produce, consume=consume)
-
     seg = a[:m_local]
     # the same kernel at world = 1 on one segment's rows: a plain persistent GEMM (own tiles,
     # nothing to reduce), so consume - single = the reduction's reads, single - cublas_seg = the tile
-    out1 = torch.empty_like(out)
-    data1 = torch.zeros(1, m_local, n, device="cuda", dtype=dtype)
-    flags1 = torch.full((rs_signal_count(1),), 1 << 30, dtype=torch.int32, device="cuda")
-    flags1[1:] = 0
-    ptrs1 = (torch.tensor([data1.data_ptr()], dtype=torch.int64, device="cuda"),
-             torch.tensor([flags1.data_ptr()], dtype=torch.int64, device="cuda"))
-
-    def single():
-        launch_gemm_rs(seg, w.t(), out1, data1, ptrs1[0], ptrs1[1], None, err, rank=0, world=1,
-                       epoch=1, cfg=cfg, num_sms=sms, max_spins=1 << 20)
-
+    launch1, out1, _ = rs_on_one_gpu(seg, w, 1, err)
     # the whole [m, k] @ [k, n] by the AG+GEMM kernel with its signals pre-set and no stream-K:
     # the fused codebase's persistent GEMM over the same rows as ``full``, with no RS at all
     plain, _, plain_check, _ = _ag_runner(m, n, k, tp, dataclasses.replace(cfg, stream_k=0), dtype)
     # the yardstick: a plain persistent TMA GEMM over the whole output, no segments, same config
-    from megatron_flux.bench.plain_gemm import launch_plain_gemm
-
-    c_plain = torch.empty(m, n, device="cuda", dtype=dtype)
+    c_plain = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
     fns = {
         "triton_plain": lambda: launch_plain_gemm(a, w, c_plain, cfg, sms),
         "triton_plain_hostdesc": lambda: launch_plain_gemm(a, w, c_plain, cfg, sms, host_descriptors=True),
         "plain": plain,
-        "single": single,
-        "full": launch(cfg, True, True),
-        "produce": launch(cfg, True, False),
-        "consume": launch(cfg, False, True),
-        f"consume_flatten_consume={flipped.flatten_consume}": launch(flipped, False, True),
+        "single": lambda: launch1(cfg),
+        "full": lambda: launch(cfg),
+        "produce": lambda: launch(cfg, consume=False),
+        "consume": lambda: launch(cfg, produce=False),
+        f"consume_flatten_consume={flipped.flatten_consume}": lambda: launch(flipped, produce=False),
         "cublas": lambda: torch.matmul(a, w.t()),
         "cublas_seg": lambda: torch.matmul(seg, w.t()),
     }
-    # correctness of the production launch (own rows = own partial + the pushed slots)
+    # correctness of each kernel's production-shaped launch
     fns["full"]()
-    torch.cuda.synchronize()
-    ref = (a.float() @ w.t().float())[:m_local]
-    for src in range(1, tp):
-        ref = ref + data[src].float()
-    rel = float((out.float() - ref).norm() / ref.norm())
-    single()
-    torch.cuda.synchronize()
-    ref1 = (seg.float() @ w.t().float())
-    rel1 = float((out1.float() - ref1).norm() / ref1.norm())
+    fns["single"]()
     plain()
     fns["triton_plain"]()
     torch.cuda.synchronize()
-    rel3 = float((c_plain.float() - a.float() @ w.t().float()).norm() / (a.float() @ w.t().float()).norm())
-    got2, ref2 = plain_check()
-    rel2 = float((got2 - ref2).norm() / ref2.norm())
-    if not (rel <= 2e-2 and rel1 <= 2e-2 and rel2 <= 2e-2 and rel3 <= 2e-2) or int(err[0]):
-        raise RuntimeError(f"GEMM+RS m={m} n={n} k={k}: rel err {rel} / {rel1} (world 1) / {rel2} (plain) / {rel3} (triton_plain), "
-                           f"err flag {int(err[0])}")
+    ref = a.float() @ w.t().float()
+    own = ref[:m_local] + sum(data[src].float() for src in range(1, tp))  # own partial + pushed slots
+    errs = {"full": rel_err(out.float(), own), "single": rel_err(out1.float(), ref[:m_local]),
+            "plain": rel_err(*plain_check()), "triton_plain": rel_err(c_plain.float(), ref)}
+    if not all(e <= 2e-2 for e in errs.values()) or int(err[0]):
+        raise RuntimeError(f"GEMM+RS m={m} n={n} k={k}: rel errors {errs}, err flag {int(err[0])}")
     return fns
 
 
@@ -172,22 +141,13 @@ def run(args) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--models", nargs="+", default=["gpt3-175b", "llama3-70b", "llama3-8b"])
-    p.add_argument("--m", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
-    p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--iters", type=int, default=10)
+    add_grid_args(p)
     p.add_argument("--config", action="append", default=None,
                    help="JSON object of GemmConfig fields that override the backend's config; "
                         "repeat to time several configs in one interleaved loop (none: as is)")
-    p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.ops = ["GEMM+RS"]
-    result = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return write_json(run(args), args.json)
 
 
 if __name__ == "__main__":
