@@ -65,10 +65,10 @@ def main(argv=None):
         cfg = dict(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps,
                    epilogue_split=epi, warp_specialize=ws)
         common = dict(RAGGED=False, B_KN=False, EPI_SPLIT=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                      GROUP_M=8, NUM_SMS=132, FLATTEN=True, WARP_SPECIALIZE=ws)
+                      GROUP_M=8, NUM_SMS=132, FLATTEN=True, WARP_SPECIALIZE=ws, WORLD=2)
         for sk in (False, True):
-            r = _compile(ag_gemm_kernel, dict(common, STREAM_K=sk, SK_LOCAL=False), warps, stages,
-                         args.ptxas, args.ptx_version)
+            r = _compile(ag_gemm_kernel, dict(common, STREAM_K=sk, SK_LOCAL=False, ASYNC_FENCE=True),
+                         warps, stages, args.ptxas, args.ptx_version)
             rows.append({"kernel": "ag_gemm", "config": cfg, "stream_k": sk, **r})
         for push, reduce_ in ((True, True), (True, False), (False, True)):
             r = _compile(gemm_rs_kernel, dict(common, HAS_BIAS=False, FLATTEN_CONSUME=True,

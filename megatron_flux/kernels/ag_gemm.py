@@ -10,7 +10,9 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   workspace ``ag``, filled chunk by chunk (``chunk_rows`` rows, independent of ``BLOCK_M``) by
   the peers' copy engines, each chunk followed by a signal ``flags[s * chunks_per_seg + c] =
   epoch``. Before a step's tiles each program waits (acquire, bounded) on that segment's
-  chunks; the wait sits between the persistent tile loops so they stay flattened/pipelined.
+  chunks, then fences so its TMA reads come after the acquire; the wait sits between the
+  persistent tile loops so they stay flattened/pipelined. The step loop is unrolled at
+  compile time (``WORLD`` is a constexpr), so each step's tile loop is a top-level loop.
 * Epilogue: TMA store of the tile (clipped to the segment when ``m_local % BLOCK_M != 0``).
 * Stream-K tail (``GemmConfig.stream_k``, :mod:`.stream_k`): the last ``sk_tiles`` flat tiles
   (the partial last wave, in the last step's segment) leave the data-parallel loops; after them
@@ -29,11 +31,11 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from megatron_flux.kernels.config import launch_geometry
+from megatron_flux.kernels.config import interpreting, launch_geometry
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import split_columns, tile_mainloop, tile_mainloop_k
-from megatron_flux.kernels.signals import wait_signal
+from megatron_flux.kernels.signals import fence_async_proxy, wait_signal
 from megatron_flux.kernels.stream_k import sk_covering, sk_publish_part, sk_range, sk_sum_parts, \
     stream_k_plan, stream_k_scratch
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step
@@ -75,27 +77,29 @@ def _store(c_desc, c_seg, c_row, off_n, c, RAGGED_C: tl.constexpr, BLOCK_M: tl.c
 def ag_gemm_kernel(
     x_ptr, ag_ptr, b_ptr, c_ptr,
     flags_ptr, err_ptr, sk_partials_ptr, sk_counters_ptr,
-    m_local, N, K, ldb, rank, world, epoch, chunk_rows, max_spins, sk_tiles,
-    RAGGED: tl.constexpr, B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr,
+    m_local, N, K, ldb, rank, epoch, chunk_rows, max_spins, sk_tiles,
+    WORLD: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, STREAM_K: tl.constexpr,
-    SK_LOCAL: tl.constexpr = False,
+    ASYNC_FENCE: tl.constexpr = True, SK_LOCAL: tl.constexpr = False,
 ):
-    """Pointers: ``x`` [m_local, K], ``ag`` / ``c`` [world * m_local, K / N] contiguous; ``b``
+    """Pointers: ``x`` [m_local, K], ``ag`` / ``c`` [WORLD * m_local, K / N] contiguous; ``b``
     [K, N] (B_KN) or [N, K], row stride ``ldb``. TMA descriptors are built on the device, once
     per program, so a launch passes only pointers and integers. With STREAM_K the last
     ``sk_tiles`` tiles run split along K through the scratch ``sk_partials`` / ``sk_counters``
-    (:mod:`.stream_k`); without it ``sk_tiles`` is 0 and the scratch is not touched."""
+    (:mod:`.stream_k`); without it ``sk_tiles`` is 0 and the scratch is not touched.
+    ASYNC_FENCE: a proxy fence after each step's waits (off only under the interpreter, which
+    has no inline assembly)."""
     x_desc = tl.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
     if RAGGED:
-        ag_desc = tl.make_tensor_descriptor(ag_ptr, [world, m_local, K], [m_local * K, K, 1],
+        ag_desc = tl.make_tensor_descriptor(ag_ptr, [WORLD, m_local, K], [m_local * K, K, 1],
                                             [1, BLOCK_M, BLOCK_K])
-        c_desc = tl.make_tensor_descriptor(c_ptr, [world, m_local, N], [m_local * N, N, 1],
+        c_desc = tl.make_tensor_descriptor(c_ptr, [WORLD, m_local, N], [m_local * N, N, 1],
                                            [1, BLOCK_M, BLOCK_N // EPI_SPLIT])
     else:
-        ag_desc = tl.make_tensor_descriptor(ag_ptr, [world * m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
-        c_desc = tl.make_tensor_descriptor(c_ptr, [world * m_local, N], [N, 1],
+        ag_desc = tl.make_tensor_descriptor(ag_ptr, [WORLD * m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
+        c_desc = tl.make_tensor_descriptor(c_ptr, [WORLD * m_local, N], [N, 1],
                                            [BLOCK_M, BLOCK_N // EPI_SPLIT])
     if B_KN:
         b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N])
@@ -107,7 +111,7 @@ def ag_gemm_kernel(
     tiles_per_seg = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
     chunks_per_seg = tl.cdiv(m_local, chunk_rows)
-    dp_end = world * tiles_per_seg - sk_tiles  # tiles before it are data-parallel
+    dp_end = WORLD * tiles_per_seg - sk_tiles  # tiles before it are data-parallel
 
     # Step 0: local rows, read from the caller's shard.
     for t in tl.range(pid, tl.minimum(tiles_per_seg, dp_end), NUM_SMS, flatten=FLATTEN,
@@ -121,14 +125,18 @@ def ag_gemm_kernel(
         _ag_tile(x_desc, b_desc, c_desc, off_m, rank, c_row, pid_n * BLOCK_N, k_tiles,
                  False, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
 
-    # Steps 1..world-1: peers' rows in ring order. Each program waits once per step for the
+    # Steps 1..WORLD-1: peers' rows in ring order. Each program waits once per step for the
     # step's segment (outside the tile loop, which stays a clean pipelined persistent loop):
     # with every peer pushing from time zero, a segment lands long before a program reaches it.
-    for step in range(1, world):
-        seg = segment_of_step(step, rank, world, False)
+    # The step loop is unrolled (WORLD is a compile-time constant), so every tile loop sits at
+    # the top level of the kernel: nested in a runtime step loop they ran 1-3 % slower with
+    # communication disabled (benchmarks/NOTES.md, session 9).
+    for step in tl.static_range(1, WORLD):
+        seg = segment_of_step(step, rank, WORLD, False)
         for c in range(chunks_per_seg):
             idx = seg * chunks_per_seg + c
             wait_signal(flags_ptr + idx, epoch, max_spins, err_ptr, 1, rank, idx)  # op code OP_AG_GEMM
+        fence_async_proxy(epoch, ASYNC_FENCE)  # the TMA reads below come after the acquire
         first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
         for t in tl.range(first, tl.minimum((step + 1) * tiles_per_seg, dp_end), NUM_SMS,
                           flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
@@ -144,7 +152,7 @@ def ag_gemm_kernel(
     if STREAM_K:
         _stream_k_tiles(x_desc, ag_desc, b_desc, c_desc, sk_partials_ptr, sk_counters_ptr, pid,
                         dp_end, sk_tiles, tiles_per_seg, k_tiles, m_local, num_pid_m, num_pid_n,
-                        rank, world, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                        rank, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                         NUM_SMS, SK_LOCAL)
 
 
@@ -210,13 +218,13 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     try:
         _LAUNCH(
             grid,
-            (x, ag, b, out, flags, err, partials, counters, m_local, n, k, geo.ldb, rank, world,
-             epoch, cfg.chunk_rows, max_spins, sk_tiles),
-            dict(RAGGED=geo.ragged, B_KN=geo.b_kn, EPI_SPLIT=cfg.epilogue_split,
+            (x, ag, b, out, flags, err, partials, counters, m_local, n, k, geo.ldb, rank, epoch,
+             cfg.chunk_rows, max_spins, sk_tiles),
+            dict(WORLD=world, RAGGED=geo.ragged, B_KN=geo.b_kn, EPI_SPLIT=cfg.epilogue_split,
                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  GROUP_M=cfg.group_m, NUM_SMS=grid, FLATTEN=cfg.flatten,
                  WARP_SPECIALIZE=cfg.warp_specialize, STREAM_K=sk_tiles > 0,
-                 SK_LOCAL=sk_tiles > 0 and world == 1),
+                 ASYNC_FENCE=not interpreting(), SK_LOCAL=sk_tiles > 0 and world == 1),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     except OutOfResources as exc:

@@ -130,25 +130,26 @@ def _reduce_tile(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_
 def gemm_rs_kernel(
     a_ptr, b_ptr, out_ptr,
     data_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr,
-    m_local, N, K, ldb, rank, world, epoch, max_spins,
-    RAGGED: tl.constexpr, B_KN: tl.constexpr, HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr,
+    m_local, N, K, ldb, rank, epoch, max_spins,
+    WORLD: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EPI_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     FLATTEN: tl.constexpr, FLATTEN_CONSUME: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     TMA_PUSH: tl.constexpr, ASYNC_FENCE: tl.constexpr,
     PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True, TMA_REDUCE: tl.constexpr = True,
 ):
-    """``data_ptr``: this rank's slot region (``[world, m_local, N]``, output dtype) for this
+    """``data_ptr``: this rank's slot region (``[WORLD, m_local, N]``, output dtype) for this
     call's parity; ``data_ptrs``/``flag_ptrs``: int64 tables of every rank's slot region and
     int32 signal region (layout: :func:`~megatron_flux.kernels.config.rs_signal_count`).
     PRODUCE/CONSUME select the phases (both in production; the CPU tests run all ranks'
     producers before their consumers). ASYNC_FENCE: drain TMA stores before a per-step
     signal (off only under the interpreter). TMA descriptors are built on the device."""
     if RAGGED:
-        a_desc = tl.make_tensor_descriptor(a_ptr, [world, m_local, K], [m_local * K, K, 1],
+        a_desc = tl.make_tensor_descriptor(a_ptr, [WORLD, m_local, K], [m_local * K, K, 1],
                                            [1, BLOCK_M, BLOCK_K])
     else:
-        a_desc = tl.make_tensor_descriptor(a_ptr, [world * m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
+        a_desc = tl.make_tensor_descriptor(a_ptr, [WORLD * m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
     if B_KN:
         b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N])
     else:
@@ -164,8 +165,10 @@ def gemm_rs_kernel(
     my_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
 
     if PRODUCE:
-        for step in range(0, world - 1):
-            seg = segment_of_step(step, rank, world, True)
+        # unrolled (WORLD is a compile-time constant): every tile loop at the top level of the
+        # kernel; nested in a runtime step loop, the AG kernel's ran 1-3 % slower (NOTES.md, s9)
+        for step in tl.static_range(0, WORLD - 1):
+            seg = segment_of_step(step, rank, WORLD, True)
             dst = tl.load(data_ptrs + seg).to(tl.pointer_type(data_ptr.dtype.element_ty))
             dst_desc = tl.make_tensor_descriptor(dst + slot_base, [m_local, N], [N, 1], [BLOCK_M, HALF])
             owner_flags = tl.load(flag_ptrs + seg).to(tl.pointer_type(tl.int32))
@@ -177,25 +180,25 @@ def gemm_rs_kernel(
                                                  B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
                 _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH,
                            EPI_SPLIT, BLOCK_M, BLOCK_N)
-            publish_when_grid_done(my_flags + world + step, NUM_SMS, owner_flags + rank, epoch,
+            publish_when_grid_done(my_flags + WORLD + step, NUM_SMS, owner_flags + rank, epoch,
                                    ASYNC_FENCE and TMA_PUSH)
 
     if CONSUME:
         # The first own tile is peeled so its GEMM runs before the one wait for the peers (when
         # the grid covers every tile in one wave, a program's only reduction tile then overlaps
         # the peers' producer tiles); the rest of the loop has no synchronisation.
-        slots_desc = tl.make_tensor_descriptor(data_ptr, [world, m_local, N], [m_local * N, N, 1],
+        slots_desc = tl.make_tensor_descriptor(data_ptr, [WORLD, m_local, N], [m_local * N, N, 1],
                                                [1, BLOCK_M, HALF])
-        own_start = (world - 1) * tiles_per_seg
+        own_start = (WORLD - 1) * tiles_per_seg
         first = first_tile_at_or_after(pid, own_start, NUM_SMS)
-        if first < world * tiles_per_seg:
+        if first < WORLD * tiles_per_seg:
             _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
-                          err_ptr, first - own_start, m_local, N, k_tiles, rank, world, epoch,
+                          err_ptr, first - own_start, m_local, N, k_tiles, rank, WORLD, epoch,
                           max_spins, num_pid_m, num_pid_n, True, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT,
                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE)
-        for t in tl.range(first + NUM_SMS, world * tiles_per_seg, NUM_SMS, flatten=FLATTEN_CONSUME):
+        for t in tl.range(first + NUM_SMS, WORLD * tiles_per_seg, NUM_SMS, flatten=FLATTEN_CONSUME):
             _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
-                          err_ptr, t - own_start, m_local, N, k_tiles, rank, world, epoch,
+                          err_ptr, t - own_start, m_local, N, k_tiles, rank, WORLD, epoch,
                           max_spins, num_pid_m, num_pid_n, False, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT,
                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE)
 
@@ -237,8 +240,8 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
     _LAUNCH(
         geo.grid,
         (a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
-         m_local, n, k, geo.ldb, rank, world, epoch, max_spins),
-        dict(RAGGED=geo.ragged, B_KN=geo.b_kn, HAS_BIAS=bias is not None,
+         m_local, n, k, geo.ldb, rank, epoch, max_spins),
+        dict(WORLD=world, RAGGED=geo.ragged, B_KN=geo.b_kn, HAS_BIAS=bias is not None,
              EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
              BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=geo.grid, FLATTEN=cfg.flatten,
              FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
