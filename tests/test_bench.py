@@ -529,3 +529,22 @@ def test_timing_disables_gc_during_the_trials_and_restores_it():
         res = time_interleaved(fns, trials=2, iters=2, warmup=1, group=None, device=torch.device("cpu"))
     assert seen and not any(seen)  # every timed call ran with the collector off
     assert gc.isenabled() and set(res.trials_ms) == {"a", "b"}
+
+
+def test_single_gpu_rs_wiring_owns_every_buffer_its_pointer_tables_name():
+    """``rs_on_one_gpu`` hands the kernel slots and signals as raw addresses; a buffer only the
+    pointer table names is freed on return and reused (session 9: every timed call then spun
+    out its waits). Every address must belong to a tensor the returned launcher holds."""
+    import gc
+
+    from megatron_flux.bench.kernel_vs_cublas import rs_on_one_gpu
+
+    for world in (1, 2, 4):
+        a, w = torch.randn(8 * world, 16), torch.randn(32, 16)
+        launch, out, data = rs_on_one_gpu(a, w, world, torch.zeros(4, dtype=torch.int32))
+        gc.collect()
+        held = {t.data_ptr() for t in launch.buffers}
+        _, _, flags, data_ptrs, flag_ptrs = launch.buffers
+        assert set(data_ptrs.tolist()) | set(flag_ptrs.tolist()) <= held, world
+        assert flags[:world].min() >= 1 and int(flags[world:].abs().sum()) == 0
+        assert out.isnan().all() and tuple(data.shape) == (world, 8, 32)

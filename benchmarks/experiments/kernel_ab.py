@@ -131,10 +131,11 @@ def _rs_wiring(a, w, tp, cfg, err, sms):
             for src in range(1, tp):
                 r = r + data[src].float()
             return r
-        return (lambda: mod.launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err,
-                                           rank=0, world=tp, epoch=1, cfg=cfg, num_sms=sms,
-                                           max_spins=1 << 20),
-                (out, ref))
+        def fn():  # holds flags: the kernel reaches it only through flag_ptrs
+            mod.launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err, rank=0,
+                               world=tp, epoch=1, cfg=cfg, num_sms=sms, max_spins=1 << 20)
+            return flags
+        return fn, (out, ref)
     return wire
 
 

@@ -96,19 +96,23 @@ def rs_on_one_gpu(a, w, world, err):
     from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
     m_local, n = a.shape[0] // world, w.shape[0]
-    out = torch.full((m_local, n), float("nan"), device="cuda", dtype=a.dtype)  # unwritten tiles show
-    data = torch.zeros(world, m_local, n, device="cuda", dtype=a.dtype)
-    flags = torch.full((rs_signal_count(world),), 1 << 30, dtype=torch.int32, device="cuda")
+    out = torch.full((m_local, n), float("nan"), device=a.device, dtype=a.dtype)  # unwritten tiles show
+    data = torch.zeros(world, m_local, n, device=a.device, dtype=a.dtype)
+    flags = torch.full((rs_signal_count(world),), 1 << 30, dtype=torch.int32, device=a.device)
     flags[world:] = 0  # the per-step arrival counters start at zero
-    data_ptrs = torch.tensor([data.data_ptr()] * world, dtype=torch.int64, device="cuda")
-    flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device="cuda")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    data_ptrs = torch.tensor([data.data_ptr()] * world, dtype=torch.int64, device=a.device)
+    flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device=a.device)
 
     def launch(cfg, produce=True, consume=True):
+        sms = torch.cuda.get_device_properties(a.device).multi_processor_count
         launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err, rank=0, world=world,
                        epoch=1, cfg=cfg, num_sms=sms, max_spins=1 << 20, produce=produce,
                        consume=consume)
 
+    # The kernel reaches the slots and signals only through the addresses in the pointer
+    # tables, so ``launch`` must own them: a freed ``flags`` (reused by the next allocation)
+    # made every later call spin out its waits (session 9, ~240 ms a call).
+    launch.buffers = (out, data, flags, data_ptrs, flag_ptrs)
     return launch, out, data
 
 
