@@ -63,37 +63,47 @@ def _time(fns: Dict[str, Callable], trials: int, iters: int) -> Dict[str, List[f
     return out
 
 
-def _ag_runner(m, n, k, tp, cfg, dtype):
-    from megatron_flux.kernels.ag_gemm import launch_ag_gemm
-
-    m_local = m // tp
-    x = torch.randn(m_local, k, device="cuda", dtype=dtype)
-    ag = torch.randn(m, k, device="cuda", dtype=dtype)
-    w = torch.randn(n, k, device="cuda", dtype=dtype)
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)  # unwritten tiles show
-    chunks = -(-m_local // min(cfg.chunk_rows, m_local))
-    flags = torch.full((tp * chunks,), 1 << 30, dtype=torch.int32, device="cuda")
-    err = torch.zeros(4, dtype=torch.int32, device="cuda")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+def ag_on_one_gpu(a, w, world, cfg, err, launch_ag_gemm=None):
+    """AG+GEMM of ``a @ w.T`` wired to this GPU alone, as rank 0 of ``world``: the local shard
+    is ``a``'s first ``m / world`` rows, the "gathered" workspace is ``a`` itself, every chunk
+    signal is pre-set (no wait spins). Returns ``(launch, out)``: ``launch()`` runs the kernel
+    with ``cfg`` (its ``chunk_rows`` capped at the shard) into ``out`` ``[m, n]``.
+    ``launch_ag_gemm``: another version of the launcher (default: the package's)."""
     import dataclasses
 
+    if launch_ag_gemm is None:
+        from megatron_flux.kernels.ag_gemm import launch_ag_gemm
+
+    m_local = a.shape[0] // world
     cfg = dataclasses.replace(cfg, chunk_rows=min(cfg.chunk_rows, m_local))
+    out = torch.full((a.shape[0], w.shape[0]), float("nan"), device=a.device, dtype=a.dtype)
+    flags = torch.full((world * -(-m_local // cfg.chunk_rows),), 1 << 30, dtype=torch.int32,
+                       device=a.device)
+    sms = _num_sms(a.device)
 
-    def fused():
-        launch_ag_gemm(x, ag, w.t(), out, flags, err, rank=0, world=tp, epoch=1, cfg=cfg,
-                       num_sms=sms, max_spins=1 << 20)
+    def launch():
+        launch_ag_gemm(a[:m_local], a, w.t(), out, flags, err, rank=0, world=world, epoch=1,
+                       cfg=cfg, num_sms=sms, max_spins=1 << 20)
 
-    full = ag.clone()
-    full[:m_local] = x
-    return fused, (lambda: torch.matmul(full, w.t())), (lambda: (out.float(), full.float() @ w.t().float())), err
+    return launch, out
 
 
-def rs_on_one_gpu(a, w, world, err):
+def _ag_runner(m, n, k, tp, cfg, dtype):
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    launch, out = ag_on_one_gpu(a, w, tp, cfg, err)
+    return launch, (lambda: torch.matmul(a, w.t())), (lambda: (out.float(), a.float() @ w.t().float())), err
+
+
+def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None):
     """GEMM+RS of ``a @ w.T`` wired to this GPU alone, as rank 0 of ``world``: every peer slot
     is a local buffer, every peer signal pre-set (no wait spins), the arrival counters zero.
     Returns ``(launch, out, data)``: ``launch(cfg, produce=True, consume=True)`` runs the
-    kernel into ``out`` ``[m / world, n]``; ``data[src]`` holds what "rank src" pushed."""
-    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+    kernel into ``out`` ``[m / world, n]``; ``data[src]`` holds what "rank src" pushed.
+    ``launch_gemm_rs``: another version of the launcher (default: the package's)."""
+    if launch_gemm_rs is None:
+        from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
     m_local, n = a.shape[0] // world, w.shape[0]
     out = torch.full((m_local, n), float("nan"), device=a.device, dtype=a.dtype)  # unwritten tiles show
@@ -102,9 +112,9 @@ def rs_on_one_gpu(a, w, world, err):
     flags[world:] = 0  # the per-step arrival counters start at zero
     data_ptrs = torch.tensor([data.data_ptr()] * world, dtype=torch.int64, device=a.device)
     flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device=a.device)
+    sms = _num_sms(a.device)
 
     def launch(cfg, produce=True, consume=True):
-        sms = torch.cuda.get_device_properties(a.device).multi_processor_count
         launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err, rank=0, world=world,
                        epoch=1, cfg=cfg, num_sms=sms, max_spins=1 << 20, produce=produce,
                        consume=consume)
@@ -114,6 +124,13 @@ def rs_on_one_gpu(a, w, world, err):
     # made every later call spin out its waits (session 9, ~240 ms a call).
     launch.buffers = (out, data, flags, data_ptrs, flag_ptrs)
     return launch, out, data
+
+
+def _num_sms(device):
+    """SM count of a CUDA device, once per wiring (not per timed launch); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def rel_err(got, ref) -> float:

@@ -1,0 +1,53 @@
+"""What the experiment scripts share: loading an earlier copy of a kernel module, timing a set
+of methods in one interleaved loop with a correctness check per output, and the JSON record."""
+
+import importlib.util
+import json
+import statistics
+import sys
+
+import torch
+
+from megatron_flux.bench.kernel_vs_cublas import _time, rel_err
+
+
+def load_module(path, name):
+    """The Python file at ``path`` as a module (an earlier copy of ``kernels/*.py``)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_and_check(fns, outs, trials, iters, title, row):
+    """Time ``fns`` (one of them ``"cublas"``) interleaved; check each ``outs[name] = (got,
+    ref_fn)`` after the timing (rel. error < 1e-2, else the line says WRONG); print ``title``
+    with every method's time / cuBLAS. Returns one record per method, ``row``'s fields plus
+    ``method``, ``median_ms``, ``spread_ms``, ``times_ms`` and ``rel_err``."""
+    times = _time(fns, trials, iters)
+    base = statistics.median(times["cublas"])
+    line, rows = [f"{title} cublas {base:.4f}"], []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        e = None
+        if name in outs:
+            got, ref = outs[name]
+            e = rel_err(got.float(), ref())
+            if not e < 1e-2:
+                line.append(f"{name} WRONG({e:.3g})")
+        rows.append({**row, "method": name, "median_ms": med, "spread_ms": max(ts) - min(ts),
+                     "times_ms": ts, "rel_err": e})
+        if name != "cublas":
+            line.append(f"{name} x{med / base:.3f}")
+    print("  ".join(line), flush=True)
+    return rows
+
+
+def write_record(path, rows, **extra):
+    """The run's JSON record (command, GPU, versions, ``extra``, rows) to ``path`` if given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"command": " ".join([sys.executable] + sys.argv),
+                       "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": __import__("triton").__version__, **extra, "rows": rows},
+                      f, indent=1)
