@@ -63,12 +63,13 @@ def _time(fns: Dict[str, Callable], trials: int, iters: int) -> Dict[str, List[f
     return out
 
 
-def ag_on_one_gpu(a, w, world, cfg, err, launch_ag_gemm=None):
+def ag_on_one_gpu(a, w, world, cfg, err, launch_ag_gemm=None, num_sms=None):
     """AG+GEMM of ``a @ w.T`` wired to this GPU alone, as rank 0 of ``world``: the local shard
     is ``a``'s first ``m / world`` rows, the "gathered" workspace is ``a`` itself, every chunk
     signal is pre-set (no wait spins). Returns ``(launch, out)``: ``launch()`` runs the kernel
     with ``cfg`` (its ``chunk_rows`` capped at the shard) into ``out`` ``[m, n]``.
-    ``launch_ag_gemm``: another version of the launcher (default: the package's)."""
+    ``launch_ag_gemm``: another version of the launcher (default: the package's); ``num_sms``:
+    the persistent grid's size (default: the device's SM count)."""
     import dataclasses
 
     if launch_ag_gemm is None:
@@ -79,7 +80,7 @@ def ag_on_one_gpu(a, w, world, cfg, err, launch_ag_gemm=None):
     out = torch.full((a.shape[0], w.shape[0]), float("nan"), device=a.device, dtype=a.dtype)
     flags = torch.full((world * -(-m_local // cfg.chunk_rows),), 1 << 30, dtype=torch.int32,
                        device=a.device)
-    sms = _num_sms(a.device)
+    sms = num_sms or _num_sms(a.device)
 
     def launch():
         launch_ag_gemm(a[:m_local], a, w.t(), out, flags, err, rank=0, world=world, epoch=1,
@@ -96,12 +97,13 @@ def _ag_runner(m, n, k, tp, cfg, dtype):
     return launch, (lambda: torch.matmul(a, w.t())), (lambda: (out.float(), a.float() @ w.t().float())), err
 
 
-def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None):
+def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None, num_sms=None):
     """GEMM+RS of ``a @ w.T`` wired to this GPU alone, as rank 0 of ``world``: every peer slot
     is a local buffer, every peer signal pre-set (no wait spins), the arrival counters zero.
     Returns ``(launch, out, data)``: ``launch(cfg, produce=True, consume=True)`` runs the
     kernel into ``out`` ``[m / world, n]``; ``data[src]`` holds what "rank src" pushed.
-    ``launch_gemm_rs``: another version of the launcher (default: the package's)."""
+    ``launch_gemm_rs``: another version of the launcher (default: the package's); ``num_sms``:
+    the persistent grid's size (default: the device's SM count)."""
     if launch_gemm_rs is None:
         from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
@@ -112,7 +114,7 @@ def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None):
     flags[world:] = 0  # the per-step arrival counters start at zero
     data_ptrs = torch.tensor([data.data_ptr()] * world, dtype=torch.int64, device=a.device)
     flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device=a.device)
-    sms = _num_sms(a.device)
+    sms = num_sms or _num_sms(a.device)
 
     def launch(cfg, produce=True, consume=True):
         launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err, rank=0, world=world,

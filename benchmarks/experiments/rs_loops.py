@@ -1,0 +1,252 @@
+"""Experiment: which part of the GEMM+RS kernel's structure costs time (comm off), and whether
+one tile loop at TP = 2 recovers it.
+
+A stripped copy of ``gemm_rs_kernel`` for ``WORLD`` = 2 (no ragged segments, B as [N, K], TMA
+pushes and TMA reduction reads), timed beside cuBLAS, the plain yardstick and the package's
+kernel in one interleaved loop on one GPU. It is wired as ``kernel_vs_cublas.rs_on_one_gpu``
+is: rank 0 pushes the peer segment's partial into the local slot 0 and reduces its own rows
+with slot 1 (random, written once), every peer signal is pre-set. Every variant computes
+``out = a[:m_local] @ w.T + slot1`` and ``slot0 = a[m_local:] @ w.T``:
+
+* ``steps``: the package's structure (the producer loop over the peer's segment, the
+  grid-done publish, the first own tile peeled before the wait, then the reduction loop);
+* ``steps-nopeel``: the wait before an unpeeled reduction loop;
+* ``steps-nosync``: no publish, no wait (the signals of a real run gone);
+* ``steps-noread``: own tiles store the accumulator without reading slot 1 (the output is
+  then checked against the product alone);
+* ``steps-bare``: no peel, no signals, no reads: two loops of a plain GEMM whose first one
+  stores into the slot;
+* ``one``: one flattened loop over both segments' tiles, each tile's epilogue pushing (peer
+  segment) or reducing (own segment); no signals. Signals cannot go into this loop as they
+  are: a CTA barrier or the inline-assembly store drain of ``publish_when_grid_done`` inside
+  the loop stops Triton 3.6 from pipelining it (compiled for sm_90a: 80 KB of shared memory
+  instead of 208 KB, i.e. one stage). So ``one`` is an upper bound of what one loop could win;
+* ``one-noread``: ``one`` whose own tiles store without reading slot 1;
+* ``one-prefetch``: ``one`` whose own tiles load slot 1's tile with plain loads *before* the
+  K loop (their latency hidden behind it) instead of by TMA after it.
+
+    python benchmarks/experiments/rs_loops.py --shapes 8192x4096x14336 ... [--json PATH]
+
+(run as a script, with the repository root on ``PYTHONPATH``: it imports ``common`` beside it)
+"""
+
+import argparse
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+from common import time_and_check, write_record
+from megatron_flux.bench.kernel_vs_cublas import rs_on_one_gpu
+from megatron_flux.bench.plain_gemm import launch_plain_gemm
+from megatron_flux.kernels.config import GemmConfig, default_config, interpreting
+from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
+from megatron_flux.kernels.gemm_rs import _push_tile, _reduce_tile
+from megatron_flux.kernels.mainloop import segment_tile, split_columns
+from megatron_flux.kernels.signals import fence_async_proxy, publish_when_grid_done, wait_signal
+from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile
+
+#: name -> the kernel's constexpr switches
+_STEPS = dict(ONE_LOOP=False, PEEL=True, SYNC=True, READ=1)
+_ONE = dict(ONE_LOOP=True, PEEL=False, SYNC=False, READ=1)
+VARIANTS = {"steps": _STEPS, "steps-nopeel": {**_STEPS, "PEEL": False},
+            "steps-nosync": {**_STEPS, "SYNC": False},
+            "steps-noread": {**_STEPS, "READ": 0},
+            "steps-bare": {**_STEPS, "PEEL": False, "SYNC": False, "READ": 0},
+            "one": _ONE, "one-noread": {**_ONE, "READ": 0}, "one-prefetch": {**_ONE, "READ": 2}}
+
+
+@triton.jit(do_not_specialize=["rank", "epoch", "max_spins"])
+def rs_loops_kernel(a_ptr, b_ptr, out_ptr, data_ptr, data_ptrs, flag_ptrs, err_ptr,
+                    m_local, N, K, rank, epoch, max_spins,
+                    ONE_LOOP: tl.constexpr, PEEL: tl.constexpr, SYNC: tl.constexpr,
+                    READ: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    NUM_SMS: tl.constexpr, ASYNC: tl.constexpr):
+    """READ: 0 own tiles store the accumulator, 1 add slot 1 read by TMA after the K loop, 2 add
+    slot 1 loaded by plain loads before the K loop (ONE_LOOP only)."""
+    WORLD: tl.constexpr = 2
+    a_desc = tl.make_tensor_descriptor(a_ptr, [WORLD * m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
+    HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
+    out_desc = tl.make_tensor_descriptor(out_ptr, [m_local, N], [N, 1], [BLOCK_M, HALF])
+    slots_desc = tl.make_tensor_descriptor(data_ptr, [WORLD, m_local, N], [m_local * N, N, 1],
+                                           [1, BLOCK_M, HALF])
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(m_local, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tps = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    slot_base = (rank * m_local).to(tl.int64) * N
+    my_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
+    peer = (rank + 1) % WORLD
+    dst = tl.load(data_ptrs + peer).to(tl.pointer_type(data_ptr.dtype.element_ty))
+    dst_desc = tl.make_tensor_descriptor(dst + slot_base, [m_local, N], [N, 1], [BLOCK_M, HALF])
+    owner_flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32))
+    first_own = first_tile_at_or_after(pid, tps, NUM_SMS)
+
+    if not ONE_LOOP:  # the package's structure: producer loop, publish, reduction loop
+        for t in tl.range(pid, tps, NUM_SMS, flatten=True):
+            acc, off_m, off_n = segment_tile(a_desc, b_desc, t, peer, m_local, k_tiles, num_pid_m,
+                                             num_pid_n, False, False, BLOCK_M, BLOCK_N, BLOCK_K,
+                                             GROUP_M)
+            _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, True, EPI_SPLIT,
+                       BLOCK_M, BLOCK_N)
+        if SYNC:
+            publish_when_grid_done(my_flags + WORLD, NUM_SMS, owner_flags + rank, epoch, ASYNC)
+        loop_start = first_own
+        if PEEL:  # first own tile peeled, the wait after its GEMM
+            loop_start = first_own + NUM_SMS
+            if first_own < WORLD * tps:
+                acc, off_m, off_n = segment_tile(a_desc, b_desc, first_own - tps, rank, m_local,
+                                                 k_tiles, num_pid_m, num_pid_n, False, False,
+                                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                if SYNC:
+                    wait_signal(my_flags + peer, epoch, max_spins, err_ptr, 2, rank, peer)
+                    fence_async_proxy(epoch, ASYNC)
+                _own_epilogue(acc, None, data_ptr, slots_desc, out_desc, off_m, off_n, m_local, N,
+                              rank, READ, EPI_SPLIT, BLOCK_M, BLOCK_N)
+        elif SYNC:
+            wait_signal(my_flags + peer, epoch, max_spins, err_ptr, 2, rank, peer)
+            fence_async_proxy(epoch, ASYNC)
+        for t in tl.range(loop_start, WORLD * tps, NUM_SMS, flatten=True):
+            acc, off_m, off_n = segment_tile(a_desc, b_desc, t - tps, rank, m_local, k_tiles,
+                                             num_pid_m, num_pid_n, False, False, BLOCK_M, BLOCK_N,
+                                             BLOCK_K, GROUP_M)
+            _own_epilogue(acc, None, data_ptr, slots_desc, out_desc, off_m, off_n, m_local, N,
+                          rank, READ, EPI_SPLIT, BLOCK_M, BLOCK_N)
+    else:  # one loop over both segments (no publish or wait in it: see the docstring)
+        for t in tl.range(pid, WORLD * tps, NUM_SMS, flatten=True):
+            own = t >= tps
+            pre = None
+            if READ == 2:
+                pre = _prefetch(data_ptr, t - tps, own, peer, m_local, N, num_pid_m, num_pid_n,
+                                BLOCK_M, BLOCK_N, GROUP_M)
+            seg = tl.where(own, rank, peer)
+            acc, off_m, off_n = segment_tile(a_desc, b_desc, t - own.to(tl.int32) * tps, seg,
+                                             m_local, k_tiles, num_pid_m, num_pid_n, False, False,
+                                             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+            if own:
+                _own_epilogue(acc, pre, data_ptr, slots_desc, out_desc, off_m, off_n, m_local, N,
+                              rank, READ, EPI_SPLIT, BLOCK_M, BLOCK_N)
+            else:
+                _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, True,
+                           EPI_SPLIT, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _own_epilogue(acc, pre, data_ptr, slots_desc, out_desc, off_m, off_n, m_local, N, rank,
+                  READ: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    if READ == 1:
+        _reduce_tile(acc, data_ptr, slots_desc, data_ptr, out_desc, off_m, off_n, m_local, N,
+                     rank, 2, True, False, EPI_SPLIT, BLOCK_M, BLOCK_N)
+    elif READ == 2:
+        _store_tile(out_desc, acc + pre.to(tl.float32), off_m, off_n, EPI_SPLIT, BLOCK_M, BLOCK_N)
+    else:
+        _store_tile(out_desc, acc, off_m, off_n, EPI_SPLIT, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _prefetch(data_ptr, t_in_seg, own, peer, m_local, N, num_pid_m, num_pid_n,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Slot ``peer``'s tile ``t_in_seg`` (plain loads, masked off entirely unless ``own``)."""
+    pid_m, pid_n = grouped_tile(t_in_seg, num_pid_m, num_pid_n, GROUP_M)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    base = data_ptr + (peer * m_local + pid_m * BLOCK_M).to(tl.int64) * N
+    row_end = tl.where(own, m_local, 0)  # no row when not own
+    mask = ((pid_m * BLOCK_M + rows)[:, None] < row_end) & (cols[None, :] < N)
+    return tl.load(base + (rows[:, None] * N + cols[None, :]), mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_tile(out_desc, acc, off_m, off_n, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
+    if EPI_SPLIT == 2:
+        acc0, acc1 = split_columns(acc, BLOCK_M, HALF)
+        out_desc.store([off_m, off_n], acc0.to(out_desc.dtype))
+        out_desc.store([off_m, off_n + HALF], acc1.to(out_desc.dtype))
+    else:
+        out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
+
+
+def wire(a, w, cfg, variant, sms):
+    """``(launch, out, data, flags, err)`` for one variant (a ``VARIANTS`` value) on this
+    device, as rank 0 of 2."""
+    m_local, n, k = a.shape[0] // 2, w.shape[0], a.shape[1]
+    out = torch.full((m_local, n), float("nan"), device=a.device, dtype=a.dtype)
+    data = torch.zeros(2, m_local, n, device=a.device, dtype=a.dtype)
+    flags = torch.tensor([0, 1 << 30, 0, 0], dtype=torch.int32, device=a.device)
+    data_ptrs = torch.tensor([data.data_ptr()] * 2, dtype=torch.int64, device=a.device)
+    flag_ptrs = torch.tensor([flags.data_ptr()] * 2, dtype=torch.int64, device=a.device)
+    err = torch.zeros(4, dtype=torch.int32, device=a.device)
+    grid = min(sms, 2 * triton.cdiv(m_local, cfg.block_m) * triton.cdiv(n, cfg.block_n))
+
+    def launch():
+        rs_loops_kernel[(grid,)](a, w, out, data, data_ptrs, flag_ptrs, err, m_local, n, k, 0, 1,
+                                 1 << 20, **variant, EPI_SPLIT=cfg.epilogue_split,
+                                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                 GROUP_M=cfg.group_m, NUM_SMS=grid, ASYNC=not interpreting(),
+                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    launch.buffers = (out, data, flags, data_ptrs, flag_ptrs, err)
+    return launch, out, data, flags, err
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", nargs="+", required=True, help="MxNxK (K per rank)")
+    p.add_argument("--config", action="append", default=[], help="GemmConfig JSON (repeatable); "
+                   "default: the heuristic default per shape")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--trials", type=int, default=7)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ensure_descriptor_allocator()
+    rows = []
+    for shape in args.shapes:
+        m, n, k = map(int, shape.split("x"))
+        m_local = m // 2
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        full = a.float() @ w.t().float()
+        slot1 = (torch.randn(m_local, n, device="cuda") * full[:m_local].std()).to(a.dtype)
+        cfgs = [GemmConfig.from_dict(json.loads(c)) for c in args.config] or \
+            [default_config("rs", m, n, k)]
+        for cfg in cfgs:
+            plain_out = torch.full((m, n), float("nan"), device="cuda", dtype=a.dtype)
+            fns = {"cublas": lambda: torch.matmul(a, w.t()),
+                   "plain": lambda c=cfg: launch_plain_gemm(a, w, plain_out, c, sms)}
+            outs = {"plain": (plain_out, lambda: full)}
+            err = torch.zeros(4, dtype=torch.int32, device="cuda")
+            real, real_out, real_data = rs_on_one_gpu(a, w, 2, err)
+            real_data[1].copy_(slot1)
+            fns["real"] = lambda c=cfg: real(c)
+            with_slot = lambda: full[:m_local] + slot1.float()  # noqa: E731
+            outs["real"] = (real_out, with_slot)
+            pushes = {"real": real_data}
+            for name in args.variants:
+                launch, out, data, _, _ = wire(a, w, cfg, VARIANTS[name], sms)
+                data[1].copy_(slot1)
+                fns[name] = launch
+                outs[name] = (out, (lambda: full[:m_local]) if VARIANTS[name]["READ"] == 0 else with_slot)
+                pushes[name] = data
+            title = (f"{m}x{n}x{k} {cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.num_warps}"
+                     f"/epi{cfg.epilogue_split}")
+            rows += time_and_check(fns, outs, args.trials, args.iters, title,
+                                   {"m": m, "n": n, "k": k, "config": cfg.to_dict()})
+            for name, data in pushes.items():  # every variant's pushed partial
+                e = float((data[0].float() - full[m_local:]).norm() / full[m_local:].norm())
+                if not e < 1e-2:
+                    print(f"  {name}: pushed partial WRONG ({e:.3g})", flush=True)
+            assert err.tolist() == [0, 0, 0, 0], err.tolist()
+    write_record(args.json, rows, tp=2)
+
+
+if __name__ == "__main__":
+    main()
