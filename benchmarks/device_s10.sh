@@ -4,7 +4,10 @@
 #        plain yardstick (peel, signals, reduction reads, one loop)     -> $OUT/rs-loops.json
 #   occ  experiments/occupancy.py: two persistent programs per SM (128x128 tiles, 4 warps),
 #        so one program's epilogue overlaps the other's K loop, AG and RS -> $OUT/occ-{ag,rs}.json
-# Usage: OUT=/somewhere bash benchmarks/device_s10.sh rs occ
+#   ws   experiments/gluon_ws_gemm.py: a warp-specialized Gluon GEMM (two MMA warpgroups taking
+#        turns, one TMA warp) against cuBLAS and the plain yardstick      -> $OUT/gluon-ws.json
+#        (never run before: last, under a timeout, in case a barrier phase is wrong and it hangs)
+# Usage: OUT=/somewhere bash benchmarks/device_s10.sh rs occ ws
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/s10}"
@@ -37,6 +40,11 @@ for what in "$@"; do
       timeout 120 python3 ${EXP}/occupancy.py --op ag --shapes 1024x14336x4096 2048x14336x4096 \
           --config "${C128_K32_3}" --per-sm 1 2 3 --trials 7 --iters 10 \
           --json "${OUT}/occ3-ag.json" 2>&1 | grep -v Warning ;;
+    ws)
+      timeout 180 python3 ${EXP}/gluon_ws_gemm.py --shapes 1024x14336x4096 2048x14336x4096 \
+          4096x14336x4096 1024x4096x14336 4096x4096x14336 8192x4096x14336 4096x28672x8192 \
+          --trials 7 --iters 10 --json "${OUT}/gluon-ws.json" 2>&1 | grep -v Warning
+      echo "gluon ws rc=${PIPESTATUS[0]}" ;;
   esac
   echo "== ${what} done at ${SECONDS}s"
 done
