@@ -1,4 +1,5 @@
-"""Experiment: a warp-specialized persistent Hopper GEMM in Gluon, ``C = A @ B^T`` (bf16).
+"""Experiment: a warp-specialized persistent Hopper GEMM in Gluon, ``C = A @ B^T`` (bf16), in
+the AllGather+GEMM form (``WORLD = 1`` is the plain GEMM).
 
 Why: Triton 3.6's persistent TMA GEMM is not warp-specialized on Hopper. While a program rounds
 and stores a tile, its SM's tensor cores idle, and at short K that is several per cent of the
@@ -12,6 +13,13 @@ move onto it (their prologue waits and epilogue pushes/reductions are per tile, 
 Tile and barrier schedule (one program per SM, ``G`` programs; program ``p`` owns tiles
 ``p, p + G, ...`` in GROUP_M-grouped order, local index ``j = 0, 1, ...``):
 
+* **AllGather order** (as ``kernels/ag_gemm.py``): flat tile ``t`` is step ``t //
+  tiles_per_segment``; step 0 is the local rows, read from the caller's shard, steps 1.. the
+  peers' segments in ring order, read from the gathered workspace. The *load warp* waits
+  (acquire, bounded, per chunk signal) for a peer segment before issuing its first TMA read
+  of it, then fences the async proxy; the MMA warps never spin on communication. The two A
+  descriptors cost nothing here: the shared-memory ring is explicit, so both feed one ring
+  (in Triton's ``tl.range`` loops two K loops needed two pipelines' buffers).
 * **Load partition** (1 warp, 24 registers): walks every K-step of every tile of its program
   in order, position ``pos = j * k_tiles + kk`` in a ring of ``STAGES`` shared-memory slots
   (A ``[BLOCK_M, BLOCK_K]`` and B ``[BLOCK_N, BLOCK_K]`` per slot). Per step: wait the slot's
@@ -50,6 +58,10 @@ output against ``torch.matmul`` before timing it beside cuBLAS and the plain yar
 
     python benchmarks/experiments/gluon_ws_gemm.py --shapes 1024x14336x4096 [--json PATH]
     python benchmarks/experiments/gluon_ws_gemm.py --compile-only --ptxas /usr/local/cuda/bin/ptxas
+
+The GPU run also times the AG form as rank 0 of ``--ag-world`` with every signal pre-set, beside
+the package's AG kernel wired the same way (``kernel_vs_cublas.ag_on_one_gpu``). Run as a script
+with the repository root on ``PYTHONPATH`` (it imports ``common`` beside it).
 """
 
 import argparse
@@ -67,7 +79,8 @@ MAXNREG = 168  # 65536 registers / 384 threads, rounded down to a multiple of 8
 
 @aggregate
 class _Args:
-    a_desc: tma.tensor_descriptor
+    x_desc: tma.tensor_descriptor
+    ag_desc: tma.tensor_descriptor
     b_desc: tma.tensor_descriptor
     c_desc: tma.tensor_descriptor
     a_bufs: gl.shared_memory_descriptor
@@ -76,16 +89,26 @@ class _Args:
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
     handoff: gl.shared_memory_descriptor
-    M: gl.tensor
+    flags_ptr: gl.tensor
+    err_ptr: gl.tensor
+    m_local: gl.tensor
     N: gl.tensor
     K: gl.tensor
+    rank: gl.tensor
+    epoch: gl.tensor
+    chunk_rows: gl.tensor
+    max_spins: gl.tensor
+    WORLD: gl.constexpr
     GROUP_M: gl.constexpr
     NUM_PROGRAMS: gl.constexpr
+    ASYNC_FENCE: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, handoff, M,
-                 N, K, GROUP_M, NUM_PROGRAMS):
-        self.a_desc = a_desc
+    def __init__(self, x_desc, ag_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty,
+                 handoff, flags_ptr, err_ptr, m_local, N, K, rank, epoch, chunk_rows, max_spins,
+                 WORLD, GROUP_M, NUM_PROGRAMS, ASYNC_FENCE):
+        self.x_desc = x_desc
+        self.ag_desc = ag_desc
         self.b_desc = b_desc
         self.c_desc = c_desc
         self.a_bufs = a_bufs
@@ -94,51 +117,105 @@ class _Args:
         self.ready = ready
         self.empty = empty
         self.handoff = handoff
-        self.M = M
+        self.flags_ptr = flags_ptr
+        self.err_ptr = err_ptr
+        self.m_local = m_local
         self.N = N
         self.K = K
+        self.rank = rank
+        self.epoch = epoch
+        self.chunk_rows = chunk_rows
+        self.max_spins = max_spins
+        self.WORLD = gl.constexpr(WORLD)
         self.GROUP_M = gl.constexpr(GROUP_M)
         self.NUM_PROGRAMS = gl.constexpr(NUM_PROGRAMS)
+        self.ASYNC_FENCE = gl.constexpr(ASYNC_FENCE)
+
+
+@gluon.jit
+def _tiles_per_segment(p):
+    BLOCK_M: gl.constexpr = p.c_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = p.c_desc.block_type.shape[1]
+    return gl.cdiv(p.m_local, BLOCK_M) * gl.cdiv(p.N, BLOCK_N)
 
 
 @gluon.jit
 def _tile(p, j):
-    """``(off_m, off_n)`` of this program's ``j``-th tile (GROUP_M-grouped order)."""
+    """This program's ``j``-th tile: ``(step, seg, a_row, c_row, off_n)``. Flat tile ``t`` is
+    step ``t // tiles_per_segment`` of the AllGather order (own segment first, then ring
+    order), GROUP_M-grouped inside the segment; ``a_row`` is relative to the shard at step 0
+    and to the workspace after it."""
     BLOCK_M: gl.constexpr = p.c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = p.c_desc.block_type.shape[1]
+    tps = _tiles_per_segment(p)
     t = gl.program_id(0) + j * p.NUM_PROGRAMS
-    num_pid_m = gl.cdiv(p.M, BLOCK_M)
+    step = t // tps
+    seg = (p.rank + step) % p.WORLD
+    u = t - step * tps
+    num_pid_m = gl.cdiv(p.m_local, BLOCK_M)
     num_pid_n = gl.cdiv(p.N, BLOCK_N)
     in_group = p.GROUP_M * num_pid_n
-    first_m = (t // in_group) * p.GROUP_M
+    first_m = (u // in_group) * p.GROUP_M
     group_m = gl.minimum(num_pid_m - first_m, p.GROUP_M)
-    return (first_m + t % group_m) * BLOCK_M, ((t % in_group) // group_m) * BLOCK_N
+    off_m = (first_m + u % group_m) * BLOCK_M
+    c_row = seg * p.m_local + off_m
+    a_row = gl.where(step == 0, off_m, c_row)
+    return step, seg, a_row, c_row, ((u % in_group) // group_m) * BLOCK_N
 
 
 @gluon.jit
 def _num_tiles(p):
     """How many tiles this program owns."""
-    BLOCK_M: gl.constexpr = p.c_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = p.c_desc.block_type.shape[1]
-    total = gl.cdiv(p.M, BLOCK_M) * gl.cdiv(p.N, BLOCK_N)
-    return gl.cdiv(total - gl.program_id(0), p.NUM_PROGRAMS)
+    return gl.cdiv(p.WORLD * _tiles_per_segment(p) - gl.program_id(0), p.NUM_PROGRAMS)
+
+
+@gluon.jit
+def _wait_segment(p, seg):
+    """Spin (acquire, system scope, at most ``max_spins`` polls per chunk) until every chunk
+    signal of ``seg`` holds ``epoch``; a wait that runs out records (op 1, rank, index, value)
+    in the error word, as the package's ``wait_signal`` does. Then a proxy fence, so the TMA
+    loads that follow are ordered after the acquire."""
+    chunks = gl.cdiv(p.m_local, p.chunk_rows)
+    for c in range(chunks):
+        idx = seg * chunks + c
+        seen = gl.atomic_add(p.flags_ptr + idx, 0, sem="acquire", scope="sys")
+        spins = 0
+        while (seen < p.epoch) & (spins < p.max_spins):
+            seen = gl.atomic_add(p.flags_ptr + idx, 0, sem="acquire", scope="sys")
+            spins += 1
+        if seen < p.epoch:
+            gl.atomic_xchg(p.err_ptr + 1, p.rank)
+            gl.atomic_xchg(p.err_ptr + 2, idx)
+            gl.atomic_xchg(p.err_ptr + 3, seen)
+            gl.atomic_xchg(p.err_ptr + 0, 1)
+    if p.ASYNC_FENCE:
+        gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r",
+                                  [p.epoch], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
 def _load_partition(p):
-    BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = p.x_desc.block_type.shape[1]
     STAGES: gl.constexpr = p.a_bufs.type.shape[0]
-    nbytes: gl.constexpr = p.a_desc.block_type.nbytes + p.b_desc.block_type.nbytes
+    nbytes: gl.constexpr = p.x_desc.block_type.nbytes + p.b_desc.block_type.nbytes
     k_tiles = gl.cdiv(p.K, BLOCK_K)
     pos = 0
+    waited = 0  # the last step whose segment has landed (step 0 is the local shard)
     for j in range(_num_tiles(p)):
-        off_m, off_n = _tile(p, j)
+        step, seg, a_row, c_row, off_n = _tile(p, j)
+        if step > waited:  # a peer's segment: its chunks must have landed before any TMA read
+            _wait_segment(p, seg)
+            waited = step
         for kk in range(k_tiles):
             s = pos % STAGES
             mbarrier.wait(p.empty.index(s), ((pos // STAGES) & 1) ^ 1)
             mbarrier.expect(p.ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(p.a_desc, [off_m, kk * BLOCK_K], p.ready.index(s),
-                                            p.a_bufs.index(s))
+            if step == 0:
+                tma.async_copy_global_to_shared(p.x_desc, [a_row, kk * BLOCK_K], p.ready.index(s),
+                                                p.a_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(p.ag_desc, [a_row, kk * BLOCK_K],
+                                                p.ready.index(s), p.a_bufs.index(s))
             tma.async_copy_global_to_shared(p.b_desc, [off_n, kk * BLOCK_K], p.ready.index(s),
                                             p.b_bufs.index(s))
             pos += 1
@@ -148,7 +225,7 @@ def _load_partition(p):
 def _mma_partition(p, C: gl.constexpr):
     BLOCK_M: gl.constexpr = p.c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = p.c_desc.block_type.shape[1]
-    BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = p.x_desc.block_type.shape[1]
     STAGES: gl.constexpr = p.a_bufs.type.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
@@ -156,9 +233,9 @@ def _mma_partition(p, C: gl.constexpr):
     c_buf = p.c_bufs.index(C)
     for j in range(C, _num_tiles(p), 2):
         # wait until every load of tile j - 1 (the other partition's) has landed: see the
-        # docstring; (j - 1 - (1 - C)) // 2 is that tile's index among the other's tiles
+        # docstring; (j - 2 + C) // 2 is that tile's index among the other's tiles
         mbarrier.wait(p.handoff.index(C), ((j - 2 + C) // 2) & 1, pred=j > 0)
-        off_m, off_n = _tile(p, j)
+        step, seg, a_row, c_row, off_n = _tile(p, j)
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
         prev = 0
         for kk in range(k_tiles):
@@ -179,7 +256,7 @@ def _mma_partition(p, C: gl.constexpr):
         tma.store_wait(0)  # this partition's previous store has read its buffer out
         c_buf.store(acc.to(p.c_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(p.c_desc, [off_m, off_n], c_buf)
+        tma.async_copy_shared_to_global(p.c_desc, [c_row, off_n], c_buf)
     tma.store_wait(0)
 
 
@@ -188,18 +265,27 @@ def _mma_partition_1(p):
     _mma_partition(p, 1)
 
 
-@gluon.jit
-def ws_gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                   NUM_PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """``a`` [M, K], ``b`` [N, K], ``c`` [M, N], contiguous bf16; descriptors built on the
-    device. Launch with ``num_warps=4`` (the default MMA partition) and ``maxnreg=MAXNREG``."""
+@gluon.jit(do_not_specialize=["rank", "epoch", "max_spins"])
+def ws_ag_gemm_kernel(x_ptr, ag_ptr, b_ptr, c_ptr, flags_ptr, err_ptr, m_local, N, K, rank, epoch,
+                      chunk_rows, max_spins, WORLD: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                      STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                      CONSUMER_REGS: gl.constexpr, ASYNC_FENCE: gl.constexpr):
+    """AllGather+GEMM ``c = AllGather_rows(x) @ b^T`` (bf16): ``x`` [m_local, K] this rank's
+    shard, ``ag`` [WORLD * m_local, K] the gathered workspace whose segment ``s`` is valid
+    once the ``cdiv(m_local, chunk_rows)`` chunk signals ``flags[s * chunks + c]`` hold
+    ``epoch``, ``b`` [N, K], ``c`` [WORLD * m_local, N]. ``m_local % BLOCK_M == 0``. With
+    ``WORLD = 1`` (and ``x`` = ``ag``) it is a plain GEMM. Descriptors are built on the device.
+    Launch with ``num_warps=4`` (the default MMA partition) and ``maxnreg=MAXNREG``."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16)
-    a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K], a_layout)
+    x_desc = tma.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K], a_layout)
+    ag_desc = tma.make_tensor_descriptor(ag_ptr, [WORLD * m_local, K], [K, 1], [BLOCK_M, BLOCK_K],
+                                         a_layout)
     b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K], b_layout)
-    c_desc = tma.make_tensor_descriptor(c_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N], c_layout)
+    c_desc = tma.make_tensor_descriptor(c_ptr, [WORLD * m_local, N], [N, 1], [BLOCK_M, BLOCK_N],
+                                        c_layout)
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], a_layout)
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], b_layout)
     c_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, BLOCK_N], c_layout)
@@ -211,8 +297,9 @@ def ws_gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M: gl.constexpr, BLOCK_N:
         mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(handoff.index(i), count=1)
-    p = _Args(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, handoff, M, N, K,
-              GROUP_M, NUM_PROGRAMS)
+    p = _Args(x_desc, ag_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, handoff,
+              flags_ptr, err_ptr, m_local, N, K, rank, epoch, chunk_rows, max_spins, WORLD,
+              GROUP_M, NUM_PROGRAMS, ASYNC_FENCE)
     gl.warp_specialize([(_mma_partition, (p, 0)), (_mma_partition_1, (p, )),
                         (_load_partition, (p, ))], [4, 1], [CONSUMER_REGS, 24])
 
@@ -221,20 +308,38 @@ def ws_gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M: gl.constexpr, BLOCK_N:
 CONFIGS = [(128, 128, 64, 4, 232), (128, 128, 64, 5, 232), (128, 128, 64, 3, 232)]
 
 
-def launch_ws_gemm(a, b_nk, c, cfg, num_sms):
-    """``c = a @ b_nk.T`` with ``cfg`` = ``(BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMER_REGS)``."""
+def launch_ws_ag_gemm(x, ag, b_nk, c, flags, err, *, rank, world, epoch, chunk_rows, cfg,
+                      num_sms, max_spins=1 << 20):
+    """``c = AllGather_rows(x) @ b_nk.T`` as rank ``rank`` of ``world`` (see the kernel), with
+    ``cfg`` = ``(BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMER_REGS)``."""
     from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 
     bm, bn, bk, stages, regs = cfg
-    m, k = a.shape
+    m_local, k = x.shape
     n = b_nk.shape[0]
+    if m_local % bm:
+        raise ValueError(f"ws_ag_gemm: m_local = {m_local} is not a multiple of BLOCK_M = {bm}")
     if triton.cdiv(k, bk) < stages:  # the handoff argument in the docstring needs it
-        raise ValueError(f"ws_gemm: K = {k} has fewer than STAGES = {stages} K-steps of {bk}")
-    grid = min(num_sms, triton.cdiv(m, bm) * triton.cdiv(n, bn))
+        raise ValueError(f"ws_ag_gemm: K = {k} has fewer than STAGES = {stages} K-steps of {bk}")
+    grid = min(num_sms, world * (m_local // bm) * triton.cdiv(n, bn))
     ensure_descriptor_allocator()
-    ws_gemm_kernel[(grid,)](a, b_nk, c, m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                            STAGES=stages, NUM_PROGRAMS=grid, CONSUMER_REGS=regs, num_warps=4,
-                            maxnreg=MAXNREG)
+    ws_ag_gemm_kernel[(grid,)](x, ag, b_nk, c, flags, err, m_local, n, k, rank, epoch, chunk_rows,
+                               max_spins, WORLD=world, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                               GROUP_M=8, STAGES=stages, NUM_PROGRAMS=grid, CONSUMER_REGS=regs,
+                               ASYNC_FENCE=True, num_warps=4, maxnreg=MAXNREG)
+
+
+def launch_ws_gemm(a, b_nk, c, cfg, num_sms, _scratch={}):
+    """The plain GEMM ``c = a @ b_nk.T``: the kernel at ``world = 1`` (no signal is read)."""
+    key = a.device
+    if key not in _scratch:
+        import torch
+
+        _scratch[key] = (torch.zeros(1, dtype=torch.int32, device=a.device),
+                         torch.zeros(4, dtype=torch.int32, device=a.device))
+    flags, err = _scratch[key]
+    launch_ws_ag_gemm(a, a, b_nk, c, flags, err, rank=0, world=1, epoch=1, chunk_rows=a.shape[0],
+                      cfg=cfg, num_sms=num_sms)
 
 
 def compile_report(ptxas, ptx_version="9.0"):
@@ -246,15 +351,17 @@ def compile_report(ptxas, ptx_version="9.0"):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    names = [q.name for q in ws_gemm_kernel.params]
+    names = [q.name for q in ws_ag_gemm_kernel.params]
+    types = {"flags_ptr": "*i32", "err_ptr": "*i32"}
     rows = []
-    for bm, bn, bk, stages, regs in CONFIGS:
-        consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, NUM_PROGRAMS=132,
-                      CONSUMER_REGS=regs)
-        sig = {n: "constexpr" if n in consts else ("*bf16" if n.endswith("_ptr") else "i32")
+    for (bm, bn, bk, stages, regs), world in [(c, w) for c in CONFIGS for w in (1, 2)]:
+        consts = dict(WORLD=world, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages,
+                      NUM_PROGRAMS=132, CONSUMER_REGS=regs, ASYNC_FENCE=True)
+        sig = {n: "constexpr" if n in consts else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
                for n in names}
-        src = GluonASTSource(ws_gemm_kernel, sig, constexprs={(names.index(k),): v
-                                                              for k, v in consts.items()}, attrs={})
+        src = GluonASTSource(ws_ag_gemm_kernel, sig, constexprs={(names.index(k),): v
+                                                                 for k, v in consts.items()},
+                             attrs={})
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=4, maxnreg=MAXNREG))
         ptx = re.sub(r"^\.version \d+\.\d+", f".version {ptx_version}", kernel.asm["ptx"], flags=re.M)
@@ -266,7 +373,7 @@ def compile_report(ptxas, ptx_version="9.0"):
         text = info.stderr + info.stdout
         regs_used = re.search(r"Used (\d+) registers", text)
         spills = re.search(r"(\d+) bytes spill stores", text)
-        rows.append({"config": [bm, bn, bk, stages, regs], "shared_bytes": kernel.metadata.shared,
+        rows.append({"config": [bm, bn, bk, stages, regs], "world": world, "shared_bytes": kernel.metadata.shared,
                      "registers": int(regs_used.group(1)) if regs_used else None,
                      "spill_store_bytes": int(spills.group(1)) if spills else None,
                      "ptxas_rc": info.returncode,
@@ -281,6 +388,8 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=["1024x14336x4096"], help="MxNxK")
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--ag-world", type=int, default=2, help="also time the AG+GEMM form as rank 0 "
+                   "of this many (one-GPU wiring, signals pre-set), beside the package's AG kernel")
     p.add_argument("--json")
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--ptxas", default="ptxas")
@@ -301,8 +410,9 @@ def main(argv=None):
     import torch
 
     from common import time_and_check, write_record
+    from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu
     from megatron_flux.bench.plain_gemm import launch_plain_gemm
-    from megatron_flux.kernels.config import GemmConfig
+    from megatron_flux.kernels.config import GemmConfig, default_config
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plain_cfgs = {"plain-128x128": GemmConfig(128, 128, 64, 4, 4, 8),
@@ -330,6 +440,19 @@ def main(argv=None):
                 continue
             fns[name] = lambda o=o, cfg=cfg: launch_ws_gemm(a, w, o, cfg, sms)
             outs[name] = (o, lambda: full)
+        world = args.ag_world
+        if world > 1 and (m // world) % CONFIGS[0][0] == 0:  # the AG form, first config only
+            m_local = m // world
+            err = torch.zeros(4, dtype=torch.int32, device="cuda")
+            flags = torch.full((world,), 1 << 30, dtype=torch.int32, device="cuda")
+            o = torch.full((m, n), float("nan"), device="cuda", dtype=a.dtype)
+            fns["ws-ag"] = lambda o=o: launch_ws_ag_gemm(
+                a[:m_local], a, w, o, flags, err, rank=0, world=world, epoch=1,
+                chunk_rows=m_local, cfg=CONFIGS[0], num_sms=sms)
+            outs["ws-ag"] = (o, lambda: full)
+            cfg = dict(default_config("ag", m, n, k).to_dict(), stream_k=0)
+            fns["triton-ag"], ag_out = ag_on_one_gpu(a, w, world, GemmConfig.from_dict(cfg), err)
+            outs["triton-ag"] = (ag_out, lambda: full)
         rows += time_and_check(fns, outs, args.trials, args.iters, shape,
                                {"m": m, "n": n, "k": k})
     write_record(args.json, rows)
