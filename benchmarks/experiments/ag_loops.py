@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common import load_module, time_and_check, write_record
+from common import add_timing_args, load_module, parse_shape, problem, time_and_check, write_record
 from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu
 from megatron_flux.bench.plain_gemm import launch_plain_gemm
 from megatron_flux.kernels.ag_gemm import _ag_tile, _epilogue
@@ -132,11 +132,9 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", required=True, help="MxNxK")
     p.add_argument("--config", action="append", default=[], help="GemmConfig JSON (repeatable)")
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--trials", type=int, default=7)
-    p.add_argument("--iters", type=int, default=10)
     p.add_argument("--prev", default=None, help="a copy of an earlier kernels/ag_gemm.py: its "
                    "launch_ag_gemm is timed too, beside the current one")
-    p.add_argument("--json")
+    add_timing_args(p)
     args = p.parse_args(argv)
     real = {"real": None}  # None: the package's launcher
     if args.prev:
@@ -145,10 +143,8 @@ def main(argv=None):
     ensure_descriptor_allocator()
     rows = []
     for shape in args.shapes:
-        m, n, k = map(int, shape.split("x"))
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        ref = a.float() @ w.t().float()
+        m, n, k = parse_shape(shape)
+        a, w, ref = problem(m, n, k)
         flags = torch.full((args.world,), 1 << 30, dtype=torch.int32, device="cuda")
         err = torch.zeros(4, dtype=torch.int32, device="cuda")
         for cj in args.config:

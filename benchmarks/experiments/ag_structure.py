@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from common import time_and_check, write_record
+from common import add_timing_args, parse_shape, problem, time_and_check, write_record
 from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu
 from megatron_flux.bench.plain_gemm import launch_plain_gemm
 from megatron_flux.kernels.config import GemmConfig, default_config
@@ -26,20 +26,16 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", required=True, help="MxNxK (N, K per rank)")
     p.add_argument("--config", action="append", default=[], help="GemmConfig JSON (repeatable); "
                    "none: the AG default")
-    p.add_argument("--trials", type=int, default=7)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--json")
+    add_timing_args(p)
     args = p.parse_args(argv)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     err = torch.zeros(4, dtype=torch.int32, device="cuda")
     rows = []
     for shape in args.shapes:
-        m, n, k = map(int, shape.split("x"))
+        m, n, k = parse_shape(shape)
         cfgs = [GemmConfig.from_dict(json.loads(c)) for c in args.config] or \
             [default_config("ag", m, n, k)]
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        ref = a.float() @ w.t().float()
+        a, w, ref = problem(m, n, k)
         for ci, cfg in enumerate(cfgs):
             cfg = dataclasses.replace(cfg, stream_k=0)
             other = dataclasses.replace(cfg, epilogue_split=3 - cfg.epilogue_split)

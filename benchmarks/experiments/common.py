@@ -1,5 +1,6 @@
-"""What the experiment scripts share: loading an earlier copy of a kernel module, timing a set
-of methods in one interleaved loop with a correctness check per output, and the JSON record."""
+"""What the experiment scripts share: loading an earlier copy of a kernel module, the random
+problem per shape, timing a set of methods in one interleaved loop with a correctness check per
+output, and the JSON record."""
 
 import importlib.util
 import json
@@ -17,6 +18,26 @@ def load_module(path, name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def add_timing_args(p):
+    """``--trials``, ``--iters`` (per trial, back to back) and ``--json`` (the record's path)."""
+    p.add_argument("--trials", type=int, default=7)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json")
+
+
+def parse_shape(spec):
+    """``"MxNxK"`` -> ``(m, n, k)``."""
+    m, n, k = map(int, spec.split("x"))
+    return m, n, k
+
+
+def problem(m, n, k):
+    """Random bf16 ``a`` [m, k] and ``w`` [n, k] on the GPU, and ``a @ w.T`` in fp32."""
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    return a, w, a.float() @ w.t().float()
 
 
 def time_and_check(fns, outs, trials, iters, title, row):

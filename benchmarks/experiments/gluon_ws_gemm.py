@@ -384,13 +384,13 @@ def compile_report(ptxas, ptx_version="9.0"):
 
 
 def main(argv=None):
+    from common import add_timing_args
+
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="+", default=["1024x14336x4096"], help="MxNxK")
-    p.add_argument("--trials", type=int, default=7)
-    p.add_argument("--iters", type=int, default=10)
     p.add_argument("--ag-world", type=int, default=2, help="also time the AG+GEMM form as rank 0 "
                    "of this many (one-GPU wiring, signals pre-set), beside the package's AG kernel")
-    p.add_argument("--json")
+    add_timing_args(p)
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--ptxas", default="ptxas")
     args = p.parse_args(argv)
@@ -409,7 +409,7 @@ def main(argv=None):
         return
     import torch
 
-    from common import time_and_check, write_record
+    from common import parse_shape, problem, time_and_check, write_record
     from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu
     from megatron_flux.bench.plain_gemm import launch_plain_gemm
     from megatron_flux.kernels.config import GemmConfig, default_config
@@ -419,10 +419,8 @@ def main(argv=None):
                   "plain-128x256": GemmConfig(128, 256, 64, 3, 8, 8)}
     rows = []
     for shape in args.shapes:
-        m, n, k = map(int, shape.split("x"))
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        full = a.float() @ w.t().float()
+        m, n, k = parse_shape(shape)
+        a, w, full = problem(m, n, k)
         fns = {"cublas": lambda: torch.matmul(a, w.t())}
         outs = {}
         for name, cfg in plain_cfgs.items():

@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from common import load_module, time_and_check, write_record
+from common import add_timing_args, load_module, problem, time_and_check, write_record
 from megatron_flux.bench.grid import MODELS
 from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu, rs_on_one_gpu
 from megatron_flux.bench.plain_gemm import launch_plain_gemm
@@ -32,9 +32,7 @@ def main(argv=None):
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--models", nargs="+", default=["gpt3-175b", "llama3-70b", "llama3-8b"])
     p.add_argument("--m", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
-    p.add_argument("--trials", type=int, default=7)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--json")
+    add_timing_args(p)
     args = p.parse_args(argv)
     launcher = "launch_ag_gemm" if args.op == "ag" else "launch_gemm_rs"
     launchers = {"prev": getattr(load_module(args.prev, "kernel_prev"), launcher),
@@ -49,9 +47,7 @@ def main(argv=None):
                 n, k = MODELS[model].fc1 // args.tp, MODELS[model].hidden
             else:
                 n, k = MODELS[model].hidden, MODELS[model].fc1 // args.tp
-            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-            full = a.float() @ w.t().float()
+            a, w, full = problem(m, n, k)
             err = torch.zeros(4, dtype=torch.int32, device="cuda")
             cfgs = {"table": table(args.op, m, n, k, dtype=torch.bfloat16, tp=args.tp, device=dev),
                     "default": default_config(args.op, m, n, k)}

@@ -22,7 +22,7 @@ import json
 
 import torch
 
-from common import time_and_check, write_record
+from common import add_timing_args, parse_shape, problem, time_and_check, write_record
 from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu, rs_on_one_gpu
 from megatron_flux.bench.plain_gemm import launch_plain_gemm
 from megatron_flux.kernels.config import GemmConfig
@@ -36,18 +36,14 @@ def main(argv=None):
     p.add_argument("--config", action="append", required=True, help="GemmConfig JSON (repeatable)")
     p.add_argument("--per-sm", nargs="+", type=int, default=[1, 2])
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--trials", type=int, default=7)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--json")
+    add_timing_args(p)
     args = p.parse_args(argv)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ensure_descriptor_allocator()
     rows = []
     for shape in args.shapes:
-        m, n, k = map(int, shape.split("x"))
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        full = a.float() @ w.t().float()
+        m, n, k = parse_shape(shape)
+        a, w, full = problem(m, n, k)
         err = torch.zeros(4, dtype=torch.int32, device="cuda")
         fns = {"cublas": lambda: torch.matmul(a, w.t())}
         outs = {}

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common import time_and_check, write_record
+from common import add_timing_args, parse_shape, problem, time_and_check, write_record
 from megatron_flux.bench.kernel_vs_cublas import rs_on_one_gpu
 from megatron_flux.bench.plain_gemm import launch_plain_gemm
 from megatron_flux.kernels.config import GemmConfig, default_config, interpreting
@@ -202,19 +202,15 @@ def main(argv=None):
     p.add_argument("--config", action="append", default=[], help="GemmConfig JSON (repeatable); "
                    "default: the heuristic default per shape")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--trials", type=int, default=7)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--json")
+    add_timing_args(p)
     args = p.parse_args(argv)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ensure_descriptor_allocator()
     rows = []
     for shape in args.shapes:
-        m, n, k = map(int, shape.split("x"))
+        m, n, k = parse_shape(shape)
         m_local = m // 2
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        full = a.float() @ w.t().float()
+        a, w, full = problem(m, n, k)
         slot1 = (torch.randn(m_local, n, device="cuda") * full[:m_local].std()).to(a.dtype)
         cfgs = [GemmConfig.from_dict(json.loads(c)) for c in args.config] or \
             [default_config("rs", m, n, k)]
