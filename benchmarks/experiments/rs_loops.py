@@ -41,9 +41,10 @@ from common import add_timing_args, parse_shape, problem, time_and_check, write_
 from megatron_flux.bench.kernel_vs_cublas import rs_on_one_gpu
 from megatron_flux.bench.plain_gemm import launch_plain_gemm
 from megatron_flux.kernels.config import GemmConfig, default_config, interpreting
+from megatron_flux.kernels.ag_gemm import _epilogue
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.gemm_rs import _push_tile, _reduce_tile
-from megatron_flux.kernels.mainloop import segment_tile, split_columns
+from megatron_flux.kernels.mainloop import segment_tile
 from megatron_flux.kernels.signals import fence_async_proxy, publish_when_grid_done, wait_signal
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile
 
@@ -143,9 +144,10 @@ def _own_epilogue(acc, pre, data_ptr, slots_desc, out_desc, off_m, off_n, m_loca
         _reduce_tile(acc, data_ptr, slots_desc, data_ptr, out_desc, off_m, off_n, m_local, N,
                      rank, 2, True, False, EPI_SPLIT, BLOCK_M, BLOCK_N)
     elif READ == 2:
-        _store_tile(out_desc, acc + pre.to(tl.float32), off_m, off_n, EPI_SPLIT, BLOCK_M, BLOCK_N)
+        _epilogue(out_desc, 0, off_m, off_n, acc + pre.to(tl.float32), False, EPI_SPLIT, BLOCK_M,
+                  BLOCK_N)
     else:
-        _store_tile(out_desc, acc, off_m, off_n, EPI_SPLIT, BLOCK_M, BLOCK_N)
+        _epilogue(out_desc, 0, off_m, off_n, acc, False, EPI_SPLIT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -159,18 +161,6 @@ def _prefetch(data_ptr, t_in_seg, own, peer, m_local, N, num_pid_m, num_pid_n,
     row_end = tl.where(own, m_local, 0)  # no row when not own
     mask = ((pid_m * BLOCK_M + rows)[:, None] < row_end) & (cols[None, :] < N)
     return tl.load(base + (rows[:, None] * N + cols[None, :]), mask=mask, other=0.0)
-
-
-@triton.jit
-def _store_tile(out_desc, acc, off_m, off_n, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
-    if EPI_SPLIT == 2:
-        acc0, acc1 = split_columns(acc, BLOCK_M, HALF)
-        out_desc.store([off_m, off_n], acc0.to(out_desc.dtype))
-        out_desc.store([off_m, off_n + HALF], acc1.to(out_desc.dtype))
-    else:
-        out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
 
 
 def wire(a, w, cfg, variant, sms):
