@@ -38,17 +38,29 @@ def _compile(fn, constexprs, num_warps, num_stages, ptxas, ptx_version):
                     attrs={})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=num_warps, num_stages=num_stages))
+    info, _ = run_ptxas(kernel, ptxas, ptx_version)
+    return {**resources(kernel, info),
+            "performance_warnings": [ln.strip() for ln in info.splitlines() if "Performance" in ln]}
+
+
+def run_ptxas(kernel, ptxas, ptx_version):
+    """Assemble a compiled kernel's PTX for sm_90a with ``ptxas -v``: ``(its stderr, which
+    carries the resource lines, warnings and errors; exit code)``. The PTX ``.version`` is lowered to ``ptx_version`` (see the module docstring)."""
     ptx = re.sub(r"^\.version \d+\.\d+", f".version {ptx_version}", kernel.asm["ptx"], flags=re.M)
     with tempfile.TemporaryDirectory() as tmp:
         with open(f"{tmp}/k.ptx", "w") as f:
             f.write(ptx)
-        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                              capture_output=True, text=True).stderr
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                              capture_output=True, text=True)
+    return done.stderr, done.returncode
+
+
+def resources(kernel, info):
+    """Shared memory (Triton's), registers and spill-store bytes (ptxas ``info``) of a kernel."""
     regs = re.search(r"Used (\d+) registers", info)
     spills = re.search(r"(\d+) bytes spill stores", info)
     return {"shared_bytes": kernel.metadata.shared, "registers": int(regs.group(1)) if regs else None,
-            "spill_store_bytes": int(spills.group(1)) if spills else None,
-            "performance_warnings": [ln.strip() for ln in info.splitlines() if "Performance" in ln]}
+            "spill_store_bytes": int(spills.group(1)) if spills else None}
 
 
 def main(argv=None):

@@ -74,6 +74,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma, warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate
 
+from megatron_flux.kernels.signals import fence_async_proxy, wait_signal
+from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step
+
 MAXNREG = 168  # 65536 registers / 384 threads, rounded down to a multiple of 8
 
 
@@ -150,17 +153,12 @@ def _tile(p, j):
     tps = _tiles_per_segment(p)
     t = gl.program_id(0) + j * p.NUM_PROGRAMS
     step = t // tps
-    seg = (p.rank + step) % p.WORLD
-    u = t - step * tps
-    num_pid_m = gl.cdiv(p.m_local, BLOCK_M)
-    num_pid_n = gl.cdiv(p.N, BLOCK_N)
-    in_group = p.GROUP_M * num_pid_n
-    first_m = (u // in_group) * p.GROUP_M
-    group_m = gl.minimum(num_pid_m - first_m, p.GROUP_M)
-    off_m = (first_m + u % group_m) * BLOCK_M
-    c_row = seg * p.m_local + off_m
-    a_row = gl.where(step == 0, off_m, c_row)
-    return step, seg, a_row, c_row, ((u % in_group) // group_m) * BLOCK_N
+    seg = segment_of_step(step, p.rank, p.WORLD, False)
+    pid_m, pid_n = grouped_tile(t - step * tps, gl.cdiv(p.m_local, BLOCK_M), gl.cdiv(p.N, BLOCK_N),
+                                p.GROUP_M)
+    c_row = seg * p.m_local + pid_m * BLOCK_M
+    a_row = gl.where(step == 0, pid_m * BLOCK_M, c_row)
+    return step, seg, a_row, c_row, pid_n * BLOCK_N
 
 
 @gluon.jit
@@ -171,26 +169,14 @@ def _num_tiles(p):
 
 @gluon.jit
 def _wait_segment(p, seg):
-    """Spin (acquire, system scope, at most ``max_spins`` polls per chunk) until every chunk
-    signal of ``seg`` holds ``epoch``; a wait that runs out records (op 1, rank, index, value)
-    in the error word, as the package's ``wait_signal`` does. Then a proxy fence, so the TMA
-    loads that follow are ordered after the acquire."""
+    """The package's bounded acquire wait (``signals.wait_signal``, op 1 = AG+GEMM) on every
+    chunk signal of ``seg``, then its proxy fence, so the TMA loads that follow are ordered
+    after the acquire."""
     chunks = gl.cdiv(p.m_local, p.chunk_rows)
     for c in range(chunks):
         idx = seg * chunks + c
-        seen = gl.atomic_add(p.flags_ptr + idx, 0, sem="acquire", scope="sys")
-        spins = 0
-        while (seen < p.epoch) & (spins < p.max_spins):
-            seen = gl.atomic_add(p.flags_ptr + idx, 0, sem="acquire", scope="sys")
-            spins += 1
-        if seen < p.epoch:
-            gl.atomic_xchg(p.err_ptr + 1, p.rank)
-            gl.atomic_xchg(p.err_ptr + 2, idx)
-            gl.atomic_xchg(p.err_ptr + 3, seen)
-            gl.atomic_xchg(p.err_ptr + 0, 1)
-    if p.ASYNC_FENCE:
-        gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r",
-                                  [p.epoch], dtype=gl.int32, is_pure=False, pack=1)
+        wait_signal(p.flags_ptr + idx, p.epoch, p.max_spins, p.err_ptr, 1, p.rank, idx)
+    fence_async_proxy(p.epoch, p.ASYNC_FENCE)
 
 
 @gluon.jit
@@ -343,14 +329,16 @@ def launch_ws_gemm(a, b_nk, c, cfg, num_sms, _scratch={}):
 
 
 def compile_report(ptxas, ptx_version="9.0"):
-    """Build every ``CONFIGS`` entry for sm_90a (no GPU) and run ``ptxas -v`` on it."""
-    import re
-    import subprocess
-    import tempfile
+    """Build every ``CONFIGS`` entry at ``WORLD`` 1 and 2 for sm_90a (no GPU) and run ``ptxas
+    -v`` on it, with ``benchmarks/ptxas_report.py``'s helpers."""
+    import os
 
+    from common import load_module
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    report = load_module(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                                      "ptxas_report.py"), "ptxas_report")
     names = [q.name for q in ws_ag_gemm_kernel.params]
     types = {"flags_ptr": "*i32", "err_ptr": "*i32"}
     rows = []
@@ -364,20 +352,10 @@ def compile_report(ptxas, ptx_version="9.0"):
                              attrs={})
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=4, maxnreg=MAXNREG))
-        ptx = re.sub(r"^\.version \d+\.\d+", f".version {ptx_version}", kernel.asm["ptx"], flags=re.M)
-        with tempfile.TemporaryDirectory() as tmp:
-            with open(f"{tmp}/k.ptx", "w") as f:
-                f.write(ptx)
-            info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                                  capture_output=True, text=True)
-        text = info.stderr + info.stdout
-        regs_used = re.search(r"Used (\d+) registers", text)
-        spills = re.search(r"(\d+) bytes spill stores", text)
-        rows.append({"config": [bm, bn, bk, stages, regs], "world": world, "shared_bytes": kernel.metadata.shared,
-                     "registers": int(regs_used.group(1)) if regs_used else None,
-                     "spill_store_bytes": int(spills.group(1)) if spills else None,
-                     "ptxas_rc": info.returncode,
-                     "ptxas_messages": [ln.strip() for ln in text.splitlines()
+        info, rc = report.run_ptxas(kernel, ptxas, ptx_version)
+        rows.append({"config": [bm, bn, bk, stages, regs], "world": world,
+                     **report.resources(kernel, info), "ptxas_rc": rc,
+                     "ptxas_messages": [ln.strip() for ln in info.splitlines()
                                         if "rror" in ln or "arning" in ln or "Performance" in ln]})
         print(json.dumps(rows[-1]), flush=True)
     return rows
