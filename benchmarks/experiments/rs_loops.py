@@ -3,9 +3,10 @@ one tile loop at TP = 2 recovers it.
 
 A stripped copy of ``gemm_rs_kernel`` for ``WORLD`` = 2 (no ragged segments, B as [N, K], TMA
 pushes and TMA reduction reads), timed beside cuBLAS, the plain yardstick and the package's
-kernel in one interleaved loop on one GPU. It is wired as ``kernel_vs_cublas.rs_on_one_gpu``
-is: rank 0 pushes the peer segment's partial into the local slot 0 and reduces its own rows
-with slot 1 (random, written once), every peer signal is pre-set. Every variant computes
+kernel in one interleaved loop on one GPU. Every variant runs in
+``kernel_vs_cublas.rs_on_one_gpu``'s wiring (through :func:`launcher`): rank 0 pushes the peer
+segment's partial into the local slot 0 and reduces its own rows with slot 1 (random, written
+once), every peer signal is pre-set. Every variant computes
 ``out = a[:m_local] @ w.T + slot1`` and ``slot0 = a[m_local:] @ w.T``:
 
 * ``steps``: the package's structure (the producer loop over the peer's segment, the
@@ -163,27 +164,24 @@ def _prefetch(data_ptr, t_in_seg, own, peer, m_local, N, num_pid_m, num_pid_n,
     return tl.load(base + (rows[:, None] * N + cols[None, :]), mask=mask, other=0.0)
 
 
-def wire(a, w, cfg, variant, sms):
-    """``(launch, out, data, flags, err)`` for one variant (a ``VARIANTS`` value) on this
-    device, as rank 0 of 2."""
-    m_local, n, k = a.shape[0] // 2, w.shape[0], a.shape[1]
-    out = torch.full((m_local, n), float("nan"), device=a.device, dtype=a.dtype)
-    data = torch.zeros(2, m_local, n, device=a.device, dtype=a.dtype)
-    flags = torch.tensor([0, 1 << 30, 0, 0], dtype=torch.int32, device=a.device)
-    data_ptrs = torch.tensor([data.data_ptr()] * 2, dtype=torch.int64, device=a.device)
-    flag_ptrs = torch.tensor([flags.data_ptr()] * 2, dtype=torch.int64, device=a.device)
-    err = torch.zeros(4, dtype=torch.int32, device=a.device)
-    grid = min(sms, 2 * triton.cdiv(m_local, cfg.block_m) * triton.cdiv(n, cfg.block_n))
-
-    def launch():
-        rs_loops_kernel[(grid,)](a, w, out, data, data_ptrs, flag_ptrs, err, m_local, n, k, 0, 1,
-                                 1 << 20, **variant, EPI_SPLIT=cfg.epilogue_split,
+def launcher(variant):
+    """A launcher of ``rs_loops_kernel`` with ``variant``'s switches (a ``VARIANTS`` value) in
+    the shape of ``gemm_rs.launch_gemm_rs``, for ``kernel_vs_cublas.rs_on_one_gpu``'s wiring.
+    TP = 2, no bias, both phases."""
+    def launch(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, world, epoch, cfg,
+               num_sms, max_spins, produce=True, consume=True):
+        if world != 2 or bias is not None or not (produce and consume):
+            raise ValueError("rs_loops: TP = 2, no bias, both phases only")
+        w = b.t()  # the [N, K] weight the wiring passes transposed
+        m_local, n, k = a.shape[0] // 2, w.shape[0], a.shape[1]
+        grid = min(num_sms, 2 * triton.cdiv(m_local, cfg.block_m) * triton.cdiv(n, cfg.block_n))
+        rs_loops_kernel[(grid,)](a, w, out, data, data_ptrs, flag_ptrs, err, m_local, n, k, rank,
+                                 epoch, max_spins, **variant, EPI_SPLIT=cfg.epilogue_split,
                                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                  GROUP_M=cfg.group_m, NUM_SMS=grid, ASYNC=not interpreting(),
                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    launch.buffers = (out, data, flags, data_ptrs, flag_ptrs, err)
-    return launch, out, data, flags, err
+    return launch
 
 
 def main(argv=None):
@@ -196,6 +194,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ensure_descriptor_allocator()
+    launchers = {"real": None, **{name: launcher(VARIANTS[name]) for name in args.variants}}
     rows = []
     for shape in args.shapes:
         m, n, k = parse_shape(shape)
@@ -210,17 +209,14 @@ def main(argv=None):
                    "plain": lambda c=cfg: launch_plain_gemm(a, w, plain_out, c, sms)}
             outs = {"plain": (plain_out, lambda: full)}
             err = torch.zeros(4, dtype=torch.int32, device="cuda")
-            real, real_out, real_data = rs_on_one_gpu(a, w, 2, err)
-            real_data[1].copy_(slot1)
-            fns["real"] = lambda c=cfg: real(c)
             with_slot = lambda: full[:m_local] + slot1.float()  # noqa: E731
-            outs["real"] = (real_out, with_slot)
-            pushes = {"real": real_data}
-            for name in args.variants:
-                launch, out, data, _, _ = wire(a, w, cfg, VARIANTS[name], sms)
+            pushes = {}
+            for name, launch_fn in launchers.items():
+                launch, out, data = rs_on_one_gpu(a, w, 2, err, launch_fn, num_sms=sms)
                 data[1].copy_(slot1)
-                fns[name] = launch
-                outs[name] = (out, (lambda: full[:m_local]) if VARIANTS[name]["READ"] == 0 else with_slot)
+                fns[name] = lambda c=cfg, launch=launch: launch(c)
+                reads = launch_fn is None or VARIANTS[name]["READ"] != 0
+                outs[name] = (out, with_slot if reads else (lambda: full[:m_local]))
                 pushes[name] = data
             title = (f"{m}x{n}x{k} {cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.num_warps}"
                      f"/epi{cfg.epilogue_split}")

@@ -3,7 +3,8 @@
 Per shape (``m_local``, N, K, simulated grid) and epilogue split, each variant runs twice in a
 row (counters must return to zero) as rank 0 of 2 and must produce ``a[:m_local] @ w.T`` plus
 slot 1 (or without it for the ``READ = 0`` variants), push ``a[m_local:] @ w.T`` into slot 0,
-leave the error word clear and, with signals, raise the owner's flag. fp16 (the interpreter's
+leave the error word clear and, with signals, raise the owner's flag (to the call's epoch, 1;
+without them it keeps the wiring's pre-set value). fp16 (the interpreter's
 numpy has no bf16). Prints one line per case and exits non-zero on any failure.
 
     PYTHONPATH=. python benchmarks/experiments/rs_loops_interpret.py
@@ -18,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import rs_loops  # noqa: E402
+from megatron_flux.bench.kernel_vs_cublas import rs_on_one_gpu  # noqa: E402
 from megatron_flux.kernels.config import GemmConfig  # noqa: E402
 
 
@@ -33,17 +35,19 @@ def main():
         slot1 = torch.randn(m_local, n).half()
         for cfg in cfgs:
             for name, v in rs_loops.VARIANTS.items():
-                launch, out, data, flags, err = rs_loops.wire(a, w, cfg, v, sms)
+                err = torch.zeros(4, dtype=torch.int32)
+                launch, out, data = rs_on_one_gpu(a, w, 2, err, rs_loops.launcher(v), num_sms=sms)
+                flags = launch.buffers[2]
                 data[1].copy_(slot1)
                 for _ in range(2):
                     out.fill_(float("nan"))
-                    launch()
+                    launch(cfg)
                 ref = full[:m_local] + (0 if v["READ"] == 0 else slot1.float())
                 e_out = float((out.float() - ref).norm() / ref.norm())
                 e_push = float((data[0].float() - full[m_local:]).norm() / full[m_local:].norm())
                 f = flags.tolist()
                 ok = (e_out < 2e-3 and e_push < 2e-3 and err.tolist() == [0] * 4
-                      and f[0] == (1 if v["SYNC"] else 0) and f[2:] == [0, 0])
+                      and f[0] == (1 if v["SYNC"] else 1 << 30) and f[2:] == [0, 0])
                 bad += not ok
                 print(m_local, n, k, sms, f"epi{cfg.epilogue_split}", name,
                       "ok" if ok else f"FAIL out {e_out:.3g} push {e_push:.3g} err {err.tolist()} "
