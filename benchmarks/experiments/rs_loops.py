@@ -18,10 +18,13 @@ once), every peer signal is pre-set. Every variant computes
 * ``steps-bare``: no peel, no signals, no reads: two loops of a plain GEMM whose first one
   stores into the slot;
 * ``one``: one flattened loop over both segments' tiles, each tile's epilogue pushing (peer
-  segment) or reducing (own segment); no signals. Signals cannot go into this loop as they
-  are: a CTA barrier or the inline-assembly store drain of ``publish_when_grid_done`` inside
-  the loop stops Triton 3.6 from pipelining it (compiled for sm_90a: 80 KB of shared memory
-  instead of 208 KB, i.e. one stage). So ``one`` is an upper bound of what one loop could win;
+  segment) or reducing (own segment); no signals, so an upper bound of what one loop could win;
+* ``one-publish``: ``one`` with the package's grid-done publish before the first own tile's K
+  loop and the wait after it. Triton 3.6 does not pipeline that loop: compiled for sm_90a it
+  has 80 KB of shared memory against 213 KB for ``one``, i.e. one stage (``compile_s10.py``,
+  ``results/raw/s10/compile-sm90a.json``). The publish brings a CTA barrier and the store
+  drain's inline assembly into the loop; probes that kept only one of the two were not
+  pipelined either (session 10, no file kept). Timed to show what that costs;
 * ``one-noread``: ``one`` whose own tiles store without reading slot 1;
 * ``one-prefetch``: ``one`` whose own tiles load slot 1's tile with plain loads *before* the
   K loop (their latency hidden behind it) instead of by TMA after it.
@@ -56,7 +59,8 @@ VARIANTS = {"steps": _STEPS, "steps-nopeel": {**_STEPS, "PEEL": False},
             "steps-nosync": {**_STEPS, "SYNC": False},
             "steps-noread": {**_STEPS, "READ": 0},
             "steps-bare": {**_STEPS, "PEEL": False, "SYNC": False, "READ": 0},
-            "one": _ONE, "one-noread": {**_ONE, "READ": 0}, "one-prefetch": {**_ONE, "READ": 2}}
+            "one": _ONE, "one-noread": {**_ONE, "READ": 0}, "one-prefetch": {**_ONE, "READ": 2},
+            "one-publish": {**_ONE, "SYNC": True}}
 
 
 @triton.jit(do_not_specialize=["rank", "epoch", "max_spins"])
@@ -118,9 +122,13 @@ def rs_loops_kernel(a_ptr, b_ptr, out_ptr, data_ptr, data_ptrs, flag_ptrs, err_p
                                              BLOCK_K, GROUP_M)
             _own_epilogue(acc, None, data_ptr, slots_desc, out_desc, off_m, off_n, m_local, N,
                           rank, READ, EPI_SPLIT, BLOCK_M, BLOCK_N)
-    else:  # one loop over both segments (no publish or wait in it: see the docstring)
+    else:  # one loop over both segments (with SYNC: the package's publish and wait inside it)
         for t in tl.range(pid, WORLD * tps, NUM_SMS, flatten=True):
             own = t >= tps
+            if SYNC:
+                if t == first_own:  # this program's pushes are done: count it in
+                    publish_when_grid_done(my_flags + WORLD, NUM_SMS, owner_flags + rank, epoch,
+                                           ASYNC)
             pre = None
             if READ == 2:
                 pre = _prefetch(data_ptr, t - tps, own, peer, m_local, N, num_pid_m, num_pid_n,
@@ -130,11 +138,18 @@ def rs_loops_kernel(a_ptr, b_ptr, out_ptr, data_ptr, data_ptrs, flag_ptrs, err_p
                                              m_local, k_tiles, num_pid_m, num_pid_n, False, False,
                                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
             if own:
+                if SYNC:
+                    if t == first_own:
+                        wait_signal(my_flags + peer, epoch, max_spins, err_ptr, 2, rank, peer)
+                        fence_async_proxy(epoch, ASYNC)
                 _own_epilogue(acc, pre, data_ptr, slots_desc, out_desc, off_m, off_n, m_local, N,
                               rank, READ, EPI_SPLIT, BLOCK_M, BLOCK_N)
             else:
                 _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, True,
                            EPI_SPLIT, BLOCK_M, BLOCK_N)
+        if SYNC:
+            if first_own >= WORLD * tps:  # a program with no own tile counts in after its pushes
+                publish_when_grid_done(my_flags + WORLD, NUM_SMS, owner_flags + rank, epoch, ASYNC)
 
 
 @triton.jit
