@@ -332,6 +332,7 @@ def compile_report(ptxas, ptx_version="9.0"):
     """Build every ``CONFIGS`` entry at ``WORLD`` 1 and 2 for sm_90a (no GPU) and run ``ptxas
     -v`` on it, with ``benchmarks/ptxas_report.py``'s helpers."""
     import os
+    import re
 
     from common import load_module
     from triton.backends.compiler import GPUTarget
@@ -355,6 +356,9 @@ def compile_report(ptxas, ptx_version="9.0"):
         info, rc = report.run_ptxas(kernel, ptxas, ptx_version)
         rows.append({"config": [bm, bn, bk, stages, regs], "world": world,
                      **report.resources(kernel, info), "ptxas_rc": rc,
+                     # per-partition register budgets the warp specialization sets
+                     "setmaxnreg": sorted({int(r) for r in re.findall(
+                         r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])}),
                      "ptxas_messages": [ln.strip() for ln in info.splitlines()
                                         if "rror" in ln or "arning" in ln or "Performance" in ln]})
         print(json.dumps(rows[-1]), flush=True)
