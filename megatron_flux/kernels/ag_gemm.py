@@ -35,6 +35,7 @@ from megatron_flux.kernels.config import interpreting, launch_geometry
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import split_columns, tile_mainloop, tile_mainloop_k
+from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import fence_async_proxy, wait_signal
 from megatron_flux.kernels.stream_k import sk_covering, sk_publish_part, sk_range, sk_sum_parts, \
     stream_k_plan, stream_k_scratch
@@ -205,32 +206,45 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     """
     m_local, k = x.shape
     n = b.shape[1]
-    geo = launch_geometry(m_local, n, b, world, cfg, num_sms)
     mode = 0 if cfg in _STREAM_K_TOO_BIG else cfg.stream_k
-    grid, sk_tiles = stream_k_plan(world * geo.tiles_per_segment, num_sms, mode,
-                                   geo.tiles_per_segment)
-    if sk_tiles:
-        scratch = stream_k_scratch(x.device, grid, cfg.block_m, cfg.block_n)
-        partials, counters = scratch.partials, scratch.counters
-    else:
-        partials, counters = err, err  # never touched
+    last_plan = {"sk_tiles": 0}  # of the kernel compiled or launched last
+
+    def plan(per_sm):
+        """(grid, runtime args, constexprs) with ``per_sm`` programs per SM."""
+        geo = launch_geometry(m_local, n, b, world, cfg, num_sms * per_sm)
+        grid, sk_tiles = stream_k_plan(world * geo.tiles_per_segment, num_sms * per_sm, mode,
+                                       geo.tiles_per_segment)
+        if sk_tiles:
+            scratch = stream_k_scratch(x.device, grid, cfg.block_m, cfg.block_n)
+            partials, counters = scratch.partials, scratch.counters
+        else:
+            partials, counters = err, err  # never touched
+        last_plan["sk_tiles"] = sk_tiles
+        args = (x, ag, b, out, flags, err, partials, counters, m_local, n, k, geo.ldb, rank, epoch,
+                cfg.chunk_rows, max_spins, sk_tiles)
+        constexprs = dict(
+            WORLD=world, RAGGED=geo.ragged, B_KN=geo.b_kn, EPI_SPLIT=cfg.epilogue_split,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            NUM_SMS=grid, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+            STREAM_K=sk_tiles > 0, ASYNC_FENCE=not interpreting(),
+            SK_LOCAL=sk_tiles > 0 and world == 1)
+        return grid, args, constexprs
+
+    def grid_and_fit(per_sm):  # stream-K programs wait on each other's partials
+        grid, run_args, constexprs = plan(per_sm)
+        return grid, _LAUNCH.occupancy(grid, run_args, constexprs, num_warps=cfg.num_warps,
+                                       num_stages=cfg.num_stages)
+
     ensure_descriptor_allocator()
     try:
-        _LAUNCH(
-            grid,
-            (x, ag, b, out, flags, err, partials, counters, m_local, n, k, geo.ldb, rank, epoch,
-             cfg.chunk_rows, max_spins, sk_tiles),
-            dict(WORLD=world, RAGGED=geo.ragged, B_KN=geo.b_kn, EPI_SPLIT=cfg.epilogue_split,
-                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                 GROUP_M=cfg.group_m, NUM_SMS=grid, FLATTEN=cfg.flatten,
-                 WARP_SPECIALIZE=cfg.warp_specialize, STREAM_K=sk_tiles > 0,
-                 ASYNC_FENCE=not interpreting(), SK_LOCAL=sk_tiles > 0 and world == 1),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        per_sm = resident_programs_per_sm(cfg.programs_per_sm, num_sms, grid_and_fit,
+                                          f"AG+GEMM {cfg}")
+        grid, run_args, constexprs = plan(per_sm)
+        _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     except OutOfResources as exc:
         # The stream-K loop's own pipeline buffers do not fit beside this config's (raised when
         # the binary is loaded, before anything ran): this config runs without stream-K.
-        if not sk_tiles:
+        if not last_plan["sk_tiles"]:
             raise
         _STREAM_K_TOO_BIG.add(cfg)
         warnings.warn(f"megatron-flux AG+GEMM: {cfg} needs more shared memory with stream_k="

@@ -33,7 +33,12 @@ class GemmConfig:
     GEMM+RS knobs (AG+GEMM ignores them): ``rs_tma_push`` writes the partial tiles into the
     owner's buffer with TMA stores (else plain vector stores); ``rs_tma_reduce`` reads the
     peers' partials in the reduction by TMA (else masked vector loads); ``flatten_consume``
-    flattens the reduction loop."""
+    flattens the reduction loop.
+
+    ``programs_per_sm``: persistent programs per SM (grid = that times the SMs, capped at the
+    tiles). At 2, one program's epilogue runs beside the other's K loop; the launchers check
+    with CUDA's occupancy calculator that they all fit and otherwise run one per SM, with a
+    warning (:mod:`megatron_flux.kernels.residency`)."""
 
     block_m: int = 128
     block_n: int = 256
@@ -51,6 +56,7 @@ class GemmConfig:
     rs_tma_push: bool = True
     rs_tma_reduce: bool = True
     stream_k: int = 0
+    programs_per_sm: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -69,6 +75,9 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name} must be a bool: {self}")
         if self.stream_k not in (0, 1) or isinstance(self.stream_k, bool):
             raise ValueError(f"GemmConfig.stream_k must be 0 or 1: {self}")
+        if (isinstance(self.programs_per_sm, bool) or not isinstance(self.programs_per_sm, int)
+                or not 1 <= self.programs_per_sm <= 4):
+            raise ValueError(f"GemmConfig.programs_per_sm must be an int in [1, 4]: {self}")
         if self.group_m < 1 or self.chunk_rows < 1:
             raise ValueError(f"GemmConfig.group_m and chunk_rows must be >= 1: {self}")
 

@@ -41,6 +41,7 @@ from megatron_flux.kernels.config import interpreting, launch_geometry
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import segment_tile, split_columns
+from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import fence_async_proxy, publish_when_grid_done, wait_signal
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, segment_of_step
 
@@ -235,20 +236,30 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
     m, k = a.shape
     m_local = m // world
     n = b.shape[1]
-    geo = launch_geometry(m_local, n, b, world, cfg, num_sms)
+
+    def plan(per_sm):
+        """(grid, runtime args, constexprs) with ``per_sm`` programs per SM."""
+        geo = launch_geometry(m_local, n, b, world, cfg, num_sms * per_sm)
+        args = (a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
+                m_local, n, k, geo.ldb, rank, epoch, max_spins)
+        constexprs = dict(
+            WORLD=world, RAGGED=geo.ragged, B_KN=geo.b_kn, HAS_BIAS=bias is not None,
+            EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=geo.grid, FLATTEN=cfg.flatten,
+            FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
+            TMA_PUSH=cfg.rs_tma_push, ASYNC_FENCE=not interpreting(), PRODUCE=produce,
+            CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce)
+        return geo.grid, args, constexprs
+
+    def grid_and_fit(per_sm):  # every program must be resident: consumers wait on the peer grid
+        grid, run_args, constexprs = plan(per_sm)
+        return grid, _LAUNCH.occupancy(grid, run_args, constexprs, num_warps=cfg.num_warps,
+                                       num_stages=cfg.num_stages)
+
     ensure_descriptor_allocator()
-    _LAUNCH(
-        geo.grid,
-        (a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
-         m_local, n, k, geo.ldb, rank, epoch, max_spins),
-        dict(WORLD=world, RAGGED=geo.ragged, B_KN=geo.b_kn, HAS_BIAS=bias is not None,
-             EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=geo.grid, FLATTEN=cfg.flatten,
-             FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
-             TMA_PUSH=cfg.rs_tma_push, ASYNC_FENCE=not interpreting(), PRODUCE=produce,
-             CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    per_sm = resident_programs_per_sm(cfg.programs_per_sm, num_sms, grid_and_fit, f"GEMM+RS {cfg}")
+    grid, run_args, constexprs = plan(per_sm)
+    _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 _LAUNCH = KernelLauncher(gemm_rs_kernel)

@@ -1,0 +1,66 @@
+"""``GemmConfig.programs_per_sm`` and the residency rule the launchers apply to it (CPU)."""
+
+import warnings
+
+import pytest
+
+from megatron_flux.kernels import residency
+from megatron_flux.kernels.config import GemmConfig
+
+
+@pytest.mark.parametrize("bad", [0, 5, True, 1.5, "2"])
+def test_programs_per_sm_must_be_a_small_int(bad):
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        GemmConfig(programs_per_sm=bad)
+
+
+def test_programs_per_sm_round_trips_and_defaults_to_one():
+    assert GemmConfig().programs_per_sm == 1
+    cfg = GemmConfig(block_n=128, num_warps=4, programs_per_sm=2)
+    assert GemmConfig.from_dict(cfg.to_dict()) == cfg
+    assert GemmConfig.from_dict({"block_m": 64}).programs_per_sm == 1  # tables written before it
+
+
+def test_one_per_sm_is_never_checked():
+    def fail(_):
+        raise AssertionError("queried")
+
+    assert residency.resident_programs_per_sm(1, 132, fail, "op") == 1
+
+
+def test_kept_when_the_whole_grid_fits():
+    asked = []
+
+    def grid_and_fit(p):
+        asked.append(p)
+        return 264, 2
+
+    assert residency.resident_programs_per_sm(2, 132, grid_and_fit, "op-fits") == 2
+    assert asked == [2]
+
+
+def test_a_grid_of_few_tiles_needs_no_second_slot():
+    # 150 tiles on 132 SMs at 2 per SM: 150 programs, 132 x 1 slots do not hold them, 132 x 2 do
+    assert residency.resident_programs_per_sm(2, 132, lambda p: (150, 2), "op-few") == 2
+    assert residency.resident_programs_per_sm(2, 132, lambda p: (100, 1), "op-fewer") == 2
+
+
+def test_falls_back_to_one_with_one_warning():
+    residency._WARNED.discard("op-big")
+    with pytest.warns(UserWarning, match="programs_per_sm=2 asked for, but only 1"):
+        assert residency.resident_programs_per_sm(2, 132, lambda p: (264, 1), "op-big") == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call is quiet
+        assert residency.resident_programs_per_sm(2, 132, lambda p: (264, 1), "op-big") == 1
+
+
+def test_grid_follows_programs_per_sm():
+    import torch
+
+    from megatron_flux.kernels.config import launch_geometry
+
+    cfg = GemmConfig(block_m=128, block_n=128, num_warps=4, programs_per_sm=2)
+    b = torch.empty(4096, 1024).t()  # [K, N] view of an [N, K] weight
+    geo = launch_geometry(4096, 4096, b, 2, cfg, 132 * 2)
+    assert geo.grid == 264  # 2 x 32 x 32 tiles: enough for both slots of every SM
+    assert launch_geometry(256, 1024, b, 2, cfg, 264).grid == 32  # capped at the tiles
