@@ -548,3 +548,25 @@ def test_single_gpu_rs_wiring_owns_every_buffer_its_pointer_tables_name():
         assert set(data_ptrs.tolist()) | set(flag_ptrs.tolist()) <= held, world
         assert flags[:world].min() >= 1 and int(flags[world:].abs().sum()) == 0
         assert out.isnan().all() and tuple(data.shape) == (world, 8, 32)
+
+
+def test_sample_warmup_runs_before_every_timed_block():
+    import itertools
+
+    from megatron_flux.bench.timing import time_interleaved
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from dist_harness import gloo_world_of_one
+
+    log = []
+    fns = {name: (lambda name=name: log.append(name)) for name in ("a", "b")}
+    with gloo_world_of_one():  # the sync points are collectives
+        res = time_interleaved(fns, trials=3, iters=2, warmup=1, group=None,
+                               device=torch.device("cpu"), sample_warmup=4)
+    assert log.count("a") == log.count("b") == 1 + 3 * (4 + 2)
+    runs = [len(list(g)) for _, g in itertools.groupby(log[2:])]
+    assert sum(runs) == 36 and all(r % 6 == 0 for r in runs)  # 4 untimed + 2 timed, unbroken
+    assert all(len(v) == 3 for v in res.trials_ms.values())
+    with pytest.raises(ValueError, match="sample_warmup"):
+        time_interleaved(fns, trials=1, iters=1, warmup=0, group=None, device=torch.device("cpu"),
+                         sample_warmup=-1)

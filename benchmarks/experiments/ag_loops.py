@@ -170,7 +170,7 @@ def main(argv=None):
                 outs[name] = (out, lambda: ref)
             title = (f"{m}x{n}x{k} {cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.num_warps}"
                      f"/epi{cfg.epilogue_split}")
-            rows += time_and_check(fns, outs, args.trials, args.iters, title,
+            rows += time_and_check(fns, outs, args, title,
                                    {"m": m, "n": n, "k": k, "config": cfg.to_dict()})
     write_record(args.json, rows)
 

@@ -48,7 +48,7 @@ def main(argv=None):
                     c = dataclasses.replace(c, chunk_rows=m // world)  # one chunk per segment
                     fns[name], out = ag_on_one_gpu(a, w, world, c, err)
                     outs[name] = (out, lambda: ref)
-            rows += time_and_check(fns, outs, args.trials, args.iters, f"{m}x{n}x{k} cfg{ci}",
+            rows += time_and_check(fns, outs, args, f"{m}x{n}x{k} cfg{ci}",
                                    {"m": m, "n": n, "k": k, "config": cfg.to_dict()})
     write_record(args.json, rows)
 

@@ -21,9 +21,14 @@ def load_module(path, name):
 
 
 def add_timing_args(p):
-    """``--trials``, ``--iters`` (per trial, back to back) and ``--json`` (the record's path)."""
+    """``--trials``, ``--iters`` (per trial, back to back), ``--warmup`` and ``--shuffle-seed``
+    (see ``kernel_vs_cublas._time``) and ``--json`` (the record's path)."""
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=0,
+                   help="untimed calls of a method right before each of its samples")
+    p.add_argument("--shuffle-seed", type=int, default=None,
+                   help="shuffle the methods' order in every trial (seeded)")
     p.add_argument("--json")
 
 
@@ -40,12 +45,13 @@ def problem(m, n, k):
     return a, w, a.float() @ w.t().float()
 
 
-def time_and_check(fns, outs, trials, iters, title, row):
-    """Time ``fns`` (one of them ``"cublas"``) interleaved; check each ``outs[name] = (got,
+def time_and_check(fns, outs, args, title, row):
+    """Time ``fns`` (one of them ``"cublas"``) interleaved, as ``args`` (from
+    :func:`add_timing_args`) say; check each ``outs[name] = (got,
     ref_fn)`` after the timing (rel. error < 1e-2, else the line says WRONG); print ``title``
     with every method's time / cuBLAS. Returns one record per method, ``row``'s fields plus
     ``method``, ``median_ms``, ``spread_ms``, ``times_ms`` and ``rel_err``."""
-    times = _time(fns, trials, iters)
+    times = _time(fns, args.trials, args.iters, args.warmup, args.shuffle_seed)
     base = statistics.median(times["cublas"])
     line, rows = [f"{title} cublas {base:.4f}"], []
     for name, ts in times.items():

@@ -433,7 +433,7 @@ def main(argv=None):
             cfg = dict(default_config("ag", m, n, k).to_dict(), stream_k=0)
             fns["triton-ag"], ag_out = ag_on_one_gpu(a, w, world, GemmConfig.from_dict(cfg), err)
             outs["triton-ag"] = (ag_out, lambda: full)
-        rows += time_and_check(fns, outs, args.trials, args.iters, shape,
+        rows += time_and_check(fns, outs, args, shape,
                                {"m": m, "n": n, "k": k})
     write_record(args.json, rows)
 

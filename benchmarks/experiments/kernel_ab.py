@@ -60,7 +60,7 @@ def main(argv=None):
                     fns[name], outs[name] = _wire(args.op, a, w, full, args.tp, cfg, err, launch_fn)
                 title = (f"{args.op.upper()} {model:10s} m={m:5d} {label:7s} "
                          f"ws={int(cfg.warp_specialize)} sk={cfg.stream_k} {cfg.block_m}x{cfg.block_n}")
-                rows += time_and_check(fns, outs, args.trials, args.iters, title,
+                rows += time_and_check(fns, outs, args, title,
                                        {"op": args.op, "model": model, "m": m, "n": n, "k": k,
                                         "config_label": label, "config": cfg.to_dict()})
                 assert err.tolist() == [0, 0, 0, 0], err.tolist()

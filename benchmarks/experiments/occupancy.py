@@ -69,7 +69,7 @@ def main(argv=None):
                                             full[:m_local] + data[1:].float().sum(0))
         print(f"{args.op} {shape}: " + "  ".join(f"c{i}={c}" for i, c in enumerate(args.config)),
               flush=True)
-        rows += time_and_check(fns, outs, args.trials, args.iters, f"{args.op} {shape}",
+        rows += time_and_check(fns, outs, args, f"{args.op} {shape}",
                                {"op": args.op, "m": m, "n": n, "k": k, "configs": args.config,
                                 "num_sms": sms})
         assert err.tolist() == [0, 0, 0, 0], err.tolist()

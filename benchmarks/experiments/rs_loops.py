@@ -235,7 +235,7 @@ def main(argv=None):
                 pushes[name] = data
             title = (f"{m}x{n}x{k} {cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.num_warps}"
                      f"/epi{cfg.epilogue_split}")
-            rows += time_and_check(fns, outs, args.trials, args.iters, title,
+            rows += time_and_check(fns, outs, args, title,
                                    {"m": m, "n": n, "k": k, "config": cfg.to_dict()})
             for name, data in pushes.items():  # every variant's pushed partial
                 e = float((data[0].float() - full[m_local:]).norm() / full[m_local:].norm())

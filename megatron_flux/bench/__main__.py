@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--trials", type=int, default=7, help="interleaved trials per case (median over these)")
     t.add_argument("--iters", type=int, default=20, help="back-to-back calls per timed block")
     t.add_argument("--warmup", type=int, default=5, help="untimed calls per method before the trials")
+    t.add_argument("--sample-warmup", type=int, default=10,
+                   help="untimed calls of a method right before each of its timed blocks (the "
+                        "clock of a power-limited GPU follows the last milliseconds of load)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="auto: CUDA (NCCL) when available, else CPU (gloo)")
@@ -116,8 +119,8 @@ def resolve_args(args: argparse.Namespace, tp: int) -> argparse.Namespace:
     unknown = [m for m in methods if m not in M.METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; expected any of {M.METHODS}")
-    if args.trials < 1 or args.iters < 1 or args.warmup < 0:
-        raise ValueError("--trials and --iters must be >= 1, --warmup >= 0")
+    if args.trials < 1 or args.iters < 1 or args.warmup < 0 or args.sample_warmup < 0:
+        raise ValueError("--trials and --iters must be >= 1, --warmup and --sample-warmup >= 0")
     args.op_list = list(dict.fromkeys(ops))
     args.model_list = models
     args.ms = list(dict.fromkeys(ms))
@@ -286,7 +289,8 @@ def run_case(case: G.Case, args: argparse.Namespace, group, rank: int, tp: int, 
 
     # 5. interleaved timing
     if fns:
-        res = time_interleaved(fns, trials=args.trials, iters=args.iters, warmup=args.warmup, group=group, device=device)
+        res = time_interleaved(fns, trials=args.trials, iters=args.iters, warmup=args.warmup,
+                               group=group, device=device, sample_warmup=args.sample_warmup)
         for name, e in res.errors.items():
             drop(name, "error", "timing: " + e)
         for name, ts in res.trials_ms.items():
@@ -364,6 +368,7 @@ def _run(args, argv, group, rank, tp, device) -> int:
         "trials": args.trials,
         "iters": args.iters,
         "warmup": args.warmup,
+        "sample_warmup": args.sample_warmup,
         "seed": args.seed,
         "max_rel_err_threshold": args.threshold,
         "timing": {

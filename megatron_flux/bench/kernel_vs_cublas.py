@@ -8,8 +8,9 @@ GEMM+RS pushes its "remote" tiles into local memory and reduces local partials. 
 the GEMM plus the fused epilogue, which must stay within ~1.02x of cuBLAS for the overlap to pay.
 Shapes are the benchmark grid's per-rank shapes at ``--tp``. Per shape it times the heuristic
 default config, the shipped table's config (what the backend runs) and their stream-K variants
-(``--configs``). Timing: CUDA events, ``--iters`` back-to-back launches per trial, methods
-interleaved inside every trial, median over trials.
+(``--configs``). Timing: CUDA events, ``--iters`` back-to-back launches per trial after
+``--warmup`` untimed ones, methods interleaved inside every trial (in a shuffled order with
+``--shuffle-seed``), median over trials.
 """
 
 from __future__ import annotations
@@ -45,14 +46,42 @@ RS_CANDIDATES = [
                warp_specialize=True),
 ]
 
+#: tiles run two programs per SM (``programs_per_sm=2``): 128x128 tiles, 3 stages and a split
+#: epilogue need 64-112 KB of shared memory and fit twice on an H200 SM (benchmarks/NOTES.md,
+#: session 11); the shipped table's config lends them its communication knobs
+PER_SM_TILES = [
+    dict(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=4, group_m=8,
+         epilogue_split=2, flatten=True, warp_specialize=False, programs_per_sm=2),
+    dict(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=4, group_m=16,
+         epilogue_split=2, flatten=True, warp_specialize=False, programs_per_sm=2),
+    dict(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=8, group_m=8,
+         epilogue_split=2, flatten=True, warp_specialize=False, programs_per_sm=2),
+]
 
-def _time(fns: Dict[str, Callable], trials: int, iters: int) -> Dict[str, List[float]]:
+
+def _time(fns: Dict[str, Callable], trials: int, iters: int, warmup: int = 0,
+          shuffle_seed=None) -> Dict[str, List[float]]:
+    """Per method, ``trials`` samples of the mean time of ``iters`` back-to-back calls, the
+    methods interleaved inside every trial. ``warmup`` untimed calls of the same method run
+    right before each sample: a GEMM's time depends on the clock the power limiter allows, and
+    that follows the last few milliseconds of load, so without them a sample partly measures
+    the method before it (session 11: a 0.7 ms GEMM ran 5-10 % apart depending on its
+    neighbour). With ``shuffle_seed`` the order of the methods changes from trial to trial."""
+    import random
+
     out = {name: [] for name in fns}
+    order = list(fns)
+    rng = random.Random(shuffle_seed) if shuffle_seed is not None else None
     for fn in fns.values():  # warm-up / compile
         fn()
     torch.cuda.synchronize()
     for _ in range(trials):
-        for name, fn in fns.items():
+        if rng is not None:
+            rng.shuffle(order)
+        for name in order:
+            fn = fns[name]
+            for _ in range(warmup):
+                fn()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(iters):
@@ -209,7 +238,7 @@ def run(args) -> dict:
             rows.append({"op": op, "model": model, "m": m, "n": n, "k": k, "error": results})
             continue
         fns["cublas"] = cublas
-        times = _time(fns, args.trials, args.iters)
+        times = _time(fns, args.trials, args.iters, args.warmup, args.shuffle_seed)
         cub = statistics.median(times["cublas"])
         for name, cfg in checks.items():
             med = statistics.median(times[name])
@@ -240,7 +269,8 @@ def _configs(op, m, n, k, args):
     """``(configs, labels)`` to time for one shape, per ``--configs``: the heuristic ``default``,
     the shipped ``table``'s entry (the config the backend runs), their stream-K variants
     (``sk``, AG+GEMM only), their vector-load reductions (``rsvec``, GEMM+RS only), the
-    fixed ``candidates`` lists and the plain persistent GEMM with the default's and the table's
+    fixed ``candidates`` lists, the table's config on :data:`PER_SM_TILES` (``pps2``) and the
+    plain persistent GEMM with the default's and the table's
     tile (``plain``, :mod:`.plain_gemm`: the yardstick for the fused tile loop); duplicates
     dropped."""
     import dataclasses
@@ -266,6 +296,8 @@ def _configs(op, m, n, k, args):
     if "candidates" in args.configs:
         extra = CANDIDATES if op == "AG+GEMM" else RS_CANDIDATES
         out += [(f"cand{i}", c) for i, c in enumerate(extra)]
+    if "pps2" in args.configs:
+        out += [(f"pps2-{i}", dataclasses.replace(table, **tile)) for i, tile in enumerate(PER_SM_TILES)]
     if "plain" in args.configs:  # the yardstick with the default's and the table's tile
         out += [("plain-default", default), ("plain-table", table),
                 ("plain-hostdesc-default", default)]
@@ -313,6 +345,10 @@ def add_grid_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--m", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=0,
+                   help="untimed calls of a method right before each of its samples")
+    p.add_argument("--shuffle-seed", type=int, default=None,
+                   help="shuffle the methods' order in every trial (seeded)")
     p.add_argument("--json", default=None)
 
 
@@ -329,7 +365,7 @@ def main(argv=None):
     add_grid_args(p)
     p.add_argument("--ops", nargs="+", default=["AG+GEMM", "GEMM+RS"])
     p.add_argument("--configs", nargs="+", default=["default", "table", "sk", "rsvec"],
-                   choices=["default", "table", "sk", "rsvec", "candidates", "plain"],
+                   choices=["default", "table", "sk", "rsvec", "candidates", "pps2", "plain"],
                    help="which configs to time per shape (see _configs)")
     p.add_argument("--default-only", action="store_true", help="same as --configs default")
     p.add_argument("--only-config", type=int, default=None,

@@ -9,7 +9,11 @@ predecessor fixed, and on 2xH200/4xH200 a method that always followed the untune
 measured 5-20 % slower at small m than the *same* NCCL callable that always followed ``comm``.
 
 One timed block = ``iters`` back-to-back calls of one method, bracketed by CUDA events on the
-current stream (``time.perf_counter`` on CPU, where the gloo collectives are synchronous).
+current stream, after ``sample_warmup`` untimed calls of the same method. Those matter on a
+power-limited GPU: the SM clock follows the last milliseconds of load (an H200 ran 1.98 GHz idle
+and ~1.5 GHz under sustained GEMMs, session 11), so a block that starts after the idle sync
+point, or after a lighter method, runs its first calls faster; on one GPU a 0.7 ms GEMM measured
+5-10 % apart depending on its neighbour without them (``time.perf_counter`` on CPU, where the gloo collectives are synchronous).
 Before each block all ranks meet at a sync point that also waits for their GPUs to go idle, so
 every rank starts the block together. The per-iteration time of a block is ``elapsed / iters``;
 the time of a trial is the **maximum over ranks** (a collective op is only as fast as its slowest
@@ -130,27 +134,30 @@ def time_interleaved(
     warmup: int,
     group: Optional[dist.ProcessGroup],
     device: torch.device,
+    sample_warmup: int = 0,
 ) -> TimingResult:
-    """Time every callable in ``fns`` (see the module docstring for the protocol).
+    """Time every callable in ``fns`` (see the module docstring for the protocol). ``warmup``
+    calls per method run once before the trials; ``sample_warmup`` before every timed block.
 
     Must be called on every rank of ``group`` with the same method names in the same order.
     Returns times only for methods that never failed on any rank; the others get an error text
     naming the rank(s) that failed (the same on every rank).
     """
-    if trials < 1 or iters < 1 or warmup < 0:
-        raise ValueError(f"need trials >= 1, iters >= 1, warmup >= 0 (got {trials}, {iters}, {warmup})")
+    if trials < 1 or iters < 1 or warmup < 0 or sample_warmup < 0:
+        raise ValueError(f"need trials >= 1, iters >= 1, warmup >= 0, sample_warmup >= 0 (got "
+                         f"{trials}, {iters}, {warmup}, {sample_warmup})")
     gc_was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         return _time_interleaved(fns, trials=trials, iters=iters, warmup=warmup, group=group,
-                                 device=device)
+                                 device=device, sample_warmup=sample_warmup)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _time_interleaved(fns, *, trials, iters, warmup, group, device) -> TimingResult:
+def _time_interleaved(fns, *, trials, iters, warmup, group, device, sample_warmup) -> TimingResult:
     names = list(fns)
     result = TimingResult()
     alive = {n: True for n in names}
@@ -185,6 +192,7 @@ def _time_interleaved(fns, *, trials, iters, warmup, group, device) -> TimingRes
             if not alive[name]:
                 continue
             j = names.index(name)
+            run_block(name, sample_warmup)
             if use_events:
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)

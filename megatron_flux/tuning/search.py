@@ -288,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trials", type=int, default=5, help="interleaved final trials (median)")
     s.add_argument("--iters", type=int, default=10)
     s.add_argument("--warmup", type=int, default=3)
+    s.add_argument("--sample-warmup", type=int, default=3,
+                   help="untimed calls of a candidate right before each timed block (screen and "
+                        "final): see megatron_flux.bench.timing")
     s.add_argument("--min-gain", type=float, default=0.01,
                    help="a finalist replaces the default config only when its median is at least this "
                    "fraction faster (the fastest of several noisy medians is biased low)")
@@ -318,8 +321,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for name in ("max_candidates", "top", "screen_iters", "trials", "iters"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup < 0:
-        p.error("--warmup must be >= 0")
+    if args.warmup < 0 or args.sample_warmup < 0:
+        p.error("--warmup and --sample-warmup must be >= 0")
     if not 0.0 <= args.min_gain < 1.0:
         p.error("--min-gain must be in [0, 1)")
     try:
@@ -412,7 +415,8 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
         raise RuntimeError(f"{op} n={n} k={k} m={m}: no candidate passed the output check")
     names = {f"c{i}": c for i, c in enumerate(ok)}
     screen = time_interleaved({nm: fn_for(c) for nm, c in names.items()}, trials=1,
-                              iters=args.screen_iters, warmup=1, group=group, device=device)
+                              iters=args.screen_iters, warmup=1, group=group, device=device,
+                              sample_warmup=args.sample_warmup)
     ranked = sorted((t[0], nm) for nm, t in screen.trials_ms.items())
     finalists = [nm for _, nm in ranked[:args.top]]
     base = cands[0]
@@ -421,7 +425,7 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     fns = {nm: fn_for(names[nm]) for nm in finalists}
     fns["nccl"] = M._backend_fn(get_backend("nccl"), inp, group, out)
     final = time_interleaved(fns, trials=args.trials, iters=args.iters, warmup=args.warmup,
-                             group=group, device=device)
+                             group=group, device=device, sample_warmup=args.sample_warmup)
     meds = {nm: median(t) for nm, t in final.trials_ms.items()}
     flux_meds = {nm: v for nm, v in meds.items() if nm != "nccl"}
     if not flux_meds:
@@ -494,7 +498,8 @@ def _run(args, group, rank, tp, device) -> int:
                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "environment": {"torch": torch.__version__, "triton": triton.__version__},
                "search": {"searched": True, "max_candidates": args.max_candidates, "top": args.top,
-                          "trials": args.trials, "iters": args.iters, "rs_k": args.rs_k,
+                          "trials": args.trials, "iters": args.iters,
+                          "sample_warmup": args.sample_warmup, "rs_k": args.rs_k,
                           "space": {k: list(v) for k, v in SEARCH_SPACE.items()},
                           "seeds": [dict(s) for s in SEED_CONFIGS], "not_searched": NOT_SEARCHED},
                "entries": entries}
