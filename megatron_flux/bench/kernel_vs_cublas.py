@@ -140,7 +140,7 @@ def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None, num_sms=None):
     out = torch.full((m_local, n), float("nan"), device=a.device, dtype=a.dtype)  # unwritten tiles show
     data = torch.zeros(world, m_local, n, device=a.device, dtype=a.dtype)
     flags = torch.full((rs_signal_count(world),), 1 << 30, dtype=torch.int32, device=a.device)
-    flags[world:] = 0  # the per-step arrival counters start at zero
+    flags[world:] = 0  # the arrival counter starts at zero
     data_ptrs = torch.tensor([data.data_ptr()] * world, dtype=torch.int64, device=a.device)
     flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device=a.device)
     sms = num_sms or _num_sms(a.device)

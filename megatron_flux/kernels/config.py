@@ -110,10 +110,10 @@ def tiles_per_segment(m_local: int, n: int, cfg: GemmConfig) -> int:
 
 def rs_signal_count(world: int) -> int:
     """Signal words one GEMM+RS call needs per rank and parity: ``[src]`` (raised by the peer
-    ``src`` when its grid finished this rank's segment), then ``world`` arrival counters
-    ``[world + step]`` that this rank's own programs count up and the last one resets. The
-    layout does not depend on the shape or the kernel config."""
-    return 2 * world
+    ``src`` when its grid finished producing), then ``[world]``, the arrival counter this
+    rank's own programs count up and the last one resets. The layout does not depend on the
+    shape or the kernel config."""
+    return world + 1
 
 
 def launch_geometry(m_local: int, n: int, b, world: int, cfg: GemmConfig, num_sms: int) -> LaunchGeometry:

@@ -10,11 +10,14 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   ReduceScatter: the tile is rounded to the output dtype and stored straight into the owner's
   symmetric buffer, slot ``r`` (``data[owner][r, rows, cols]``), by TMA (``rs_tma_push``) or
   vector stores.
-* Signals, one per step: after a step's loop every program drains its stores and counts
-  itself in at ``flags[r][W + step]``; the last of the ``G`` programs raises
-  ``flags[owner][r] = epoch`` (release, system scope). Nothing synchronises inside the loops.
-  (The first schedule raised a signal per pushed tile and waited per tile; its release sat in
-  the loop, which then could not be flattened. Measured against this one in
+* Signals: after its last producer step every program drains its stores and counts itself in
+  at ``flags[r][W]``; the last of the ``G`` programs raises ``flags[owner][r] = epoch``
+  (release, system scope) for every peer owner. One barrier for all steps: an owner needs
+  every peer's partial, and the peer that visits it last raises it at the end of its producer
+  phase whichever way, so per-step signals (sessions 4-10) made no owner ready sooner and cost
+  each program a store drain and a barrier per step (seven at TP 8). Nothing synchronises
+  inside the loops. (The first schedule raised a signal per pushed tile and waited per tile;
+  its release sat in the loop, which then could not be flattened. Measured against this one in
   ``benchmarks/NOTES.md``, session 4.)
 * Consumer, step ``W-1``: the own segment. Each program computes its first own tile's GEMM, then
   waits once (acquire, bounded) for every peer's ``flags[r][src]``, then runs the rest of its
@@ -42,7 +45,7 @@ from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import segment_tile, split_columns
 from megatron_flux.kernels.residency import resident_programs_per_sm
-from megatron_flux.kernels.signals import fence_async_proxy, publish_when_grid_done, wait_signal
+from megatron_flux.kernels.signals import arrive_at_grid_barrier, fence_async_proxy, wait_signal
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, segment_of_step
 
 
@@ -172,7 +175,6 @@ def gemm_rs_kernel(
             seg = segment_of_step(step, rank, WORLD, True)
             dst = tl.load(data_ptrs + seg).to(tl.pointer_type(data_ptr.dtype.element_ty))
             dst_desc = tl.make_tensor_descriptor(dst + slot_base, [m_local, N], [N, 1], [BLOCK_M, HALF])
-            owner_flags = tl.load(flag_ptrs + seg).to(tl.pointer_type(tl.int32))
             first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
             for t in tl.range(first, (step + 1) * tiles_per_seg, NUM_SMS, flatten=FLATTEN,
                               warp_specialize=WARP_SPECIALIZE):
@@ -181,8 +183,15 @@ def gemm_rs_kernel(
                                                  B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
                 _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH,
                            EPI_SPLIT, BLOCK_M, BLOCK_N)
-            publish_when_grid_done(my_flags + WORLD + step, NUM_SMS, owner_flags + rank, epoch,
-                                   ASYNC_FENCE and TMA_PUSH)
+        # One grid barrier after every producer step, not one per step: each owner waits for
+        # all its peers, and the peer that visits it last publishes it at the end of its
+        # producer phase either way, so earlier per-step signals made no owner ready sooner;
+        # they cost every program a store drain and a barrier per step (TP 8: seven).
+        if arrive_at_grid_barrier(my_flags + WORLD, NUM_SMS, ASYNC_FENCE and TMA_PUSH):
+            for step in tl.static_range(0, WORLD - 1):
+                seg = segment_of_step(step, rank, WORLD, True)
+                owner_flags = tl.load(flag_ptrs + seg).to(tl.pointer_type(tl.int32))
+                tl.atomic_xchg(owner_flags + rank, epoch, sem="release", scope="sys")
 
     if CONSUME:
         # The first own tile is peeled so its GEMM runs before the one wait for the peers (when

@@ -65,17 +65,25 @@ def fence_async_proxy(token, ENABLED: tl.constexpr):
 
 
 @triton.jit
-def publish_when_grid_done(counter_ptr, grid, flag_ptr, epoch, ASYNC_STORES: tl.constexpr):
-    """Count this program in at ``counter_ptr``; the last of ``grid`` programs resets the counter
-    and publishes ``epoch`` at ``flag_ptr`` (release, system scope).
+def arrive_at_grid_barrier(counter_ptr, grid, ASYNC_STORES: tl.constexpr):
+    """Count this program in at ``counter_ptr``; True for the last of ``grid`` programs, which
+    has reset the counter (so the next call, stream-ordered after this one, starts from zero).
 
     Every program first drains its stores and releases them at system scope with its arrival
-    (acq_rel), and the last arrival acquires all of them, so the single release that follows
-    covers every program's stores (release is cumulative). The counter is reset before the
-    signal, so the next call (stream-ordered after this one) starts from zero."""
-    drain_async_stores(epoch, ASYNC_STORES)
+    (acq_rel), and the last arrival acquires all of them, so a release by the last program
+    covers every program's stores (release is cumulative)."""
+    drain_async_stores(tl.program_id(0), ASYNC_STORES)
     tl.debug_barrier()
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
-    if arrived == grid - 1:
+    last = arrived == grid - 1
+    if last:
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def publish_when_grid_done(counter_ptr, grid, flag_ptr, epoch, ASYNC_STORES: tl.constexpr):
+    """:func:`arrive_at_grid_barrier`, then the last of the ``grid`` programs publishes
+    ``epoch`` at ``flag_ptr`` (release, system scope), after every program's stores."""
+    if arrive_at_grid_barrier(counter_ptr, grid, ASYNC_STORES):
         tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
