@@ -128,7 +128,7 @@ def _ag_runner(m, n, k, tp, cfg, dtype):
 
 def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None, num_sms=None):
     """GEMM+RS of ``a @ w.T`` wired to this GPU alone, as rank 0 of ``world``: every peer slot
-    is a local buffer, every peer signal pre-set (no wait spins), the arrival counters zero.
+    is a local buffer, every peer signal pre-set (no wait spins), the arrival counter zero.
     Returns ``(launch, out, data)``: ``launch(cfg, produce=True, consume=True)`` runs the
     kernel into ``out`` ``[m / world, n]``; ``data[src]`` holds what "rank src" pushed.
     ``launch_gemm_rs``: another version of the launcher (default: the package's); ``num_sms``:

@@ -14,7 +14,7 @@ call's shape and config (``src * chunks + c``), and at TP >= 3 a peer that finis
 ``e`` may already signal call ``e + 1``, under another layout, while this rank still waits for
 a third rank's call-``e`` signal. In one shared region that write could land on the awaited
 word with a value ``>= e`` and release the wait before the data came. (GEMM+RS's layout, one
-word per peer then this rank's own arrival counters, does not depend on the config; it gets the
+word per peer then this rank's own arrival counter, does not depend on the config; it gets the
 same split.) Signals hold epochs (see :mod:`megatron_flux.kernels.signals`), so they are never
 reset.
 

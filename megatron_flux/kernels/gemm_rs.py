@@ -33,7 +33,7 @@ landed before the owner reaches its reduction.
 
 Workspace slots and signals alternate between two parities from call to call (chosen by the
 host), so a rank racing one call ahead never overwrites partials its owner has not consumed
-yet; signals hold epochs and are never reset (the arrival counters are reset by their last
+yet; signals hold epochs and are never reset (the arrival counter is reset by its last
 arrival).
 """
 
@@ -147,7 +147,7 @@ def gemm_rs_kernel(
     call's parity; ``data_ptrs``/``flag_ptrs``: int64 tables of every rank's slot region and
     int32 signal region (layout: :func:`~megatron_flux.kernels.config.rs_signal_count`).
     PRODUCE/CONSUME select the phases (both in production; the CPU tests run all ranks'
-    producers before their consumers). ASYNC_FENCE: drain TMA stores before a per-step
+    producers before their consumers). ASYNC_FENCE: drain TMA stores before the grid
     signal (off only under the interpreter). TMA descriptors are built on the device."""
     if RAGGED:
         a_desc = tl.make_tensor_descriptor(a_ptr, [WORLD, m_local, K], [m_local * K, K, 1],
