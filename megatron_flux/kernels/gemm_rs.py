@@ -159,7 +159,6 @@ def gemm_rs_kernel(
     else:
         b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K])
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
-    out_desc = tl.make_tensor_descriptor(out_ptr, [m_local, N], [N, 1], [BLOCK_M, HALF])
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(m_local, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -171,18 +170,24 @@ def gemm_rs_kernel(
     if PRODUCE:
         # unrolled (WORLD is a compile-time constant): every tile loop at the top level of the
         # kernel; nested in a runtime step loop, the AG kernel's ran 1-3 % slower (NOTES.md, s9)
+        # A program builds a step's push descriptor only when it has a tile in the step (a
+        # device-side descriptor is a global write and a proxy fence; at TP 8 and small m most
+        # programs have a tile in one step of seven).
         for step in tl.static_range(0, WORLD - 1):
-            seg = segment_of_step(step, rank, WORLD, True)
-            dst = tl.load(data_ptrs + seg).to(tl.pointer_type(data_ptr.dtype.element_ty))
-            dst_desc = tl.make_tensor_descriptor(dst + slot_base, [m_local, N], [N, 1], [BLOCK_M, HALF])
             first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
-            for t in tl.range(first, (step + 1) * tiles_per_seg, NUM_SMS, flatten=FLATTEN,
-                              warp_specialize=WARP_SPECIALIZE):
-                acc, off_m, off_n = segment_tile(a_desc, b_desc, t - step * tiles_per_seg, seg,
-                                                 m_local, k_tiles, num_pid_m, num_pid_n, RAGGED,
-                                                 B_KN, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
-                _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH,
-                           EPI_SPLIT, BLOCK_M, BLOCK_N)
+            if first < (step + 1) * tiles_per_seg:
+                seg = segment_of_step(step, rank, WORLD, True)
+                dst = tl.load(data_ptrs + seg).to(tl.pointer_type(data_ptr.dtype.element_ty))
+                dst_desc = tl.make_tensor_descriptor(dst + slot_base, [m_local, N], [N, 1],
+                                                     [BLOCK_M, HALF])
+                for t in tl.range(first, (step + 1) * tiles_per_seg, NUM_SMS, flatten=FLATTEN,
+                                  warp_specialize=WARP_SPECIALIZE):
+                    acc, off_m, off_n = segment_tile(a_desc, b_desc, t - step * tiles_per_seg,
+                                                     seg, m_local, k_tiles, num_pid_m, num_pid_n,
+                                                     RAGGED, B_KN, BLOCK_M, BLOCK_N, BLOCK_K,
+                                                     GROUP_M)
+                    _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH,
+                               EPI_SPLIT, BLOCK_M, BLOCK_N)
         # One grid barrier after every producer step, not one per step: each owner waits for
         # all its peers, and the peer that visits it last publishes it at the end of its
         # producer phase either way, so earlier per-step signals made no owner ready sooner;
@@ -196,21 +201,25 @@ def gemm_rs_kernel(
     if CONSUME:
         # The first own tile is peeled so its GEMM runs before the one wait for the peers (when
         # the grid covers every tile in one wave, a program's only reduction tile then overlaps
-        # the peers' producer tiles); the rest of the loop has no synchronisation.
-        slots_desc = tl.make_tensor_descriptor(data_ptr, [WORLD, m_local, N], [m_local * N, N, 1],
-                                               [1, BLOCK_M, HALF])
+        # the peers' producer tiles); the rest of the loop has no synchronisation. Programs
+        # without an own tile build no descriptor for it.
         own_start = (WORLD - 1) * tiles_per_seg
         first = first_tile_at_or_after(pid, own_start, NUM_SMS)
         if first < WORLD * tiles_per_seg:
+            out_desc = tl.make_tensor_descriptor(out_ptr, [m_local, N], [N, 1], [BLOCK_M, HALF])
+            slots_desc = tl.make_tensor_descriptor(data_ptr, [WORLD, m_local, N],
+                                                   [m_local * N, N, 1], [1, BLOCK_M, HALF])
             _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
                           err_ptr, first - own_start, m_local, N, k_tiles, rank, WORLD, epoch,
                           max_spins, num_pid_m, num_pid_n, True, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT,
                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE)
-        for t in tl.range(first + NUM_SMS, WORLD * tiles_per_seg, NUM_SMS, flatten=FLATTEN_CONSUME):
-            _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
-                          err_ptr, t - own_start, m_local, N, k_tiles, rank, WORLD, epoch,
-                          max_spins, num_pid_m, num_pid_n, False, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE)
+            for t in tl.range(first + NUM_SMS, WORLD * tiles_per_seg, NUM_SMS,
+                              flatten=FLATTEN_CONSUME):
+                _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
+                              err_ptr, t - own_start, m_local, N, k_tiles, rank, WORLD, epoch,
+                              max_spins, num_pid_m, num_pid_n, False, RAGGED, B_KN, HAS_BIAS,
+                              EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE,
+                              ASYNC_FENCE)
 
 
 @triton.jit
