@@ -297,7 +297,8 @@ def _configs(op, m, n, k, args):
         extra = CANDIDATES if op == "AG+GEMM" else RS_CANDIDATES
         out += [(f"cand{i}", c) for i, c in enumerate(extra)]
     if "pps2" in args.configs:
-        out += [(f"pps2-{i}", dataclasses.replace(table, **tile)) for i, tile in enumerate(PER_SM_TILES)]
+        out += [(f"pps2-{i}", dataclasses.replace(table, **tile))
+                for i, tile in enumerate(PER_SM_TILES)]
     if "plain" in args.configs:  # the yardstick with the default's and the table's tile
         out += [("plain-default", default), ("plain-table", table),
                 ("plain-hostdesc-default", default)]

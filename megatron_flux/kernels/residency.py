@@ -41,7 +41,8 @@ def compiled_occupancy(compiled) -> int:
     """Programs of a Triton ``CompiledKernel`` that fit on one SM."""
     compiled._init_handles()  # loads the binary (Triton does it lazily, on the first launch)
     md = compiled.metadata
-    return occupancy_per_sm(compiled.function, md.num_warps * getattr(md, "warp_size", 32), md.shared)
+    threads = md.num_warps * getattr(md, "warp_size", 32)
+    return occupancy_per_sm(compiled.function, threads, md.shared)
 
 
 _WARNED: Set[Tuple] = set()
