@@ -199,7 +199,7 @@ def test_pull_vs_push_is_tried_on_every_ag_entry_and_never_for_rs():
         assert ag[0].ag_pull is False and ag[1] == dataclasses.replace(ag[0], ag_pull=True)
         rs = S.generate_candidates("rs", m, 4096, 14336, 2, max_candidates=10**6)
         assert not any(c.ag_pull for c in rs)
-    assert S.NOT_SEARCHED == {}
+    assert "ag_pull" not in S.NOT_SEARCHED
     with pytest.raises(ValueError, match="ag_pull"):
         GemmConfig(ag_pull=1)
     d = default_config("ag", 4096, 14336, 4096).to_dict()
@@ -254,3 +254,13 @@ def test_min_gain_is_validated():
     assert parse_args(["--min-gain", "0"]).min_gain == 0.0
     with pytest.raises(SystemExit):
         parse_args(["--min-gain", "1.5"])
+
+
+def test_every_config_knob_is_searched_or_says_why_not():
+    fields = {f.name for f in dataclasses.fields(GemmConfig)}
+    assert fields == set(S.SEARCH_SPACE) | set(S.NOT_SEARCHED)
+    assert not set(S.SEARCH_SPACE) & set(S.NOT_SEARCHED)
+    assert all(isinstance(why, str) and why for why in S.NOT_SEARCHED.values())
+    for m in (1024, 8192):  # the candidates keep the default's value of an unsearched knob
+        for c in S.generate_candidates("rs", m, 4096, 14336, 2, max_candidates=64):
+            assert c.programs_per_sm == 1

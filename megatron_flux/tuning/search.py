@@ -75,7 +75,10 @@ _VARIATION_ORDER = ("stream_k", "chunk_rows", "comm_priority", "ag_pull", "rs_tm
                     "num_stages", "block_n", "block_m",
                     "block_k", "warp_specialize", "epilogue_split", "group_m", "num_warps", "flatten")
 #: knobs the backend has but the search leaves alone (recorded in the table's search.not_searched)
-NOT_SEARCHED: Dict[str, str] = {}
+NOT_SEARCHED: Dict[str, str] = {
+    "programs_per_sm": "two programs per SM on 128x128 tiles beat no shipped config beyond "
+                       "noise once samples were warmed up (benchmarks/NOTES.md, session 11)",
+}
 #: Multi-knob configurations tried right after the default, before the one-knob variations:
 #: the winners of a 44-config sweep of a plain persistent TMA GEMM against cuBLAS on H200
 #: (128x256x64/3/8 with or without warp specialization and a split epilogue; 128x128x64/4/4 at
