@@ -25,7 +25,7 @@ def test_one_per_sm_is_never_checked():
     def fail(_):
         raise AssertionError("queried")
 
-    assert residency.resident_programs_per_sm(1, 132, fail, "op") == 1
+    assert residency.resident_programs_per_sm(1, 132, fail, "op", None) == 1
 
 
 def test_kept_when_the_whole_grid_fits():
@@ -35,23 +35,24 @@ def test_kept_when_the_whole_grid_fits():
         asked.append(p)
         return 264, 2
 
-    assert residency.resident_programs_per_sm(2, 132, grid_and_fit, "op-fits") == 2
+    assert residency.resident_programs_per_sm(2, 132, grid_and_fit, "op-fits", None) == 2
     assert asked == [2]
 
 
 def test_a_grid_of_few_tiles_needs_no_second_slot():
     # 150 tiles on 132 SMs at 2 per SM: 150 programs, 132 x 1 slots do not hold them, 132 x 2 do
-    assert residency.resident_programs_per_sm(2, 132, lambda p: (150, 2), "op-few") == 2
-    assert residency.resident_programs_per_sm(2, 132, lambda p: (100, 1), "op-fewer") == 2
+    assert residency.resident_programs_per_sm(2, 132, lambda p: (150, 2), "op-few", None) == 2
+    assert residency.resident_programs_per_sm(2, 132, lambda p: (100, 1), "op-fewer", None) == 2
 
 
 def test_falls_back_to_one_with_one_warning():
-    residency._WARNED.discard("op-big")
+    cfg = GemmConfig(programs_per_sm=2)
+    residency._WARNED.discard(("op-big", cfg))
     with pytest.warns(UserWarning, match="programs_per_sm=2 asked for, but only 1"):
-        assert residency.resident_programs_per_sm(2, 132, lambda p: (264, 1), "op-big") == 1
+        assert residency.resident_programs_per_sm(2, 132, lambda p: (264, 1), "op-big", cfg) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second call is quiet
-        assert residency.resident_programs_per_sm(2, 132, lambda p: (264, 1), "op-big") == 1
+        assert residency.resident_programs_per_sm(2, 132, lambda p: (264, 1), "op-big", cfg) == 1
 
 
 def test_grid_follows_programs_per_sm():

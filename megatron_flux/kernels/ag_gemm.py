@@ -238,7 +238,7 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     ensure_descriptor_allocator()
     try:
         per_sm = resident_programs_per_sm(cfg.programs_per_sm, num_sms, grid_and_fit,
-                                          f"AG+GEMM {cfg}")
+                                          "AG+GEMM", cfg)
         grid, run_args, constexprs = plan(per_sm)
         _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     except OutOfResources as exc:

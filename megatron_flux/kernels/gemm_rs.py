@@ -275,7 +275,7 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
                                        num_stages=cfg.num_stages)
 
     ensure_descriptor_allocator()
-    per_sm = resident_programs_per_sm(cfg.programs_per_sm, num_sms, grid_and_fit, f"GEMM+RS {cfg}")
+    per_sm = resident_programs_per_sm(cfg.programs_per_sm, num_sms, grid_and_fit, "GEMM+RS", cfg)
     grid, run_args, constexprs = plan(per_sm)
     _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 

@@ -49,20 +49,22 @@ _WARNED: Set[Tuple] = set()
 
 
 def resident_programs_per_sm(requested: int, num_sms: int,
-                             grid_and_fit: Callable[[int], Tuple[int, int]], what: str) -> int:
+                             grid_and_fit: Callable[[int], Tuple[int, int]], op: str,
+                             cfg: object) -> int:
     """The programs per SM to launch. ``grid_and_fit(p)`` gives the grid at ``p`` programs per
     SM and how many programs of the kernel compiled for that grid fit on one SM; ``requested``
-    is kept when the whole grid fits on ``num_sms`` SMs, else 1, with one warning per ``what``.
-    ``requested == 1`` is not checked: it is how the kernels always ran (a kernel that does not
-    fit once fails at launch with Triton's own error)."""
+    is kept when the whole grid fits on ``num_sms`` SMs, else 1, with one warning per ``op`` and
+    ``cfg`` (formatted only then: this runs on every launch). ``requested == 1`` is not checked:
+    it is how the kernels always ran (a kernel that does not fit once fails at launch with
+    Triton's own error)."""
     if requested <= 1:
         return 1
     grid, fit = grid_and_fit(requested)
     if grid <= num_sms * fit:
         return requested
-    if what not in _WARNED:
-        _WARNED.add(what)
-        warnings.warn(f"megatron-flux {what}: programs_per_sm={requested} asked for, but only "
-                      f"{fit} of this kernel fit on one SM (registers / shared memory); running "
-                      f"one program per SM", stacklevel=3)
+    if (op, cfg) not in _WARNED:
+        _WARNED.add((op, cfg))
+        warnings.warn(f"megatron-flux {op} {cfg}: programs_per_sm={requested} asked for, but "
+                      f"only {fit} of this kernel fit on one SM (registers / shared memory); "
+                      f"running one program per SM", stacklevel=3)
     return 1

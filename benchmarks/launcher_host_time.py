@@ -1,0 +1,55 @@
+"""Python time of the fused kernels' launchers alone, on the CPU (no GPU, no Triton launch).
+
+The Triton launch (``_LAUNCH``) is replaced by a no-op, so what is timed is the launcher's own
+work: launch geometry, the stream-K plan, the programs-per-SM plan, argument tuples. Shapes are
+llama3-8b fc1 (AG+GEMM) and fc2 (GEMM+RS) at m = 1024, TP = 2, on CPU tensors (the launchers
+read only shapes and strides). Best of ``--repeats`` loops of ``--calls`` calls, in µs per call.
+
+    PYTHONPATH=. python benchmarks/launcher_host_time.py          # this checkout
+    PYTHONPATH=/path/to/other/checkout python benchmarks/launcher_host_time.py
+"""
+
+import argparse
+import time
+
+import torch
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+
+    from megatron_flux.kernels import ag_gemm, gemm_rs
+    from megatron_flux.kernels.config import GemmConfig
+
+    ag_gemm._LAUNCH = gemm_rs._LAUNCH = lambda *a, **k: None
+    cfg = GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=2, stream_k=1)
+    bf16 = dict(dtype=torch.bfloat16)
+    x, ag = torch.empty(512, 4096, **bf16), torch.empty(1024, 4096, **bf16)
+    w1, out1 = torch.empty(14336, 4096, **bf16).t(), torch.empty(1024, 14336, **bf16)
+    a, w2 = torch.empty(1024, 14336, **bf16), torch.empty(4096, 14336, **bf16).t()
+    out2, data = torch.empty(512, 4096, **bf16), torch.empty(2, 512, 4096, **bf16)
+    flags, err, ptrs = (torch.zeros(8, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),
+                        torch.zeros(2, dtype=torch.int64))
+    common = dict(rank=0, world=2, epoch=1, cfg=cfg, num_sms=132, max_spins=10)
+    calls = {
+        "launch_ag_gemm": lambda: ag_gemm.launch_ag_gemm(x, ag, w1, out1, flags, err, **common),
+        "launch_gemm_rs": lambda: gemm_rs.launch_gemm_rs(a, w2, out2, data, ptrs, ptrs, None, err,
+                                                         **common),
+    }
+    for name, fn in calls.items():
+        for _ in range(200):
+            fn()
+        best = float("inf")
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / args.calls)
+        print(f"{name}: {best * 1e6:.2f} us per call")
+
+
+if __name__ == "__main__":
+    main()
