@@ -2,7 +2,9 @@
 
 Two programs per SM let one program's epilogue (rounding, stores, GEMM+RS's reduction reads)
 run beside the other's K loop, which one program of Triton's non-warp-specialized persistent
-loop cannot do (``benchmarks/NOTES.md``, session 11). A grid of ``p x SMs`` programs is only
+loop cannot do. Measured on H200 with 128x128 tiles (``benchmarks/NOTES.md``, session 11), it
+beat the shipped configs by no more than run-to-run noise, so every config ships with 1 and the
+tuner does not search it; the knob is there for other GPUs and shapes. A grid of ``p x SMs`` programs is only
 safe when all of them are resident at once: a GEMM+RS consumer spins on the peer's grid-done
 signal, which is raised once every one of the peer's programs has produced, and stream-K
 programs wait on each other's partials. A program that never got an SM would leave those waits
