@@ -21,38 +21,55 @@ def test_programs_per_sm_round_trips_and_defaults_to_one():
     assert GemmConfig.from_dict({"block_m": 64}).programs_per_sm == 1  # tables written before it
 
 
+PPS1, PPS2 = GemmConfig(programs_per_sm=1), GemmConfig(programs_per_sm=2)
+
+
+class _Launcher:
+    """Stands in for a KernelLauncher: ``plan`` gives ``grid``, occupancy answers ``fit``."""
+
+    def __init__(self, grid, fit):
+        self.grid, self.fit, self.asked = grid, fit, []
+
+    def plan(self, per_sm):
+        self.asked.append(per_sm)
+        return self.grid, ("args",), {"NUM_SMS": self.grid}
+
+    def occupancy(self, grid, args, constexprs, *, num_warps, num_stages):
+        assert (grid, args, constexprs) == (self.grid, ("args",), {"NUM_SMS": self.grid})
+        return self.fit
+
+
+def _resident(cfg, launcher, op):
+    return residency.resident_programs_per_sm(cfg, 132, launcher.plan, launcher, op)
+
+
 def test_one_per_sm_is_never_checked():
     def fail(_):
         raise AssertionError("queried")
 
-    assert residency.resident_programs_per_sm(1, 132, fail, "op", None) == 1
+    assert residency.resident_programs_per_sm(PPS1, 132, fail, None, "op") == 1
 
 
 def test_kept_when_the_whole_grid_fits():
-    asked = []
-
-    def grid_and_fit(p):
-        asked.append(p)
-        return 264, 2
-
-    assert residency.resident_programs_per_sm(2, 132, grid_and_fit, "op-fits", None) == 2
-    assert asked == [2]
+    launcher = _Launcher(264, 2)
+    assert _resident(PPS2, launcher, "op-fits") == 2
+    assert launcher.asked == [2]
 
 
 def test_a_grid_of_few_tiles_needs_no_second_slot():
     # 150 tiles on 132 SMs at 2 per SM: 150 programs, 132 x 1 slots do not hold them, 132 x 2 do
-    assert residency.resident_programs_per_sm(2, 132, lambda p: (150, 2), "op-few", None) == 2
-    assert residency.resident_programs_per_sm(2, 132, lambda p: (100, 1), "op-fewer", None) == 2
+    assert _resident(PPS2, _Launcher(150, 2), "op-few") == 2
+    assert _resident(PPS2, _Launcher(100, 1), "op-fewer") == 2
 
 
 def test_falls_back_to_one_with_one_warning():
-    cfg = GemmConfig(programs_per_sm=2)
+    cfg = PPS2
     residency._WARNED.discard(("op-big", cfg))
     with pytest.warns(UserWarning, match="programs_per_sm=2 asked for, but only 1"):
-        assert residency.resident_programs_per_sm(2, 132, lambda p: (264, 1), "op-big", cfg) == 1
+        assert _resident(cfg, _Launcher(264, 1), "op-big") == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second call is quiet
-        assert residency.resident_programs_per_sm(2, 132, lambda p: (264, 1), "op-big", cfg) == 1
+        assert _resident(cfg, _Launcher(264, 1), "op-big") == 1
 
 
 def test_grid_follows_programs_per_sm():

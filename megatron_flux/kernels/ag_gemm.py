@@ -230,15 +230,10 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
             SK_LOCAL=sk_tiles > 0 and world == 1)
         return grid, args, constexprs
 
-    def grid_and_fit(per_sm):  # stream-K programs wait on each other's partials
-        grid, run_args, constexprs = plan(per_sm)
-        return grid, _LAUNCH.occupancy(grid, run_args, constexprs, num_warps=cfg.num_warps,
-                                       num_stages=cfg.num_stages)
-
     ensure_descriptor_allocator()
     try:
-        per_sm = resident_programs_per_sm(cfg.programs_per_sm, num_sms, grid_and_fit,
-                                          "AG+GEMM", cfg)
+        # stream-K programs wait on each other's partials: all must be resident
+        per_sm = resident_programs_per_sm(cfg, num_sms, plan, _LAUNCH, "AG+GEMM")
         grid, run_args, constexprs = plan(per_sm)
         _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     except OutOfResources as exc:

@@ -269,13 +269,9 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
             CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce)
         return geo.grid, args, constexprs
 
-    def grid_and_fit(per_sm):  # every program must be resident: consumers wait on the peer grid
-        grid, run_args, constexprs = plan(per_sm)
-        return grid, _LAUNCH.occupancy(grid, run_args, constexprs, num_warps=cfg.num_warps,
-                                       num_stages=cfg.num_stages)
-
     ensure_descriptor_allocator()
-    per_sm = resident_programs_per_sm(cfg.programs_per_sm, num_sms, grid_and_fit, "GEMM+RS", cfg)
+    # every program must be resident: consumers wait on the peer's whole grid
+    per_sm = resident_programs_per_sm(cfg, num_sms, plan, _LAUNCH, "GEMM+RS")
     grid, run_args, constexprs = plan(per_sm)
     _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 

@@ -4,13 +4,14 @@ Two programs per SM let one program's epilogue (rounding, stores, GEMM+RS's redu
 run beside the other's K loop, which one program of Triton's non-warp-specialized persistent
 loop cannot do. Measured on H200 with 128x128 tiles (``benchmarks/NOTES.md``, session 11), it
 beat the shipped configs by no more than run-to-run noise, so every config ships with 1 and the
-tuner does not search it; the knob is there for other GPUs and shapes. A grid of ``p x SMs`` programs is only
-safe when all of them are resident at once: a GEMM+RS consumer spins on the peer's grid-done
-signal, which is raised once every one of the peer's programs has produced, and stream-K
-programs wait on each other's partials. A program that never got an SM would leave those waits
-to run out. So the launchers ask CUDA's occupancy calculator
-(``cuOccupancyMaxActiveBlocksPerMultiprocessor``) about the compiled kernel, and run fewer
-programs per SM, with one warning, when fewer fit.
+tuner does not search it; the knob is there for other GPUs and shapes.
+
+A grid of ``p x SMs`` programs is only safe when all of them are resident at once: a GEMM+RS
+consumer spins on the peer's grid-done signal, which is raised once every one of the peer's
+programs has produced, and stream-K programs wait on each other's partials. A program that
+never got an SM would leave those waits to run out. So the launchers ask CUDA's occupancy
+calculator (``cuOccupancyMaxActiveBlocksPerMultiprocessor``) about the compiled kernel, and run
+fewer programs per SM, with one warning, when fewer fit.
 """
 
 from __future__ import annotations
@@ -50,18 +51,21 @@ def compiled_occupancy(compiled) -> int:
 _WARNED: Set[Tuple] = set()
 
 
-def resident_programs_per_sm(requested: int, num_sms: int,
-                             grid_and_fit: Callable[[int], Tuple[int, int]], op: str,
-                             cfg: object) -> int:
-    """The programs per SM to launch. ``grid_and_fit(p)`` gives the grid at ``p`` programs per
-    SM and how many programs of the kernel compiled for that grid fit on one SM; ``requested``
-    is kept when the whole grid fits on ``num_sms`` SMs, else 1, with one warning per ``op`` and
-    ``cfg`` (formatted only then: this runs on every launch). ``requested == 1`` is not checked:
-    it is how the kernels always ran (a kernel that does not fit once fails at launch with
-    Triton's own error)."""
+def resident_programs_per_sm(cfg, num_sms: int, plan: Callable[[int], Tuple], launcher,
+                             op: str) -> int:
+    """The programs per SM to launch for ``cfg`` on ``num_sms`` SMs. ``plan(p)`` gives the
+    launch at ``p`` programs per SM as ``(grid, runtime args, constexprs)``; ``launcher`` (a
+    :class:`~megatron_flux.kernels.launch.KernelLauncher`) says how many programs of the kernel
+    compiled for it fit on one SM. ``cfg.programs_per_sm`` is kept when the whole grid fits,
+    else 1, with one warning per ``op`` and ``cfg`` (formatted only then: this runs on every
+    launch). 1 is not checked: it is how the kernels always ran (a kernel that does not fit
+    once fails at launch with Triton's own error)."""
+    requested = cfg.programs_per_sm
     if requested <= 1:
         return 1
-    grid, fit = grid_and_fit(requested)
+    grid, args, constexprs = plan(requested)
+    fit = launcher.occupancy(grid, args, constexprs, num_warps=cfg.num_warps,
+                             num_stages=cfg.num_stages)
     if grid <= num_sms * fit:
         return requested
     if (op, cfg) not in _WARNED:
