@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from megatron_flux.bench.kernel_vs_cublas import _time, rel_err
+from megatron_flux.bench.kernel_vs_cublas import _time, add_sample_args, rel_err
 
 
 def load_module(path, name):
@@ -25,10 +25,7 @@ def add_timing_args(p):
     (see ``kernel_vs_cublas._time``) and ``--json`` (the record's path)."""
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=0,
-                   help="untimed calls of a method right before each of its samples")
-    p.add_argument("--shuffle-seed", type=int, default=None,
-                   help="shuffle the methods' order in every trial (seeded)")
+    add_sample_args(p)
     p.add_argument("--json")
 
 

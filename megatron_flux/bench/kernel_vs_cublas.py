@@ -346,11 +346,17 @@ def add_grid_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--m", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
+    add_sample_args(p)
+    p.add_argument("--json", default=None)
+
+
+def add_sample_args(p: argparse.ArgumentParser) -> None:
+    """``--warmup`` and ``--shuffle-seed``, as :func:`_time` takes them (shared with the
+    experiment scripts)."""
     p.add_argument("--warmup", type=int, default=0,
                    help="untimed calls of a method right before each of its samples")
     p.add_argument("--shuffle-seed", type=int, default=None,
                    help="shuffle the methods' order in every trial (seeded)")
-    p.add_argument("--json", default=None)
 
 
 def write_json(result: dict, path) -> dict:
