@@ -6,10 +6,12 @@ llama3-8b fc1 (AG+GEMM) and fc2 (GEMM+RS) at m = 1024, TP = 2, on CPU tensors (t
 read only shapes and strides). Best of ``--repeats`` loops of ``--calls`` calls, in µs per call.
 
     PYTHONPATH=. python benchmarks/launcher_host_time.py          # this checkout
-    PYTHONPATH=/path/to/other/checkout python benchmarks/launcher_host_time.py
+    PYTHONPATH=/path/to/other/checkout python benchmarks/launcher_host_time.py --json out.json
 """
 
 import argparse
+import json
+import sys
 import time
 
 import torch
@@ -19,6 +21,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", default=None, help="append this run's record to a JSON list here")
     args = p.parse_args(argv)
 
     from megatron_flux.kernels import ag_gemm, gemm_rs
@@ -39,6 +42,7 @@ def main(argv=None):
         "launch_gemm_rs": lambda: gemm_rs.launch_gemm_rs(a, w2, out2, data, ptrs, ptrs, None, err,
                                                          **common),
     }
+    us = {}
     for name, fn in calls.items():
         for _ in range(200):
             fn()
@@ -48,7 +52,21 @@ def main(argv=None):
             for _ in range(args.calls):
                 fn()
             best = min(best, (time.perf_counter() - t0) / args.calls)
-        print(f"{name}: {best * 1e6:.2f} us per call")
+        us[name] = best * 1e6
+        print(f"{name}: {us[name]:.2f} us per call")
+    if args.json:
+        import megatron_flux
+
+        try:
+            with open(args.json) as f:
+                runs = json.load(f)
+        except FileNotFoundError:
+            runs = []
+        runs.append({"command": " ".join([sys.executable] + sys.argv),
+                     "package": megatron_flux.__file__, "torch": torch.__version__,
+                     "calls": args.calls, "repeats": args.repeats, "us_per_call": us})
+        with open(args.json, "w") as f:
+            json.dump(runs, f, indent=1)
 
 
 if __name__ == "__main__":
