@@ -51,8 +51,9 @@ def _probe(rank, world, num_pid_m, num_pid_n, own_last):
 
 
 def check_tile_order():
-    """Every tile once; AG visits its own segment first, RS last; ring order; at every step the
-    ranks address pairwise distinct segments (no two ranks on one owner)."""
+    """Every tile once; AG visits its own segment first, RS last; ring order; each step starts
+    on the tile (same rows and columns) the previous one ended on; at every step the ranks
+    address pairwise distinct segments (no two ranks on one owner)."""
     for world in (2, 4, 8):
         num_pid_m, num_pid_n = 3, 4
         tps = num_pid_m * num_pid_n
@@ -68,6 +69,10 @@ def check_tile_order():
                     expect = (rank + 1 + step) % world if own_last else (rank + step) % world
                     assert seg == expect, f"world={world} rank={rank} step={step}: segment {seg}"
                     segs_at_step.setdefault(step, []).append(seg)
+                rows = out.tolist()
+                for step in range(1, world):  # serpentine: a step starts where the last ended
+                    assert rows[step * tps][2:4] == rows[step * tps - 1][2:4], \
+                        f"world={world} rank={rank}: step {step} does not start on the seam"
                 own = [s for st, s, *_ in out.tolist() if s == rank]
                 assert own and all(st == (world - 1 if own_last else 0)
                                    for st, s, *_ in out.tolist() if s == rank)

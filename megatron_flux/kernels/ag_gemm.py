@@ -6,7 +6,8 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   rows. Program ``p`` of the persistent grid takes flat tiles ``p, p + NUM_SMS, ...``.
 * Step 0 is the local segment: its A tiles are read straight from the caller's shard ``x``
   (no copy, no wait), so the GEMM starts at once.
-* Steps ``1..W-1`` visit segments ``r+1, r+2, ...``. Their rows live in this rank's gathered
+* Steps ``1..W-1`` visit segments ``r+1, r+2, ...`` (odd steps backwards, so a step starts on
+  the B columns the previous one ended on: :func:`.tile_order.serpentine`). Their rows live in this rank's gathered
   workspace ``ag``, filled chunk by chunk (``chunk_rows`` rows, independent of ``BLOCK_M``) by
   the peers' copy engines, each chunk followed by a signal ``flags[s * chunks_per_seg + c] =
   epoch``. Before a step's tiles each program waits (acquire, bounded) on that segment's
@@ -39,7 +40,8 @@ from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import fence_async_proxy, wait_signal
 from megatron_flux.kernels.stream_k import sk_covering, sk_publish_part, sk_range, sk_sum_parts, \
     stream_k_plan, stream_k_scratch
-from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step
+from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step, \
+    serpentine
 
 
 @triton.jit
@@ -141,7 +143,8 @@ def ag_gemm_kernel(
         first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
         for t in tl.range(first, tl.minimum((step + 1) * tiles_per_seg, dp_end), NUM_SMS,
                           flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-            pid_m, pid_n = grouped_tile(t - step * tiles_per_seg, num_pid_m, num_pid_n, GROUP_M)
+            pid_m, pid_n = grouped_tile(serpentine(t - step * tiles_per_seg, step, tiles_per_seg),
+                                        num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M
             if RAGGED:
                 row = off_m
@@ -173,7 +176,8 @@ def _stream_k_tiles(x_desc, ag_desc, b_desc, c_desc, partials_ptr, counters_ptr,
         t = dp_end + u
         step = t // tiles_per_seg
         seg = segment_of_step(step, rank, world, False)
-        pid_m, pid_n = grouped_tile(t - step * tiles_per_seg, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(serpentine(t - step * tiles_per_seg, step, tiles_per_seg),
+                                    num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         if RAGGED:

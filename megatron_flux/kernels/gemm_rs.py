@@ -4,7 +4,8 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
 
 * The partial product's rows are split in ``W`` segments of ``m_local`` rows; segment ``s`` is
   owned by rank ``s``. Program ``p`` of the persistent grid (``G`` programs) takes tiles
-  ``p, p + G, ...`` of each step.
+  ``p, p + G, ...`` of each step; odd steps walk their segment backwards, so a step starts on
+  the B columns the previous one ended on (:func:`.tile_order.serpentine`).
 * Producer, steps ``0..W-2``: the peers' segments ``r+1, r+2, ...`` (each rank hits a different
   owner at each step), one flattened, pipelined tile loop per step. Epilogue = the *write* of
   ReduceScatter: the tile is rounded to the output dtype and stored straight into the owner's
@@ -46,7 +47,7 @@ from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import segment_tile, split_columns
 from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import arrive_at_grid_barrier, fence_async_proxy, wait_signal
-from megatron_flux.kernels.tile_order import first_tile_at_or_after, segment_of_step
+from megatron_flux.kernels.tile_order import first_tile_at_or_after, segment_of_step, serpentine
 
 
 @triton.jit
@@ -182,10 +183,10 @@ def gemm_rs_kernel(
                                                      [BLOCK_M, HALF])
                 for t in tl.range(first, (step + 1) * tiles_per_seg, NUM_SMS, flatten=FLATTEN,
                                   warp_specialize=WARP_SPECIALIZE):
-                    acc, off_m, off_n = segment_tile(a_desc, b_desc, t - step * tiles_per_seg,
-                                                     seg, m_local, k_tiles, num_pid_m, num_pid_n,
-                                                     RAGGED, B_KN, BLOCK_M, BLOCK_N, BLOCK_K,
-                                                     GROUP_M)
+                    t_in_seg = serpentine(t - step * tiles_per_seg, step, tiles_per_seg)
+                    acc, off_m, off_n = segment_tile(a_desc, b_desc, t_in_seg, seg, m_local,
+                                                     k_tiles, num_pid_m, num_pid_n, RAGGED, B_KN,
+                                                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
                     _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH,
                                EPI_SPLIT, BLOCK_M, BLOCK_N)
         # One grid barrier after every producer step, not one per step: each owner waits for
@@ -210,16 +211,17 @@ def gemm_rs_kernel(
             slots_desc = tl.make_tensor_descriptor(data_ptr, [WORLD, m_local, N],
                                                    [m_local * N, N, 1], [1, BLOCK_M, HALF])
             _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
-                          err_ptr, first - own_start, m_local, N, k_tiles, rank, WORLD, epoch,
-                          max_spins, num_pid_m, num_pid_n, True, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE)
+                          err_ptr, serpentine(first - own_start, WORLD - 1, tiles_per_seg),
+                          m_local, N, k_tiles, rank, WORLD, epoch, max_spins, num_pid_m,
+                          num_pid_n, True, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N,
+                          BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE)
             for t in tl.range(first + NUM_SMS, WORLD * tiles_per_seg, NUM_SMS,
                               flatten=FLATTEN_CONSUME):
                 _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
-                              err_ptr, t - own_start, m_local, N, k_tiles, rank, WORLD, epoch,
-                              max_spins, num_pid_m, num_pid_n, False, RAGGED, B_KN, HAS_BIAS,
-                              EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE,
-                              ASYNC_FENCE)
+                              err_ptr, serpentine(t - own_start, WORLD - 1, tiles_per_seg),
+                              m_local, N, k_tiles, rank, WORLD, epoch, max_spins, num_pid_m,
+                              num_pid_n, False, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M,
+                              BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE)
 
 
 @triton.jit

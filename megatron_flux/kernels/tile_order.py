@@ -8,6 +8,8 @@ works (the last row-tile of a segment is clipped by the TMA descriptor).
 A flat tile index ``t`` in ``[0, world * tiles_per_seg)`` is walked by a persistent grid
 (program ``p`` takes ``t = p, p + NUM_SMS, ...``); ``t // tiles_per_seg`` is the *step* and
 selects the segment, ``t % tiles_per_seg`` is grouped GROUP_M-wise inside it for L2 reuse.
+Odd steps walk their segment backwards (:func:`serpentine`): every step sweeps all of B, and
+the next step then starts on the B columns the previous one ended on, still in L2.
 
 * AllGather+GEMM visits segments ``rank, rank+1, ..., rank-1`` (local rows first, they need no
   communication; then ring order, the order in which peers' chunks arrive).
@@ -32,6 +34,15 @@ def grouped_tile(t, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     pid_m = first_pid_m + (t % group_size_m)
     pid_n = (t % num_pid_in_group) // group_size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def serpentine(t_in_seg, step, tiles_per_seg):
+    """Index inside the segment actually visited at ``step``: odd steps run backwards, so a
+    step's first tiles share their B columns with the previous step's last ones. With
+    GROUP_M >= the segment's row tiles (small ``m_local``) every step reads all of B, which is
+    larger than L2 on the small-m shapes; this turns the seam's reads into L2 hits."""
+    return tl.where(step % 2 == 1, tiles_per_seg - 1 - t_in_seg, t_in_seg)
 
 
 @triton.jit
@@ -62,7 +73,8 @@ def tile_order_probe_kernel(
     for t in range(pid, total, NUM_SMS):
         step = t // tiles_per_seg
         seg = segment_of_step(step, rank, world, OWN_LAST)
-        pid_m, pid_n = grouped_tile(t % tiles_per_seg, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(serpentine(t % tiles_per_seg, step, tiles_per_seg),
+                                    num_pid_m, num_pid_n, GROUP_M)
         base = out_ptr + t * 5
         tl.store(base + 0, step)
         tl.store(base + 1, seg)
