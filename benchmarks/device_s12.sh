@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Session 12, one GPU (kind nvidia-h200; no 2-GPU box lent this session), communication off:
+#   serp  (carry .whl, .device/prev_ag_gemm.py and .device/prev_gemm_rs.py = `git show
+#         fa77dad:megatron_flux/kernels/<file>`): the GPU-marked tests on this one GPU (2-GPU
+#         ones skip) -> $OUT/tests-1gpu.json; then both fused kernels with odd steps walked
+#         backwards (serpentine) against fa77dad (experiments/kernel_ab.py): TP 2 on the whole
+#         m >= 1024 grid, TP 4 and 8 on llama3-8b/70b   -> $OUT/serp-{ag,rs}-tp*.json
+# nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
+# Usage: OUT=/somewhere bash benchmarks/device_s12.sh serp ...
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-/tmp/s12}"
+mkdir -p "${OUT}"
+source benchmarks/device_env.sh
+export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments" CUDA_VISIBLE_DEVICES=0
+export TRITON_CACHE_DIR="${PWD}/.device/triton-cache"
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,nounits \
+    -lms 200 > "${OUT}/smi.csv" &
+SMI=$!
+TIMING=(--trials 7 --iters 20 --warmup 10 --shuffle-seed 0)
+EXP=benchmarks/experiments
+declare -A PREV=([ag]=.device/prev_ag_gemm.py [rs]=.device/prev_gemm_rs.py)
+for what in "$@"; do
+  case "${what}" in
+    serp)
+      install_carried_wheels || exit 1
+      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 200 python3 benchmarks/record_pytest.py \
+          "${OUT}/tests-1gpu.json" tests -q -m gpu -p no:cacheprovider > "${OUT}/tests-1gpu.log" 2>&1
+      echo "tests exit $?"; tail -2 "${OUT}/tests-1gpu.log"
+      for op in ag rs; do
+        timeout 150 python3 ${EXP}/kernel_ab.py --op ${op} --prev "${PREV[${op}]}" \
+            --tp 2 "${TIMING[@]}" --json "${OUT}/serp-${op}-tp2.json" 2>&1 | grep -v Warning
+        for tp in 4 8; do
+          timeout 90 python3 ${EXP}/kernel_ab.py --op ${op} --prev "${PREV[${op}]}" \
+              --tp ${tp} --models llama3-8b llama3-70b --m 1024 2048 4096 "${TIMING[@]}" \
+              --json "${OUT}/serp-${op}-tp${tp}.json" 2>&1 | grep -v Warning
+        done
+      done ;;
+  esac
+  echo "== ${what} done at ${SECONDS}s"
+done
+kill ${SMI}
