@@ -9,11 +9,15 @@ GEMM+RS pushes into local slots and reduces them). Prints time / cuBLAS.
     git show 487f747:megatron_flux/kernels/ag_gemm.py > /tmp/ag_gemm_prev.py  # session 9's A/B
     python benchmarks/experiments/kernel_ab.py --op ag --prev /tmp/ag_gemm_prev.py
     python benchmarks/experiments/kernel_ab.py --op rs --prev /tmp/gemm_rs_prev.py
+    python benchmarks/experiments/kernel_ab.py --op rs --prev /tmp/gemm_rs_prev.py \
+        --new-override '{"rs_spread_reduce": true}'   # also the current kernel, config changed
 
 (run as scripts, with the repository root on ``PYTHONPATH``: they import ``common`` beside them)
 """
 
 import argparse
+import dataclasses
+import json
 
 import torch
 
@@ -32,6 +36,9 @@ def main(argv=None):
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--models", nargs="+", default=["gpt3-175b", "llama3-70b", "llama3-8b"])
     p.add_argument("--m", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
+    p.add_argument("--new-override", type=json.loads, default=None,
+                   help='GemmConfig fields (JSON) for a third runner, "new+": the current '
+                        'kernel with the config changed, e.g. {"rs_spread_reduce": true}')
     add_timing_args(p)
     args = p.parse_args(argv)
     launcher = "launch_ag_gemm" if args.op == "ag" else "launch_gemm_rs"
@@ -50,7 +57,7 @@ def main(argv=None):
             a, w, full = problem(m, n, k)
             err = torch.zeros(4, dtype=torch.int32, device="cuda")
             cfgs = {"table": table(args.op, m, n, k, dtype=torch.bfloat16, tp=args.tp, device=dev),
-                    "default": default_config(args.op, m, n, k)}
+                    "default": default_config(args.op, m, n, k, tp=args.tp)}
             for label, cfg in cfgs.items():
                 plain_out = torch.full((m, n), float("nan"), device="cuda", dtype=a.dtype)
                 fns = {"cublas": lambda: torch.matmul(a, w.t()),
@@ -58,6 +65,10 @@ def main(argv=None):
                 outs = {"plain": (plain_out, lambda: full)}
                 for name, launch_fn in launchers.items():
                     fns[name], outs[name] = _wire(args.op, a, w, full, args.tp, cfg, err, launch_fn)
+                if args.new_override:
+                    fns["new+"], outs["new+"] = _wire(
+                        args.op, a, w, full, args.tp,
+                        dataclasses.replace(cfg, **args.new_override), err, None)
                 title = (f"{args.op.upper()} {model:10s} m={m:5d} {label:7s} "
                          f"ws={int(cfg.warp_specialize)} sk={cfg.stream_k} {cfg.block_m}x{cfg.block_n}")
                 rows += time_and_check(fns, outs, args, title,
@@ -75,7 +86,7 @@ def _wire(op, a, w, full, tp, cfg, err, launch_fn):
         return launch, (out, lambda: full)
     launch, out, data = rs_on_one_gpu(a, w, tp, err, launch_fn)
     m_local = a.shape[0] // tp
-    # own rows = own partial + the other slots (this rank pushed its remote tiles into slot 0)
+    # own rows = own partial + the other slots (its pushes to peers land in a scratch region)
     return ((lambda: launch(cfg)),
             (out, lambda: full[:m_local] + sum(data[src].float() for src in range(1, tp))))
 

@@ -139,9 +139,13 @@ def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None, num_sms=None):
     m_local, n = a.shape[0] // world, w.shape[0]
     out = torch.full((m_local, n), float("nan"), device=a.device, dtype=a.dtype)  # unwritten tiles show
     data = torch.zeros(world, m_local, n, device=a.device, dtype=a.dtype)
+    # the pushes to "peers" land in a scratch region, so they never overwrite this rank's own
+    # slot (which the spread reduction reads)
+    pushed = torch.zeros_like(data)
     flags = torch.full((rs_signal_count(world),), 1 << 30, dtype=torch.int32, device=a.device)
     flags[world:] = 0  # the arrival counter starts at zero
-    data_ptrs = torch.tensor([data.data_ptr()] * world, dtype=torch.int64, device=a.device)
+    data_ptrs = torch.tensor([data.data_ptr()] + [pushed.data_ptr()] * (world - 1),
+                             dtype=torch.int64, device=a.device)
     flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device=a.device)
     sms = num_sms or _num_sms(a.device)
 
@@ -153,7 +157,7 @@ def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None, num_sms=None):
     # The kernel reaches the slots and signals only through the addresses in the pointer
     # tables, so ``launch`` must own them: a freed ``flags`` (reused by the next allocation)
     # made every later call spin out its waits (session 9, ~240 ms a call).
-    launch.buffers = (out, data, flags, data_ptrs, flag_ptrs)
+    launch.buffers = (out, data, pushed, flags, data_ptrs, flag_ptrs)
     return launch, out, data
 
 
@@ -180,7 +184,7 @@ def _rs_runner(m, n, k, tp, cfg, dtype):
         launch(cfg)
 
     def check():
-        # own rows = own partial + the other slots (this rank pushed its remote tiles into slot 0)
+        # own rows = own partial + the other slots (its pushes to peers land in a scratch region)
         ref = (a.float() @ w.t().float())[:m_local]
         for src in range(1, tp):
             ref = ref + data[src].float()
@@ -278,7 +282,7 @@ def _configs(op, m, n, k, args):
     from megatron_flux.tuning.provider import TableConfigProvider
 
     short = "ag" if op == "AG+GEMM" else "rs"
-    default = default_config(short, m, n, k)
+    default = default_config(short, m, n, k, tp=args.tp)
     table = TableConfigProvider()(short, m, n, k, dtype=torch.bfloat16, tp=args.tp,
                                   device=torch.device("cuda", torch.cuda.current_device()))
     out = []
