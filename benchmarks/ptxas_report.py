@@ -82,14 +82,16 @@ def main(argv=None):
             r = _compile(ag_gemm_kernel, dict(common, STREAM_K=sk, SK_LOCAL=False, ASYNC_FENCE=True),
                          warps, stages, args.ptxas, args.ptx_version)
             rows.append({"kernel": "ag_gemm", "config": cfg, "stream_k": sk, **r})
-        for push, reduce_ in ((True, True), (True, False), (False, True)):
+        for push, reduce_, spread in ((True, True, False), (True, False, False),
+                                      (False, True, False), (True, True, True)):
             r = _compile(gemm_rs_kernel, dict(common, HAS_BIAS=False, FLATTEN_CONSUME=True,
                                               TMA_PUSH=push, ASYNC_FENCE=True, PRODUCE=True,
-                                              CONSUME=True, TMA_REDUCE=reduce_),
+                                              CONSUME=True, TMA_REDUCE=reduce_,
+                                              SPREAD_REDUCE=spread),
                          warps, stages, args.ptxas, args.ptx_version)
             rows.append({"kernel": "gemm_rs", "config": cfg, "rs_tma_push": push,
-                         "rs_tma_reduce": reduce_, **r})
-        for row in rows[-5:]:
+                         "rs_tma_reduce": reduce_, "rs_spread_reduce": spread, **r})
+        for row in rows[-6:]:
             print(json.dumps({k: v for k, v in row.items() if k != "config"}), cfg, flush=True)
     version = subprocess.run([args.ptxas, "--version"], capture_output=True, text=True).stdout
     result = {"command": " ".join([sys.executable] + sys.argv), "triton": triton.__version__,

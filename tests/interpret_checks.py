@@ -32,7 +32,8 @@ CFG = GemmConfig(block_m=16, block_n=32, block_k=16, num_stages=1, num_warps=4, 
                  chunk_rows=8, epilogue_split=2)
 #: GEMM+RS pushing with vector stores, one epilogue store per tile; reducing with vector loads
 RS_CFGS = (CFG, GemmConfig(**{**CFG.to_dict(), "rs_tma_push": False, "epilogue_split": 1}),
-           GemmConfig(**{**CFG.to_dict(), "rs_tma_reduce": False}))
+           GemmConfig(**{**CFG.to_dict(), "rs_tma_reduce": False}),
+           GemmConfig(**{**CFG.to_dict(), "rs_spread_reduce": True}))
 DTYPE = torch.float16
 TOL = 2e-3
 NSMS = 5  # simulated persistent grid
@@ -373,7 +374,7 @@ def check_gemm_rs_all_ranks():
 def check_gemm_rs_ownership():
     """Each producer writes exactly its own slot of each owner and signals exactly
     ``flags[owner][src]`` (its arrival counters back at zero); nobody writes its own slot or
-    signal."""
+    signal, except with the spread reduction, which reads the own slot like the peers'."""
     for cfg in RS_CFGS:
         _check_gemm_rs_ownership(cfg)
 
@@ -388,10 +389,10 @@ def _check_gemm_rs_ownership(cfg):
         for src in range(world):
             partial = (w["a"][src].float() @ w["b"][src].float())[owner * m_local:(owner + 1) * m_local]
             slot = w["data"][owner][src]
-            if src == owner:
+            if src == owner and not cfg.rs_spread_reduce:
                 assert torch.isnan(slot).all(), "a rank wrote its own slot"
                 assert (flags[src] == 0).all(), "a rank signalled itself"
-            else:
+            else:  # a spread reduction reads the own slot too
                 assert not torch.isnan(slot).any(), f"slot {src} of owner {owner} not fully written"
                 assert _rel(slot, partial) < TOL, f"slot {src} of owner {owner} holds the wrong rows"
                 assert (flags[src] == 9).all(), f"signals of src {src} at owner {owner}"

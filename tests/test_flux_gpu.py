@@ -195,10 +195,10 @@ def _worker(rank, world, port, env, queue):
                 n_checks += 1
         flux_pull.check_errors()
         # GEMM+RS schedule knobs over every shape: vector-store pushes, unflattened loops,
-        # vector-load reduction
+        # vector-load reduction, the reduction spread over the grid
         rs_variants = [dict(rs_tma_push=False), dict(rs_tma_push=False, flatten=False),
                        dict(flatten=False, flatten_consume=False, epilogue_split=1),
-                       dict(rs_tma_reduce=False)]
+                       dict(rs_tma_reduce=False), dict(rs_spread_reduce=True)]
         for variant in rs_variants:
             flux_rs = FluxBackend(config_provider=lambda op, m_total, n, k, v=variant: dataclasses.replace(
                 default_config(op, m_total, n, k), **v))

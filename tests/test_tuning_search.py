@@ -235,6 +235,26 @@ def test_comm_priority_is_an_ag_knob_only():
     assert GemmConfig.from_dict(d).comm_priority == -1
 
 
+def test_spread_reduce_is_an_rs_knob_on_by_default_from_tp_8():
+    """GEMM+RS spreads its reduction over the grid by default at TP >= 8 only (measured comm
+    off, session 12); the tuner tries both ways for RS entries and never for AG ones."""
+    assert default_config("rs", 1024, 4096, 3584, tp=8).rs_spread_reduce is True
+    assert default_config("rs", 256, 4096, 3584, tp=16).rs_spread_reduce is True
+    for tp in (None, 1, 2, 4):
+        assert default_config("rs", 1024, 4096, 7168, tp=tp).rs_spread_reduce is False
+    assert default_config("ag", 1024, 14336, 4096, tp=8).rs_spread_reduce is False
+    rs = S.generate_candidates("rs", 4096, 4096, 14336, 2, max_candidates=10**6)
+    ag = S.generate_candidates("ag", 4096, 14336, 4096, 8, max_candidates=10**6)
+    assert {c.rs_spread_reduce for c in rs} == {False, True}
+    assert {c.rs_spread_reduce for c in ag} == {False}
+    assert S.generate_candidates("rs", 4096, 4096, 14336, 8, max_candidates=1)[0].rs_spread_reduce
+    with pytest.raises(ValueError, match="rs_spread_reduce"):
+        GemmConfig(rs_spread_reduce=1)
+    d = default_config("rs", 4096, 4096, 14336).to_dict()
+    d.pop("rs_spread_reduce")  # tables written before the knob existed load without it
+    assert GemmConfig.from_dict(d).rs_spread_reduce is False
+
+
 def test_pick_winner_keeps_the_default_unless_beaten_by_the_margin():
     from megatron_flux.tuning.search import pick_winner
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 
 def interpreting() -> bool:
@@ -33,7 +33,10 @@ class GemmConfig:
     GEMM+RS knobs (AG+GEMM ignores them): ``rs_tma_push`` writes the partial tiles into the
     owner's buffer with TMA stores (else plain vector stores); ``rs_tma_reduce`` reads the
     peers' partials in the reduction by TMA (else masked vector loads); ``flatten_consume``
-    flattens the reduction loop.
+    flattens the reduction loop. ``rs_spread_reduce`` pushes the own segment's partials into the
+    own slot like the peers' and then spreads the reduction over the whole grid (instead of
+    each own tile reducing in its epilogue): for shapes whose own segment has few tiles, where
+    a handful of programs would otherwise read every peer's partial while the rest idle.
 
     ``programs_per_sm``: persistent programs per SM (grid = that times the SMs, capped at the
     tiles). At 2, one program's epilogue runs beside the other's K loop; the launchers check
@@ -55,6 +58,7 @@ class GemmConfig:
     ag_pull: bool = False
     rs_tma_push: bool = True
     rs_tma_reduce: bool = True
+    rs_spread_reduce: bool = False
     stream_k: int = 0
     programs_per_sm: int = 1
 
@@ -70,7 +74,7 @@ class GemmConfig:
         if not isinstance(self.comm_priority, int) or not -5 <= self.comm_priority <= 0:
             raise ValueError(f"GemmConfig.comm_priority must be an int in [-5, 0]: {self}")
         for name in ("flatten", "flatten_consume", "warp_specialize", "ag_pull", "rs_tma_push",
-                     "rs_tma_reduce"):
+                     "rs_tma_reduce", "rs_spread_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemmConfig.{name} must be a bool: {self}")
         if self.stream_k not in (0, 1) or isinstance(self.stream_k, bool):
@@ -128,23 +132,30 @@ def launch_geometry(m_local: int, n: int, b, world: int, cfg: GemmConfig, num_sm
     )
 
 
-def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = False) -> GemmConfig:
-    """Heuristic configuration for ``op`` ("ag" or "rs") on a ``[m_total, k] x [k, n]`` GEMM.
+def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = False,
+                   tp: Optional[int] = None) -> GemmConfig:
+    """Heuristic configuration for ``op`` ("ag" or "rs") on a ``[m_total, k] x [k, n]`` GEMM
+    at TP size ``tp`` (``None``: unknown, taken as below 8).
 
     Measured on H200 with communication disabled (benchmarks/results/kernel-vs-cublas-*.json):
     AG+GEMM wants the flattened persistent loop with a split epilogue (0.94-1.04x cuBLAS on the
     grid). GEMM+RS has no synchronisation inside its loops and flattens both (its first
     schedule, a release per tile inside the loop, ran 2.3-3.7x slower flattened). AG+GEMM
     splits a small last wave along K (``stream_k=1``; 0.9-3.8 % faster where it applies, a no-op
-    elsewhere: :mod:`megatron_flux.kernels.stream_k`).
+    elsewhere: :mod:`megatron_flux.kernels.stream_k`). GEMM+RS at TP >= 8 spreads its reduction
+    over the grid (``rs_spread_reduce``): with communication off on one H200 it ran 2-14 %
+    faster at m <= 2048 there, and 0.5-2.6 % slower at TP 2 (benchmarks/NOTES.md, session 12).
     """
     if interpret:  # the CPU interpreter runs whole blocks in numpy: keep them small
         return GemmConfig(block_m=16, block_n=32, block_k=16, num_stages=1, num_warps=4, group_m=2,
                           chunk_rows=16)
     if op == "rs":
+        spread = tp is not None and tp >= 8
         if m_total < 1024:  # few rows: 64-row tiles (what the tuner picked on H200 below m=1024)
-            return GemmConfig(64, 128, 128, 4, 4, 8, epilogue_split=1, flatten=True, flatten_consume=True)
-        return GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=2, flatten=True, flatten_consume=True)
+            return GemmConfig(64, 128, 128, 4, 4, 8, epilogue_split=1, flatten=True, flatten_consume=True,
+                              rs_spread_reduce=spread)
+        return GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=2, flatten=True, flatten_consume=True,
+                          rs_spread_reduce=spread)
     if m_total <= 1024 and n <= 16384:
         return GemmConfig(128, 128, 64, 4, 4, 8, chunk_rows=4096, epilogue_split=1, flatten=True,
                           stream_k=1)

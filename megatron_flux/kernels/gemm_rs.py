@@ -25,6 +25,11 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   tiles without waits. Epilogue = the *reduction*: the fp32 accumulator
   plus the peers' pushed partials in fixed rank order ``0..W-1``, bias once, TMA store to
   ``out``. The fixed order makes results bitwise identical run to run.
+* Spread reduction (``rs_spread_reduce``): the own segment is a producer step too (step
+  ``W-1``, pushed into the own slot, the own signal raised with the peers'), and after the
+  grid barrier every program waits for all ``W`` signals and sums the ``W`` slots of a share of
+  the own rows (:func:`_spread_reduce`). For few own tiles (TP 8, small m: 16 of 128 programs
+  would each read seven peer tiles) the whole grid shares the reads.
 
 Waiting for a peer's whole step costs little makespan: programs that finish producing early
 would only start their reduction tiles early, the last producer program also finishes its
@@ -143,6 +148,7 @@ def gemm_rs_kernel(
     FLATTEN: tl.constexpr, FLATTEN_CONSUME: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     TMA_PUSH: tl.constexpr, ASYNC_FENCE: tl.constexpr,
     PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True, TMA_REDUCE: tl.constexpr = True,
+    SPREAD_REDUCE: tl.constexpr = False,
 ):
     """``data_ptr``: this rank's slot region (``[WORLD, m_local, N]``, output dtype) for this
     call's parity; ``data_ptrs``/``flag_ptrs``: int64 tables of every rank's slot region and
@@ -174,7 +180,7 @@ def gemm_rs_kernel(
         # A program builds a step's push descriptor only when it has a tile in the step (a
         # device-side descriptor is a global write and a proxy fence; at TP 8 and small m most
         # programs have a tile in one step of seven).
-        for step in tl.static_range(0, WORLD - 1):
+        for step in tl.static_range(0, WORLD - 1 + SPREAD_REDUCE):  # + own segment when spread
             first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
             if first < (step + 1) * tiles_per_seg:
                 seg = segment_of_step(step, rank, WORLD, True)
@@ -194,12 +200,15 @@ def gemm_rs_kernel(
         # producer phase either way, so earlier per-step signals made no owner ready sooner;
         # they cost every program a store drain and a barrier per step (TP 8: seven).
         if arrive_at_grid_barrier(my_flags + WORLD, NUM_SMS, ASYNC_FENCE and TMA_PUSH):
-            for step in tl.static_range(0, WORLD - 1):
+            for step in tl.static_range(0, WORLD - 1 + SPREAD_REDUCE):
                 seg = segment_of_step(step, rank, WORLD, True)
                 owner_flags = tl.load(flag_ptrs + seg).to(tl.pointer_type(tl.int32))
                 tl.atomic_xchg(owner_flags + rank, epoch, sem="release", scope="sys")
 
-    if CONSUME:
+    if CONSUME and SPREAD_REDUCE:
+        _spread_reduce(data_ptr, out_ptr, bias_ptr, my_flags, err_ptr, pid, m_local, N, rank,
+                       epoch, max_spins, WORLD, HAS_BIAS, NUM_SMS, 16, 256)
+    if CONSUME and not SPREAD_REDUCE:
         # The first own tile is peeled so its GEMM runs before the one wait for the peers (when
         # the grid covers every tile in one wave, a program's only reduction tile then overlaps
         # the peers' producer tiles); the rest of the loop has no synchronisation. Programs
@@ -246,6 +255,33 @@ def _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_f
                  world, TMA_REDUCE, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N)
 
 
+@triton.jit
+def _spread_reduce(data_ptr, out_ptr, bias_ptr, my_flags, err_ptr, pid, m_local, N, rank, epoch,
+                   max_spins, WORLD: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_SMS: tl.constexpr,
+                   RED_M: tl.constexpr, RED_N: tl.constexpr):
+    """The reduction spread over the whole grid (``rs_spread_reduce``): wait (acquire, bounded)
+    until every rank, this one included, has pushed its partial of this rank's rows, then sum
+    the ``WORLD`` slots in rank order ``0..W-1`` (+ bias) into ``out``, one ``RED_M x RED_N``
+    chunk per program at a time (program ``p`` takes chunks ``p, p + G, ...``). Every slot
+    holds a partial rounded to the output dtype, the own one too, as NCCL's reduce-scatter
+    sums them."""
+    for src in tl.static_range(0, WORLD):
+        wait_signal(my_flags + src, epoch, max_spins, err_ptr, 2, rank, src)  # op code OP_GEMM_RS
+    num_n = tl.cdiv(N, RED_N)
+    for c in range(pid, tl.cdiv(m_local, RED_M) * num_n, NUM_SMS):
+        rows = (c // num_n) * RED_M + tl.arange(0, RED_M)
+        cols = (c % num_n) * RED_N + tl.arange(0, RED_N)
+        mask = (rows[:, None] < m_local) & (cols[None, :] < N)
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        acc = tl.zeros((RED_M, RED_N), dtype=tl.float32)
+        for src in tl.static_range(0, WORLD):
+            acc += tl.load(data_ptr + (src * m_local).to(tl.int64) * N + offs, mask=mask,
+                           other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, world, epoch, cfg,
                    num_sms, max_spins, produce=True, consume=True):
     """Launch :func:`gemm_rs_kernel` on the current stream.
@@ -268,7 +304,7 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=geo.grid, FLATTEN=cfg.flatten,
             FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
             TMA_PUSH=cfg.rs_tma_push, ASYNC_FENCE=not interpreting(), PRODUCE=produce,
-            CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce)
+            CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce)
         return geo.grid, args, constexprs
 
     ensure_descriptor_allocator()

@@ -130,4 +130,4 @@ class TableConfigProvider:
                 hit = None
             if hit is not None:
                 return hit[0].config
-        return default_config(op, m_total, n, k)
+        return default_config(op, m_total, n, k, tp=tp)

@@ -63,15 +63,16 @@ SEARCH_SPACE: Dict[str, Tuple] = {
     "ag_pull": (False, True),
     "rs_tma_push": (True, False),
     "rs_tma_reduce": (True, False),
+    "rs_spread_reduce": (False, True),
     "flatten_consume": (True, False),
     "stream_k": (0, 1),
 }
 #: knobs only one op has; the other op keeps its default's value
 _OP_KNOBS = {"ag": ("chunk_rows", "comm_priority", "ag_pull", "stream_k"),
-             "rs": ("rs_tma_push", "rs_tma_reduce", "flatten_consume")}
+             "rs": ("rs_tma_push", "rs_tma_reduce", "rs_spread_reduce", "flatten_consume")}
 #: order of the single-knob variations within each round (see generate_candidates)
 _VARIATION_ORDER = ("stream_k", "chunk_rows", "comm_priority", "ag_pull", "rs_tma_push",
-                    "rs_tma_reduce", "flatten_consume",
+                    "rs_tma_reduce", "rs_spread_reduce", "flatten_consume",
                     "num_stages", "block_n", "block_m",
                     "block_k", "warp_specialize", "epilogue_split", "group_m", "num_warps", "flatten")
 #: knobs the backend has but the search leaves alone (recorded in the table's search.not_searched)
@@ -140,7 +141,7 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     if m_total % tp:
         raise ValueError(f"m={m_total} is not divisible by tp={tp}")
     space = dict(SEARCH_SPACE if space is None else space)
-    base = default_config(op, m_total, n, k)
+    base = default_config(op, m_total, n, k, tp=tp)
     m_local = m_total // tp
     for other, knobs_of_other in _OP_KNOBS.items():  # e.g. RS has no chunked copy, no side stream
         if other != op:
