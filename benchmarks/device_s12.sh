@@ -5,6 +5,16 @@
 #         ones skip) -> $OUT/tests-1gpu.json; then both fused kernels with odd steps walked
 #         backwards (serpentine) against fa77dad (experiments/kernel_ab.py): TP 2 on the whole
 #         m >= 1024 grid, TP 4 and 8 on llama3-8b/70b   -> $OUT/serp-{ag,rs}-tp*.json
+#   pf    (carry .whl, .device/prev_gemm_rs.py = `git show dec8e32:megatron_flux/kernels/gemm_rs.py`)
+#         GEMM+RS prefetching the peers' partials into L2 as each own tile starts, against
+#         dec8e32 (kernel_ab), TP 2 on the grid, TP 4 and 8 on llama3-8b/70b
+#                                                       -> $OUT/pf-rs-tp*.json
+#   spread (carry .whl, .device/prev_gemm_rs.py as for pf) the GPU-marked tests on one GPU, then
+#         GEMM+RS with the reduction spread over the grid (rs_spread_reduce) against the
+#         epilogue reduction: kernel_ab's "new+" runner, TP 2/4/8, small and training m
+#                                                       -> $OUT/spread-rs-tp*.json
+#   kvc   comm off at TP 2 on the whole m >= 1024 grid, table configs, the heuristic default and
+#         the plain yardstick (kernel_vs_cublas)           -> $OUT/kvc-tp2.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s12.sh serp ...
 set -uo pipefail
@@ -36,6 +46,28 @@ for what in "$@"; do
               --json "${OUT}/serp-${op}-tp${tp}.json" 2>&1 | grep -v Warning
         done
       done ;;
+    pf)
+      timeout 150 python3 ${EXP}/kernel_ab.py --op rs --prev .device/prev_gemm_rs.py --tp 2 \
+          "${TIMING[@]}" --json "${OUT}/pf-rs-tp2.json" 2>&1 | grep -v Warning
+      for tp in 4 8; do
+        timeout 90 python3 ${EXP}/kernel_ab.py --op rs --prev .device/prev_gemm_rs.py --tp ${tp} \
+            --models llama3-8b llama3-70b --m 1024 2048 4096 "${TIMING[@]}" \
+            --json "${OUT}/pf-rs-tp${tp}.json" 2>&1 | grep -v Warning
+      done ;;
+    spread)
+      install_carried_wheels || exit 1
+      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 200 python3 benchmarks/record_pytest.py \
+          "${OUT}/tests-1gpu.json" tests -q -m gpu -p no:cacheprovider > "${OUT}/tests-1gpu.log" 2>&1
+      echo "tests exit $?"; tail -2 "${OUT}/tests-1gpu.log"
+      for tp in 2 4 8; do
+        timeout 130 python3 ${EXP}/kernel_ab.py --op rs --prev .device/prev_gemm_rs.py --tp ${tp} \
+            --models llama3-8b llama3-70b gpt3-175b --m 256 1024 2048 4096 \
+            --new-override '{"rs_spread_reduce": true}' "${TIMING[@]}" \
+            --json "${OUT}/spread-rs-tp${tp}.json" 2>&1 | grep -v Warning
+      done ;;
+    kvc)
+      timeout 420 python3 -m megatron_flux.bench.kernel_vs_cublas --tp 2 --configs table default plain \
+          "${TIMING[@]}" --json "${OUT}/kvc-tp2.json" 2>&1 | grep -E "^(AG|GEMM)" ;;
   esac
   echo "== ${what} done at ${SECONDS}s"
 done
