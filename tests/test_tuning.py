@@ -113,6 +113,17 @@ def test_lookup_nearest_bucket_and_config(tmp_path):
     assert rs == GemmConfig.from_dict(dict(default_config("rs", 256, 256, 256).to_dict(), num_stages=2))
 
 
+def test_missing_config_fields_take_the_default_at_the_tables_tp():
+    """A field a table entry does not name takes ``default_config``'s value at the table's TP:
+    the spread GEMM+RS reduction is on by default from TP 8, so a TP 8 entry gets it."""
+    from megatron_flux.tuning import schema
+
+    for tp, spread in ((2, False), (4, False), (8, True)):
+        t = schema.validate_table(table_obj(tp=tp), "mem")
+        rs = next(e for e in t.entries if e.op == "rs")
+        assert rs.config.rs_spread_reduce is spread and rs.config.num_stages == 2
+
+
 @pytest.mark.parametrize("change", [
     dict(dtype=torch.float16), dict(n=1024), dict(k=128), dict(op="rs"), "no-context",
 ])

@@ -62,7 +62,7 @@ def table_from_bench(bench: Dict[str, Any], source: str) -> Table:
         op = normalize_op(bop)
         ln, lk = local_nk(op, n, k, tp)
         entries.append(Entry(
-            op=op, n=ln, k=lk, m=m, config=default_config(op, m, ln, lk), tuned=False,
+            op=op, n=ln, k=lk, m=m, config=default_config(op, m, ln, lk, tp=tp), tuned=False,
             flux_ms=float(f["median_ms"]), nccl_ms=float(c["median_ms"]),
             notes={"model": model, "bench_op": bop, "global_n": n, "global_k": k,
                    "flux_spread_ms": f.get("spread_ms"), "nccl_spread_ms": c.get("spread_ms")},

@@ -113,7 +113,7 @@ def _check_keys(path, where, d, required, optional) -> None:
         raise TuningFileError(path, f"{where}{unknown[0]}", f"unknown field (known: {sorted(set(required) | set(optional))})")
 
 
-def _config(path, fld, d, op, m, n, k):
+def _config(path, fld, d, op, m, n, k, tp):
     from megatron_flux.kernels.config import GemmConfig, default_config
 
     if not isinstance(d, dict):
@@ -129,7 +129,7 @@ def _config(path, fld, d, op, m, n, k):
             raise TuningFileError(path, f"{fld}.{name}", f"must be true or false, got {v!r}")
         if not want_bool and (isinstance(v, bool) or not isinstance(v, int)):
             raise TuningFileError(path, f"{fld}.{name}", f"must be an integer, got {v!r}")
-    base = default_config(op, m, n, k).to_dict()
+    base = default_config(op, m, n, k, tp=tp).to_dict()
     base.update(d)
     try:
         return GemmConfig.from_dict(base)
@@ -198,7 +198,7 @@ def validate_table(obj: Any, path: str = "<table>") -> Table:
         seen[key] = i
         entries.append(Entry(
             op=e["op"], n=n, k=k, m=m,
-            config=_config(path, f"{w}.config", e["config"], e["op"], m, n, k),
+            config=_config(path, f"{w}.config", e["config"], e["op"], m, n, k, tp),
             tuned=e["tuned"],
             flux_ms=_time(path, f"{w}.flux_ms", e.get("flux_ms")),
             nccl_ms=_time(path, f"{w}.nccl_ms", e.get("nccl_ms")),
