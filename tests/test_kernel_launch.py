@@ -102,3 +102,34 @@ def test_empty_hook_chains_are_inactive():
 
     assert not L._hook_active(None) and not L._hook_active(Chain([]))
     assert L._hook_active(Chain([print])) and L._hook_active(print)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8, 16])
+def test_both_launchers_unroll_the_step_loop_up_to_tp_4(monkeypatch, world):
+    """The step loop is unrolled at compile time up to TP 4 and a runtime loop above (session
+    12: at TP 8 seven unrolled copies were slower); both launchers pass the same choice."""
+    from megatron_flux.kernels import ag_gemm, gemm_rs
+    from megatron_flux.kernels.config import GemmConfig, MAX_UNROLLED_WORLD, unroll_steps
+
+    assert MAX_UNROLLED_WORLD == 4 and unroll_steps(world) is (world <= 4)
+    seen = {}
+
+    def recorder(name):
+        def launch(grid, args, constexprs, **kw):
+            seen[name] = constexprs["UNROLL_STEPS"]
+        return launch
+
+    monkeypatch.setattr(ag_gemm, "_LAUNCH", recorder("ag"))
+    monkeypatch.setattr(gemm_rs, "_LAUNCH", recorder("rs"))
+    cfg, m_local, k, n = GemmConfig(), 16, 32, 64
+    err = torch.zeros(4, dtype=torch.int32)
+    ag_gemm.launch_ag_gemm(torch.zeros(m_local, k), torch.zeros(world * m_local, k),
+                           torch.zeros(k, n), torch.zeros(world * m_local, n),
+                           torch.zeros(world, dtype=torch.int32), err, rank=0, world=world,
+                           epoch=1, cfg=cfg, num_sms=4, max_spins=1)
+    data = torch.zeros(world, m_local, n)
+    ptrs = torch.zeros(world, dtype=torch.int64)
+    gemm_rs.launch_gemm_rs(torch.zeros(world * m_local, k), torch.zeros(k, n),
+                           torch.zeros(m_local, n), data, ptrs, ptrs, None, err, rank=0,
+                           world=world, epoch=1, cfg=cfg, num_sms=4, max_spins=1)
+    assert seen == {"ag": world <= 4, "rs": world <= 4}

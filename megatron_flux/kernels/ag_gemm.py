@@ -12,8 +12,9 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   the peers' copy engines, each chunk followed by a signal ``flags[s * chunks_per_seg + c] =
   epoch``. Before a step's tiles each program waits (acquire, bounded) on that segment's
   chunks, then fences so its TMA reads come after the acquire; the wait sits between the
-  persistent tile loops so they stay flattened/pipelined. The step loop is unrolled at
-  compile time (``WORLD`` is a constexpr), so each step's tile loop is a top-level loop.
+  persistent tile loops so they stay flattened/pipelined. Up to TP 4 the step loop is
+  unrolled at compile time (``WORLD`` is a constexpr), so each step's tile loop is a top-level
+  loop; above, it is a runtime loop (:func:`~megatron_flux.kernels.config.unroll_steps`).
 * Epilogue: TMA store of the tile (clipped to the segment when ``m_local % BLOCK_M != 0``).
 * Stream-K tail (``GemmConfig.stream_k``, :mod:`.stream_k`): the last ``sk_tiles`` flat tiles
   (the partial last wave, in the last step's segment) leave the data-parallel loops; after them
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from megatron_flux.kernels.config import interpreting, launch_geometry
+from megatron_flux.kernels.config import interpreting, launch_geometry, unroll_steps
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import split_columns, tile_mainloop, tile_mainloop_k
@@ -86,6 +87,7 @@ def ag_gemm_kernel(
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, STREAM_K: tl.constexpr,
     ASYNC_FENCE: tl.constexpr = True, SK_LOCAL: tl.constexpr = False,
+    UNROLL_STEPS: tl.constexpr = True,
 ):
     """Pointers: ``x`` [m_local, K], ``ag`` / ``c`` [WORLD * m_local, K / N] contiguous; ``b``
     [K, N] (B_KN) or [N, K], row stride ``ldb``. TMA descriptors are built on the device, once
@@ -93,7 +95,8 @@ def ag_gemm_kernel(
     ``sk_tiles`` tiles run split along K through the scratch ``sk_partials`` / ``sk_counters``
     (:mod:`.stream_k`); without it ``sk_tiles`` is 0 and the scratch is not touched.
     ASYNC_FENCE: a proxy fence after each step's waits (off only under the interpreter, which
-    has no inline assembly)."""
+    has no inline assembly). UNROLL_STEPS: the peer-step loop unrolled at compile time (up to
+    TP 4, :func:`~megatron_flux.kernels.config.unroll_steps`) or a runtime loop."""
     x_desc = tl.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
     if RAGGED:
         ag_desc = tl.make_tensor_descriptor(ag_ptr, [WORLD, m_local, K], [m_local * K, K, 1],
@@ -128,36 +131,59 @@ def ag_gemm_kernel(
         _ag_tile(x_desc, b_desc, c_desc, off_m, rank, c_row, pid_n * BLOCK_N, k_tiles,
                  False, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
 
-    # Steps 1..WORLD-1: peers' rows in ring order. Each program waits once per step for the
-    # step's segment (outside the tile loop, which stays a clean pipelined persistent loop):
-    # with every peer pushing from time zero, a segment lands long before a program reaches it.
-    # The step loop is unrolled (WORLD is a compile-time constant), so every tile loop sits at
-    # the top level of the kernel: nested in a runtime step loop they ran 1-3 % slower with
-    # communication disabled (benchmarks/NOTES.md, session 9).
-    for step in tl.static_range(1, WORLD):
-        seg = segment_of_step(step, rank, WORLD, False)
-        for c in range(chunks_per_seg):
-            idx = seg * chunks_per_seg + c
-            wait_signal(flags_ptr + idx, epoch, max_spins, err_ptr, 1, rank, idx)  # op code OP_AG_GEMM
-        fence_async_proxy(epoch, ASYNC_FENCE)  # the TMA reads below come after the acquire
-        first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
-        for t in tl.range(first, tl.minimum((step + 1) * tiles_per_seg, dp_end), NUM_SMS,
-                          flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-            pid_m, pid_n = grouped_tile(serpentine(t - step * tiles_per_seg, step, tiles_per_seg),
-                                        num_pid_m, num_pid_n, GROUP_M)
-            off_m = pid_m * BLOCK_M
-            if RAGGED:
-                row = off_m
-            else:
-                row = seg * m_local + off_m
-            _ag_tile(ag_desc, b_desc, c_desc, row, seg, row, pid_n * BLOCK_N, k_tiles,
-                     RAGGED, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
+    # Steps 1..WORLD-1: peers' rows in ring order (:func:`_peer_step`). Up to TP 4 the step
+    # loop is unrolled (WORLD is a compile-time constant), so every tile loop sits at the top
+    # level of the kernel: nested in a runtime step loop they ran 1-3 % slower at TP 2 with
+    # communication disabled (NOTES.md, session 9). At TP 8 the seven unrolled copies quadruple
+    # the code, and a runtime loop ran up to 9-11 % faster (NOTES.md, session 12).
+    if UNROLL_STEPS:
+        for step in tl.static_range(1, WORLD):
+            _peer_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
+                       max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles,
+                       num_pid_m, num_pid_n, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N,
+                       BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE)
+    else:
+        for step in range(1, WORLD):
+            _peer_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
+                       max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles,
+                       num_pid_m, num_pid_n, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N,
+                       BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE)
 
     if STREAM_K:
         _stream_k_tiles(x_desc, ag_desc, b_desc, c_desc, sk_partials_ptr, sk_counters_ptr, pid,
                         dp_end, sk_tiles, tiles_per_seg, k_tiles, m_local, num_pid_m, num_pid_n,
                         rank, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                         NUM_SMS, SK_LOCAL)
+
+
+@triton.jit
+def _peer_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch, max_spins,
+               m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles, num_pid_m, num_pid_n,
+               WORLD: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr,
+               EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+               FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, ASYNC_FENCE: tl.constexpr):
+    """One peer step: wait once (acquire, bounded) for every chunk of the step's segment,
+    outside the tile loop, which stays a clean pipelined persistent loop (with every peer
+    pushing from time zero, a segment lands long before a program reaches it); then the
+    step's tiles, backwards on odd steps."""
+    seg = segment_of_step(step, rank, WORLD, False)
+    for c in range(chunks_per_seg):
+        idx = seg * chunks_per_seg + c
+        wait_signal(flags_ptr + idx, epoch, max_spins, err_ptr, 1, rank, idx)  # op code OP_AG_GEMM
+    fence_async_proxy(epoch, ASYNC_FENCE)  # the TMA reads below come after the acquire
+    first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
+    for t in tl.range(first, tl.minimum((step + 1) * tiles_per_seg, dp_end), NUM_SMS,
+                      flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = grouped_tile(serpentine(t - step * tiles_per_seg, step, tiles_per_seg),
+                                    num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        if RAGGED:
+            row = off_m
+        else:
+            row = seg * m_local + off_m
+        _ag_tile(ag_desc, b_desc, c_desc, row, seg, row, pid_n * BLOCK_N, k_tiles,
+                 RAGGED, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -231,7 +257,7 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             NUM_SMS=grid, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             STREAM_K=sk_tiles > 0, ASYNC_FENCE=not interpreting(),
-            SK_LOCAL=sk_tiles > 0 and world == 1)
+            SK_LOCAL=sk_tiles > 0 and world == 1, UNROLL_STEPS=unroll_steps(world))
         return grid, args, constexprs
 
     ensure_descriptor_allocator()

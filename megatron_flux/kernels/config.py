@@ -120,6 +120,19 @@ def rs_signal_count(world: int) -> int:
     return world + 1
 
 
+#: Largest TP size whose step loops the fused kernels unroll at compile time. Comm off on one
+#: H200, unrolled step loops ran 1-3 % faster than a runtime loop at TP 2 (session 9) and
+#: level at TP 4. At TP 8 the runtime loop ran faster, by up to 9-11 % (AG+GEMM) and 2-3 %
+#: (GEMM+RS) in two runs: seven unrolled copies of a pipelined tile loop are four times the
+#: code (benchmarks/NOTES.md, session 12).
+MAX_UNROLLED_WORLD = 4
+
+
+def unroll_steps(world: int) -> bool:
+    """Whether the fused kernels unroll their per-segment step loop at TP size ``world``."""
+    return world <= MAX_UNROLLED_WORLD
+
+
 def launch_geometry(m_local: int, n: int, b, world: int, cfg: GemmConfig, num_sms: int) -> LaunchGeometry:
     b_kn = b.stride(1) == 1
     tps = tiles_per_segment(m_local, n, cfg)

@@ -7,10 +7,11 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   ``p, p + G, ...`` of each step; odd steps walk their segment backwards, so a step starts on
   the B columns the previous one ended on (:func:`.tile_order.serpentine`).
 * Producer, steps ``0..W-2``: the peers' segments ``r+1, r+2, ...`` (each rank hits a different
-  owner at each step), one flattened, pipelined tile loop per step. Epilogue = the *write* of
-  ReduceScatter: the tile is rounded to the output dtype and stored straight into the owner's
-  symmetric buffer, slot ``r`` (``data[owner][r, rows, cols]``), by TMA (``rs_tma_push``) or
-  vector stores.
+  owner at each step), one flattened, pipelined tile loop per step (the step loop unrolled up
+  to TP 4, a runtime loop above: :func:`~megatron_flux.kernels.config.unroll_steps`).
+  Epilogue = the *write* of ReduceScatter: the tile is rounded to the output dtype and stored
+  straight into the owner's symmetric buffer, slot ``r`` (``data[owner][r, rows, cols]``), by
+  TMA (``rs_tma_push``) or vector stores.
 * Signals: after its last producer step every program drains its stores and counts itself in
   at ``flags[r][W]``; the last of the ``G`` programs raises ``flags[owner][r] = epoch``
   (release, system scope) for every peer owner. One barrier for all steps: an owner needs
@@ -46,7 +47,7 @@ arrival).
 import triton
 import triton.language as tl
 
-from megatron_flux.kernels.config import interpreting, launch_geometry
+from megatron_flux.kernels.config import interpreting, launch_geometry, unroll_steps
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import segment_tile, split_columns
@@ -148,7 +149,7 @@ def gemm_rs_kernel(
     FLATTEN: tl.constexpr, FLATTEN_CONSUME: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     TMA_PUSH: tl.constexpr, ASYNC_FENCE: tl.constexpr,
     PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True, TMA_REDUCE: tl.constexpr = True,
-    SPREAD_REDUCE: tl.constexpr = False,
+    SPREAD_REDUCE: tl.constexpr = False, UNROLL_STEPS: tl.constexpr = True,
 ):
     """``data_ptr``: this rank's slot region (``[WORLD, m_local, N]``, output dtype) for this
     call's parity; ``data_ptrs``/``flag_ptrs``: int64 tables of every rank's slot region and
@@ -175,33 +176,29 @@ def gemm_rs_kernel(
     my_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
 
     if PRODUCE:
-        # unrolled (WORLD is a compile-time constant): every tile loop at the top level of the
-        # kernel; nested in a runtime step loop, the AG kernel's ran 1-3 % slower (NOTES.md, s9)
-        # A program builds a step's push descriptor only when it has a tile in the step (a
-        # device-side descriptor is a global write and a proxy fence; at TP 8 and small m most
-        # programs have a tile in one step of seven).
-        for step in tl.static_range(0, WORLD - 1 + SPREAD_REDUCE):  # + own segment when spread
-            first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
-            if first < (step + 1) * tiles_per_seg:
-                seg = segment_of_step(step, rank, WORLD, True)
-                dst = tl.load(data_ptrs + seg).to(tl.pointer_type(data_ptr.dtype.element_ty))
-                dst_desc = tl.make_tensor_descriptor(dst + slot_base, [m_local, N], [N, 1],
-                                                     [BLOCK_M, HALF])
-                for t in tl.range(first, (step + 1) * tiles_per_seg, NUM_SMS, flatten=FLATTEN,
-                                  warp_specialize=WARP_SPECIALIZE):
-                    t_in_seg = serpentine(t - step * tiles_per_seg, step, tiles_per_seg)
-                    acc, off_m, off_n = segment_tile(a_desc, b_desc, t_in_seg, seg, m_local,
-                                                     k_tiles, num_pid_m, num_pid_n, RAGGED, B_KN,
-                                                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
-                    _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH,
-                               EPI_SPLIT, BLOCK_M, BLOCK_N)
+        # Up to TP 4 the step loop is unrolled (WORLD is a compile-time constant): every tile
+        # loop at the top level of the kernel; nested in a runtime step loop, the AG kernel's
+        # ran 1-3 % slower at TP 2 (NOTES.md, s9). At TP 8 a runtime loop is up to 2-3 %
+        # faster: seven unrolled copies are four times the code (NOTES.md, s12).
+        if UNROLL_STEPS:
+            for step in tl.static_range(0, WORLD - 1 + SPREAD_REDUCE):  # + own when spread
+                _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, pid, rank, slot_base,
+                               m_local, N, k_tiles, tiles_per_seg, num_pid_m, num_pid_n, WORLD,
+                               RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                               NUM_SMS, FLATTEN, WARP_SPECIALIZE, TMA_PUSH)
+        else:
+            for step in range(0, WORLD - 1 + SPREAD_REDUCE):
+                _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, pid, rank, slot_base,
+                               m_local, N, k_tiles, tiles_per_seg, num_pid_m, num_pid_n, WORLD,
+                               RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                               NUM_SMS, FLATTEN, WARP_SPECIALIZE, TMA_PUSH)
         # One grid barrier after every producer step, not one per step: each owner waits for
         # all its peers, and the peer that visits it last publishes it at the end of its
         # producer phase either way, so earlier per-step signals made no owner ready sooner;
         # they cost every program a store drain and a barrier per step (TP 8: seven).
         if arrive_at_grid_barrier(my_flags + WORLD, NUM_SMS, ASYNC_FENCE and TMA_PUSH):
-            for step in tl.static_range(0, WORLD - 1 + SPREAD_REDUCE):
-                seg = segment_of_step(step, rank, WORLD, True)
+            for owner_step in tl.static_range(0, WORLD - 1 + SPREAD_REDUCE):
+                seg = segment_of_step(owner_step, rank, WORLD, True)
                 owner_flags = tl.load(flag_ptrs + seg).to(tl.pointer_type(tl.int32))
                 tl.atomic_xchg(owner_flags + rank, epoch, sem="release", scope="sys")
 
@@ -231,6 +228,34 @@ def gemm_rs_kernel(
                               m_local, N, k_tiles, rank, WORLD, epoch, max_spins, num_pid_m,
                               num_pid_n, False, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M,
                               BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE)
+
+
+@triton.jit
+def _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, pid, rank, slot_base, m_local, N,
+                   k_tiles, tiles_per_seg, num_pid_m, num_pid_n, WORLD: tl.constexpr,
+                   RAGGED: tl.constexpr, B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
+                   WARP_SPECIALIZE: tl.constexpr, TMA_PUSH: tl.constexpr):
+    """One producer step: this program's tiles of the step's segment (backwards on odd
+    steps), each pushed into the owner's slot ``rank``. A program builds the step's push
+    descriptor only when it has a tile in the step (a device-side descriptor is a global write
+    and a proxy fence; at TP 8 and small m most programs have a tile in one step of seven)."""
+    HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
+    first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
+    if first < (step + 1) * tiles_per_seg:
+        seg = segment_of_step(step, rank, WORLD, True)
+        dst = tl.load(data_ptrs + seg).to(tl.pointer_type(data_ptr.dtype.element_ty))
+        dst_desc = tl.make_tensor_descriptor(dst + slot_base, [m_local, N], [N, 1],
+                                             [BLOCK_M, HALF])
+        for t in tl.range(first, (step + 1) * tiles_per_seg, NUM_SMS, flatten=FLATTEN,
+                          warp_specialize=WARP_SPECIALIZE):
+            t_in_seg = serpentine(t - step * tiles_per_seg, step, tiles_per_seg)
+            acc, off_m, off_n = segment_tile(a_desc, b_desc, t_in_seg, seg, m_local, k_tiles,
+                                             num_pid_m, num_pid_n, RAGGED, B_KN, BLOCK_M,
+                                             BLOCK_N, BLOCK_K, GROUP_M)
+            _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH,
+                       EPI_SPLIT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -304,7 +329,8 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=geo.grid, FLATTEN=cfg.flatten,
             FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
             TMA_PUSH=cfg.rs_tma_push, ASYNC_FENCE=not interpreting(), PRODUCE=produce,
-            CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce)
+            CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce,
+            UNROLL_STEPS=unroll_steps(world))
         return geo.grid, args, constexprs
 
     ensure_descriptor_allocator()
