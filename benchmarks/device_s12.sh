@@ -15,6 +15,14 @@
 #                                                       -> $OUT/spread-rs-tp*.json
 #   kvc   comm off at TP 2 on the whole m >= 1024 grid, table configs, the heuristic default and
 #         the plain yardstick (kernel_vs_cublas)           -> $OUT/kvc-tp2.json
+#   rt    (carry .device/rt_ag_gemm.py and .device/rt_gemm_rs.py: the kernels with the step loop
+#         a runtime loop instead of unrolled, `tl.static_range` -> `range`) the unrolled
+#         package kernels against them at TP 4 and 8 (kernel_ab, "prev" = runtime loop)
+#                                                       -> $OUT/rt-{ag,rs}-tp*.json
+#   unroll (carry .whl, .device/prev_{ag_gemm,gemm_rs}.py = `git show d85f94d:...`) the GPU-marked
+#         tests on one GPU, then the kernels with the step loop unrolled only up to TP 4
+#         against d85f94d (always unrolled): TP 8 (runtime loop now) and TP 2 (same code)
+#                                                       -> $OUT/unroll-{ag,rs}-tp*.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s12.sh serp ...
 set -uo pipefail
@@ -64,6 +72,26 @@ for what in "$@"; do
             --models llama3-8b llama3-70b gpt3-175b --m 256 1024 2048 4096 \
             --new-override '{"rs_spread_reduce": true}' "${TIMING[@]}" \
             --json "${OUT}/spread-rs-tp${tp}.json" 2>&1 | grep -v Warning
+      done ;;
+    rt)
+      for op in ag rs; do
+        for tp in 4 8; do
+          timeout 100 python3 ${EXP}/kernel_ab.py --op ${op} --prev ".device/rt_${PREV[${op}]#.device/prev_}" \
+              --tp ${tp} --models llama3-8b llama3-70b gpt3-175b --m 1024 2048 4096 "${TIMING[@]}" \
+              --json "${OUT}/rt-${op}-tp${tp}.json" 2>&1 | grep -v Warning
+        done
+      done ;;
+    unroll)
+      install_carried_wheels || exit 1
+      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 200 python3 benchmarks/record_pytest.py \
+          "${OUT}/tests-1gpu.json" tests -q -m gpu -p no:cacheprovider > "${OUT}/tests-1gpu.log" 2>&1
+      echo "tests exit $?"; tail -2 "${OUT}/tests-1gpu.log"
+      for op in ag rs; do
+        for tp in 8 2; do
+          timeout 100 python3 ${EXP}/kernel_ab.py --op ${op} --prev "${PREV[${op}]}" --tp ${tp} \
+              --models llama3-8b llama3-70b gpt3-175b --m 1024 2048 4096 "${TIMING[@]}" \
+              --json "${OUT}/unroll-${op}-tp${tp}.json" 2>&1 | grep -v Warning
+        done
       done ;;
     kvc)
       timeout 420 python3 -m megatron_flux.bench.kernel_vs_cublas --tp 2 --configs table default plain \
