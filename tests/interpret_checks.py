@@ -417,6 +417,27 @@ def check_gemm_rs_deterministic_and_timeout():
         assert 0 <= index < world and index != r, "index is not a peer's step signal"
 
 
+def check_gemm_rs_spread_waits_for_its_own_grid():
+    """With the spread reduction a rank also reads its own slot, so its consumers wait for its
+    own producers' barrier: every peer produced this epoch, the rank itself did not, and its
+    consumers time out on its own signal (index = its rank) instead of reading a stale slot."""
+    world, m_local, k, n = 4, 16, 32, 64
+    cfg = GemmConfig(**{**CFG.to_dict(), "rs_spread_reduce": True})
+    w = _rs_world(world, m_local, k, n, False, False, cfg=cfg)
+    _rs_run(w)  # epoch 3: everyone
+    w["epoch"] += 1
+    lazy = 2
+    for r in range(world):
+        if r != lazy:
+            launch_gemm_rs(w["a"][r], w["b"][r], w["outs"][r], w["data"][r], w["dptr"], w["fptr"],
+                           None, w["errs"][r], rank=r, world=world, epoch=w["epoch"], cfg=cfg,
+                           num_sms=NSMS, max_spins=10, produce=True, consume=False)
+    launch_gemm_rs(w["a"][lazy], w["b"][lazy], w["outs"][lazy], w["data"][lazy], w["dptr"],
+                   w["fptr"], None, w["errs"][lazy], rank=lazy, world=world, epoch=w["epoch"],
+                   cfg=cfg, num_sms=NSMS, max_spins=3, produce=False, consume=True)
+    assert w["errs"][lazy].tolist() == [2, lazy, lazy, w["epoch"] - 1], w["errs"][lazy].tolist()
+
+
 def check_programs_per_sm():
     """``programs_per_sm=2`` doubles the persistent grid (the interpreter reports unbounded
     occupancy): AG+GEMM (with and without stream-K) and GEMM+RS stay right at TP 2 and 4."""
@@ -469,6 +490,7 @@ def check_plain_gemm():
 
 CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_stream_k, check_ag_signal_indexing,
           check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout,
+          check_gemm_rs_spread_waits_for_its_own_grid,
           check_next_call_cannot_release_a_wait, check_ready_barrier, check_copy_engine_gather,
           check_programs_per_sm]
 

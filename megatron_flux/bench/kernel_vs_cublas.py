@@ -128,7 +128,9 @@ def _ag_runner(m, n, k, tp, cfg, dtype):
 
 def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None, num_sms=None):
     """GEMM+RS of ``a @ w.T`` wired to this GPU alone, as rank 0 of ``world``: every peer slot
-    is a local buffer, every peer signal pre-set (no wait spins), the arrival counter zero.
+    is a local buffer, every peer signal pre-set (no wait spins), the arrival counter zero. This
+    rank's own signal starts at zero and each launch takes the next epoch, so a spread
+    reduction (``rs_spread_reduce``) waits for its own grid's barrier as it does in a real call.
     Returns ``(launch, out, data)``: ``launch(cfg, produce=True, consume=True)`` runs the
     kernel into ``out`` ``[m / world, n]``; ``data[src]`` holds what "rank src" pushed.
     ``launch_gemm_rs``: another version of the launcher (default: the package's); ``num_sms``:
@@ -143,15 +145,19 @@ def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None, num_sms=None):
     # slot (which the spread reduction reads)
     pushed = torch.zeros_like(data)
     flags = torch.full((rs_signal_count(world),), 1 << 30, dtype=torch.int32, device=a.device)
+    flags[0] = 0  # this rank's own signal: raised by its own grid's barrier, every call
     flags[world:] = 0  # the arrival counter starts at zero
     data_ptrs = torch.tensor([data.data_ptr()] + [pushed.data_ptr()] * (world - 1),
                              dtype=torch.int64, device=a.device)
     flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device=a.device)
     sms = num_sms or _num_sms(a.device)
 
+    epoch = [0]
+
     def launch(cfg, produce=True, consume=True):
+        epoch[0] += 1  # peers' signals stay ahead (1 << 30); the own one must be raised anew
         launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err, rank=0, world=world,
-                       epoch=1, cfg=cfg, num_sms=sms, max_spins=1 << 20, produce=produce,
+                       epoch=epoch[0], cfg=cfg, num_sms=sms, max_spins=1 << 20, produce=produce,
                        consume=consume)
 
     # The kernel reaches the slots and signals only through the addresses in the pointer
