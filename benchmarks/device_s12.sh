@@ -23,6 +23,11 @@
 #         tests on one GPU, then the kernels with the step loop unrolled only up to TP 4
 #         against d85f94d (always unrolled): TP 8 (runtime loop now) and TP 2 (same code)
 #                                                       -> $OUT/unroll-{ag,rs}-tp*.json
+#   kvc48 comm off at TP 4 and 8 on the m >= 1024 grid, table (TP 4 has one) and default configs
+#         and the plain yardstick                         -> $OUT/kvc-tp{4,8}.json
+#   spread2 the spread reduction again after the one-GPU wiring fix (the own signal was pre-set,
+#         so the spread consumers did not wait for their own grid): TP 8 (spread by default;
+#         "new+" = epilogue reduction) and TP 4 ("new+" = spread)  -> $OUT/spread2-rs-tp*.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s12.sh serp ...
 set -uo pipefail
@@ -92,6 +97,20 @@ for what in "$@"; do
               --models llama3-8b llama3-70b gpt3-175b --m 1024 2048 4096 "${TIMING[@]}" \
               --json "${OUT}/unroll-${op}-tp${tp}.json" 2>&1 | grep -v Warning
         done
+      done ;;
+    spread2)
+      timeout 100 python3 ${EXP}/kernel_ab.py --op rs --prev .device/prev_gemm_rs.py --tp 8 \
+          --models llama3-8b llama3-70b gpt3-175b --m 1024 2048 4096 \
+          --new-override '{"rs_spread_reduce": false}' "${TIMING[@]}" \
+          --json "${OUT}/spread2-rs-tp8.json" 2>&1 | grep -v Warning
+      timeout 100 python3 ${EXP}/kernel_ab.py --op rs --prev .device/prev_gemm_rs.py --tp 4 \
+          --models llama3-8b llama3-70b gpt3-175b --m 1024 2048 4096 \
+          --new-override '{"rs_spread_reduce": true}' "${TIMING[@]}" \
+          --json "${OUT}/spread2-rs-tp4.json" 2>&1 | grep -v Warning ;;
+    kvc48)
+      for tp in 4 8; do
+        timeout 200 python3 -m megatron_flux.bench.kernel_vs_cublas --tp ${tp} --configs table default plain \
+            "${TIMING[@]}" --json "${OUT}/kvc-tp${tp}.json" 2>&1 | grep -E "^(AG|GEMM)"
       done ;;
     kvc)
       timeout 420 python3 -m megatron_flux.bench.kernel_vs_cublas --tp 2 --configs table default plain \
