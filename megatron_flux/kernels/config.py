@@ -156,8 +156,9 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
     schedule, a release per tile inside the loop, ran 2.3-3.7x slower flattened). AG+GEMM
     splits a small last wave along K (``stream_k=1``; 0.9-3.8 % faster where it applies, a no-op
     elsewhere: :mod:`megatron_flux.kernels.stream_k`). GEMM+RS at TP >= 8 spreads its reduction
-    over the grid (``rs_spread_reduce``): with communication off on one H200 it ran 2-14 %
-    faster at m <= 2048 there, and 0.5-2.6 % slower at TP 2 (benchmarks/NOTES.md, session 12).
+    over the grid (``rs_spread_reduce``): with communication off on one H200 it ran up to 14 %
+    faster there (median 2.3 % over m = 1024-4096), level at TP 4 and 0.5-2.6 % slower at TP 2
+    (benchmarks/NOTES.md, session 12).
     """
     if interpret:  # the CPU interpreter runs whole blocks in numpy: keep them small
         return GemmConfig(block_m=16, block_n=32, block_k=16, num_stages=1, num_warps=4, group_m=2,
