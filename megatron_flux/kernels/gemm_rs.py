@@ -204,7 +204,7 @@ def gemm_rs_kernel(
 
     if CONSUME and SPREAD_REDUCE:
         _spread_reduce(data_ptr, out_ptr, bias_ptr, my_flags, err_ptr, pid, m_local, N, rank,
-                       epoch, max_spins, WORLD, HAS_BIAS, NUM_SMS, 16, 256)
+                       epoch, max_spins, WORLD, HAS_BIAS, NUM_SMS, 16, 256)  # 16 x 256 chunks
     if CONSUME and not SPREAD_REDUCE:
         # The first own tile is peeled so its GEMM runs before the one wait for the peers (when
         # the grid covers every tile in one wave, a program's only reduction tile then overlaps
