@@ -573,3 +573,25 @@ def test_sample_warmup_runs_before_every_timed_block():
     with pytest.raises(ValueError, match="sample_warmup"):
         time_interleaved(fns, trials=1, iters=1, warmup=0, group=None, device=torch.device("cpu"),
                          sample_warmup=-1)
+
+
+def test_kernel_vs_cublas_config_families(monkeypatch):
+    """``--configs`` families per op: ``spread`` flips where GEMM+RS reduces (RS only), ``sk``
+    flips AG's stream-K tail (AG only); twins equal to a config already listed are dropped."""
+    import argparse
+
+    from megatron_flux.bench import kernel_vs_cublas as K
+    from megatron_flux.kernels.config import default_config
+    from megatron_flux.tuning import provider
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(provider.TableConfigProvider, "__call__",
+                        lambda self, op, m, n, k, **kw: default_config(op, m, n, k, tp=kw["tp"]))
+    for tp, spread_default in ((2, False), (8, True)):
+        args = argparse.Namespace(configs=["default", "table", "spread", "sk"], tp=tp)
+        cfgs, labels = K._configs("GEMM+RS", 4096, 4096, 14336 // tp, args)
+        twin = "default+spread" if not spread_default else "default-spread"
+        assert labels == ["default", twin]  # the table's entry is the default here: dropped
+        assert [c.rs_spread_reduce for c in cfgs] == [spread_default, not spread_default]
+        cfgs, labels = K._configs("AG+GEMM", 4096, 14336 // tp, 4096, args)
+        assert not any("spread" in lab for lab in labels) and any("sk" in lab for lab in labels)

@@ -278,7 +278,8 @@ def run(args) -> dict:
 def _configs(op, m, n, k, args):
     """``(configs, labels)`` to time for one shape, per ``--configs``: the heuristic ``default``,
     the shipped ``table``'s entry (the config the backend runs), their stream-K variants
-    (``sk``, AG+GEMM only), their vector-load reductions (``rsvec``, GEMM+RS only), the
+    (``sk``, AG+GEMM only), their vector-load reductions (``rsvec``, GEMM+RS only), their
+    twins reducing the other way (``spread``: ``rs_spread_reduce`` flipped, GEMM+RS only), the
     fixed ``candidates`` lists, the table's config on :data:`PER_SM_TILES` (``pps2``) and the
     plain persistent GEMM with the default's and the table's
     tile (``plain``, :mod:`.plain_gemm`: the yardstick for the fused tile loop); duplicates
@@ -303,6 +304,10 @@ def _configs(op, m, n, k, args):
     if "rsvec" in args.configs and op == "GEMM+RS":
         out.append(("default-vecreduce", dataclasses.replace(default, rs_tma_reduce=False)))
         out.append(("table-vecreduce", dataclasses.replace(table, rs_tma_reduce=False)))
+    if "spread" in args.configs and op == "GEMM+RS":  # the other place to reduce
+        for label, cfg in (("default", default), ("table", table)):
+            twin = dataclasses.replace(cfg, rs_spread_reduce=not cfg.rs_spread_reduce)
+            out.append((f"{label}{'+spread' if twin.rs_spread_reduce else '-spread'}", twin))
     if "candidates" in args.configs:
         extra = CANDIDATES if op == "AG+GEMM" else RS_CANDIDATES
         out += [(f"cand{i}", c) for i, c in enumerate(extra)]
@@ -382,7 +387,8 @@ def main(argv=None):
     add_grid_args(p)
     p.add_argument("--ops", nargs="+", default=["AG+GEMM", "GEMM+RS"])
     p.add_argument("--configs", nargs="+", default=["default", "table", "sk", "rsvec"],
-                   choices=["default", "table", "sk", "rsvec", "candidates", "pps2", "plain"],
+                   choices=["default", "table", "sk", "rsvec", "spread", "candidates", "pps2",
+                            "plain"],
                    help="which configs to time per shape (see _configs)")
     p.add_argument("--default-only", action="store_true", help="same as --configs default")
     p.add_argument("--only-config", type=int, default=None,
