@@ -7,8 +7,8 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
 * Step 0 is the local segment: its A tiles are read straight from the caller's shard ``x``
   (no copy, no wait), so the GEMM starts at once.
 * Steps ``1..W-1`` visit segments ``r+1, r+2, ...`` (odd steps backwards, so a step starts on
-  the B columns the previous one ended on: :func:`.tile_order.serpentine`). Their rows live in this rank's gathered
-  workspace ``ag``, filled chunk by chunk (``chunk_rows`` rows, independent of ``BLOCK_M``) by
+  the B columns the previous one ended on: :func:`.tile_order.serpentine`). Their rows live
+  in this rank's gathered workspace ``ag``, filled chunk by chunk (``chunk_rows`` rows, independent of ``BLOCK_M``) by
   the peers' copy engines, each chunk followed by a signal ``flags[s * chunks_per_seg + c] =
   epoch``. Before a step's tiles each program waits (acquire, bounded) on that segment's
   chunks, then fences so its TMA reads come after the acquire; the wait sits between the
@@ -41,8 +41,7 @@ from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import fence_async_proxy, wait_signal
 from megatron_flux.kernels.stream_k import sk_covering, sk_publish_part, sk_range, sk_sum_parts, \
     stream_k_plan, stream_k_scratch
-from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step, \
-    serpentine
+from megatron_flux.kernels.tile_order import first_tile_at_or_after, segment_of_step, step_tile
 
 
 @triton.jit
@@ -119,35 +118,31 @@ def ag_gemm_kernel(
     chunks_per_seg = tl.cdiv(m_local, chunk_rows)
     dp_end = WORLD * tiles_per_seg - sk_tiles  # tiles before it are data-parallel
 
-    # Step 0: local rows, read from the caller's shard.
-    for t in tl.range(pid, tl.minimum(tiles_per_seg, dp_end), NUM_SMS, flatten=FLATTEN,
-                      warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        if RAGGED:
-            c_row = off_m
-        else:
-            c_row = rank * m_local + off_m
-        _ag_tile(x_desc, b_desc, c_desc, off_m, rank, c_row, pid_n * BLOCK_N, k_tiles,
-                 False, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
+    # Step 0: local rows, read from the caller's shard (no wait).
+    _segment_step(0, x_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch, max_spins,
+                  m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles, num_pid_m, num_pid_n,
+                  True, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                  NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE)
 
-    # Steps 1..WORLD-1: peers' rows in ring order (:func:`_peer_step`). Up to TP 4 the step
-    # loop is unrolled (WORLD is a compile-time constant), so every tile loop sits at the top
-    # level of the kernel: nested in a runtime step loop they ran 1-3 % slower at TP 2 with
+    # Steps 1..WORLD-1: peers' rows in ring order, from the gathered workspace. Up to TP 4 the
+    # step loop is unrolled (WORLD is a compile-time constant), so every tile loop sits at the
+    # top level of the kernel: nested in a runtime step loop they ran 1-3 % slower at TP 2 with
     # communication disabled (NOTES.md, session 9). At TP 8 the seven unrolled copies quadruple
     # the code, and a runtime loop ran up to 9-11 % faster (NOTES.md, session 12).
     if UNROLL_STEPS:
         for step in tl.static_range(1, WORLD):
-            _peer_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
-                       max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles,
-                       num_pid_m, num_pid_n, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N,
-                       BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE)
+            _segment_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
+                          max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles,
+                          num_pid_m, num_pid_n, False, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M,
+                          BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE,
+                          ASYNC_FENCE)
     else:
         for step in range(1, WORLD):
-            _peer_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
-                       max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles,
-                       num_pid_m, num_pid_n, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N,
-                       BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE)
+            _segment_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
+                          max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles,
+                          num_pid_m, num_pid_n, False, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M,
+                          BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE,
+                          ASYNC_FENCE)
 
     if STREAM_K:
         _stream_k_tiles(x_desc, ag_desc, b_desc, c_desc, sk_partials_ptr, sk_counters_ptr, pid,
@@ -157,33 +152,42 @@ def ag_gemm_kernel(
 
 
 @triton.jit
-def _peer_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch, max_spins,
-               m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles, num_pid_m, num_pid_n,
-               WORLD: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr,
-               EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
-               FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, ASYNC_FENCE: tl.constexpr):
-    """One peer step: wait once (acquire, bounded) for every chunk of the step's segment,
+def _segment_step(step, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch, max_spins,
+                  m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles, num_pid_m, num_pid_n,
+                  LOCAL: tl.constexpr, WORLD: tl.constexpr, RAGGED: tl.constexpr,
+                  B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                  ASYNC_FENCE: tl.constexpr):
+    """This program's tiles of one step's segment, backwards on odd steps. LOCAL (step 0): A is
+    the caller's shard ``a_desc`` = ``[m_local, K]``, nothing to wait for. Else A is the
+    gathered workspace: first wait once (acquire, bounded) for every chunk of the segment,
     outside the tile loop, which stays a clean pipelined persistent loop (with every peer
-    pushing from time zero, a segment lands long before a program reaches it); then the
-    step's tiles, backwards on odd steps."""
-    seg = segment_of_step(step, rank, WORLD, False)
-    for c in range(chunks_per_seg):
-        idx = seg * chunks_per_seg + c
-        wait_signal(flags_ptr + idx, epoch, max_spins, err_ptr, 1, rank, idx)  # op code OP_AG_GEMM
-    fence_async_proxy(epoch, ASYNC_FENCE)  # the TMA reads below come after the acquire
-    first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
+    pushing from time zero, a segment lands long before a program reaches it)."""
+    if LOCAL:
+        seg = rank
+        first = pid
+    else:
+        seg = segment_of_step(step, rank, WORLD, False)
+        for c in range(chunks_per_seg):
+            idx = seg * chunks_per_seg + c
+            wait_signal(flags_ptr + idx, epoch, max_spins, err_ptr, 1, rank, idx)  # OP_AG_GEMM
+        fence_async_proxy(epoch, ASYNC_FENCE)  # the TMA reads below come after the acquire
+        first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
     for t in tl.range(first, tl.minimum((step + 1) * tiles_per_seg, dp_end), NUM_SMS,
                       flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = grouped_tile(serpentine(t - step * tiles_per_seg, step, tiles_per_seg),
-                                    num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = step_tile(t, step, tiles_per_seg, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         if RAGGED:
-            row = off_m
+            c_row = off_m
         else:
-            row = seg * m_local + off_m
-        _ag_tile(ag_desc, b_desc, c_desc, row, seg, row, pid_n * BLOCK_N, k_tiles,
-                 RAGGED, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
+            c_row = seg * m_local + off_m
+        if LOCAL:  # the shard holds only this rank's rows
+            _ag_tile(a_desc, b_desc, c_desc, off_m, seg, c_row, pid_n * BLOCK_N, k_tiles,
+                     False, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            _ag_tile(a_desc, b_desc, c_desc, c_row, seg, c_row, pid_n * BLOCK_N, k_tiles,
+                     RAGGED, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -202,8 +206,7 @@ def _stream_k_tiles(x_desc, ag_desc, b_desc, c_desc, partials_ptr, counters_ptr,
         t = dp_end + u
         step = t // tiles_per_seg
         seg = segment_of_step(step, rank, world, False)
-        pid_m, pid_n = grouped_tile(serpentine(t - step * tiles_per_seg, step, tiles_per_seg),
-                                    num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = step_tile(t, step, tiles_per_seg, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         if RAGGED:

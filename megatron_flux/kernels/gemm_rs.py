@@ -217,14 +217,14 @@ def gemm_rs_kernel(
             slots_desc = tl.make_tensor_descriptor(data_ptr, [WORLD, m_local, N],
                                                    [m_local * N, N, 1], [1, BLOCK_M, HALF])
             _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
-                          err_ptr, serpentine(first - own_start, WORLD - 1, tiles_per_seg),
+                          err_ptr, serpentine(first, WORLD - 1, tiles_per_seg),
                           m_local, N, k_tiles, rank, WORLD, epoch, max_spins, num_pid_m,
                           num_pid_n, True, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N,
                           BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE)
             for t in tl.range(first + NUM_SMS, WORLD * tiles_per_seg, NUM_SMS,
                               flatten=FLATTEN_CONSUME):
                 _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
-                              err_ptr, serpentine(t - own_start, WORLD - 1, tiles_per_seg),
+                              err_ptr, serpentine(t, WORLD - 1, tiles_per_seg),
                               m_local, N, k_tiles, rank, WORLD, epoch, max_spins, num_pid_m,
                               num_pid_n, False, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M,
                               BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE)
@@ -250,7 +250,7 @@ def _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, pid, rank, slot_ba
                                              [BLOCK_M, HALF])
         for t in tl.range(first, (step + 1) * tiles_per_seg, NUM_SMS, flatten=FLATTEN,
                           warp_specialize=WARP_SPECIALIZE):
-            t_in_seg = serpentine(t - step * tiles_per_seg, step, tiles_per_seg)
+            t_in_seg = serpentine(t, step, tiles_per_seg)
             acc, off_m, off_n = segment_tile(a_desc, b_desc, t_in_seg, seg, m_local, k_tiles,
                                              num_pid_m, num_pid_n, RAGGED, B_KN, BLOCK_M,
                                              BLOCK_N, BLOCK_K, GROUP_M)

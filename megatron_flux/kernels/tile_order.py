@@ -37,12 +37,20 @@ def grouped_tile(t, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def serpentine(t_in_seg, step, tiles_per_seg):
-    """Index inside the segment actually visited at ``step``: odd steps run backwards, so a
-    step's first tiles share their B columns with the previous step's last ones. With
-    GROUP_M >= the segment's row tiles (small ``m_local``) every step reads all of B, which is
-    larger than L2 on the small-m shapes; this turns the seam's reads into L2 hits."""
+def serpentine(t, step, tiles_per_seg):
+    """Index inside its segment (in :func:`grouped_tile` order) of flat tile ``t``, visited at
+    ``step``: odd steps run backwards, so a step's first tiles share their B columns with the
+    previous step's last ones. With GROUP_M >= the segment's row tiles (small ``m_local``)
+    every step reads all of B, which is larger than L2 on the small-m shapes; this turns the
+    seam's reads into L2 hits."""
+    t_in_seg = t - step * tiles_per_seg
     return tl.where(step % 2 == 1, tiles_per_seg - 1 - t_in_seg, t_in_seg)
+
+
+@triton.jit
+def step_tile(t, step, tiles_per_seg, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` inside its segment of flat tile ``t``, visited at ``step``."""
+    return grouped_tile(serpentine(t, step, tiles_per_seg), num_pid_m, num_pid_n, GROUP_M)
 
 
 @triton.jit
@@ -73,8 +81,7 @@ def tile_order_probe_kernel(
     for t in range(pid, total, NUM_SMS):
         step = t // tiles_per_seg
         seg = segment_of_step(step, rank, world, OWN_LAST)
-        pid_m, pid_n = grouped_tile(serpentine(t % tiles_per_seg, step, tiles_per_seg),
-                                    num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = step_tile(t, step, tiles_per_seg, num_pid_m, num_pid_n, GROUP_M)
         base = out_ptr + t * 5
         tl.store(base + 0, step)
         tl.store(base + 1, seg)
