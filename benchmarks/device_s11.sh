@@ -21,11 +21,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/s11}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
-export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments" CUDA_VISIBLE_DEVICES=0
-export TRITON_CACHE_DIR="${PWD}/.device/triton-cache"
-nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,nounits \
-    -lms 200 > "${OUT}/smi.csv" &
-SMI=$!
+one_gpu_session
 TIMING=(--warmup 10 --shuffle-seed 0)
 EXP=benchmarks/experiments
 C128_3='{"block_m": 128, "block_n": 128, "block_k": 64, "num_stages": 3, "num_warps": 4, "epilogue_split": 2}'
@@ -39,10 +35,7 @@ for what in "$@"; do
           --trials 7 --iters 20 "${TIMING[@]}" --json "${OUT}/kvc-pps2.json" 2>&1 \
           | grep -E "^(AG|GEMM)" ;;
     ab)
-      install_carried_wheels || exit 1
-      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 200 python3 benchmarks/record_pytest.py \
-          "${OUT}/tests-1gpu.json" tests -q -m gpu -p no:cacheprovider > "${OUT}/tests-1gpu.log" 2>&1
-      echo "tests exit $?"; tail -2 "${OUT}/tests-1gpu.log"
+      one_gpu_tests || exit 1
       for tp in 2 4 8; do
         timeout 110 python3 ${EXP}/kernel_ab.py --op rs --prev .device/prev_gemm_rs.py --tp ${tp} \
             --models llama3-8b llama3-70b gpt3-175b --m 1024 2048 4096 8192 --trials 7 --iters 20 \
@@ -67,4 +60,3 @@ for what in "$@"; do
   esac
   echo "== ${what} done at ${SECONDS}s"
 done
-kill ${SMI}

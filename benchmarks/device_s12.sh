@@ -35,21 +35,14 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/s12}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
-export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments" CUDA_VISIBLE_DEVICES=0
-export TRITON_CACHE_DIR="${PWD}/.device/triton-cache"
-nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,nounits \
-    -lms 200 > "${OUT}/smi.csv" &
-SMI=$!
+one_gpu_session
 TIMING=(--trials 7 --iters 20 --warmup 10 --shuffle-seed 0)
 EXP=benchmarks/experiments
 declare -A PREV=([ag]=.device/prev_ag_gemm.py [rs]=.device/prev_gemm_rs.py)
 for what in "$@"; do
   case "${what}" in
     serp)
-      install_carried_wheels || exit 1
-      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 200 python3 benchmarks/record_pytest.py \
-          "${OUT}/tests-1gpu.json" tests -q -m gpu -p no:cacheprovider > "${OUT}/tests-1gpu.log" 2>&1
-      echo "tests exit $?"; tail -2 "${OUT}/tests-1gpu.log"
+      one_gpu_tests || exit 1
       for op in ag rs; do
         timeout 150 python3 ${EXP}/kernel_ab.py --op ${op} --prev "${PREV[${op}]}" \
             --tp 2 "${TIMING[@]}" --json "${OUT}/serp-${op}-tp2.json" 2>&1 | grep -v Warning
@@ -68,10 +61,7 @@ for what in "$@"; do
             --json "${OUT}/pf-rs-tp${tp}.json" 2>&1 | grep -v Warning
       done ;;
     spread)
-      install_carried_wheels || exit 1
-      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 200 python3 benchmarks/record_pytest.py \
-          "${OUT}/tests-1gpu.json" tests -q -m gpu -p no:cacheprovider > "${OUT}/tests-1gpu.log" 2>&1
-      echo "tests exit $?"; tail -2 "${OUT}/tests-1gpu.log"
+      one_gpu_tests || exit 1
       for tp in 2 4 8; do
         timeout 130 python3 ${EXP}/kernel_ab.py --op rs --prev .device/prev_gemm_rs.py --tp ${tp} \
             --models llama3-8b llama3-70b gpt3-175b --m 256 1024 2048 4096 \
@@ -87,10 +77,7 @@ for what in "$@"; do
         done
       done ;;
     unroll)
-      install_carried_wheels || exit 1
-      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 200 python3 benchmarks/record_pytest.py \
-          "${OUT}/tests-1gpu.json" tests -q -m gpu -p no:cacheprovider > "${OUT}/tests-1gpu.log" 2>&1
-      echo "tests exit $?"; tail -2 "${OUT}/tests-1gpu.log"
+      one_gpu_tests || exit 1
       for op in ag rs; do
         for tp in 8 2; do
           timeout 100 python3 ${EXP}/kernel_ab.py --op ${op} --prev "${PREV[${op}]}" --tp ${tp} \
@@ -118,4 +105,3 @@ for what in "$@"; do
   esac
   echo "== ${what} done at ${SECONDS}s"
 done
-kill ${SMI}
