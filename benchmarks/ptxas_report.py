@@ -12,6 +12,7 @@ Run it with the Triton the GPU box has (3.6) for numbers that match it.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import re
 import subprocess
@@ -32,6 +33,10 @@ _TYPES = {"x_ptr": "*bf16", "ag_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16
 
 
 def _compile(fn, constexprs, num_warps, num_stages, ptxas, ptx_version):
+    # constexpr parameters left out take their defaults, as in a launch (compiled as runtime
+    # integers they would keep both sides of every branch on them)
+    constexprs = {**{p.name: p.default for p in fn.params
+                     if p.is_constexpr and p.default is not inspect.Parameter.empty}, **constexprs}
     names = [p.name for p in fn.params]
     sig = {n: "constexpr" if n in constexprs else _TYPES.get(n, "i32") for n in names}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
@@ -39,7 +44,7 @@ def _compile(fn, constexprs, num_warps, num_stages, ptxas, ptx_version):
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=num_warps, num_stages=num_stages))
     info, _ = run_ptxas(kernel, ptxas, ptx_version)
-    return {**resources(kernel, info),
+    return {**resources(kernel, info), "ptx_lines": len(kernel.asm["ptx"].splitlines()),
             "performance_warnings": [ln.strip() for ln in info.splitlines() if "Performance" in ln]}
 
 
@@ -93,6 +98,24 @@ def main(argv=None):
                          "rs_tma_reduce": reduce_, "rs_spread_reduce": spread, **r})
         for row in rows[-6:]:
             print(json.dumps({k: v for k, v in row.items() if k != "config"}), cfg, flush=True)
+    # the step loop unrolled or a runtime loop at TP 8 (config.unroll_steps): code size, 128x128
+    bm, bn, bk, stages, warps, epi, ws = CONFIGS[2]
+    cfg = dict(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps,
+               epilogue_split=epi, warp_specialize=ws)
+    for unroll in (True, False):
+        common = dict(RAGGED=False, B_KN=False, EPI_SPLIT=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                      GROUP_M=8, NUM_SMS=132, FLATTEN=True, WARP_SPECIALIZE=ws, WORLD=8,
+                      UNROLL_STEPS=unroll)
+        r = _compile(ag_gemm_kernel, dict(common, STREAM_K=False, SK_LOCAL=False, ASYNC_FENCE=True),
+                     warps, stages, args.ptxas, args.ptx_version)
+        rows.append({"kernel": "ag_gemm", "config": cfg, "world": 8, "unroll_steps": unroll, **r})
+        r = _compile(gemm_rs_kernel, dict(common, HAS_BIAS=False, FLATTEN_CONSUME=True,
+                                          TMA_PUSH=True, ASYNC_FENCE=True, PRODUCE=True,
+                                          CONSUME=True, TMA_REDUCE=True, SPREAD_REDUCE=False),
+                     warps, stages, args.ptxas, args.ptx_version)
+        rows.append({"kernel": "gemm_rs", "config": cfg, "world": 8, "unroll_steps": unroll, **r})
+        for row in rows[-2:]:
+            print(json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)
     version = subprocess.run([args.ptxas, "--version"], capture_output=True, text=True).stdout
     result = {"command": " ".join([sys.executable] + sys.argv), "triton": triton.__version__,
               "ptxas": version.strip().splitlines()[-1], "target": "sm_90a", "rows": rows}
