@@ -29,7 +29,7 @@ CONFIGS = [(128, 256, 64, 3, 8, 2, False), (128, 256, 64, 3, 8, 1, True), (128, 
 _TYPES = {"x_ptr": "*bf16", "ag_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "a_ptr": "*bf16",
           "out_ptr": "*bf16", "data_ptr": "*bf16", "bias_ptr": "*bf16", "data_ptrs": "*i64",
           "flag_ptrs": "*i64", "flags_ptr": "*i32", "err_ptr": "*i32", "sk_partials_ptr": "*fp32",
-          "sk_counters_ptr": "*i32"}
+          "sk_counters_ptr": "*i32", "trace_ptr": "*i64"}
 
 
 def _compile(fn, constexprs, num_warps, num_stages, ptxas, ptx_version):

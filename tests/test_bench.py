@@ -595,3 +595,12 @@ def test_kernel_vs_cublas_config_families(monkeypatch):
         assert [c.rs_spread_reduce for c in cfgs] == [spread_default, not spread_default]
         cfgs, labels = K._configs("AG+GEMM", 4096, 14336 // tp, 4096, args)
         assert not any("spread" in lab for lab in labels) and any("sk" in lab for lab in labels)
+    # --extra: the default with fields changed, fused or (runner "plain") the yardstick
+    args = argparse.Namespace(configs=["default"], tp=2,
+                              extra=[{"block_n": 256, "num_warps": 8},
+                                     {"runner": "plain", "block_n": 256, "num_warps": 8}])
+    cfgs, labels = K._configs("AG+GEMM", 1024, 14336, 4096, args)
+    base = default_config("ag", 1024, 14336, 4096, tp=2)
+    assert labels == ["default", "extra0", "plain-extra1"]
+    assert cfgs[1] == cfgs[2] != base and (cfgs[1].block_n, cfgs[1].num_warps) == (256, 8)
+    assert cfgs[1].block_k == base.block_k and K._runner_kind("plain-extra1") == "plain"

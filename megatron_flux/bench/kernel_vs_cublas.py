@@ -95,8 +95,9 @@ def _time(fns: Dict[str, Callable], trials: int, iters: int, warmup: int = 0,
 def ag_on_one_gpu(a, w, world, cfg, err, launch_ag_gemm=None, num_sms=None):
     """AG+GEMM of ``a @ w.T`` wired to this GPU alone, as rank 0 of ``world``: the local shard
     is ``a``'s first ``m / world`` rows, the "gathered" workspace is ``a`` itself, every chunk
-    signal is pre-set (no wait spins). Returns ``(launch, out)``: ``launch()`` runs the kernel
-    with ``cfg`` (its ``chunk_rows`` capped at the shard) into ``out`` ``[m, n]``.
+    signal is pre-set (no wait spins). Returns ``(launch, out)``: ``launch(trace=None)`` runs the
+    kernel with ``cfg`` (its ``chunk_rows`` capped at the shard) into ``out`` ``[m, n]``
+    (``trace``: stamp its phases, :mod:`megatron_flux.kernels.phase_trace`).
     ``launch_ag_gemm``: another version of the launcher (default: the package's); ``num_sms``:
     the persistent grid's size (default: the device's SM count)."""
     import dataclasses
@@ -111,9 +112,10 @@ def ag_on_one_gpu(a, w, world, cfg, err, launch_ag_gemm=None, num_sms=None):
                        device=a.device)
     sms = num_sms or _num_sms(a.device)
 
-    def launch():
+    def launch(trace=None):
+        kwargs = {} if trace is None else {"trace": trace}  # earlier launchers have no trace
         launch_ag_gemm(a[:m_local], a, w.t(), out, flags, err, rank=0, world=world, epoch=1,
-                       cfg=cfg, num_sms=sms, max_spins=1 << 20)
+                       cfg=cfg, num_sms=sms, max_spins=1 << 20, **kwargs)
 
     return launch, out
 
@@ -131,8 +133,8 @@ def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None, num_sms=None):
     is a local buffer, every peer signal pre-set (no wait spins), the arrival counter zero. This
     rank's own signal starts at zero and each launch takes the next epoch, so a spread
     reduction (``rs_spread_reduce``) waits for its own grid's barrier as it does in a real call.
-    Returns ``(launch, out, data)``: ``launch(cfg, produce=True, consume=True)`` runs the
-    kernel into ``out`` ``[m / world, n]``; ``data[src]`` holds what "rank src" pushed.
+    Returns ``(launch, out, data)``: ``launch(cfg, produce=True, consume=True, trace=None)``
+    runs the kernel into ``out`` ``[m / world, n]``; ``data[src]`` holds what "rank src" pushed.
     ``launch_gemm_rs``: another version of the launcher (default: the package's); ``num_sms``:
     the persistent grid's size (default: the device's SM count)."""
     if launch_gemm_rs is None:
@@ -154,11 +156,12 @@ def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None, num_sms=None):
 
     epoch = [0]
 
-    def launch(cfg, produce=True, consume=True):
+    def launch(cfg, produce=True, consume=True, trace=None):
         epoch[0] += 1  # peers' signals stay ahead (1 << 30); the own one must be raised anew
+        kwargs = {} if trace is None else {"trace": trace}  # earlier launchers have no trace
         launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err, rank=0, world=world,
                        epoch=epoch[0], cfg=cfg, num_sms=sms, max_spins=1 << 20, produce=produce,
-                       consume=consume)
+                       consume=consume, **kwargs)
 
     # The kernel reaches the slots and signals only through the addresses in the pointer
     # tables, so ``launch`` must own them: a freed ``flags`` (reused by the next allocation)
@@ -314,6 +317,10 @@ def _configs(op, m, n, k, args):
     if "pps2" in args.configs:
         out += [(f"pps2-{i}", dataclasses.replace(table, **tile))
                 for i, tile in enumerate(PER_SM_TILES)]
+    for i, fields in enumerate(getattr(args, "extra", None) or []):  # --extra: the default with fields changed
+        plain = fields.get("runner") == "plain"
+        cfg = dataclasses.replace(default, **{f: v for f, v in fields.items() if f != "runner"})
+        out.append((f"plain-extra{i}" if plain else f"extra{i}", cfg))
     if "plain" in args.configs:  # the yardstick with the default's and the table's tile
         out += [("plain-default", default), ("plain-table", table),
                 ("plain-hostdesc-default", default)]
@@ -393,7 +400,18 @@ def main(argv=None):
     p.add_argument("--default-only", action="store_true", help="same as --configs default")
     p.add_argument("--only-config", type=int, default=None,
                    help="run only the i-th config of the --configs list")
+    p.add_argument("--extra", type=json.loads, default=None,
+                   help='a JSON list of GemmConfig field dicts, each timed as the default config '
+                        'with those fields changed ("extraI"); {"runner": "plain", ...} runs the '
+                        'plain yardstick with it ("plain-extraI")')
+    p.add_argument("--sk-max-tail", type=float, default=None,
+                   help="experiment: split the last wave along K when it fills at most this "
+                        "share of the grid (stream_k.MAX_TAIL_FRACTION for this run)")
     args = p.parse_args(argv)
+    if args.sk_max_tail is not None:
+        from megatron_flux.kernels import stream_k
+
+        stream_k.MAX_TAIL_FRACTION = args.sk_max_tail
     if args.default_only:
         args.configs = ["default"]
     return write_json(run(args), args.json)

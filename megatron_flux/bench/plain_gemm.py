@@ -16,19 +16,28 @@ import triton
 import triton.language as tl
 
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
+from megatron_flux.kernels.phase_trace import stamp
 from megatron_flux.kernels.tile_order import grouped_tile
 
 
+#: what ``trace[program, slot]`` holds with TRACE (:mod:`~megatron_flux.kernels.phase_trace`)
+PLAIN_PHASES = ("start", "descriptors", "end")
+
+
 @triton.jit
-def plain_gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
+def plain_gemm_kernel(a_ptr, b_ptr, c_ptr, trace_ptr, M, N, K,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr):
+                      GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
+                      TRACE: tl.constexpr = False):
     """``a`` ``[M, K]``, ``b`` ``[N, K]``, ``c`` ``[M, N]``, all contiguous; TMA descriptors
-    built on the device, as the fused kernels do."""
+    built on the device, as the fused kernels do. TRACE: stamp :data:`PLAIN_PHASES`."""
+    stamp(trace_ptr, 0, TRACE)
     a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
     b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
     c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N])
+    stamp(trace_ptr, 1, TRACE)
     _tiles(a_desc, b_desc, c_desc, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN)
+    stamp(trace_ptr, 2, TRACE)
 
 
 @triton.jit
@@ -57,9 +66,10 @@ def _tiles(a_desc, b_desc, c_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
         c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
 
 
-def launch_plain_gemm(a, b_nk, c, cfg, num_sms, host_descriptors=False):
+def launch_plain_gemm(a, b_nk, c, cfg, num_sms, host_descriptors=False, trace=None):
     """``c = a @ b_nk.T`` with ``cfg``'s tile, stages, warps, GROUP_M and ``flatten``; the TMA
-    descriptors are built on the device unless ``host_descriptors``."""
+    descriptors are built on the device unless ``host_descriptors``. ``trace``: stamp
+    :data:`PLAIN_PHASES` into it (device descriptors only)."""
     m, k = a.shape
     n = b_nk.shape[0]
     if not (a.is_contiguous() and b_nk.is_contiguous() and c.is_contiguous()):
@@ -83,4 +93,5 @@ def launch_plain_gemm(a, b_nk, c, cfg, num_sms, host_descriptors=False):
             TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_n]), m, n, k, **meta)
     else:
         ensure_descriptor_allocator()
-        plain_gemm_kernel[(grid,)](a, b_nk, c, m, n, k, **meta)
+        plain_gemm_kernel[(grid,)](a, b_nk, c, trace if trace is not None else c, m, n, k,
+                                   TRACE=trace is not None, **meta)

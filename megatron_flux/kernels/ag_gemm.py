@@ -37,11 +37,17 @@ from megatron_flux.kernels.config import interpreting, launch_geometry, unroll_s
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import split_columns, tile_mainloop, tile_mainloop_k
+from megatron_flux.kernels.phase_trace import stamp
 from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import fence_async_proxy, wait_signal
 from megatron_flux.kernels.stream_k import sk_covering, sk_publish_part, sk_range, sk_sum_parts, \
     stream_k_plan, stream_k_scratch
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, segment_of_step, step_tile
+
+
+#: what ``trace[program, slot]`` holds with TRACE (:mod:`.phase_trace`); "last_wait": after the
+#: last peer step's wait and fence
+AG_PHASES = ("start", "descriptors", "local_done", "last_wait", "peers_done", "end")
 
 
 @triton.jit
@@ -79,14 +85,14 @@ def _store(c_desc, c_seg, c_row, off_n, c, RAGGED_C: tl.constexpr, BLOCK_M: tl.c
 @triton.jit(do_not_specialize=["rank", "epoch", "max_spins", "sk_tiles"])
 def ag_gemm_kernel(
     x_ptr, ag_ptr, b_ptr, c_ptr,
-    flags_ptr, err_ptr, sk_partials_ptr, sk_counters_ptr,
+    flags_ptr, err_ptr, sk_partials_ptr, sk_counters_ptr, trace_ptr,
     m_local, N, K, ldb, rank, epoch, chunk_rows, max_spins, sk_tiles,
     WORLD: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, STREAM_K: tl.constexpr,
     ASYNC_FENCE: tl.constexpr = True, SK_LOCAL: tl.constexpr = False,
-    UNROLL_STEPS: tl.constexpr = True,
+    UNROLL_STEPS: tl.constexpr = True, TRACE: tl.constexpr = False,
 ):
     """Pointers: ``x`` [m_local, K], ``ag`` / ``c`` [WORLD * m_local, K / N] contiguous; ``b``
     [K, N] (B_KN) or [N, K], row stride ``ldb``. TMA descriptors are built on the device, once
@@ -95,7 +101,9 @@ def ag_gemm_kernel(
     (:mod:`.stream_k`); without it ``sk_tiles`` is 0 and the scratch is not touched.
     ASYNC_FENCE: a proxy fence after each step's waits (off only under the interpreter, which
     has no inline assembly). UNROLL_STEPS: the peer-step loop unrolled at compile time (up to
-    TP 4, :func:`~megatron_flux.kernels.config.unroll_steps`) or a runtime loop."""
+    TP 4, :func:`~megatron_flux.kernels.config.unroll_steps`) or a runtime loop.
+    TRACE: stamp the phases of :data:`AG_PHASES` into ``trace_ptr`` (:mod:`.phase_trace`)."""
+    stamp(trace_ptr, 0, TRACE)  # start
     x_desc = tl.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
     if RAGGED:
         ag_desc = tl.make_tensor_descriptor(ag_ptr, [WORLD, m_local, K], [m_local * K, K, 1],
@@ -117,12 +125,14 @@ def ag_gemm_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     chunks_per_seg = tl.cdiv(m_local, chunk_rows)
     dp_end = WORLD * tiles_per_seg - sk_tiles  # tiles before it are data-parallel
+    stamp(trace_ptr, 1, TRACE)  # descriptors
 
     # Step 0: local rows, read from the caller's shard (no wait).
     _segment_step(0, x_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch, max_spins,
                   m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles, num_pid_m, num_pid_n,
                   True, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                  NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE)
+                  NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
+    stamp(trace_ptr, 2, TRACE)  # local_done
 
     # Steps 1..WORLD-1: peers' rows in ring order, from the gathered workspace. Up to TP 4 the
     # step loop is unrolled (WORLD is a compile-time constant), so every tile loop sits at the
@@ -135,20 +145,22 @@ def ag_gemm_kernel(
                           max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles,
                           num_pid_m, num_pid_n, False, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M,
                           BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE,
-                          ASYNC_FENCE)
+                          ASYNC_FENCE, trace_ptr, TRACE)
     else:
         for step in range(1, WORLD):
             _segment_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
                           max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles,
                           num_pid_m, num_pid_n, False, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M,
                           BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE,
-                          ASYNC_FENCE)
+                          ASYNC_FENCE, trace_ptr, TRACE)
 
+    stamp(trace_ptr, 4, TRACE)  # peers_done
     if STREAM_K:
         _stream_k_tiles(x_desc, ag_desc, b_desc, c_desc, sk_partials_ptr, sk_counters_ptr, pid,
                         dp_end, sk_tiles, tiles_per_seg, k_tiles, m_local, num_pid_m, num_pid_n,
                         rank, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                         NUM_SMS, SK_LOCAL)
+    stamp(trace_ptr, 5, TRACE)  # end
 
 
 @triton.jit
@@ -158,7 +170,7 @@ def _segment_step(step, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, e
                   B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                   NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                  ASYNC_FENCE: tl.constexpr):
+                  ASYNC_FENCE: tl.constexpr, trace_ptr, TRACE: tl.constexpr):
     """This program's tiles of one step's segment, backwards on odd steps. LOCAL (step 0): A is
     the caller's shard ``a_desc`` = ``[m_local, K]``, nothing to wait for. Else A is the
     gathered workspace: first wait once (acquire, bounded) for every chunk of the segment,
@@ -173,6 +185,7 @@ def _segment_step(step, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, e
             idx = seg * chunks_per_seg + c
             wait_signal(flags_ptr + idx, epoch, max_spins, err_ptr, 1, rank, idx)  # OP_AG_GEMM
         fence_async_proxy(epoch, ASYNC_FENCE)  # the TMA reads below come after the acquire
+        stamp(trace_ptr, 3, TRACE)  # last_wait
         first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
     for t in tl.range(first, tl.minimum((step + 1) * tiles_per_seg, dp_end), NUM_SMS,
                       flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
@@ -230,12 +243,15 @@ def _stream_k_tiles(x_desc, ag_desc, b_desc, c_desc, partials_ptr, counters_ptr,
         it = (u + 1) * k_tiles
 
 
-def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sms, max_spins):
+def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sms, max_spins,
+                   trace=None):
     """Launch :func:`ag_gemm_kernel` on the current stream.
 
     ``x`` ``[m_local, K]`` this rank's rows; ``ag`` ``[world * m_local, K]`` the gathered
     workspace (peers' rows land there); ``b`` ``[K, N]`` row-major or a transposed row-major
     ``[N, K]``; ``out`` ``[world * m_local, N]``; ``flags`` int32 chunk signals; ``err`` int32[4].
+    ``trace``: an int64 ``[grid, TRACE_SLOTS]`` buffer to stamp :data:`AG_PHASES` into (a
+    diagnostic build of the kernel; :mod:`.phase_trace`).
     """
     m_local, k = x.shape
     n = b.shape[1]
@@ -253,14 +269,16 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
         else:
             partials, counters = err, err  # never touched
         last_plan["sk_tiles"] = sk_tiles
-        args = (x, ag, b, out, flags, err, partials, counters, m_local, n, k, geo.ldb, rank, epoch,
+        args = (x, ag, b, out, flags, err, partials, counters,
+                trace if trace is not None else err, m_local, n, k, geo.ldb, rank, epoch,
                 cfg.chunk_rows, max_spins, sk_tiles)
         constexprs = dict(
             WORLD=world, RAGGED=geo.ragged, B_KN=geo.b_kn, EPI_SPLIT=cfg.epilogue_split,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             NUM_SMS=grid, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             STREAM_K=sk_tiles > 0, ASYNC_FENCE=not interpreting(),
-            SK_LOCAL=sk_tiles > 0 and world == 1, UNROLL_STEPS=unroll_steps(world))
+            SK_LOCAL=sk_tiles > 0 and world == 1, UNROLL_STEPS=unroll_steps(world),
+            TRACE=trace is not None)
         return grid, args, constexprs
 
     ensure_descriptor_allocator()
@@ -278,7 +296,7 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
         warnings.warn(f"megatron-flux AG+GEMM: {cfg} needs more shared memory with stream_k="
                       f"{cfg.stream_k} than this GPU has ({exc}); running it without stream-K")
         launch_ag_gemm(x, ag, b, out, flags, err, rank=rank, world=world, epoch=epoch, cfg=cfg,
-                       num_sms=num_sms, max_spins=max_spins)
+                       num_sms=num_sms, max_spins=max_spins, trace=trace)
 
 
 #: configs whose stream-K variant exceeded shared memory (they run data-parallel)

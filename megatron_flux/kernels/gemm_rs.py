@@ -51,9 +51,17 @@ from megatron_flux.kernels.config import interpreting, launch_geometry, unroll_s
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import segment_tile, split_columns
+from megatron_flux.kernels.phase_trace import stamp
 from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import arrive_at_grid_barrier, fence_async_proxy, wait_signal
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, segment_of_step, serpentine
+
+
+#: what ``trace[program, slot]`` holds with TRACE (:mod:`.phase_trace`); a program stamps
+#: "own_gemm" .. "first_reduced" only if it has an own tile (epilogue reduction), "waited" also
+#: in the spread reduction
+RS_PHASES = ("start", "descriptors", "produced", "arrived", "own_gemm", "waited", "first_reduced",
+             "end")
 
 
 @triton.jit
@@ -140,7 +148,7 @@ def _reduce_tile(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_
 @triton.jit(do_not_specialize=["rank", "epoch", "max_spins"])
 def gemm_rs_kernel(
     a_ptr, b_ptr, out_ptr,
-    data_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr,
+    data_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr, trace_ptr,
     m_local, N, K, ldb, rank, epoch, max_spins,
     WORLD: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr, HAS_BIAS: tl.constexpr,
     EPI_SPLIT: tl.constexpr,
@@ -150,13 +158,16 @@ def gemm_rs_kernel(
     TMA_PUSH: tl.constexpr, ASYNC_FENCE: tl.constexpr,
     PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True, TMA_REDUCE: tl.constexpr = True,
     SPREAD_REDUCE: tl.constexpr = False, UNROLL_STEPS: tl.constexpr = True,
+    TRACE: tl.constexpr = False,
 ):
     """``data_ptr``: this rank's slot region (``[WORLD, m_local, N]``, output dtype) for this
     call's parity; ``data_ptrs``/``flag_ptrs``: int64 tables of every rank's slot region and
     int32 signal region (layout: :func:`~megatron_flux.kernels.config.rs_signal_count`).
     PRODUCE/CONSUME select the phases (both in production; the CPU tests run all ranks'
     producers before their consumers). ASYNC_FENCE: drain TMA stores before the grid
-    signal (off only under the interpreter). TMA descriptors are built on the device."""
+    signal (off only under the interpreter). TMA descriptors are built on the device.
+    TRACE: stamp the phases of :data:`RS_PHASES` into ``trace_ptr`` (:mod:`.phase_trace`)."""
+    stamp(trace_ptr, 0, TRACE)  # start
     if RAGGED:
         a_desc = tl.make_tensor_descriptor(a_ptr, [WORLD, m_local, K], [m_local * K, K, 1],
                                            [1, BLOCK_M, BLOCK_K])
@@ -174,6 +185,7 @@ def gemm_rs_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     slot_base = (rank * m_local).to(tl.int64) * N  # this rank's slot in every owner's region
     my_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
+    stamp(trace_ptr, 1, TRACE)  # descriptors
 
     if PRODUCE:
         # Up to TP 4 the step loop is unrolled (WORLD is a compile-time constant): every tile
@@ -192,6 +204,7 @@ def gemm_rs_kernel(
                                m_local, N, k_tiles, tiles_per_seg, num_pid_m, num_pid_n, WORLD,
                                RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                NUM_SMS, FLATTEN, WARP_SPECIALIZE, TMA_PUSH)
+        stamp(trace_ptr, 2, TRACE)  # produced
         # One grid barrier after every producer step, not one per step: each owner waits for
         # all its peers, and the peer that visits it last publishes it at the end of its
         # producer phase either way, so earlier per-step signals made no owner ready sooner;
@@ -201,10 +214,12 @@ def gemm_rs_kernel(
                 seg = segment_of_step(owner_step, rank, WORLD, True)
                 owner_flags = tl.load(flag_ptrs + seg).to(tl.pointer_type(tl.int32))
                 tl.atomic_xchg(owner_flags + rank, epoch, sem="release", scope="sys")
+        stamp(trace_ptr, 3, TRACE)  # arrived
 
     if CONSUME and SPREAD_REDUCE:
-        _spread_reduce(data_ptr, out_ptr, bias_ptr, my_flags, err_ptr, pid, m_local, N, rank,
-                       epoch, max_spins, WORLD, HAS_BIAS, NUM_SMS, 16, 256)  # 16 x 256 chunks
+        _spread_reduce(data_ptr, out_ptr, bias_ptr, my_flags, err_ptr, trace_ptr, pid, m_local,
+                       N, rank, epoch, max_spins, WORLD, HAS_BIAS, NUM_SMS, 16, 256,
+                       TRACE)  # 16 x 256 chunks
     if CONSUME and not SPREAD_REDUCE:
         # The first own tile is peeled so its GEMM runs before the one wait for the peers (when
         # the grid covers every tile in one wave, a program's only reduction tile then overlaps
@@ -217,17 +232,18 @@ def gemm_rs_kernel(
             slots_desc = tl.make_tensor_descriptor(data_ptr, [WORLD, m_local, N],
                                                    [m_local * N, N, 1], [1, BLOCK_M, HALF])
             _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
-                          err_ptr, serpentine(first, WORLD - 1, tiles_per_seg),
+                          err_ptr, trace_ptr, serpentine(first, WORLD - 1, tiles_per_seg),
                           m_local, N, k_tiles, rank, WORLD, epoch, max_spins, num_pid_m,
                           num_pid_n, True, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N,
-                          BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE)
+                          BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE, TRACE)
             for t in tl.range(first + NUM_SMS, WORLD * tiles_per_seg, NUM_SMS,
                               flatten=FLATTEN_CONSUME):
                 _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
-                              err_ptr, serpentine(t, WORLD - 1, tiles_per_seg),
+                              err_ptr, trace_ptr, serpentine(t, WORLD - 1, tiles_per_seg),
                               m_local, N, k_tiles, rank, WORLD, epoch, max_spins, num_pid_m,
                               num_pid_n, False, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M,
-                              BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE)
+                              BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE, False)
+    stamp(trace_ptr, 7, TRACE)  # end
 
 
 @triton.jit
@@ -260,30 +276,37 @@ def _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, pid, rank, slot_ba
 
 @triton.jit
 def _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags, err_ptr,
-                  t_in_seg, m_local, N, k_tiles, rank, world, epoch, max_spins, num_pid_m,
-                  num_pid_n, WAIT: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  TMA_REDUCE: tl.constexpr, ASYNC_FENCE: tl.constexpr):
+                  trace_ptr, t_in_seg, m_local, N, k_tiles, rank, world, epoch, max_spins,
+                  num_pid_m, num_pid_n, WAIT: tl.constexpr, RAGGED: tl.constexpr,
+                  B_KN: tl.constexpr, HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, TMA_REDUCE: tl.constexpr, ASYNC_FENCE: tl.constexpr,
+                  TRACE: tl.constexpr):
     """One tile of the own segment: its GEMM, with WAIT the wait for every peer's step signal,
     then the reduction epilogue. After the wait (generic-proxy acquire), TMA reads of the
-    partials are ordered behind it with a proxy fence."""
+    partials are ordered behind it with a proxy fence. TRACE stamps the phases of the first
+    (WAIT) tile."""
     acc, off_m, off_n = segment_tile(a_desc, b_desc, t_in_seg, rank, m_local, k_tiles,
                                      num_pid_m, num_pid_n, RAGGED, B_KN, BLOCK_M, BLOCK_N,
                                      BLOCK_K, GROUP_M)
     if WAIT:
+        stamp(trace_ptr, 4, TRACE)  # own_gemm
         for src in range(0, world):
             if src != rank:
                 wait_signal(my_flags + src, epoch, max_spins, err_ptr, 2, rank, src)  # OP_GEMM_RS
         fence_async_proxy(epoch, ASYNC_FENCE and TMA_REDUCE)
+        stamp(trace_ptr, 5, TRACE)  # waited
     _reduce_tile(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
                  world, TMA_REDUCE, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N)
+    if WAIT:
+        stamp(trace_ptr, 6, TRACE)  # first_reduced
 
 
 @triton.jit
-def _spread_reduce(data_ptr, out_ptr, bias_ptr, my_flags, err_ptr, pid, m_local, N, rank, epoch,
-                   max_spins, WORLD: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_SMS: tl.constexpr,
-                   RED_M: tl.constexpr, RED_N: tl.constexpr):
+def _spread_reduce(data_ptr, out_ptr, bias_ptr, my_flags, err_ptr, trace_ptr, pid, m_local, N,
+                   rank, epoch, max_spins, WORLD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   NUM_SMS: tl.constexpr, RED_M: tl.constexpr, RED_N: tl.constexpr,
+                   TRACE: tl.constexpr):
     """The reduction spread over the whole grid (``rs_spread_reduce``): wait (acquire, bounded)
     until every rank, this one included, has pushed its partial of this rank's rows, then sum
     the ``WORLD`` slots in rank order ``0..W-1`` (+ bias) into ``out``, one ``RED_M x RED_N``
@@ -292,6 +315,7 @@ def _spread_reduce(data_ptr, out_ptr, bias_ptr, my_flags, err_ptr, pid, m_local,
     sums them."""
     for src in tl.static_range(0, WORLD):
         wait_signal(my_flags + src, epoch, max_spins, err_ptr, 2, rank, src)  # op code OP_GEMM_RS
+    stamp(trace_ptr, 5, TRACE)  # waited
     num_n = tl.cdiv(N, RED_N)
     for c in range(pid, tl.cdiv(m_local, RED_M) * num_n, NUM_SMS):
         rows = (c // num_n) * RED_M + tl.arange(0, RED_M)
@@ -308,12 +332,14 @@ def _spread_reduce(data_ptr, out_ptr, bias_ptr, my_flags, err_ptr, pid, m_local,
 
 
 def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, world, epoch, cfg,
-                   num_sms, max_spins, produce=True, consume=True):
+                   num_sms, max_spins, produce=True, consume=True, trace=None):
     """Launch :func:`gemm_rs_kernel` on the current stream.
 
     ``a`` ``[world * m_local, K]``; ``b`` ``[K, N]`` row-major or a transposed row-major
     ``[N, K]``; ``out`` ``[m_local, N]``; ``data`` this rank's ``[world, m_local, N]`` slot
-    region of this call's parity (the address ``data_ptrs[rank]`` points at)."""
+    region of this call's parity (the address ``data_ptrs[rank]`` points at). ``trace``: an
+    int64 ``[grid, TRACE_SLOTS]`` buffer to stamp :data:`RS_PHASES` into (a diagnostic build of
+    the kernel; :mod:`.phase_trace`)."""
     m, k = a.shape
     m_local = m // world
     n = b.shape[1]
@@ -322,7 +348,8 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
         """(grid, runtime args, constexprs) with ``per_sm`` programs per SM."""
         geo = launch_geometry(m_local, n, b, world, cfg, num_sms * per_sm)
         args = (a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
-                m_local, n, k, geo.ldb, rank, epoch, max_spins)
+                trace if trace is not None else err, m_local, n, k, geo.ldb, rank, epoch,
+                max_spins)
         constexprs = dict(
             WORLD=world, RAGGED=geo.ragged, B_KN=geo.b_kn, HAS_BIAS=bias is not None,
             EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -330,7 +357,7 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
             FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
             TMA_PUSH=cfg.rs_tma_push, ASYNC_FENCE=not interpreting(), PRODUCE=produce,
             CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce,
-            UNROLL_STEPS=unroll_steps(world))
+            UNROLL_STEPS=unroll_steps(world), TRACE=trace is not None)
         return geo.grid, args, constexprs
 
     ensure_descriptor_allocator()

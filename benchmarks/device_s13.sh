@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Session 13, one GPU (kind nvidia-h200; no 2-GPU box lent this session), communication off:
+#   tests  the GPU-marked tests on this one GPU (2-GPU ones skip), with the phase-stamp tests
+#                                                       -> $OUT/tests-1gpu.json
+#   trace  where the fused kernels' time goes: per-program phase stamps of GEMM+RS and AG+GEMM
+#          against the plain yardstick of the same tile (experiments/phase_trace.py), TP 2,
+#          llama3-8b m = 1024-4096 (the shapes furthest behind cuBLAS), gpt3-175b m = 1024
+#                                                       -> $OUT/trace-{rs,ag}.json
+#   agsweep AG+GEMM tiles at llama3-8b m = 1024/2048 (TP 2) with stream-K allowed for a last
+#          wave up to 0.45 of the grid (128x256 at m = 1024 leaves 0.39): kernel_vs_cublas
+#          --extra, the plain yardstick beside        -> $OUT/agsweep.json
+# nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
+# Usage: OUT=/somewhere bash benchmarks/device_s13.sh tests trace ...
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-/tmp/s13}"
+mkdir -p "${OUT}"
+source benchmarks/device_env.sh
+one_gpu_session
+TIMING=(--trials 7 --iters 20 --warmup 10 --shuffle-seed 0)
+EXP=benchmarks/experiments
+KVC=megatron_flux/bench/kernel_vs_cublas.py
+for what in "$@"; do
+  case "${what}" in
+    tests)
+      one_gpu_tests || exit 1 ;;
+    trace)
+      timeout 150 python3 ${EXP}/phase_trace.py --op rs --tp 2 --models llama3-8b gpt3-175b \
+          --m 1024 2048 4096 --configs table --json "${OUT}/trace-rs.json" 2>&1 | grep -v Warning
+      timeout 120 python3 ${EXP}/phase_trace.py --op ag --tp 2 --models llama3-8b \
+          --m 1024 2048 --configs table --json "${OUT}/trace-ag.json" 2>&1 | grep -v Warning ;;
+    agsweep)
+      timeout 240 python3 ${KVC} --tp 2 --ops AG+GEMM --models llama3-8b --m 1024 2048 \
+          --configs default table plain --sk-max-tail 0.45 "${TIMING[@]}" --extra '[
+            {"block_n": 256, "num_stages": 3, "num_warps": 8, "epilogue_split": 2, "stream_k": 1},
+            {"block_n": 256, "num_stages": 3, "num_warps": 8, "epilogue_split": 2, "stream_k": 0},
+            {"block_n": 256, "num_stages": 3, "num_warps": 8, "epilogue_split": 1, "stream_k": 1,
+             "warp_specialize": true},
+            {"block_m": 256, "block_n": 128, "num_stages": 3, "num_warps": 8, "epilogue_split": 1,
+             "stream_k": 1},
+            {"block_n": 128, "num_stages": 4, "num_warps": 8, "epilogue_split": 1, "stream_k": 1},
+            {"block_m": 64, "block_n": 256, "num_stages": 4, "num_warps": 4, "epilogue_split": 1,
+             "stream_k": 1},
+            {"runner": "plain", "block_n": 256, "num_stages": 3, "num_warps": 8}]' \
+          --json "${OUT}/agsweep.json" 2>&1 | grep -v Warning ;;
+    *) echo "unknown stage ${what}"; exit 2 ;;
+  esac
+done
