@@ -9,6 +9,19 @@
 #   agsweep AG+GEMM tiles at llama3-8b m = 1024/2048 (TP 2) with stream-K allowed for a last
 #          wave up to 0.45 of the grid (128x256 at m = 1024 leaves 0.39): kernel_vs_cublas
 #          --extra, the plain yardstick beside        -> $OUT/agsweep.json
+#   rsvar  (carry .device/v1_gemm_rs.py and .device/v3_gemm_rs.py) two ways to shorten GEMM+RS's
+#          reduction epilogue (4-5 us per own tile in the trace): v1 issues both column halves'
+#          TMA loads before adding; v3 starts every own tile after the first from the peers'
+#          partials, so its epilogue is a plain store. kernel_ab, TP 2 grid ("prev" = v1)
+#                                                       -> $OUT/rsvar.json, $OUT/trace-rs-v{1,3}.json
+#   agorder whether AG+GEMM's per-segment tile order (4 row tiles per segment at llama3-8b
+#          m = 1024, TP 2) is what makes its tiles slower than the plain GEMM's: the plain
+#          yardstick with group_m 4 / 8 / 16                -> $OUT/agorder.json
+#   flat   (carry .device/prev_gemm_rs.py = `git show 8d11048:megatron_flux/kernels/gemm_rs.py`)
+#          GEMM+RS with its reduction tile loop really flattened (the peers' TMA reads unrolled)
+#          against 8d11048, whose loop never flattened; "new+" = the new kernel unflattened.
+#          TP 2 grid, TP 4 on llama3-8b/70b; then the phase stamps of the new kernel
+#                                                       -> $OUT/flat-rs-tp*.json, $OUT/trace-rs-flat.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s13.sh tests trace ...
 set -uo pipefail
@@ -43,6 +56,31 @@ for what in "$@"; do
              "stream_k": 1},
             {"runner": "plain", "block_n": 256, "num_stages": 3, "num_warps": 8}]' \
           --json "${OUT}/agsweep.json" 2>&1 | grep -v Warning ;;
+    rsvar)
+      timeout 300 python3 ${EXP}/kernel_ab.py --op rs --prev .device/v1_gemm_rs.py \
+          --variant v3=.device/v3_gemm_rs.py --tp 2 "${TIMING[@]}" --json "${OUT}/rsvar.json" \
+          2>&1 | grep -v Warning
+      for v in 1 3; do
+        timeout 100 python3 ${EXP}/phase_trace.py --op rs --tp 2 --models llama3-8b gpt3-175b \
+            --m 1024 4096 --configs table --module .device/v${v}_gemm_rs.py \
+            --json "${OUT}/trace-rs-v${v}.json" 2>&1 | grep -v Warning
+      done ;;
+    agorder)
+      timeout 150 python3 ${KVC} --tp 2 --ops AG+GEMM --models llama3-8b --m 1024 2048 \
+          --configs default plain "${TIMING[@]}" --extra '[
+            {"runner": "plain", "group_m": 4}, {"runner": "plain", "group_m": 16},
+            {"runner": "plain", "group_m": 2}]' --json "${OUT}/agorder.json" 2>&1 | grep -v Warning ;;
+    flat)
+      one_gpu_tests || exit 1
+      timeout 200 python3 ${EXP}/kernel_ab.py --op rs --prev .device/prev_gemm_rs.py --tp 2 \
+          --new-override '{"flatten_consume": false}' "${TIMING[@]}" \
+          --json "${OUT}/flat-rs-tp2.json" 2>&1 | grep -v Warning
+      timeout 100 python3 ${EXP}/kernel_ab.py --op rs --prev .device/prev_gemm_rs.py --tp 4 \
+          --models llama3-8b llama3-70b --m 1024 2048 4096 \
+          --new-override '{"flatten_consume": false}' "${TIMING[@]}" \
+          --json "${OUT}/flat-rs-tp4.json" 2>&1 | grep -v Warning
+      timeout 100 python3 ${EXP}/phase_trace.py --op rs --tp 2 --models llama3-8b gpt3-175b \
+          --m 1024 4096 --configs table --json "${OUT}/trace-rs-flat.json" 2>&1 | grep -v Warning ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
 done

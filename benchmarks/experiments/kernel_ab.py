@@ -39,11 +39,16 @@ def main(argv=None):
     p.add_argument("--new-override", type=json.loads, default=None,
                    help='GemmConfig fields (JSON) for a third runner, "new+": the current '
                         'kernel with the config changed, e.g. {"rs_spread_reduce": true}')
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=PATH",
+                   help="one more runner: the launcher of the module at PATH, timed as NAME")
     add_timing_args(p)
     args = p.parse_args(argv)
     launcher = "launch_ag_gemm" if args.op == "ag" else "launch_gemm_rs"
     launchers = {"prev": getattr(load_module(args.prev, "kernel_prev"), launcher),
                  "new": None}  # None: the package's
+    for spec in args.variant:
+        name, path = spec.split("=", 1)
+        launchers[name] = getattr(load_module(path, f"kernel_{name}"), launcher)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     table = TableConfigProvider()
     dev = torch.device("cuda", torch.cuda.current_device())

@@ -22,7 +22,7 @@ import statistics
 
 import torch
 
-from common import problem, write_record
+from common import load_module, problem, write_record
 from megatron_flux.bench.grid import MODELS
 from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu, rs_on_one_gpu
 from megatron_flux.bench.plain_gemm import PLAIN_PHASES, launch_plain_gemm
@@ -100,11 +100,18 @@ def main(argv=None):
     p.add_argument("--configs", nargs="+", default=["table", "default"])
     p.add_argument("--override", type=json.loads, default=None,
                    help="GemmConfig fields (JSON) applied to every config")
+    p.add_argument("--module", default=None,
+                   help="trace the launcher of this copy of kernels/ag_gemm.py or gemm_rs.py "
+                        "(an experiment variant) instead of the package's")
     p.add_argument("--launches", type=int, default=7)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json")
     args = p.parse_args(argv)
+    launcher = None
+    if args.module:
+        name = "launch_ag_gemm" if args.op == "ag" else "launch_gemm_rs"
+        launcher = getattr(load_module(args.module, "kernel_variant"), name)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     table = TableConfigProvider()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -125,14 +132,14 @@ def main(argv=None):
                 if args.override:
                     cfg = dataclasses.replace(cfg, **args.override)
                 if args.op == "ag":
-                    fused, _ = ag_on_one_gpu(a, w, args.tp, cfg, err)
+                    fused, _ = ag_on_one_gpu(a, w, args.tp, cfg, err, launch_ag_gemm=launcher)
                     phases = AG_PHASES
                 else:
-                    rs_launch, _, _ = rs_on_one_gpu(a, w, args.tp, err)
+                    rs_launch, _, _ = rs_on_one_gpu(a, w, args.tp, err, launch_gemm_rs=launcher)
                     fused = (lambda trace=None, cfg=cfg, rs_launch=rs_launch:
                              rs_launch(cfg, trace=trace))
                     phases = RS_PHASES
-                record = {"op": args.op, "model": model, "m": m, "n": n, "k": k, "tp": args.tp,
+                record = {"module": args.module, "op": args.op, "model": model, "m": m, "n": n, "k": k, "tp": args.tp,
                           "label": label, "cfg": cfg.to_dict()}
                 rows_cap = sms * cfg.programs_per_sm  # the largest grid a launch can have
                 record["fused"] = run_traced(fused, rows_cap, phases, args.launches, args.warmup,

@@ -33,8 +33,13 @@ class GemmConfig:
     GEMM+RS knobs (AG+GEMM ignores them): ``rs_tma_push`` writes the partial tiles into the
     owner's buffer with TMA stores (else plain vector stores); ``rs_tma_reduce`` reads the
     peers' partials in the reduction by TMA (else masked vector loads); ``flatten_consume``
-    flattens the reduction loop. ``rs_spread_reduce`` pushes the own segment's partials into the
-    own slot like the peers' and then spreads the reduction over the whole grid (instead of
+    asks Triton to flatten the reduction loop, which it does not do (the loop over the peers in
+    the reduction epilogue is a second nested loop): both values compile to the same kernel.
+    A variant whose loop did flatten ran level with it (paired median 1.000 at TP 2, 1.001 at
+    TP 4, communication off; benchmarks/NOTES.md, session 13), so the kernel was left as is and
+    the tuner does not search the knob.
+    ``rs_spread_reduce`` pushes the own segment's partials into the own slot like the peers'
+    and then spreads the reduction over the whole grid (instead of
     each own tile reducing in its epilogue): for shapes whose own segment has few tiles, where
     a handful of programs would otherwise read every peer's partial while the rest idle.
 

@@ -96,7 +96,12 @@ def _reduce_part(part, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m
     TMA_REDUCE reads the partials by TMA through ``slots_desc`` (``[world, m_local, N]``, rows
     past a segment's end read as zeros); else masked vector loads. (The vector loads with
     whole-tile int64 offsets made the consumer spill registers: ptxas for sm_90a, 364 bytes
-    with 128x256 tiles; TMA reads, none.)"""
+    with 128x256 tiles; TMA reads, none.)
+
+    The loop over the peers is a runtime loop, so Triton never flattens the reduction tile
+    loop around it (``flatten_consume`` changes nothing). Unrolled, with the loop flattened,
+    it ran level (paired median 1.000, TP 2; NOTES.md, session 13): the partials' reads stay
+    where they are, after the K loop, either way."""
     for src in range(world):
         if src != rank:
             if TMA_REDUCE:

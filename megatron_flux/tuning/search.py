@@ -64,21 +64,22 @@ SEARCH_SPACE: Dict[str, Tuple] = {
     "rs_tma_push": (True, False),
     "rs_tma_reduce": (True, False),
     "rs_spread_reduce": (False, True),
-    "flatten_consume": (True, False),
     "stream_k": (0, 1),
 }
 #: knobs only one op has; the other op keeps its default's value
 _OP_KNOBS = {"ag": ("chunk_rows", "comm_priority", "ag_pull", "stream_k"),
-             "rs": ("rs_tma_push", "rs_tma_reduce", "rs_spread_reduce", "flatten_consume")}
+             "rs": ("rs_tma_push", "rs_tma_reduce", "rs_spread_reduce")}
 #: order of the single-knob variations within each round (see generate_candidates)
 _VARIATION_ORDER = ("stream_k", "chunk_rows", "comm_priority", "ag_pull", "rs_tma_push",
-                    "rs_tma_reduce", "rs_spread_reduce", "flatten_consume",
-                    "num_stages", "block_n", "block_m",
+                    "rs_tma_reduce", "rs_spread_reduce", "num_stages", "block_n", "block_m",
                     "block_k", "warp_specialize", "epilogue_split", "group_m", "num_warps", "flatten")
 #: knobs the backend has but the search leaves alone (recorded in the table's search.not_searched)
 NOT_SEARCHED: Dict[str, str] = {
     "programs_per_sm": "two programs per SM on 128x128 tiles beat no shipped config beyond "
                        "noise once samples were warmed up (benchmarks/NOTES.md, session 11)",
+    "flatten_consume": "compiles to the same GEMM+RS kernel either way (Triton does not flatten "
+                       "the reduction loop); a kernel that did flatten it ran level "
+                       "(benchmarks/NOTES.md, session 13)",
 }
 #: Multi-knob configurations tried right after the default, before the one-knob variations:
 #: the winners of a 44-config sweep of a plain persistent TMA GEMM against cuBLAS on H200

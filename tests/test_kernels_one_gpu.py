@@ -1,0 +1,55 @@
+"""The fused kernels' compiled code paths on one GPU, communication wired away (the benchmarks'
+one-GPU wiring: GEMM+RS as rank 0 with its peers' partials in local slots, every peer signal
+pre-set). The 2-GPU tests (``test_flux_gpu.py``) cover the kernels with real peers; these run
+where only one GPU is lent, and cover what the CPU interpreter cannot see: the compiled
+kernels' flattened and warp-specialized loops, TMA clipping of ragged tiles, and bitwise
+repeatability."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+# (world, m_local, n, k): several own tiles per program, ragged m_local, a partial N tile
+RS_SHAPES = [(2, 1024, 1024, 512), (2, 300, 1000, 512), (4, 256, 768, 1024)]
+RS_CONFIGS = [
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=2,
+         flatten_consume=True),
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=2,
+         flatten_consume=False),
+    dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue_split=1,
+         flatten_consume=True),
+    # one epilogue store and warp specialization (a shipped TP 2 table config)
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=1,
+         warp_specialize=True, flatten_consume=True),
+]
+
+
+@pytest.mark.parametrize("shape", RS_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("fields", RS_CONFIGS, ids=range(len(RS_CONFIGS)))
+def test_gemm_rs_reduction_paths(shape, fields):
+    """Own rows = own partial + the peers' slots, against fp32 math; a repeated launch is
+    bitwise identical."""
+    from megatron_flux.bench.kernel_vs_cublas import rs_on_one_gpu
+    from megatron_flux.kernels.config import GemmConfig
+
+    world, m_local, n, k = shape
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape))
+    a = torch.randn(world * m_local, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    launch, out, data = rs_on_one_gpu(a, w, world, err, num_sms=24)
+    data.copy_(torch.randn(data.shape, device="cuda", generator=gen).to(data.dtype) * 8)
+    cfg = GemmConfig(**fields)
+    launch(cfg)
+    torch.cuda.synchronize()
+    first = out.clone()
+    out.fill_(float("nan"))
+    launch(cfg)
+    torch.cuda.synchronize()
+    assert int(err[0]) == 0
+    ref = (a.float() @ w.t().float())[:m_local] + data[1:].float().sum(0)
+    rel = float((first.float() - ref).norm() / ref.norm())
+    assert rel < 1e-2, rel
+    assert torch.equal(out, first), "repeated GEMM+RS launches differ"
