@@ -22,6 +22,10 @@
 #          against 8d11048, whose loop never flattened; "new+" = the new kernel unflattened.
 #          TP 2 grid, TP 4 on llama3-8b/70b; then the phase stamps of the new kernel
 #                                                       -> $OUT/flat-rs-tp*.json, $OUT/trace-rs-flat.json
+#   rsread (carry .device/v4_gemm_rs.py and .device/v5_gemm_rs.py) the reduction epilogue's
+#          reads: v4 reads each peer's whole tile in one TMA load instead of two column halves
+#          (one latency); v5 (diagnostic, wrong sums) reads nothing. kernel_ab ("prev" = v4),
+#          TP 2 grid, then their phase stamps     -> $OUT/rsread.json, $OUT/trace-rs-v{4,5}.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s13.sh tests trace ...
 set -uo pipefail
@@ -81,6 +85,15 @@ for what in "$@"; do
           --json "${OUT}/flat-rs-tp4.json" 2>&1 | grep -v Warning
       timeout 100 python3 ${EXP}/phase_trace.py --op rs --tp 2 --models llama3-8b gpt3-175b \
           --m 1024 4096 --configs table --json "${OUT}/trace-rs-flat.json" 2>&1 | grep -v Warning ;;
+    rsread)
+      timeout 300 python3 ${EXP}/kernel_ab.py --op rs --prev .device/v4_gemm_rs.py \
+          --variant v5=.device/v5_gemm_rs.py --tp 2 "${TIMING[@]}" --json "${OUT}/rsread.json" \
+          2>&1 | grep -v Warning
+      for v in 4 5; do
+        timeout 100 python3 ${EXP}/phase_trace.py --op rs --tp 2 --models llama3-8b gpt3-175b \
+            --m 1024 4096 --configs table --module .device/v${v}_gemm_rs.py \
+            --json "${OUT}/trace-rs-v${v}.json" 2>&1 | grep -v Warning
+      done ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
 done

@@ -88,36 +88,28 @@ def _push_part(part, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUS
 
 
 @triton.jit
-def _reduce_part(part, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
-                 world, TMA_REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 WIDTH: tl.constexpr):
-    """``part`` (fp32, own partial) + peers' partials in rank order (+ bias) -> ``out``.
-
-    TMA_REDUCE reads the partials by TMA through ``slots_desc`` (``[world, m_local, N]``, rows
-    past a segment's end read as zeros); else masked vector loads. (The vector loads with
-    whole-tile int64 offsets made the consumer spill registers: ptxas for sm_90a, 364 bytes
-    with 128x256 tiles; TMA reads, none.)
-
-    The loop over the peers is a runtime loop, so Triton never flattens the reduction tile
-    loop around it (``flatten_consume`` changes nothing). Unrolled, with the loop flattened,
-    it ran level (paired median 1.000, TP 2; NOTES.md, session 13): the partials' reads stay
-    where they are, after the K loop, either way."""
+def _reduce_part(part, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank, world,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """``part`` (fp32, own partial) + peers' partials in rank order (+ bias) -> ``out``, the
+    peers' partials read by masked vector loads (``rs_tma_reduce=False``). (Not _tile_ptrs:
+    with its 32-bit in-tile offsets this path spilled more, 1204 bytes against 364, ptxas
+    sm_90a, 128x256 tiles; the TMA reads of :func:`_reduce_tile` spill none.)"""
     for src in range(world):
         if src != rank:
-            if TMA_REDUCE:
-                part += slots_desc.load([src, off_m, off_n]).reshape(BLOCK_M, WIDTH).to(tl.float32)
-            else:
-                # not _tile_ptrs: with its 32-bit in-tile offsets this path spilled more
-                # (1204 bytes against 364, ptxas sm_90a, 128x256 tiles)
-                rows = off_m + tl.arange(0, BLOCK_M)
-                cols = off_n + tl.arange(0, WIDTH)
-                offs = (src * m_local).to(tl.int64) * N + rows.to(tl.int64)[:, None] * N + cols[None, :]
-                mask = (rows[:, None] < m_local) & (cols[None, :] < N)
-                part += tl.load(data_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            rows = off_m + tl.arange(0, BLOCK_M)
+            cols = off_n + tl.arange(0, WIDTH)
+            offs = (src * m_local).to(tl.int64) * N + rows.to(tl.int64)[:, None] * N + cols[None, :]
+            mask = (rows[:, None] < m_local) & (cols[None, :] < N)
+            part += tl.load(data_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        cols = off_n + tl.arange(0, WIDTH)
-        part += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        part = _add_bias(part, bias_ptr, off_n, N, WIDTH)
     out_desc.store([off_m, off_n], part.to(out_desc.dtype))
+
+
+@triton.jit
+def _add_bias(part, bias_ptr, off_n, N, WIDTH: tl.constexpr):
+    cols = off_n + tl.arange(0, WIDTH)
+    return part + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -138,16 +130,40 @@ def _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH
 def _reduce_tile(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
                  world, TMA_REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The reduction epilogue of one own tile: ``acc`` (fp32, own partial) + the peers'
+    partials in rank order ``0..W-1`` (+ bias), stored to ``out`` (in two column halves with
+    EPI_SPLIT=2).
+
+    TMA_REDUCE reads each peer's whole ``BLOCK_M x BLOCK_N`` partial with one TMA load through
+    ``slots_desc`` (``[world, m_local, N]``, rows past a segment's end read as zeros). Triton
+    waits for each TMA load before the next, so one load per peer instead of one per column
+    half takes one load latency off every own tile: the epilogue went from 4.5-5.9 to 3.8-4.0
+    us in the phase stamps, and the kernel ran 0.2 % faster (paired median; at most 1.3 %) on
+    the TP 2 grid with communication off (NOTES.md, session 13). It also needs fewer registers
+    (ptxas: 159 against 168, and 163 against 254 with a bias). Else masked vector loads, one
+    column half at a time (:func:`_reduce_part`)."""
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
-    if EPI_SPLIT == 2:
+    if TMA_REDUCE:
+        for src in range(world):
+            if src != rank:
+                acc += slots_desc.load([src, off_m, off_n]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
+        if HAS_BIAS:
+            acc = _add_bias(acc, bias_ptr, off_n, N, BLOCK_N)
+        if EPI_SPLIT == 2:
+            acc0, acc1 = split_columns(acc, BLOCK_M, HALF)
+            out_desc.store([off_m, off_n], acc0.to(out_desc.dtype))
+            out_desc.store([off_m, off_n + HALF], acc1.to(out_desc.dtype))
+        else:
+            out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
+    elif EPI_SPLIT == 2:
         acc0, acc1 = split_columns(acc, BLOCK_M, HALF)
-        _reduce_part(acc0, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_local, N,
-                     rank, world, TMA_REDUCE, HAS_BIAS, BLOCK_M, HALF)
-        _reduce_part(acc1, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n + HALF, m_local,
-                     N, rank, world, TMA_REDUCE, HAS_BIAS, BLOCK_M, HALF)
+        _reduce_part(acc0, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank, world,
+                     HAS_BIAS, BLOCK_M, HALF)
+        _reduce_part(acc1, data_ptr, bias_ptr, out_desc, off_m, off_n + HALF, m_local, N, rank,
+                     world, HAS_BIAS, BLOCK_M, HALF)
     else:
-        _reduce_part(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_local, N,
-                     rank, world, TMA_REDUCE, HAS_BIAS, BLOCK_M, BLOCK_N)
+        _reduce_part(acc, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank, world,
+                     HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["rank", "epoch", "max_spins"])
@@ -235,7 +251,7 @@ def gemm_rs_kernel(
         if first < WORLD * tiles_per_seg:
             out_desc = tl.make_tensor_descriptor(out_ptr, [m_local, N], [N, 1], [BLOCK_M, HALF])
             slots_desc = tl.make_tensor_descriptor(data_ptr, [WORLD, m_local, N],
-                                                   [m_local * N, N, 1], [1, BLOCK_M, HALF])
+                                                   [m_local * N, N, 1], [1, BLOCK_M, BLOCK_N])
             _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
                           err_ptr, trace_ptr, serpentine(first, WORLD - 1, tiles_per_seg),
                           m_local, N, k_tiles, rank, WORLD, epoch, max_spins, num_pid_m,
