@@ -26,6 +26,8 @@
 #          reads: v4 reads each peer's whole tile in one TMA load instead of two column halves
 #          (one latency); v5 (diagnostic, wrong sums) reads nothing. kernel_ab ("prev" = v4),
 #          TP 2 grid, then their phase stamps     -> $OUT/rsread.json, $OUT/trace-rs-v{4,5}.json
+#   kvc    comm off at TP 2 on the whole m >= 1024 grid: table configs, the heuristic default
+#          and the plain yardstick (kernel_vs_cublas)   -> $OUT/kvc-tp2.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s13.sh tests trace ...
 set -uo pipefail
@@ -94,6 +96,9 @@ for what in "$@"; do
             --m 1024 4096 --configs table --module .device/v${v}_gemm_rs.py \
             --json "${OUT}/trace-rs-v${v}.json" 2>&1 | grep -v Warning
       done ;;
+    kvc)
+      timeout 400 python3 ${KVC} --tp 2 --configs table default plain "${TIMING[@]}" \
+          --json "${OUT}/kvc-tp2.json" 2>&1 | grep -v Warning ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
 done
