@@ -345,7 +345,7 @@ def _spread_reduce(data_ptr, out_ptr, bias_ptr, my_flags, err_ptr, trace_ptr, pi
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
         acc = tl.zeros((RED_M, RED_N), dtype=tl.float32)
         for src in tl.static_range(0, WORLD):
-            acc += tl.load(data_ptr + (src * m_local).to(tl.int64) * N + offs, mask=mask,
+            acc += tl.load(data_ptr + tl.cast(src * m_local, tl.int64) * N + offs, mask=mask,
                            other=0.0).to(tl.float32)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]

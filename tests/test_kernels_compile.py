@@ -1,0 +1,61 @@
+"""The fused kernels compile for Hopper (sm_90) on the CPU, with the integer specializations
+Triton applies at launch. Triton turns an integer argument equal to 1 into a compile-time
+constant: a decode-sized GEMM+RS call has ``m_local == 1``, and an expression that is a tensor
+for every other ``m_local`` becomes a Python int there (session 13: the spread reduction's
+``(src * m_local).to(...)`` failed to compile on the 2-GPU box, never under the interpreter,
+which does not specialize)."""
+
+import inspect
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+_POINTERS = {"x_ptr": "*bf16", "ag_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16",
+             "a_ptr": "*bf16", "out_ptr": "*bf16", "data_ptr": "*bf16", "bias_ptr": "*bf16",
+             "data_ptrs": "*i64", "flag_ptrs": "*i64", "flags_ptr": "*i32", "err_ptr": "*i32",
+             "sk_partials_ptr": "*fp32", "sk_counters_ptr": "*i32", "trace_ptr": "*i64"}
+_SMALL = dict(B_KN=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, NUM_SMS=4,
+              FLATTEN=True, WARP_SPECIALIZE=False, ASYNC_FENCE=True)
+
+
+def _compile(fn, constexprs, ones):
+    """``fn`` compiled for sm_90 (PTX, no GPU needed) with ``constexprs`` and the integer
+    arguments in ``ones`` specialized to 1, as Triton does at launch."""
+    constexprs = {**{p.name: p.default for p in fn.params
+                     if p.is_constexpr and p.default is not inspect.Parameter.empty},
+                  **constexprs, **{name: 1 for name in ones}}
+    names = [p.name for p in fn.params]
+    sig = {n: "constexpr" if n in constexprs else _POINTERS.get(n, "i32") for n in names}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    attrs={})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, num_stages=2))
+
+
+@pytest.mark.parametrize("world", [2, 8])
+@pytest.mark.parametrize("spread", [False, True])
+def test_gemm_rs_compiles_with_one_row_per_rank(world, spread):
+    from megatron_flux.kernels.config import unroll_steps
+    from megatron_flux.kernels.gemm_rs import gemm_rs_kernel
+
+    for tma_reduce, bias in ((True, True), (False, False)):
+        _compile(gemm_rs_kernel, dict(_SMALL, WORLD=world, RAGGED=True, EPI_SPLIT=1,
+                                      HAS_BIAS=bias, TMA_PUSH=True, TMA_REDUCE=tma_reduce,
+                                      SPREAD_REDUCE=spread, UNROLL_STEPS=unroll_steps(world)),
+                 ones=("m_local",))
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_ag_gemm_compiles_with_one_row_per_rank(world):
+    from megatron_flux.kernels.ag_gemm import ag_gemm_kernel
+    from megatron_flux.kernels.config import unroll_steps
+
+    for stream_k in (False, True):
+        _compile(ag_gemm_kernel, dict(_SMALL, WORLD=world, RAGGED=True, EPI_SPLIT=1,
+                                      STREAM_K=stream_k, SK_LOCAL=False,
+                                      UNROLL_STEPS=unroll_steps(world)),
+                 ones=("m_local", "chunk_rows"))
