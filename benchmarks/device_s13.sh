@@ -28,6 +28,12 @@
 #          TP 2 grid, then their phase stamps     -> $OUT/rsread.json, $OUT/trace-rs-v{4,5}.json
 #   kvc    comm off at TP 2 on the whole m >= 1024 grid: table configs, the heuristic default
 #          and the plain yardstick (kernel_vs_cublas)   -> $OUT/kvc-tp2.json
+#   trace48 the phase stamps at TP 4 and 8 (table or default configs), llama3-8b/70b m = 1024
+#          and 4096, both ops                          -> $OUT/trace-{ag,rs}-tp{4,8}.json
+#   fence  (carry .device/prev_gemm_rs.py = `git show b6f2f4d:megatron_flux/kernels/gemm_rs.py`)
+#          GEMM+RS's last arrival raising every owner's signal after one system fence with
+#          relaxed writes, instead of one release write (one fence) per owner: the GPU tests,
+#          then kernel_ab at TP 8, 4, 2 on llama3-8b/70b  -> $OUT/fence-rs-tp*.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s13.sh tests trace ...
 set -uo pipefail
@@ -99,6 +105,21 @@ for what in "$@"; do
     kvc)
       timeout 400 python3 ${KVC} --tp 2 --configs table default plain "${TIMING[@]}" \
           --json "${OUT}/kvc-tp2.json" 2>&1 | grep -v Warning ;;
+    trace48)
+      for tp in 4 8; do
+        for op in ag rs; do
+          timeout 120 python3 ${EXP}/phase_trace.py --op ${op} --tp ${tp} \
+              --models llama3-8b llama3-70b --m 1024 4096 --configs table \
+              --json "${OUT}/trace-${op}-tp${tp}.json" 2>&1 | grep -v Warning
+        done
+      done ;;
+    fence)
+      one_gpu_tests || exit 1
+      for tp in 8 4 2; do
+        timeout 100 python3 ${EXP}/kernel_ab.py --op rs --prev .device/prev_gemm_rs.py --tp ${tp} \
+            --models llama3-8b llama3-70b --m 1024 2048 4096 "${TIMING[@]}" \
+            --json "${OUT}/fence-rs-tp${tp}.json" 2>&1 | grep -v Warning
+      done ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
 done

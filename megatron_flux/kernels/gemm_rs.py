@@ -53,7 +53,8 @@ from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import segment_tile, split_columns
 from megatron_flux.kernels.phase_trace import stamp
 from megatron_flux.kernels.residency import resident_programs_per_sm
-from megatron_flux.kernels.signals import arrive_at_grid_barrier, fence_async_proxy, wait_signal
+from megatron_flux.kernels.signals import arrive_at_grid_barrier, fence_async_proxy, release_fence, \
+    wait_signal
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, segment_of_step, serpentine
 
 
@@ -230,11 +231,18 @@ def gemm_rs_kernel(
         # all its peers, and the peer that visits it last publishes it at the end of its
         # producer phase either way, so earlier per-step signals made no owner ready sooner;
         # they cost every program a store drain and a barrier per step (TP 8: seven).
+        # The last arrival raises every owner's signal: one system-scope fence, then relaxed
+        # writes (a release pattern each). A release write per owner fenced once per owner:
+        # at TP 8 the last program's eight fences took ~5 us (phase stamps, NOTES.md s13).
         if arrive_at_grid_barrier(my_flags + WORLD, NUM_SMS, ASYNC_FENCE and TMA_PUSH):
+            release_fence(epoch, ASYNC_FENCE)
             for owner_step in tl.static_range(0, WORLD - 1 + SPREAD_REDUCE):
                 seg = segment_of_step(owner_step, rank, WORLD, True)
                 owner_flags = tl.load(flag_ptrs + seg).to(tl.pointer_type(tl.int32))
-                tl.atomic_xchg(owner_flags + rank, epoch, sem="release", scope="sys")
+                if ASYNC_FENCE:
+                    tl.atomic_xchg(owner_flags + rank, epoch, sem="relaxed", scope="sys")
+                else:  # interpreter: no fence above
+                    tl.atomic_xchg(owner_flags + rank, epoch, sem="release", scope="sys")
         stamp(trace_ptr, 3, TRACE)  # arrived
 
     if CONSUME and SPREAD_REDUCE:

@@ -65,6 +65,18 @@ def fence_async_proxy(token, ENABLED: tl.constexpr):
 
 
 @triton.jit
+def release_fence(token, ENABLED: tl.constexpr):
+    """``fence.acq_rel.sys``: every relaxed (strong) write this thread makes after it is a
+    release of everything the thread saw or wrote before it (a PTX release pattern). One fence
+    before ``W`` relaxed signal writes replaces ``W`` release writes, each of which fences on
+    its own. A no-op when not ENABLED (the interpreter, which has no inline assembly: there the
+    caller must write with release semantics)."""
+    if ENABLED:
+        tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, $1;", "=r,r", [token],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def arrive_at_grid_barrier(counter_ptr, grid, ASYNC_STORES: tl.constexpr):
     """Count this program in at ``counter_ptr``; True for the last of ``grid`` programs, which
     has reset the counter (so the next call, stream-ordered after this one, starts from zero).
