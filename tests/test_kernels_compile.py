@@ -22,9 +22,9 @@ _SMALL = dict(B_KN=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, NUM_SMS
               FLATTEN=True, WARP_SPECIALIZE=False, ASYNC_FENCE=True)
 
 
-def _compile(fn, constexprs, ones):
-    """``fn`` compiled for sm_90 (PTX, no GPU needed) with ``constexprs`` and the integer
-    arguments in ``ones`` specialized to 1, as Triton does at launch."""
+def _compile(fn, constexprs, ones, num_warps=4, num_stages=2):
+    """``fn`` compiled for sm_90 (no GPU needed) with ``constexprs`` and the integer arguments
+    in ``ones`` specialized to 1, as Triton does at launch."""
     constexprs = {**{p.name: p.default for p in fn.params
                      if p.is_constexpr and p.default is not inspect.Parameter.empty},
                   **constexprs, **{name: 1 for name in ones}}
@@ -33,7 +33,7 @@ def _compile(fn, constexprs, ones):
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                     attrs={})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, num_stages=2))
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 @pytest.mark.parametrize("world", [2, 8])
@@ -59,3 +59,59 @@ def test_ag_gemm_compiles_with_one_row_per_rank(world):
                                       STREAM_K=stream_k, SK_LOCAL=False,
                                       UNROLL_STEPS=unroll_steps(world)),
                  ones=("m_local", "chunk_rows"))
+
+
+#: dynamic shared memory one block may use on H100 / H200 (sm_90)
+_HOPPER_SMEM = 232448
+
+
+def _table_kernels():
+    """``(label, kernel, constexprs, num_warps, num_stages)`` for every distinct compiled
+    kernel the shipped tuning tables select (full-size segments, no bias: the variants
+    launches pick most)."""
+    import json
+    import pathlib
+
+    from megatron_flux.kernels.ag_gemm import ag_gemm_kernel
+    from megatron_flux.kernels.config import GemmConfig, unroll_steps
+    from megatron_flux.kernels.gemm_rs import gemm_rs_kernel
+
+    seen = {}
+    tables = pathlib.Path(__file__).resolve().parents[1] / "megatron_flux" / "tuning" / "tables"
+    for path in sorted(tables.glob("*.json")):
+        table = json.loads(path.read_text())
+        for entry in table["entries"]:
+            cfg = GemmConfig.from_dict(entry["config"])
+            tp = table["tp"]
+            common = dict(B_KN=False, RAGGED=False, WORLD=tp, BLOCK_M=cfg.block_m,
+                          BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                          NUM_SMS=132, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+                          EPI_SPLIT=cfg.epilogue_split, ASYNC_FENCE=True,
+                          UNROLL_STEPS=unroll_steps(tp))
+            if entry["op"] == "rs":
+                kernel = gemm_rs_kernel
+                constexprs = dict(common, HAS_BIAS=False, TMA_PUSH=cfg.rs_tma_push,
+                                  TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce,
+                                  FLATTEN_CONSUME=cfg.flatten_consume)
+            else:
+                kernel = ag_gemm_kernel
+                constexprs = dict(common, STREAM_K=bool(cfg.stream_k), SK_LOCAL=False)
+            key = (entry["op"], tuple(sorted(constexprs.items())), cfg.num_warps, cfg.num_stages)
+            seen.setdefault(key, (f"{path.stem}:{entry['op']}:m{entry['m']}", kernel, constexprs,
+                                  cfg.num_warps, cfg.num_stages))
+    return list(seen.values())
+
+
+def test_every_shipped_table_config_compiles_and_fits_hopper_shared_memory():
+    """A kernel change must not break a tuned config: every distinct kernel the shipped tables
+    select compiles for sm_90 and needs at most the 227 KiB of shared memory a Hopper block
+    may have (session 13: a flattened reduction loop would have needed 279 576 bytes for one
+    of them). Triton 3.6 (the GPU box's) and 3.9 report the same sizes for all of them."""
+    kernels = _table_kernels()
+    assert len(kernels) >= 10
+    too_big = []
+    for label, kernel, constexprs, num_warps, num_stages in kernels:
+        compiled = _compile(kernel, constexprs, (), num_warps, num_stages)
+        if compiled.metadata.shared > _HOPPER_SMEM:
+            too_big.append((label, compiled.metadata.shared))
+    assert not too_big, too_big
