@@ -118,6 +118,49 @@ def check_ag_gemm_all_ranks():
             assert e < TOL, f"world={world} rank={rank} m_local={m_local}: rel err {e}"
 
 
+def check_ag_peer_groups():
+    """AG+GEMM with the peers' segments grouped (``ag_peer_group``): the same product on every
+    rank of TP 3/4/8 for groups that divide the peers and groups that leave a short last group,
+    aligned and ragged m_local; bitwise equal to the per-segment schedule (same K order per
+    tile); and a missing chunk in any grouped segment is the one the kernel reports."""
+    import dataclasses
+
+    for world, m_local, groups in ((4, 32, (2, 3)), (8, 9, (2, 3, 7, 64)), (3, 20, (2,))):
+        k, n = 32, 64
+        xs, b, ref = _ag_case(world, m_local, k, n, False)
+        chunks = triton.cdiv(m_local, CFG.chunk_rows)
+        for rank in range(world):
+            ag = _gathered_by(rank, xs)
+            flags = torch.full((world * chunks,), 7, dtype=torch.int32)
+            outs = []
+            for group in (1,) + groups:
+                cfg = dataclasses.replace(CFG, ag_peer_group=group)
+                err = torch.zeros(4, dtype=torch.int32)
+                out = torch.full((world * m_local, n), float("nan")).to(DTYPE)
+                launch_ag_gemm(xs[rank], ag, b, out, flags, err, rank=rank, world=world,
+                               epoch=7, cfg=cfg, num_sms=NSMS, max_spins=10)
+                assert not torch.isnan(out).any(), f"unwritten output ({world=} {rank=} {group=})"
+                assert err.tolist() == [0, 0, 0, 0], err.tolist()
+                e = _rel(out, ref)
+                assert e < TOL, f"{world=} {rank=} {group=} {m_local=}: rel err {e}"
+                outs.append(out)
+            assert all(torch.equal(o, outs[0]) for o in outs), f"{world=} {rank=}: not bitwise"
+    world, m_local, k, n, rank = 4, 24, 16, 32, 1
+    xs, b, _ = _ag_case(world, m_local, k, n, False)
+    chunks = triton.cdiv(m_local, CFG.chunk_rows)
+    cfg = dataclasses.replace(CFG, ag_peer_group=3)  # one group: segments 2, 3, 0
+    for missing_seg in (0, 2, 3):
+        flags = torch.full((world * chunks,), 5, dtype=torch.int32)
+        flags[rank * chunks:(rank + 1) * chunks] = 0  # own rows: never signalled, never read
+        idx = missing_seg * chunks + chunks - 1
+        flags[idx] = 4  # previous epoch
+        err = torch.zeros(4, dtype=torch.int32)
+        out = torch.empty(world * m_local, n, dtype=DTYPE)
+        launch_ag_gemm(xs[rank], torch.randn(world * m_local, k).to(DTYPE), b, out, flags, err,
+                       rank=rank, world=world, epoch=5, cfg=cfg, num_sms=NSMS, max_spins=3)
+        assert err.tolist() == [1, rank, idx, 4], (missing_seg, err.tolist())
+
+
 def check_ag_stream_k():
     """The stream-K tail at TP 1/2/4: same product as the data-parallel schedule on every rank
     (aligned and ragged m_local, tiles split over 2-4 programs), bitwise identical when
@@ -488,7 +531,7 @@ def check_plain_gemm():
         raise AssertionError("a k that TMA cannot stride was accepted")
 
 
-CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_stream_k, check_ag_signal_indexing,
+CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_peer_groups, check_ag_stream_k, check_ag_signal_indexing,
           check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout,
           check_gemm_rs_spread_waits_for_its_own_grid,
           check_next_call_cannot_release_a_wait, check_ready_barrier, check_copy_engine_gather,

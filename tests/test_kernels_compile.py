@@ -49,15 +49,19 @@ def test_gemm_rs_compiles_with_one_row_per_rank(world, spread):
                  ones=("m_local",))
 
 
-@pytest.mark.parametrize("world", [2, 8])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_ag_gemm_compiles_with_one_row_per_rank(world):
+    """Both step schedules: per segment (with and without stream-K) and peers grouped
+    (``ag_peer_group``, unrolled at TP 4, a runtime loop at TP 8)."""
     from megatron_flux.kernels.ag_gemm import ag_gemm_kernel
     from megatron_flux.kernels.config import unroll_steps
 
-    for stream_k in (False, True):
+    variants = [dict(STREAM_K=False), dict(STREAM_K=True)]
+    if world > 2:
+        variants.append(dict(STREAM_K=False, PEER_GROUP=world // 2))
+    for variant in variants:
         _compile(ag_gemm_kernel, dict(_SMALL, WORLD=world, RAGGED=True, EPI_SPLIT=1,
-                                      STREAM_K=stream_k, SK_LOCAL=False,
-                                      UNROLL_STEPS=unroll_steps(world)),
+                                      SK_LOCAL=False, UNROLL_STEPS=unroll_steps(world), **variant),
                  ones=("m_local", "chunk_rows"))
 
 

@@ -42,7 +42,8 @@ from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import fence_async_proxy, wait_signal
 from megatron_flux.kernels.stream_k import sk_covering, sk_publish_part, sk_range, sk_sum_parts, \
     stream_k_plan, stream_k_scratch
-from megatron_flux.kernels.tile_order import first_tile_at_or_after, segment_of_step, step_tile
+from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step, \
+    step_tile
 
 
 #: what ``trace[program, slot]`` holds with TRACE (:mod:`.phase_trace`); "last_wait": after the
@@ -93,6 +94,7 @@ def ag_gemm_kernel(
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, STREAM_K: tl.constexpr,
     ASYNC_FENCE: tl.constexpr = True, SK_LOCAL: tl.constexpr = False,
     UNROLL_STEPS: tl.constexpr = True, TRACE: tl.constexpr = False,
+    PEER_GROUP: tl.constexpr = 1,
 ):
     """Pointers: ``x`` [m_local, K], ``ag`` / ``c`` [WORLD * m_local, K / N] contiguous; ``b``
     [K, N] (B_KN) or [N, K], row stride ``ldb``. TMA descriptors are built on the device, once
@@ -102,7 +104,10 @@ def ag_gemm_kernel(
     ASYNC_FENCE: a proxy fence after each step's waits (off only under the interpreter, which
     has no inline assembly). UNROLL_STEPS: the peer-step loop unrolled at compile time (up to
     TP 4, :func:`~megatron_flux.kernels.config.unroll_steps`) or a runtime loop.
-    TRACE: stamp the phases of :data:`AG_PHASES` into ``trace_ptr`` (:mod:`.phase_trace`)."""
+    TRACE: stamp the phases of :data:`AG_PHASES` into ``trace_ptr`` (:mod:`.phase_trace`).
+    PEER_GROUP > 1: the peers' segments are walked ``PEER_GROUP`` at a time, each group in one
+    tile loop with its rows grouped across segments (``GemmConfig.ag_peer_group``; the
+    launcher turns stream-K off then, so ``sk_tiles`` is 0)."""
     stamp(trace_ptr, 0, TRACE)  # start
     x_desc = tl.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
     if RAGGED:
@@ -139,20 +144,37 @@ def ag_gemm_kernel(
     # top level of the kernel: nested in a runtime step loop they ran 1-3 % slower at TP 2 with
     # communication disabled (NOTES.md, session 9). At TP 8 the seven unrolled copies quadruple
     # the code, and a runtime loop ran up to 9-11 % faster (NOTES.md, session 12).
-    if UNROLL_STEPS:
-        for step in tl.static_range(1, WORLD):
-            _segment_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
-                          max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles,
-                          num_pid_m, num_pid_n, False, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M,
-                          BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE,
-                          ASYNC_FENCE, trace_ptr, TRACE)
+    if PEER_GROUP == 1:
+        if UNROLL_STEPS:
+            for step in tl.static_range(1, WORLD):
+                _segment_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
+                              max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles,
+                              num_pid_m, num_pid_n, False, WORLD, RAGGED, B_KN, EPI_SPLIT,
+                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
+                              WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
+        else:
+            for step in range(1, WORLD):
+                _segment_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
+                              max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles,
+                              num_pid_m, num_pid_n, False, WORLD, RAGGED, B_KN, EPI_SPLIT,
+                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
+                              WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
     else:
-        for step in range(1, WORLD):
-            _segment_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
-                          max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles,
-                          num_pid_m, num_pid_n, False, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M,
-                          BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE,
-                          ASYNC_FENCE, trace_ptr, TRACE)
+        NUM_GROUPS: tl.constexpr = (WORLD + PEER_GROUP - 2) // PEER_GROUP
+        if UNROLL_STEPS:
+            for g in tl.static_range(0, NUM_GROUPS):
+                _peer_group_step(g, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
+                                 epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end,
+                                 k_tiles, num_pid_m, num_pid_n, WORLD, PEER_GROUP, RAGGED, B_KN,
+                                 EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
+                                 WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
+        else:
+            for g in range(0, NUM_GROUPS):
+                _peer_group_step(g, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
+                                 epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end,
+                                 k_tiles, num_pid_m, num_pid_n, WORLD, PEER_GROUP, RAGGED, B_KN,
+                                 EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
+                                 WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
 
     stamp(trace_ptr, 4, TRACE)  # peers_done
     if STREAM_K:
@@ -201,6 +223,50 @@ def _segment_step(step, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, e
         else:
             _ag_tile(a_desc, b_desc, c_desc, c_row, seg, c_row, pid_n * BLOCK_N, k_tiles,
                      RAGGED, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _peer_group_step(g, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch, max_spins,
+                     m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles, num_pid_m,
+                     num_pid_n, WORLD: tl.constexpr, PEER_GROUP: tl.constexpr,
+                     RAGGED: tl.constexpr, B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
+                     WARP_SPECIALIZE: tl.constexpr, ASYNC_FENCE: tl.constexpr, trace_ptr,
+                     TRACE: tl.constexpr):
+    """Peer group ``g``: steps ``s0 = 1 + g * PEER_GROUP`` up to ``PEER_GROUP`` of them, in one
+    tile loop. First one wait (acquire, bounded) for every chunk of the group's segments and a
+    fence; then the group's flat tiles ``[s0 * tiles_per_seg, s1 * tiles_per_seg)`` walked as
+    one ``(s1 - s0) * num_pid_m`` by ``num_pid_n`` tile space, GROUP_M-grouped across the
+    segments (virtual row tile ``v`` is row tile ``v % num_pid_m`` of the segment of step
+    ``s0 + v // num_pid_m``). Even groups run backwards, as odd steps do in the per-segment
+    schedule, so each group starts on the B columns the previous loop ended on."""
+    s0 = 1 + g * PEER_GROUP
+    s1 = tl.minimum(s0 + PEER_GROUP, WORLD)
+    for step in range(s0, s1):
+        seg = segment_of_step(step, rank, WORLD, False)
+        for c in range(chunks_per_seg):
+            idx = seg * chunks_per_seg + c
+            wait_signal(flags_ptr + idx, epoch, max_spins, err_ptr, 1, rank, idx)  # OP_AG_GEMM
+    fence_async_proxy(epoch, ASYNC_FENCE)  # the TMA reads below come after the acquires
+    stamp(trace_ptr, 3, TRACE)  # last_wait
+    base = s0 * tiles_per_seg
+    group_tiles = (s1 - s0) * tiles_per_seg
+    first = first_tile_at_or_after(pid, base, NUM_SMS)
+    for t in tl.range(first, tl.minimum(base + group_tiles, dp_end), NUM_SMS, flatten=FLATTEN,
+                      warp_specialize=WARP_SPECIALIZE):
+        q = t - base
+        q = tl.where(g % 2 == 0, group_tiles - 1 - q, q)
+        v, pid_n = grouped_tile(q, (s1 - s0) * num_pid_m, num_pid_n, GROUP_M)
+        j = v // num_pid_m
+        seg = segment_of_step(s0 + j, rank, WORLD, False)
+        off_m = (v - j * num_pid_m) * BLOCK_M
+        if RAGGED:
+            c_row = off_m
+        else:
+            c_row = seg * m_local + off_m
+        _ag_tile(a_desc, b_desc, c_desc, c_row, seg, c_row, pid_n * BLOCK_N, k_tiles, RAGGED,
+                 RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -255,7 +321,9 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     """
     m_local, k = x.shape
     n = b.shape[1]
-    mode = 0 if cfg in _STREAM_K_TOO_BIG else cfg.stream_k
+    peer_group = max(1, min(cfg.ag_peer_group, world - 1))
+    # stream-K's tiles follow the per-segment order: off when the peers are grouped
+    mode = 0 if cfg in _STREAM_K_TOO_BIG or peer_group > 1 else cfg.stream_k
     last_plan = {"sk_tiles": 0}  # of the kernel compiled or launched last
 
     def plan(per_sm):
@@ -278,7 +346,7 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
             NUM_SMS=grid, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             STREAM_K=sk_tiles > 0, ASYNC_FENCE=not interpreting(),
             SK_LOCAL=sk_tiles > 0 and world == 1, UNROLL_STEPS=unroll_steps(world),
-            TRACE=trace is not None)
+            TRACE=trace is not None, PEER_GROUP=peer_group)
         return grid, args, constexprs
 
     ensure_descriptor_allocator()

@@ -43,6 +43,15 @@ class GemmConfig:
     each own tile reducing in its epilogue): for shapes whose own segment has few tiles, where
     a handful of programs would otherwise read every peer's partial while the rest idle.
 
+    ``ag_peer_group`` (AG+GEMM only): how many consecutive peer segments share one tile loop
+    after one wait for all their chunks. A segment of ``m_local`` rows has few row tiles at
+    small m or high TP (one at TP 8, m = 1024), and tiles are grouped ``group_m`` rows at a
+    time inside a loop, so each step streams all of B again: the plain yardstick grouped 2
+    rows at a time ran 10 % slower than grouped 8 (benchmarks/NOTES.md, session 13). With
+    ``g > 1`` the peers' rows are grouped across segments. The local step stays on its own
+    (no wait), and stream-K is off for such configs. 1 (the default) is the per-segment
+    schedule; larger values are not measured yet, so nothing ships with them.
+
     ``programs_per_sm``: persistent programs per SM (grid = that times the SMs, capped at the
     tiles). At 2, one program's epilogue runs beside the other's K loop; the launchers check
     with CUDA's occupancy calculator that they all fit and otherwise run one per SM, with a
@@ -66,6 +75,7 @@ class GemmConfig:
     rs_spread_reduce: bool = False
     stream_k: int = 0
     programs_per_sm: int = 1
+    ag_peer_group: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -87,6 +97,9 @@ class GemmConfig:
         if (isinstance(self.programs_per_sm, bool) or not isinstance(self.programs_per_sm, int)
                 or not 1 <= self.programs_per_sm <= 4):
             raise ValueError(f"GemmConfig.programs_per_sm must be an int in [1, 4]: {self}")
+        if (isinstance(self.ag_peer_group, bool) or not isinstance(self.ag_peer_group, int)
+                or not 1 <= self.ag_peer_group <= 64):
+            raise ValueError(f"GemmConfig.ag_peer_group must be an int in [1, 64]: {self}")
         if self.group_m < 1 or self.chunk_rows < 1:
             raise ValueError(f"GemmConfig.group_m and chunk_rows must be >= 1: {self}")
 

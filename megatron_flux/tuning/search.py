@@ -77,6 +77,7 @@ _VARIATION_ORDER = ("stream_k", "chunk_rows", "comm_priority", "ag_pull", "rs_tm
 NOT_SEARCHED: Dict[str, str] = {
     "programs_per_sm": "two programs per SM on 128x128 tiles beat no shipped config beyond "
                        "noise once samples were warmed up (benchmarks/NOTES.md, session 11)",
+    "ag_peer_group": "not measured yet (added in session 13 without a GPU to time it)",
     "flatten_consume": "compiles to the same GEMM+RS kernel either way (Triton does not flatten "
                        "the reduction loop); a kernel that did flatten it ran level "
                        "(benchmarks/NOTES.md, session 13)",
