@@ -34,6 +34,10 @@
 #          GEMM+RS's last arrival raising every owner's signal after one system fence with
 #          relaxed writes, instead of one release write (one fence) per owner: the GPU tests,
 #          then kernel_ab at TP 8, 4, 2 on llama3-8b/70b  -> $OUT/fence-rs-tp*.json
+#   peergroup (not run in session 13: no device time left; carry .device/prev_ag_gemm.py = any
+#          copy of the current kernels/ag_gemm.py) AG+GEMM with the peers' segments grouped
+#          (ag_peer_group 2 / 8, kernel_ab's "new+" runner) at TP 4 and 8
+#                                                       -> $OUT/peergroup-ag-tp*-g*.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s13.sh tests trace ...
 set -uo pipefail
@@ -119,6 +123,15 @@ for what in "$@"; do
         timeout 100 python3 ${EXP}/kernel_ab.py --op rs --prev .device/prev_gemm_rs.py --tp ${tp} \
             --models llama3-8b llama3-70b --m 1024 2048 4096 "${TIMING[@]}" \
             --json "${OUT}/fence-rs-tp${tp}.json" 2>&1 | grep -v Warning
+      done ;;
+    peergroup)
+      for tp in 4 8; do
+        for g in 2 8; do
+          timeout 120 python3 ${EXP}/kernel_ab.py --op ag --prev .device/prev_ag_gemm.py \
+              --tp ${tp} --models llama3-8b llama3-70b --m 1024 2048 4096 \
+              --new-override "{\"ag_peer_group\": ${g}}" "${TIMING[@]}" \
+              --json "${OUT}/peergroup-ag-tp${tp}-g${g}.json" 2>&1 | grep -v Warning
+        done
       done ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac

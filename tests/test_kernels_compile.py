@@ -69,48 +69,65 @@ def test_ag_gemm_compiles_with_one_row_per_rank(world):
 _HOPPER_SMEM = 232448
 
 
-def _table_kernels():
-    """``(label, kernel, constexprs, num_warps, num_stages)`` for every distinct compiled
-    kernel the shipped tuning tables select (full-size segments, no bias: the variants
-    launches pick most)."""
+def _shipped_configs():
+    """``(label, op, tp, GemmConfig)``: every entry of the shipped tuning tables, and the
+    heuristic default for the grid's shapes at TP 2, 4 and 8 (what runs without an entry)."""
     import json
     import pathlib
 
-    from megatron_flux.kernels.ag_gemm import ag_gemm_kernel
-    from megatron_flux.kernels.config import GemmConfig, unroll_steps
-    from megatron_flux.kernels.gemm_rs import gemm_rs_kernel
+    from megatron_flux.bench.grid import MODELS
+    from megatron_flux.kernels.config import GemmConfig, default_config
 
-    seen = {}
     tables = pathlib.Path(__file__).resolve().parents[1] / "megatron_flux" / "tuning" / "tables"
     for path in sorted(tables.glob("*.json")):
         table = json.loads(path.read_text())
         for entry in table["entries"]:
-            cfg = GemmConfig.from_dict(entry["config"])
-            tp = table["tp"]
-            common = dict(B_KN=False, RAGGED=False, WORLD=tp, BLOCK_M=cfg.block_m,
-                          BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                          NUM_SMS=132, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
-                          EPI_SPLIT=cfg.epilogue_split, ASYNC_FENCE=True,
-                          UNROLL_STEPS=unroll_steps(tp))
-            if entry["op"] == "rs":
-                kernel = gemm_rs_kernel
-                constexprs = dict(common, HAS_BIAS=False, TMA_PUSH=cfg.rs_tma_push,
-                                  TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce,
-                                  FLATTEN_CONSUME=cfg.flatten_consume)
-            else:
-                kernel = ag_gemm_kernel
-                constexprs = dict(common, STREAM_K=bool(cfg.stream_k), SK_LOCAL=False)
-            key = (entry["op"], tuple(sorted(constexprs.items())), cfg.num_warps, cfg.num_stages)
-            seen.setdefault(key, (f"{path.stem}:{entry['op']}:m{entry['m']}", kernel, constexprs,
-                                  cfg.num_warps, cfg.num_stages))
+            yield (f"{path.stem}:{entry['op']}:m{entry['m']}", entry["op"], table["tp"],
+                   GemmConfig.from_dict(entry["config"]))
+    for tp in (2, 4, 8):
+        for name, spec in MODELS.items():
+            for m in (256, 1024, 8192):
+                yield (f"default:tp{tp}:{name}:ag:m{m}", "ag", tp,
+                       default_config("ag", m, spec.fc1 // tp, spec.hidden, tp=tp))
+                yield (f"default:tp{tp}:{name}:rs:m{m}", "rs", tp,
+                       default_config("rs", m, spec.hidden, spec.fc1 // tp, tp=tp))
+
+
+def _table_kernels():
+    """``(label, kernel, constexprs, num_warps, num_stages)`` for every distinct compiled
+    kernel the shipped configs select (full-size segments, no bias: the variants launches
+    pick most)."""
+    from megatron_flux.kernels.ag_gemm import ag_gemm_kernel
+    from megatron_flux.kernels.config import unroll_steps
+    from megatron_flux.kernels.gemm_rs import gemm_rs_kernel
+
+    seen = {}
+    for label, op, tp, cfg in _shipped_configs():
+        common = dict(B_KN=False, RAGGED=False, WORLD=tp, BLOCK_M=cfg.block_m,
+                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                      NUM_SMS=132, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+                      EPI_SPLIT=cfg.epilogue_split, ASYNC_FENCE=True,
+                      UNROLL_STEPS=unroll_steps(tp))
+        if op == "rs":
+            kernel = gemm_rs_kernel
+            constexprs = dict(common, HAS_BIAS=False, TMA_PUSH=cfg.rs_tma_push,
+                              TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce,
+                              FLATTEN_CONSUME=cfg.flatten_consume)
+        else:
+            kernel = ag_gemm_kernel
+            constexprs = dict(common, STREAM_K=bool(cfg.stream_k), SK_LOCAL=False,
+                              PEER_GROUP=max(1, min(cfg.ag_peer_group, tp - 1)))
+        key = (op, tuple(sorted(constexprs.items())), cfg.num_warps, cfg.num_stages)
+        seen.setdefault(key, (label, kernel, constexprs, cfg.num_warps, cfg.num_stages))
     return list(seen.values())
 
 
-def test_every_shipped_table_config_compiles_and_fits_hopper_shared_memory():
-    """A kernel change must not break a tuned config: every distinct kernel the shipped tables
-    select compiles for sm_90 and needs at most the 227 KiB of shared memory a Hopper block
-    may have (session 13: a flattened reduction loop would have needed 279 576 bytes for one
-    of them). Triton 3.6 (the GPU box's) and 3.9 report the same sizes for all of them."""
+def test_every_shipped_config_compiles_and_fits_hopper_shared_memory():
+    """A kernel change must not break a tuned config or a default: every distinct kernel the
+    shipped tables and the heuristic defaults select compiles for sm_90 and needs at most the
+    227 KiB of shared memory a Hopper block may have (session 13: a flattened reduction loop
+    would have needed 279 576 bytes for one table entry). Triton 3.6 (the GPU box's) and 3.9
+    report the same sizes for the table's kernels."""
     kernels = _table_kernels()
     assert len(kernels) >= 10
     too_big = []
