@@ -15,6 +15,11 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   persistent tile loops so they stay flattened/pipelined. Up to TP 4 the step loop is
   unrolled at compile time (``WORLD`` is a constexpr), so each step's tile loop is a top-level
   loop; above, it is a runtime loop (:func:`~megatron_flux.kernels.config.unroll_steps`).
+* Grouped peers (``GemmConfig.ag_peer_group = g > 1``, opt-in, not timed yet): steps
+  ``1..W-1`` go ``g`` at a time. Each group waits once for every chunk of its segments, then
+  walks its ``g * tiles_per_seg`` tiles as one tile space whose row tiles are grouped
+  ``GROUP_M`` at a time across the segments, so a segment with few row tiles no longer makes
+  every step stream all of B. Groups alternate direction like steps. Stream-K is off then.
 * Epilogue: TMA store of the tile (clipped to the segment when ``m_local % BLOCK_M != 0``).
 * Stream-K tail (``GemmConfig.stream_k``, :mod:`.stream_k`): the last ``sk_tiles`` flat tiles
   (the partial last wave, in the last step's segment) leave the data-parallel loops; after them
