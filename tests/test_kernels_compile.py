@@ -76,6 +76,7 @@ def _shipped_configs():
     import pathlib
 
     from megatron_flux.bench.grid import MODELS
+    from megatron_flux.bench.kernel_vs_cublas import grid_shape
     from megatron_flux.kernels.config import GemmConfig, default_config
 
     tables = pathlib.Path(__file__).resolve().parents[1] / "megatron_flux" / "tuning" / "tables"
@@ -85,12 +86,11 @@ def _shipped_configs():
             yield (f"{path.stem}:{entry['op']}:m{entry['m']}", entry["op"], table["tp"],
                    GemmConfig.from_dict(entry["config"]))
     for tp in (2, 4, 8):
-        for name, spec in MODELS.items():
+        for name in MODELS:
             for m in (256, 1024, 8192):
-                yield (f"default:tp{tp}:{name}:ag:m{m}", "ag", tp,
-                       default_config("ag", m, spec.fc1 // tp, spec.hidden, tp=tp))
-                yield (f"default:tp{tp}:{name}:rs:m{m}", "rs", tp,
-                       default_config("rs", m, spec.hidden, spec.fc1 // tp, tp=tp))
+                for op in ("ag", "rs"):
+                    yield (f"default:tp{tp}:{name}:{op}:m{m}", op, tp,
+                           default_config(op, m, *grid_shape(op, name, tp), tp=tp))
 
 
 def _table_kernels():

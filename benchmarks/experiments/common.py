@@ -42,6 +42,16 @@ def problem(m, n, k):
     return a, w, a.float() @ w.t().float()
 
 
+def named_configs(table, op, m, n, k, tp):
+    """``{"table": ..., "default": ...}``: the shipped table's config for ``op`` ("ag" or "rs")
+    on this shape (``table`` a ``TableConfigProvider``) and the heuristic default."""
+    from megatron_flux.kernels.config import default_config
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    return {"table": table(op, m, n, k, dtype=torch.bfloat16, tp=tp, device=dev),
+            "default": default_config(op, m, n, k, tp=tp)}
+
+
 def time_and_check(fns, outs, args, title, row):
     """Time ``fns`` (one of them ``"cublas"``) interleaved, as ``args`` (from
     :func:`add_timing_args`) say; check each ``outs[name] = (got,

@@ -21,11 +21,9 @@ import json
 
 import torch
 
-from common import add_timing_args, load_module, problem, time_and_check, write_record
-from megatron_flux.bench.grid import MODELS
-from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu, rs_on_one_gpu
+from common import add_timing_args, load_module, named_configs, problem, time_and_check, write_record
+from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu, grid_shape, rs_on_one_gpu
 from megatron_flux.bench.plain_gemm import launch_plain_gemm
-from megatron_flux.kernels.config import default_config
 from megatron_flux.tuning.provider import TableConfigProvider
 
 
@@ -51,18 +49,13 @@ def main(argv=None):
         launchers[name] = getattr(load_module(path, f"kernel_{name}"), launcher)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     table = TableConfigProvider()
-    dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
     for model in args.models:
         for m in args.m:
-            if args.op == "ag":
-                n, k = MODELS[model].fc1 // args.tp, MODELS[model].hidden
-            else:
-                n, k = MODELS[model].hidden, MODELS[model].fc1 // args.tp
+            n, k = grid_shape(args.op, model, args.tp)
             a, w, full = problem(m, n, k)
             err = torch.zeros(4, dtype=torch.int32, device="cuda")
-            cfgs = {"table": table(args.op, m, n, k, dtype=torch.bfloat16, tp=args.tp, device=dev),
-                    "default": default_config(args.op, m, n, k, tp=args.tp)}
+            cfgs = named_configs(table, args.op, m, n, k, args.tp)
             for label, cfg in cfgs.items():
                 plain_out = torch.full((m, n), float("nan"), device="cuda", dtype=a.dtype)
                 fns = {"cublas": lambda: torch.matmul(a, w.t()),

@@ -22,12 +22,10 @@ import statistics
 
 import torch
 
-from common import load_module, problem, write_record
-from megatron_flux.bench.grid import MODELS
-from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu, rs_on_one_gpu
+from common import load_module, named_configs, problem, write_record
+from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu, grid_shape, mean_ms, rs_on_one_gpu
 from megatron_flux.bench.plain_gemm import PLAIN_PHASES, launch_plain_gemm
 from megatron_flux.kernels.ag_gemm import AG_PHASES
-from megatron_flux.kernels.config import default_config
 from megatron_flux.kernels.gemm_rs import RS_PHASES
 from megatron_flux.kernels.phase_trace import new_trace
 from megatron_flux.tuning.provider import TableConfigProvider
@@ -61,16 +59,6 @@ def summarize(traces, phases):
     return out, (min(steps) if steps else None)
 
 
-def event_ms(fn, iters):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def run_traced(launch, grid, phases, launches, warmup, iters):
     """``launch(trace)`` ``warmup`` times, then ``launches`` traced launches; returns the
     summary and the untraced / traced event times (ms per launch, ``iters`` back to back)."""
@@ -84,8 +72,8 @@ def run_traced(launch, grid, phases, launches, warmup, iters):
     for _ in range(warmup):  # the untraced kernel is another compiled variant
         launch(None)
     torch.cuda.synchronize()
-    plain_ms = event_ms(lambda: launch(None), iters)
-    traced_ms = event_ms(lambda: launch(scratch), iters)
+    plain_ms = mean_ms(lambda: launch(None), iters)
+    traced_ms = mean_ms(lambda: launch(scratch), iters)
     summary, step = summarize(bufs, phases)
     return {"phases": summary, "timer_step_ns": step, "untraced_ms": plain_ms,
             "traced_ms": traced_ms}
@@ -114,19 +102,14 @@ def main(argv=None):
         launcher = getattr(load_module(args.module, "kernel_variant"), name)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     table = TableConfigProvider()
-    dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
     for model in args.models:
         for m in args.m:
-            if args.op == "ag":
-                n, k = MODELS[model].fc1 // args.tp, MODELS[model].hidden
-            else:
-                n, k = MODELS[model].hidden, MODELS[model].fc1 // args.tp
+            n, k = grid_shape(args.op, model, args.tp)
             a, w, _ = problem(m, n, k)
             err = torch.zeros(4, dtype=torch.int32, device="cuda")
             c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            cfgs = {"table": table(args.op, m, n, k, dtype=torch.bfloat16, tp=args.tp, device=dev),
-                    "default": default_config(args.op, m, n, k, tp=args.tp)}
+            cfgs = named_configs(table, args.op, m, n, k, args.tp)
             for label in args.configs:
                 cfg = cfgs[label]
                 if args.override:

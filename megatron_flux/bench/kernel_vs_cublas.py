@@ -82,14 +82,19 @@ def _time(fns: Dict[str, Callable], trials: int, iters: int, warmup: int = 0,
             fn = fns[name]
             for _ in range(warmup):
                 fn()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            out[name].append(start.elapsed_time(end) / iters)
+            out[name].append(mean_ms(fn, iters))
     return out
+
+
+def mean_ms(fn: Callable, iters: int) -> float:
+    """Mean time of ``iters`` back-to-back calls of ``fn``, by CUDA events (ms)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def ag_on_one_gpu(a, w, world, cfg, err, launch_ag_gemm=None, num_sms=None):
@@ -349,16 +354,25 @@ def _runner(op, label):
     return functools.partial(_plain_runner, host_descriptors=kind == "plain-hostdesc")
 
 
-def _grid(args):
+def grid_shape(op: str, model: str, tp: int):
+    """``(n, k)`` of ``op`` ("ag" or "rs") for ``model`` at TP size ``tp``, per rank: AG+GEMM
+    n = fc1 width / tp, k = hidden; GEMM+RS n = hidden, k = fc1 width / tp (k as in the
+    anchors file)."""
     from megatron_flux.bench.grid import MODELS
 
+    spec = MODELS[model]
+    if op == "ag":
+        return spec.fc1 // tp, spec.hidden
+    return spec.hidden, spec.fc1 // tp
+
+
+def _grid(args):
     for model_name in args.models:
-        spec = MODELS[model_name]
         for m in args.m:
             if "AG+GEMM" in args.ops:
-                yield "AG+GEMM", model_name, m, spec.fc1 // args.tp, spec.hidden
+                yield ("AG+GEMM", model_name, m) + grid_shape("ag", model_name, args.tp)
             if "GEMM+RS" in args.ops:
-                yield "GEMM+RS", model_name, m, spec.hidden, spec.fc1 // args.tp  # k as in the anchors file
+                yield ("GEMM+RS", model_name, m) + grid_shape("rs", model_name, args.tp)
 
 
 def add_grid_args(p: argparse.ArgumentParser) -> None:
