@@ -99,66 +99,48 @@ def _gathered_by(rank, xs):
     return ag
 
 
+def _ag_on_rank(xs, b, rank, cfg, label):
+    """Rank ``rank``'s AG+GEMM output (every peer chunk signalled, output poisoned first), after
+    checking that every element was written and no wait timed out."""
+    world, (m_local, _) = len(xs), xs[0].shape
+    flags = torch.full((world * triton.cdiv(m_local, cfg.chunk_rows),), 7, dtype=torch.int32)
+    err = torch.zeros(4, dtype=torch.int32)
+    out = torch.full((world * m_local, b.shape[1]), float("nan")).to(DTYPE)
+    launch_ag_gemm(xs[rank], _gathered_by(rank, xs), b, out, flags, err, rank=rank, world=world,
+                   epoch=7, cfg=cfg, num_sms=NSMS, max_spins=10)
+    assert not torch.isnan(out).any(), f"unwritten output ({label})"
+    assert err.tolist() == [0, 0, 0, 0], (label, err.tolist())
+    return out
+
+
 def check_ag_gemm_all_ranks():
     """AG+GEMM output on every rank of TP 2/4/8, aligned and ragged m_local, both B layouts."""
     for world, m_local, b_kn in ((2, 32, False), (4, 20, True), (8, 9, False), (4, 48, False)):
-        k, n = 32, 64
-        xs, b, ref = _ag_case(world, m_local, k, n, b_kn)
-        chunks = triton.cdiv(m_local, CFG.chunk_rows)
+        xs, b, ref = _ag_case(world, m_local, 32, 64, b_kn)
         for rank in range(world):
-            ag = _gathered_by(rank, xs)
-            flags = torch.full((world * chunks,), 7, dtype=torch.int32)
-            err = torch.zeros(4, dtype=torch.int32)
-            out = torch.full((world * m_local, n), float("nan")).to(DTYPE)
-            launch_ag_gemm(xs[rank], ag, b, out, flags, err, rank=rank, world=world, epoch=7,
-                           cfg=CFG, num_sms=NSMS, max_spins=10)
-            assert not torch.isnan(out).any(), f"unwritten output (world={world} rank={rank})"
-            assert err.tolist() == [0, 0, 0, 0], err.tolist()
-            e = _rel(out, ref)
+            e = _rel(_ag_on_rank(xs, b, rank, CFG, f"{world=} {rank=}"), ref)
             assert e < TOL, f"world={world} rank={rank} m_local={m_local}: rel err {e}"
 
 
 def check_ag_peer_groups():
     """AG+GEMM with the peers' segments grouped (``ag_peer_group``): the same product on every
     rank of TP 3/4/8 for groups that divide the peers and groups that leave a short last group,
-    aligned and ragged m_local; bitwise equal to the per-segment schedule (same K order per
-    tile); and a missing chunk in any grouped segment is the one the kernel reports."""
+    aligned and ragged m_local, and bitwise equal to the per-segment schedule (same K order per
+    tile). Its waits: :func:`check_ag_signal_indexing`."""
     import dataclasses
 
     for world, m_local, groups in ((4, 32, (2, 3)), (8, 9, (2, 3, 7, 64)), (3, 20, (2,))):
-        k, n = 32, 64
-        xs, b, ref = _ag_case(world, m_local, k, n, False)
-        chunks = triton.cdiv(m_local, CFG.chunk_rows)
+        xs, b, ref = _ag_case(world, m_local, 32, 64, False)
         for rank in range(world):
-            ag = _gathered_by(rank, xs)
-            flags = torch.full((world * chunks,), 7, dtype=torch.int32)
             outs = []
             for group in (1,) + groups:
-                cfg = dataclasses.replace(CFG, ag_peer_group=group)
-                err = torch.zeros(4, dtype=torch.int32)
-                out = torch.full((world * m_local, n), float("nan")).to(DTYPE)
-                launch_ag_gemm(xs[rank], ag, b, out, flags, err, rank=rank, world=world,
-                               epoch=7, cfg=cfg, num_sms=NSMS, max_spins=10)
-                assert not torch.isnan(out).any(), f"unwritten output ({world=} {rank=} {group=})"
-                assert err.tolist() == [0, 0, 0, 0], err.tolist()
+                label = f"{world=} {rank=} {group=}"
+                out = _ag_on_rank(xs, b, rank, dataclasses.replace(CFG, ag_peer_group=group),
+                                  label)
                 e = _rel(out, ref)
-                assert e < TOL, f"{world=} {rank=} {group=} {m_local=}: rel err {e}"
+                assert e < TOL, f"{label} {m_local=}: rel err {e}"
                 outs.append(out)
             assert all(torch.equal(o, outs[0]) for o in outs), f"{world=} {rank=}: not bitwise"
-    world, m_local, k, n, rank = 4, 24, 16, 32, 1
-    xs, b, _ = _ag_case(world, m_local, k, n, False)
-    chunks = triton.cdiv(m_local, CFG.chunk_rows)
-    cfg = dataclasses.replace(CFG, ag_peer_group=3)  # one group: segments 2, 3, 0
-    for missing_seg in (0, 2, 3):
-        flags = torch.full((world * chunks,), 5, dtype=torch.int32)
-        flags[rank * chunks:(rank + 1) * chunks] = 0  # own rows: never signalled, never read
-        idx = missing_seg * chunks + chunks - 1
-        flags[idx] = 4  # previous epoch
-        err = torch.zeros(4, dtype=torch.int32)
-        out = torch.empty(world * m_local, n, dtype=DTYPE)
-        launch_ag_gemm(xs[rank], torch.randn(world * m_local, k).to(DTYPE), b, out, flags, err,
-                       rank=rank, world=world, epoch=5, cfg=cfg, num_sms=NSMS, max_spins=3)
-        assert err.tolist() == [1, rank, idx, 4], (missing_seg, err.tolist())
 
 
 def check_ag_stream_k():
@@ -239,22 +221,27 @@ def _sk_slot_probe(partials_ptr, log_ptr, sk_tiles, k_tiles, NUM_SMS: tl.constex
 
 def check_ag_signal_indexing():
     """A missing chunk signal is the one the kernel reports: index = segment * chunks + chunk,
-    the local segment needs no signal, a stale epoch does not count."""
+    the local segment needs no signal, a stale epoch does not count; per segment and with the
+    peers grouped (``ag_peer_group`` 3: one group, segments 2, 3, 0, one wait for all)."""
+    import dataclasses
+
     world, m_local, k, n, rank = 4, 24, 16, 32, 1
     xs, b, _ = _ag_case(world, m_local, k, n, False)
     chunks = triton.cdiv(m_local, CFG.chunk_rows)
-    for missing_seg in (0, 2, 3):
-        for missing_chunk in range(chunks):
-            flags = torch.full((world * chunks,), 5, dtype=torch.int32)
-            flags[rank * chunks:(rank + 1) * chunks] = 0  # own rows: never signalled, never read
-            idx = missing_seg * chunks + missing_chunk
-            flags[idx] = 4  # previous epoch
-            err = torch.zeros(4, dtype=torch.int32)
-            ag = torch.randn(world * m_local, k).to(DTYPE)
-            out = torch.empty(world * m_local, n, dtype=DTYPE)
-            launch_ag_gemm(xs[rank], ag, b, out, flags, err, rank=rank, world=world, epoch=5,
-                           cfg=CFG, num_sms=NSMS, max_spins=3)
-            assert err.tolist() == [1, rank, idx, 4], (missing_seg, missing_chunk, err.tolist())
+    for cfg in (CFG, dataclasses.replace(CFG, ag_peer_group=3)):
+        for missing_seg in (0, 2, 3):
+            for missing_chunk in range(chunks):
+                flags = torch.full((world * chunks,), 5, dtype=torch.int32)
+                flags[rank * chunks:(rank + 1) * chunks] = 0  # own rows: never signalled or read
+                idx = missing_seg * chunks + missing_chunk
+                flags[idx] = 4  # previous epoch
+                err = torch.zeros(4, dtype=torch.int32)
+                ag = torch.randn(world * m_local, k).to(DTYPE)
+                out = torch.empty(world * m_local, n, dtype=DTYPE)
+                launch_ag_gemm(xs[rank], ag, b, out, flags, err, rank=rank, world=world,
+                               epoch=5, cfg=cfg, num_sms=NSMS, max_spins=3)
+                assert err.tolist() == [1, rank, idx, 4], (cfg.ag_peer_group, missing_seg,
+                                                           missing_chunk, err.tolist())
 
 
 def check_next_call_cannot_release_a_wait():
@@ -398,10 +385,12 @@ def _rs_run(w, phases=("produce", "consume"), max_spins=10):
 
 
 def check_gemm_rs_all_ranks():
-    """GEMM+RS output on every rank of TP 2/4/8 (bias, ragged m_local, both B layouts)."""
-    cases = [(2, 32, False, True), (4, 20, True, False), (8, 9, False, True)]
-    for (world, m_local, b_kn, bias), cfg in [(c, f) for c in cases for f in RS_CFGS]:
-        k, n = 32, 64
+    """GEMM+RS output on every rank of TP 2/4/8 (bias, ragged m_local, both B layouts; n wider
+    than the spread reduction's 256-column chunks once, so their column offset counts)."""
+    cases = [(2, 32, False, True, 64), (4, 20, True, False, 64), (8, 9, False, True, 64),
+             (2, 16, False, True, 288)]
+    for (world, m_local, b_kn, bias, n), cfg in [(c, f) for c in cases for f in RS_CFGS]:
+        k = 32
         w = _rs_world(world, m_local, k, n, b_kn, bias, cfg=cfg)
         _rs_run(w)
         full = sum(a.float() @ b.float() for a, b in zip(w["a"], w["b"]))

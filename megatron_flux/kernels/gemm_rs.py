@@ -348,7 +348,8 @@ def _spread_reduce(data_ptr, out_ptr, bias_ptr, my_flags, err_ptr, trace_ptr, pi
     num_n = tl.cdiv(N, RED_N)
     for c in range(pid, tl.cdiv(m_local, RED_M) * num_n, NUM_SMS):
         rows = (c // num_n) * RED_M + tl.arange(0, RED_M)
-        cols = (c % num_n) * RED_N + tl.arange(0, RED_N)
+        off_n = (c % num_n) * RED_N
+        cols = off_n + tl.arange(0, RED_N)
         mask = (rows[:, None] < m_local) & (cols[None, :] < N)
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
         acc = tl.zeros((RED_M, RED_N), dtype=tl.float32)
@@ -356,7 +357,7 @@ def _spread_reduce(data_ptr, out_ptr, bias_ptr, my_flags, err_ptr, trace_ptr, pi
             acc += tl.load(data_ptr + tl.cast(src * m_local, tl.int64) * N + offs, mask=mask,
                            other=0.0).to(tl.float32)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            acc = _add_bias(acc, bias_ptr, off_n, N, RED_N)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
