@@ -127,7 +127,7 @@ def test_every_shipped_config_compiles_and_fits_hopper_shared_memory():
     shipped tables and the heuristic defaults select compiles for sm_90 and needs at most the
     227 KiB of shared memory a Hopper block may have (session 13: a flattened reduction loop
     would have needed 279 576 bytes for one table entry). Triton 3.6 (the GPU box's) and 3.9
-    report the same sizes for the table's kernels."""
+    report the same sizes for all of them (benchmarks/results/compile-s13-triton3.*.json)."""
     kernels = _table_kernels()
     assert len(kernels) >= 10
     too_big = []
