@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Session 14 device calls (2 GPUs, each < 10 minutes). The whole suite no longer fits one call
+# (the interpreter and compile-only tests alone take minutes; CI runs them), so:
+#   OUT=... bash benchmarks/device_s14.sh tests   GPU-marked tests first (2-GPU fused ops, layers,
+#                                                 one-GPU kernels, phase stamps)  -> $OUT/tests-gpu.json
+#                                                 then every other test except the interpreter and
+#                                                 compile-only files, megatron-core 0.19.2
+#                                                                                  -> $OUT/tests-rest.json
+#   OUT=... bash benchmarks/device_s14.sh bench   the m >= 1024 grid, then the small-m grid
+#                                                                                  -> $OUT/bench*.json
+#   OUT=... bash benchmarks/device_s14.sh trace2  phase stamps with communication on, both ranks
+#                                                 (experiments/phase_trace_tp.py), then the same
+#                                                 GEMM+RS shapes with it off on GPU 0 (TRACE2_OFF=0:
+#                                                 not)                             -> $OUT/trace2-*.json
+#   OUT=... bash benchmarks/device_s14.sh trace2c the control session 14 lacked: GEMM+RS phase
+#                                                 stamps on both GPUs at once with communication
+#                                                 off, on, off, on (ABAB), nvidia-smi sampling SM
+#                                                 clocks and power        -> $OUT/trace2c-*.json, smi.csv
+# (carry .whl)
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-/tmp/s14}"
+mkdir -p "${OUT}"
+source benchmarks/device_env.sh
+RUN=(python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}")
+failures() {  # failures JSON: one line per test that did not pass
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(t['outcome'], t['test'], (t['message'] or '')[:400]) for t in d['tests'] if t['outcome'] != 'passed']" "$1"
+}
+case "${1:-}" in
+tests)
+    install_carried_wheels || exit 1
+    export PYTHONPATH="${PWD}:/tmp/site"
+    echo "== gpu-marked tests ($(date +%T))"
+    timeout 330 python3 benchmarks/record_pytest.py "${OUT}/tests-gpu.json" tests -q -m gpu \
+        -p no:cacheprovider > "${OUT}/tests-gpu.log" 2>&1
+    echo "exit $? (${SECONDS}s)"; tail -2 "${OUT}/tests-gpu.log"; failures "${OUT}/tests-gpu.json"
+    echo "== other tests ($(date +%T))"
+    timeout $((570 - SECONDS)) python3 benchmarks/record_pytest.py "${OUT}/tests-rest.json" tests -q \
+        -m "not gpu" --ignore tests/test_kernels_interpret.py --ignore tests/test_kernels_compile.py \
+        -p no:cacheprovider > "${OUT}/tests-rest.log" 2>&1
+    echo "exit $? (${SECONDS}s)"; tail -2 "${OUT}/tests-rest.log"; failures "${OUT}/tests-rest.json" ;;
+bench)
+    export PYTHONPATH="${PWD}"
+    echo "== bench large ($(date +%T))"
+    timeout 400 "${RUN[@]}" -m megatron_flux.bench --m-set large \
+        --methods cublas_gemm comm nccl torch_async_tp flux --trials 5 --iters 20 \
+        --out-json "${OUT}/bench.json" --out-png "${OUT}/bench.png" > "${OUT}/bench.log" 2>&1
+    echo "   exit $? (${SECONDS}s)"; grep -A12 "^summary" "${OUT}/bench.log"
+    echo "== bench small ($(date +%T))"
+    timeout $((580 - SECONDS)) "${RUN[@]}" -m megatron_flux.bench --m-set small \
+        --methods cublas_gemm comm nccl torch_async_tp flux auto --trials 5 --iters 20 \
+        --out-json "${OUT}/bench-small.json" --out-png "${OUT}/bench-small.png" > "${OUT}/bench-small.log" 2>&1
+    echo "   exit $? (${SECONDS}s)"; grep -A12 "^summary" "${OUT}/bench-small.log" ;;
+trace2)
+    export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments"
+    echo "== GEMM+RS, communication on ($(date +%T))"
+    timeout 200 "${RUN[@]}" benchmarks/experiments/phase_trace_tp.py --op rs \
+        --models llama3-70b gpt3-175b llama3-8b --ms 4096 8192 --json "${OUT}/trace2-rs-on.json" \
+        2>&1 | grep -E "^(rs|Traceback)|Error"
+    echo "== AG+GEMM, communication on ($(date +%T), ${SECONDS}s)"
+    timeout $((330 - SECONDS)) "${RUN[@]}" benchmarks/experiments/phase_trace_tp.py --op ag \
+        --models llama3-8b llama3-70b --ms 1024 --json "${OUT}/trace2-ag-on.json" \
+        2>&1 | grep -E "^(ag|Traceback)|Error"
+    [ "${TRACE2_OFF:-1}" = 1 ] || exit 0
+    echo "== GEMM+RS, communication off, GPU 0 ($(date +%T), ${SECONDS}s)"
+    CUDA_VISIBLE_DEVICES=0 timeout $((400 - SECONDS)) python3 benchmarks/experiments/phase_trace.py \
+        --op rs --tp 2 --models llama3-70b gpt3-175b llama3-8b --m 4096 8192 --configs table \
+        --json "${OUT}/trace2-rs-off.json" 2>&1 | grep -E "^(rs|Traceback)|Error" ;;
+trace2c)
+    export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments"
+    nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu \
+        --format=csv,nounits -lms 200 > "${OUT}/smi.csv" &
+    SMI_PID=$!
+    trap 'kill ${SMI_PID} 2>/dev/null' EXIT
+    for run in off1 on1 off2 on2; do
+        echo "== GEMM+RS, communication ${run%?} ($(date +%T), ${SECONDS}s)"
+        timeout 120 "${RUN[@]}" benchmarks/experiments/phase_trace_tp.py --op rs --comm "${run%?}" \
+            --models llama3-70b gpt3-175b llama3-8b --ms 4096 8192 --launches 5 \
+            --json "${OUT}/trace2c-rs-${run}.json" 2>&1 | grep -E "^(rs|Traceback)|Error" | cut -c1-90
+    done ;;
+*) echo "usage: $0 tests|bench|trace2|trace2c"; exit 2 ;;
+esac
+echo "== done in ${SECONDS}s"

@@ -1,0 +1,173 @@
+"""Experiment: the fused kernels' phase stamps with communication on, every rank of a TP group.
+
+``phase_trace.py`` runs one GPU with the peers' signals pre-set, so it cannot show what the
+peers cost: the pushes over NVLink (GEMM+RS), waiting for a slower rank, chunks landing late
+(AG+GEMM). This script calls the registered ``flux`` backend exactly as the layers do, under
+torchrun, with the launcher wrapped so the kernel's ``TRACE`` build stamps its phases
+(:mod:`megatron_flux.kernels.phase_trace`). Per shape: ``--warmup`` untraced calls, the mean
+time of ``--iters`` untraced and traced calls (CUDA events, back to back as in training), then
+``--launches`` traced calls back to back. Per rank and phase the record keeps the earliest,
+median and latest program (µs after that rank's first program start), median over launches;
+and per launch each rank's first start in ``%globaltimer`` ns. ``%globaltimer`` is not
+calibrated between GPUs, so the skew is only indicative.
+
+``--comm off`` is the control: every rank runs the same kernel and config at the same time,
+wired to its own GPU alone (``kernel_vs_cublas``'s one-GPU wiring: peers' signals pre-set,
+pushes into local scratch). Both GPUs are then as busy as with communication on, but nothing
+crosses NVLink, so a difference between the two runs is the communication's, not the box's
+(session 14 compared against a one-GPU run and could not tell the two apart).
+
+    torchrun --nproc-per-node 2 benchmarks/experiments/phase_trace_tp.py --op rs \
+        --models llama3-70b --ms 8192 --json rs-tp-trace.json
+
+(run as a script, with the repository root on ``PYTHONPATH``: it imports ``phase_trace`` beside it)
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from common import write_record
+from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu, grid_shape, mean_ms, rs_on_one_gpu
+from megatron_flux.kernels import ag_gemm as ag_module
+from megatron_flux.kernels import gemm_rs as rs_module
+from megatron_flux.kernels.phase_trace import new_trace
+from phase_trace import summarize
+
+
+class TracedLauncher:
+    """Wraps a module's ``launch_*`` so every launch stamps into ``self.trace`` when it is set."""
+
+    def __init__(self, module, name):
+        self.module, self.name = module, name
+        self.inner = getattr(module, name)
+        self.trace = None
+        setattr(module, name, self)
+
+    def __call__(self, *args, **kwargs):
+        return self.inner(*args, trace=self.trace, **kwargs)
+
+
+def make_call(op, comm, backend, launcher, group, m, n, k, cfg, dev):
+    """``(call, keep)``: ``call(trace)`` runs one op (``trace``: a stamp buffer or None);
+    ``keep`` holds its tensors until the caller drops it. ``comm == "on"``: the registered flux
+    backend as a layer calls it (each rank's ``m / world`` rows for AG+GEMM, all ``m`` rows
+    for GEMM+RS); ``"off"``: the kernel with ``cfg`` in ``kernel_vs_cublas``'s one-GPU wiring."""
+    world = group.size()
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+    b = w.t()  # [K, N] view of the weight, as a layer's
+    if comm == "off":
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        err = torch.zeros(4, dtype=torch.int32, device=dev)
+        if op == "ag":
+            launch, out = ag_on_one_gpu(a, w, world, cfg, err)
+            return (lambda trace: launch(trace=trace)), (a, w, out, err)
+        launch, out, data = rs_on_one_gpu(a, w, world, err)
+        return (lambda trace: launch(cfg, trace=trace)), (a, w, out, data, err, launch)
+    if op == "ag":
+        a = torch.randn(m // world, k, device=dev, dtype=torch.bfloat16)
+        out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+        fn = backend.all_gather_matmul
+    else:
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        out = torch.empty(m // world, n, device=dev, dtype=torch.bfloat16)
+        fn = backend.matmul_reduce_scatter
+
+    def call(trace):
+        launcher.trace = trace
+        try:
+            fn(a, b, group, out=out)
+        finally:
+            launcher.trace = None
+
+    return call, (a, w, out)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--op", choices=["ag", "rs"], default="rs")
+    p.add_argument("--models", nargs="+", default=["llama3-70b"])
+    p.add_argument("--ms", nargs="+", type=int, default=[8192],
+                   help="token counts (not --m: torchrun would take that for one of its own)")
+    p.add_argument("--comm", choices=["on", "off"], default="on",
+                   help="off: every rank runs the kernel wired to its own GPU alone (peers' "
+                        "signals pre-set, pushes to local scratch) at the same time, the control "
+                        "that separates communication from two busy GPUs")
+    p.add_argument("--override", type=json.loads, default=None,
+                   help="GemmConfig fields (JSON) applied to every config the backend picks")
+    p.add_argument("--launches", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    group = dist.group.WORLD
+    rank, world = group.rank(), group.size()
+    from megatron_flux import backends
+
+    backend = backends.get_backend("flux")
+    if args.override:
+        picked = backend.config
+        backend.config = lambda *a, **kw: dataclasses.replace(picked(*a, **kw), **args.override)
+    launcher = (TracedLauncher(ag_module, "launch_ag_gemm") if args.op == "ag"
+                else TracedLauncher(rs_module, "launch_gemm_rs"))
+    phases = ag_module.AG_PHASES if args.op == "ag" else rs_module.RS_PHASES
+    dev = torch.device("cuda", local_rank)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rows = []
+    for model in args.models:
+        for m in args.ms:
+            n, k = grid_shape(args.op, model, world)
+            torch.manual_seed(1234 + rank)
+            cfg = backend.config(args.op, m, n, k, dtype=torch.bfloat16, tp=world, device=dev)
+            call, keep = make_call(args.op, args.comm, backend, launcher, group, m, n, k, cfg, dev)
+            grid_cap = sms * cfg.programs_per_sm
+            scratch = new_trace(grid_cap, dev)
+            for _ in range(args.warmup):
+                call(None)
+            dist.barrier()
+            untraced_ms = mean_ms(lambda call=call: call(None), args.iters)
+            for _ in range(args.warmup):
+                call(scratch)
+            dist.barrier()
+            traced_ms = mean_ms(lambda call=call: call(scratch), args.iters)
+            bufs = [new_trace(grid_cap, dev) for _ in range(args.launches)]
+            dist.barrier()
+            for buf in bufs:
+                call(buf)
+            torch.cuda.synchronize()
+            summary, step = summarize(bufs, phases)
+            starts = [int(buf[:, 0][buf[:, 0] >= 0].min()) for buf in bufs]
+            mine = {"rank": rank, "phases": summary, "timer_step_ns": step,
+                    "untraced_ms": untraced_ms, "traced_ms": traced_ms, "starts_ns": starts}
+            every = [None] * world
+            dist.all_gather_object(every, mine)
+            record = {"comm": args.comm, "override": args.override, "op": args.op, "model": model,
+                      "m": m, "n": n, "k": k, "tp": world, "cfg": cfg.to_dict(), "ranks": every}
+            rows.append(record)
+            if rank == 0:
+                for r in every:
+                    shown = "  ".join(f"{name} {v['first']:.1f}/{v['median']:.1f}/{v['last']:.1f}"
+                                      for name, v in r["phases"].items())
+                    skew = [(s - s0) / 1000.0 for s, s0 in zip(r["starts_ns"], every[0]["starts_ns"])]
+                    print(f"{args.op} {model} m={m} comm {args.comm} rank {r['rank']}: {r['untraced_ms']:.4f} ms "
+                          f"(traced {r['traced_ms']:.4f})  start-vs-rank0 "
+                          f"{min(skew):+.1f}..{max(skew):+.1f} us  {shown}", flush=True)
+            del call, keep
+            torch.cuda.empty_cache()
+    if rank == 0:
+        write_record(args.json, rows, what=f"per-program phase stamps, communication {args.comm} "
+                     "(µs after each rank's first program start: earliest/median/latest program, "
+                     "median over launches)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
