@@ -16,6 +16,15 @@
 #                                                 stamps on both GPUs at once with communication
 #                                                 off, on, off, on (ABAB), nvidia-smi sampling SM
 #                                                 clocks and power        -> $OUT/trace2c-*.json, smi.csv
+#   OUT=... bash benchmarks/device_s14.sh merge   ag_merge_local (written in session 14, never run
+#                                                 on a GPU): its 2-GPU and one-GPU tests, then
+#                                                 AG+GEMM comm on, table configs with and without
+#                                                 it (A B A B, phase_trace_tp.py), then comm off
+#                                                 on GPU 0 paired against the per-segment kernel
+#                                                 (kernel_ab "new" vs "new+"; "prev" is 73a0d7b's
+#                                                 kernel: carry .device/prev_ag_gemm.py = git show
+#                                                 73a0d7b:megatron_flux/kernels/ag_gemm.py)
+#                                                                                  -> $OUT/merge-*.json
 # (carry .whl)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -78,6 +87,26 @@ trace2c)
             --models llama3-70b gpt3-175b llama3-8b --ms 4096 8192 --launches 5 \
             --json "${OUT}/trace2c-rs-${run}.json" 2>&1 | grep -E "^(rs|Traceback)|Error" | cut -c1-90
     done ;;
-*) echo "usage: $0 tests|bench|trace2|trace2c"; exit 2 ;;
+merge)
+    install_carried_wheels || exit 1
+    export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments:/tmp/site"
+    echo "== tests ($(date +%T))"
+    timeout 200 python3 benchmarks/record_pytest.py "${OUT}/merge-tests.json" \
+        tests/test_flux_gpu.py tests/test_kernels_one_gpu.py -q -m gpu \
+        -k "default or merged" -p no:cacheprovider > "${OUT}/merge-tests.log" 2>&1
+    echo "exit $? (${SECONDS}s)"; tail -2 "${OUT}/merge-tests.log"; failures "${OUT}/merge-tests.json"
+    for run in base1 merge1 base2 merge2; do
+        case ${run} in merge*) O=(--override '{"ag_merge_local": true}') ;; *) O=() ;; esac
+        echo "== AG+GEMM comm on, ${run} ($(date +%T), ${SECONDS}s)"
+        timeout 60 "${RUN[@]}" benchmarks/experiments/phase_trace_tp.py --op ag "${O[@]}" \
+            --models llama3-8b llama3-70b gpt3-175b --ms 1024 2048 --launches 3 \
+            --json "${OUT}/merge-ag-${run}.json" 2>&1 | grep -E "^(ag|Traceback)|Error" | cut -c1-90
+    done
+    echo "== AG+GEMM comm off, GPU 0, paired ($(date +%T), ${SECONDS}s)"
+    CUDA_VISIBLE_DEVICES=0 timeout $((570 - SECONDS)) python3 benchmarks/experiments/kernel_ab.py \
+        --op ag --prev .device/prev_ag_gemm.py --tp 2 --models llama3-8b llama3-70b gpt3-175b \
+        --m 1024 2048 4096 --new-override '{"ag_merge_local": true}' --trials 7 --iters 20 \
+        --warmup 10 --shuffle-seed 0 --json "${OUT}/merge-ag-kab-tp2.json" 2>&1 | grep -v Warning ;;
+*) echo "usage: $0 tests|bench|trace2|trace2c|merge"; exit 2 ;;
 esac
 echo "== done in ${SECONDS}s"

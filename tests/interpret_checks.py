@@ -88,13 +88,14 @@ def _ag_case(world, m_local, k, n, b_kn):
     return xs, b, torch.cat(xs).float() @ b.float()
 
 
-def _gathered_by(rank, xs):
+def _gathered_by(rank, xs, own=False):
     """Rank ``rank``'s gathered workspace after the peers' copies: every peer's rows in place,
-    its own rows NaN (the kernel must read those from its shard, never from here)."""
+    its own rows NaN (the kernel must read those from its shard, never from here) unless
+    ``own`` (``ag_merge_local``: the host copied them there too)."""
     m_local, k = xs[0].shape
     ag = torch.full((len(xs) * m_local, k), float("nan")).to(DTYPE)
     for s, x in enumerate(xs):
-        if s != rank:
+        if s != rank or own:
             ag[s * m_local:(s + 1) * m_local] = x
     return ag
 
@@ -106,8 +107,8 @@ def _ag_on_rank(xs, b, rank, cfg, label):
     flags = torch.full((world * triton.cdiv(m_local, cfg.chunk_rows),), 7, dtype=torch.int32)
     err = torch.zeros(4, dtype=torch.int32)
     out = torch.full((world * m_local, b.shape[1]), float("nan")).to(DTYPE)
-    launch_ag_gemm(xs[rank], _gathered_by(rank, xs), b, out, flags, err, rank=rank, world=world,
-                   epoch=7, cfg=cfg, num_sms=NSMS, max_spins=10)
+    launch_ag_gemm(xs[rank], _gathered_by(rank, xs, own=cfg.ag_merge_local), b, out, flags, err,
+                   rank=rank, world=world, epoch=7, cfg=cfg, num_sms=NSMS, max_spins=10)
     assert not torch.isnan(out).any(), f"unwritten output ({label})"
     assert err.tolist() == [0, 0, 0, 0], (label, err.tolist())
     return out
@@ -217,6 +218,66 @@ def _sk_slot_probe(partials_ptr, log_ptr, sk_tiles, k_tiles, NUM_SMS: tl.constex
             tl.store(log_ptr + pid * 8 + n, marker)
             n += 1
         it = (u + 1) * k_tiles
+
+
+def check_ag_merged_local():
+    """AG+GEMM with the local segment merged into the first peer group (``ag_merge_local``):
+    the same product, bitwise equal to the per-segment schedule, at TP 2 (every rank), 4 and 8
+    (two ranks), aligned (two row tiles per segment) and ragged (one) m_local, leads of 0 waves
+    (wait first), 1 (some columns local-only) and 2 (every column: nothing left after the wait
+    but the peers' rows), peer groups 1 and larger, pushed and (once) pulled. With 5 column
+    tiles and a 5-program grid, lead 1 covers 3 columns at two row tiles per segment, 5 at
+    one."""
+    import dataclasses
+
+    cases = [  # world, m_local, ranks, (peer group, lead, pull)
+        (2, 32, (0, 1), ((1, 0, False), (1, 1, False), (1, 2, False), (1, 1, True))),
+        (2, 9, (0, 1), ((1, 0, False), (1, 1, False))),
+        (4, 20, (1, 3), ((1, 1, False), (3, 0, False), (3, 1, False))),
+        (8, 9, (5,), ((1, 1, False), (2, 1, False), (7, 0, False))),
+    ]
+    for world, m_local, ranks, variants in cases:
+        xs, b, ref = _ag_case(world, m_local, 32, 160, False)
+        for rank in ranks:
+            base = _ag_on_rank(xs, b, rank, CFG, f"{world=} {rank=} per-segment")
+            for group, lead, pull in variants:
+                cfg = dataclasses.replace(CFG, ag_merge_local=True, ag_merge_lead=lead,
+                                          ag_peer_group=group, ag_pull=pull)
+                label = f"{world=} {rank=} {m_local=} {group=} {lead=} {pull=}"
+                out = _ag_on_rank(xs, b, rank, cfg, label)
+                e = _rel(out, ref)
+                assert e < TOL, f"{label}: rel err {e}"
+                assert torch.equal(out, base), f"{label}: not bitwise the per-segment one"
+
+
+def check_ag_merged_signals():
+    """Merged local rows: pushed (MERGE_LOCAL 1), a missing or stale signal of the local
+    segment's chunks is reported like a peer's (index rank * chunks + c), and the group's
+    peers' too; pulled, the local segment's signals are not waited for."""
+    import dataclasses
+
+    world, m_local, k, n, rank = 4, 24, 16, 32, 1
+    xs, b, _ = _ag_case(world, m_local, k, n, False)
+    chunks = triton.cdiv(m_local, CFG.chunk_rows)
+    push = dataclasses.replace(CFG, ag_merge_local=True, ag_peer_group=3)
+    for missing_seg in (rank, 2, 3, 0):
+        for missing_chunk in range(chunks):
+            flags = torch.full((world * chunks,), 5, dtype=torch.int32)
+            idx = missing_seg * chunks + missing_chunk
+            flags[idx] = 4  # previous epoch
+            err = torch.zeros(4, dtype=torch.int32)
+            out = torch.empty(world * m_local, n, dtype=DTYPE)
+            launch_ag_gemm(xs[rank], _gathered_by(rank, xs, own=True), b, out, flags, err,
+                           rank=rank, world=world, epoch=5, cfg=push, num_sms=NSMS, max_spins=3)
+            assert err.tolist() == [1, rank, idx, 4], (missing_seg, missing_chunk, err.tolist())
+    pull = dataclasses.replace(push, ag_pull=True)
+    flags = torch.full((world * chunks,), 5, dtype=torch.int32)
+    flags[rank * chunks:(rank + 1) * chunks] = 0  # own rows copied before the kernel: no signal
+    err = torch.zeros(4, dtype=torch.int32)
+    out = torch.full((world * m_local, n), float("nan")).to(DTYPE)
+    launch_ag_gemm(xs[rank], _gathered_by(rank, xs, own=True), b, out, flags, err, rank=rank,
+                   world=world, epoch=5, cfg=pull, num_sms=NSMS, max_spins=3)
+    assert err.tolist() == [0, 0, 0, 0] and not torch.isnan(out).any(), err.tolist()
 
 
 def check_ag_signal_indexing():
@@ -520,7 +581,8 @@ def check_plain_gemm():
         raise AssertionError("a k that TMA cannot stride was accepted")
 
 
-CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_peer_groups, check_ag_stream_k, check_ag_signal_indexing,
+CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_peer_groups,
+          check_ag_merged_local, check_ag_merged_signals, check_ag_stream_k, check_ag_signal_indexing,
           check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout,
           check_gemm_rs_spread_waits_for_its_own_grid,
           check_next_call_cannot_release_a_wait, check_ready_barrier, check_copy_engine_gather,

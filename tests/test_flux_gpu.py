@@ -6,7 +6,7 @@ changing shapes exercise signal/epoch reuse and the workspace parity; repeated i
 must be bitwise identical; the pulling AllGather and GEMM+RS's schedule knobs run over every shape;
 fused calls queued back to back alternate signal layouts, pull/push and RS push modes; the
 copy-engine all-gather runs beside GEMM+RS in the column backward's order; AG+GEMM's stream-K
-tail runs over every shape. Runs under both
+tail and its merged local rows (``ag_merge_local``) run over every shape. Runs under both
 ``CUDA_DEVICE_MAX_CONNECTIONS=1``
 (Megatron's setting) and the driver default.
 """
@@ -228,6 +228,23 @@ def _worker(rank, world, port, env, queue):
                 assert torch.equal(first, flux_sk.all_gather_matmul(x, b, group)[0]), \
                     f"AG+GEMM with {variant} not deterministic"
             flux_sk.check_errors()
+        # AG+GEMM with the local rows merged into the first peer group: pushed (the shard
+        # copied into the workspace and signalled) and pulled, leads of 0 and 1 waves, and the
+        # 128x128 warp-specialized tile of the llama3-8b TP 2 table entries
+        merge_variants = [dict(ag_merge_local=True),
+                          dict(ag_merge_local=True, ag_merge_lead=0, chunk_rows=64),
+                          dict(ag_merge_local=True, ag_pull=True, chunk_rows=64),
+                          dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
+                               epilogue_split=1, warp_specialize=True, ag_merge_local=True)]
+        for variant in merge_variants:
+            flux_merge = FluxBackend(config_provider=lambda op, m_total, n, k, v=variant: dataclasses.replace(
+                default_config(op, m_total, n, k), **v))
+            for layout in ("nk", "kn"):
+                for (m_local, k, n) in SHAPES:
+                    _check_ag(flux_merge, group, rank, world, m_local, k, n, torch.bfloat16,
+                              layout, 2e-2, gen)
+                    n_checks += 1
+            flux_merge.check_errors()
         # bitwise determinism of AG+GEMM
         x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
         b = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)

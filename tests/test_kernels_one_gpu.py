@@ -53,3 +53,54 @@ def test_gemm_rs_reduction_paths(shape, fields):
     rel = float((first.float() - ref).norm() / ref.norm())
     assert rel < 1e-2, rel
     assert torch.equal(out, first), "repeated GEMM+RS launches differ"
+
+
+# (world, m_local, n, k): a few row tiles per segment (llama3-8b m = 1024 at TP 2, scaled
+# down), one ragged row tile per segment (small m), and TP 4
+AG_SHAPES = [(2, 512, 2048, 512), (2, 40, 1000, 512), (4, 256, 768, 1024)]
+AG_MERGED = [
+    dict(ag_merge_local=True),
+    dict(ag_merge_local=True, ag_merge_lead=0),
+    # the llama3-8b TP 2 table tile: 128x128, warp-specialized
+    dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4, epilogue_split=1,
+         warp_specialize=True, ag_merge_local=True),
+    dict(ag_merge_local=True, ag_peer_group=3),
+]
+
+
+@pytest.mark.parametrize("shape", AG_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("fields", AG_MERGED, ids=range(len(AG_MERGED)))
+def test_ag_gemm_merged_local_rows(shape, fields):
+    """AG+GEMM with the local rows merged into the first peer group (``ag_merge_local``),
+    compiled: against fp32 math, every element written, bitwise equal to the per-segment
+    schedule with the same tile (same K order per tile) and to a repeated launch."""
+    import dataclasses
+
+    from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu
+    from megatron_flux.kernels.config import GemmConfig
+
+    world, m_local, n, k = shape
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape))
+    a = torch.randn(world * m_local, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    cfg = GemmConfig(**{"block_m": 64, "block_n": 128, "block_k": 64, "num_stages": 3,
+                        "num_warps": 4, "epilogue_split": 1, **fields})
+    plain = dataclasses.replace(cfg, ag_merge_local=False, ag_peer_group=1, stream_k=0)
+    launch_plain, out_plain = ag_on_one_gpu(a, w, world, plain, err, num_sms=24)
+    launch_plain()
+    torch.cuda.synchronize()
+    launch, out = ag_on_one_gpu(a, w, world, cfg, err, num_sms=24)
+    launch()
+    torch.cuda.synchronize()
+    first = out.clone()
+    out.fill_(float("nan"))
+    launch()
+    torch.cuda.synchronize()
+    assert int(err[0]) == 0
+    assert not torch.isnan(first).any(), "unwritten output"
+    ref = a.float() @ w.t().float()
+    rel = float((first.float() - ref).norm() / ref.norm())
+    assert rel < 1e-2, rel
+    assert torch.equal(first, out_plain), "merged schedule differs from the per-segment one"
+    assert torch.equal(out, first), "repeated AG+GEMM launches differ"

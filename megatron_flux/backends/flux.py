@@ -9,6 +9,10 @@ Host-side schedule of one AllGather+GEMM call on rank ``r`` (``W`` ranks, epoch 
    each chunk followed by a stream memory write of ``e`` into that peer's signal word;
 3. the current stream waits for the side stream, so the shard and the workspace are safe to reuse.
 
+With ``GemmConfig.ag_merge_local`` (pushing) step 2 first copies the shard into this rank's own
+gathered rows, each chunk followed by a write of ``e`` into its own signal word: after a lead
+of local tiles the kernel reads its local rows from the workspace, merged with the peers'.
+
 With ``GemmConfig.ag_pull`` (a tuning knob) step 0 is: copy the shard into this rank's own
 symmetric slot and run a one-warp "shards ready" barrier (:mod:`megatron_flux.kernels.ready_barrier`)
 on the current stream, before the GEMM; step 2 then *pulls* each peer's shard from its slot into
@@ -323,9 +327,10 @@ class FluxBackend(TPOverlapBackend):
         epoch = ws.next_epoch()
         parity = epoch & 1
         pull = cfg.ag_pull
+        merge = cfg.ag_merge_local and world > 1  # the kernel reads its own rows from `gathered`
         gathered, own_rows, flags, plan = ws.memo(
-            ("ag-call", rank, world, parity, m_local, k, chunk, pull),
-            lambda: self._ag_views(ws, rank, world, parity, m_local, k, chunk, pull))
+            ("ag-call", rank, world, parity, m_local, k, chunk, pull, merge),
+            lambda: self._ag_views(ws, rank, world, parity, m_local, k, chunk, pull, merge))
 
         current = torch.cuda.current_stream(device)
         side = self._side_stream(device, cfg.comm_priority)
@@ -348,7 +353,7 @@ class FluxBackend(TPOverlapBackend):
             for dst, src, peer_flags, index in materialize(plan, a_shard):
                 dst.copy_(src)
                 write_signal(peer_flags, index, epoch)
-            if return_gathered and not pull:  # pulling filled its own slot up front
+            if return_gathered and not pull and not merge:  # else filled up front
                 own_rows.copy_(a_shard)
         self._order(device, "done")(current, side)
         if not return_gathered:
@@ -359,7 +364,7 @@ class FluxBackend(TPOverlapBackend):
         return out, gathered
 
     @staticmethod
-    def _ag_views(ws, rank, world, parity, m_local, k, chunk, pull):
+    def _ag_views(ws, rank, world, parity, m_local, k, chunk, pull, merge_local=False):
         """``(gathered [m, k], own rows, this rank's int32 signals, copy plan)`` of one shape."""
         from megatron_flux.comm.ag_copies import ag_copy_plan
 
@@ -367,7 +372,7 @@ class FluxBackend(TPOverlapBackend):
         gathered = ws.data(rank, parity, m * k).view(m, k)
         own_rows = gathered[rank * m_local:(rank + 1) * m_local]
         plan = ag_copy_plan(ws, m_local, k, rank=rank, world=world, parity=parity, chunk=chunk,
-                            pull=pull)
+                            pull=pull, merge_local=merge_local)
         return gathered, own_rows, ws.flags(rank, parity), plan
 
     def _order(self, device, which: str):

@@ -20,6 +20,11 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   walks its ``g * tiles_per_seg`` tiles as one tile space whose row tiles are grouped
   ``GROUP_M`` at a time across the segments, so a segment with few row tiles no longer makes
   every step stream all of B. Groups alternate direction like steps. Stream-K is off then.
+* Merged local rows (``GemmConfig.ag_merge_local``, opt-in, not timed yet): after
+  ``ag_merge_lead`` waves of local tiles (whole columns, from the shard, no wait), the local
+  segment joins the first peer group's tile space (:func:`_merged_local_group`), its rows read
+  from the workspace: the host copies the shard there first and signals it like a peer chunk
+  (``flags[r * chunks_per_seg + c]``), or, pulling, before the kernel. Later groups follow.
 * Epilogue: TMA store of the tile (clipped to the segment when ``m_local % BLOCK_M != 0``).
 * Stream-K tail (``GemmConfig.stream_k``, :mod:`.stream_k`): the last ``sk_tiles`` flat tiles
   (the partial last wave, in the last step's segment) leave the data-parallel loops; after them
@@ -99,7 +104,7 @@ def ag_gemm_kernel(
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, STREAM_K: tl.constexpr,
     ASYNC_FENCE: tl.constexpr = True, SK_LOCAL: tl.constexpr = False,
     UNROLL_STEPS: tl.constexpr = True, TRACE: tl.constexpr = False,
-    PEER_GROUP: tl.constexpr = 1,
+    PEER_GROUP: tl.constexpr = 1, MERGE_LOCAL: tl.constexpr = 0, MERGE_LEAD: tl.constexpr = 1,
 ):
     """Pointers: ``x`` [m_local, K], ``ag`` / ``c`` [WORLD * m_local, K / N] contiguous; ``b``
     [K, N] (B_KN) or [N, K], row stride ``ldb``. TMA descriptors are built on the device, once
@@ -112,7 +117,11 @@ def ag_gemm_kernel(
     TRACE: stamp the phases of :data:`AG_PHASES` into ``trace_ptr`` (:mod:`.phase_trace`).
     PEER_GROUP > 1: the peers' segments are walked ``PEER_GROUP`` at a time, each group in one
     tile loop with its rows grouped across segments (``GemmConfig.ag_peer_group``; the
-    launcher turns stream-K off then, so ``sk_tiles`` is 0)."""
+    launcher turns stream-K off then, so ``sk_tiles`` is 0).
+    MERGE_LOCAL > 0: the local segment joins the first peer group after MERGE_LEAD waves of
+    local tiles (``GemmConfig.ag_merge_local``, :func:`_merged_local_group`); 1: the local
+    rows reach the workspace by the copy engine, signalled like a peer's chunks; 2: they are
+    there before the kernel (pull). Stream-K is off then too."""
     stamp(trace_ptr, 0, TRACE)  # start
     x_desc = tl.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
     if RAGGED:
@@ -137,49 +146,77 @@ def ag_gemm_kernel(
     dp_end = WORLD * tiles_per_seg - sk_tiles  # tiles before it are data-parallel
     stamp(trace_ptr, 1, TRACE)  # descriptors
 
-    # Step 0: local rows, read from the caller's shard (no wait).
-    _segment_step(0, x_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch, max_spins,
-                  m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles, num_pid_m, num_pid_n,
-                  True, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                  NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
-    stamp(trace_ptr, 2, TRACE)  # local_done
+    if MERGE_LOCAL == 0:
+        # Step 0: local rows, read from the caller's shard (no wait).
+        _segment_step(0, x_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch, max_spins,
+                      m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles, num_pid_m, num_pid_n,
+                      True, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                      NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
+        stamp(trace_ptr, 2, TRACE)  # local_done
 
-    # Steps 1..WORLD-1: peers' rows in ring order, from the gathered workspace. Up to TP 4 the
-    # step loop is unrolled (WORLD is a compile-time constant), so every tile loop sits at the
-    # top level of the kernel: nested in a runtime step loop they ran 1-3 % slower at TP 2 with
-    # communication disabled (NOTES.md, session 9). At TP 8 the seven unrolled copies quadruple
-    # the code, and a runtime loop ran up to 9-11 % faster (NOTES.md, session 12).
-    if PEER_GROUP == 1:
-        if UNROLL_STEPS:
-            for step in tl.static_range(1, WORLD):
-                _segment_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
-                              max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles,
-                              num_pid_m, num_pid_n, False, WORLD, RAGGED, B_KN, EPI_SPLIT,
-                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
-                              WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
+        # Steps 1..WORLD-1: peers' rows in ring order, from the gathered workspace. Up to TP 4
+        # the step loop is unrolled (WORLD is a compile-time constant), so every tile loop sits
+        # at the top level of the kernel: nested in a runtime step loop they ran 1-3 % slower
+        # at TP 2 with communication disabled (NOTES.md, session 9). At TP 8 the seven unrolled
+        # copies quadruple the code, and a runtime loop ran up to 9-11 % faster (NOTES.md,
+        # session 12).
+        if PEER_GROUP == 1:
+            if UNROLL_STEPS:
+                for step in tl.static_range(1, WORLD):
+                    _segment_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
+                                  epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end,
+                                  k_tiles, num_pid_m, num_pid_n, False, WORLD, RAGGED, B_KN,
+                                  EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
+                                  WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
+            else:
+                for step in range(1, WORLD):
+                    _segment_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
+                                  epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end,
+                                  k_tiles, num_pid_m, num_pid_n, False, WORLD, RAGGED, B_KN,
+                                  EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
+                                  WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
         else:
-            for step in range(1, WORLD):
-                _segment_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
-                              max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles,
-                              num_pid_m, num_pid_n, False, WORLD, RAGGED, B_KN, EPI_SPLIT,
-                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
-                              WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
+            NUM_GROUPS: tl.constexpr = (WORLD + PEER_GROUP - 2) // PEER_GROUP
+            if UNROLL_STEPS:
+                for g in tl.static_range(0, NUM_GROUPS):
+                    _peer_group_step(g, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
+                                     epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end,
+                                     k_tiles, num_pid_m, num_pid_n, WORLD, PEER_GROUP, False,
+                                     RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                     NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr,
+                                     TRACE)
+            else:
+                for g in range(0, NUM_GROUPS):
+                    _peer_group_step(g, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
+                                     epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end,
+                                     k_tiles, num_pid_m, num_pid_n, WORLD, PEER_GROUP, False,
+                                     RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                     NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr,
+                                     TRACE)
+
     else:
-        NUM_GROUPS: tl.constexpr = (WORLD + PEER_GROUP - 2) // PEER_GROUP
+        # The local segment and the first PEER_GROUP peers in one tile space, after a lead of
+        # local tiles; then the remaining peer groups, which start where the merged one ended.
+        _merged_local_group(x_desc, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
+                            epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, k_tiles,
+                            num_pid_m, num_pid_n, WORLD, PEER_GROUP, MERGE_LOCAL, MERGE_LEAD,
+                            RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS,
+                            FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
+        MERGED_GROUPS: tl.constexpr = (WORLD + PEER_GROUP - 2) // PEER_GROUP
         if UNROLL_STEPS:
-            for g in tl.static_range(0, NUM_GROUPS):
+            for g in tl.static_range(1, MERGED_GROUPS):
                 _peer_group_step(g, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
                                  epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end,
-                                 k_tiles, num_pid_m, num_pid_n, WORLD, PEER_GROUP, RAGGED, B_KN,
-                                 EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
-                                 WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
+                                 k_tiles, num_pid_m, num_pid_n, WORLD, PEER_GROUP, True, RAGGED,
+                                 B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS,
+                                 FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
         else:
-            for g in range(0, NUM_GROUPS):
+            for g in range(1, MERGED_GROUPS):
                 _peer_group_step(g, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
                                  epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end,
-                                 k_tiles, num_pid_m, num_pid_n, WORLD, PEER_GROUP, RAGGED, B_KN,
-                                 EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
-                                 WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
+                                 k_tiles, num_pid_m, num_pid_n, WORLD, PEER_GROUP, True, RAGGED,
+                                 B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS,
+                                 FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
 
     stamp(trace_ptr, 4, TRACE)  # peers_done
     if STREAM_K:
@@ -234,7 +271,8 @@ def _segment_step(step, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, e
 def _peer_group_step(g, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch, max_spins,
                      m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles, num_pid_m,
                      num_pid_n, WORLD: tl.constexpr, PEER_GROUP: tl.constexpr,
-                     RAGGED: tl.constexpr, B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                     FLIP: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr,
+                     EPI_SPLIT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
                      WARP_SPECIALIZE: tl.constexpr, ASYNC_FENCE: tl.constexpr, trace_ptr,
@@ -245,7 +283,8 @@ def _peer_group_step(g, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, e
     one ``(s1 - s0) * num_pid_m`` by ``num_pid_n`` tile space, GROUP_M-grouped across the
     segments (virtual row tile ``v`` is row tile ``v % num_pid_m`` of the segment of step
     ``s0 + v // num_pid_m``). Even groups run backwards, as odd steps do in the per-segment
-    schedule, so each group starts on the B columns the previous loop ended on."""
+    schedule, so each group starts on the B columns the previous loop ended on (odd groups
+    with FLIP, when group 0 is the merged one, which runs forwards)."""
     s0 = 1 + g * PEER_GROUP
     s1 = tl.minimum(s0 + PEER_GROUP, WORLD)
     for step in range(s0, s1):
@@ -261,7 +300,7 @@ def _peer_group_step(g, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, e
     for t in tl.range(first, tl.minimum(base + group_tiles, dp_end), NUM_SMS, flatten=FLATTEN,
                       warp_specialize=WARP_SPECIALIZE):
         q = t - base
-        q = tl.where(g % 2 == 0, group_tiles - 1 - q, q)
+        q = tl.where((g + FLIP) % 2 == 0, group_tiles - 1 - q, q)
         v, pid_n = grouped_tile(q, (s1 - s0) * num_pid_m, num_pid_n, GROUP_M)
         j = v // num_pid_m
         seg = segment_of_step(s0 + j, rank, WORLD, False)
@@ -271,6 +310,86 @@ def _peer_group_step(g, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, e
         else:
             c_row = seg * m_local + off_m
         _ag_tile(a_desc, b_desc, c_desc, c_row, seg, c_row, pid_n * BLOCK_N, k_tiles, RAGGED,
+                 RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _merged_local_group(x_desc, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
+                        max_spins, m_local, tiles_per_seg, chunks_per_seg, k_tiles, num_pid_m,
+                        num_pid_n, WORLD: tl.constexpr, PEER_GROUP: tl.constexpr,
+                        MERGE_LOCAL: tl.constexpr, MERGE_LEAD: tl.constexpr, RAGGED: tl.constexpr,
+                        B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                        NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
+                        WARP_SPECIALIZE: tl.constexpr, ASYNC_FENCE: tl.constexpr, trace_ptr,
+                        TRACE: tl.constexpr):
+    """Steps ``0..s1-1`` (the local segment and the first ``PEER_GROUP`` peers) as one tile
+    space of ``s1 * num_pid_m`` virtual row tiles (``v < num_pid_m``: local rows; then each
+    peer's, in ring order) by ``num_pid_n`` column tiles; flat tiles ``[0, s1 * tiles_per_seg)``
+    of the persistent walk, in three parts:
+
+    * lead: the local rows of the first ``lead_cols`` columns (``MERGE_LEAD`` waves of the
+      grid), from the caller's shard, no wait;
+    * one wait (acquire, bounded) for every chunk of the group's peers, and of the local
+      segment when its rows reach the workspace by the copy engine (MERGE_LOCAL 1), then a
+      fence;
+    * the peers' rows of the lead columns, then every row of the remaining columns, row tiles
+      grouped ``GROUP_M`` at a time across the segments, all read from the workspace ``ag``.
+
+    So where a segment has fewer row tiles than ``GROUP_M``, a B column tile is read for all
+    the group's rows at once instead of once per segment. Tiles run forwards; the next peer
+    group runs backwards (``FLIP``)."""
+    s1 = tl.minimum(1 + PEER_GROUP, WORLD)
+    rows = s1 * num_pid_m
+    lead_cols = tl.minimum(num_pid_n, tl.cdiv(MERGE_LEAD * NUM_SMS, num_pid_m))
+    lead_tiles = num_pid_m * lead_cols
+    for t in tl.range(pid, lead_tiles, NUM_SMS, flatten=FLATTEN,
+                      warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = grouped_tile(t, num_pid_m, lead_cols, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        if RAGGED:
+            c_row = off_m
+        else:
+            c_row = rank * m_local + off_m
+        _ag_tile(x_desc, b_desc, c_desc, off_m, rank, c_row, pid_n * BLOCK_N, k_tiles, False,
+                 RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
+    stamp(trace_ptr, 2, TRACE)  # local_done (the lead)
+
+    if MERGE_LOCAL == 1:  # the local rows come through the workspace too
+        for c in range(chunks_per_seg):
+            idx = rank * chunks_per_seg + c
+            wait_signal(flags_ptr + idx, epoch, max_spins, err_ptr, 1, rank, idx)  # OP_AG_GEMM
+    for step in range(1, s1):
+        seg = segment_of_step(step, rank, WORLD, False)
+        for c in range(chunks_per_seg):
+            idx = seg * chunks_per_seg + c
+            wait_signal(flags_ptr + idx, epoch, max_spins, err_ptr, 1, rank, idx)  # OP_AG_GEMM
+    fence_async_proxy(epoch, ASYNC_FENCE)  # the TMA reads below come after the acquires
+    stamp(trace_ptr, 3, TRACE)  # last_wait
+
+    peer_rows = rows - num_pid_m
+    rest_cols = num_pid_n - lead_cols
+    lead_peer_tiles = peer_rows * lead_cols
+    first = first_tile_at_or_after(pid, lead_tiles, NUM_SMS)
+    for t in tl.range(first, s1 * tiles_per_seg, NUM_SMS, flatten=FLATTEN,
+                      warp_specialize=WARP_SPECIALIZE):
+        u = t - lead_tiles
+        in_lead = u < lead_peer_tiles
+        # both mappings are computed (the unused one on a clamped index) and one is selected
+        v_a, n_a = grouped_tile(tl.minimum(u, tl.maximum(lead_peer_tiles - 1, 0)), peer_rows,
+                                tl.maximum(lead_cols, 1), GROUP_M)
+        v_b, n_b = grouped_tile(tl.maximum(u - lead_peer_tiles, 0), rows,
+                                tl.maximum(rest_cols, 1), GROUP_M)
+        v = tl.where(in_lead, num_pid_m + v_a, v_b)
+        pid_n = tl.where(in_lead, n_a, lead_cols + n_b)
+        j = v // num_pid_m
+        seg = segment_of_step(j, rank, WORLD, False)
+        off_m = (v - j * num_pid_m) * BLOCK_M
+        if RAGGED:
+            c_row = off_m
+        else:
+            c_row = seg * m_local + off_m
+        _ag_tile(ag_desc, b_desc, c_desc, c_row, seg, c_row, pid_n * BLOCK_N, k_tiles, RAGGED,
                  RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
@@ -321,14 +440,20 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     ``x`` ``[m_local, K]`` this rank's rows; ``ag`` ``[world * m_local, K]`` the gathered
     workspace (peers' rows land there); ``b`` ``[K, N]`` row-major or a transposed row-major
     ``[N, K]``; ``out`` ``[world * m_local, N]``; ``flags`` int32 chunk signals; ``err`` int32[4].
+    With ``cfg.ag_merge_local`` (and ``world > 1``) the kernel also reads this rank's own rows
+    from ``ag``: the caller must have copied them there before the kernel (``ag_pull``) or
+    signal them like a peer's chunks (``flags[rank * chunks + c]``).
     ``trace``: an int64 ``[grid, TRACE_SLOTS]`` buffer to stamp :data:`AG_PHASES` into (a
     diagnostic build of the kernel; :mod:`.phase_trace`).
     """
     m_local, k = x.shape
     n = b.shape[1]
     peer_group = max(1, min(cfg.ag_peer_group, world - 1))
-    # stream-K's tiles follow the per-segment order: off when the peers are grouped
-    mode = 0 if cfg in _STREAM_K_TOO_BIG or peer_group > 1 else cfg.stream_k
+    # 0: per-segment schedule; 1: local rows merged, pushed into the workspace by the copy
+    # engine (signalled); 2: merged, pulled (copied into the workspace before the kernel)
+    merge = 0 if world == 1 or not cfg.ag_merge_local else (2 if cfg.ag_pull else 1)
+    # stream-K's tiles follow the per-segment order: off when the segments are grouped
+    mode = 0 if cfg in _STREAM_K_TOO_BIG or peer_group > 1 or merge else cfg.stream_k
     last_plan = {"sk_tiles": 0}  # of the kernel compiled or launched last
 
     def plan(per_sm):
@@ -351,7 +476,8 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
             NUM_SMS=grid, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             STREAM_K=sk_tiles > 0, ASYNC_FENCE=not interpreting(),
             SK_LOCAL=sk_tiles > 0 and world == 1, UNROLL_STEPS=unroll_steps(world),
-            TRACE=trace is not None, PEER_GROUP=peer_group)
+            TRACE=trace is not None, PEER_GROUP=peer_group, MERGE_LOCAL=merge,
+            MERGE_LEAD=cfg.ag_merge_lead)
         return grid, args, constexprs
 
     ensure_descriptor_allocator()

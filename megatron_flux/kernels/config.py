@@ -52,6 +52,17 @@ class GemmConfig:
     (no wait), and stream-K is off for such configs. 1 (the default) is the per-segment
     schedule; larger values are not measured yet, so nothing ships with them.
 
+    ``ag_merge_local`` (AG+GEMM only): the local segment joins the first peer group. The
+    kernel first computes ``ag_merge_lead`` waves of local tiles (whole columns of the local
+    rows, from the shard, no wait); then, after one wait for the local rows (the copy engine
+    copies the shard into the gathered workspace first, signalled like a peer chunk; with
+    ``ag_pull`` it is there before the kernel) and the group's peers, it walks the rest as one
+    tile space whose row tiles are grouped ``group_m`` at a time across the local and the
+    peers' rows. Aimed at TP 2 with segments of few row tiles (llama3-8b m = 1024: 4 per
+    segment) and at small m, where each segment is one row of tiles and the per-segment
+    schedule streams B once per segment. ``ag_merge_lead = 0`` waits before the first tile.
+    Stream-K is off. Not measured yet: off by default, not searched by the tuner.
+
     ``programs_per_sm``: persistent programs per SM (grid = that times the SMs, capped at the
     tiles). At 2, one program's epilogue runs beside the other's K loop; the launchers check
     with CUDA's occupancy calculator that they all fit and otherwise run one per SM, with a
@@ -76,6 +87,8 @@ class GemmConfig:
     stream_k: int = 0
     programs_per_sm: int = 1
     ag_peer_group: int = 1
+    ag_merge_local: bool = False
+    ag_merge_lead: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -89,7 +102,7 @@ class GemmConfig:
         if not isinstance(self.comm_priority, int) or not -5 <= self.comm_priority <= 0:
             raise ValueError(f"GemmConfig.comm_priority must be an int in [-5, 0]: {self}")
         for name in ("flatten", "flatten_consume", "warp_specialize", "ag_pull", "rs_tma_push",
-                     "rs_tma_reduce", "rs_spread_reduce"):
+                     "rs_tma_reduce", "rs_spread_reduce", "ag_merge_local"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemmConfig.{name} must be a bool: {self}")
         if self.stream_k not in (0, 1) or isinstance(self.stream_k, bool):
@@ -100,6 +113,9 @@ class GemmConfig:
         if (isinstance(self.ag_peer_group, bool) or not isinstance(self.ag_peer_group, int)
                 or not 1 <= self.ag_peer_group <= 64):
             raise ValueError(f"GemmConfig.ag_peer_group must be an int in [1, 64]: {self}")
+        if (isinstance(self.ag_merge_lead, bool) or not isinstance(self.ag_merge_lead, int)
+                or not 0 <= self.ag_merge_lead <= 8):
+            raise ValueError(f"GemmConfig.ag_merge_lead must be an int in [0, 8]: {self}")
         if self.group_m < 1 or self.chunk_rows < 1:
             raise ValueError(f"GemmConfig.group_m and chunk_rows must be >= 1: {self}")
 
