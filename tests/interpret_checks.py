@@ -225,9 +225,9 @@ def check_ag_merged_local():
     the same product, bitwise equal to the per-segment schedule, at TP 2 (every rank), 4 and 8
     (two ranks), aligned (two row tiles per segment) and ragged (one) m_local, leads of 0 waves
     (wait first), 1 (some columns local-only) and 2 (every column: nothing left after the wait
-    but the peers' rows), peer groups 1 and larger, pushed and (once) pulled. With 5 column
-    tiles and a 5-program grid, lead 1 covers 3 columns at two row tiles per segment, 5 at
-    one."""
+    but the peers' rows), peer groups 1 and larger, pushed and (once) pulled. The own rows are
+    in the workspace (the host copies them before the kernel). With 5 column tiles and a
+    5-program grid, lead 1 covers 3 columns at two row tiles per segment, 5 at one."""
     import dataclasses
 
     cases = [  # world, m_local, ranks, (peer group, lead, pull)
@@ -251,33 +251,36 @@ def check_ag_merged_local():
 
 
 def check_ag_merged_signals():
-    """Merged local rows: pushed (MERGE_LOCAL 1), a missing or stale signal of the local
-    segment's chunks is reported like a peer's (index rank * chunks + c), and the group's
-    peers' too; pulled, the local segment's signals are not waited for."""
+    """Merged local rows: a missing or stale chunk signal of any peer in the merged group is
+    the one reported (index segment * chunks + c); the local segment's signals are never
+    waited for (its rows are copied into the workspace before the kernel, in stream order)."""
     import dataclasses
 
     world, m_local, k, n, rank = 4, 24, 16, 32, 1
     xs, b, _ = _ag_case(world, m_local, k, n, False)
     chunks = triton.cdiv(m_local, CFG.chunk_rows)
-    push = dataclasses.replace(CFG, ag_merge_local=True, ag_peer_group=3)
-    for missing_seg in (rank, 2, 3, 0):
-        for missing_chunk in range(chunks):
-            flags = torch.full((world * chunks,), 5, dtype=torch.int32)
-            idx = missing_seg * chunks + missing_chunk
-            flags[idx] = 4  # previous epoch
-            err = torch.zeros(4, dtype=torch.int32)
-            out = torch.empty(world * m_local, n, dtype=DTYPE)
-            launch_ag_gemm(xs[rank], _gathered_by(rank, xs, own=True), b, out, flags, err,
-                           rank=rank, world=world, epoch=5, cfg=push, num_sms=NSMS, max_spins=3)
-            assert err.tolist() == [1, rank, idx, 4], (missing_seg, missing_chunk, err.tolist())
-    pull = dataclasses.replace(push, ag_pull=True)
-    flags = torch.full((world * chunks,), 5, dtype=torch.int32)
-    flags[rank * chunks:(rank + 1) * chunks] = 0  # own rows copied before the kernel: no signal
-    err = torch.zeros(4, dtype=torch.int32)
-    out = torch.full((world * m_local, n), float("nan")).to(DTYPE)
-    launch_ag_gemm(xs[rank], _gathered_by(rank, xs, own=True), b, out, flags, err, rank=rank,
-                   world=world, epoch=5, cfg=pull, num_sms=NSMS, max_spins=3)
-    assert err.tolist() == [0, 0, 0, 0] and not torch.isnan(out).any(), err.tolist()
+    for lead in (0, 1):
+        cfg = dataclasses.replace(CFG, ag_merge_local=True, ag_peer_group=3, ag_merge_lead=lead)
+        for missing_seg in (2, 3, 0):
+            for missing_chunk in range(chunks):
+                flags = torch.full((world * chunks,), 5, dtype=torch.int32)
+                flags[rank * chunks:(rank + 1) * chunks] = 0  # own rows: never signalled
+                idx = missing_seg * chunks + missing_chunk
+                flags[idx] = 4  # previous epoch
+                err = torch.zeros(4, dtype=torch.int32)
+                out = torch.empty(world * m_local, n, dtype=DTYPE)
+                launch_ag_gemm(xs[rank], _gathered_by(rank, xs, own=True), b, out, flags, err,
+                               rank=rank, world=world, epoch=5, cfg=cfg, num_sms=NSMS,
+                               max_spins=3)
+                assert err.tolist() == [1, rank, idx, 4], (lead, missing_seg, missing_chunk,
+                                                           err.tolist())
+        flags = torch.full((world * chunks,), 5, dtype=torch.int32)
+        flags[rank * chunks:(rank + 1) * chunks] = 0
+        err = torch.zeros(4, dtype=torch.int32)
+        out = torch.full((world * m_local, n), float("nan")).to(DTYPE)
+        launch_ag_gemm(xs[rank], _gathered_by(rank, xs, own=True), b, out, flags, err,
+                       rank=rank, world=world, epoch=5, cfg=cfg, num_sms=NSMS, max_spins=3)
+        assert err.tolist() == [0, 0, 0, 0] and not torch.isnan(out).any(), err.tolist()
 
 
 def check_ag_signal_indexing():

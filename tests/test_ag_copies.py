@@ -14,7 +14,7 @@ from fake_symm import FakeWorld  # noqa: E402
 from megatron_flux.comm.ag_copies import ag_chunk_copies  # noqa: E402
 
 
-def _exchange(world, m_local, k, chunk, pull, epoch=7, merge_local=False):
+def _exchange(world, m_local, k, chunk, pull, epoch=7):
     w = FakeWorld(world, "ag", torch.float16)
     chunks = -(-m_local // chunk)
     w.reserve(world * m_local * k, world * chunks + world)
@@ -26,7 +26,7 @@ def _exchange(world, m_local, k, chunk, pull, epoch=7, merge_local=False):
             own = w.ws[r].data(r, parity, world * m_local * k).view(world * m_local, k)
             own[r * m_local:(r + 1) * m_local] = shards[r]
         plans.append(ag_chunk_copies(w.ws[r], shards[r], rank=r, world=world, parity=parity,
-                                     chunk=chunk, pull=pull, merge_local=merge_local))
+                                     chunk=chunk, pull=pull))
     for plan in plans:  # each rank's copy engine, one after another
         for dst, src, flags, index in plan:
             dst.copy_(src)
@@ -72,26 +72,3 @@ def test_copies_go_in_the_order_the_consumers_need_them(pull):
                       for _, _, flags, _ in plan]
             assert owners == [(r - step) % world for step in range(1, world) for _ in range(chunks)]
         assert len(plan) == (world - 1) * chunks
-
-
-@pytest.mark.parametrize("world,m_local,chunk", [(2, 8, 8), (2, 10, 4), (4, 16, 5), (8, 3, 1)])
-def test_merged_local_rows_are_copied_first_and_signalled(world, m_local, chunk):
-    """``ag_merge_local``, pushing: the kernel reads its own rows from the gathered workspace,
-    so each rank's first copies put its shard there, each chunk signalled on its own word
-    ``r * chunks + c``; then the pushes to the peers as without it. Pulling adds nothing (the
-    shard is in the own slot before the kernel)."""
-    k = 6
-    w, shards, plans, chunks, parity = _exchange(world, m_local, k, chunk, False,
-                                                 merge_local=True)
-    for r, (ws, plan) in enumerate(zip(w.ws, plans)):
-        gathered = ws.data(r, parity, world * m_local * k).view(world * m_local, k)
-        for s in range(world):
-            assert torch.equal(gathered[s * m_local:(s + 1) * m_local], shards[s]), (r, s)
-        assert (ws.flags(r, parity)[:world * chunks] == 7).all(), ws.flags(r, parity).tolist()
-        assert len(plan) == world * chunks
-        own = plan[:chunks]
-        assert [index for _, _, _, index in own] == [r * chunks + c for c in range(chunks)]
-        assert all(flags.data_ptr() == ws.flags(r, parity).data_ptr() for _, _, flags, _ in own)
-    _, _, pulled, _, _ = _exchange(world, m_local, k, chunk, True, merge_local=True)
-    _, _, plain, _, _ = _exchange(world, m_local, k, chunk, True)
-    assert [len(p) for p in pulled] == [len(p) for p in plain]

@@ -53,15 +53,15 @@ def test_gemm_rs_compiles_with_one_row_per_rank(world, spread):
 def test_ag_gemm_compiles_with_one_row_per_rank(world):
     """Every step schedule: per segment (with and without stream-K), peers grouped
     (``ag_peer_group``, unrolled at TP 4, a runtime loop at TP 8) and the local rows merged
-    into the first group (``ag_merge_local``, pushed and pulled, with later groups above TP 2)."""
+    into the first group (``ag_merge_local``, leads of 1 and 0, with later groups above TP 2)."""
     from megatron_flux.kernels.ag_gemm import ag_gemm_kernel
     from megatron_flux.kernels.config import unroll_steps
 
     variants = [dict(STREAM_K=False), dict(STREAM_K=True)]
     if world > 2:
         variants.append(dict(STREAM_K=False, PEER_GROUP=world // 2))
-    variants.append(dict(STREAM_K=False, MERGE_LOCAL=1, MERGE_LEAD=1))
-    variants.append(dict(STREAM_K=False, MERGE_LOCAL=2, MERGE_LEAD=0,
+    variants.append(dict(STREAM_K=False, MERGE_LOCAL=True, MERGE_LEAD=1))
+    variants.append(dict(STREAM_K=False, MERGE_LOCAL=True, MERGE_LEAD=0,
                          PEER_GROUP=max(1, world // 4)))
     for variant in variants:
         _compile(ag_gemm_kernel, dict(_SMALL, WORLD=world, RAGGED=True, EPI_SPLIT=1,

@@ -9,9 +9,11 @@ Host-side schedule of one AllGather+GEMM call on rank ``r`` (``W`` ranks, epoch 
    each chunk followed by a stream memory write of ``e`` into that peer's signal word;
 3. the current stream waits for the side stream, so the shard and the workspace are safe to reuse.
 
-With ``GemmConfig.ag_merge_local`` (pushing) step 2 first copies the shard into this rank's own
-gathered rows, each chunk followed by a write of ``e`` into its own signal word: after a lead
-of local tiles the kernel reads its local rows from the workspace, merged with the peers'.
+With ``GemmConfig.ag_merge_local`` the kernel reads its local rows from the gathered workspace
+after a lead of local tiles, so step 0 also copies the shard into this rank's own gathered rows,
+on the current stream before the GEMM (as pulling does). A copy queued on the side stream behind
+the kernel and signalled would overlap the lead, but the kernel would then spin on work queued
+behind it on its own device, which this schedule never does.
 
 With ``GemmConfig.ag_pull`` (a tuning knob) step 0 is: copy the shard into this rank's own
 symmetric slot and run a one-warp "shards ready" barrier (:mod:`megatron_flux.kernels.ready_barrier`)
@@ -329,8 +331,8 @@ class FluxBackend(TPOverlapBackend):
         pull = cfg.ag_pull
         merge = cfg.ag_merge_local and world > 1  # the kernel reads its own rows from `gathered`
         gathered, own_rows, flags, plan = ws.memo(
-            ("ag-call", rank, world, parity, m_local, k, chunk, pull, merge),
-            lambda: self._ag_views(ws, rank, world, parity, m_local, k, chunk, pull, merge))
+            ("ag-call", rank, world, parity, m_local, k, chunk, pull),
+            lambda: self._ag_views(ws, rank, world, parity, m_local, k, chunk, pull))
 
         current = torch.cuda.current_stream(device)
         side = self._side_stream(device, cfg.comm_priority)
@@ -342,6 +344,8 @@ class FluxBackend(TPOverlapBackend):
             own_rows.copy_(a_shard)
             launch_ready_barrier(ws.flag_ptrs(parity), err.device_word, rank=rank, world=world,
                                  base=ready_base, epoch=epoch, max_spins=self.max_spins)
+        elif merge:  # in stream order before the GEMM, which reads them after its lead
+            own_rows.copy_(a_shard)
         self._order(device, "ready")(side, current)  # the shard is ready (before the GEMM)
         launch_ag_gemm(
             a_shard, gathered, b, out, flags, err.device_word,
@@ -364,7 +368,7 @@ class FluxBackend(TPOverlapBackend):
         return out, gathered
 
     @staticmethod
-    def _ag_views(ws, rank, world, parity, m_local, k, chunk, pull, merge_local=False):
+    def _ag_views(ws, rank, world, parity, m_local, k, chunk, pull):
         """``(gathered [m, k], own rows, this rank's int32 signals, copy plan)`` of one shape."""
         from megatron_flux.comm.ag_copies import ag_copy_plan
 
@@ -372,7 +376,7 @@ class FluxBackend(TPOverlapBackend):
         gathered = ws.data(rank, parity, m * k).view(m, k)
         own_rows = gathered[rank * m_local:(rank + 1) * m_local]
         plan = ag_copy_plan(ws, m_local, k, rank=rank, world=world, parity=parity, chunk=chunk,
-                            pull=pull, merge_local=merge_local)
+                            pull=pull)
         return gathered, own_rows, ws.flags(rank, parity), plan
 
     def _order(self, device, which: str):

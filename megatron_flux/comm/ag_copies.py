@@ -10,10 +10,6 @@ call's parity half of the workspace (:mod:`megatron_flux.comm.workspace`):
   copy chunk ``c`` of the source's own slot (its rows of segment ``src``, which it filled before
   the "shards ready" barrier) into this rank's gathered rows, then write the epoch into this
   rank's own signal ``src * chunks + c``.
-* ``merge_local`` (``GemmConfig.ag_merge_local``), pushing: first copy chunk ``c`` of the shard
-  into this rank's own gathered rows and write the epoch into its own signal
-  ``r * chunks + c`` (the kernel reads its local rows from there after its lead); pulling
-  needs nothing more (the shard is in the own slot before the kernel).
 
 Kept free of CUDA so the schedule can be checked on CPU tensors with simulated ranks.
 
@@ -46,7 +42,7 @@ class PlannedCopy(NamedTuple):
 
 
 def ag_copy_plan(ws, m_local: int, k: int, *, rank: int, world: int, parity: int, chunk: int,
-                 pull: bool, merge_local: bool = False) -> List[PlannedCopy]:
+                 pull: bool) -> List[PlannedCopy]:
     """:func:`ag_chunk_copies` without the shard: pushes name its rows ``lo:hi``."""
     m = world * m_local
     chunks = -(-m_local // chunk)
@@ -64,11 +60,6 @@ def ag_copy_plan(ws, m_local: int, k: int, *, rank: int, world: int, parity: int
                        for c, (lo, hi) in enumerate(bounds))
     else:
         seg = slice(rank * m_local, (rank + 1) * m_local)
-        if merge_local and world > 1:
-            mine = ws.data(rank, parity, m * k).view(m, k)[seg]
-            my_flags = ws.flags(rank, parity, torch.uint32)
-            out.extend(PlannedCopy(mine[lo:hi], None, lo, hi, my_flags, rank * chunks + c)
-                       for c, (lo, hi) in enumerate(bounds))
         for step in range(1, world):
             peer = (rank - step) % world
             theirs = ws.data(peer, parity, m * k).view(m, k)[seg]
@@ -87,9 +78,8 @@ def materialize(plan: List[PlannedCopy], shard: torch.Tensor) -> List[ChunkCopy]
 
 
 def ag_chunk_copies(ws, a_shard: torch.Tensor, *, rank: int, world: int, parity: int, chunk: int,
-                    pull: bool, merge_local: bool = False) -> List[ChunkCopy]:
+                    pull: bool) -> List[ChunkCopy]:
     """The copy-engine work of one call, in issue order (see the module docstring)."""
     m_local, k = a_shard.shape
-    plan = ag_copy_plan(ws, m_local, k, rank=rank, world=world, parity=parity, chunk=chunk,
-                        pull=pull, merge_local=merge_local)
+    plan = ag_copy_plan(ws, m_local, k, rank=rank, world=world, parity=parity, chunk=chunk, pull=pull)
     return materialize(plan, a_shard)

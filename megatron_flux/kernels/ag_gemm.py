@@ -23,8 +23,7 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
 * Merged local rows (``GemmConfig.ag_merge_local``, opt-in, not timed yet): after
   ``ag_merge_lead`` waves of local tiles (whole columns, from the shard, no wait), the local
   segment joins the first peer group's tile space (:func:`_merged_local_group`), its rows read
-  from the workspace: the host copies the shard there first and signals it like a peer chunk
-  (``flags[r * chunks_per_seg + c]``), or, pulling, before the kernel. Later groups follow.
+  from the workspace, where the host copied them before the kernel. Later groups follow.
 * Epilogue: TMA store of the tile (clipped to the segment when ``m_local % BLOCK_M != 0``).
 * Stream-K tail (``GemmConfig.stream_k``, :mod:`.stream_k`): the last ``sk_tiles`` flat tiles
   (the partial last wave, in the last step's segment) leave the data-parallel loops; after them
@@ -104,7 +103,8 @@ def ag_gemm_kernel(
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, STREAM_K: tl.constexpr,
     ASYNC_FENCE: tl.constexpr = True, SK_LOCAL: tl.constexpr = False,
     UNROLL_STEPS: tl.constexpr = True, TRACE: tl.constexpr = False,
-    PEER_GROUP: tl.constexpr = 1, MERGE_LOCAL: tl.constexpr = 0, MERGE_LEAD: tl.constexpr = 1,
+    PEER_GROUP: tl.constexpr = 1, MERGE_LOCAL: tl.constexpr = False,
+    MERGE_LEAD: tl.constexpr = 1,
 ):
     """Pointers: ``x`` [m_local, K], ``ag`` / ``c`` [WORLD * m_local, K / N] contiguous; ``b``
     [K, N] (B_KN) or [N, K], row stride ``ldb``. TMA descriptors are built on the device, once
@@ -118,10 +118,9 @@ def ag_gemm_kernel(
     PEER_GROUP > 1: the peers' segments are walked ``PEER_GROUP`` at a time, each group in one
     tile loop with its rows grouped across segments (``GemmConfig.ag_peer_group``; the
     launcher turns stream-K off then, so ``sk_tiles`` is 0).
-    MERGE_LOCAL > 0: the local segment joins the first peer group after MERGE_LEAD waves of
-    local tiles (``GemmConfig.ag_merge_local``, :func:`_merged_local_group`); 1: the local
-    rows reach the workspace by the copy engine, signalled like a peer's chunks; 2: they are
-    there before the kernel (pull). Stream-K is off then too."""
+    MERGE_LOCAL: the local segment joins the first peer group after MERGE_LEAD waves of local
+    tiles (``GemmConfig.ag_merge_local``, :func:`_merged_local_group`), its rows read from
+    ``ag``, where the caller copied them before the kernel. Stream-K is off then too."""
     stamp(trace_ptr, 0, TRACE)  # start
     x_desc = tl.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
     if RAGGED:
@@ -146,7 +145,7 @@ def ag_gemm_kernel(
     dp_end = WORLD * tiles_per_seg - sk_tiles  # tiles before it are data-parallel
     stamp(trace_ptr, 1, TRACE)  # descriptors
 
-    if MERGE_LOCAL == 0:
+    if not MERGE_LOCAL:
         # Step 0: local rows, read from the caller's shard (no wait).
         _segment_step(0, x_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch, max_spins,
                       m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles, num_pid_m, num_pid_n,
@@ -199,8 +198,7 @@ def ag_gemm_kernel(
         # local tiles; then the remaining peer groups, which start where the merged one ended.
         _merged_local_group(x_desc, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
                             epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, k_tiles,
-                            num_pid_m, num_pid_n, WORLD, PEER_GROUP, MERGE_LOCAL, MERGE_LEAD,
-                            RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS,
+                            num_pid_m, num_pid_n, WORLD, PEER_GROUP, MERGE_LEAD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS,
                             FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
         MERGED_GROUPS: tl.constexpr = (WORLD + PEER_GROUP - 2) // PEER_GROUP
         if UNROLL_STEPS:
@@ -317,7 +315,7 @@ def _peer_group_step(g, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, e
 def _merged_local_group(x_desc, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
                         max_spins, m_local, tiles_per_seg, chunks_per_seg, k_tiles, num_pid_m,
                         num_pid_n, WORLD: tl.constexpr, PEER_GROUP: tl.constexpr,
-                        MERGE_LOCAL: tl.constexpr, MERGE_LEAD: tl.constexpr, RAGGED: tl.constexpr,
+                        MERGE_LEAD: tl.constexpr, RAGGED: tl.constexpr,
                         B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
@@ -330,11 +328,10 @@ def _merged_local_group(x_desc, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid
 
     * lead: the local rows of the first ``lead_cols`` columns (``MERGE_LEAD`` waves of the
       grid), from the caller's shard, no wait;
-    * one wait (acquire, bounded) for every chunk of the group's peers, and of the local
-      segment when its rows reach the workspace by the copy engine (MERGE_LOCAL 1), then a
-      fence;
+    * one wait (acquire, bounded) for every chunk of the group's peers, then a fence;
     * the peers' rows of the lead columns, then every row of the remaining columns, row tiles
-      grouped ``GROUP_M`` at a time across the segments, all read from the workspace ``ag``.
+      grouped ``GROUP_M`` at a time across the segments, all read from the workspace ``ag``
+      (the local rows: copied there by the host before the kernel, in stream order).
 
     So where a segment has fewer row tiles than ``GROUP_M``, a B column tile is read for all
     the group's rows at once instead of once per segment. Tiles run forwards; the next peer
@@ -355,10 +352,6 @@ def _merged_local_group(x_desc, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid
                  RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     stamp(trace_ptr, 2, TRACE)  # local_done (the lead)
 
-    if MERGE_LOCAL == 1:  # the local rows come through the workspace too
-        for c in range(chunks_per_seg):
-            idx = rank * chunks_per_seg + c
-            wait_signal(flags_ptr + idx, epoch, max_spins, err_ptr, 1, rank, idx)  # OP_AG_GEMM
     for step in range(1, s1):
         seg = segment_of_step(step, rank, WORLD, False)
         for c in range(chunks_per_seg):
@@ -441,17 +434,14 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     workspace (peers' rows land there); ``b`` ``[K, N]`` row-major or a transposed row-major
     ``[N, K]``; ``out`` ``[world * m_local, N]``; ``flags`` int32 chunk signals; ``err`` int32[4].
     With ``cfg.ag_merge_local`` (and ``world > 1``) the kernel also reads this rank's own rows
-    from ``ag``: the caller must have copied them there before the kernel (``ag_pull``) or
-    signal them like a peer's chunks (``flags[rank * chunks + c]``).
+    from ``ag``: the caller must have copied them there, in stream order before the kernel.
     ``trace``: an int64 ``[grid, TRACE_SLOTS]`` buffer to stamp :data:`AG_PHASES` into (a
     diagnostic build of the kernel; :mod:`.phase_trace`).
     """
     m_local, k = x.shape
     n = b.shape[1]
     peer_group = max(1, min(cfg.ag_peer_group, world - 1))
-    # 0: per-segment schedule; 1: local rows merged, pushed into the workspace by the copy
-    # engine (signalled); 2: merged, pulled (copied into the workspace before the kernel)
-    merge = 0 if world == 1 or not cfg.ag_merge_local else (2 if cfg.ag_pull else 1)
+    merge = world > 1 and cfg.ag_merge_local  # the local rows are read from `ag` too
     # stream-K's tiles follow the per-segment order: off when the segments are grouped
     mode = 0 if cfg in _STREAM_K_TOO_BIG or peer_group > 1 or merge else cfg.stream_k
     last_plan = {"sk_tiles": 0}  # of the kernel compiled or launched last

@@ -54,11 +54,10 @@ class GemmConfig:
 
     ``ag_merge_local`` (AG+GEMM only): the local segment joins the first peer group. The
     kernel first computes ``ag_merge_lead`` waves of local tiles (whole columns of the local
-    rows, from the shard, no wait); then, after one wait for the local rows (the copy engine
-    copies the shard into the gathered workspace first, signalled like a peer chunk; with
-    ``ag_pull`` it is there before the kernel) and the group's peers, it walks the rest as one
-    tile space whose row tiles are grouped ``group_m`` at a time across the local and the
-    peers' rows. Aimed at TP 2 with segments of few row tiles (llama3-8b m = 1024: 4 per
+    rows, from the shard, no wait); then, after one wait for the group's peers, it walks the
+    rest as one tile space whose row tiles are grouped ``group_m`` at a time across the local
+    and the peers' rows, all read from the gathered workspace (the host copies the shard into
+    its own rows there before the kernel, in stream order, as pulling does). Aimed at TP 2 with segments of few row tiles (llama3-8b m = 1024: 4 per
     segment) and at small m, where each segment is one row of tiles and the per-segment
     schedule streams B once per segment. ``ag_merge_lead = 0`` waits before the first tile.
     Stream-K is off. Not measured yet: off by default, not searched by the tuner.
