@@ -101,13 +101,13 @@ merge)
         case ${run} in merge*) O=(--override '{"ag_merge_local": true}') ;; *) O=() ;; esac
         echo "== AG+GEMM comm on, ${run} ($(date +%T), ${SECONDS}s)"
         timeout 60 "${RUN[@]}" benchmarks/experiments/phase_trace_tp.py --op ag "${O[@]}" \
-            --models llama3-8b llama3-70b gpt3-175b --ms 1024 2048 --launches 3 \
+            --models llama3-8b llama3-70b --ms 1024 2048 --launches 3 \
             --json "${OUT}/merge-ag-${run}.json" 2>&1 | grep -E "^(ag|Traceback)|Error" | cut -c1-90
     done
     echo "== AG+GEMM comm off, GPU 0, paired ($(date +%T), ${SECONDS}s)"
     CUDA_VISIBLE_DEVICES=0 timeout $((570 - SECONDS)) python3 benchmarks/experiments/kernel_ab.py \
-        --op ag --prev .device/prev_ag_gemm.py --tp 2 --models llama3-8b llama3-70b gpt3-175b \
-        --m 1024 2048 4096 --new-override '{"ag_merge_local": true}' --trials 7 --iters 20 \
+        --op ag --prev .device/prev_ag_gemm.py --tp 2 --models llama3-8b llama3-70b \
+        --m 1024 2048 --new-override '{"ag_merge_local": true}' --trials 7 --iters 20 \
         --warmup 10 --shuffle-seed 0 --json "${OUT}/merge-ag-kab-tp2.json" 2>&1 | grep -v Warning ;;
 *) echo "usage: $0 tests|bench|trace2|trace2c|merge"; exit 2 ;;
 esac
