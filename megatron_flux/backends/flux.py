@@ -336,16 +336,15 @@ class FluxBackend(TPOverlapBackend):
 
         current = torch.cuda.current_stream(device)
         side = self._side_stream(device, cfg.comm_priority)
+        if pull or merge:  # peers pull from there / the merged GEMM reads it after its lead
+            own_rows.copy_(a_shard)
         if pull:
-            # peers pull this rank's shard from its own slot; the barrier runs before the GEMM
-            # on this stream, so it never waits beside a persistent grid holding the SMs
+            # the barrier runs before the GEMM on this stream, so it never waits beside a
+            # persistent grid holding the SMs
             from megatron_flux.kernels.ready_barrier import launch_ready_barrier
 
-            own_rows.copy_(a_shard)
             launch_ready_barrier(ws.flag_ptrs(parity), err.device_word, rank=rank, world=world,
                                  base=ready_base, epoch=epoch, max_spins=self.max_spins)
-        elif merge:  # in stream order before the GEMM, which reads them after its lead
-            own_rows.copy_(a_shard)
         self._order(device, "ready")(side, current)  # the shard is ready (before the GEMM)
         launch_ag_gemm(
             a_shard, gathered, b, out, flags, err.device_word,

@@ -145,7 +145,15 @@ def ag_gemm_kernel(
     dp_end = WORLD * tiles_per_seg - sk_tiles  # tiles before it are data-parallel
     stamp(trace_ptr, 1, TRACE)  # descriptors
 
-    if not MERGE_LOCAL:
+    if MERGE_LOCAL:
+        # The local segment and the first PEER_GROUP peers in one tile space, after a lead of
+        # local tiles; the remaining peer groups follow below.
+        _merged_local_group(x_desc, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
+                            epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, k_tiles,
+                            num_pid_m, num_pid_n, WORLD, PEER_GROUP, MERGE_LEAD, RAGGED, B_KN,
+                            EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
+                            WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
+    else:
         # Step 0: local rows, read from the caller's shard (no wait).
         _segment_step(0, x_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch, max_spins,
                       m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles, num_pid_m, num_pid_n,
@@ -153,68 +161,44 @@ def ag_gemm_kernel(
                       NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
         stamp(trace_ptr, 2, TRACE)  # local_done
 
-        # Steps 1..WORLD-1: peers' rows in ring order, from the gathered workspace. Up to TP 4
-        # the step loop is unrolled (WORLD is a compile-time constant), so every tile loop sits
-        # at the top level of the kernel: nested in a runtime step loop they ran 1-3 % slower
-        # at TP 2 with communication disabled (NOTES.md, session 9). At TP 8 the seven unrolled
-        # copies quadruple the code, and a runtime loop ran up to 9-11 % faster (NOTES.md,
-        # session 12).
-        if PEER_GROUP == 1:
-            if UNROLL_STEPS:
-                for step in tl.static_range(1, WORLD):
-                    _segment_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
-                                  epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end,
-                                  k_tiles, num_pid_m, num_pid_n, False, WORLD, RAGGED, B_KN,
-                                  EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
-                                  WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
-            else:
-                for step in range(1, WORLD):
-                    _segment_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
-                                  epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end,
-                                  k_tiles, num_pid_m, num_pid_n, False, WORLD, RAGGED, B_KN,
-                                  EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
-                                  WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
-        else:
-            NUM_GROUPS: tl.constexpr = (WORLD + PEER_GROUP - 2) // PEER_GROUP
-            if UNROLL_STEPS:
-                for g in tl.static_range(0, NUM_GROUPS):
-                    _peer_group_step(g, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
-                                     epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end,
-                                     k_tiles, num_pid_m, num_pid_n, WORLD, PEER_GROUP, False,
-                                     RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                                     NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr,
-                                     TRACE)
-            else:
-                for g in range(0, NUM_GROUPS):
-                    _peer_group_step(g, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
-                                     epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end,
-                                     k_tiles, num_pid_m, num_pid_n, WORLD, PEER_GROUP, False,
-                                     RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                                     NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr,
-                                     TRACE)
-
-    else:
-        # The local segment and the first PEER_GROUP peers in one tile space, after a lead of
-        # local tiles; then the remaining peer groups, which start where the merged one ended.
-        _merged_local_group(x_desc, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
-                            epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, k_tiles,
-                            num_pid_m, num_pid_n, WORLD, PEER_GROUP, MERGE_LEAD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS,
-                            FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
-        MERGED_GROUPS: tl.constexpr = (WORLD + PEER_GROUP - 2) // PEER_GROUP
+    # Steps 1..WORLD-1: peers' rows in ring order, from the gathered workspace. Up to TP 4 the
+    # step loop is unrolled (WORLD is a compile-time constant), so every tile loop sits at the
+    # top level of the kernel: nested in a runtime step loop they ran 1-3 % slower at TP 2 with
+    # communication disabled (NOTES.md, session 9). At TP 8 the seven unrolled copies quadruple
+    # the code, and a runtime loop ran up to 9-11 % faster (NOTES.md, session 12).
+    if PEER_GROUP == 1 and not MERGE_LOCAL:
         if UNROLL_STEPS:
-            for g in tl.static_range(1, MERGED_GROUPS):
-                _peer_group_step(g, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
-                                 epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end,
-                                 k_tiles, num_pid_m, num_pid_n, WORLD, PEER_GROUP, True, RAGGED,
-                                 B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS,
-                                 FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
+            for step in tl.static_range(1, WORLD):
+                _segment_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
+                              max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles,
+                              num_pid_m, num_pid_n, False, WORLD, RAGGED, B_KN, EPI_SPLIT,
+                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
+                              WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
         else:
-            for g in range(1, MERGED_GROUPS):
+            for step in range(1, WORLD):
+                _segment_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
+                              max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles,
+                              num_pid_m, num_pid_n, False, WORLD, RAGGED, B_KN, EPI_SPLIT,
+                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
+                              WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
+    else:
+        # peer groups; group 0 is the merged one when MERGE_LOCAL (already walked above)
+        NUM_GROUPS: tl.constexpr = (WORLD + PEER_GROUP - 2) // PEER_GROUP
+        FIRST_GROUP: tl.constexpr = 1 if MERGE_LOCAL else 0
+        if UNROLL_STEPS:
+            for g in tl.static_range(FIRST_GROUP, NUM_GROUPS):
                 _peer_group_step(g, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
                                  epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end,
-                                 k_tiles, num_pid_m, num_pid_n, WORLD, PEER_GROUP, True, RAGGED,
-                                 B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS,
-                                 FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
+                                 k_tiles, num_pid_m, num_pid_n, WORLD, PEER_GROUP, MERGE_LOCAL,
+                                 RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                 NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
+        else:
+            for g in range(FIRST_GROUP, NUM_GROUPS):
+                _peer_group_step(g, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
+                                 epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end,
+                                 k_tiles, num_pid_m, num_pid_n, WORLD, PEER_GROUP, MERGE_LOCAL,
+                                 RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                 NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
 
     stamp(trace_ptr, 4, TRACE)  # peers_done
     if STREAM_K:
@@ -223,6 +207,33 @@ def ag_gemm_kernel(
                         rank, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                         NUM_SMS, SK_LOCAL)
     stamp(trace_ptr, 5, TRACE)  # end
+
+
+@triton.jit
+def _wait_segment(seg, flags_ptr, err_ptr, rank, epoch, max_spins, chunks_per_seg):
+    """Wait (acquire, bounded) for every chunk signal of segment ``seg``:
+    ``flags[seg * chunks_per_seg + c] >= epoch``."""
+    for c in range(chunks_per_seg):
+        idx = seg * chunks_per_seg + c
+        wait_signal(flags_ptr + idx, epoch, max_spins, err_ptr, 1, rank, idx)  # OP_AG_GEMM
+
+
+@triton.jit
+def _workspace_tile(v, s0, pid_n, a_desc, b_desc, c_desc, rank, m_local, k_tiles, num_pid_m,
+                    WORLD: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr,
+                    EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """The output tile of virtual row tile ``v`` (row tile ``v % num_pid_m`` of the segment of
+    step ``s0 + v // num_pid_m``) and column tile ``pid_n``, A read from the workspace."""
+    j = v // num_pid_m
+    seg = segment_of_step(s0 + j, rank, WORLD, False)
+    off_m = (v - j * num_pid_m) * BLOCK_M
+    if RAGGED:
+        c_row = off_m
+    else:
+        c_row = seg * m_local + off_m
+    _ag_tile(a_desc, b_desc, c_desc, c_row, seg, c_row, pid_n * BLOCK_N, k_tiles, RAGGED, RAGGED,
+             B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -243,9 +254,7 @@ def _segment_step(step, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, e
         first = pid
     else:
         seg = segment_of_step(step, rank, WORLD, False)
-        for c in range(chunks_per_seg):
-            idx = seg * chunks_per_seg + c
-            wait_signal(flags_ptr + idx, epoch, max_spins, err_ptr, 1, rank, idx)  # OP_AG_GEMM
+        _wait_segment(seg, flags_ptr, err_ptr, rank, epoch, max_spins, chunks_per_seg)
         fence_async_proxy(epoch, ASYNC_FENCE)  # the TMA reads below come after the acquire
         stamp(trace_ptr, 3, TRACE)  # last_wait
         first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
@@ -286,10 +295,8 @@ def _peer_group_step(g, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, e
     s0 = 1 + g * PEER_GROUP
     s1 = tl.minimum(s0 + PEER_GROUP, WORLD)
     for step in range(s0, s1):
-        seg = segment_of_step(step, rank, WORLD, False)
-        for c in range(chunks_per_seg):
-            idx = seg * chunks_per_seg + c
-            wait_signal(flags_ptr + idx, epoch, max_spins, err_ptr, 1, rank, idx)  # OP_AG_GEMM
+        _wait_segment(segment_of_step(step, rank, WORLD, False), flags_ptr, err_ptr, rank, epoch,
+                      max_spins, chunks_per_seg)
     fence_async_proxy(epoch, ASYNC_FENCE)  # the TMA reads below come after the acquires
     stamp(trace_ptr, 3, TRACE)  # last_wait
     base = s0 * tiles_per_seg
@@ -300,15 +307,8 @@ def _peer_group_step(g, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, e
         q = t - base
         q = tl.where((g + FLIP) % 2 == 0, group_tiles - 1 - q, q)
         v, pid_n = grouped_tile(q, (s1 - s0) * num_pid_m, num_pid_n, GROUP_M)
-        j = v // num_pid_m
-        seg = segment_of_step(s0 + j, rank, WORLD, False)
-        off_m = (v - j * num_pid_m) * BLOCK_M
-        if RAGGED:
-            c_row = off_m
-        else:
-            c_row = seg * m_local + off_m
-        _ag_tile(a_desc, b_desc, c_desc, c_row, seg, c_row, pid_n * BLOCK_N, k_tiles, RAGGED,
-                 RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
+        _workspace_tile(v, s0, pid_n, a_desc, b_desc, c_desc, rank, m_local, k_tiles, num_pid_m,
+                        WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -353,10 +353,8 @@ def _merged_local_group(x_desc, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid
     stamp(trace_ptr, 2, TRACE)  # local_done (the lead)
 
     for step in range(1, s1):
-        seg = segment_of_step(step, rank, WORLD, False)
-        for c in range(chunks_per_seg):
-            idx = seg * chunks_per_seg + c
-            wait_signal(flags_ptr + idx, epoch, max_spins, err_ptr, 1, rank, idx)  # OP_AG_GEMM
+        _wait_segment(segment_of_step(step, rank, WORLD, False), flags_ptr, err_ptr, rank, epoch,
+                      max_spins, chunks_per_seg)
     fence_async_proxy(epoch, ASYNC_FENCE)  # the TMA reads below come after the acquires
     stamp(trace_ptr, 3, TRACE)  # last_wait
 
@@ -375,15 +373,8 @@ def _merged_local_group(x_desc, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid
                                 tl.maximum(rest_cols, 1), GROUP_M)
         v = tl.where(in_lead, num_pid_m + v_a, v_b)
         pid_n = tl.where(in_lead, n_a, lead_cols + n_b)
-        j = v // num_pid_m
-        seg = segment_of_step(j, rank, WORLD, False)
-        off_m = (v - j * num_pid_m) * BLOCK_M
-        if RAGGED:
-            c_row = off_m
-        else:
-            c_row = seg * m_local + off_m
-        _ag_tile(ag_desc, b_desc, c_desc, c_row, seg, c_row, pid_n * BLOCK_N, k_tiles, RAGGED,
-                 RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
+        _workspace_tile(v, 0, pid_n, ag_desc, b_desc, c_desc, rank, m_local, k_tiles, num_pid_m,
+                        WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
