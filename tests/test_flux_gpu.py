@@ -77,6 +77,25 @@ def _check_rs(flux, group, rank, world, m_local, k, n, dtype, layout, tol, gen, 
     return out
 
 
+def _default_with(**fields):
+    """A FluxBackend whose every config is the heuristic default with ``fields`` changed."""
+    from megatron_flux.backends.flux import FluxBackend
+    from megatron_flux.kernels.config import default_config
+
+    return FluxBackend(config_provider=lambda op, m_total, n, k: dataclasses.replace(
+        default_config(op, m_total, n, k), **fields))
+
+
+def _check_ag_every_shape(flux, group, rank, world, gen):
+    """:func:`_check_ag` (bf16) over every shape of SHAPES in both B layouts, then the
+    backend's error word; returns the number of checks."""
+    for layout in ("nk", "kn"):
+        for (m_local, k, n) in SHAPES:
+            _check_ag(flux, group, rank, world, m_local, k, n, torch.bfloat16, layout, 2e-2, gen)
+    flux.check_errors()
+    return 2 * len(SHAPES)
+
+
 def _check_back_to_back(flux, group, rank, world, gen, rounds=12):
     """AG+GEMM and GEMM+RS calls queued back to back, with no collective between them (the
     references are computed first), alternating two shapes whose configs give different signal
@@ -185,23 +204,15 @@ def _worker(rank, world, port, env, queue):
         flux_alt.check_errors()
         n_checks += _check_gather_beside_rs(flux, group, rank, world, gen)
         # the pulling AllGather over every shape and layout
-        from megatron_flux.kernels.config import default_config
-
-        flux_pull = FluxBackend(config_provider=lambda op, m_total, n, k: dataclasses.replace(
-            default_config(op, m_total, n, k), ag_pull=True, chunk_rows=64))
-        for layout in ("nk", "kn"):
-            for (m_local, k, n) in SHAPES:
-                _check_ag(flux_pull, group, rank, world, m_local, k, n, torch.bfloat16, layout, 2e-2, gen)
-                n_checks += 1
-        flux_pull.check_errors()
+        n_checks += _check_ag_every_shape(_default_with(ag_pull=True, chunk_rows=64), group, rank,
+                                          world, gen)
         # GEMM+RS schedule knobs over every shape: vector-store pushes, unflattened loops,
         # vector-load reduction, the reduction spread over the grid
         rs_variants = [dict(rs_tma_push=False), dict(rs_tma_push=False, flatten=False),
                        dict(flatten=False, flatten_consume=False, epilogue_split=1),
                        dict(rs_tma_reduce=False), dict(rs_spread_reduce=True)]
         for variant in rs_variants:
-            flux_rs = FluxBackend(config_provider=lambda op, m_total, n, k, v=variant: dataclasses.replace(
-                default_config(op, m_total, n, k), **v))
+            flux_rs = _default_with(**variant)
             for (m_local, k, n) in SHAPES:
                 _check_rs(flux_rs, group, rank, world, m_local, k, n, torch.bfloat16, "nk", 2e-2, gen,
                           with_bias=(m_local % 2 == 0))
@@ -213,13 +224,8 @@ def _worker(rank, world, port, env, queue):
                        dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8,
                             epilogue_split=1, warp_specialize=True, stream_k=1)]
         for variant in sk_variants:
-            flux_sk = FluxBackend(config_provider=lambda op, m_total, n, k, v=variant: dataclasses.replace(
-                default_config(op, m_total, n, k), **v))
-            for layout in ("nk", "kn"):
-                for (m_local, k, n) in SHAPES:
-                    _check_ag(flux_sk, group, rank, world, m_local, k, n, torch.bfloat16,
-                              layout, 2e-2, gen)
-                    n_checks += 1
+            flux_sk = _default_with(**variant)
+            n_checks += _check_ag_every_shape(flux_sk, group, rank, world, gen)
             # 8 x 9 tiles of 128x256 per rank: the tail (world * 72 % SMs) is split on H200
             x = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
             b = torch.randn(4096, 2304, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -228,23 +234,16 @@ def _worker(rank, world, port, env, queue):
                 assert torch.equal(first, flux_sk.all_gather_matmul(x, b, group)[0]), \
                     f"AG+GEMM with {variant} not deterministic"
             flux_sk.check_errors()
-        # AG+GEMM with the local rows merged into the first peer group: pushed (the shard
-        # copied into the workspace and signalled) and pulled, leads of 0 and 1 waves, and the
-        # 128x128 warp-specialized tile of the llama3-8b TP 2 table entries
+        # AG+GEMM with the local rows merged into the first peer group (the shard copied into
+        # the workspace before the kernel), pushing and pulling, leads of 0 and 1 waves, and
+        # the 128x128 warp-specialized tile of the llama3-8b TP 2 table entries
         merge_variants = [dict(ag_merge_local=True),
                           dict(ag_merge_local=True, ag_merge_lead=0, chunk_rows=64),
                           dict(ag_merge_local=True, ag_pull=True, chunk_rows=64),
                           dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
                                epilogue_split=1, warp_specialize=True, ag_merge_local=True)]
         for variant in merge_variants:
-            flux_merge = FluxBackend(config_provider=lambda op, m_total, n, k, v=variant: dataclasses.replace(
-                default_config(op, m_total, n, k), **v))
-            for layout in ("nk", "kn"):
-                for (m_local, k, n) in SHAPES:
-                    _check_ag(flux_merge, group, rank, world, m_local, k, n, torch.bfloat16,
-                              layout, 2e-2, gen)
-                    n_checks += 1
-            flux_merge.check_errors()
+            n_checks += _check_ag_every_shape(_default_with(**variant), group, rank, world, gen)
         # bitwise determinism of AG+GEMM
         x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
         b = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
