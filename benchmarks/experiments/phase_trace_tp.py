@@ -49,7 +49,9 @@ class TracedLauncher:
         setattr(module, name, self)
 
     def __call__(self, *args, **kwargs):
-        return self.inner(*args, trace=self.trace, **kwargs)
+        # the one-GPU wiring (``--comm off``) passes its own ``trace``; the backend never does
+        kwargs.setdefault("trace", self.trace)
+        return self.inner(*args, **kwargs)
 
 
 def make_call(op, comm, backend, launcher, group, m, n, k, cfg, dev):
