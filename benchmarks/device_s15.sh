@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Session 15 device calls (2 GPUs, each < 10 minutes):
+#   OUT=... bash benchmarks/device_s15.sh control   session 14's trace2c (GEMM+RS stamps, both
+#                                                   GPUs, communication off/on/off/on, nvidia-smi
+#                                                   sampling), then GEMM+RS with communication on,
+#                                                   TMA pushes vs vector-store pushes (A B A B)
+#                                                                  -> $OUT/trace2c-*.json, smi.csv,
+#                                                                     push-*.json
+#                                                   (CONTROL_PUSH=0: the first part only)
+#   OUT=... bash benchmarks/device_s15.sh bench3    runs 2 and 3 of the m >= 1024 grid
+#                                                   (run 1: device_s14.sh bench) -> $OUT/bench-run*.json
+#   OUT=... bash benchmarks/device_s15.sh link      cuBLAS beside no / 64 KiB / ReduceScatter-sized
+#                                                   NVLink copies (experiments/link_power.py)
+#                                                                  -> $OUT/link-power.json, smi-link.csv
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-/tmp/s15}"
+mkdir -p "${OUT}"
+source benchmarks/device_env.sh
+RUN=(python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}")
+case "${1:-}" in
+control)
+    OUT="${OUT}" bash benchmarks/device_s14.sh trace2c
+    [ "${CONTROL_PUSH:-1}" = 1 ] || exit 0
+    export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments"
+    for run in tma1 vec1 tma2 vec2; do
+        case ${run} in vec*) O=(--override '{"rs_tma_push": false}') ;; *) O=() ;; esac
+        echo "== GEMM+RS comm on, push ${run} ($(date +%T), ${SECONDS}s)"
+        timeout 90 "${RUN[@]}" benchmarks/experiments/phase_trace_tp.py --op rs "${O[@]}" \
+            --models llama3-8b gpt3-175b --ms 4096 --launches 3 \
+            --json "${OUT}/push-rs-${run}.json" 2>&1 | grep -E "^(rs|Traceback)|Error" | cut -c1-90
+    done ;;
+bench3)
+    # two more runs of the m >= 1024 grid (session 14's bench command), for three in all
+    export PYTHONPATH="${PWD}"
+    for run in 2 3; do
+        echo "== bench large, run ${run} ($(date +%T))"
+        timeout 250 "${RUN[@]}" -m megatron_flux.bench --m-set large \
+            --methods cublas_gemm comm nccl torch_async_tp flux --trials 5 --iters 20 \
+            --out-json "${OUT}/bench-run${run}.json" --out-png "${OUT}/bench-run${run}.png" \
+            > "${OUT}/bench-run${run}.log" 2>&1
+        echo "   exit $? (${SECONDS}s)"; grep -A6 "^summary" "${OUT}/bench-run${run}.log"
+    done ;;
+link)
+    # cuBLAS beside no / tiny / ReduceScatter-sized NVLink copies (experiments/link_power.py),
+    # nvidia-smi sampling SM clocks and power
+    export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments"
+    nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu \
+        --format=csv,nounits -lms 100 > "${OUT}/smi-link.csv" &
+    SMI_PID=$!
+    trap 'kill ${SMI_PID} 2>/dev/null' EXIT
+    timeout 300 "${RUN[@]}" benchmarks/experiments/link_power.py ${LINK_ARGS:-} --json "${OUT}/link-power${LINK_TAG:-}.json" \
+        2>&1 | grep -E "rank|Traceback|Error" | grep -v Warning ;;
+*) echo "usage: $0 control|bench3|link"; exit 2 ;;
+esac
