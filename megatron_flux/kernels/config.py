@@ -60,7 +60,9 @@ class GemmConfig:
     its own rows there before the kernel, in stream order, as pulling does). Aimed at TP 2 with segments of few row tiles (llama3-8b m = 1024: 4 per
     segment) and at small m, where each segment is one row of tiles and the per-segment
     schedule streams B once per segment. ``ag_merge_lead = 0`` waits before the first tile.
-    Stream-K is off. Not measured yet: off by default, not searched by the tuner.
+    Stream-K is off. Measured on 2×H200 (benchmarks/NOTES.md, session 15): no faster with
+    communication on, and 0.2-3 % slower in 7 of 8 paired comm-off cases, so it is off by
+    default and not searched by the tuner.
 
     ``programs_per_sm``: persistent programs per SM (grid = that times the SMs, capped at the
     tiles). At 2, one program's epilogue runs beside the other's K loop; the launchers check

@@ -78,7 +78,8 @@ NOT_SEARCHED: Dict[str, str] = {
     "programs_per_sm": "two programs per SM on 128x128 tiles beat no shipped config beyond "
                        "noise once samples were warmed up (benchmarks/NOTES.md, session 11)",
     "ag_peer_group": "not measured yet (added in session 13 without a GPU to time it)",
-    "ag_merge_local": "not measured yet (added in session 14 after the device time was spent)",
+    "ag_merge_local": "no faster with communication on, slower in 7 of 8 paired comm-off "
+                      "cases at TP 2 (benchmarks/NOTES.md, session 15)",
     "ag_merge_lead": "only matters with ag_merge_local",
     "flatten_consume": "compiles to the same GEMM+RS kernel either way (Triton does not flatten "
                        "the reduction loop); a kernel that did flatten it ran level "
