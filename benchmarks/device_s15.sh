@@ -12,6 +12,9 @@
 #   OUT=... bash benchmarks/device_s15.sh link      cuBLAS beside no / 64 KiB / ReduceScatter-sized
 #                                                   NVLink copies (experiments/link_power.py)
 #                                                                  -> $OUT/link-power.json, smi-link.csv
+#   OUT=... bash benchmarks/device_s15.sh epi       GEMM+RS, table configs vs the same with
+#                                                   epilogue_split 1, comm on then off, A B A B
+#                                                                  -> $OUT/epi-rs-*.json
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/s15}"
@@ -51,5 +54,21 @@ link)
     trap 'kill ${SMI_PID} 2>/dev/null' EXIT
     timeout 300 "${RUN[@]}" benchmarks/experiments/link_power.py ${LINK_ARGS:-} --json "${OUT}/link-power${LINK_TAG:-}.json" \
         2>&1 | grep -E "rank|Traceback|Error" | grep -v Warning ;;
-*) echo "usage: $0 control|bench3|link"; exit 2 ;;
+epi)
+    # GEMM+RS with the producer epilogue in one store instead of two halves: with two, Triton
+    # reuses one shared-memory buffer and waits for the first half's TMA store to be read out
+    # before writing the second, which for a push is a wait on NVLink per tile. Communication
+    # on and off (both GPUs), A B A B each.
+    export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments"
+    for comm in on off; do
+        for run in split1 one1 split2 one2; do
+            case ${run} in one*) O=(--override '{"epilogue_split": 1}') ;; *) O=() ;; esac
+            echo "== GEMM+RS comm ${comm}, ${run} ($(date +%T), ${SECONDS}s)"
+            timeout 80 "${RUN[@]}" benchmarks/experiments/phase_trace_tp.py --op rs --comm "${comm}" \
+                "${O[@]}" --models llama3-70b gpt3-175b llama3-8b --ms 4096 8192 --launches 2 \
+                --json "${OUT}/epi-rs-${comm}-${run}.json" 2>&1 | grep -E "^(rs|Traceback)|Error" \
+                | cut -c1-60
+        done
+    done ;;
+*) echo "usage: $0 control|bench3|link|epi"; exit 2 ;;
 esac
