@@ -15,6 +15,9 @@
 #   OUT=... bash benchmarks/device_s15.sh epi       GEMM+RS, table configs vs the same with
 #                                                   epilogue_split 1, comm on then off, A B A B
 #                                                                  -> $OUT/epi-rs-*.json
+#   OUT=... bash benchmarks/device_s15.sh trickle   GEMM+RS comm off, comm off beside a 64 KiB
+#                                                   NVLink copy per call, comm on (A B C A B C)
+#                                                                  -> $OUT/trickle-rs-*.json
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/s15}"
@@ -70,5 +73,19 @@ epi)
                 | cut -c1-60
         done
     done ;;
-*) echo "usage: $0 control|bench3|link|epi"; exit 2 ;;
+trickle)
+    # does the link tax account for GEMM+RS's whole comm-on cost? The kernel with its pushes
+    # kept local (comm off), the same beside a 64 KiB NVLink copy per call, and comm on
+    export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments"
+    for run in off1 trickle1 on1 off2 trickle2 on2; do
+        case ${run} in
+            off*) O=(--comm off) ;; trickle*) O=(--comm off --trickle-kib 64) ;; *) O=(--comm on) ;;
+        esac
+        echo "== GEMM+RS ${run} ($(date +%T), ${SECONDS}s)"
+        timeout 45 "${RUN[@]}" benchmarks/experiments/phase_trace_tp.py --op rs "${O[@]}" \
+            --models llama3-70b llama3-8b --ms 4096 8192 --launches 2 \
+            --json "${OUT}/trickle-rs-${run}.json" 2>&1 | grep -E "^(rs|Traceback)|Error" \
+            | cut -c1-70
+    done ;;
+*) echo "usage: $0 control|bench3|link|epi|trickle"; exit 2 ;;
 esac

@@ -89,6 +89,34 @@ def make_call(op, comm, backend, launcher, group, m, n, k, cfg, dev):
     return call, (a, w, out)
 
 
+class Trickle:
+    """``--trickle-kib``: beside every call a side stream copies that many KiB into the next
+    rank's symmetric buffer by the copy engine, so the link is in use while the kernel runs
+    (with ``--comm off``: the kernel's own traffic stays local; session 15 found that any
+    NVLink traffic near cuBLAS costs it 1-3 % at the power cap, whatever the bytes)."""
+
+    def __init__(self, kib, group, dev):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.elems = kib * 1024 // 2
+        self.buf = symm_mem.empty(self.elems, dtype=torch.bfloat16, device=dev)
+        self.handle = symm_mem.rendezvous(self.buf, group.group_name)
+        peer = (group.rank() + 1) % group.size()
+        self.peer = self.handle.get_buffer(peer, (self.elems,), torch.bfloat16)
+        self.src = torch.randn(self.elems, device=dev, dtype=torch.bfloat16)
+        self.side = torch.cuda.Stream(dev)
+
+    def wrap(self, call):
+        def with_trickle(trace):
+            main = torch.cuda.current_stream()
+            self.side.wait_stream(main)
+            with torch.cuda.stream(self.side):
+                self.peer.copy_(self.src, non_blocking=True)
+            call(trace)
+            main.wait_stream(self.side)
+        return with_trickle
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--op", choices=["ag", "rs"], default="rs")
@@ -101,6 +129,8 @@ def main(argv=None):
                         "that separates communication from two busy GPUs")
     p.add_argument("--override", type=json.loads, default=None,
                    help="GemmConfig fields (JSON) applied to every config the backend picks")
+    p.add_argument("--trickle-kib", type=int, default=0,
+                   help="copy this many KiB to the next rank beside every call (see Trickle)")
     p.add_argument("--launches", type=int, default=7)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=20)
@@ -123,6 +153,7 @@ def main(argv=None):
     phases = ag_module.AG_PHASES if args.op == "ag" else rs_module.RS_PHASES
     dev = torch.device("cuda", local_rank)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    trickle = Trickle(args.trickle_kib, group, dev) if args.trickle_kib else None
     rows = []
     for model in args.models:
         for m in args.ms:
@@ -130,6 +161,8 @@ def main(argv=None):
             torch.manual_seed(1234 + rank)
             cfg = backend.config(args.op, m, n, k, dtype=torch.bfloat16, tp=world, device=dev)
             call, keep = make_call(args.op, args.comm, backend, launcher, group, m, n, k, cfg, dev)
+            if trickle is not None:
+                call = trickle.wrap(call)
             grid_cap = sms * cfg.programs_per_sm
             scratch = new_trace(grid_cap, dev)
             for _ in range(args.warmup):
@@ -151,7 +184,8 @@ def main(argv=None):
                     "untraced_ms": untraced_ms, "traced_ms": traced_ms, "starts_ns": starts}
             every = [None] * world
             dist.all_gather_object(every, mine)
-            record = {"comm": args.comm, "override": args.override, "op": args.op, "model": model,
+            record = {"comm": args.comm, "override": args.override,
+                      "trickle_kib": args.trickle_kib, "op": args.op, "model": model,
                       "m": m, "n": n, "k": k, "tp": world, "cfg": cfg.to_dict(), "ranks": every}
             rows.append(record)
             if rank == 0:
@@ -159,11 +193,12 @@ def main(argv=None):
                     shown = "  ".join(f"{name} {v['first']:.1f}/{v['median']:.1f}/{v['last']:.1f}"
                                       for name, v in r["phases"].items())
                     skew = [(s - s0) / 1000.0 for s, s0 in zip(r["starts_ns"], every[0]["starts_ns"])]
-                    print(f"{args.op} {model} m={m} comm {args.comm} rank {r['rank']}: {r['untraced_ms']:.4f} ms "
+                    print(f"{args.op} {model} m={m} comm {args.comm}{'+trickle' if args.trickle_kib else ''} rank {r['rank']}: {r['untraced_ms']:.4f} ms "
                           f"(traced {r['traced_ms']:.4f})  start-vs-rank0 "
                           f"{min(skew):+.1f}..{max(skew):+.1f} us  {shown}", flush=True)
             del call, keep
             torch.cuda.empty_cache()
+    dist.barrier()  # every rank's last trickle into a peer's buffer has landed
     if rank == 0:
         write_record(args.json, rows, what=f"per-program phase stamps, communication {args.comm} "
                      "(µs after each rank's first program start: earliest/median/latest program, "
