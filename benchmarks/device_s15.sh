@@ -18,6 +18,10 @@
 #   OUT=... bash benchmarks/device_s15.sh trickle   GEMM+RS comm off, comm off beside a 64 KiB
 #                                                   NVLink copy per call, comm on (A B C A B C)
 #                                                                  -> $OUT/trickle-rs-*.json
+#   OUT=... bash benchmarks/device_s15.sh gate      one GPU: copy-engine work gated on a flag the
+#                                                   running kernel raises (stream wait-value), under
+#                                                   CUDA_DEVICE_MAX_CONNECTIONS=1 and the default
+#                                                                  -> $OUT/gate-*.json
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/s15}"
@@ -87,5 +91,14 @@ trickle)
             --json "${OUT}/trickle-rs-${run}.json" 2>&1 | grep -E "^(rs|Traceback)|Error" \
             | cut -c1-70
     done ;;
-*) echo "usage: $0 control|bench3|link|epi|trickle"; exit 2 ;;
+gate)
+    # one GPU: does copy-engine work gated by a stream wait-value op, queued behind a running
+    # persistent kernel, run while the kernel runs? Under both CUDA_DEVICE_MAX_CONNECTIONS
+    # settings (experiments/stream_wait_overlap.py)
+    export CUDA_VISIBLE_DEVICES=0
+    CUDA_DEVICE_MAX_CONNECTIONS=1 timeout 60 python3 benchmarks/experiments/stream_wait_overlap.py \
+        --json "${OUT}/gate-conn1.json" 2>&1 | tail -4
+    timeout 60 python3 benchmarks/experiments/stream_wait_overlap.py \
+        --json "${OUT}/gate-default.json" 2>&1 | tail -4 ;;
+*) echo "usage: $0 control|bench3|link|epi|trickle|gate"; exit 2 ;;
 esac
