@@ -22,6 +22,9 @@
 #                                                   running kernel raises (stream wait-value), under
 #                                                   CUDA_DEVICE_MAX_CONNECTIONS=1 and the default
 #                                                                  -> $OUT/gate-*.json
+#   OUT=... bash benchmarks/device_s15.sh bench1conn  (not run yet) the m >= 1024 grid under
+#                                                   CUDA_DEVICE_MAX_CONNECTIONS=1, then unset
+#                                                                  -> $OUT/bench-conn-*.json
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/s15}"
@@ -100,5 +103,18 @@ gate)
         --json "${OUT}/gate-conn1.json" 2>&1 | tail -4
     timeout 60 python3 benchmarks/experiments/stream_wait_overlap.py \
         --json "${OUT}/gate-default.json" 2>&1 | tail -4 ;;
-*) echo "usage: $0 control|bench3|link|epi|trickle|gate"; exit 2 ;;
+bench1conn)
+    # the m >= 1024 grid with CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's setting) for every
+    # method, then the same command with the default, for a paired comparison (not run yet)
+    export PYTHONPATH="${PWD}"
+    for conn in 1 default; do
+        echo "== bench large, CUDA_DEVICE_MAX_CONNECTIONS=${conn} ($(date +%T))"
+        if [ "${conn}" = 1 ]; then export CUDA_DEVICE_MAX_CONNECTIONS=1; else unset CUDA_DEVICE_MAX_CONNECTIONS; fi
+        timeout 270 "${RUN[@]}" -m megatron_flux.bench --m-set large \
+            --methods cublas_gemm comm nccl torch_async_tp flux --trials 5 --iters 20 \
+            --out-json "${OUT}/bench-conn-${conn}.json" --out-png "${OUT}/bench-conn-${conn}.png" \
+            > "${OUT}/bench-conn-${conn}.log" 2>&1
+        echo "   exit $? (${SECONDS}s)"; grep -A6 "^summary" "${OUT}/bench-conn-${conn}.log"
+    done ;;
+*) echo "usage: $0 control|bench3|link|epi|trickle|gate|bench1conn"; exit 2 ;;
 esac
