@@ -104,6 +104,25 @@ def _resources(kernel, ptxas):
     return row
 
 
+def _same_code(revisions, fns, constexprs, num_warps, num_stages, ptxas):
+    """Compile two revisions ``fns`` of one kernel alike and compare them: their PTX line
+    counts, differing lines (:func:`_differing_lines`) and resources, labelled ``revisions``."""
+    compiled = [_compile(fn, constexprs, num_warps, num_stages) for fn in fns]
+    code = [_code(c) for c in compiled]
+    return {"revisions": list(revisions), "code_lines": [len(c) for c in code],
+            "differing_lines": _differing_lines(*code),
+            "resources": [_resources(c, ptxas) for c in compiled]}
+
+
+def _emit(record, path):
+    """Print the record as JSON, and write it to ``path`` if given."""
+    text = json.dumps(record, indent=1)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,21 +158,14 @@ def main(argv=None):
              "ag_gemm_kernel", _ag(world=8)),
             ("spread bias via _add_bias, TP 8", "6e51ced", "e216c35", rs_path, "gemm_rs_kernel",
              _rs(world=8, bias=True, spread=True))):
-        compiled = [_compile(getattr(_version(rev, path), kernel), constexprs, 8, 3)
-                    for rev in (rev_a, rev_b)]
-        code = [_code(c) for c in compiled]
-        same[label] = {"revisions": [rev_a, rev_b], "code_lines": [len(c) for c in code],
-                       "differing_lines": _differing_lines(*code),
-                       "resources": [_resources(c, args.ptxas) for c in compiled]}
+        same[label] = _same_code((rev_a, rev_b),
+                                 [getattr(_version(rev, path), kernel) for rev in (rev_a, rev_b)],
+                                 constexprs, 8, 3, args.ptxas)
     out["same_code"] = same
 
     out["shipped"] = [[label, _compile(kernel, constexprs, warps, stages).metadata.shared]
                       for label, kernel, constexprs, warps, stages in _table_kernels()]
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
+    _emit(out, args.json)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,11 @@ Run from a git checkout (it reads 73a0d7b's kernel with ``git show``). Records:
 """
 
 import argparse
-import json
 import sys
 
 import triton
 
-from compile_s13 import _code, _compile, _differing_lines, _resources, _version
+from compile_s13 import _compile, _emit, _resources, _same_code, _version
 from megatron_flux.kernels.ag_gemm import ag_gemm_kernel
 
 _TILE_128 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EPI_SPLIT=1, WARP_SPECIALIZE=True)
@@ -50,11 +49,8 @@ def main(argv=None):
              _ag(_TILE_256, 8, STREAM_K=True)),
             ("TP 4 peer groups of 3, unrolled", _TILE_256, 8, 3, _ag(_TILE_256, 4, PEER_GROUP=3)),
             ("TP 8 peer groups of 2, runtime", _TILE_256, 8, 3, _ag(_TILE_256, 8, PEER_GROUP=2))):
-        compiled = [_compile(fn, constexprs, warps, stages) for fn in (before, ag_gemm_kernel)]
-        code = [_code(c) for c in compiled]
-        same[label] = {"revisions": ["73a0d7b", "package"], "code_lines": [len(c) for c in code],
-                       "differing_lines": _differing_lines(*code),
-                       "resources": [_resources(c, args.ptxas) for c in compiled]}
+        same[label] = _same_code(("73a0d7b", "package"), (before, ag_gemm_kernel), constexprs,
+                                 warps, stages, args.ptxas)
     out["same_code"] = same
     out["merged"] = {
         f"{name} {label}": _resources(_compile(ag_gemm_kernel, constexprs, warps, stages),
@@ -64,11 +60,7 @@ def main(argv=None):
         for label, constexprs in (("per segment (stream-K)", _ag(tile, 2, STREAM_K=True)),
                                   ("merged, lead 1", _ag(tile, 2, MERGE_LOCAL=True,
                                                          MERGE_LEAD=1)))}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
+    _emit(out, args.json)
 
 
 if __name__ == "__main__":
