@@ -77,6 +77,18 @@ def time_and_check(fns, outs, args, title, row):
     return rows
 
 
+def next_rank_buffer(elems, group, dev):
+    """A bf16 symmetric buffer of ``elems`` on this rank, rendezvoused over ``group``, and a view
+    of the next rank's: ``(buf, handle, peer)``. Keep all three alive while ``peer`` is written,
+    and barrier before dropping them (a peer may still be writing into ``buf``)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    buf = symm_mem.empty(elems, dtype=torch.bfloat16, device=dev)
+    handle = symm_mem.rendezvous(buf, group.group_name)
+    peer = handle.get_buffer((group.rank() + 1) % group.size(), (elems,), torch.bfloat16)
+    return buf, handle, peer
+
+
 def write_record(path, rows, **extra):
     """The run's JSON record (command, GPU, versions, ``extra``, rows) to ``path`` if given."""
     if path:

@@ -32,9 +32,8 @@ import statistics
 
 import torch
 import torch.distributed as dist
-import torch.distributed._symmetric_memory as symm_mem
 
-from common import write_record
+from common import next_rank_buffer, write_record
 
 SHAPES = {"llama3-70b-rs-8192": (8192, 8192, 14336), "llama3-8b-rs-4096": (4096, 4096, 7168)}
 MODES = ("none", "touch", "bulk", "burst", "local-touch", "local-bulk", "serial-touch")
@@ -95,9 +94,7 @@ def main():
         bulk_elems = (m * n * (world - 1) // world) // args.pieces
         touch_elems = args.touch_kib * 1024 // 2
         total = bulk_elems * args.pieces
-        buf = symm_mem.empty(total, dtype=torch.bfloat16, device=dev)
-        handle = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
-        peer = handle.get_buffer((rank + 1) % world, (total,), torch.bfloat16)
+        buf, handle, peer = next_rank_buffer(total, dist.group.WORLD, dev)
         src = torch.randn(total, device=dev, dtype=torch.bfloat16)
         local = torch.empty(total, device=dev, dtype=torch.bfloat16)
         for mode in MODES:  # warm-up, untimed

@@ -31,7 +31,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from common import write_record
+from common import next_rank_buffer, write_record
 from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu, grid_shape, mean_ms, rs_on_one_gpu
 from megatron_flux.kernels import ag_gemm as ag_module
 from megatron_flux.kernels import gemm_rs as rs_module
@@ -96,14 +96,9 @@ class Trickle:
     NVLink traffic near cuBLAS costs it 1-3 % at the power cap, whatever the bytes)."""
 
     def __init__(self, kib, group, dev):
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.elems = kib * 1024 // 2
-        self.buf = symm_mem.empty(self.elems, dtype=torch.bfloat16, device=dev)
-        self.handle = symm_mem.rendezvous(self.buf, group.group_name)
-        peer = (group.rank() + 1) % group.size()
-        self.peer = self.handle.get_buffer(peer, (self.elems,), torch.bfloat16)
-        self.src = torch.randn(self.elems, device=dev, dtype=torch.bfloat16)
+        elems = kib * 1024 // 2
+        self.buf, self.handle, self.peer = next_rank_buffer(elems, group, dev)
+        self.src = torch.randn(elems, device=dev, dtype=torch.bfloat16)
         self.side = torch.cuda.Stream(dev)
 
     def wrap(self, call):
