@@ -1,8 +1,8 @@
 """Experiment: does NVLink traffic beside a power-capped GEMM slow it, and by the bytes or at all?
 
 Session 15's control (``phase_trace_tp.py --comm off`` vs ``on``, both GPUs busy) found the
-GEMM+RS kernel 2-13 % slower with communication on, including in phases where this rank moves
-no data, and nvidia-smi showed both GPUs at the 700 W cap with the SM clock 3-5 % lower in the
+GEMM+RS kernel 2-14 % slower with communication on, including in phases where this rank moves
+no data, and nvidia-smi showed both GPUs at the 700 W cap with the SM clock 2-5 % lower in the
 runs with communication. This separates the bytes from the link being busy at all, with
 cuBLAS only (no fused kernel): every rank runs ``a @ w.T`` split in ``--pieces`` row blocks,
 back to back on the current stream; after each piece a side stream (waiting for that piece)
@@ -19,10 +19,10 @@ copies into the peer's symmetric buffer by the copy engine:
 * ``serial-touch``: ``--touch-kib`` KiB to the peer once per GEMM, after it on the same stream
   (the link used between GEMMs, not beside them, as NCCL-then-cuBLAS uses it).
 
-Modes rotate in that order for ``--rounds`` rounds; each block is a number of GEMMs
-timed by CUDA events on the main stream (whose end waits for the side stream), about
-``--block-ms`` long, both ranks starting each block together. Reports per mode the median ms per GEMM and its ratio to
-``none``.
+Modes rotate in that order for ``--rounds`` rounds; each block is a number of GEMMs timed by
+CUDA events on the main stream (whose end waits for the side stream), about ``--block-ms``
+long, both ranks starting each block together. Reports per mode the median ms per GEMM and its
+ratio to ``none``.
 
     torchrun --nproc-per-node 2 benchmarks/experiments/link_power.py --json link-power.json
 """
