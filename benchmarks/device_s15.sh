@@ -31,6 +31,13 @@ OUT="${OUT:-/tmp/s15}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
 RUN=(python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}")
+bench_large() {  # bench_large NAME TIMEOUT: the m >= 1024 grid, session 14's bench command
+    # -> $OUT/NAME.{json,png,log}, and its summary on stdout
+    timeout "$2" "${RUN[@]}" -m megatron_flux.bench --m-set large \
+        --methods cublas_gemm comm nccl torch_async_tp flux --trials 5 --iters 20 \
+        --out-json "${OUT}/$1.json" --out-png "${OUT}/$1.png" > "${OUT}/$1.log" 2>&1
+    echo "   exit $? (${SECONDS}s)"; grep -A6 "^summary" "${OUT}/$1.log"
+}
 case "${1:-}" in
 control)
     OUT="${OUT}" bash benchmarks/device_s14.sh trace2c
@@ -48,11 +55,7 @@ bench3)
     export PYTHONPATH="${PWD}"
     for run in 2 3; do
         echo "== bench large, run ${run} ($(date +%T))"
-        timeout 250 "${RUN[@]}" -m megatron_flux.bench --m-set large \
-            --methods cublas_gemm comm nccl torch_async_tp flux --trials 5 --iters 20 \
-            --out-json "${OUT}/bench-run${run}.json" --out-png "${OUT}/bench-run${run}.png" \
-            > "${OUT}/bench-run${run}.log" 2>&1
-        echo "   exit $? (${SECONDS}s)"; grep -A6 "^summary" "${OUT}/bench-run${run}.log"
+        bench_large "bench-run${run}" 250
     done ;;
 link)
     # cuBLAS beside no / tiny / ReduceScatter-sized NVLink copies (experiments/link_power.py),
@@ -110,11 +113,7 @@ bench1conn)
     for conn in 1 default; do
         echo "== bench large, CUDA_DEVICE_MAX_CONNECTIONS=${conn} ($(date +%T))"
         if [ "${conn}" = 1 ]; then export CUDA_DEVICE_MAX_CONNECTIONS=1; else unset CUDA_DEVICE_MAX_CONNECTIONS; fi
-        timeout 270 "${RUN[@]}" -m megatron_flux.bench --m-set large \
-            --methods cublas_gemm comm nccl torch_async_tp flux --trials 5 --iters 20 \
-            --out-json "${OUT}/bench-conn-${conn}.json" --out-png "${OUT}/bench-conn-${conn}.png" \
-            > "${OUT}/bench-conn-${conn}.log" 2>&1
-        echo "   exit $? (${SECONDS}s)"; grep -A6 "^summary" "${OUT}/bench-conn-${conn}.log"
+        bench_large "bench-conn-${conn}" 270
     done ;;
 *) echo "usage: $0 control|bench3|link|epi|trickle|gate|bench1conn"; exit 2 ;;
 esac
