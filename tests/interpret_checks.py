@@ -24,7 +24,7 @@ import triton.language as tl  # noqa: E402
 from megatron_flux.bench.plain_gemm import launch_plain_gemm  # noqa: E402
 from megatron_flux.kernels.ag_gemm import launch_ag_gemm  # noqa: E402
 from megatron_flux.kernels.config import GemmConfig, rs_signal_count  # noqa: E402
-from megatron_flux.kernels.gemm_rs import launch_gemm_rs  # noqa: E402
+from megatron_flux.kernels.gemm_rs import launch_gemm_rs, rs_staging_table  # noqa: E402
 from megatron_flux.kernels.stream_k import _slot_ptrs, sk_covering, sk_range  # noqa: E402
 from megatron_flux.kernels.tile_order import tile_order_probe_kernel  # noqa: E402
 
@@ -534,6 +534,94 @@ def check_gemm_rs_spread_waits_for_its_own_grid():
     assert w["errs"][lazy].tolist() == [2, lazy, lazy, w["epoch"] - 1], w["errs"][lazy].tolist()
 
 
+def _rs_ce_produce(w, ranks=None):
+    """Copy-engine GEMM+RS producers: every rank (or ``ranks``) writes its peers' partials into
+    a local staging buffer through the staging table; returns the staging buffers."""
+    world, m_local, n = w["world"], w["m_local"], w["outs"][0].shape[1]
+    staging = [torch.full(((world - 1) * m_local, n), float("nan")).to(DTYPE) for _ in range(world)]
+    for r in range(world) if ranks is None else ranks:
+        table = torch.tensor(rs_staging_table(staging[r].data_ptr(), w["data"][r].data_ptr(),
+                                              rank=r, world=world, m_local=m_local, n=n,
+                                              elt=staging[r].element_size()), dtype=torch.int64)
+        launch_gemm_rs(w["a"][r], w["b"][r], w["outs"][r], w["data"][r], table, w["fptr"],
+                       w["bias"], w["errs"][r], rank=r, world=world, epoch=w["epoch"],
+                       cfg=w["cfg"], num_sms=NSMS, max_spins=10, produce=True, consume=False)
+    return staging
+
+
+def _rs_ce_deliver(w, staging, r):
+    """What rank ``r``'s copy-engine stream does once its "produced" word holds the epoch: each
+    step's staged partial into its owner's slot ``r``, then the owner's signal ``[r]``."""
+    world, m_local = w["world"], w["m_local"]
+    for step in range(world - 1):
+        owner = (r + 1 + step) % world
+        w["data"][owner][r].copy_(staging[r][step * m_local:(step + 1) * m_local])
+        w["flags"][owner][r] = w["epoch"]
+
+
+def check_gemm_rs_copy_engine():
+    """``rs_copy_engine`` at TP 2/4/8 (with the spread reduction too): the producers write only
+    local staging (no owner's slot or signal changes; only their own "produced" word, and with
+    the spread reduction their own slot and signal), staging step ``s`` holds the partial of
+    segment ``r + 1 + s``; after the simulated copy-engine delivery the consumers' outputs match
+    the dense reference and equal the SM-push kernel's bitwise. A consumer whose peer's copies
+    never came times out on that peer's signal."""
+    cases = [(2, 32, False, True, 64), (4, 20, True, False, 64), (8, 9, False, True, 64)]
+    for (world, m_local, b_kn, bias, n), spread in [(c, s) for c in cases for s in (False, True)]:
+        k = 32
+        base = GemmConfig(**{**CFG.to_dict(), "rs_spread_reduce": spread})
+        cfg = GemmConfig(**{**base.to_dict(), "rs_copy_engine": True})
+        torch.manual_seed(world * 10 + spread)
+        w = _rs_world(world, m_local, k, n, b_kn, bias, cfg=cfg)
+        staging = _rs_ce_produce(w)
+        for r in range(world):
+            assert w["errs"][r].tolist() == [0, 0, 0, 0], w["errs"][r].tolist()
+            assert w["flags"][r][world + 1] == w["epoch"], f"rank {r}: 'produced' not raised"
+            assert w["flags"][r][world] == 0, "arrival counter not reset"
+            for src in range(world):
+                own = src == r
+                if own and spread:
+                    assert w["flags"][r][src] == w["epoch"], "spread: own signal not raised"
+                    assert not torch.isnan(w["data"][r][src]).any(), "spread: own slot not written"
+                else:
+                    assert w["flags"][r][src] == 0, f"rank {src} signalled owner {r} before its copy"
+                    assert torch.isnan(w["data"][r][src]).all(), f"rank {src} wrote owner {r}'s slot"
+            for step in range(world - 1):
+                seg = (r + 1 + step) % world
+                partial = (w["a"][r].float() @ w["b"][r].float())[seg * m_local:(seg + 1) * m_local]
+                got = staging[r][step * m_local:(step + 1) * m_local]
+                assert _rel(got, partial) < TOL, f"TP {world} rank {r}: staging step {step} wrong"
+        for r in range(world):
+            _rs_ce_deliver(w, staging, r)
+        _rs_run(w, phases=("consume",))
+        full = sum(a.float() @ b.float() for a, b in zip(w["a"], w["b"]))
+        if bias:
+            full = full + w["bias"].float()
+        ce_outs = [o.clone() for o in w["outs"]]
+        w_ref = dict(w, cfg=base, epoch=w["epoch"] + 1,
+                     outs=[torch.full_like(o, float("nan")) for o in w["outs"]])
+        _rs_run(w_ref)
+        for r in range(world):
+            assert w["errs"][r].tolist() == [0, 0, 0, 0], w["errs"][r].tolist()
+            e = _rel(ce_outs[r], full[r * m_local:(r + 1) * m_local])
+            assert e < TOL, f"TP {world} spread={spread} rank {r}: rel err {e}"
+            assert torch.equal(ce_outs[r], w_ref["outs"][r]), "copy-engine and SM push differ"
+    # a peer whose copies never came: its signal stays at the last epoch
+    world, m_local, n = 4, 16, 64
+    cfg = GemmConfig(**{**CFG.to_dict(), "rs_copy_engine": True})
+    w = _rs_world(world, m_local, 32, n, False, False, cfg=cfg)
+    staging = _rs_ce_produce(w)
+    silent = 1
+    for r in range(world):
+        if r != silent:
+            _rs_ce_deliver(w, staging, r)
+    owner = 3
+    launch_gemm_rs(w["a"][owner], w["b"][owner], w["outs"][owner], w["data"][owner], w["dptr"],
+                   w["fptr"], None, w["errs"][owner], rank=owner, world=world, epoch=w["epoch"],
+                   cfg=cfg, num_sms=NSMS, max_spins=3, produce=False, consume=True)
+    assert w["errs"][owner].tolist() == [2, owner, silent, 0], w["errs"][owner].tolist()
+
+
 def check_programs_per_sm():
     """``programs_per_sm=2`` doubles the persistent grid (the interpreter reports unbounded
     occupancy): AG+GEMM (with and without stream-K) and GEMM+RS stay right at TP 2 and 4."""
@@ -587,7 +675,7 @@ def check_plain_gemm():
 CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_peer_groups,
           check_ag_merged_local, check_ag_merged_signals, check_ag_stream_k, check_ag_signal_indexing,
           check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout,
-          check_gemm_rs_spread_waits_for_its_own_grid,
+          check_gemm_rs_spread_waits_for_its_own_grid, check_gemm_rs_copy_engine,
           check_next_call_cannot_release_a_wait, check_ready_barrier, check_copy_engine_gather,
           check_programs_per_sm]
 

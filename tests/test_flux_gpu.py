@@ -4,8 +4,9 @@ Spawns one process per visible GPU (skipped below 2 GPUs). Each check draws fres
 inputs, poisons outputs with NaN first, and compares with the reference; repeated calls with
 changing shapes exercise signal/epoch reuse and the workspace parity; repeated identical calls
 must be bitwise identical; the pulling AllGather and GEMM+RS's schedule knobs run over every shape;
-fused calls queued back to back alternate signal layouts, pull/push and RS push modes; the
-copy-engine all-gather runs beside GEMM+RS in the column backward's order; AG+GEMM's stream-K
+fused calls queued back to back alternate signal layouts, pull/push and RS push modes (TMA,
+vector stores, copy engine); the copy-engine all-gather runs beside GEMM+RS (SM and copy-engine
+pushes) in the column backward's order; AG+GEMM's stream-K
 tail and its merged local rows (``ag_merge_local``) run over every shape. Runs under both
 ``CUDA_DEVICE_MAX_CONNECTIONS=1``
 (Megatron's setting) and the driver default.
@@ -202,7 +203,17 @@ def _worker(rank, world, port, env, queue):
         flux_alt = FluxBackend(config_provider=alternating)
         n_checks += _check_back_to_back(flux_alt, group, rank, world, gen)
         flux_alt.check_errors()
+
+        def alternating_ce(op, m_total, n, k):  # RS alternates copy-engine and SM pushes
+            return dataclasses.replace(alternating(op, m_total, n, k), rs_copy_engine=n == 1024)
+
+        flux_alt_ce = FluxBackend(config_provider=alternating_ce)
+        n_checks += _check_back_to_back(flux_alt_ce, group, rank, world, gen)
+        flux_alt_ce.check_errors()
         n_checks += _check_gather_beside_rs(flux, group, rank, world, gen)
+        flux_ce = _default_with(rs_copy_engine=True)
+        n_checks += _check_gather_beside_rs(flux_ce, group, rank, world, gen)
+        flux_ce.check_errors()
         # the pulling AllGather over every shape and layout
         n_checks += _check_ag_every_shape(_default_with(ag_pull=True, chunk_rows=64), group, rank,
                                           world, gen)
@@ -210,7 +221,9 @@ def _worker(rank, world, port, env, queue):
         # vector-load reduction, the reduction spread over the grid
         rs_variants = [dict(rs_tma_push=False), dict(rs_tma_push=False, flatten=False),
                        dict(flatten=False, flatten_consume=False, epilogue_split=1),
-                       dict(rs_tma_reduce=False), dict(rs_spread_reduce=True)]
+                       dict(rs_tma_reduce=False), dict(rs_spread_reduce=True),
+                       dict(rs_copy_engine=True), dict(rs_copy_engine=True, rs_tma_push=False),
+                       dict(rs_copy_engine=True, rs_spread_reduce=True)]
         for variant in rs_variants:
             flux_rs = _default_with(**variant)
             for (m_local, k, n) in SHAPES:

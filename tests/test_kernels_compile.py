@@ -38,14 +38,16 @@ def _compile(fn, constexprs, ones, num_warps=4, num_stages=2):
 
 @pytest.mark.parametrize("world", [2, 8])
 @pytest.mark.parametrize("spread", [False, True])
-def test_gemm_rs_compiles_with_one_row_per_rank(world, spread):
+@pytest.mark.parametrize("copy_engine", [False, True])
+def test_gemm_rs_compiles_with_one_row_per_rank(world, spread, copy_engine):
     from megatron_flux.kernels.config import unroll_steps
     from megatron_flux.kernels.gemm_rs import gemm_rs_kernel
 
     for tma_reduce, bias in ((True, True), (False, False)):
         _compile(gemm_rs_kernel, dict(_SMALL, WORLD=world, RAGGED=True, EPI_SPLIT=1,
                                       HAS_BIAS=bias, TMA_PUSH=True, TMA_REDUCE=tma_reduce,
-                                      SPREAD_REDUCE=spread, UNROLL_STEPS=unroll_steps(world)),
+                                      SPREAD_REDUCE=spread, UNROLL_STEPS=unroll_steps(world),
+                                      CE_PUSH=copy_engine),
                  ones=("m_local",))
 
 
@@ -116,7 +118,7 @@ def _table_kernels():
             kernel = gemm_rs_kernel
             constexprs = dict(common, HAS_BIAS=False, TMA_PUSH=cfg.rs_tma_push,
                               TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce,
-                              FLATTEN_CONSUME=cfg.flatten_consume)
+                              FLATTEN_CONSUME=cfg.flatten_consume, CE_PUSH=cfg.rs_copy_engine)
         else:
             kernel = ag_gemm_kernel
             constexprs = dict(common, STREAM_K=bool(cfg.stream_k), SK_LOCAL=False,

@@ -27,6 +27,15 @@ kernel never spins on work queued behind it, also with ``CUDA_DEVICE_MAX_CONNECT
 no wait needs an SM, so a grid that is only partly resident still drains.
 
 GEMM+ReduceScatter needs no side stream: the kernel pushes remote tiles and reduces its own.
+With ``GemmConfig.rs_copy_engine`` (a tuning knob) the kernel writes the peers' partials into a
+local staging buffer instead and raises this rank's "produced" word; queued behind it, a side
+stream waits for that word (``cuStreamWaitValue32``), copies each partial into its owner's slot
+by the copy engine and writes the owner's signal word, while the kernel computes its own rows;
+the current stream then waits for the side stream (the staging buffer is reused by the next
+call). The kernel never waits for its own side stream, only for its peers'; each peer's copies
+wait only for that peer's producer phase, which waits for nothing. Peer-to-peer copies queued
+this way start while the kernel runs under both ``CUDA_DEVICE_MAX_CONNECTIONS`` settings
+(``benchmarks/experiments/stream_wait_overlap.py``, session 16).
 
 The plain all-gather of the column layer's backward (``all_gather_start``: the input, again, for
 the weight gradient) also runs on the copy engine, so it needs no SM beside the input
@@ -43,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -152,6 +162,8 @@ class FluxBackend(TPOverlapBackend):
         self._plans: Dict[Tuple, object] = {}
         self._reasons: Dict[Tuple, Optional[str]] = {}
         self._orders: Dict[Tuple, object] = {}
+        self._staging: Dict[Tuple, torch.Tensor] = {}
+        self._stream_wait: Optional[bool] = None
         self.max_spins = int(os.environ.get("MEGATRON_FLUX_MAX_SPINS", _DEFAULT_MAX_SPINS))
         self._nccl = None
 
@@ -258,9 +270,10 @@ class FluxBackend(TPOverlapBackend):
             cap = self._caps[device.index] = torch.cuda.get_device_capability(device)
         return cap
 
-    def _side_stream(self, device, priority: int = -1) -> torch.cuda.Stream:
-        """The AG copy-engine stream of this device at this CUDA priority (one per pair)."""
-        key = (device.index, priority)
+    def _side_stream(self, device, priority: int = -1, use: str = "ag") -> torch.cuda.Stream:
+        """A copy-engine stream of this device at this CUDA priority: one per (use, priority),
+        the AllGathers' (``"ag"``) and copy-engine GEMM+RS's (``"rs"``)."""
+        key = (device.index, priority, use)
         s = self._streams.get(key)
         if s is None:
             s = self._streams[key] = torch.cuda.Stream(device=device, priority=priority)
@@ -412,6 +425,10 @@ class FluxBackend(TPOverlapBackend):
         epoch = ws.next_epoch()
         parity = epoch & 1
         data = ws.data(rank, parity, world * m_local * n)
+        if cfg.rs_copy_engine and self._stream_wait_ok():
+            return self._rs_copy_engine(a, b, out, bias, ws, err, data, cfg, rank=rank,
+                                        world=world, m_local=m_local, n=n, epoch=epoch,
+                                        parity=parity)
         launch_gemm_rs(
             a, b, out, data, ws.data_ptrs(parity), ws.flag_ptrs(parity), bias, err.device_word,
             rank=rank, world=world, epoch=epoch, cfg=cfg, num_sms=self._sms(device),
@@ -419,6 +436,74 @@ class FluxBackend(TPOverlapBackend):
         )
         err.after_launch()
         return out
+
+    def _rs_copy_engine(self, a, b, out, bias, ws, err, data, cfg, *, rank, world, m_local, n,
+                        epoch, parity):
+        """GEMM+RS with the copy engine delivering the partials (see the module docstring)."""
+        from megatron_flux.comm.signals import wait_signal_on_stream, write_signal
+        from megatron_flux.comm.streams import on_stream
+        from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+
+        device = a.device
+        seg_elems = m_local * n
+        staging = self._rs_staging(device, a.dtype, (world - 1) * seg_elems)
+        table, copies, my_flags = ws.memo(
+            ("rs-ce", rank, world, parity, m_local, n, staging.data_ptr()),
+            lambda: self._rs_ce_plan(ws, staging, data, rank, world, parity, m_local, n))
+        current = torch.cuda.current_stream(device)
+        side = self._side_stream(device, -1, "rs")
+        launch_gemm_rs(
+            a, b, out, data, table, ws.flag_ptrs(parity), bias, err.device_word,
+            rank=rank, world=world, epoch=epoch, cfg=cfg, num_sms=self._sms(device),
+            max_spins=self.max_spins,
+        )
+        err.after_launch()
+        with on_stream(side, current):
+            wait_signal_on_stream(my_flags, world + 1, epoch)  # this rank's grid produced
+            for dst, src, owner_flags in copies:
+                dst.copy_(src)
+                write_signal(owner_flags, rank, epoch)
+        self._order(device, "rs-done")(current, side)  # the next call may refill the staging
+        return out
+
+    def _stream_wait_ok(self) -> bool:
+        """Whether the driver offers the stream wait copy-engine GEMM+RS needs; else (once) a
+        warning, and such configs push from the SMs."""
+        if self._stream_wait is None:
+            from megatron_flux.comm.signals import stream_wait_unavailable_reason
+
+            reason = stream_wait_unavailable_reason()
+            if reason is not None:
+                warnings.warn(f"megatron-flux GEMM+RS: rs_copy_engine configs push from the SMs "
+                              f"instead ({reason})", stacklevel=3)
+            self._stream_wait = reason is None
+        return self._stream_wait
+
+    def _rs_staging(self, device, dtype, numel: int) -> torch.Tensor:
+        """This device's local staging buffer for copy-engine GEMM+RS (grown, never shrunk)."""
+        key = (device.index, dtype)
+        buf = self._staging.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._staging[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf
+
+    @staticmethod
+    def _rs_ce_plan(ws, staging, data, rank, world, parity, m_local, n):
+        """``(data_ptrs table, [(owner's slot rows, staged partial, owner's uint32 signals)],
+        this rank's uint32 signals)`` of one copy-engine GEMM+RS shape."""
+        from megatron_flux.kernels.gemm_rs import rs_staging_table
+
+        seg_elems = m_local * n
+        addrs = rs_staging_table(staging.data_ptr(), data.data_ptr(), rank=rank, world=world,
+                                 m_local=m_local, n=n, elt=staging.element_size())
+        table = torch.tensor(addrs, dtype=torch.int64, device=staging.device)
+        copies = []
+        for step in range(world - 1):
+            owner = (rank + 1 + step) % world
+            slot = ws.data(owner, parity, world * seg_elems)[rank * seg_elems:(rank + 1) * seg_elems]
+            copies.append((slot, staging[step * seg_elems:(step + 1) * seg_elems],
+                           ws.flags(owner, parity, torch.uint32)))
+        return table, copies, ws.flags(rank, parity, torch.uint32)
 
     # ---------------------------------------------------------------- plain collectives
     def all_gather(self, x, group, *, out=None):

@@ -1,15 +1,71 @@
-"""Host-side signal writes queued on a stream (no SM needed, ordered after the stream's copies)."""
+"""Host-side signal operations queued on a stream (no SM needed).
+
+``write_signal`` sets a signal word after the stream's earlier copies; ``wait_signal_on_stream``
+holds a stream (a copy-engine side stream) until a word that a running kernel raises reaches a
+value. Neither may be captured into a CUDA graph: the fused backend refuses capture (a replayed
+graph would write and wait for the same epoch again, see ``FluxBackend.unsupported_reason``).
+"""
 
 from __future__ import annotations
+
+import ctypes
+from typing import Optional
 
 import torch
 from torch._C._distributed_c10d import _SymmetricMemory
 
+_CU_STREAM_WAIT_VALUE_GEQ = 0x0
+_wait_value32 = None
+_wait_value32_error: Optional[str] = None
+
 
 def write_signal(flags_u32: torch.Tensor, index: int, value: int) -> None:
     """Queue ``flags_u32[index] = value`` on the current stream: ``cuStreamWriteValue32``, a
-    stream memory op ordered after the stream's earlier copies (with a system-scope fence first).
-
-    Never under CUDA graph capture: the fused backend refuses capture (a replayed graph would
-    write the same epoch again, see ``FluxBackend.unsupported_reason``)."""
+    stream memory op ordered after the stream's earlier copies (with a system-scope fence first)."""
     _SymmetricMemory.stream_write_value32(flags_u32, index, value)
+
+
+def _load_wait_value32():
+    """``cuStreamWaitValue32`` from the CUDA driver (torch exposes only the write), or None with
+    the reason in ``_wait_value32_error``."""
+    global _wait_value32, _wait_value32_error
+    if _wait_value32 is not None or _wait_value32_error is not None:
+        return _wait_value32
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        _wait_value32_error = f"libcuda.so.1 not loadable: {exc}"
+        return None
+    for name in ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"):
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            _wait_value32 = fn
+            return fn
+    _wait_value32_error = "libcuda has no cuStreamWaitValue32"
+    return None
+
+
+def stream_wait_unavailable_reason() -> Optional[str]:
+    """Why :func:`wait_signal_on_stream` cannot run here, or None."""
+    _load_wait_value32()
+    return _wait_value32_error
+
+
+def wait_signal_on_stream(flags_u32: torch.Tensor, index: int, value: int) -> None:
+    """Queue on the current stream: wait until ``flags_u32[index] >= value`` (unsigned), then go
+    on with the stream's later work (``cuStreamWaitValue32``, GEQ). The word must be raised by
+    work that does not itself wait for this stream, or the stream never moves again: the fused
+    GEMM+RS raises it from a producer phase that waits for nothing."""
+    fn = _load_wait_value32()
+    if fn is None:
+        raise RuntimeError(f"megatron-flux: stream wait unavailable: {_wait_value32_error}")
+    if flags_u32.dtype not in (torch.uint32, torch.int32) or not flags_u32.is_cuda:
+        raise ValueError("wait_signal_on_stream: flags must be a CUDA int32/uint32 tensor")
+    stream = torch.cuda.current_stream(flags_u32.device)
+    addr = flags_u32.data_ptr() + 4 * index
+    rc = fn(ctypes.c_void_p(stream.cuda_stream), ctypes.c_uint64(addr), ctypes.c_uint32(value),
+            _CU_STREAM_WAIT_VALUE_GEQ)
+    if rc != 0:
+        raise RuntimeError(f"megatron-flux: cuStreamWaitValue32 failed with CUresult {rc}")

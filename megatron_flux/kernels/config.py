@@ -64,6 +64,14 @@ class GemmConfig:
     communication on, and 0.2-3 % slower in 7 of 8 paired comm-off cases, so it is off by
     default and not searched by the tuner.
 
+    ``rs_copy_engine`` (GEMM+RS only): the producer tiles go into a local staging buffer
+    instead of the owners' slots, and the copy engine moves each finished step to its owner
+    (queued on a side stream behind a stream wait for the kernel's "produced" signal, each copy
+    followed by a signal write into the owner's signal word) while the kernel computes its own
+    rows. No SM stores cross NVLink. The wait is a stream memory op on a copy-engine stream; a
+    peer-to-peer copy queued behind it starts while the kernel runs also with
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (measured on 2xH200, benchmarks/NOTES.md, session 16).
+
     ``programs_per_sm``: persistent programs per SM (grid = that times the SMs, capped at the
     tiles). At 2, one program's epilogue runs beside the other's K loop; the launchers check
     with CUDA's occupancy calculator that they all fit and otherwise run one per SM, with a
@@ -85,6 +93,7 @@ class GemmConfig:
     rs_tma_push: bool = True
     rs_tma_reduce: bool = True
     rs_spread_reduce: bool = False
+    rs_copy_engine: bool = False
     stream_k: int = 0
     programs_per_sm: int = 1
     ag_peer_group: int = 1
@@ -103,7 +112,7 @@ class GemmConfig:
         if not isinstance(self.comm_priority, int) or not -5 <= self.comm_priority <= 0:
             raise ValueError(f"GemmConfig.comm_priority must be an int in [-5, 0]: {self}")
         for name in ("flatten", "flatten_consume", "warp_specialize", "ag_pull", "rs_tma_push",
-                     "rs_tma_reduce", "rs_spread_reduce", "ag_merge_local"):
+                     "rs_tma_reduce", "rs_spread_reduce", "rs_copy_engine", "ag_merge_local"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemmConfig.{name} must be a bool: {self}")
         if self.stream_k not in (0, 1) or isinstance(self.stream_k, bool):
@@ -149,10 +158,12 @@ def tiles_per_segment(m_local: int, n: int, cfg: GemmConfig) -> int:
 
 def rs_signal_count(world: int) -> int:
     """Signal words one GEMM+RS call needs per rank and parity: ``[src]`` (raised by the peer
-    ``src`` when its grid finished producing), then ``[world]``, the arrival counter this
-    rank's own programs count up and the last one resets. The layout does not depend on the
-    shape or the kernel config."""
-    return world + 1
+    ``src`` when its grid finished producing, or with ``rs_copy_engine`` by the copy engine
+    after its partial landed), then ``[world]``, the arrival counter this rank's own programs
+    count up and the last one resets, then ``[world + 1]``, this rank's "produced" word
+    (``rs_copy_engine``: raised by its own grid, awaited by its copy-engine stream). The layout
+    does not depend on the shape or the kernel config."""
+    return world + 2
 
 
 #: Largest TP size whose step loops the fused kernels unroll at compile time. Comm off on one

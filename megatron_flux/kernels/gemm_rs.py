@@ -21,6 +21,13 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   inside the loops. (The first schedule raised a signal per pushed tile and waited per tile;
   its release sat in the loop, which then could not be flattened. Measured against this one in
   ``benchmarks/NOTES.md``, session 4.)
+* Copy-engine push (``rs_copy_engine``, CE_PUSH): the producer's "owner's slot" is a local
+  staging area per step (the host hands a table whose entries point there), so no SM store
+  crosses NVLink; the last program raises only this rank's ``flags[r][W+1]`` ("produced"). A
+  copy-engine stream, queued behind a stream wait for that word, copies each step's partial
+  into its owner's slot ``r`` and then writes ``flags[owner][r] = epoch``; the consumer below
+  is unchanged. With the spread reduction the own step's partial stays local and the kernel
+  raises the own signal itself.
 * Consumer, step ``W-1``: the own segment. Each program computes its first own tile's GEMM, then
   waits once (acquire, bounded) for every peer's ``flags[r][src]``, then runs the rest of its
   tiles without waits. Epilogue = the *reduction*: the fp32 accumulator
@@ -180,14 +187,17 @@ def gemm_rs_kernel(
     TMA_PUSH: tl.constexpr, ASYNC_FENCE: tl.constexpr,
     PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True, TMA_REDUCE: tl.constexpr = True,
     SPREAD_REDUCE: tl.constexpr = False, UNROLL_STEPS: tl.constexpr = True,
-    TRACE: tl.constexpr = False,
+    CE_PUSH: tl.constexpr = False, TRACE: tl.constexpr = False,
 ):
     """``data_ptr``: this rank's slot region (``[WORLD, m_local, N]``, output dtype) for this
     call's parity; ``data_ptrs``/``flag_ptrs``: int64 tables of every rank's slot region and
     int32 signal region (layout: :func:`~megatron_flux.kernels.config.rs_signal_count`).
     PRODUCE/CONSUME select the phases (both in production; the CPU tests run all ranks'
     producers before their consumers). ASYNC_FENCE: drain TMA stores before the grid
-    signal (off only under the interpreter). TMA descriptors are built on the device.
+    signal (off only under the interpreter). CE_PUSH: ``data_ptrs[seg] + rank * m_local * N``
+    is this rank's local staging area for segment ``seg``, and the grid signals only its own
+    "produced" word (the copy engine delivers; see the module docstring). TMA descriptors are
+    built on the device.
     TRACE: stamp the phases of :data:`RS_PHASES` into ``trace_ptr`` (:mod:`.phase_trace`)."""
     stamp(trace_ptr, 0, TRACE)  # start
     if RAGGED:
@@ -236,13 +246,15 @@ def gemm_rs_kernel(
         # at TP 8 the last program's eight fences took ~5 us (phase stamps, NOTES.md s13).
         if arrive_at_grid_barrier(my_flags + WORLD, NUM_SMS, ASYNC_FENCE and TMA_PUSH):
             release_fence(epoch, ASYNC_FENCE)
-            for owner_step in tl.static_range(0, WORLD - 1 + SPREAD_REDUCE):
-                seg = segment_of_step(owner_step, rank, WORLD, True)
-                owner_flags = tl.load(flag_ptrs + seg).to(tl.pointer_type(tl.int32))
-                if ASYNC_FENCE:
-                    tl.atomic_xchg(owner_flags + rank, epoch, sem="relaxed", scope="sys")
-                else:  # interpreter: no fence above
-                    tl.atomic_xchg(owner_flags + rank, epoch, sem="release", scope="sys")
+            if CE_PUSH:  # the copy engine delivers; the own spread partial is already home
+                if SPREAD_REDUCE:
+                    _raise(my_flags + rank, epoch, ASYNC_FENCE)
+                _raise(my_flags + WORLD + 1, epoch, ASYNC_FENCE)
+            else:
+                for owner_step in tl.static_range(0, WORLD - 1 + SPREAD_REDUCE):
+                    seg = segment_of_step(owner_step, rank, WORLD, True)
+                    owner_flags = tl.load(flag_ptrs + seg).to(tl.pointer_type(tl.int32))
+                    _raise(owner_flags + rank, epoch, ASYNC_FENCE)
         stamp(trace_ptr, 3, TRACE)  # arrived
 
     if CONSUME and SPREAD_REDUCE:
@@ -273,6 +285,16 @@ def gemm_rs_kernel(
                               num_pid_n, False, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M,
                               BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE, False)
     stamp(trace_ptr, 7, TRACE)  # end
+
+
+@triton.jit
+def _raise(flag_ptr, epoch, FENCED: tl.constexpr):
+    """Write ``epoch`` at system scope: relaxed after :func:`release_fence` (FENCED), else as a
+    release write (the interpreter, which has no fence)."""
+    if FENCED:
+        tl.atomic_xchg(flag_ptr, epoch, sem="relaxed", scope="sys")
+    else:
+        tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
 
 
 @triton.jit
@@ -361,6 +383,25 @@ def _spread_reduce(data_ptr, out_ptr, bias_ptr, my_flags, err_ptr, trace_ptr, pi
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def rs_staging_table(staging_addr: int, own_slot_addr: int, *, rank: int, world: int,
+                     m_local: int, n: int, elt: int):
+    """The ``data_ptrs`` entries of a copy-engine GEMM+RS call (``rs_copy_engine``), as ints.
+
+    ``staging_addr``: a local ``[world - 1, m_local, n]`` buffer, one partial per producer step
+    (step ``s`` is segment ``(rank + 1 + s) % world``); the kernel writes segment ``seg`` at
+    ``data_ptrs[seg] + rank * m_local * n`` elements, so entry ``seg`` is the step's area less
+    that offset. The own entry is the own slot region (the spread reduction pushes its own
+    partial there)."""
+    table = []
+    for seg in range(world):
+        if seg == rank:
+            table.append(own_slot_addr)
+        else:
+            step = (seg - rank - 1) % world
+            table.append(staging_addr + (step - rank) * m_local * n * elt)
+    return table
+
+
 def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, world, epoch, cfg,
                    num_sms, max_spins, produce=True, consume=True, trace=None):
     """Launch :func:`gemm_rs_kernel` on the current stream.
@@ -369,7 +410,8 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
     ``[N, K]``; ``out`` ``[m_local, N]``; ``data`` this rank's ``[world, m_local, N]`` slot
     region of this call's parity (the address ``data_ptrs[rank]`` points at). ``trace``: an
     int64 ``[grid, TRACE_SLOTS]`` buffer to stamp :data:`RS_PHASES` into (a diagnostic build of
-    the kernel; :mod:`.phase_trace`)."""
+    the kernel; :mod:`.phase_trace`). With ``cfg.rs_copy_engine`` the caller passes the
+    staging table as ``data_ptrs`` (:func:`rs_staging_table`) and queues the copies."""
     m, k = a.shape
     m_local = m // world
     n = b.shape[1]
@@ -387,7 +429,7 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
             FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
             TMA_PUSH=cfg.rs_tma_push, ASYNC_FENCE=not interpreting(), PRODUCE=produce,
             CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce,
-            UNROLL_STEPS=unroll_steps(world), TRACE=trace is not None)
+            UNROLL_STEPS=unroll_steps(world), CE_PUSH=cfg.rs_copy_engine, TRACE=trace is not None)
         return geo.grid, args, constexprs
 
     ensure_descriptor_allocator()
