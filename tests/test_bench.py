@@ -7,6 +7,7 @@ max-over-ranks timing and every rank dropping the same methods — only exists w
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -209,6 +210,30 @@ def test_command_line_lists_and_defaults():
     for bad in (["--methods", "cublas"], ["--ops", "ar"], ["--ms", "x"], ["--trials", "0"]):
         with pytest.raises(ValueError):
             resolve_args(build_parser().parse_args(bad), tp=2)
+
+
+def test_flux_variant_needs_valid_fields_and_changes_only_them():
+    args = resolve_args(build_parser().parse_args(
+        ["--methods", "flux", "flux_variant", "--flux-variant", '{"rs_copy_engine": true}']), tp=2)
+    assert args.method_list == ["flux", "flux_variant"]
+    from megatron_flux.backends.flux import FluxBackend
+    from megatron_flux.tuning.provider import TableConfigProvider
+
+    backend = M._variant_backend(FluxBackend)
+    table = TableConfigProvider()
+    for op, m, n, k in (("rs", 8192, 8192, 28672), ("ag", 1024, 14336, 4096)):
+        want = dataclasses.replace(table(op, m, n, k, dtype=torch.bfloat16, tp=2,
+                                         device=("NVIDIA H200", 132)), rs_copy_engine=True)
+        got = backend.config(op, m, n, k, dtype=torch.bfloat16, tp=2, device=("NVIDIA H200", 132))
+        assert got == want
+    M._VARIANT.clear()
+    for bad in (["--methods", "flux_variant"],  # no fields
+                ["--methods", "flux_variant", "--flux-variant", '{"no_such_knob": 1}'],
+                ["--methods", "flux_variant", "--flux-variant", '{"rs_copy_engine": 1}'],
+                ["--methods", "flux", "--flux-variant", '{"rs_copy_engine": true}']):  # unused
+        with pytest.raises(ValueError):
+            resolve_args(build_parser().parse_args(bad), tp=2)
+    M._VARIANT.clear()
 
 
 def test_describe_command_reconstructs_the_launcher(monkeypatch):

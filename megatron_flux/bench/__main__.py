@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import math
 import os
 import shlex
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--m-set", choices=("all", "large", "small"), default="all",
                    help=f"large = {G.LARGE_M}, small = {G.SMALL_M}, all = both")
     g.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help=f"any of {', '.join(M.METHODS)}")
+    g.add_argument("--flux-variant", type=json.loads, default=None, metavar="JSON",
+                   help="GemmConfig fields the flux_variant method changes in the tables' configs, "
+                        "e.g. '{\"rs_copy_engine\": true}' (required by that method)")
     g.add_argument("--rs-k", choices=G.RS_K_CHOICES, default=G.RS_K_CHOICES[0],
                    help="GEMM+RS contraction width: fc1 = fc1 width (as the 2xH200 anchors measured; 2x ffn for "
                         "SwiGLU models), ffn = Megatron's true fc2 input width")
@@ -119,6 +123,12 @@ def resolve_args(args: argparse.Namespace, tp: int) -> argparse.Namespace:
     unknown = [m for m in methods if m not in M.METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; expected any of {M.METHODS}")
+    if "flux_variant" in methods:
+        if not isinstance(args.flux_variant, dict) or not args.flux_variant:
+            raise ValueError("method flux_variant needs --flux-variant '{\"field\": value, ...}'")
+        M.set_flux_variant(args.flux_variant)
+    elif args.flux_variant is not None:
+        raise ValueError("--flux-variant is only used by method flux_variant")
     if args.trials < 1 or args.iters < 1 or args.warmup < 0 or args.sample_warmup < 0:
         raise ValueError("--trials and --iters must be >= 1, --warmup and --sample-warmup >= 0")
     args.op_list = list(dict.fromkeys(ops))
@@ -369,6 +379,7 @@ def _run(args, argv, group, rank, tp, device) -> int:
         "iters": args.iters,
         "warmup": args.warmup,
         "sample_warmup": args.sample_warmup,
+        "flux_variant": args.flux_variant,
         "seed": args.seed,
         "max_rel_err_threshold": args.threshold,
         "timing": {

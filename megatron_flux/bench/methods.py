@@ -17,6 +17,9 @@ them alike:
                      the kernel settings of the matching tuning table (or the defaults).
 * ``flux_default``   the fused backend with the untuned heuristic settings (``default_config``)
                      whatever the tables say: the "untuned" side of tuned-vs-untuned.
+* ``flux_variant``   the fused backend with the tables' settings changed by ``--flux-variant``
+                     (a JSON object of ``GemmConfig`` fields, e.g. ``{"rs_copy_engine": true}``):
+                     a knob's A/B inside the same interleaved trials as ``flux``.
 * ``auto``           whatever ``resolve_backend("auto", ...)`` picks for these operands.
 
 A method that cannot run here raises :class:`MethodSkipped` with the reason at build time; the
@@ -37,11 +40,12 @@ import torch.distributed as dist
 from megatron_flux.bench.grid import AG_GEMM, GEMM_RS, Case
 
 METHODS: Tuple[str, ...] = ("cublas_gemm", "comm", "nccl", "torch_async_tp", "flux",
-                            "flux_default", "auto")
+                            "flux_default", "flux_variant", "auto")
 #: methods whose output is the op's result (checked against the fp32 reference, get metrics)
-COMPUTES_OP: Tuple[str, ...] = ("nccl", "torch_async_tp", "flux", "flux_default", "auto")
+COMPUTES_OP: Tuple[str, ...] = ("nccl", "torch_async_tp", "flux", "flux_default", "flux_variant",
+                                 "auto")
 #: methods that overlap communication with the GEMM (the ones overlap efficiency is about)
-OVERLAPPING: Tuple[str, ...] = ("torch_async_tp", "flux", "flux_default", "auto")
+OVERLAPPING: Tuple[str, ...] = ("torch_async_tp", "flux", "flux_default", "flux_variant", "auto")
 
 #: ``b_layout`` choices: ``weight_t`` passes ``weight.t()`` of a row-major ``[n, k]`` weight (what
 #: Megatron's forward does), ``row_major`` a contiguous ``[k, n]`` matrix.
@@ -154,6 +158,33 @@ def _backend_fn(backend, inp: CaseInputs, group, out: torch.Tensor) -> Callable[
 
 
 _DEFAULT_CONFIG_BACKEND = []
+_VARIANT = {}  # the --flux-variant fields, and its backend once built
+
+
+def set_flux_variant(fields: Dict[str, object]) -> None:
+    """The ``GemmConfig`` fields ``flux_variant`` changes (validated here: unknown names fail)."""
+    from megatron_flux.kernels.config import GemmConfig
+
+    GemmConfig.from_dict({**GemmConfig().to_dict(), **fields})
+    _VARIANT.clear()
+    _VARIANT["fields"] = dict(fields)
+
+
+def _variant_backend(backend_cls):
+    """One FluxBackend per process whose configs are the tables' with ``--flux-variant``'s fields."""
+    if "backend" not in _VARIANT:
+        import dataclasses
+
+        from megatron_flux.tuning.provider import TableConfigProvider
+
+        fields, table = _VARIANT.get("fields", {}), TableConfigProvider()
+
+        def provider(op, m, n, k, **context):
+            return dataclasses.replace(table(op, m, n, k, **context), **fields)
+
+        provider.accepts_context = True
+        _VARIANT["backend"] = backend_cls(config_provider=provider)
+    return _VARIANT["backend"]
 
 
 def _default_config_backend(backend_cls, default_config):
@@ -179,7 +210,7 @@ def build_method(
     shapes = case.local_shapes(inp.tp)
     dev, dt = a.device, a.dtype
     out = None
-    if name in ("cublas_gemm", "nccl", "flux", "flux_default", "auto"):
+    if name in ("cublas_gemm", "nccl", "flux", "flux_default", "flux_variant", "auto"):
         out_shape = (inp.gemm_a.shape[0], b.shape[1]) if name == "cublas_gemm" else shapes["out"]
         out = torch.empty(out_shape, device=dev, dtype=dt)
 
@@ -203,12 +234,16 @@ def build_method(
         if case.op == AG_GEMM:
             return (lambda: ops.fused_all_gather_matmul(a, [b], gather_dim=0, group_name=gname)[1][0]), {}
         return (lambda: ops.fused_matmul_reduce_scatter(a, b, "sum", scatter_dim=0, group_name=gname)), {}
-    if name in ("flux", "flux_default"):
+    if name in ("flux", "flux_default", "flux_variant"):
         reason = backends.fused_unavailable_reason(dev)
         if reason is not None:
             raise MethodSkipped(reason)
         if name == "flux":
             backend = backends.get_backend("flux")
+        elif name == "flux_variant":
+            from megatron_flux.backends.flux import FluxBackend
+
+            backend = _variant_backend(FluxBackend)
         else:
             from megatron_flux.backends.flux import FluxBackend
             from megatron_flux.kernels.config import default_config
