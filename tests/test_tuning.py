@@ -24,6 +24,12 @@ SHIPPED = {
     "h200-sm132-tp4-bf16.json": (4, "benchmarks/results/raw/tune-h200x4-2026-11-22.json",
                                  ["benchmarks/results/bench-h200x4-2026-11-22.json"]),
 }
+#: A/B runs (flux vs flux_variant) whose variant was adopted after the confirmation
+ADOPTED = {
+    "h200-sm132-tp2-bf16.json": [f"benchmarks/results/ab-rs-copy-engine-h200x2-2026-11-24-{run}.json"
+                                 for run in ("large-conn1", "large-conndefault", "small-conn1",
+                                             "train-shapes-conn1")],
+}
 
 
 @pytest.fixture(autouse=True)
@@ -284,10 +290,22 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
     again = T.load_table(os.path.join(REPO, tune_rel))
     for bench_rel in bench_rels:
         again = confirm_table(again, json.load(open(os.path.join(REPO, bench_rel))), bench_rel)
+    if name in ADOPTED:
+        from megatron_flux.tuning.adopt import adopt_variant
+
+        again = adopt_variant(again, [(json.load(open(os.path.join(REPO, r))), r)
+                                      for r in ADOPTED[name]])
     assert schema.table_to_dict(again) == schema.table_to_dict(t)
-    # each entry's times are those of the run less favourable to fused
+    # each entry's times are those of the run less favourable to fused (an adopted entry's:
+    # of its A/B runs, with the variant's time)
     for e in confirmed:
         nt = e.notes
+        if "adopted" in nt:
+            ab = nt["adopted"]
+            worse = max(v / n for v, n in zip(ab["variant_ms"], ab["nccl_ms"]))
+            assert all(v < f for v, f in zip(ab["variant_ms"], ab["table_config_ms"]))
+            assert e.flux_ms / e.nccl_ms == pytest.approx(worse)
+            continue
         worse = max(nt["tune_flux_ms"] / nt["tune_nccl_ms"], nt["bench_flux_ms"] / nt["bench_nccl_ms"])
         assert e.flux_ms / e.nccl_ms == pytest.approx(worse)
 
@@ -583,3 +601,45 @@ def test_confirm_keeps_earlier_confirmations_the_bench_did_not_rerun(tmp_path):
     assert by_m[("rs", 256)].notes["confirmed"] is False
     cb = second.extra["search"]["confirmed_by"]
     assert (cb["bench"], cb["entries"], cb["kept_from_earlier"], cb["earlier_benches"]) == ("b2.json", 1, 1, ["b1.json"])
+
+
+def _ab_bench(tp, rows, variant=None):
+    """A benchmark JSON with flux / flux_variant / nccl medians per (op, m, n, k)."""
+    out = []
+    for (op, m, n, k), times in rows.items():
+        for method, ms in zip(("flux", "flux_variant", "nccl"), times):
+            out.append({"op": op, "model": "x", "m": m, "n": n, "k": k, "method": method,
+                        "median_ms": ms, "status": "ok", "check": "ok"})
+    return {"tp": tp, "rows": out, "flux_variant": variant or {"rs_copy_engine": True}}
+
+
+def test_adopt_takes_a_variant_only_where_every_ab_run_timed_it_faster(tmp_path):
+    from megatron_flux.kernels.config import GemmConfig
+    from megatron_flux.tuning.adopt import adopt_variant
+    from megatron_flux.tuning.schema import Entry, Table
+
+    cfg = GemmConfig()
+    entries = [Entry(op="rs", n=4096, k=7168, m=m, config=cfg, tuned=True, flux_ms=1.0,
+                     nccl_ms=1.1, notes={}) for m in (1024, 2048, 4096, 8192)]
+    table = Table(path="t.json", gpu_name="NVIDIA H200", gpu="h200", sms=132, tp=2,
+                  dtype="bf16", source="megatron-flux tune", entries=entries, extra={})
+    # bench shapes are global: GEMM+RS k = 2 x 7168 at TP 2
+    run1 = _ab_bench(2, {("GEMM+RS", 1024, 4096, 14336): (1.0, 0.9, 1.2),    # faster in both
+                         ("GEMM+RS", 2048, 4096, 14336): (1.0, 0.9, 1.2),    # slower in run 2
+                         ("GEMM+RS", 4096, 4096, 14336): (1.0, 1.0, 1.2)})   # not faster
+    run2 = _ab_bench(2, {("GEMM+RS", 1024, 4096, 14336): (2.0, 1.9, 2.0),
+                         ("GEMM+RS", 2048, 4096, 14336): (1.0, 1.1, 1.2)})
+    t = adopt_variant(table, [(run1, "a.json"), (run2, "b.json")])
+    by_m = {e.m: e for e in t.entries}
+    assert by_m[1024].config.rs_copy_engine is True
+    assert (by_m[1024].flux_ms, by_m[1024].nccl_ms) == (1.9, 2.0)  # run 2: less favourable
+    assert by_m[1024].notes["adopted"]["sources"] == ["a.json", "b.json"]
+    for m in (2048, 4096, 8192):  # slower once, level, never run
+        assert by_m[m].config.rs_copy_engine is False and by_m[m].flux_ms == 1.0
+    assert t.extra["search"]["adopted"][0]["entries"] == 1
+    with pytest.raises(T.TuningFileError, match="flux_variant"):
+        adopt_variant(table, [(run1, "a.json"), (_ab_bench(2, {}, {"rs_tma_push": False}), "c")])
+    with pytest.raises(T.TuningFileError, match="tp"):
+        adopt_variant(table, [(_ab_bench(4, {}), "d.json")])
+    with pytest.raises(T.TuningFileError, match="flux_variant"):
+        adopt_variant(table, [({"tp": 2, "rows": []}, "e.json")])

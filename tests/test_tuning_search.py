@@ -46,7 +46,8 @@ def test_seed_configs_come_right_after_the_default_and_respect_the_filters():
             cfg = GemmConfig(**{**base.to_dict(), **seed})
             if cfg != base and cfg not in expected and cfg.block_m <= max(64, m // 2):
                 expected.append(cfg)
-        twin = [dataclasses.replace(base, ag_pull=True)] if op == "ag" else []
+        twin = [dataclasses.replace(base, ag_pull=True) if op == "ag"
+                else dataclasses.replace(base, rs_copy_engine=True)]
         assert c[0] == base and c[1:1 + len(twin) + len(expected)] == twin + expected, op
         assert len(c) == len(set(c))
     # the multi-knob seeds are there although they differ from the default in several knobs

@@ -64,14 +64,15 @@ SEARCH_SPACE: Dict[str, Tuple] = {
     "rs_tma_push": (True, False),
     "rs_tma_reduce": (True, False),
     "rs_spread_reduce": (False, True),
+    "rs_copy_engine": (False, True),
     "stream_k": (0, 1),
 }
 #: knobs only one op has; the other op keeps its default's value
 _OP_KNOBS = {"ag": ("chunk_rows", "comm_priority", "ag_pull", "stream_k"),
-             "rs": ("rs_tma_push", "rs_tma_reduce", "rs_spread_reduce")}
+             "rs": ("rs_tma_push", "rs_tma_reduce", "rs_spread_reduce", "rs_copy_engine")}
 #: order of the single-knob variations within each round (see generate_candidates)
-_VARIATION_ORDER = ("stream_k", "chunk_rows", "comm_priority", "ag_pull", "rs_tma_push",
-                    "rs_tma_reduce", "rs_spread_reduce", "num_stages", "block_n", "block_m",
+_VARIATION_ORDER = ("stream_k", "chunk_rows", "comm_priority", "ag_pull", "rs_copy_engine",
+                    "rs_tma_push", "rs_tma_reduce", "rs_spread_reduce", "num_stages", "block_n", "block_m",
                     "block_k", "warp_specialize", "epilogue_split", "group_m", "num_warps", "flatten")
 #: knobs the backend has but the search leaves alone (recorded in the table's search.not_searched)
 NOT_SEARCHED: Dict[str, str] = {
@@ -127,8 +128,9 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
                         space: Optional[Dict[str, Sequence]] = None, elem_bytes: int = 2,
                         smem_limit: int = SMEM_BYTES,
                         seeds: Sequence[Dict[str, object]] = SEED_CONFIGS) -> List:
-    """Configs to try for one shape: the default first, then (AG) the default pulling instead of
-    pushing, then :data:`SEED_CONFIGS`, then variations by distance from the default; the
+    """Configs to try for one shape: the default first, then the default pulling instead of
+    pushing (AG) or with the other ReduceScatter delivery (RS: copy engine vs SM pushes), then
+    :data:`SEED_CONFIGS`, then variations by distance from the default; the
     single-knob ones breadth-first (one value of each knob, comm knobs first, then the next).
 
     Distance = number of knobs that differ from ``default_config``; within a distance the order
@@ -169,6 +171,10 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     seed_cfgs = []
     if op == "ag" and len(set(space.get("ag_pull", ()))) > 1:  # pull vs push on every entry
         twin = dataclasses.replace(base, ag_pull=not base.ag_pull)
+        seen.add(twin)
+        seed_cfgs.append(twin)
+    if op == "rs" and len(set(space.get("rs_copy_engine", ()))) > 1:  # SM vs copy-engine pushes
+        twin = dataclasses.replace(base, rs_copy_engine=not base.rs_copy_engine)
         seen.add(twin)
         seed_cfgs.append(twin)
     for seed in seeds:

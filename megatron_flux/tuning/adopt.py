@@ -1,0 +1,116 @@
+"""Adopt a knob into a table where interleaved A/B benchmarks timed it faster.
+
+A benchmark run with methods ``flux`` and ``flux_variant`` (``--flux-variant '{"knob": value}'``)
+times each case's table config and the same config with the variant's fields changed, in the
+same interleaved trials. Given one or more such runs, each entry whose case ran in at least one
+of them gets the variant's fields **where every run that ran the case timed the variant faster**
+(medians); its times (``flux_ms``, ``nccl_ms``) become the variant's and NCCL's from the run
+less favourable to fused (larger variant/nccl), the A/B is kept in ``notes["adopted"]``. Entries
+no run covered, or where a run timed the variant no faster, are left as they are. Every run must
+carry the same ``flux_variant`` fields and the table's TP.
+
+``python -m megatron_flux.tuning.adopt TABLE.json AB_BENCH.json [AB_BENCH2.json ...] OUT.json``
+(applied after ``megatron_flux.tuning.confirm``; an adopted entry's ``tune_*`` times in its notes
+become the A/B's, so a later confirmation compares against its new config's times).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from megatron_flux.tuning.from_bench import local_nk
+from megatron_flux.tuning.keys import normalize_op
+from megatron_flux.tuning.schema import Entry, Table, TuningFileError, load_table, write_table
+
+_METHODS = ("flux", "flux_variant", "nccl")
+
+
+def _ab_times(bench: Dict[str, Any], source: str) -> Dict[tuple, Dict[str, float]]:
+    """``{(op, local n, local k, m): {"flux", "flux_variant", "nccl": median ms}}`` of the cases
+    where all three ran and passed the numerical check."""
+    if "rows" not in bench or "tp" not in bench:
+        raise TuningFileError(source, "rows", "not a megatron-flux benchmark JSON")
+    tp = int(bench["tp"])
+    rows: Dict[tuple, Dict[str, float]] = {}
+    for r in bench["rows"]:
+        if r.get("method") not in _METHODS:
+            continue
+        if r.get("status") != "ok" or r.get("check") not in ("ok", None) or r.get("median_ms") is None:
+            continue
+        op = normalize_op(r["op"])
+        rows.setdefault((op, *local_nk(op, r["n"], r["k"], tp), int(r["m"])), {})[r["method"]] = \
+            float(r["median_ms"])
+    return {key: t for key, t in rows.items() if all(m in t for m in _METHODS)}
+
+
+def adopt_variant(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> Table:
+    """``table`` with the runs' ``flux_variant`` fields adopted where every run that ran an
+    entry's case timed them faster (see the module docstring)."""
+    if not runs:
+        raise ValueError("adopt_variant needs at least one A/B benchmark")
+    fields = None
+    timed: List[Tuple[str, Dict[tuple, Dict[str, float]]]] = []
+    for bench, source in runs:
+        if int(bench.get("tp", -1)) != table.tp:
+            raise TuningFileError(source, "tp", f"{bench.get('tp')} != the table's {table.tp}")
+        variant = bench.get("flux_variant")
+        if not isinstance(variant, dict) or not variant:
+            raise TuningFileError(source, "flux_variant", "not an A/B run (no flux_variant fields)")
+        if fields is not None and variant != fields:
+            raise TuningFileError(source, "flux_variant", f"{variant} != the first run's {fields}")
+        fields = variant
+        timed.append((source, _ab_times(bench, source)))
+    entries, adopted = [], 0
+    for e in table.entries:
+        key = (e.op, e.n, e.k, e.m)
+        hits = [(src, t[key]) for src, t in timed if key in t]
+        if not hits or any(t["flux_variant"] >= t["flux"] for _, t in hits):
+            entries.append(e)
+            continue
+        src, worst = max(hits, key=lambda h: h[1]["flux_variant"] / h[1]["nccl"])
+        notes = dict(e.notes or {})
+        # a later confirmation compares a benchmark with these times, not the former config's
+        notes.update(tune_flux_ms=worst["flux_variant"], tune_nccl_ms=worst["nccl"],
+                     times_from="adopted")
+        notes["adopted"] = {
+            "fields": dict(fields), "sources": [s for s, _ in hits],
+            "table_config_ms": [t["flux"] for _, t in hits],
+            "variant_ms": [t["flux_variant"] for _, t in hits],
+            "nccl_ms": [t["nccl"] for _, t in hits], "times_from": src,
+            "rule": "variant faster than the table config in every A/B run that ran the case "
+                    "(same interleaved trials); times of the run less favourable to fused"}
+        entries.append(Entry(op=e.op, n=e.n, k=e.k, m=e.m,
+                             config=dataclasses.replace(e.config, **fields), tuned=e.tuned,
+                             flux_ms=worst["flux_variant"], nccl_ms=worst["nccl"], notes=notes))
+        adopted += 1
+    extra = dict(table.extra or {})
+    search = dict(extra.get("search") or {})
+    search["adopted"] = list(search.get("adopted") or []) + [
+        {"fields": dict(fields), "benches": [s for _, s in runs], "entries": adopted}]
+    extra["search"] = search
+    return Table(path=table.path, gpu_name=table.gpu_name, gpu=table.gpu, sms=table.sms,
+                 tp=table.tp, dtype=table.dtype, source=table.source, entries=entries, extra=extra)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 3:
+        print(__doc__)
+        return 2
+    table_path, bench_paths, out = argv[0], argv[1:-1], argv[-1]
+    runs = []
+    for path in bench_paths:
+        with open(path, encoding="utf-8") as f:
+            runs.append((json.load(f), path))
+    t = adopt_variant(load_table(table_path), runs)
+    write_table(t, out)
+    n = sum(1 for e in t.entries if "adopted" in (e.notes or {}))
+    print(f"wrote {out}: {len(t.entries)} entries, variant adopted in {n}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
