@@ -71,3 +71,13 @@ def test_growth_keeps_the_layout_consistent_on_every_rank():
         assert ws.flag_count >= 64 and ws.data_elems >= 10_000
         assert not _overlap(ws.flags(ws.rank, 1), ws.data(ws.rank, 0, 10_000))
         assert (ws.flags(ws.rank, 0) == 0).all() and (ws.flags(ws.rank, 1) == 0).all()
+
+
+def test_forget_drops_only_the_tagged_memos():
+    ws = FakeWorld(2).ws[0]
+    ws.memo(("rs-ce", 1), lambda: "a")
+    ws.memo(("rs-ce", 2), lambda: "b")
+    ws.memo(("ag-call", 1), lambda: "c")
+    ws.forget("rs-ce")
+    assert ws.memo(("rs-ce", 1), lambda: "new") == "new"
+    assert ws.memo(("ag-call", 1), lambda: "new") == "c"

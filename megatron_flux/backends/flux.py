@@ -446,12 +446,12 @@ class FluxBackend(TPOverlapBackend):
 
         device = a.device
         seg_elems = m_local * n
-        staging = self._rs_staging(device, a.dtype, (world - 1) * seg_elems)
+        side = self._side_stream(device, -1, "rs")
+        staging = self._rs_staging(device, a.dtype, (world - 1) * seg_elems, side)
         table, copies, my_flags = ws.memo(
             ("rs-ce", rank, world, parity, m_local, n, staging.data_ptr()),
             lambda: self._rs_ce_plan(ws, staging, data, rank, world, parity, m_local, n))
         current = torch.cuda.current_stream(device)
-        side = self._side_stream(device, -1, "rs")
         launch_gemm_rs(
             a, b, out, data, table, ws.flag_ptrs(parity), bias, err.device_word,
             rank=rank, world=world, epoch=epoch, cfg=cfg, num_sms=self._sms(device),
@@ -479,12 +479,19 @@ class FluxBackend(TPOverlapBackend):
             self._stream_wait = reason is None
         return self._stream_wait
 
-    def _rs_staging(self, device, dtype, numel: int) -> torch.Tensor:
-        """This device's local staging buffer for copy-engine GEMM+RS (grown, never shrunk)."""
+    def _rs_staging(self, device, dtype, numel: int, side) -> torch.Tensor:
+        """This device's local staging buffer for copy-engine GEMM+RS (grown, never shrunk).
+        The side stream reads it, so the allocator reuses a replaced buffer only after that
+        stream's work (``record_stream``)."""
         key = (device.index, dtype)
         buf = self._staging.get(key)
         if buf is None or buf.numel() < numel:
+            if buf is not None:  # the old buffer's copy plans hold views of it: drop them
+                numel = max(numel, buf.numel() * 3 // 2)
+                for ws in self._workspaces.values():
+                    ws.forget("rs-ce")
             buf = self._staging[key] = torch.empty(numel, dtype=dtype, device=device)
+            buf.record_stream(side)
         return buf
 
     @staticmethod

@@ -107,6 +107,12 @@ class SymmetricWorkspace:
             value = self._views[key] = make()
         return value
 
+    def forget(self, tag: str) -> None:
+        """Drop the memoized values whose key starts with ``tag`` (their tensors outlived their
+        use, e.g. views of a staging buffer that was replaced)."""
+        for key in [k for k in self._views if isinstance(k, tuple) and k and k[0] == tag]:
+            del self._views[key]
+
     def next_epoch(self) -> int:
         """Epoch of the next call (1, 2, ...; int32 signals allow 2**31 - 1 calls per op)."""
         self.epoch += 1
