@@ -21,29 +21,8 @@ import json
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megatron_flux.tuning.from_bench import local_nk
-from megatron_flux.tuning.keys import normalize_op
+from megatron_flux.tuning.from_bench import local_times
 from megatron_flux.tuning.schema import Entry, Table, TuningFileError, load_table, write_table
-
-_METHODS = ("flux", "flux_variant", "nccl")
-
-
-def _ab_times(bench: Dict[str, Any], source: str) -> Dict[tuple, Dict[str, float]]:
-    """``{(op, local n, local k, m): {"flux", "flux_variant", "nccl": median ms}}`` of the cases
-    where all three ran and passed the numerical check."""
-    if "rows" not in bench or "tp" not in bench:
-        raise TuningFileError(source, "rows", "not a megatron-flux benchmark JSON")
-    tp = int(bench["tp"])
-    rows: Dict[tuple, Dict[str, float]] = {}
-    for r in bench["rows"]:
-        if r.get("method") not in _METHODS:
-            continue
-        if r.get("status") != "ok" or r.get("check") not in ("ok", None) or r.get("median_ms") is None:
-            continue
-        op = normalize_op(r["op"])
-        rows.setdefault((op, *local_nk(op, r["n"], r["k"], tp), int(r["m"])), {})[r["method"]] = \
-            float(r["median_ms"])
-    return {key: t for key, t in rows.items() if all(m in t for m in _METHODS)}
 
 
 def adopt_variant(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> Table:
@@ -62,7 +41,7 @@ def adopt_variant(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> T
         if fields is not None and variant != fields:
             raise TuningFileError(source, "flux_variant", f"{variant} != the first run's {fields}")
         fields = variant
-        timed.append((source, _ab_times(bench, source)))
+        timed.append((source, local_times(bench, source, ("flux", "flux_variant", "nccl"))))
     entries, adopted = [], 0
     for e in table.entries:
         key = (e.op, e.n, e.k, e.m)
@@ -91,8 +70,7 @@ def adopt_variant(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> T
     search["adopted"] = list(search.get("adopted") or []) + [
         {"fields": dict(fields), "benches": [s for _, s in runs], "entries": adopted}]
     extra["search"] = search
-    return Table(path=table.path, gpu_name=table.gpu_name, gpu=table.gpu, sms=table.sms,
-                 tp=table.tp, dtype=table.dtype, source=table.source, entries=entries, extra=extra)
+    return dataclasses.replace(table, entries=entries, extra=extra)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

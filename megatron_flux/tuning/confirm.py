@@ -23,33 +23,20 @@ table), each confirmed by a benchmark of the shapes it touched. So:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import Any, Dict, Optional, Sequence
 
-from megatron_flux.tuning.from_bench import local_nk, measured_pairs
-from megatron_flux.tuning.keys import normalize_op
+from megatron_flux.tuning.from_bench import local_times
 from megatron_flux.tuning.schema import Entry, Table, TuningFileError, load_table, write_table
-
-
-def _bench_times(bench: Dict[str, Any], source: str) -> Dict[tuple, Dict[str, float]]:
-    """``{(op, local n, local k, m): {"flux": ms, "nccl": ms}}`` from rows that ran and passed."""
-    if "rows" not in bench or "tp" not in bench:
-        raise TuningFileError(source, "rows", "not a megatron-flux benchmark JSON")
-    tp = int(bench["tp"])
-    out: Dict[tuple, Dict[str, float]] = {}
-    for (bop, _model, m, n, k), meth in measured_pairs(bench).items():
-        op = normalize_op(bop)
-        out[(op, *local_nk(op, n, k, tp), int(m))] = {
-            name: float(row["median_ms"]) for name, row in meth.items()}
-    return out
 
 
 def confirm_table(table: Table, bench: Dict[str, Any], bench_source: str) -> Table:
     """``table`` with each entry's times taken from the run less favourable to fused."""
     if int(bench.get("tp", -1)) != table.tp:
         raise TuningFileError(bench_source, "tp", f"{bench.get('tp')} != the table's {table.tp}")
-    times = _bench_times(bench, bench_source)
+    times = local_times(bench, bench_source)
     entries = []
     confirmed = kept = 0
     for e in table.entries:
@@ -80,8 +67,7 @@ def confirm_table(table: Table, bench: Dict[str, Any], bench_source: str) -> Tab
         "earlier_benches": earlier,
         "rule": "times of the run less favourable to fused (larger flux/nccl) of the entry's "
                 "tuning run and the latest benchmark that ran it"}}
-    return Table(path=table.path, gpu_name=table.gpu_name, gpu=table.gpu, sms=table.sms,
-                 tp=table.tp, dtype=table.dtype, source=table.source, entries=entries, extra=extra)
+    return dataclasses.replace(table, entries=entries, extra=extra)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -27,19 +27,35 @@ def local_nk(op: str, n: int, k: int, tp: int):
     return (n // tp, k) if op == "ag" else (n, k // tp)
 
 
-def measured_pairs(bench: Dict[str, Any]) -> Dict[tuple, Dict[str, dict]]:
-    """``{(bench op, model, m, n, k): {"flux": row, "nccl": row}}`` for the cases where both
-    methods ran and passed the numerical check (rows as in the benchmark JSON)."""
+def measured_pairs(bench: Dict[str, Any], methods: Sequence[str] = ("flux", "nccl")
+                   ) -> Dict[tuple, Dict[str, dict]]:
+    """``{(bench op, model, m, n, k): {method: row}}`` for the cases where every one of
+    ``methods`` ran and passed the numerical check (rows as in the benchmark JSON)."""
     rows: Dict[tuple, Dict[str, dict]] = {}
     for r in bench["rows"]:
-        if r.get("method") in ("flux", "nccl"):
+        if r.get("method") in methods:
             rows.setdefault((r["op"], r.get("model"), r["m"], r["n"], r["k"]), {})[r["method"]] = r
     return {
         key: meth for key, meth in rows.items()
         if all(x is not None and x.get("status") == "ok" and x.get("check") in ("ok", None)
                and x.get("median_ms") is not None
-               for x in (meth.get("flux"), meth.get("nccl")))
+               for x in (meth.get(m) for m in methods))
     }
+
+
+def local_times(bench: Dict[str, Any], source: str, methods: Sequence[str] = ("flux", "nccl")
+                ) -> Dict[tuple, Dict[str, float]]:
+    """``{(op, local n, local k, m): {method: median ms}}`` from :func:`measured_pairs`, keyed
+    like table entries (per-rank shapes)."""
+    if "rows" not in bench or "tp" not in bench:
+        raise TuningFileError(source, "rows", "not a megatron-flux benchmark JSON")
+    tp = int(bench["tp"])
+    out: Dict[tuple, Dict[str, float]] = {}
+    for (bop, _model, m, n, k), meth in measured_pairs(bench, methods).items():
+        op = normalize_op(bop)
+        out[(op, *local_nk(op, n, k, tp), int(m))] = {
+            name: float(row["median_ms"]) for name, row in meth.items()}
+    return out
 
 
 def table_from_bench(bench: Dict[str, Any], source: str) -> Table:
