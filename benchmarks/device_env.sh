@@ -1,6 +1,7 @@
 # Sourced by the device scripts (benchmarks/device_*.sh, e2e_device.sh) from the repo root:
 # the GPU box's environment (never NVLink multicast), TP = every local GPU unless NGPUS says
-# otherwise, and install_carried_wheels (megatron-core from the carried .whl/ folder, into /tmp/site).
+# otherwise, install_carried_wheels (megatron-core from the carried .whl/ folder, into /tmp/site),
+# and the helpers below.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 NGPUS="${NGPUS:-$(nvidia-smi -L | grep -c '^GPU ')}"
 
@@ -9,15 +10,28 @@ install_carried_wheels() {  # install_carried_wheels [GLOB]   (default: every ca
         --target /tmp/site ${1:-.whl/*.whl}
 }
 
+sample_gpus() {  # sample_gpus CSV INTERVAL_MS [FIELDS]: nvidia-smi logs FIELDS (default: SM clock,
+    # power and temperature per GPU) every INTERVAL_MS ms into CSV until the script exits
+    nvidia-smi --query-gpu="${3:-timestamp,index,clocks.sm,power.draw,temperature.gpu}" \
+        --format=csv,nounits -lms "$2" > "$1" &
+    SMI_PID=$!
+    trap 'kill ${SMI_PID} 2>/dev/null' EXIT
+}
+
+bench_large() {  # bench_large NAME TIMEOUT: session 14's m >= 1024 grid command (needs RUN, OUT)
+    # -> $OUT/NAME.{json,png,log}, and its summary on stdout
+    timeout "$2" "${RUN[@]}" -m megatron_flux.bench --m-set large \
+        --methods cublas_gemm comm nccl torch_async_tp flux --trials 5 --iters 20 \
+        --out-json "${OUT}/$1.json" --out-png "${OUT}/$1.png" > "${OUT}/$1.log" 2>&1
+    echo "   exit $? (${SECONDS}s)"; grep -A6 "^summary" "${OUT}/$1.log"
+}
+
 one_gpu_session() {  # one_gpu_session: GPU 0 only, experiments importable, Triton cache in the
     # ignored .device/, and nvidia-smi logging SM clock, power and temperature every 200 ms
     # to $OUT/smi.csv until the script exits
     export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments" CUDA_VISIBLE_DEVICES=0
     export TRITON_CACHE_DIR="${PWD}/.device/triton-cache"
-    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,nounits \
-        -lms 200 > "${OUT}/smi.csv" &
-    SMI_PID=$!
-    trap 'kill ${SMI_PID} 2>/dev/null' EXIT
+    sample_gpus "${OUT}/smi.csv" 200 timestamp,clocks.sm,power.draw,temperature.gpu
 }
 
 one_gpu_tests() {  # one_gpu_tests: the GPU-marked tests on this one GPU (2-GPU ones skip),

@@ -77,10 +77,7 @@ trace2)
         --json "${OUT}/trace2-rs-off.json" 2>&1 | grep -E "^(rs|Traceback)|Error" ;;
 trace2c)
     export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments"
-    nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu \
-        --format=csv,nounits -lms 200 > "${OUT}/smi.csv" &
-    SMI_PID=$!
-    trap 'kill ${SMI_PID} 2>/dev/null' EXIT
+    sample_gpus "${OUT}/smi.csv" 200
     for run in off1 on1 off2 on2; do
         echo "== GEMM+RS, communication ${run%?} ($(date +%T), ${SECONDS}s)"
         timeout 120 "${RUN[@]}" benchmarks/experiments/phase_trace_tp.py --op rs --comm "${run%?}" \

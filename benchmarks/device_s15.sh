@@ -31,13 +31,6 @@ OUT="${OUT:-/tmp/s15}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
 RUN=(python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}")
-bench_large() {  # bench_large NAME TIMEOUT: the m >= 1024 grid, session 14's bench command
-    # -> $OUT/NAME.{json,png,log}, and its summary on stdout
-    timeout "$2" "${RUN[@]}" -m megatron_flux.bench --m-set large \
-        --methods cublas_gemm comm nccl torch_async_tp flux --trials 5 --iters 20 \
-        --out-json "${OUT}/$1.json" --out-png "${OUT}/$1.png" > "${OUT}/$1.log" 2>&1
-    echo "   exit $? (${SECONDS}s)"; grep -A6 "^summary" "${OUT}/$1.log"
-}
 case "${1:-}" in
 control)
     OUT="${OUT}" bash benchmarks/device_s14.sh trace2c
@@ -61,10 +54,7 @@ link)
     # cuBLAS beside no / tiny / ReduceScatter-sized NVLink copies (experiments/link_power.py),
     # nvidia-smi sampling SM clocks and power
     export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments"
-    nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu \
-        --format=csv,nounits -lms 100 > "${OUT}/smi-link.csv" &
-    SMI_PID=$!
-    trap 'kill ${SMI_PID} 2>/dev/null' EXIT
+    sample_gpus "${OUT}/smi-link.csv" 100
     timeout 300 "${RUN[@]}" benchmarks/experiments/link_power.py ${LINK_ARGS:-} --json "${OUT}/link-power${LINK_TAG:-}.json" \
         2>&1 | grep -E "rank|Traceback|Error" | grep -v Warning ;;
 epi)

@@ -28,12 +28,6 @@ OUT="${OUT:-/tmp/s16}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
 RUN=(python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}")
-bench_large() {  # bench_large NAME TIMEOUT: session 14's m >= 1024 grid command -> $OUT/NAME.{json,png,log}
-    timeout "$2" "${RUN[@]}" -m megatron_flux.bench --m-set large \
-        --methods cublas_gemm comm nccl torch_async_tp flux --trials 5 --iters 20 \
-        --out-json "${OUT}/$1.json" --out-png "${OUT}/$1.png" > "${OUT}/$1.log" 2>&1
-    echo "   exit $? (${SECONDS}s)"; grep -A6 "^summary" "${OUT}/$1.log"
-}
 case "${1:-}" in
 gate2)
     # GATE_DST=peer (2 GPUs): the copy goes to GPU 1 over NVLink, by the copy engine; the default
