@@ -123,15 +123,21 @@ def _emit(record, path):
             f.write(text)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
+def _start(doc, argv):
+    """``(args, record)``: the compile scripts' command line (``--ptxas``, ``--json``) and the
+    record's header (command, Triton version, target)."""
+    p = argparse.ArgumentParser(description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ptxas", default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    return args, {"command": " ".join([sys.executable] + sys.argv), "triton": triton.__version__,
+                  "target": "sm_90a"}
+
+
+def main(argv=None):
+    args, out = _start(__doc__, argv)
     rs_path, ag_path = "megatron_flux/kernels/gemm_rs.py", "megatron_flux/kernels/ag_gemm.py"
-    out = {"command": " ".join([sys.executable] + sys.argv), "triton": triton.__version__,
-           "target": "sm_90a"}
 
     base = _version("8d11048", rs_path).gemm_rs_kernel
     flat = _version("8d11048", rs_path, "benchmarks/results/raw/s13/flat_gemm_rs.patch").gemm_rs_kernel

@@ -14,12 +14,7 @@ Run from a git checkout (it reads 73a0d7b's kernel with ``git show``). Records:
   split-epilogue default.
 """
 
-import argparse
-import sys
-
-import triton
-
-from compile_s13 import _compile, _emit, _resources, _same_code, _version
+from compile_s13 import _compile, _emit, _resources, _same_code, _start, _version
 from megatron_flux.kernels.ag_gemm import ag_gemm_kernel
 
 _TILE_128 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EPI_SPLIT=1, WARP_SPECIALIZE=True)
@@ -33,13 +28,7 @@ def _ag(tile, world, **kw):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ptxas", default=None)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    out = {"command": " ".join([sys.executable] + sys.argv), "triton": triton.__version__,
-           "target": "sm_90a"}
+    args, out = _start(__doc__, argv)
     before = _version("73a0d7b", "megatron_flux/kernels/ag_gemm.py").ag_gemm_kernel
     same = {}
     for label, tile, warps, stages, constexprs in (
