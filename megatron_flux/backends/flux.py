@@ -459,7 +459,7 @@ class FluxBackend(TPOverlapBackend):
         )
         err.after_launch()
         with on_stream(side, current):
-            wait_signal_on_stream(my_flags, world + 1, epoch)  # this rank's grid produced
+            wait_signal_on_stream(my_flags, world + 1, epoch, side)  # this rank's grid produced
             for dst, src, owner_flags in copies:
                 dst.copy_(src)
                 write_signal(owner_flags, rank, epoch)

@@ -240,15 +240,12 @@ def build_method(
             raise MethodSkipped(reason)
         if name == "flux":
             backend = backends.get_backend("flux")
-        elif name == "flux_variant":
-            from megatron_flux.backends.flux import FluxBackend
-
-            backend = _variant_backend(FluxBackend)
         else:
             from megatron_flux.backends.flux import FluxBackend
             from megatron_flux.kernels.config import default_config
 
-            backend = _default_config_backend(FluxBackend, default_config)
+            backend = (_variant_backend(FluxBackend) if name == "flux_variant"
+                       else _default_config_backend(FluxBackend, default_config))
         reason = backend.unsupported_reason(a, b, group)
         if reason is not None:
             raise MethodSkipped(f"flux backend does not support these operands: {reason}")

@@ -53,17 +53,19 @@ def stream_wait_unavailable_reason() -> Optional[str]:
     return _wait_value32_error
 
 
-def wait_signal_on_stream(flags_u32: torch.Tensor, index: int, value: int) -> None:
-    """Queue on the current stream: wait until ``flags_u32[index] >= value`` (unsigned), then go
-    on with the stream's later work (``cuStreamWaitValue32``, GEQ). The word must be raised by
-    work that does not itself wait for this stream, or the stream never moves again: the fused
-    GEMM+RS raises it from a producer phase that waits for nothing."""
+def wait_signal_on_stream(flags_u32: torch.Tensor, index: int, value: int,
+                          stream: Optional[torch.cuda.Stream] = None) -> None:
+    """Queue on ``stream`` (default: the current one): wait until ``flags_u32[index] >= value``
+    (unsigned), then go on with the stream's later work (``cuStreamWaitValue32``, GEQ). The word
+    must be raised by work that does not itself wait for this stream, or the stream never moves
+    again: the fused GEMM+RS raises it from a producer phase that waits for nothing."""
     fn = _load_wait_value32()
     if fn is None:
         raise RuntimeError(f"megatron-flux: stream wait unavailable: {_wait_value32_error}")
     if flags_u32.dtype not in (torch.uint32, torch.int32) or not flags_u32.is_cuda:
         raise ValueError("wait_signal_on_stream: flags must be a CUDA int32/uint32 tensor")
-    stream = torch.cuda.current_stream(flags_u32.device)
+    if stream is None:
+        stream = torch.cuda.current_stream(flags_u32.device)
     addr = flags_u32.data_ptr() + 4 * index
     rc = fn(ctypes.c_void_p(stream.cuda_stream), ctypes.c_uint64(addr), ctypes.c_uint32(value),
             _CU_STREAM_WAIT_VALUE_GEQ)
