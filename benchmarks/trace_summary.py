@@ -18,7 +18,11 @@ correlation id):
   with their total host time; ``stream_waits``: ``cudaStreamWaitEvent`` calls (not blocking;
   traces summarised before 2026-11-22 counted them among ``syncs``);
 * ``linear_host_ms``: host time inside the TP linears' autograd functions (forward and backward
-  nodes), with the call count.
+  nodes), with the call count;
+* ``comm_alone_ms``: time in which NCCL kernels or copies run and nothing else does (exposed
+  communication; a fused kernel counts as computation);
+* per backend, ``kernels_ms``: the kernels that took the most time, summed per name and step
+  (median over the backend's steps), names cut to 90 characters.
 
 ``python benchmarks/trace_summary.py rank-0.json.gz [--log job.log] --out summary.json``
 """
@@ -70,13 +74,34 @@ def _union(intervals: List[tuple]) -> float:
     return total
 
 
-def _gaps(intervals: List[tuple], big_us: float = 50.0):
+def _merge(intervals: List[tuple]) -> List[list]:
     merged: List[list] = []
     for s, e in sorted(intervals):
         if merged and s <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], e)
         else:
             merged.append([s, e])
+    return merged
+
+
+def _alone(these: List[tuple], others: List[tuple]) -> float:
+    """Time covered by ``these`` and by none of ``others``."""
+    a, b = _merge(these), _merge(others)
+    total, j = 0.0, 0
+    for s, e in a:
+        covered = 0.0
+        while j < len(b) and b[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            covered += min(e, b[k][1]) - max(s, b[k][0])
+            k += 1
+        total += (e - s) - covered
+    return total
+
+
+def _gaps(intervals: List[tuple], big_us: float = 50.0):
+    merged = _merge(intervals)
     gaps = [b[0] - a[1] for a, b in zip(merged, merged[1:])]
     return sum(gaps), sum(g for g in gaps if g > big_us), sum(1 for g in gaps if g > big_us)
 
@@ -104,7 +129,7 @@ def backend_by_iteration(log: Optional[str]) -> Dict[int, str]:
     return out
 
 
-def summarize(events: List[dict], labels: Dict[int, str]) -> dict:
+def summarize(events: List[dict], labels: Dict[int, str], top: int = 30) -> dict:
     steps = []
     for e in events:
         m = STEP_RE.fullmatch(str(e.get("name", "")))
@@ -124,6 +149,9 @@ def summarize(events: List[dict], labels: Dict[int, str]) -> dict:
     launch_step: Dict[int, int] = {}
     per = [defaultdict(float) for _ in steps]
     gpu: List[List[tuple]] = [[] for _ in steps]
+    comm: List[List[tuple]] = [[] for _ in steps]
+    compute: List[List[tuple]] = [[] for _ in steps]
+    by_name = [defaultdict(float) for _ in steps]
     linear_calls = [0 for _ in steps]
     for e in events:
         if e.get("ph") != "X":
@@ -155,8 +183,13 @@ def summarize(events: List[dict], labels: Dict[int, str]) -> dict:
         i = launch_step.get((e.get("args") or {}).get("correlation"))
         if i is None:
             continue
-        gpu[i].append((e["ts"], e["ts"] + e["dur"]))
-        per[i]["kind:" + kind_of(str(e.get("name", "")), e["cat"])] += e["dur"] / 1e3
+        span = (e["ts"], e["ts"] + e["dur"])
+        gpu[i].append(span)
+        kind = kind_of(str(e.get("name", "")), e["cat"])
+        per[i]["kind:" + kind] += e["dur"] / 1e3
+        (comm if kind in ("nccl", "memcpy") else compute)[i].append(span)
+        if e["cat"] == "kernel":
+            by_name[i][str(e.get("name", ""))[:90]] += e["dur"] / 1e3
     rows = []
     for i, (s, e, n) in enumerate(steps):
         g = gpu[i]
@@ -173,6 +206,7 @@ def summarize(events: List[dict], labels: Dict[int, str]) -> dict:
             "gpu_gaps_over_50us_ms": round(big / 1e3, 3),
             "gpu_gaps_over_50us": nbig,
             "gpu_ms_by_kind": {k[5:]: round(v, 3) for k, v in sorted(d.items()) if k.startswith("kind:")},
+            "comm_alone_ms": round(_alone(comm[i], compute[i]) / 1e3, 3),
             "launches": int(d["launches"]),
             "launch_api_ms": round(d["launch_api_ms"], 3),
             "syncs": int(d["syncs"]),
@@ -187,10 +221,14 @@ def summarize(events: List[dict], labels: Dict[int, str]) -> dict:
         agg = {k: round(statistics.median(r[k] for r in rs), 3)
                for k in ("host_ms", "gpu_busy_ms", "gpu_span_ms", "gpu_gaps_ms",
                          "gpu_gaps_over_50us_ms", "launches", "launch_api_ms", "syncs",
-                         "linear_host_ms")}
+                         "linear_host_ms", "comm_alone_ms")}
         kinds = sorted({k for r in rs for k in r["gpu_ms_by_kind"]})
         agg["gpu_ms_by_kind"] = {k: round(statistics.median(r["gpu_ms_by_kind"].get(k, 0.0) for r in rs), 3)
                                  for k in kinds}
+        idx = [i for i, r in enumerate(rows) if r["backend"] == name]
+        names = {k for i in idx for k in by_name[i]}
+        med = {k: statistics.median(by_name[i].get(k, 0.0) for i in idx) for k in names}
+        agg["kernels_ms"] = {k: round(v, 3) for k, v in sorted(med.items(), key=lambda kv: -kv[1])[:top]}
         agg["steps"] = [r["step"] for r in rs]
         by_backend[name] = agg
     return {"steps": rows, "median_by_backend": by_backend}
@@ -212,6 +250,10 @@ def main(argv=None) -> int:
               f"(>50us {r['gpu_gaps_over_50us_ms']:6.1f}/{r['gpu_gaps_over_50us']})  launches "
               f"{r['launches']:5d}  syncs {r['syncs']:3d} {r['sync_ms']:6.1f}ms  linears "
               f"{r['linear_host_ms']:6.1f}ms/{r['linear_calls']}  {r['gpu_ms_by_kind']}")
+    for name, agg in report["median_by_backend"].items():
+        print(f"== {name}: top kernels, ms per step (median)")
+        for k, v in list(agg["kernels_ms"].items())[:15]:
+            print(f"   {v:8.2f}  {k}")
     return 0
 
 

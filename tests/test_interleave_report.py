@@ -92,3 +92,13 @@ def test_trace_summary_attributes_gpu_work_to_the_launching_step(tmp_path):
     assert s5["gpu_gaps_over_50us"] == 2 and abs(s5["gpu_gaps_ms"] - 0.5) < 1e-9
     assert (s5["launches"], s5["syncs"], s5["stream_waits"], s5["linear_calls"]) == (3, 1, 1, 1)
     assert rep["median_by_backend"]["flux"]["steps"] == [5]
+    assert (s5["comm_alone_ms"], s6["comm_alone_ms"]) == (0.0, 0.1)  # nccl ran beside nothing
+    assert rep["median_by_backend"]["nccl"]["kernels_ms"] == {"nvjet_gemm": 0.2, "nccl_AllGather": 0.1,
+                                                             "elementwise": 0.01}
+
+
+def test_comm_alone_subtracts_only_the_overlapped_part():
+    comm = [(0, 10), (5, 20), (30, 40)]          # union [0, 20] + [30, 40]
+    compute = [(2, 4), (15, 35), (38, 39)]       # covers 2 + 5 + 5 + 1 of it
+    assert T._alone(comm, compute) == 30 - 13
+    assert T._alone(comm, []) == 30 and T._alone([], compute) == 0
