@@ -40,12 +40,13 @@ this way start while the kernel runs under both ``CUDA_DEVICE_MAX_CONNECTIONS`` 
 The plain all-gather of the column layer's backward (``all_gather_start``: the input, again, for
 the weight gradient) also runs on the copy engine, so it needs no SM beside the input
 gradient's GEMM+RS grid: ``all_gather_start`` queues the pushes of this rank's rows into every
-peer's gather workspace (side stream, after an event marking the rows ready); the caller then
-queues its GEMM+RS; ``wait()`` queues the signal writes behind the pushes, makes the current
-stream wait for them, and runs a one-warp bounded wait for every peer's signal. With
-``CUDA_DEVICE_MAX_CONNECTIONS=1`` the signal writes sit behind the GEMM+RS kernel in the single
-hardware queue (a stream memory write that waits for its copy holds the queue), so the kernel is
-never queued behind them.
+peer's gather workspace (side stream, after an event marking the rows ready) and the copy of
+its own rows (caller's stream); the caller then queues its GEMM+RS; ``wait()`` queues the signal
+writes behind the pushes, makes the current stream wait for them, and runs a one-warp bounded
+wait for every peer's signal. With ``CUDA_DEVICE_MAX_CONNECTIONS=1`` nothing on the side stream
+may wait for an earlier copy before the kernel is queued: a stream operation that waits holds
+the single hardware queue, and the kernel behind it. So the signal writes are queued after the
+kernel, and the own rows are not copied behind the pushes.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class _CopyEngineGather:
         with on_stream(self._side, current):
             for _, _, flags, index in self._copies:
                 write_signal(flags, index, self._epoch)  # after the push, on the same stream
-        # own rows copied and the shard free for reuse, on the stream that started the gather
+        # the pushes done (the shard is free for reuse), on the stream that started the gather
         self._backend._order(self._current.device, "done")(self._current, self._side)
         with on_stream(self._current, current):
             launch_ready_barrier(self._ws.flag_ptrs(self._parity), self._err.device_word,
@@ -551,7 +552,11 @@ class FluxBackend(TPOverlapBackend):
         with on_stream(side, current):
             for dst, src, _, _ in copies:
                 dst.copy_(src)
-            own_rows.copy_(rows)
+        # The own rows go on the caller's stream: behind the pushes on the side stream, this
+        # same-GPU copy would wait for them, and with one hardware queue
+        # (CUDA_DEVICE_MAX_CONNECTIONS=1) so would the GEMM+RS the caller queues next (session
+        # 17's training profile: ~110 us exposed per call).
+        own_rows.copy_(rows)
         return _CopyEngineGather(self, ws, err, copies, gathered.view(shape), out, rank, world,
                                  parity, epoch, current, side)
 
