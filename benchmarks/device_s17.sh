@@ -9,6 +9,12 @@
 #   OUT=... bash benchmarks/device_s17.sh tune8k    the training config's own GEMMs at m = 8192 (its
 #                                                   tokens per micro-batch at micro-batch 2)
 #                                                   -> $OUT/tune-8k.json
+#   OUT=... bash benchmarks/device_s17.sh ceab      the fused-op tests under CUDA_DEVICE_MAX_CONNECTIONS=1
+#                                                   (with the banded copy-engine GEMM+RS variants),
+#                                                   then GEMM+RS on the llama3_8b_16l training shapes at
+#                                                   m = 8192 and 4096, table configs (flux) against
+#                                                   rs_copy_engine + rs_ce_bands (flux_variant), twice
+#                                                   -> $OUT/tests-conn1.json, ab-bands-{1,2}.json
 # Stages run in the order given: device_s17.sh tests profile
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -35,6 +41,31 @@ for stage in "$@"; do
             --screen-iters 5 --trials 3 --iters 10 --no-progress --no-merge --out "${OUT}/tune-8k.json" \
             > "${OUT}/tune-8k.log" 2>&1
         echo "   exit $? (${SECONDS}s)"; grep -E "^(ag|rs) n=|Error|Traceback" "${OUT}/tune-8k.log" | head -12 ;;
+    ceab)
+        install_carried_wheels || exit 2
+        CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONPATH="${PWD}:/tmp/site" timeout 240 \
+            python3 benchmarks/record_pytest.py "${OUT}/tests-conn1.json" \
+            "tests/test_flux_gpu.py::test_fused_ops_match_nccl[1]" -q -p no:cacheprovider \
+            > "${OUT}/tests-conn1.log" 2>&1
+        echo "tests exit $? (${SECONDS}s)"; tail -2 "${OUT}/tests-conn1.log" | cut -c1-300
+        for run in 1 2; do
+            CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONPATH="${PWD}" timeout 100 "${RUN[@]}" -m megatron_flux.bench \
+                --ops rs --rs-k ffn --ms 8192 4096 --model-shapes l8fc2:4096:14336:14336 \
+                l8proj:4096:4096:4096 l8qkv:4096:6144:6144 l8fc1:4096:28672:28672 \
+                --methods cublas_gemm comm nccl flux flux_variant \
+                --flux-variant '{"rs_copy_engine": true, "rs_ce_bands": true}' --trials 5 --iters 20 \
+                --out-json "${OUT}/ab-bands-${run}.json" --out-png none > "${OUT}/ab-bands-${run}.log" 2>&1
+            echo "   ab ${run} exit $? (${SECONDS}s)"
+            python3 - "${OUT}/ab-bands-${run}.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+t = {(r["model"], r["m"], r["method"]): r["median_ms"] for r in rows}
+for (model, m, method), v in sorted(t.items()):
+    if method == "flux":
+        print(f"{model:7s} m={m:5d} cublas {t[(model, m, 'cublas_gemm')]:.4f} nccl {t[(model, m, 'nccl')]:.4f} "
+              f"flux {v:.4f} bands {t[(model, m, 'flux_variant')]:.4f} ratio {t[(model, m, 'flux_variant')] / v:.3f}")
+PY
+        done ;;
     *) echo "unknown stage ${stage}"; exit 2 ;;
     esac
 done

@@ -204,8 +204,10 @@ def _worker(rank, world, port, env, queue):
         n_checks += _check_back_to_back(flux_alt, group, rank, world, gen)
         flux_alt.check_errors()
 
-        def alternating_ce(op, m_total, n, k):  # RS alternates copy-engine and SM pushes
-            return dataclasses.replace(alternating(op, m_total, n, k), rs_copy_engine=n == 1024)
+        def alternating_ce(op, m_total, n, k):  # RS alternates copy-engine (banded on some
+            # shapes) and SM pushes
+            return dataclasses.replace(alternating(op, m_total, n, k), rs_copy_engine=n == 1024,
+                                       rs_ce_bands=n == 1024 and m_total % 3 == 0)
 
         flux_alt_ce = FluxBackend(config_provider=alternating_ce)
         n_checks += _check_back_to_back(flux_alt_ce, group, rank, world, gen)
@@ -223,7 +225,10 @@ def _worker(rank, world, port, env, queue):
                        dict(flatten=False, flatten_consume=False, epilogue_split=1),
                        dict(rs_tma_reduce=False), dict(rs_spread_reduce=True),
                        dict(rs_copy_engine=True), dict(rs_copy_engine=True, rs_tma_push=False),
-                       dict(rs_copy_engine=True, rs_spread_reduce=True)]
+                       dict(rs_copy_engine=True, rs_spread_reduce=True),
+                       dict(rs_copy_engine=True, rs_ce_bands=True),
+                       dict(rs_copy_engine=True, rs_ce_bands=True, group_m=1, block_m=64),
+                       dict(rs_copy_engine=True, rs_ce_bands=True, rs_spread_reduce=True)]
         for variant in rs_variants:
             flux_rs = _default_with(**variant)
             for (m_local, k, n) in SHAPES:

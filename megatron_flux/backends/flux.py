@@ -443,15 +443,18 @@ class FluxBackend(TPOverlapBackend):
         """GEMM+RS with the copy engine delivering the partials (see the module docstring)."""
         from megatron_flux.comm.signals import wait_signal_on_stream, write_signal
         from megatron_flux.comm.streams import on_stream
+        from megatron_flux.kernels.config import rs_bands
         from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
         device = a.device
         seg_elems = m_local * n
         side = self._side_stream(device, -1, "rs")
         staging = self._rs_staging(device, a.dtype, (world - 1) * seg_elems, side)
+        bands = rs_bands(m_local, cfg.block_m, cfg.group_m) if cfg.rs_ce_bands else None
         table, copies, my_flags = ws.memo(
-            ("rs-ce", rank, world, parity, m_local, n, staging.data_ptr()),
-            lambda: self._rs_ce_plan(ws, staging, data, rank, world, parity, m_local, n))
+            ("rs-ce", rank, world, parity, m_local, n, staging.data_ptr(), bands),
+            lambda: self._rs_ce_plan(ws, staging, data, rank, world, parity, m_local, n, bands,
+                                     cfg.block_m))
         current = torch.cuda.current_stream(device)
         launch_gemm_rs(
             a, b, out, data, table, ws.flag_ptrs(parity), bias, err.device_word,
@@ -460,10 +463,14 @@ class FluxBackend(TPOverlapBackend):
         )
         err.after_launch()
         with on_stream(side, current):
-            wait_signal_on_stream(my_flags, world + 1, epoch, side)  # this rank's grid produced
-            for dst, src, owner_flags in copies:
+            if bands is None:
+                wait_signal_on_stream(my_flags, world + 1, epoch, side)  # this rank's grid produced
+            for dst, src, owner_flags, produced, last in copies:
+                if produced is not None:  # this band's tiles are all staged
+                    wait_signal_on_stream(my_flags, produced, epoch, side)
                 dst.copy_(src)
-                write_signal(owner_flags, rank, epoch)
+                if last:
+                    write_signal(owner_flags, rank, epoch)
         self._order(device, "rs-done")(current, side)  # the next call may refill the staging
         return out
 
@@ -496,21 +503,31 @@ class FluxBackend(TPOverlapBackend):
         return buf
 
     @staticmethod
-    def _rs_ce_plan(ws, staging, data, rank, world, parity, m_local, n):
-        """``(data_ptrs table, [(owner's slot rows, staged partial, owner's uint32 signals)],
-        this rank's uint32 signals)`` of one copy-engine GEMM+RS shape."""
+    def _rs_ce_plan(ws, staging, data, rank, world, parity, m_local, n, bands=None, block_m=0):
+        """``(data_ptrs table, copies, this rank's uint32 signals)`` of one copy-engine GEMM+RS
+        shape. ``copies``: ``(owner's slot rows, staged rows, owner's uint32 signals, "produced"
+        word to wait for first or None, whether the owner's signal follows)`` in queue order:
+        per producer step its whole partial, or with ``bands`` (:func:`rs_bands`) band by band
+        in the order the step's tiles run (odd steps backwards)."""
+        from megatron_flux.kernels.config import rs_band_words
         from megatron_flux.kernels.gemm_rs import rs_staging_table
 
         seg_elems = m_local * n
         addrs = rs_staging_table(staging.data_ptr(), data.data_ptr(), rank=rank, world=world,
                                  m_local=m_local, n=n, elt=staging.element_size())
         table = torch.tensor(addrs, dtype=torch.int64, device=staging.device)
+        band_rows, count = (m_local, 1) if bands is None else (bands[0] * block_m, bands[1])
         copies = []
         for step in range(world - 1):
             owner = (rank + 1 + step) % world
             slot = ws.data(owner, parity, world * seg_elems)[rank * seg_elems:(rank + 1) * seg_elems]
-            copies.append((slot, staging[step * seg_elems:(step + 1) * seg_elems],
-                           ws.flags(owner, parity, torch.uint32)))
+            part = staging[step * seg_elems:(step + 1) * seg_elems]
+            order = list(range(count)) if step % 2 == 0 else list(reversed(range(count)))
+            for j, band in enumerate(order):
+                lo, hi = band * band_rows * n, min(m_local, (band + 1) * band_rows) * n
+                produced = None if bands is None else rs_band_words(world, step, band)[1]
+                copies.append((slot[lo:hi], part[lo:hi], ws.flags(owner, parity, torch.uint32),
+                               produced, j == count - 1))
         return table, copies, ws.flags(rank, parity, torch.uint32)
 
     # ---------------------------------------------------------------- plain collectives

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 
 def interpreting() -> bool:
@@ -72,6 +72,14 @@ class GemmConfig:
     peer-to-peer copy queued behind it starts while the kernel runs also with
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (measured on 2xH200, benchmarks/NOTES.md, session 16).
 
+    ``rs_ce_bands`` (with ``rs_copy_engine``): the copy engine moves each step's partial band
+    by band (:func:`rs_bands`: whole ``group_m`` groups of row tiles, at most
+    :data:`MAX_RS_BANDS` per step) as soon as the band is produced, instead of the whole step
+    after the grid's last tile. Every producer tile counts itself in at its band's counter; the
+    last tile of a band raises the band's "produced" word, which the side stream waits for.
+    Without it the copy is a serial tail of the producer phase that the consumer's first own
+    tile must cover; at short K it does not (session 16: 10-12 % slower than SM pushes).
+
     ``programs_per_sm``: persistent programs per SM (grid = that times the SMs, capped at the
     tiles). At 2, one program's epilogue runs beside the other's K loop; the launchers check
     with CUDA's occupancy calculator that they all fit and otherwise run one per SM, with a
@@ -94,6 +102,7 @@ class GemmConfig:
     rs_tma_reduce: bool = True
     rs_spread_reduce: bool = False
     rs_copy_engine: bool = False
+    rs_ce_bands: bool = False
     stream_k: int = 0
     programs_per_sm: int = 1
     ag_peer_group: int = 1
@@ -112,7 +121,8 @@ class GemmConfig:
         if not isinstance(self.comm_priority, int) or not -5 <= self.comm_priority <= 0:
             raise ValueError(f"GemmConfig.comm_priority must be an int in [-5, 0]: {self}")
         for name in ("flatten", "flatten_consume", "warp_specialize", "ag_pull", "rs_tma_push",
-                     "rs_tma_reduce", "rs_spread_reduce", "rs_copy_engine", "ag_merge_local"):
+                     "rs_tma_reduce", "rs_spread_reduce", "rs_copy_engine", "rs_ce_bands",
+                     "ag_merge_local"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemmConfig.{name} must be a bool: {self}")
         if self.stream_k not in (0, 1) or isinstance(self.stream_k, bool):
@@ -156,14 +166,37 @@ def tiles_per_segment(m_local: int, n: int, cfg: GemmConfig) -> int:
     return -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
 
 
+#: Most bands per producer step of a banded copy-engine GEMM+RS (``rs_ce_bands``)
+MAX_RS_BANDS = 8
+
+
 def rs_signal_count(world: int) -> int:
     """Signal words one GEMM+RS call needs per rank and parity: ``[src]`` (raised by the peer
     ``src`` when its grid finished producing, or with ``rs_copy_engine`` by the copy engine
     after its partial landed), then ``[world]``, the arrival counter this rank's own programs
     count up and the last one resets, then ``[world + 1]``, this rank's "produced" word
-    (``rs_copy_engine``: raised by its own grid, awaited by its copy-engine stream). The layout
-    does not depend on the shape or the kernel config."""
-    return world + 2
+    (``rs_copy_engine``: raised by its own grid, awaited by its copy-engine stream), then per
+    producer step and band a tile counter and the band's "produced" word
+    (:func:`rs_band_words`, ``rs_ce_bands``). The layout does not depend on the shape or the
+    kernel config."""
+    return world + 2 + 2 * (world - 1) * MAX_RS_BANDS
+
+
+def rs_band_words(world: int, step: int, band: int) -> Tuple[int, int]:
+    """(tile counter, "produced" word) of producer step ``step``'s band ``band``: the indices
+    the kernel computes (``rs_ce_bands``)."""
+    base = world + 2 + 2 * (step * MAX_RS_BANDS + band)
+    return base, base + 1
+
+
+def rs_bands(m_local: int, block_m: int, group_m: int) -> Tuple[int, int]:
+    """``(row tiles per band, bands)`` of one producer step (``rs_ce_bands``): whole groups of
+    ``group_m`` row tiles, so a band's tiles are consecutive in the grouped tile order, and at
+    most :data:`MAX_RS_BANDS` bands. The kernel computes the same."""
+    pid_m = -(-m_local // block_m)
+    groups = -(-pid_m // group_m)
+    band_m = group_m * -(-groups // MAX_RS_BANDS)
+    return band_m, -(-pid_m // band_m)
 
 
 #: Largest TP size whose step loops the fused kernels unroll at compile time. Comm off on one
