@@ -1,0 +1,73 @@
+"""GEMM-class kernel time per role of a Llama layer, for one profiled training step.
+
+Session 17's attribution of the flux step's time: in one step of the Llama-3-8B-16l job
+(micro-batch 2, two micro-batches, no pipeline parallelism) the GEMM-class kernels (cuBLAS,
+fused AG+GEMM, fused GEMM+RS) run in a fixed order per micro-batch: 16 layers x 4 forward
+(qkv, proj, fc1, fc2), 3 of the output layer (forward, dgrad, wgrad), then 16 layers x 8
+backward (fc2 dgrad, fc2 wgrad, fc1 dgrad, fc1 wgrad, proj dgrad, proj wgrad, qkv dgrad, qkv
+wgrad). This script checks that count and prints each role's total, median, min and max.
+
+``python benchmarks/experiments/trace_gemm_roles.py rank-0.json.gz STEP [--layers 16]``
+"""
+
+import argparse
+import bisect
+import collections
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import trace_summary as T  # noqa: E402
+
+FWD = ["fwd qkv AG", "fwd proj RS", "fwd fc1 AG", "fwd fc2 RS"]
+BWD = ["bwd fc2 dgrad AG", "bwd fc2 wgrad", "bwd fc1 dgrad RS", "bwd fc1 wgrad",
+       "bwd proj dgrad AG", "bwd proj wgrad", "bwd qkv dgrad RS", "bwd qkv wgrad"]
+
+
+def gemm_kernels_of_step(events, step):
+    steps = sorted((e["ts"], e["ts"] + e["dur"], int(T.STEP_RE.fullmatch(e["name"]).group(1)))
+                   for e in events if e.get("ph") == "X" and T.STEP_RE.fullmatch(str(e.get("name", "")))
+                   and e.get("cat") in ("user_annotation", "cpu_op", None))
+    starts = [s[0] for s in steps]
+    launched_in = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            i = bisect.bisect_right(starts, e["ts"]) - 1
+            corr = (e.get("args") or {}).get("correlation")
+            if i >= 0 and e["ts"] <= steps[i][1] and corr is not None:
+                launched_in[corr] = steps[i][2]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"
+               and launched_in.get((e.get("args") or {}).get("correlation")) == step
+               and T.kind_of(str(e["name"]), "kernel") in ("gemm", "fused_ag", "fused_rs")]
+    return sorted(kernels, key=lambda e: e["ts"])
+
+
+def by_role(kernels, layers):
+    per_mb = 4 * layers + 3 + 8 * layers
+    if len(kernels) % per_mb:
+        raise SystemExit(f"{len(kernels)} GEMM-class kernels, not a multiple of {per_mb}")
+    roles = collections.defaultdict(list)
+    for i, e in enumerate(kernels):
+        j = i % per_mb
+        role = FWD[j % 4] if j < 4 * layers else ("output" if j < 4 * layers + 3
+                                                  else BWD[(j - 4 * layers - 3) % 8])
+        roles[role].append(e["dur"])
+    return roles
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trace")
+    p.add_argument("step", type=int)
+    p.add_argument("--layers", type=int, default=16)
+    args = p.parse_args(argv)
+    roles = by_role(gemm_kernels_of_step(T.load(args.trace), args.step), args.layers)
+    for role in FWD + BWD + ["output"]:
+        d = roles[role]
+        print(f"{role:18s} n={len(d):3d} sum={sum(d) / 1e3:7.2f} ms  median={statistics.median(d):7.1f} "
+              f"min={min(d):7.1f} max={max(d):7.1f} us")
+
+
+if __name__ == "__main__":
+    main()
