@@ -82,6 +82,8 @@ NOT_SEARCHED: Dict[str, str] = {
     "ag_merge_local": "no faster with communication on, slower in 7 of 8 paired comm-off "
                       "cases at TP 2 (benchmarks/NOTES.md, session 15)",
     "ag_merge_lead": "only matters with ag_merge_local",
+    "rs_ce_bands": "0.97x the table config on one training shape, 1.04x on another, mixed on "
+                   "the rest (benchmarks/NOTES.md, session 17)",
     "flatten_consume": "compiles to the same GEMM+RS kernel either way (Triton does not flatten "
                        "the reduction loop); a kernel that did flatten it ran level "
                        "(benchmarks/NOTES.md, session 13)",
