@@ -15,6 +15,10 @@
 #                                                   m = 8192 and 4096, table configs (flux) against
 #                                                   rs_copy_engine + rs_ce_bands (flux_variant), twice
 #                                                   -> $OUT/tests-conn1.json, ab-bands-{1,2}.json
+#   OUT=... bash benchmarks/device_s17.sh dgradab   two Llama-3-8B-16l jobs at micro-batch 2, backends
+#                                                   megatron/flux rotated every 4 iterations, 110
+#                                                   iterations: MEGATRON_FLUX_COLUMN_DGRAD=nccl, then
+#                                                   =fused  -> $OUT/dgrad-{nccl,fused}/interleave.json
 # Stages run in the order given: device_s17.sh tests profile
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -65,6 +69,13 @@ for (model, m, method), v in sorted(t.items()):
         print(f"{model:7s} m={m:5d} cublas {t[(model, m, 'cublas_gemm')]:.4f} nccl {t[(model, m, 'nccl')]:.4f} "
               f"flux {v:.4f} bands {t[(model, m, 'flux_variant')]:.4f} ratio {t[(model, m, 'flux_variant')] / v:.3f}")
 PY
+        done ;;
+    dgradab)
+        for mode in nccl fused; do
+            MEGATRON_FLUX_COLUMN_DGRAD="${mode}" SKIP_TESTS=1 IL_BACKENDS='megatron flux' IL_STEPS=4 \
+                IL_ITERS=110 PROFILE=0 IL_TOKENS=16384 \
+                IL_EXTRA='--micro-batch-size 2 --global-batch-size 4' OUT="${OUT}/dgrad-${mode}" \
+                bash benchmarks/device_interleave.sh 2>&1 | grep -E "paired|megatron:|exit|Error"
         done ;;
     *) echo "unknown stage ${stage}"; exit 2 ;;
     esac

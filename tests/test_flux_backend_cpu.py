@@ -106,3 +106,56 @@ def test_cuda_graph_capture_is_refused_so_auto_falls_back(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     reason = FluxBackend().unsupported_reason(_CudaLike(), _CudaLike(), _Group(2))
     assert reason is not None and "CUDA graph capture" in reason
+
+
+def test_column_dgrad_choice_from_argument_or_environment(monkeypatch):
+    """``column_dgrad="nccl"`` hands the column backward's input gradient to the NCCL backend's
+    overlapped form (cuBLAS, then a reduce-scatter left running); ``"fused"`` keeps the fused
+    GEMM+RS. The environment sets the default; anything else is refused by name."""
+    from megatron_flux.backends.base import PendingGather
+    from megatron_flux.backends.flux import ENV_COLUMN_DGRAD
+
+    calls = []
+
+    class _Nccl:
+        def matmul_reduce_scatter_start(self, a, b, group, *, bias=None):
+            calls.append(("nccl", a.shape, b.shape, bias))
+            return PendingGather(a @ b)
+
+    monkeypatch.delenv(ENV_COLUMN_DGRAD, raising=False)
+    assert FluxBackend().column_dgrad == "fused"
+    monkeypatch.setenv(ENV_COLUMN_DGRAD, "nccl")
+    be = FluxBackend()
+    assert be.column_dgrad == "nccl"
+    be._nccl = _Nccl()
+    a, b = torch.randn(4, 3), torch.randn(3, 2)
+    assert torch.equal(be.matmul_reduce_scatter_start(a, b, _Group(2)).wait(), a @ b)
+    assert calls == [("nccl", (4, 3), (3, 2), None)]
+
+    fused = FluxBackend(column_dgrad="fused")
+    fused._nccl = _Nccl()
+    monkeypatch.setattr(fused, "matmul_reduce_scatter", lambda a, b, group, bias=None: ("fused", a, b))
+    assert fused.matmul_reduce_scatter_start(a, b, _Group(2)).wait()[0] == "fused"
+    assert len(calls) == 1
+    monkeypatch.setenv(ENV_COLUMN_DGRAD, "cublas")
+    with pytest.raises(ValueError, match="MEGATRON_FLUX_COLUMN_DGRAD.*'cublas'"):
+        FluxBackend()
+
+
+def test_auto_dispatch_starts_the_dgrad_on_the_backend_it_chose_for_rs():
+    """The column backward's overlapped form goes to the GEMM+RS side of an ``auto`` split, so an
+    NCCL choice keeps its reduce-scatter running beside the wgrad GEMM (not run to completion)."""
+    from megatron_flux.tuning.auto import AutoDispatch
+
+    class _Be:
+        waits_across_ranks_on_sms = False
+
+        def __init__(self, name):
+            self.name = name
+
+        def matmul_reduce_scatter_start(self, a, b, group, **kw):
+            return self.name
+
+    fused, nccl = _Be("fused"), _Be("nccl")
+    assert AutoDispatch(fused, nccl, True, False).matmul_reduce_scatter_start(None, None, None) == "nccl"
+    assert AutoDispatch(fused, nccl, False, True).matmul_reduce_scatter_start(None, None, None) == "fused"

@@ -61,6 +61,7 @@ import torch
 from megatron_flux.backends.base import TPOverlapBackend, output_like
 
 _DEFAULT_MAX_SPINS = 1 << 25
+ENV_COLUMN_DGRAD = "MEGATRON_FLUX_COLUMN_DGRAD"
 
 
 def flux_backend_factory_or_reason():
@@ -144,11 +145,17 @@ class FluxBackend(TPOverlapBackend):
     name = "flux"
     waits_across_ranks_on_sms = True  # persistent grids spin on peers' signals
 
-    def __init__(self, config_provider=None):
+    def __init__(self, config_provider=None, column_dgrad: Optional[str] = None):
         """``config_provider(op, m_total, n, k) -> GemmConfig``; default: the tuning tables
         (:class:`~megatron_flux.tuning.provider.TableConfigProvider`: table hit at the nearest
         m-bucket, else ``default_config``). A provider with ``accepts_context = True`` is also
-        given ``dtype=``, ``tp=`` and ``device=``."""
+        given ``dtype=``, ``tp=`` and ``device=``.
+
+        ``column_dgrad`` (default ``$MEGATRON_FLUX_COLUMN_DGRAD``, else ``"fused"``): how
+        :meth:`matmul_reduce_scatter_start`, the column backward's input gradient, runs:
+        ``"fused"``, the GEMM+RS kernel; ``"nccl"``, cuBLAS then NCCL's reduce-scatter left
+        running beside the weight-gradient GEMM, megatron-core's order (the weight-gradient
+        re-gather stays on the copy engine)."""
         if config_provider is None:
             from megatron_flux.tuning.provider import TableConfigProvider
 
@@ -167,6 +174,12 @@ class FluxBackend(TPOverlapBackend):
         self._stream_wait: Optional[bool] = None
         self.max_spins = int(os.environ.get("MEGATRON_FLUX_MAX_SPINS", _DEFAULT_MAX_SPINS))
         self._nccl = None
+        if column_dgrad is None:
+            column_dgrad = os.environ.get(ENV_COLUMN_DGRAD, "") or "fused"
+        if column_dgrad not in ("fused", "nccl"):
+            raise ValueError(f"megatron-flux: column_dgrad (${ENV_COLUMN_DGRAD}) must be 'fused' or "
+                             f"'nccl', got {column_dgrad!r}")
+        self.column_dgrad = column_dgrad
 
     # ---------------------------------------------------------------- support
     def unsupported_reason(self, a, b, group) -> Optional[str]:
@@ -437,6 +450,14 @@ class FluxBackend(TPOverlapBackend):
         )
         err.after_launch()
         return out
+
+    def matmul_reduce_scatter_start(self, a, b, group, *, bias=None):
+        """The column backward's input gradient: the fused GEMM+RS (complete when this
+        returns), or with ``column_dgrad="nccl"`` the NCCL backend's cuBLAS GEMM and a
+        reduce-scatter left running beside the caller's next GEMM."""
+        if self.column_dgrad == "nccl":
+            return self._nccl_backend().matmul_reduce_scatter_start(a, b, group, bias=bias)
+        return super().matmul_reduce_scatter_start(a, b, group, bias=bias)
 
     def _rs_copy_engine(self, a, b, out, bias, ws, err, data, cfg, *, rank, world, m_local, n,
                         epoch, parity):

@@ -93,6 +93,9 @@ class AutoDispatch(TPOverlapBackend):
     def matmul_reduce_scatter(self, a, b, group, **kw):
         return self.rs.matmul_reduce_scatter(a, b, group, **kw)
 
+    def matmul_reduce_scatter_start(self, a, b, group, **kw):
+        return self.rs.matmul_reduce_scatter_start(a, b, group, **kw)
+
     def all_gather(self, x, group, *, out=None):
         return self.nccl.all_gather(x, group, out=out)
 
