@@ -109,9 +109,10 @@ def test_cuda_graph_capture_is_refused_so_auto_falls_back(monkeypatch):
 
 
 def test_column_dgrad_choice_from_argument_or_environment(monkeypatch):
-    """``column_dgrad="nccl"`` hands the column backward's input gradient to the NCCL backend's
-    overlapped form (cuBLAS, then a reduce-scatter left running); ``"fused"`` keeps the fused
-    GEMM+RS. The environment sets the default; anything else is refused by name."""
+    """``column_dgrad="nccl"`` (the default) hands the column backward's input gradient to the
+    NCCL backend's overlapped form (cuBLAS, then a reduce-scatter left running); ``"fused"``
+    keeps the fused GEMM+RS. The environment overrides the default; anything else is refused
+    by name."""
     from megatron_flux.backends.base import PendingGather
     from megatron_flux.backends.flux import ENV_COLUMN_DGRAD
 
@@ -123,9 +124,10 @@ def test_column_dgrad_choice_from_argument_or_environment(monkeypatch):
             return PendingGather(a @ b)
 
     monkeypatch.delenv(ENV_COLUMN_DGRAD, raising=False)
-    assert FluxBackend().column_dgrad == "fused"
-    monkeypatch.setenv(ENV_COLUMN_DGRAD, "nccl")
     be = FluxBackend()
+    assert be.column_dgrad == "nccl"
+    monkeypatch.setenv(ENV_COLUMN_DGRAD, "fused")
+    assert FluxBackend().column_dgrad == "fused"
     assert be.column_dgrad == "nccl"
     be._nccl = _Nccl()
     a, b = torch.randn(4, 3), torch.randn(3, 2)

@@ -151,11 +151,14 @@ class FluxBackend(TPOverlapBackend):
         m-bucket, else ``default_config``). A provider with ``accepts_context = True`` is also
         given ``dtype=``, ``tp=`` and ``device=``.
 
-        ``column_dgrad`` (default ``$MEGATRON_FLUX_COLUMN_DGRAD``, else ``"fused"``): how
+        ``column_dgrad`` (default ``$MEGATRON_FLUX_COLUMN_DGRAD``, else ``"nccl"``): how
         :meth:`matmul_reduce_scatter_start`, the column backward's input gradient, runs:
-        ``"fused"``, the GEMM+RS kernel; ``"nccl"``, cuBLAS then NCCL's reduce-scatter left
-        running beside the weight-gradient GEMM, megatron-core's order (the weight-gradient
-        re-gather stays on the copy engine)."""
+        ``"nccl"``, cuBLAS then NCCL's reduce-scatter left running beside the weight-gradient
+        GEMM, megatron-core's order (the weight-gradient re-gather stays on the copy engine);
+        ``"fused"``, the GEMM+RS kernel. There stock already hides the collective, so the fused
+        kernel can only lose its margin to cuBLAS: on the Llama-3-8B-16l job (TP 2,
+        micro-batch 2) ``"nccl"`` ran 1.041× stock against 1.027× for ``"fused"``
+        (benchmarks/NOTES.md, session 17)."""
         if config_provider is None:
             from megatron_flux.tuning.provider import TableConfigProvider
 
@@ -175,7 +178,7 @@ class FluxBackend(TPOverlapBackend):
         self.max_spins = int(os.environ.get("MEGATRON_FLUX_MAX_SPINS", _DEFAULT_MAX_SPINS))
         self._nccl = None
         if column_dgrad is None:
-            column_dgrad = os.environ.get(ENV_COLUMN_DGRAD, "") or "fused"
+            column_dgrad = os.environ.get(ENV_COLUMN_DGRAD, "") or "nccl"
         if column_dgrad not in ("fused", "nccl"):
             raise ValueError(f"megatron-flux: column_dgrad (${ENV_COLUMN_DGRAD}) must be 'fused' or "
                              f"'nccl', got {column_dgrad!r}")
