@@ -85,8 +85,12 @@ def _worker(rank, world, port, queue):
 
 
 @_NEEDS_2_GPUS
-def test_mlp_block_flux_matches_nccl():
+@pytest.mark.parametrize("column_dgrad", ["nccl", "fused"])
+def test_mlp_block_flux_matches_nccl(column_dgrad, monkeypatch):
+    """Both forms of the column backward's input gradient (the workers' fused backend reads
+    ``$MEGATRON_FLUX_COLUMN_DGRAD``)."""
     pytest.importorskip("megatron.core")
+    monkeypatch.setenv("MEGATRON_FLUX_COLUMN_DGRAD", column_dgrad)
     # TP = every local GPU (up to 8; the shapes divide by 8): 2 here, 4 or 8 on larger boxes
     checks = run_nccl_world(_worker, min(torch.cuda.device_count(), 8), timeout=300)
     assert all(c > 0 for c in checks)
