@@ -476,7 +476,8 @@ class FluxBackend(TPOverlapBackend):
         staging = self._rs_staging(device, a.dtype, (world - 1) * seg_elems, side)
         bands = rs_bands(m_local, cfg.block_m, cfg.group_m) if cfg.rs_ce_bands else None
         table, copies, my_flags = ws.memo(
-            ("rs-ce", rank, world, parity, m_local, n, staging.data_ptr(), bands),
+            ("rs-ce", rank, world, parity, m_local, n, staging.data_ptr(), bands,
+             cfg.block_m if bands else 0),
             lambda: self._rs_ce_plan(ws, staging, data, rank, world, parity, m_local, n, bands,
                                      cfg.block_m))
         current = torch.cuda.current_stream(device)
