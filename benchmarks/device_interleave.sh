@@ -54,7 +54,7 @@ python3 benchmarks/interleave_report.py --log "${OUT}/interleave.log" --tokens-p
     --extra "command=\"OUT=\$OUT IL_BACKENDS='${IL_BACKENDS}' IL_STEPS=${IL_STEPS} IL_ITERS=${IL_ITERS} PROFILE=${PROFILE:-1} PROF_START=${PROF_START} PROF_END=${PROF_END} IL_EXTRA='${IL_EXTRA:-}' bash benchmarks/device_interleave.sh (TP=${NGPUS}; FLUX_BACKEND=auto bash examples/pretrain_llama.sh --flux-interleave-backends ${IL_BACKENDS} --flux-interleave-steps ${IL_STEPS} ${IL_EXTRA:-}, + Megatron's --profile --use-pytorch-profiler on the excluded iterations unless PROFILE=0)\"" \
     --extra "model=\"llama3-8b-16l (configs/llama3_8b_16l.json)\"" \
     --extra "versions=${versions}" --extra "tp=${NGPUS}" \
-    --extra 'env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}' \
+    --extra "env={\"CUDA_DEVICE_MAX_CONNECTIONS\": \"1\", \"NCCL_NVLS_ENABLE\": \"0\", \"TORCH_SYMM_MEM_DISABLE_MULTICAST\": \"1\", \"MEGATRON_FLUX_COLUMN_DGRAD\": \"${MEGATRON_FLUX_COLUMN_DGRAD:-}\"}" \
     --out "${OUT}/interleave.json"
 for trace in "${PROF}"/torch_profile/rank-*.json.gz; do
     [ -e "${trace}" ] || { echo "no trace written"; break; }
