@@ -18,7 +18,8 @@
 #   OUT=... bash benchmarks/device_s17.sh dgradab   two Llama-3-8B-16l jobs at micro-batch 2, backends
 #                                                   megatron/flux rotated every 4 iterations, 110
 #                                                   iterations: MEGATRON_FLUX_COLUMN_DGRAD=nccl, then
-#                                                   =fused  -> $OUT/dgrad-{nccl,fused}/interleave.json
+#                                                   =fused (DGRAD_MODES="nccl fused copy_engine" to add
+#                                                   one)  -> $OUT/dgrad-<mode>/interleave.json
 # Stages run in the order given: device_s17.sh tests profile
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -71,7 +72,7 @@ for (model, m, method), v in sorted(t.items()):
 PY
         done ;;
     dgradab)
-        for mode in nccl fused; do
+        for mode in ${DGRAD_MODES:-nccl fused}; do
             MEGATRON_FLUX_COLUMN_DGRAD="${mode}" SKIP_TESTS=1 IL_BACKENDS='megatron flux' IL_STEPS=4 \
                 IL_ITERS=110 PROFILE=0 IL_TOKENS=16384 \
                 IL_EXTRA='--micro-batch-size 2 --global-batch-size 4' OUT="${OUT}/dgrad-${mode}" \

@@ -700,6 +700,60 @@ def check_gemm_rs_copy_engine_bands():
             assert torch.equal(got[r], w_ref["outs"][r]), f"TP {world} rank {r}: bands differ from SM push"
 
 
+def check_copy_engine_reduce_scatter():
+    """``column_dgrad="copy_engine"`` at TP 2/4/8 on simulated symmetric workspaces: each
+    rank's copy plan writes its partial's rows of segment ``p`` into peer ``p``'s slot (ring
+    order, so at each step the ranks write distinct owners) and signals word ``rank`` there;
+    the owner's bounded wait passes, and the reduction (own rows + slots in rank order, in
+    fp32, + bias) equals the same sum done by torch bitwise. A rank whose copies never came is
+    named by every owner's wait (op GEMM+RS)."""
+    from fake_symm import FakeWorld
+
+    from megatron_flux.comm.rs_copies import rs_copy_plan
+    from megatron_flux.kernels.ready_barrier import launch_ready_barrier
+    from megatron_flux.kernels.rs_reduce import launch_rs_reduce
+    from megatron_flux.kernels.signals import OP_GEMM_RS
+
+    epoch, parity = 5, 1
+    for world, m_local, n in ((2, 40, 300), (4, 9, 64), (8, 3, 40)):
+        m = world * m_local
+        torch.manual_seed(world)
+        partials = [torch.randn(m, n).to(DTYPE) for _ in range(world)]
+        bias = torch.randn(n).to(DTYPE)
+        for missing in (None, 2 % world):
+            w = FakeWorld(world, "rs", DTYPE)
+            w.reserve(world * m_local * n, rs_signal_count(world))
+            for r in range(world):
+                w.ws[r].flags(r, parity).zero_()
+            for r in range(world):
+                if r == missing:
+                    continue
+                plan = rs_copy_plan(w.ws[r], m_local, n, rank=r, world=world, parity=parity)
+                assert [c.peer for c in plan] == [(r + s) % world for s in range(1, world)]
+                for peer, dst, flags in plan:
+                    dst.copy_(partials[r][peer * m_local:(peer + 1) * m_local].reshape(-1))
+                    flags.view(torch.int32)[r] = epoch
+            for r in range(world):
+                err = torch.zeros(4, dtype=torch.int32)
+                launch_ready_barrier(w.ws[r].flag_ptrs(parity), err, rank=r, world=world, base=0,
+                                     epoch=epoch, max_spins=3, signal=False, wait=True,
+                                     op_code=OP_GEMM_RS)
+                if missing is not None:
+                    if r != missing:
+                        assert err.tolist()[:3] == [OP_GEMM_RS, r, missing], err.tolist()
+                    continue
+                assert err.tolist() == [0, 0, 0, 0], err.tolist()
+                out = torch.full((m_local, n), float("nan")).to(DTYPE)
+                rows = slice(r * m_local, (r + 1) * m_local)
+                launch_rs_reduce(partials[r][rows], w.ws[r].data(r, parity, world * m_local * n), out,
+                                 bias, rank=r, world=world, block_m=16, block_n=64)
+                ref = torch.zeros(m_local, n)
+                for src in range(world):
+                    ref += partials[src][rows].float()
+                ref = (ref + bias.float()).to(DTYPE)
+                assert torch.equal(out, ref), f"TP {world} rank {r}: reduction differs"
+
+
 def check_programs_per_sm():
     """``programs_per_sm=2`` doubles the persistent grid (the interpreter reports unbounded
     occupancy): AG+GEMM (with and without stream-K) and GEMM+RS stay right at TP 2 and 4."""
@@ -754,7 +808,7 @@ CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_
           check_ag_merged_local, check_ag_merged_signals, check_ag_stream_k, check_ag_signal_indexing,
           check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout,
           check_gemm_rs_spread_waits_for_its_own_grid, check_gemm_rs_copy_engine,
-          check_gemm_rs_copy_engine_bands,
+          check_gemm_rs_copy_engine_bands, check_copy_engine_reduce_scatter,
           check_next_call_cannot_release_a_wait, check_ready_barrier, check_copy_engine_gather,
           check_programs_per_sm]
 

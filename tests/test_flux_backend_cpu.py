@@ -139,8 +139,9 @@ def test_column_dgrad_choice_from_argument_or_environment(monkeypatch):
     monkeypatch.setattr(fused, "matmul_reduce_scatter", lambda a, b, group, bias=None: ("fused", a, b))
     assert fused.matmul_reduce_scatter_start(a, b, _Group(2)).wait()[0] == "fused"
     assert len(calls) == 1
+    assert FluxBackend(column_dgrad="copy_engine").column_dgrad == "copy_engine"
     monkeypatch.setenv(ENV_COLUMN_DGRAD, "cublas")
-    with pytest.raises(ValueError, match="MEGATRON_FLUX_COLUMN_DGRAD.*'cublas'"):
+    with pytest.raises(ValueError, match=r"MEGATRON_FLUX_COLUMN_DGRAD.*\('nccl', 'fused', 'copy_engine'\).*'cublas'"):
         FluxBackend()
 
 

@@ -78,6 +78,33 @@ def _check_rs(flux, group, rank, world, m_local, k, n, dtype, layout, tol, gen, 
     return out
 
 
+def _check_rs_start_every_shape(flux, group, rank, world, gen):
+    """``matmul_reduce_scatter_start`` (the column backward's dgrad) over every shape of SHAPES,
+    with a GEMM queued before ``wait()`` as the wgrad is, the output checked against fp32 math
+    and bitwise against a second call; returns the number of checks."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for (m_local, k, n) in SHAPES:
+        a = torch.randn(world * m_local, k, generator=gen, device=dev).to(torch.bfloat16)
+        b = torch.randn(k, n, generator=gen, device=dev).to(torch.bfloat16)
+        bias = torch.randn(n, generator=gen, device=dev).to(torch.bfloat16) if m_local % 2 == 0 else None
+        if bias is not None:
+            torch.distributed.broadcast(bias, 0, group=group)
+        full = a.float() @ b.float()
+        torch.distributed.all_reduce(full, group=group)
+        ref = full[rank * m_local:(rank + 1) * m_local] + (bias.float() if bias is not None else 0)
+        outs = []
+        for _ in range(2):
+            pending = flux.matmul_reduce_scatter_start(a, b, group, bias=bias)
+            beside = a.t() @ a  # the wgrad's place
+            outs.append(pending.wait().clone())
+            del beside
+        err = _rel(outs[0], ref)
+        assert err < 2e-2, f"dgrad ({flux.column_dgrad}) rel err {err} ({m_local},{k},{n})"
+        assert torch.equal(outs[0], outs[1]), f"dgrad ({flux.column_dgrad}) is not deterministic"
+    flux.check_errors()
+    return len(SHAPES)
+
+
 def _default_with(**fields):
     """A FluxBackend whose every config is the heuristic default with ``fields`` changed."""
     from megatron_flux.backends.flux import FluxBackend
@@ -213,6 +240,11 @@ def _worker(rank, world, port, env, queue):
         n_checks += _check_back_to_back(flux_alt_ce, group, rank, world, gen)
         flux_alt_ce.check_errors()
         n_checks += _check_gather_beside_rs(flux, group, rank, world, gen)
+        for column_dgrad in ("copy_engine", "fused", "nccl"):
+            from megatron_flux.backends.flux import FluxBackend
+
+            n_checks += _check_rs_start_every_shape(FluxBackend(column_dgrad=column_dgrad), group,
+                                                    rank, world, gen)
         flux_ce = _default_with(rs_copy_engine=True)
         n_checks += _check_gather_beside_rs(flux_ce, group, rank, world, gen)
         flux_ce.check_errors()

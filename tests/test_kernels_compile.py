@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-_POINTERS = {"x_ptr": "*bf16", "ag_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16",
+_POINTERS = {"own_ptr": "*bf16", "slots_ptr": "*bf16", "x_ptr": "*bf16", "ag_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16",
              "a_ptr": "*bf16", "out_ptr": "*bf16", "data_ptr": "*bf16", "bias_ptr": "*bf16",
              "data_ptrs": "*i64", "flag_ptrs": "*i64", "flags_ptr": "*i32", "err_ptr": "*i32",
              "sk_partials_ptr": "*fp32", "sk_counters_ptr": "*i32", "trace_ptr": "*i64"}
@@ -49,6 +49,15 @@ def test_gemm_rs_compiles_with_one_row_per_rank(world, spread, copy_engine):
                                       SPREAD_REDUCE=spread, UNROLL_STEPS=unroll_steps(world),
                                       CE_PUSH=bool(copy_engine), CE_BANDS=copy_engine == "bands"),
                  ones=("m_local",))
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_rs_reduce_compiles_with_one_row_per_rank(world):
+    from megatron_flux.kernels.rs_reduce import rs_reduce_kernel
+
+    for bias in (False, True):
+        _compile(rs_reduce_kernel, dict(WORLD=world, HAS_BIAS=bias, BLOCK_M=32, BLOCK_N=256),
+                 ones=("m_local",), num_stages=1)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -20,6 +20,7 @@ NAMES = ["check_tile_order", "check_ag_gemm_all_ranks", "check_ag_peer_groups",
          "check_gemm_rs_all_ranks", "check_gemm_rs_ownership",
          "check_gemm_rs_deterministic_and_timeout", "check_gemm_rs_spread_waits_for_its_own_grid",
          "check_gemm_rs_copy_engine", "check_gemm_rs_copy_engine_bands",
+         "check_copy_engine_reduce_scatter",
          "check_next_call_cannot_release_a_wait",
          "check_ready_barrier", "check_copy_engine_gather", "check_plain_gemm",
          "check_programs_per_sm"]

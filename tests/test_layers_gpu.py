@@ -85,7 +85,7 @@ def _worker(rank, world, port, queue):
 
 
 @_NEEDS_2_GPUS
-@pytest.mark.parametrize("column_dgrad", ["nccl", "fused"])
+@pytest.mark.parametrize("column_dgrad", ["nccl", "fused", "copy_engine"])
 def test_mlp_block_flux_matches_nccl(column_dgrad, monkeypatch):
     """Both forms of the column backward's input gradient (the workers' fused backend reads
     ``$MEGATRON_FLUX_COLUMN_DGRAD``)."""

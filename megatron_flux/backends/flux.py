@@ -62,6 +62,7 @@ from megatron_flux.backends.base import TPOverlapBackend, output_like
 
 _DEFAULT_MAX_SPINS = 1 << 25
 ENV_COLUMN_DGRAD = "MEGATRON_FLUX_COLUMN_DGRAD"
+COLUMN_DGRAD_CHOICES = ("nccl", "fused", "copy_engine")
 
 
 def flux_backend_factory_or_reason():
@@ -139,6 +140,52 @@ class _CopyEngineGather:
         return self._result
 
 
+class _CopyEngineReduceScatter:
+    """The handle of a copy-engine ReduceScatter (``column_dgrad="copy_engine"``). :meth:`wait`
+    queues the signal writes behind the copies (after whatever the caller queued meanwhile: with
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` a write waiting for its copy holds the one hardware queue),
+    makes the current stream wait for the side stream, waits (one warp, bounded) for every
+    peer's signal and sums the partials (:mod:`megatron_flux.kernels.rs_reduce`)."""
+
+    def __init__(self, backend, ws, err, copies, partial, bias, rank, world, parity, epoch,
+                 m_local, n, current, side):
+        self._backend, self._ws, self._err, self._copies = backend, ws, err, copies
+        self._partial, self._bias = partial, bias
+        self._rank, self._world, self._parity, self._epoch = rank, world, parity, epoch
+        self._m_local, self._n, self._current, self._side = m_local, n, current, side
+        self._result = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is not None:
+            return self._result
+        from megatron_flux.comm.signals import write_signal
+        from megatron_flux.comm.streams import on_stream
+        from megatron_flux.kernels.ready_barrier import launch_ready_barrier
+        from megatron_flux.kernels.rs_reduce import launch_rs_reduce
+        from megatron_flux.kernels.signals import OP_GEMM_RS
+
+        device = self._current.device
+        current = torch.cuda.current_stream(device)
+        with on_stream(self._side, current):
+            for _, _, flags in self._copies:
+                write_signal(flags, self._rank, self._epoch)  # after its copy, same stream
+        self._backend._order(device, "rs-dgrad-done")(self._current, self._side)
+        out = torch.empty((self._m_local, self._n), dtype=self._partial.dtype, device=device)
+        m_local, n, rank, world = self._m_local, self._n, self._rank, self._world
+        own = self._partial[rank * m_local:(rank + 1) * m_local]
+        slots = self._ws.data(rank, self._parity, world * m_local * n)
+        with on_stream(self._current, current):
+            launch_ready_barrier(self._ws.flag_ptrs(self._parity), self._err.device_word,
+                                 rank=self._rank, world=self._world, base=0, epoch=self._epoch,
+                                 max_spins=self._backend.max_spins, signal=False, wait=True,
+                                 op_code=OP_GEMM_RS)
+            launch_rs_reduce(own, slots, out, self._bias, rank=rank, world=world)
+        self._err.after_launch()
+        self._copies = self._partial = None
+        self._result = out
+        return out
+
+
 class FluxBackend(TPOverlapBackend):
     """Fused Triton kernels; see the module docstring for the schedule."""
 
@@ -155,10 +202,12 @@ class FluxBackend(TPOverlapBackend):
         :meth:`matmul_reduce_scatter_start`, the column backward's input gradient, runs:
         ``"nccl"``, cuBLAS then NCCL's reduce-scatter left running beside the weight-gradient
         GEMM, megatron-core's order (the weight-gradient re-gather stays on the copy engine);
-        ``"fused"``, the GEMM+RS kernel. There stock already hides the collective, so the fused
-        kernel can only lose its margin to cuBLAS: on the Llama-3-8B-16l job (TP 2,
-        micro-batch 2) ``"nccl"`` ran 1.041× stock against 1.027× for ``"fused"``
-        (benchmarks/NOTES.md, session 17)."""
+        ``"fused"``, the GEMM+RS kernel; ``"copy_engine"``, cuBLAS, then the copy engine moves
+        the peers' rows beside the weight-gradient GEMM (no SM taken from it, unlike NCCL's
+        kernel) and a reduction kernel sums them after it (not yet measured on GPUs). There
+        stock already hides the collective, so the fused kernel can only lose its margin to
+        cuBLAS: on the Llama-3-8B-16l job (TP 2, micro-batch 2) ``"nccl"`` ran 1.041× stock
+        against 1.027× for ``"fused"`` (benchmarks/NOTES.md, session 17)."""
         if config_provider is None:
             from megatron_flux.tuning.provider import TableConfigProvider
 
@@ -179,9 +228,9 @@ class FluxBackend(TPOverlapBackend):
         self._nccl = None
         if column_dgrad is None:
             column_dgrad = os.environ.get(ENV_COLUMN_DGRAD, "") or "nccl"
-        if column_dgrad not in ("fused", "nccl"):
-            raise ValueError(f"megatron-flux: column_dgrad (${ENV_COLUMN_DGRAD}) must be 'fused' or "
-                             f"'nccl', got {column_dgrad!r}")
+        if column_dgrad not in COLUMN_DGRAD_CHOICES:
+            raise ValueError(f"megatron-flux: column_dgrad (${ENV_COLUMN_DGRAD}) must be one of "
+                             f"{COLUMN_DGRAD_CHOICES}, got {column_dgrad!r}")
         self.column_dgrad = column_dgrad
 
     # ---------------------------------------------------------------- support
@@ -460,7 +509,42 @@ class FluxBackend(TPOverlapBackend):
         reduce-scatter left running beside the caller's next GEMM."""
         if self.column_dgrad == "nccl":
             return self._nccl_backend().matmul_reduce_scatter_start(a, b, group, bias=bias)
+        if self.column_dgrad == "copy_engine":
+            self._check("GEMM+RS", a, b, group)
+            return self._reduce_scatter_copy_engine_start(a, b, group, bias)
         return super().matmul_reduce_scatter_start(a, b, group, bias=bias)
+
+    def _reduce_scatter_copy_engine_start(self, a, b, group, bias):
+        """cuBLAS's partial, its peers' rows moved by the copy engine (side stream, queued after
+        the GEMM); :meth:`_CopyEngineReduceScatter.wait` finishes the call."""
+        from megatron_flux.comm.rs_copies import rs_copy_plan
+        from megatron_flux.comm.streams import on_stream
+        from megatron_flux.kernels.config import rs_signal_count
+
+        world, rank = group.size(), group.rank()
+        m, n = a.shape[0], b.shape[1]
+        if m % world:
+            raise ValueError(f"megatron-flux GEMM+RS: {m} rows are not divisible by TP={world}")
+        if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"megatron-flux GEMM+RS: bias must be contiguous ({n},)")
+        m_local, device = m // world, a.device
+        ws = self._workspace("rs", group, device, a.dtype)
+        ws.reserve(world * m_local * n, rs_signal_count(world))
+        err = self._error_word("rs", device)
+        epoch = ws.next_epoch()
+        parity = epoch & 1
+        partial = torch.matmul(a, b).contiguous()
+        copies = ws.memo(("rs-ce-dgrad", rank, world, parity, m_local, n),
+                         lambda: rs_copy_plan(ws, m_local, n, rank=rank, world=world, parity=parity))
+        current = torch.cuda.current_stream(device)
+        side = self._side_stream(device, -1, "rs-dgrad")
+        self._order(device, "rs-dgrad-ready")(side, current)  # the partial is computed
+        with on_stream(side, current):
+            for peer, dst, _ in copies:
+                dst.copy_(partial[peer * m_local:(peer + 1) * m_local].view(-1))
+        partial.record_stream(side)
+        return _CopyEngineReduceScatter(self, ws, err, copies, partial, bias, rank, world, parity,
+                                        epoch, m_local, n, current, side)
 
     def _rs_copy_engine(self, a, b, out, bias, ws, err, data, cfg, *, rank, world, m_local, n,
                         epoch, parity):
