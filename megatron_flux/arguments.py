@@ -15,7 +15,7 @@ import os
 import warnings
 from typing import Any, Callable, Optional
 
-from megatron_flux.backends import BACKEND_CHOICES
+from megatron_flux.backends import BACKEND_CHOICES, COLUMN_DGRAD_CHOICES, ENV_COLUMN_DGRAD
 
 __all__ = [
     "FluxArgumentError",
@@ -76,6 +76,17 @@ def add_flux_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "full-sequence input instead of this rank's shard: (tp-1) x seq/tp x micro-batch x "
         "hidden x bytes of extra activation memory, held until that layer's backward.",
     )
+    group.add_argument(
+        "--flux-column-dgrad",
+        choices=COLUMN_DGRAD_CHOICES,
+        default=None,
+        help="How the fused backend runs a column-parallel layer's input gradient, whose "
+        "reduce-scatter megatron-core already overlaps with the weight-gradient GEMM: 'nccl' "
+        "(the default: cuBLAS, then NCCL's reduce-scatter beside the wgrad, as megatron-core "
+        "does), 'fused' (the GEMM+reduce-scatter kernel), 'copy_engine' (cuBLAS, the copy "
+        "engine moving the peers' rows beside the wgrad, then a reduction kernel; not yet "
+        "measured on GPUs). Sets $MEGATRON_FLUX_COLUMN_DGRAD for this process.",
+    )
     return parser
 
 
@@ -128,6 +139,8 @@ _UNSUPPORTED_WITH_OVERLAP = {
 def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
     """Check ``--flux-*`` against Megatron's arguments; call after Megatron's validation.
 
+    * ``--flux-column-dgrad`` is exported as ``$MEGATRON_FLUX_COLUMN_DGRAD``, which the fused
+      backend reads when it is first built (the layers build it on their first call).
     * ``--flux-config`` must name an existing file holding a JSON object (checked even without
       ``--flux-tp-overlap``: a wrong path is a mistake either way). With ``--flux-tp-overlap``
       (at TP > 1) it must also be a valid tuning table (:mod:`megatron_flux.tuning.schema`;
@@ -150,6 +163,12 @@ def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
     config_path = getattr(args, "flux_config", None)
     if config_path is not None:
         load_flux_config(config_path)
+    column_dgrad = getattr(args, "flux_column_dgrad", None)
+    if column_dgrad is not None:
+        if column_dgrad not in COLUMN_DGRAD_CHOICES:
+            raise FluxArgumentError(
+                f"--flux-column-dgrad {column_dgrad!r}: choose one of {list(COLUMN_DGRAD_CHOICES)}")
+        os.environ[ENV_COLUMN_DGRAD] = column_dgrad  # read when the fused backend is built
     if getattr(args, "flux_backend", "auto") not in BACKEND_CHOICES:
         raise FluxArgumentError(
             f"--flux-backend {args.flux_backend!r}: choose one of {list(BACKEND_CHOICES)}"

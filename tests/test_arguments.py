@@ -86,7 +86,8 @@ def test_provider_returns_parser_and_adds_named_group():
     assert "megatron-flux" in titles
     group = next(g for g in parser._action_groups if g.title == "megatron-flux")
     assert {a.dest for a in group._group_actions} == {
-        "flux_tp_overlap", "flux_backend", "flux_config", "flux_keep_gathered_input"
+        "flux_tp_overlap", "flux_backend", "flux_config", "flux_keep_gathered_input",
+        "flux_column_dgrad",
     }
 
 
@@ -268,3 +269,18 @@ def test_keep_gathered_input_reaches_the_column_layer(flux_linears, world_of_one
         layer = col(16, 32, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
                     gather_output=False, tp_group=world_of_one)
         assert layer.flux_keep_gathered_input is expected
+
+
+def test_column_dgrad_flag_is_exported_for_the_fused_backend(monkeypatch):
+    """``--flux-column-dgrad`` sets ``$MEGATRON_FLUX_COLUMN_DGRAD`` (read when the fused backend
+    is built); without it the environment is left alone; a bad value is refused by argparse."""
+    from megatron_flux.backends import ENV_COLUMN_DGRAD
+
+    monkeypatch.delenv(ENV_COLUMN_DGRAD, raising=False)
+    assert parse([]).flux_column_dgrad is None
+    validate_flux_args(megatron_like_args())
+    assert ENV_COLUMN_DGRAD not in __import__("os").environ
+    validate_flux_args(megatron_like_args(["--flux-tp-overlap", "--flux-column-dgrad", "fused"]))
+    assert __import__("os").environ[ENV_COLUMN_DGRAD] == "fused"
+    with pytest.raises(SystemExit):
+        parse(["--flux-column-dgrad", "cublas"])

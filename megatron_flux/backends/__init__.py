@@ -38,6 +38,12 @@ MEGATRON_PASSTHROUGH = "megatron"
 #: names accepted by ``flux_backend=`` / ``--flux-backend``
 BACKEND_CHOICES = ("auto", "flux", "nccl", MEGATRON_PASSTHROUGH)
 
+#: how the fused backend runs the column backward's input gradient (``FluxBackend``'s
+#: ``column_dgrad``, ``--flux-column-dgrad``), the first being the default; here so that
+#: parsing the flags needs no Triton
+COLUMN_DGRAD_CHOICES = ("nccl", "fused", "copy_engine")
+ENV_COLUMN_DGRAD = "MEGATRON_FLUX_COLUMN_DGRAD"
+
 
 def register_backend(name: str, impl: BackendOrFactory, *, override: bool = False) -> None:
     """Register ``impl`` under ``name``. Re-registering a name needs ``override=True``."""

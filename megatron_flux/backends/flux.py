@@ -58,11 +58,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from megatron_flux.backends import COLUMN_DGRAD_CHOICES, ENV_COLUMN_DGRAD
 from megatron_flux.backends.base import TPOverlapBackend, output_like
 
 _DEFAULT_MAX_SPINS = 1 << 25
-ENV_COLUMN_DGRAD = "MEGATRON_FLUX_COLUMN_DGRAD"
-COLUMN_DGRAD_CHOICES = ("nccl", "fused", "copy_engine")
 
 
 def flux_backend_factory_or_reason():
@@ -227,7 +226,7 @@ class FluxBackend(TPOverlapBackend):
         self.max_spins = int(os.environ.get("MEGATRON_FLUX_MAX_SPINS", _DEFAULT_MAX_SPINS))
         self._nccl = None
         if column_dgrad is None:
-            column_dgrad = os.environ.get(ENV_COLUMN_DGRAD, "") or "nccl"
+            column_dgrad = os.environ.get(ENV_COLUMN_DGRAD, "") or COLUMN_DGRAD_CHOICES[0]
         if column_dgrad not in COLUMN_DGRAD_CHOICES:
             raise ValueError(f"megatron-flux: column_dgrad (${ENV_COLUMN_DGRAD}) must be one of "
                              f"{COLUMN_DGRAD_CHOICES}, got {column_dgrad!r}")
