@@ -129,7 +129,9 @@ def backend_by_iteration(log: Optional[str]) -> Dict[int, str]:
     return out
 
 
-def summarize(events: List[dict], labels: Dict[int, str], top: int = 30) -> dict:
+def profiler_steps(events: List[dict]):
+    """``(steps, step_at)``: the ``ProfilerStep#N`` spans as sorted ``(start, end, N)``, and a
+    function giving the index of the span a host timestamp falls in (``None`` outside)."""
     steps = []
     for e in events:
         m = STEP_RE.fullmatch(str(e.get("name", "")))
@@ -145,6 +147,12 @@ def summarize(events: List[dict], labels: Dict[int, str], top: int = 30) -> dict
         if i < 0 or ts > steps[i][1]:
             return None
         return i
+
+    return steps, step_at
+
+
+def summarize(events: List[dict], labels: Dict[int, str], top: int = 30) -> dict:
+    steps, step_at = profiler_steps(events)
 
     launch_step: Dict[int, int] = {}
     per = [defaultdict(float) for _ in steps]

@@ -11,7 +11,6 @@ wgrad). This script checks that count and prints each role's total, median, min 
 """
 
 import argparse
-import bisect
 import collections
 import os
 import statistics
@@ -26,16 +25,13 @@ BWD = ["bwd fc2 dgrad AG", "bwd fc2 wgrad", "bwd fc1 dgrad RS", "bwd fc1 wgrad",
 
 
 def gemm_kernels_of_step(events, step):
-    steps = sorted((e["ts"], e["ts"] + e["dur"], int(T.STEP_RE.fullmatch(e["name"]).group(1)))
-                   for e in events if e.get("ph") == "X" and T.STEP_RE.fullmatch(str(e.get("name", "")))
-                   and e.get("cat") in ("user_annotation", "cpu_op", None))
-    starts = [s[0] for s in steps]
+    steps, step_at = T.profiler_steps(events)
     launched_in = {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
-            i = bisect.bisect_right(starts, e["ts"]) - 1
+            i = step_at(e["ts"])
             corr = (e.get("args") or {}).get("correlation")
-            if i >= 0 and e["ts"] <= steps[i][1] and corr is not None:
+            if i is not None and corr is not None:
                 launched_in[corr] = steps[i][2]
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"
                and launched_in.get((e.get("args") or {}).get("correlation")) == step

@@ -99,6 +99,29 @@ def reserved_sms(total: int) -> int:
     return value
 
 
+def _signal_and_wait(backend, ws, err, signals, *, rank, world, parity, epoch, current, side,
+                     done: str, op_code: int) -> None:
+    """The end of a copy-engine collective: on ``side``, each ``(uint32 flags, index)`` of
+    ``signals`` receives ``epoch`` behind the copies queued there; ``current`` waits for
+    ``side`` (hand-off ``done``); then a one-warp bounded wait on ``current`` for every peer's
+    signal ``[peer]`` of this rank (``op_code`` names the op in a timeout). Queued from the
+    handles' ``wait()``, so with one hardware queue the writes sit behind the caller's kernel."""
+    from megatron_flux.comm.signals import write_signal
+    from megatron_flux.comm.streams import on_stream
+    from megatron_flux.kernels.ready_barrier import launch_ready_barrier
+
+    caller = torch.cuda.current_stream(current.device)
+    with on_stream(side, caller):
+        for flags, index in signals:
+            write_signal(flags, index, epoch)  # after its copy, on the same stream
+    backend._order(current.device, done)(current, side)
+    with on_stream(current, caller):
+        launch_ready_barrier(ws.flag_ptrs(parity), err.device_word, rank=rank, world=world,
+                             base=0, epoch=epoch, max_spins=backend.max_spins, signal=False,
+                             wait=True, op_code=op_code)
+    err.after_launch()
+
+
 class _CopyEngineGather:
     """The handle :meth:`FluxBackend.all_gather_start` returns; :meth:`wait` finishes the call."""
 
@@ -113,23 +136,15 @@ class _CopyEngineGather:
     def wait(self) -> torch.Tensor:
         if self._result is not None:
             return self._result
-        from megatron_flux.comm.signals import write_signal
-        from megatron_flux.comm.streams import on_stream
-        from megatron_flux.kernels.ready_barrier import launch_ready_barrier
         from megatron_flux.kernels.signals import OP_GATHER
 
-        current = torch.cuda.current_stream(self._current.device)
-        with on_stream(self._side, current):
-            for _, _, flags, index in self._copies:
-                write_signal(flags, index, self._epoch)  # after the push, on the same stream
-        # the pushes done (the shard is free for reuse), on the stream that started the gather
-        self._backend._order(self._current.device, "done")(self._current, self._side)
-        with on_stream(self._current, current):
-            launch_ready_barrier(self._ws.flag_ptrs(self._parity), self._err.device_word,
-                                 rank=self._rank, world=self._world, base=0, epoch=self._epoch,
-                                 max_spins=self._backend.max_spins, signal=False, wait=True,
-                                 op_code=OP_GATHER)
-        self._err.after_launch()
+        # "done": the pushes finished (the shard is free for reuse), on the stream that started
+        # the gather
+        _signal_and_wait(self._backend, self._ws, self._err,
+                         [(flags, index) for _, _, flags, index in self._copies],
+                         rank=self._rank, world=self._world, parity=self._parity,
+                         epoch=self._epoch, current=self._current, side=self._side, done="done",
+                         op_code=OP_GATHER)
         self._copies = None
         if self._out is not None:
             self._out.copy_(self._gathered)
@@ -157,29 +172,21 @@ class _CopyEngineReduceScatter:
     def wait(self) -> torch.Tensor:
         if self._result is not None:
             return self._result
-        from megatron_flux.comm.signals import write_signal
         from megatron_flux.comm.streams import on_stream
-        from megatron_flux.kernels.ready_barrier import launch_ready_barrier
         from megatron_flux.kernels.rs_reduce import launch_rs_reduce
         from megatron_flux.kernels.signals import OP_GEMM_RS
 
-        device = self._current.device
-        current = torch.cuda.current_stream(device)
-        with on_stream(self._side, current):
-            for _, _, flags in self._copies:
-                write_signal(flags, self._rank, self._epoch)  # after its copy, same stream
-        self._backend._order(device, "rs-dgrad-done")(self._current, self._side)
-        out = torch.empty((self._m_local, self._n), dtype=self._partial.dtype, device=device)
         m_local, n, rank, world = self._m_local, self._n, self._rank, self._world
+        _signal_and_wait(self._backend, self._ws, self._err,
+                         [(flags, rank) for _, _, flags in self._copies], rank=rank,
+                         world=world, parity=self._parity, epoch=self._epoch,
+                         current=self._current, side=self._side, done="rs-dgrad-done",
+                         op_code=OP_GEMM_RS)
+        out = torch.empty((m_local, n), dtype=self._partial.dtype, device=self._current.device)
         own = self._partial[rank * m_local:(rank + 1) * m_local]
         slots = self._ws.data(rank, self._parity, world * m_local * n)
-        with on_stream(self._current, current):
-            launch_ready_barrier(self._ws.flag_ptrs(self._parity), self._err.device_word,
-                                 rank=self._rank, world=self._world, base=0, epoch=self._epoch,
-                                 max_spins=self._backend.max_spins, signal=False, wait=True,
-                                 op_code=OP_GEMM_RS)
+        with on_stream(self._current, torch.cuda.current_stream(self._current.device)):
             launch_rs_reduce(own, slots, out, self._bias, rank=rank, world=world)
-        self._err.after_launch()
         self._copies = self._partial = None
         self._result = out
         return out
@@ -467,8 +474,28 @@ class FluxBackend(TPOverlapBackend):
         return order
 
     # ---------------------------------------------------------------- GEMM + RS
-    def matmul_reduce_scatter(self, a, b, group, *, out=None, bias=None):
+    @staticmethod
+    def _rs_rows(m: int, n: int, world: int, bias) -> int:
+        """This rank's output rows of a GEMM+RS of ``m`` rows (checked, as the bias is)."""
+        if m % world:
+            raise ValueError(f"megatron-flux GEMM+RS: {m} rows are not divisible by TP={world}")
+        if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"megatron-flux GEMM+RS: bias must be contiguous ({n},)")
+        return m // world
+
+    def _rs_call(self, group, device, dtype, m_local: int, n: int):
+        """``(workspace, error word, epoch, parity)`` of one GEMM+RS call, in either form (the
+        fused kernel or the copy-engine dgrad share slots, signals and epochs)."""
         from megatron_flux.kernels.config import rs_signal_count
+
+        world = group.size()
+        ws = self._workspace("rs", group, device, dtype)
+        ws.reserve(world * m_local * n, rs_signal_count(world))
+        err = self._error_word("rs", device)
+        epoch = ws.next_epoch()
+        return ws, err, epoch, epoch & 1
+
+    def matmul_reduce_scatter(self, a, b, group, *, out=None, bias=None):
         from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
         self._check("GEMM+RS", a, b, group)
@@ -476,19 +503,11 @@ class FluxBackend(TPOverlapBackend):
         world, rank = group.size(), group.rank()
         m, k = a.shape
         n = b.shape[1]
-        if m % world:
-            raise ValueError(f"megatron-flux GEMM+RS: {m} rows are not divisible by TP={world}")
-        m_local = m // world
+        m_local = self._rs_rows(m, n, world, bias)
         device = a.device
         out = output_like(out, (m_local, n), a, "megatron-flux GEMM+RS", contiguous=True)
-        if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-            raise ValueError(f"megatron-flux GEMM+RS: bias must be contiguous ({n},)")
         cfg = self.config("rs", m, n, k, dtype=a.dtype, tp=world, device=device)
-        ws = self._workspace("rs", group, device, a.dtype)
-        ws.reserve(world * m_local * n, rs_signal_count(world))
-        err = self._error_word("rs", device)
-        epoch = ws.next_epoch()
-        parity = epoch & 1
+        ws, err, epoch, parity = self._rs_call(group, device, a.dtype, m_local, n)
         data = ws.data(rank, parity, world * m_local * n)
         if cfg.rs_copy_engine and self._stream_wait_ok():
             return self._rs_copy_engine(a, b, out, bias, ws, err, data, cfg, rank=rank,
@@ -518,20 +537,11 @@ class FluxBackend(TPOverlapBackend):
         the GEMM); :meth:`_CopyEngineReduceScatter.wait` finishes the call."""
         from megatron_flux.comm.rs_copies import rs_copy_plan
         from megatron_flux.comm.streams import on_stream
-        from megatron_flux.kernels.config import rs_signal_count
 
         world, rank = group.size(), group.rank()
-        m, n = a.shape[0], b.shape[1]
-        if m % world:
-            raise ValueError(f"megatron-flux GEMM+RS: {m} rows are not divisible by TP={world}")
-        if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-            raise ValueError(f"megatron-flux GEMM+RS: bias must be contiguous ({n},)")
-        m_local, device = m // world, a.device
-        ws = self._workspace("rs", group, device, a.dtype)
-        ws.reserve(world * m_local * n, rs_signal_count(world))
-        err = self._error_word("rs", device)
-        epoch = ws.next_epoch()
-        parity = epoch & 1
+        n, device = b.shape[1], a.device
+        m_local = self._rs_rows(a.shape[0], n, world, bias)
+        ws, err, epoch, parity = self._rs_call(group, device, a.dtype, m_local, n)
         partial = torch.matmul(a, b).contiguous()
         copies = ws.memo(("rs-ce-dgrad", rank, world, parity, m_local, n),
                          lambda: rs_copy_plan(ws, m_local, n, rank=rank, world=world, parity=parity))

@@ -17,11 +17,10 @@ become the A/B's, so a later confirmation compares against its new config's time
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megatron_flux.tuning.from_bench import local_times
+from megatron_flux.tuning.from_bench import local_times, table_benches_out
 from megatron_flux.tuning.schema import Entry, Table, TuningFileError, load_table, write_table
 
 
@@ -74,15 +73,10 @@ def adopt_variant(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> T
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) < 3:
-        print(__doc__)
+    args = table_benches_out(list(sys.argv[1:] if argv is None else argv), __doc__)
+    if args is None:
         return 2
-    table_path, bench_paths, out = argv[0], argv[1:-1], argv[-1]
-    runs = []
-    for path in bench_paths:
-        with open(path, encoding="utf-8") as f:
-            runs.append((json.load(f), path))
+    table_path, runs, out = args
     t = adopt_variant(load_table(table_path), runs)
     write_table(t, out)
     n = sum(1 for e in t.entries if "adopted" in (e.notes or {}))

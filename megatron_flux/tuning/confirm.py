@@ -24,11 +24,10 @@ table), each confirmed by a benchmark of the shapes it touched. So:
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from typing import Any, Dict, Optional, Sequence
 
-from megatron_flux.tuning.from_bench import local_times
+from megatron_flux.tuning.from_bench import local_times, table_benches_out
 from megatron_flux.tuning.schema import Entry, Table, TuningFileError, load_table, write_table
 
 
@@ -71,15 +70,13 @@ def confirm_table(table: Table, bench: Dict[str, Any], bench_source: str) -> Tab
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) < 3:
-        print(__doc__)
+    args = table_benches_out(list(sys.argv[1:] if argv is None else argv), __doc__)
+    if args is None:
         return 2
-    table_path, bench_paths, out = argv[0], argv[1:-1], argv[-1]
+    table_path, runs, out = args
     t = load_table(table_path)
-    for bench_path in bench_paths:
-        with open(bench_path, encoding="utf-8") as f:
-            t = confirm_table(t, json.load(f), bench_path)
+    for bench, bench_path in runs:
+        t = confirm_table(t, bench, bench_path)
     write_table(t, out)
     n = sum(1 for e in t.entries if (e.notes or {}).get("confirmed"))
     fused = sum(1 for e in t.entries if e.flux_ms is not None and e.nccl_ms is not None

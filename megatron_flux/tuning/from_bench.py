@@ -113,3 +113,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def table_benches_out(argv, doc: str):
+    """The command line ``TABLE BENCH_JSON... OUT`` of :mod:`.confirm` and :mod:`.adopt`:
+    ``(table path, [(bench JSON, its path)], out path)``, or ``None`` after printing ``doc``
+    when too few arguments were given."""
+    if len(argv) < 3:
+        print(doc)
+        return None
+    runs = []
+    for path in argv[1:-1]:
+        with open(path, encoding="utf-8") as f:
+            runs.append((json.load(f), path))
+    return argv[0], runs, argv[-1]
