@@ -21,6 +21,8 @@ correlation id):
   nodes), with the call count;
 * ``comm_alone_ms``: time in which NCCL kernels or copies run and nothing else does (exposed
   communication; a fused kernel counts as computation);
+* ``comm_alone_by_op_ms``: ``comm_alone_ms`` split by NCCL kernel or copy (name cut to 60
+  characters, and its stream), with the count and total time of each;
 * per backend, ``kernels_ms``: the kernels that took the most time, summed per name and step
   (median over the backend's steps), names cut to 90 characters.
 
@@ -100,6 +102,25 @@ def _alone(these: List[tuple], others: List[tuple]) -> float:
     return total
 
 
+def _alone_by_op(ops: List[tuple], compute: List[tuple]) -> Dict[str, dict]:
+    """Per op name: calls, total time and time with no computation beside it (ms), largest
+    alone time first."""
+    out: Dict[str, dict] = defaultdict(lambda: {"calls": 0, "ms": 0.0, "alone_ms": 0.0})
+    merged = _merge(compute)
+    ends = [e for _, e in merged]
+    for name, (s, e) in ops:
+        covered, j = 0.0, bisect.bisect_right(ends, s)  # first interval ending after s
+        while j < len(merged) and merged[j][0] < e:
+            covered += min(e, merged[j][1]) - max(s, merged[j][0])
+            j += 1
+        row = out[name]
+        row["calls"] += 1
+        row["ms"] += (e - s) / 1e3
+        row["alone_ms"] += (e - s - covered) / 1e3
+    return {k: {"calls": v["calls"], "ms": round(v["ms"], 3), "alone_ms": round(v["alone_ms"], 3)}
+            for k, v in sorted(out.items(), key=lambda kv: -kv[1]["alone_ms"])}
+
+
 def _gaps(intervals: List[tuple], big_us: float = 50.0):
     merged = _merge(intervals)
     gaps = [b[0] - a[1] for a, b in zip(merged, merged[1:])]
@@ -158,6 +179,7 @@ def summarize(events: List[dict], labels: Dict[int, str], top: int = 30) -> dict
     per = [defaultdict(float) for _ in steps]
     gpu: List[List[tuple]] = [[] for _ in steps]
     comm: List[List[tuple]] = [[] for _ in steps]
+    comm_ops: List[List[tuple]] = [[] for _ in steps]
     compute: List[List[tuple]] = [[] for _ in steps]
     by_name = [defaultdict(float) for _ in steps]
     linear_calls = [0 for _ in steps]
@@ -195,7 +217,12 @@ def summarize(events: List[dict], labels: Dict[int, str], top: int = 30) -> dict
         gpu[i].append(span)
         kind = kind_of(str(e.get("name", "")), e["cat"])
         per[i]["kind:" + kind] += e["dur"] / 1e3
-        (comm if kind in ("nccl", "memcpy") else compute)[i].append(span)
+        if kind in ("nccl", "memcpy"):
+            comm[i].append(span)
+            comm_ops[i].append((f"{str(e.get('name', ''))[:60]} (stream "
+                                f"{(e.get('args') or {}).get('stream')})", span))
+        else:
+            compute[i].append(span)
         if e["cat"] == "kernel":
             by_name[i][str(e.get("name", ""))[:90]] += e["dur"] / 1e3
     rows = []
@@ -215,6 +242,7 @@ def summarize(events: List[dict], labels: Dict[int, str], top: int = 30) -> dict
             "gpu_gaps_over_50us": nbig,
             "gpu_ms_by_kind": {k[5:]: round(v, 3) for k, v in sorted(d.items()) if k.startswith("kind:")},
             "comm_alone_ms": round(_alone(comm[i], compute[i]) / 1e3, 3),
+            "comm_alone_by_op_ms": _alone_by_op(comm_ops[i], compute[i]),
             "launches": int(d["launches"]),
             "launch_api_ms": round(d["launch_api_ms"], 3),
             "syncs": int(d["syncs"]),

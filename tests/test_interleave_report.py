@@ -102,3 +102,17 @@ def test_comm_alone_subtracts_only_the_overlapped_part():
     compute = [(2, 4), (15, 35), (38, 39)]       # covers 2 + 5 + 5 + 1 of it
     assert T._alone(comm, compute) == 30 - 13
     assert T._alone(comm, []) == 30 and T._alone([], compute) == 0
+
+
+def test_comm_alone_is_split_by_op(tmp_path):
+    tr = _trace(tmp_path / "rank-0.json.gz")
+    rep = T.summarize(T.load(tr), {5: "flux", 6: "nccl"})
+    s5, s6 = rep["steps"]
+    assert s5["comm_alone_by_op_ms"] == {}
+    assert s6["comm_alone_by_op_ms"] == {"nccl_AllGather (stream None)": {"calls": 1, "ms": 0.1,
+                                                                         "alone_ms": 0.1}}
+    ops = [("x", (0, 10)), ("y", (5, 8)), ("x", (20, 30))]
+    by_op = T._alone_by_op(ops, [(2, 4), (25, 40), (3, 6)])  # compute [2, 6] + [25, 40]
+    assert by_op == {"x": {"calls": 2, "ms": 0.02, "alone_ms": 0.011},
+                     "y": {"calls": 1, "ms": 0.003, "alone_ms": 0.002}}
+    assert list(by_op) == ["x", "y"], "largest alone time first"

@@ -7,7 +7,8 @@ fused AG+GEMM, fused GEMM+RS) run in a fixed order per micro-batch: 16 layers x 
 backward (fc2 dgrad, fc2 wgrad, fc1 dgrad, fc1 wgrad, proj dgrad, proj wgrad, qkv dgrad, qkv
 wgrad). This script checks that count and prints each role's total, median, min and max.
 
-``python benchmarks/experiments/trace_gemm_roles.py rank-0.json.gz STEP [--layers 16]``
+``python benchmarks/experiments/trace_gemm_roles.py rank-0.json.gz STEP [STEP ...] [--layers 16]
+[--json OUT]``
 """
 
 import argparse
@@ -55,14 +56,30 @@ def by_role(kernels, layers):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace")
-    p.add_argument("step", type=int)
+    p.add_argument("steps", type=int, nargs="+")
     p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--json", help="also write {step: {role: stats}} here")
     args = p.parse_args(argv)
-    roles = by_role(gemm_kernels_of_step(T.load(args.trace), args.step), args.layers)
-    for role in FWD + BWD + ["output"]:
-        d = roles[role]
-        print(f"{role:18s} n={len(d):3d} sum={sum(d) / 1e3:7.2f} ms  median={statistics.median(d):7.1f} "
-              f"min={min(d):7.1f} max={max(d):7.1f} us")
+    events = T.load(args.trace)
+    report = {"command": "python benchmarks/experiments/trace_gemm_roles.py " + " ".join(
+                  sys.argv[1:] if argv is None else argv), "steps": {}}
+    for step in args.steps:
+        roles = by_role(gemm_kernels_of_step(events, step), args.layers)
+        print(f"== step {step}")
+        stats = {}
+        for role in FWD + BWD + ["output"]:
+            d = roles[role]
+            stats[role] = {"n": len(d), "sum_ms": round(sum(d) / 1e3, 3),
+                           "median_us": round(statistics.median(d), 1), "min_us": round(min(d), 1),
+                           "max_us": round(max(d), 1)}
+            print(f"{role:18s} n={len(d):3d} sum={sum(d) / 1e3:7.2f} ms  median="
+                  f"{statistics.median(d):7.1f} min={min(d):7.1f} max={max(d):7.1f} us")
+        report["steps"][str(step)] = stats
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":
