@@ -241,8 +241,6 @@ def _worker(rank, world, port, env, queue):
         flux_alt_ce.check_errors()
         n_checks += _check_gather_beside_rs(flux, group, rank, world, gen)
         for column_dgrad in ("copy_engine", "fused", "nccl"):
-            from megatron_flux.backends.flux import FluxBackend
-
             n_checks += _check_rs_start_every_shape(FluxBackend(column_dgrad=column_dgrad), group,
                                                     rank, world, gen)
         flux_ce = _default_with(rs_copy_engine=True)
