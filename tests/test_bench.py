@@ -629,3 +629,25 @@ def test_kernel_vs_cublas_config_families(monkeypatch):
     assert labels == ["default", "extra0", "plain-extra1"]
     assert cfgs[1] == cfgs[2] != base and (cfgs[1].block_n, cfgs[1].num_warps) == (256, 8)
     assert cfgs[1].block_k == base.block_k and K._runner_kind("plain-extra1") == "plain"
+
+
+def test_kernel_vs_cublas_grid_shapes():
+    """The comm-off benchmark's per-rank ``(n, k)`` are the main grid's: the default grid as
+    :func:`grid_shape` states it, and ``--model-shapes`` with ``--rs-k ffn`` giving a training
+    config's projections (llama3_8b_16l at TP 2: proj k = 2048, qkv-dgrad k = 3072 per rank)."""
+    import argparse
+
+    from megatron_flux.bench import kernel_vs_cublas as K
+
+    args = argparse.Namespace(models=None, model_shapes=[], rs_k="fc1", m=[1024], tp=2,
+                              ops=["AG+GEMM", "GEMM+RS"])
+    cases = list(K._grid(args))
+    assert len(cases) == 6
+    for op, model, m, n, k in cases:
+        assert (n, k) == K.grid_shape("ag" if op == "AG+GEMM" else "rs", model, 2)
+    args = argparse.Namespace(models=None, rs_k="ffn", m=[8192], tp=2, ops=["GEMM+RS"],
+                              model_shapes=["l8proj:4096:4096:4096", "l8qkv:4096:6144:6144"])
+    assert list(K._grid(args)) == [("GEMM+RS", "l8proj", 8192, 4096, 2048),
+                                   ("GEMM+RS", "l8qkv", 8192, 4096, 3072)]
+    args.ops, args.models = ["AG+GEMM"], ["l8qkv"]
+    assert list(K._grid(args)) == [("AG+GEMM", "l8qkv", 8192, 3072, 4096)]

@@ -104,3 +104,30 @@ def test_ag_gemm_merged_local_rows(shape, fields):
     assert rel < 1e-2, rel
     assert torch.equal(first, out_plain), "merged schedule differs from the per-segment one"
     assert torch.equal(out, first), "repeated AG+GEMM launches differ"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m_local,n", [(4096, 4096), (300, 1000)], ids=["full", "ragged"])
+def test_rs_reduce_sums_in_rank_order(world, with_bias, m_local, n):
+    """The copy-engine ReduceScatter's reduction (``column_dgrad="copy_engine"``), compiled:
+    bitwise equal to the fp32 sum of the partials in rank order (then the bias), rounded once,
+    for every rank; the slot of the rank itself is never read (poisoned)."""
+    from megatron_flux.kernels.rs_reduce import launch_rs_reduce
+
+    gen = torch.Generator(device="cuda").manual_seed(world * 7 + m_local + with_bias)
+    parts = torch.randn(world, m_local, n, device="cuda", generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16) if with_bias else None
+    for rank in range(world):
+        slots = parts.clone()
+        slots[rank].fill_(float("nan"))  # its own rows come from ``own``, never from its slot
+        own = parts[rank].clone()
+        out = torch.full((m_local, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        launch_rs_reduce(own, slots, out, bias, rank=rank, world=world)
+        torch.cuda.synchronize()
+        ref = parts[0].float()
+        for src in range(1, world):
+            ref = ref + parts[src].float()
+        if bias is not None:
+            ref = ref + bias.float()
+        assert torch.equal(out, ref.to(torch.bfloat16)), f"rank {rank}"

@@ -222,10 +222,12 @@ def _plain_runner(m, n, k, tp, cfg, dtype, host_descriptors=False):
 
 
 def run(args) -> dict:
-    from megatron_flux.bench.grid import MODELS  # noqa: F401  (same grid as the main benchmark)
-
     dtype = torch.bfloat16
     rows = []
+    result = {"what": "fused kernels with communication disabled vs cuBLAS (per-rank shapes)",
+              "command": " ".join([sys.executable] + sys.argv), "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "triton": __import__("triton").__version__, "tp": args.tp,
+              "rows": rows}
     for op, model, m, n, k in _grid(args):
         best = None
         results = {}
@@ -275,12 +277,10 @@ def run(args) -> dict:
         shown = "  ".join(f"{lab} x{r:.3f}" for lab, r in by_label.items() if r is not None)
         print(f"{op:8s} {model:11s} M={m:5d} N={n:6d} K={k:6d} cublas {cub:.4f} ms  {shown}  "
               f"best {row['best_label']}", flush=True)
+        write_json(result, getattr(args, "json", None))  # so far: a run cut short keeps its rows
         del fns, checks
         torch.cuda.empty_cache()
-    return {"what": "fused kernels with communication disabled vs cuBLAS (per-rank shapes)",
-            "command": " ".join([sys.executable] + sys.argv), "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "triton": __import__("triton").__version__, "tp": args.tp,
-            "rows": rows}
+    return result
 
 
 def _configs(op, m, n, k, args):
@@ -367,18 +367,30 @@ def grid_shape(op: str, model: str, tp: int):
 
 
 def _grid(args):
-    for model_name in args.models:
+    """``(op, model, m, n, k)`` per case, ``n`` and ``k`` per rank, as the main benchmark's
+    grid defines them (:func:`megatron_flux.bench.grid.case_for`, ``--rs-k``)."""
+    from megatron_flux.bench import grid as G
+
+    custom = [G.parse_model_shape(s) for s in getattr(args, "model_shapes", None) or []]
+    names = args.models or ([c.name for c in custom] if custom else list(G.MODELS))
+    for model in G.select_models(names, custom):
         for m in args.m:
-            if "AG+GEMM" in args.ops:
-                yield ("AG+GEMM", model_name, m) + grid_shape("ag", model_name, args.tp)
-            if "GEMM+RS" in args.ops:
-                yield ("GEMM+RS", model_name, m) + grid_shape("rs", model_name, args.tp)
+            for op in (G.AG_GEMM, G.GEMM_RS):
+                if op not in args.ops:
+                    continue
+                shapes = G.case_for(op, model, m, getattr(args, "rs_k", "fc1")).local_shapes(args.tp)
+                yield op, model.name, m, shapes["gemm_b"][1], shapes["gemm_a"][1]
 
 
 def add_grid_args(p: argparse.ArgumentParser) -> None:
     """The shape grid, timing and output arguments of the single-GPU kernel benchmarks."""
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--models", nargs="+", default=["gpt3-175b", "llama3-70b", "llama3-8b"])
+    p.add_argument("--models", nargs="+", default=None,
+                   help="model names (default: the grid's three, or only the --model-shapes ones)")
+    p.add_argument("--model-shapes", nargs="+", default=[], metavar="NAME:H:FC1:FFN",
+                   help="extra models, e.g. a training config's projections")
+    p.add_argument("--rs-k", choices=["fc1", "ffn"], default="fc1",
+                   help="GEMM+RS contraction width: the fc1 width (the grid's) or the true fc2 input")
     p.add_argument("--m", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
