@@ -22,7 +22,7 @@ import json
 import torch
 
 from common import add_timing_args, load_module, named_configs, problem, time_and_check, write_record
-from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu, grid_shape, rs_on_one_gpu
+from megatron_flux.bench.kernel_vs_cublas import add_model_args, ag_on_one_gpu, model_shapes, rs_on_one_gpu
 from megatron_flux.bench.plain_gemm import launch_plain_gemm
 from megatron_flux.tuning.provider import TableConfigProvider
 
@@ -32,7 +32,7 @@ def main(argv=None):
     p.add_argument("--prev", required=True)
     p.add_argument("--op", choices=["ag", "rs"], default="ag")
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--models", nargs="+", default=["gpt3-175b", "llama3-70b", "llama3-8b"])
+    add_model_args(p, ["gpt3-175b", "llama3-70b", "llama3-8b"])
     p.add_argument("--m", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
     p.add_argument("--new-override", type=json.loads, default=None,
                    help='GemmConfig fields (JSON) for a third runner, "new+": the current '
@@ -50,9 +50,8 @@ def main(argv=None):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     table = TableConfigProvider()
     rows = []
-    for model in args.models:
+    for model, n, k in model_shapes(args, args.op):
         for m in args.m:
-            n, k = grid_shape(args.op, model, args.tp)
             a, w, full = problem(m, n, k)
             err = torch.zeros(4, dtype=torch.int32, device="cuda")
             cfgs = named_configs(table, args.op, m, n, k, args.tp)

@@ -23,7 +23,8 @@ import statistics
 import torch
 
 from common import load_module, named_configs, problem, write_record
-from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu, grid_shape, mean_ms, rs_on_one_gpu
+from megatron_flux.bench.kernel_vs_cublas import add_model_args, ag_on_one_gpu, mean_ms, model_shapes, \
+    rs_on_one_gpu
 from megatron_flux.bench.plain_gemm import PLAIN_PHASES, launch_plain_gemm
 from megatron_flux.kernels.ag_gemm import AG_PHASES
 from megatron_flux.kernels.gemm_rs import RS_PHASES
@@ -83,7 +84,7 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--op", choices=["ag", "rs"], default="rs")
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--models", nargs="+", default=["llama3-8b"])
+    add_model_args(p, ["llama3-8b"])
     p.add_argument("--m", nargs="+", type=int, default=[1024, 2048])
     p.add_argument("--configs", nargs="+", default=["table", "default"])
     p.add_argument("--override", type=json.loads, default=None,
@@ -103,9 +104,8 @@ def main(argv=None):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     table = TableConfigProvider()
     rows = []
-    for model in args.models:
+    for model, n, k in model_shapes(args, args.op):
         for m in args.m:
-            n, k = grid_shape(args.op, model, args.tp)
             a, w, _ = problem(m, n, k)
             err = torch.zeros(4, dtype=torch.int32, device="cuda")
             c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)

@@ -366,31 +366,46 @@ def grid_shape(op: str, model: str, tp: int):
     return spec.hidden, spec.fc1 // tp
 
 
-def _grid(args):
-    """``(op, model, m, n, k)`` per case, ``n`` and ``k`` per rank, as the main benchmark's
-    grid defines them (:func:`megatron_flux.bench.grid.case_for`, ``--rs-k``)."""
+def model_shapes(args, op: str):
+    """``(model, n, k)`` per model of ``args`` (:func:`add_model_args`) for ``op`` ("ag" /
+    "AG+GEMM" or "rs" / "GEMM+RS"), ``n`` and ``k`` per rank at ``args.tp``, as the main
+    benchmark's grid defines them (:func:`megatron_flux.bench.grid.case_for`, ``--rs-k``)."""
     from megatron_flux.bench import grid as G
 
     custom = [G.parse_model_shape(s) for s in getattr(args, "model_shapes", None) or []]
     names = args.models or ([c.name for c in custom] if custom else list(G.MODELS))
+    full_op = G.AG_GEMM if op in ("ag", G.AG_GEMM) else G.GEMM_RS
     for model in G.select_models(names, custom):
+        # n, k do not depend on m; any m divisible by tp stands in for the shapes
+        shapes = G.case_for(full_op, model, args.tp, getattr(args, "rs_k", "fc1")).local_shapes(args.tp)
+        yield model.name, shapes["gemm_b"][1], shapes["gemm_a"][1]
+
+
+def _grid(args):
+    """``(op, model, m, n, k)`` per case (:func:`model_shapes`), model by model, then m."""
+    ops = [op for op in ("AG+GEMM", "GEMM+RS") if op in args.ops]
+    per_op = {op: list(model_shapes(args, op)) for op in ops}
+    models = [name for name, _, _ in per_op[ops[0]]] if ops else []
+    for i, model in enumerate(models):
         for m in args.m:
-            for op in (G.AG_GEMM, G.GEMM_RS):
-                if op not in args.ops:
-                    continue
-                shapes = G.case_for(op, model, m, getattr(args, "rs_k", "fc1")).local_shapes(args.tp)
-                yield op, model.name, m, shapes["gemm_b"][1], shapes["gemm_a"][1]
+            for op in ops:
+                yield (op, model, m) + per_op[op][i][1:]
 
 
-def add_grid_args(p: argparse.ArgumentParser) -> None:
-    """The shape grid, timing and output arguments of the single-GPU kernel benchmarks."""
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--models", nargs="+", default=None,
+def add_model_args(p: argparse.ArgumentParser, default_models=None) -> None:
+    """``--models``, ``--model-shapes`` and ``--rs-k`` (read by :func:`model_shapes`)."""
+    p.add_argument("--models", nargs="+", default=default_models,
                    help="model names (default: the grid's three, or only the --model-shapes ones)")
     p.add_argument("--model-shapes", nargs="+", default=[], metavar="NAME:H:FC1:FFN",
                    help="extra models, e.g. a training config's projections")
     p.add_argument("--rs-k", choices=["fc1", "ffn"], default="fc1",
                    help="GEMM+RS contraction width: the fc1 width (the grid's) or the true fc2 input")
+
+
+def add_grid_args(p: argparse.ArgumentParser) -> None:
+    """The shape grid, timing and output arguments of the single-GPU kernel benchmarks."""
+    p.add_argument("--tp", type=int, default=2)
+    add_model_args(p)
     p.add_argument("--m", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
