@@ -651,3 +651,20 @@ def test_kernel_vs_cublas_grid_shapes():
                                    ("GEMM+RS", "l8qkv", 8192, 4096, 3072)]
     args.ops, args.models = ["AG+GEMM"], ["l8qkv"]
     assert list(K._grid(args)) == [("AG+GEMM", "l8qkv", 8192, 3072, 4096)]
+
+
+def test_model_args_fall_back_to_the_tools_default_only_without_model_shapes():
+    """An experiment's own default models give way to ``--model-shapes`` (session 18: a
+    kernel_ab run given the training shapes timed the grid's models instead)."""
+    import argparse
+
+    from megatron_flux.bench.kernel_vs_cublas import add_model_args, model_shapes
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--tp", type=int, default=2)
+    add_model_args(p, ["llama3-70b"])
+    assert [x[0] for x in model_shapes(p.parse_args([]), "ag")] == ["llama3-70b"]
+    args = p.parse_args(["--model-shapes", "l8proj:4096:4096:4096", "--rs-k", "ffn"])
+    assert list(model_shapes(args, "rs")) == [("l8proj", 4096, 2048)]
+    args = p.parse_args(["--model-shapes", "l8proj:4096:4096:4096", "--models", "llama3-8b", "l8proj"])
+    assert [x[0] for x in model_shapes(args, "ag")] == ["llama3-8b", "l8proj"]

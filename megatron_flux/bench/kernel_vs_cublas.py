@@ -373,7 +373,8 @@ def model_shapes(args, op: str):
     from megatron_flux.bench import grid as G
 
     custom = [G.parse_model_shape(s) for s in getattr(args, "model_shapes", None) or []]
-    names = args.models or ([c.name for c in custom] if custom else list(G.MODELS))
+    names = args.models or ([c.name for c in custom] if custom else
+                            getattr(args, "fallback_models", None) or list(G.MODELS))
     full_op = G.AG_GEMM if op in ("ag", G.AG_GEMM) else G.GEMM_RS
     for model in G.select_models(names, custom):
         # n, k do not depend on m; any m divisible by tp stands in for the shapes
@@ -393,9 +394,13 @@ def _grid(args):
 
 
 def add_model_args(p: argparse.ArgumentParser, default_models=None) -> None:
-    """``--models``, ``--model-shapes`` and ``--rs-k`` (read by :func:`model_shapes`)."""
-    p.add_argument("--models", nargs="+", default=default_models,
-                   help="model names (default: the grid's three, or only the --model-shapes ones)")
+    """``--models``, ``--model-shapes`` and ``--rs-k`` (read by :func:`model_shapes`). Without
+    ``--models`` the tool runs the ``--model-shapes`` models if given, else ``default_models``
+    (else the grid's three)."""
+    p.add_argument("--models", nargs="+", default=None,
+                   help="model names (default: the --model-shapes ones if given, else "
+                        f"{' '.join(default_models or ['the grid models'])})")
+    p.set_defaults(fallback_models=default_models)
     p.add_argument("--model-shapes", nargs="+", default=[], metavar="NAME:H:FC1:FFN",
                    help="extra models, e.g. a training config's projections")
     p.add_argument("--rs-k", choices=["fc1", "ffn"], default="fc1",
