@@ -285,3 +285,22 @@ def test_every_config_knob_is_searched_or_says_why_not():
     for m in (1024, 8192):  # the candidates keep the default's value of an unsearched knob
         for c in S.generate_candidates("rs", m, 4096, 14336, 2, max_candidates=64):
             assert c.programs_per_sm == 1
+
+
+def test_hopper_search_pins_knobs_that_compile_to_the_same_kernel():
+    """On sm_90 ``warp_specialize`` changes no instruction (compile-s18), so the tuner's space
+    pins it: no candidate (seeds included) turns it on, and the seed that did becomes its
+    one-store twin instead of a duplicate timing. Blackwell and an unknown GPU keep it."""
+    space, pinned = S.search_space_for((9, 0))
+    assert space["warp_specialize"] == (False,) and "warp_specialize" in pinned
+    assert "sm_90" in pinned["warp_specialize"]
+    for op in ("ag", "rs"):
+        c = S.generate_candidates(op, 4096, 14336, 4096, 2, max_candidates=10**6, space=space)
+        assert not any(x.warp_specialize for x in c)
+        assert len(set(c)) == len(c)
+        assert any(x.block_n == 256 and x.epilogue_split == 1 and x.num_warps == 8 for x in c)
+    for cap in ((10, 0), None):
+        space, pinned = S.search_space_for(cap)
+        assert space == S.SEARCH_SPACE and not pinned
+        c = S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6, space=space)
+        assert any(x.warp_specialize for x in c)

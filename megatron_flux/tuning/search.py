@@ -88,6 +88,28 @@ NOT_SEARCHED: Dict[str, str] = {
                        "the reduction loop); a kernel that did flatten it ran level "
                        "(benchmarks/NOTES.md, session 13)",
 }
+#: knobs that compile to the same kernel below a compute capability: searching them there
+#: times one kernel twice and lets noise pick (knob -> (first capability where it matters, why))
+SAME_CODE_BELOW: Dict[str, Tuple[Tuple[int, int], str]] = {
+    "warp_specialize": ((10, 0), "compiles to the same PTX either way on Hopper (sm_90a) for "
+                                 "every shipped kernel, Triton 3.6 and 3.9 "
+                                 "(benchmarks/results/compile-s18-triton3.*.json)"),
+}
+
+
+def search_space_for(capability: Optional[Tuple[int, int]]) -> Tuple[Dict[str, Tuple], Dict[str, str]]:
+    """``(space, dropped)``: :data:`SEARCH_SPACE` for a GPU of ``capability`` (``None``: all of
+    it), with every :data:`SAME_CODE_BELOW` knob pinned to its first value where it changes
+    nothing, and ``{knob: why}`` for those pinned."""
+    space = dict(SEARCH_SPACE)
+    dropped = {}
+    for knob, (since, why) in SAME_CODE_BELOW.items():
+        if capability is not None and tuple(capability) < since and knob in space:
+            space[knob] = space[knob][:1]
+            dropped[knob] = f"sm_{capability[0]}{capability[1]}: {why}"
+    return space, dropped
+
+
 #: Multi-knob configurations tried right after the default, before the one-knob variations:
 #: the winners of a 44-config sweep of a plain persistent TMA GEMM against cuBLAS on H200
 #: (128x256x64/3/8 with or without warp specialization and a split epilogue; 128x128x64/4/4 at
@@ -179,9 +201,11 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
         twin = dataclasses.replace(base, rs_copy_engine=not base.rs_copy_engine)
         seen.add(twin)
         seed_cfgs.append(twin)
+    pinned = {f: vals[0] for f, vals in space.items() if len(set(vals)) == 1}
     for seed in seeds:
         try:
-            cfg = dataclasses.replace(base, **seed)
+            # a knob the space pins keeps its one value (e.g. warp_specialize on Hopper)
+            cfg = dataclasses.replace(base, **{f: pinned.get(f, v) for f, v in seed.items()})
         except (ValueError, TypeError):
             continue
         if cfg not in seen and fits(cfg):
@@ -358,7 +382,8 @@ def dry_run(args: argparse.Namespace, out=None) -> int:
     total = 0
     for op, n, k, model in shapes:
         for m in ms:
-            c = len(generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates))
+            c = len(generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates,
+                                        space=getattr(args, "space", None)))
             total += c
             print(f"{op} n={n} k={k} m={m}{'  (' + model + ')' if model else ''}: {c} candidates", file=out)
     print(f"{len(shapes)} shapes x {len(ms)} m-buckets, {total} candidate runs, TP={tp}, {args.dtype}", file=out)
@@ -403,7 +428,8 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     ref = M.reference_output(inp, group)
     out = torch.empty(case.local_shapes(tp)["out"], device=device, dtype=dtype)
     threshold = args.max_rel_err if args.max_rel_err is not None else M.default_max_rel_err(dtype)
-    cands = generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates)
+    cands = generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates,
+                                space=getattr(args, "space", None))
     flux_call = M._backend_fn(flux, inp, group, out)
 
     def use(cfg):
@@ -498,9 +524,11 @@ def _run(args, group, rank, tp, device) -> int:
     _, sms, gpu_name = device_identity(device)
     ms = resolve_ms(args, tp)
     shapes = plan_shapes(args, tp)
+    args.space, pinned = search_space_for(torch.cuda.get_device_capability(device))
     holder = [None]
     flux = FluxBackend(config_provider=lambda op, m, n, k: holder[0])
-    total = sum(len(generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates))
+    total = sum(len(generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates,
+                                        space=args.space))
                 for op, n, k, _ in shapes for m in ms)
     bar = progress(total, "tune ", enabled=(rank == 0 and not args.no_progress))
     out = args.out or os.path.join(DEFAULT_OUT_DIR, default_filename(gpu_name, sms, tp, dtype_key(dtype)))
@@ -517,8 +545,9 @@ def _run(args, group, rank, tp, device) -> int:
                "search": {"searched": True, "max_candidates": args.max_candidates, "top": args.top,
                           "trials": args.trials, "iters": args.iters,
                           "sample_warmup": args.sample_warmup, "rs_k": args.rs_k,
-                          "space": {k: list(v) for k, v in SEARCH_SPACE.items()},
-                          "seeds": [dict(s) for s in SEED_CONFIGS], "not_searched": NOT_SEARCHED},
+                          "space": {k: list(v) for k, v in args.space.items()},
+                          "seeds": [dict(s) for s in SEED_CONFIGS],
+                          "not_searched": {**NOT_SEARCHED, **pinned}},
                "entries": entries}
         new: Table = validate_table(json.loads(json.dumps(obj)), out)
         if previous is not None:
