@@ -76,8 +76,9 @@ _VARIATION_ORDER = ("stream_k", "chunk_rows", "comm_priority", "ag_pull", "rs_co
                     "block_k", "warp_specialize", "epilogue_split", "group_m", "num_warps", "flatten")
 #: knobs the backend has but the search leaves alone (recorded in the table's search.not_searched)
 NOT_SEARCHED: Dict[str, str] = {
-    "programs_per_sm": "two programs per SM on 128x128 tiles beat no shipped config beyond "
-                       "noise once samples were warmed up (benchmarks/NOTES.md, session 11)",
+    "programs_per_sm": "not varied knob by knob: two programs per SM on 128x128 tiles beat no "
+                       "shipped config beyond noise on the grid (benchmarks/NOTES.md, session "
+                       "11); GEMM+RS at short K gets one seed with it (RS_SHORT_K_SEEDS)",
     "ag_peer_group": "not measured yet (added in session 13 without a GPU to time it)",
     "ag_merge_local": "no faster with communication on, slower in 7 of 8 paired comm-off "
                       "cases at TP 2 (benchmarks/NOTES.md, session 15)",
@@ -129,6 +130,26 @@ SEED_CONFIGS: Tuple[Dict[str, object], ...] = (
     dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, group_m=8,
          epilogue_split=1),
 )
+#: GEMM+RS with a short contraction (per-rank ``k <= RS_SHORT_K``) also tries two programs per
+#: SM on 128x128 tiles, so one program's reduction epilogue (the peers' partials read, added
+#: and stored) runs beside the other's K loop. With communication off on one H200 this ran
+#: 0.95-0.98x the TP 2 table's config on the training step's proj and qkv-dgrad GEMM+RS
+#: (k = 2048 / 3072, m = 8192), where the epilogue's reads cost 6-7 % (benchmarks/NOTES.md,
+#: session 19); whether it also wins with communication on is for the tune to measure.
+RS_SHORT_K = 4096
+RS_SHORT_K_SEEDS: Tuple[Dict[str, object], ...] = (
+    dict(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=4, group_m=8,
+         epilogue_split=2, warp_specialize=False, programs_per_sm=2),
+)
+
+
+def seeds_for(op: str, k: int) -> Tuple[Dict[str, object], ...]:
+    """The multi-knob seeds tried for ``op`` at per-rank contraction width ``k``:
+    :data:`SEED_CONFIGS`, plus :data:`RS_SHORT_K_SEEDS` for a short-K GEMM+RS."""
+    short_k = normalize_op(op) == "rs" and k <= RS_SHORT_K
+    return SEED_CONFIGS + (RS_SHORT_K_SEEDS if short_k else ())
+
+
 #: Hopper: 227 KiB of shared memory per block
 SMEM_BYTES = 227 * 1024
 DEFAULT_OUT_DIR = os.path.join("configs", "tuning")
@@ -151,10 +172,11 @@ def _pow2_at_least(x: int) -> int:
 def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_candidates: int = 48,
                         space: Optional[Dict[str, Sequence]] = None, elem_bytes: int = 2,
                         smem_limit: int = SMEM_BYTES,
-                        seeds: Sequence[Dict[str, object]] = SEED_CONFIGS) -> List:
+                        seeds: Optional[Sequence[Dict[str, object]]] = None) -> List:
     """Configs to try for one shape: the default first, then the default pulling instead of
     pushing (AG) or with the other ReduceScatter delivery (RS: copy engine vs SM pushes), then
-    :data:`SEED_CONFIGS`, then variations by distance from the default; the
+    the multi-knob seeds (``seeds``; by default :func:`seeds_for` the op and ``k``), then
+    variations by distance from the default; the
     single-knob ones breadth-first (one value of each knob, comm knobs first, then the next).
 
     Distance = number of knobs that differ from ``default_config``; within a distance the order
@@ -169,6 +191,8 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     from megatron_flux.kernels.config import GemmConfig, default_config
 
     op = normalize_op(op)
+    if seeds is None:
+        seeds = seeds_for(op, k)
     if m_total % tp:
         raise ValueError(f"m={m_total} is not divisible by tp={tp}")
     space = dict(SEARCH_SPACE if space is None else space)
@@ -547,6 +571,8 @@ def _run(args, group, rank, tp, device) -> int:
                           "sample_warmup": args.sample_warmup, "rs_k": args.rs_k,
                           "space": {k: list(v) for k, v in args.space.items()},
                           "seeds": [dict(s) for s in SEED_CONFIGS],
+                          "rs_short_k_seeds": {"max_k": RS_SHORT_K,
+                                               "seeds": [dict(s) for s in RS_SHORT_K_SEEDS]},
                           "not_searched": {**NOT_SEARCHED, **pinned}},
                "entries": entries}
         new: Table = validate_table(json.loads(json.dumps(obj)), out)
