@@ -24,6 +24,10 @@
 #                                                  -> $OUT/trace-ag-train.json
 #   kvcgrid  kernel_vs_cublas on the TP 2 grid (m >= 1024), table config and plain yardstick
 #                                                  -> $OUT/kvc-grid.json
+#   ws       (carry .whl) the package's warp-specialized GEMM+RS (rs_warp_specialized): the one-GPU
+#            tests (test_kernels_one_gpu.py, with its WS cases) -> $OUT/tests-ws-1gpu.json; then
+#            kernel_vs_cublas, GEMM+RS, table and plain against WS 128x128x64 at 5 and 4 stages:
+#            training shapes m = 4096/8192 and the TP 2 grid  -> $OUT/kvc-ws-{train,grid}.json
 #   pps2     kernel_vs_cublas, training shapes: table against two programs per SM and plain
 #                                                  -> $OUT/kvc-pps2-train.json
 #   trace    phase stamps, GEMM+RS proj and qkv dgrad (training shapes, table and default)
@@ -89,6 +93,21 @@ for what in "$@"; do
     kvcgrid)
       timeout 300 python3 ${KVC} --tp 2 --configs table plain --trials 5 --iters 10 --warmup 5 \
           --shuffle-seed 0 --json "${OUT}/kvc-grid.json" 2>&1 | grep -v Warning ;;
+    ws)
+      install_carried_wheels || exit 2
+      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 240 python3 benchmarks/record_pytest.py \
+          "${OUT}/tests-ws-1gpu.json" tests/test_kernels_one_gpu.py tests/test_gemm_rs_ws_cpu.py \
+          -q -p no:cacheprovider > "${OUT}/tests-ws-1gpu.log" 2>&1
+      echo "tests exit $?"; tail -3 "${OUT}/tests-ws-1gpu.log"
+      WS_EXTRA='[{"rs_warp_specialized": true, "block_m": 128, "block_n": 128, "block_k": 64,
+                  "num_stages": 5, "num_warps": 4, "epilogue_split": 1, "rs_copy_engine": false},
+                 {"rs_warp_specialized": true, "block_m": 128, "block_n": 128, "block_k": 64,
+                  "num_stages": 4, "num_warps": 4, "epilogue_split": 1, "rs_copy_engine": false}]'
+      timeout 150 python3 ${KVC} --tp 2 --ops GEMM+RS "${TRAIN_SHAPES[@]}" --m 4096 8192 \
+          --configs table plain --extra "${WS_EXTRA}" "${TIMING[@]}" --json "${OUT}/kvc-ws-train.json" \
+          2>&1 | grep -v Warning
+      timeout 200 python3 ${KVC} --tp 2 --ops GEMM+RS --m 1024 2048 4096 8192 --configs table plain \
+          --extra "${WS_EXTRA}" "${TIMING[@]}" --json "${OUT}/kvc-ws-grid.json" 2>&1 | grep -v Warning ;;
     pps2)
       timeout 200 python3 ${KVC} --tp 2 "${TRAIN_SHAPES[@]}" --m 8192 --configs table pps2 plain \
           "${TIMING[@]}" --json "${OUT}/kvc-pps2-train.json" 2>&1 | grep -v Warning ;;

@@ -467,6 +467,35 @@ def check_gemm_rs_all_ranks():
             assert e < TOL, f"world={world} rank={r} {cfg}: rel err {e}"
 
 
+def check_gemm_rs_ws_config_runs_the_triton_kernel():
+    """A warp-specialized config (``rs_warp_specialized``, a Gluon kernel with no interpreter)
+    runs the Triton GEMM+RS here, with one warning naming the interpreter, and gets the same
+    bits as the same tiles without the knob, on every rank."""
+    import warnings
+
+    from megatron_flux.kernels import gemm_rs_ws
+
+    base = GemmConfig(block_m=64, block_n=64, block_k=16, num_stages=1, num_warps=4, group_m=2,
+                      epilogue_split=1)
+    outs = []
+    for ws in (False, True):
+        gemm_rs_ws._WARNED.clear()
+        w = _rs_world(2, 64, 32, 64, False, True, cfg=GemmConfig(**{**base.to_dict(),
+                                                                      "rs_warp_specialized": ws}))
+        torch.manual_seed(1)  # the same inputs for both configs
+        w.update(_rs_world(2, 64, 32, 64, False, True, cfg=w["cfg"]))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _rs_run(w)
+        said = [str(c.message) for c in caught if "rs_warp_specialized" in str(c.message)]
+        assert len(said) == (1 if ws else 0) and (not ws or "interpreter" in said[0]), said
+        assert all(e.tolist() == [0, 0, 0, 0] for e in w["errs"])
+        outs.append([o.clone() for o in w["outs"]])
+    for r in range(2):
+        assert torch.equal(outs[0][r], outs[1][r]), f"rank {r}: the fallback changed the result"
+        assert not torch.isnan(outs[1][r]).any()
+
+
 def check_gemm_rs_ownership():
     """Each producer writes exactly its own slot of each owner and signals exactly
     ``flags[owner][src]`` (its arrival counters back at zero); nobody writes its own slot or
@@ -810,7 +839,7 @@ CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_
           check_gemm_rs_spread_waits_for_its_own_grid, check_gemm_rs_copy_engine,
           check_gemm_rs_copy_engine_bands, check_copy_engine_reduce_scatter,
           check_next_call_cannot_release_a_wait, check_ready_barrier, check_copy_engine_gather,
-          check_programs_per_sm]
+          check_programs_per_sm, check_gemm_rs_ws_config_runs_the_triton_kernel]
 
 
 @triton.jit

@@ -239,6 +239,13 @@ def _worker(rank, world, port, env, queue):
         flux_alt_ce = FluxBackend(config_provider=alternating_ce)
         n_checks += _check_back_to_back(flux_alt_ce, group, rank, world, gen)
         flux_alt_ce.check_errors()
+
+        def alternating_ws(op, m_total, n, k):  # RS alternates the Gluon and the Triton kernel
+            return dataclasses.replace(alternating(op, m_total, n, k), rs_warp_specialized=n == 1024)
+
+        flux_alt_ws = FluxBackend(config_provider=alternating_ws)
+        n_checks += _check_back_to_back(flux_alt_ws, group, rank, world, gen)
+        flux_alt_ws.check_errors()
         n_checks += _check_gather_beside_rs(flux, group, rank, world, gen)
         for column_dgrad in ("copy_engine", "fused", "nccl"):
             n_checks += _check_rs_start_every_shape(FluxBackend(column_dgrad=column_dgrad), group,
@@ -266,6 +273,20 @@ def _worker(rank, world, port, env, queue):
                           with_bias=(m_local % 2 == 0))
                 n_checks += 1
             flux_rs.check_errors()
+        # the warp-specialized Gluon GEMM+RS (kernels/gemm_rs_ws.py), SM and copy-engine
+        # pushes, both layouts and dtypes, with and without a bias; shapes whose rows per rank
+        # are not a multiple of block_m (or too short a K) run the Triton kernel instead
+        ws = dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
+                  epilogue_split=1, rs_warp_specialized=True)
+        for variant in (ws, dict(ws, rs_copy_engine=True), dict(ws, block_m=64, num_stages=5)):
+            flux_ws = _default_with(**variant)
+            for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float16, 5e-3)):
+                for layout in ("nk", "kn"):
+                    for (m_local, k, n) in SHAPES:
+                        _check_rs(flux_ws, group, rank, world, m_local, k, n, dtype, layout, tol,
+                                  gen, with_bias=(m_local % 2 == 0))
+                        n_checks += 1
+            flux_ws.check_errors()
         # AG+GEMM's stream-K tail (default tiles, and 128x256 with warp specialization) over
         # every shape and layout, and bitwise repeatable on a shape whose tail it splits
         sk_variants = [dict(stream_k=1),

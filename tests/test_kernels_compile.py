@@ -80,6 +80,37 @@ def test_ag_gemm_compiles_with_one_row_per_rank(world):
                  ones=("m_local", "chunk_rows"))
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_gemm_rs_ws_compiles_for_hopper_within_its_shared_memory_bound(world):
+    """The warp-specialized Gluon GEMM+RS builds for sm_90 (both B layouts, bias, the copy
+    engine's "produced" signal, bf16 and fp16, 4 and 5 stages) and uses no more shared memory
+    than ``gemm_rs_ws.smem_bytes`` says, which the launcher checks against Hopper's limit."""
+    from megatron_flux.kernels import gemm_rs_ws as W
+    from megatron_flux.kernels.config import GemmConfig
+
+    if W.gemm_rs_ws_kernel is None:
+        pytest.skip(W._GLUON_ERROR)
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = W.gemm_rs_ws_kernel
+    names = [p.name for p in fn.params]
+    for b_kn, bias, ce, dtype, stages in ((False, False, False, "bf16", 5),
+                                          (True, True, True, "fp16", 4)):
+        cfg = GemmConfig(128, 128, 64, stages, 4, 8, rs_warp_specialized=True, rs_copy_engine=ce)
+        consts = dict(WORLD=world, B_KN=b_kn, HAS_BIAS=bias, CE_PUSH=ce, BLOCK_M=128,
+                      BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=stages, NUM_PROGRAMS=132,
+                      CONSUMER_REGS=W.CONSUMER_REGS)
+        ptrs = {"data_ptrs": "*i64", "flag_ptrs": "*i64", "err_ptr": "*i32"}
+        sig = {q: "constexpr" if q in consts else ptrs.get(q, f"*{dtype}" if q.endswith("_ptr") else "i32")
+               for q in names}
+        src = GluonASTSource(fn, sig, constexprs={(names.index(q),): v for q, v in consts.items()},
+                             attrs={})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=4, maxnreg=W.MAXNREG))
+        assert kernel.metadata.shared <= W.smem_bytes(cfg) <= _HOPPER_SMEM, \
+            (kernel.metadata.shared, W.smem_bytes(cfg))
+
+
 #: dynamic shared memory one block may use on H100 / H200 (sm_90)
 _HOPPER_SMEM = 232448
 

@@ -23,6 +23,10 @@ RS_CONFIGS = [
     # one epilogue store and warp specialization (a shipped TP 2 table config)
     dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=1,
          warp_specialize=True, flatten_consume=True),
+    # the warp-specialized Gluon kernel (gemm_rs_ws); the ragged shape runs the Triton kernel
+    # instead, with a warning
+    dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, rs_warp_specialized=True),
+    dict(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4, rs_warp_specialized=True),
 ]
 
 
@@ -131,3 +135,88 @@ def test_rs_reduce_sums_in_rank_order(world, with_bias, m_local, n):
         if bias is not None:
             ref = ref + bias.float()
         assert torch.equal(out, ref.to(torch.bfloat16)), f"rank {rank}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("b_kn", [False, True], ids=["b_nk", "b_kn"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("copy_engine", [False, True], ids=["sm_push", "ce_push"])
+def test_gemm_rs_ws_bias_layouts_and_signals(world, b_kn, dtype, copy_engine):
+    """The warp-specialized GEMM+RS as rank 0 of ``world`` on one GPU: own rows = own partial
+    + the peers' slots (+ bias) against fp32 math, for both B layouts and dtypes; its producer
+    tiles land in the pushed-to slots (``data_ptrs``); the grid's last partition raises every
+    owner's signal (or, with the copy engine's staging, only the "produced" word) with this
+    call's epoch and leaves the arrival counter at zero; repeated launches are bitwise
+    identical and it took the Gluon kernel (no fallback warning)."""
+    import warnings
+
+    from megatron_flux.kernels.config import GemmConfig, rs_signal_count
+    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+
+    m_local, n, k = 512, 384, 640
+    gen = torch.Generator(device="cuda").manual_seed(world + 2 * b_kn)
+    a = torch.randn(world * m_local, k, device="cuda", generator=gen).to(dtype)
+    w = torch.randn(n, k, device="cuda", generator=gen).to(dtype)
+    b = w.t().contiguous() if b_kn else w.t()  # [K, N] row-major, or a transposed [N, K]
+    bias = torch.randn(n, device="cuda", generator=gen).to(dtype)
+    out = torch.full((m_local, n), float("nan"), device="cuda", dtype=dtype)
+    data = (torch.randn(world, m_local, n, device="cuda", generator=gen) * 8).to(dtype)
+    pushed = torch.zeros(world, m_local, n, device="cuda", dtype=dtype)  # [owner]: rank 0's push
+    flags = torch.zeros(rs_signal_count(world), dtype=torch.int32, device="cuda")
+    flags[1:world] = 1 << 30  # the peers have delivered
+    # owner s's slot region starts at data_ptrs[s]; rank 0 writes its slot 0 there
+    data_ptrs = torch.tensor([data.data_ptr()] + [pushed[s].data_ptr() for s in range(1, world)],
+                             dtype=torch.int64, device="cuda")
+    flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device="cuda")
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    cfg = GemmConfig(128, 128, 64, 4, 4, 8, rs_warp_specialized=True, rs_copy_engine=copy_engine)
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the Triton kernel would warn
+        for epoch in (1, 2):
+            out.fill_(float("nan"))
+            launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, rank=0, world=world,
+                           epoch=epoch, cfg=cfg, num_sms=20, max_spins=1 << 20)
+            torch.cuda.synchronize()
+            results.append(out.clone())
+            assert int(err[0]) == 0
+            assert int(flags[world]) == 0  # the arrival counter is back at zero
+            if copy_engine:
+                assert int(flags[world + 1]) == epoch and int(flags[0]) == 0
+            else:  # every owner's word [rank 0] (all owners share this one flags array here)
+                assert int(flags[0]) == epoch and int(flags[world + 1]) == 0
+    full = a.float() @ w.t().float()
+    ref = full[:m_local] + data[1:].float().sum(0) + bias.float()
+    rel = float((results[0].float() - ref).norm() / ref.norm())
+    assert rel < 1e-2, rel
+    assert torch.equal(results[0], results[1]), "repeated GEMM+RS launches differ"
+    # rank 0's producer tiles: segment s's partial went to owner s's slot 0
+    for s in range(1, world):
+        pushed_ref = full[s * m_local:(s + 1) * m_local]
+        rel_p = float((pushed[s].float() - pushed_ref).norm() / pushed_ref.norm())
+        assert rel_p < 1e-2, (s, rel_p)
+
+
+def test_gemm_rs_ws_times_out_loudly_without_peer():
+    """A peer that never signals: the warp-specialized kernel's bounded wait gives up and
+    records (op GEMM+RS, rank, peer, value seen) instead of hanging."""
+    from megatron_flux.kernels.config import GemmConfig, rs_signal_count
+    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+    from megatron_flux.kernels.signals import OP_GEMM_RS
+
+    world, m_local, n, k = 2, 256, 256, 512
+    a = torch.randn(world * m_local, k, device="cuda").to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+    out = torch.empty(m_local, n, device="cuda", dtype=torch.bfloat16)
+    data = torch.zeros(world, m_local, n, device="cuda", dtype=torch.bfloat16)
+    pushed = torch.zeros_like(data)
+    flags = torch.zeros(rs_signal_count(world), dtype=torch.int32, device="cuda")  # no peer signal
+    data_ptrs = torch.tensor([data.data_ptr(), pushed.data_ptr()], dtype=torch.int64, device="cuda")
+    flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device="cuda")
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    cfg = GemmConfig(128, 128, 64, 4, 4, 8, rs_warp_specialized=True)
+    # rank 1 of 2: its peer (rank 0) signals at flags[0]; rank 1's own grid raises flags[1]
+    launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err, rank=1, world=world,
+                   epoch=5, cfg=cfg, num_sms=8, max_spins=1000)
+    torch.cuda.synchronize()
+    assert err.tolist() == [OP_GEMM_RS, 1, 0, 0], err.tolist()

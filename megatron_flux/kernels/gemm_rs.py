@@ -455,10 +455,22 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
     region of this call's parity (the address ``data_ptrs[rank]`` points at). ``trace``: an
     int64 ``[grid, TRACE_SLOTS]`` buffer to stamp :data:`RS_PHASES` into (a diagnostic build of
     the kernel; :mod:`.phase_trace`). With ``cfg.rs_copy_engine`` the caller passes the
-    staging table as ``data_ptrs`` (:func:`rs_staging_table`) and queues the copies."""
+    staging table as ``data_ptrs`` (:func:`rs_staging_table`) and queues the copies. With
+    ``cfg.rs_warp_specialized`` a call the Gluon kernel can take runs there
+    (:mod:`.gemm_rs_ws`)."""
     m, k = a.shape
     m_local = m // world
     n = b.shape[1]
+    if cfg.rs_warp_specialized:
+        from megatron_flux.kernels import gemm_rs_ws
+
+        reason = gemm_rs_ws.unsupported_reason(a, m_local, cfg, trace=trace, produce=produce,
+                                               consume=consume)
+        if reason is None:
+            return gemm_rs_ws.launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err,
+                                                rank=rank, world=world, epoch=epoch, cfg=cfg,
+                                                num_sms=num_sms, max_spins=max_spins)
+        gemm_rs_ws.warn_fallback(reason)
 
     def plan(per_sm):
         """(grid, runtime args, constexprs) with ``per_sm`` programs per SM."""

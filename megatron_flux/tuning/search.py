@@ -83,6 +83,8 @@ NOT_SEARCHED: Dict[str, str] = {
     "ag_merge_local": "no faster with communication on, slower in 7 of 8 paired comm-off "
                       "cases at TP 2 (benchmarks/NOTES.md, session 15)",
     "ag_merge_lead": "only matters with ag_merge_local",
+    "rs_warp_specialized": "a kernel, not a knob to vary alone (its tiles are at most 128x128); "
+                           "GEMM+RS at short K gets it as one seed (RS_SHORT_K_SEEDS)",
     "rs_ce_bands": "0.97x the table config on one training shape, 1.04x on another, mixed on "
                    "the rest (benchmarks/NOTES.md, session 17)",
     "flatten_consume": "compiles to the same GEMM+RS kernel either way (Triton does not flatten "
@@ -130,14 +132,18 @@ SEED_CONFIGS: Tuple[Dict[str, object], ...] = (
     dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, group_m=8,
          epilogue_split=1),
 )
-#: GEMM+RS with a short contraction (per-rank ``k <= RS_SHORT_K``) also tries two programs per
-#: SM on 128x128 tiles, so one program's reduction epilogue (the peers' partials read, added
-#: and stored) runs beside the other's K loop. With communication off on one H200 this ran
-#: 0.95-0.98x the TP 2 table's config on the training step's proj and qkv-dgrad GEMM+RS
-#: (k = 2048 / 3072, m = 8192), where the epilogue's reads cost 6-7 % (benchmarks/NOTES.md,
-#: session 19); whether it also wins with communication on is for the tune to measure.
+#: GEMM+RS with a short contraction (per-rank ``k <= RS_SHORT_K``) also tries two ways of
+#: running one tile's reduction epilogue (the peers' partials read, added and stored) beside
+#: another tile's MMAs, where a plain persistent program idles its tensor cores: the
+#: warp-specialized Gluon kernel (``rs_warp_specialized``, 5 stages) and two programs per SM on
+#: 128x128 tiles. With communication off on one H200 they ran 0.92x and 0.95-0.98x the TP 2
+#: table's config on the training step's proj and qkv-dgrad GEMM+RS (k = 2048 / 3072,
+#: m = 8192), where the epilogue's reads cost 6-7 % (benchmarks/NOTES.md, session 19); whether
+#: they also win with communication on is for the tune to measure.
 RS_SHORT_K = 4096
 RS_SHORT_K_SEEDS: Tuple[Dict[str, object], ...] = (
+    dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
+         epilogue_split=1, warp_specialize=False, rs_warp_specialized=True),
     dict(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=4, group_m=8,
          epilogue_split=2, warp_specialize=False, programs_per_sm=2),
 )

@@ -1,0 +1,445 @@
+"""GEMM + ReduceScatter on a warp-specialized Hopper GEMM, written in Gluon (``rs_warp_specialized``).
+
+Same inputs, outputs, workspace, signals and tile order as :mod:`.gemm_rs`; what differs is how
+an SM runs its tiles. A Triton 3.6 persistent GEMM is not warp-specialized on Hopper, so while
+a program reads the peers' partials of an own tile, adds them and stores the sum, its tensor
+cores idle; at short K that epilogue is a large part of the tile (the partials' reads alone
+cost 6-7 % of the kernel at k = 2048-3072, m = 8192; ``benchmarks/NOTES.md``, session 19). Here
+two MMA warpgroups take alternate tiles ("ping-pong"), so one's epilogue runs beside the
+other's MMAs.
+
+Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
+
+* Flat tile ``t`` over ``W * tiles_per_segment``, as :mod:`.tile_order`: step ``t //
+  tiles_per_segment``; steps ``0..W-2`` are the peers' segments ``r+1, r+2, ...`` (producer),
+  step ``W-1`` the own segment (consumer); odd steps walk their segment backwards
+  (``serpentine``), GROUP_M-grouped inside. Program ``p`` owns ``t = p, p + G, ...``; its
+  ``j``-th tile belongs to MMA partition ``j % 2``.
+* **Load partition** (1 warp, 24 registers): every K-step of every tile of the program, in
+  order, into a ring of ``num_stages`` shared-memory slots (A ``[BM, BK]``, B ``[BN, BK]`` or
+  ``[BK, BN]``): wait the slot's ``empty`` barrier, expect both boxes on its ``ready`` barrier,
+  issue the two TMA loads.
+* **Two MMA partitions** (one warpgroup each): per K-step wait ``ready``, issue an async
+  ``wgmma``, keep one in flight, release the previous slot. A partition arrives on the other's
+  ``handoff`` barrier once its tile's last slot has landed and waits on its own before a tile,
+  so every ``ready`` wait is at most one phase ahead (the argument and a randomized model of it:
+  ``benchmarks/experiments/gluon_ws_gemm.py``, ``ws_protocol_model.py``); this needs
+  ``k_tiles >= num_stages``.
+* Producer tile epilogue = the *write* of ReduceScatter: round to the output dtype, TMA-store
+  into the owner's slot ``r`` (``data_ptrs[owner] + r * m_local * N``; with ``rs_copy_engine``
+  the host's table points that into local staging, :func:`.gemm_rs.rs_staging_table`).
+* **Grid barrier**: before its first own tile (or at its end, if it has none) each MMA
+  partition drains its TMA stores (``cp.async.bulk.wait_group 0``, proxy fence), meets its
+  warpgroup at a named barrier, and counts itself in at ``flags[r][W]`` (acq_rel, system
+  scope). The last of the grid's ``2 G`` partitions resets the counter and, after one
+  ``fence.acq_rel.sys``, writes ``epoch`` (relaxed) to every peer owner's ``flags[owner][r]``
+  (with ``rs_copy_engine``: to this rank's "produced" word ``flags[r][W + 1]``, which the copy
+  engine's stream waits for). Its atomics run on a ``[1]`` tensor one thread owns, masked.
+* Consumer tile epilogue = the *reduction*: a partition's first own tile runs its MMAs, then
+  waits (acquire, system scope, bounded: ``signals.wait_signal``) for every peer's
+  ``flags[r][src]`` and fences the async proxy. Each peer's partial tile is TMA-loaded into the
+  partition's epilogue buffer and added to the fp32 accumulator in rank order ``0..W-1`` (bias
+  once), the sum rounded and TMA-stored to ``out``. After the first own tile, the first peer's
+  partial is loaded *before* the tile's MMAs, so it has landed by the epilogue. Results are
+  bitwise repeatable (fixed order, no atomics on data); the sum is the same expression as
+  :mod:`.gemm_rs`'s, though not necessarily the same bits (another MMA instruction shape).
+
+Limits (the launcher falls back to :mod:`.gemm_rs`, with one warning naming why, when a call
+breaks one): ``m_local`` a multiple of ``block_m``; at least ``num_stages`` K-steps; bf16 or
+fp16; a Triton with Gluon (3.6 and 3.9 checked); not under the interpreter, phase traces or the
+separate produce/consume test phases. ``rs_spread_reduce`` and ``rs_ce_bands`` are not
+implemented and ``GemmConfig`` refuses them together with this kernel.
+"""
+
+
+import warnings
+from typing import Optional
+
+import triton
+
+# (no `from __future__ import annotations`: Triton 3.6 checks an aggregate's attribute types
+# against its class annotations, which that import would turn into strings)
+
+try:  # Gluon: Triton >= 3.5; names moved between 3.6 and 3.9
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+    from triton.language.core import _aggregate as aggregate
+    _GLUON_ERROR: Optional[str] = None
+except ImportError as exc:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+    _GLUON_ERROR = f"this Triton has no Gluon ({exc})"
+
+from megatron_flux.kernels.config import interpreting
+from megatron_flux.kernels.signals import OP_GEMM_RS, fence_async_proxy, wait_signal
+from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step, serpentine
+
+#: registers per thread of the whole CTA (65536 / 384 threads, a multiple of 8); the MMA
+#: partitions get CONSUMER_REGS each, the load warp 24
+MAXNREG = 168
+CONSUMER_REGS = 232
+#: Hopper's dynamic shared memory per block
+_SMEM_LIMIT = 232448
+
+if gluon is not None:
+    _OP_GEMM_RS = gl.constexpr(OP_GEMM_RS)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # a barrier of the calling partition's threads (a named barrier inside a partition)
+    _partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+
+    @aggregate
+    class _Args:
+        a_desc: tma.tensor_descriptor
+        b_desc: tma.tensor_descriptor
+        out_desc: tma.tensor_descriptor
+        slots_desc: tma.tensor_descriptor
+        a_bufs: gl.shared_memory_descriptor
+        b_bufs: gl.shared_memory_descriptor
+        c_bufs: gl.shared_memory_descriptor
+        ready: gl.shared_memory_descriptor
+        empty: gl.shared_memory_descriptor
+        handoff: gl.shared_memory_descriptor
+        pload: gl.shared_memory_descriptor
+        data_ptrs: gl.tensor
+        flag_ptrs: gl.tensor
+        bias_ptr: gl.tensor
+        err_ptr: gl.tensor
+        m_local: gl.tensor
+        N: gl.tensor
+        K: gl.tensor
+        rank: gl.tensor
+        epoch: gl.tensor
+        max_spins: gl.tensor
+        WORLD: gl.constexpr
+        B_KN: gl.constexpr
+        HAS_BIAS: gl.constexpr
+        CE_PUSH: gl.constexpr
+        GROUP_M: gl.constexpr
+        NUM_PROGRAMS: gl.constexpr
+
+        @gluon.constexpr_function
+        def __init__(self, a_desc, b_desc, out_desc, slots_desc, a_bufs, b_bufs, c_bufs, ready,
+                     empty, handoff, pload, data_ptrs, flag_ptrs, bias_ptr, err_ptr, m_local, N,
+                     K, rank, epoch, max_spins, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M,
+                     NUM_PROGRAMS):
+            self.a_desc = a_desc
+            self.b_desc = b_desc
+            self.out_desc = out_desc
+            self.slots_desc = slots_desc
+            self.a_bufs = a_bufs
+            self.b_bufs = b_bufs
+            self.c_bufs = c_bufs
+            self.ready = ready
+            self.empty = empty
+            self.handoff = handoff
+            self.pload = pload
+            self.data_ptrs = data_ptrs
+            self.flag_ptrs = flag_ptrs
+            self.bias_ptr = bias_ptr
+            self.err_ptr = err_ptr
+            self.m_local = m_local
+            self.N = N
+            self.K = K
+            self.rank = rank
+            self.epoch = epoch
+            self.max_spins = max_spins
+            self.WORLD = gl.constexpr(WORLD)
+            self.B_KN = gl.constexpr(B_KN)
+            self.HAS_BIAS = gl.constexpr(HAS_BIAS)
+            self.CE_PUSH = gl.constexpr(CE_PUSH)
+            self.GROUP_M = gl.constexpr(GROUP_M)
+            self.NUM_PROGRAMS = gl.constexpr(NUM_PROGRAMS)
+
+    @gluon.jit
+    def _tiles_per_segment(p):
+        BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
+        return gl.cdiv(p.m_local, BLOCK_M) * gl.cdiv(p.N, BLOCK_N)
+
+    @gluon.jit
+    def _tile(p, j):
+        """This program's ``j``-th tile: ``(step, seg, a_row, off_m, off_n)`` (``off_m`` inside
+        the segment, ``a_row`` in A)."""
+        BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
+        tps = _tiles_per_segment(p)
+        t = gl.program_id(0) + j * p.NUM_PROGRAMS
+        step = t // tps
+        seg = segment_of_step(step, p.rank, p.WORLD, True)
+        pid_m, pid_n = grouped_tile(serpentine(t, step, tps), gl.cdiv(p.m_local, BLOCK_M),
+                                    gl.cdiv(p.N, BLOCK_N), p.GROUP_M)
+        off_m = pid_m * BLOCK_M
+        return step, seg, seg * p.m_local + off_m, off_m, pid_n * BLOCK_N
+
+    @gluon.jit
+    def _num_tiles(p):
+        return gl.cdiv(p.WORLD * _tiles_per_segment(p) - gl.program_id(0), p.NUM_PROGRAMS)
+
+    @gluon.jit
+    def _load_partition(p):
+        BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
+        STAGES: gl.constexpr = p.a_bufs.type.shape[0]
+        nbytes: gl.constexpr = p.a_desc.block_type.nbytes + p.b_desc.block_type.nbytes
+        k_tiles = gl.cdiv(p.K, BLOCK_K)
+        pos = 0
+        for j in range(_num_tiles(p)):
+            step, seg, a_row, off_m, off_n = _tile(p, j)
+            for kk in range(k_tiles):
+                s = pos % STAGES
+                mbarrier.wait(p.empty.index(s), ((pos // STAGES) & 1) ^ 1)
+                mbarrier.expect(p.ready.index(s), nbytes)
+                _tma_load(p.a_desc, [a_row, kk * BLOCK_K], p.ready.index(s), p.a_bufs.index(s))
+                if p.B_KN:
+                    _tma_load(p.b_desc, [kk * BLOCK_K, off_n], p.ready.index(s), p.b_bufs.index(s))
+                else:
+                    _tma_load(p.b_desc, [off_n, kk * BLOCK_K], p.ready.index(s), p.b_bufs.index(s))
+                pos += 1
+
+    @gluon.jit
+    def _arrive(p, layout: gl.constexpr):
+        """Count this partition in at the grid barrier (see the module docstring)."""
+        zero = gl.arange(0, 1, layout)  # a [1] tensor of 0: one thread owns its atomics
+        # every thread waits for its own bulk groups (the issuing thread's are the stores)
+        gl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, $1;",
+            "=r,r", [zero], dtype=gl.int32, is_pure=False, pack=1)
+        _partition_barrier()
+        my_flags = gl.load(p.flag_ptrs + p.rank + zero).to(gl.pointer_type(gl.int32))
+        counter = my_flags + p.WORLD
+        arrived = gl.atomic_add(counter, 1 + zero, sem="acq_rel", scope="sys")
+        last = arrived == 2 * p.NUM_PROGRAMS - 1
+        gl.atomic_xchg(counter, zero, mask=last, sem="relaxed", scope="gpu")
+        gl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, $1;", "=r,r", [zero],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+        if p.CE_PUSH:  # the copy engine delivers; it waits for this rank's "produced" word
+            gl.atomic_xchg(my_flags + p.WORLD + 1, p.epoch + zero, mask=last, sem="relaxed",
+                           scope="sys")
+        else:
+            for owner_step in gl.static_range(p.WORLD - 1):
+                seg = segment_of_step(owner_step, p.rank, p.WORLD, True)
+                owner_flags = gl.load(p.flag_ptrs + seg + zero).to(gl.pointer_type(gl.int32))
+                gl.atomic_xchg(owner_flags + p.rank, p.epoch + zero, mask=last, sem="relaxed",
+                               scope="sys")
+
+    @gluon.jit
+    def _mma_partition(p, C: gl.constexpr):
+        BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
+        BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
+        STAGES: gl.constexpr = p.a_bufs.type.shape[0]
+        dtype: gl.constexpr = p.out_desc.dtype
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        one_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        nbytes: gl.constexpr = p.slots_desc.block_type.nbytes
+        k_tiles = gl.cdiv(p.K, BLOCK_K)
+        c_buf = p.c_bufs.index(C)
+        slot = (p.rank * p.m_local).to(gl.int64) * p.N  # this rank's slot in every owner's region
+        # the first peer step's destination, built once (the only one at TP 2)
+        dst0 = gl.load(p.data_ptrs + segment_of_step(0, p.rank, p.WORLD, True)).to(
+            gl.pointer_type(dtype)) + slot
+        push0 = tma.make_tensor_descriptor(dst0, [p.m_local, p.N], [p.N, 1], [BLOCK_M, BLOCK_N],
+                                           p.out_desc.layout)
+        src0 = (p.rank == 0).to(gl.int32)  # the first peer in rank order
+        arrived = 0
+        waited = 0
+        nload = 0
+        for j in range(C, _num_tiles(p), 2):
+            mbarrier.wait(p.handoff.index(C), ((j - 2 + C) // 2) & 1, pred=j > 0)
+            step, seg, a_row, off_m, off_n = _tile(p, j)
+            own = step == p.WORLD - 1
+            if own and arrived == 0:
+                _arrive(p, one_layout)
+                arrived = 1
+            prefetched = 0
+            if own and waited == 1:
+                # the peers' signals were acquired at an earlier own tile: load the first peer's
+                # partial into the epilogue buffer now, beside this tile's MMAs
+                tma.store_wait(0)
+                mbarrier.expect(p.pload.index(C), nbytes)
+                _tma_load(p.slots_desc, [src0 * p.m_local + off_m, off_n], p.pload.index(C), c_buf)
+                prefetched = 1
+            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
+            prev = 0
+            for kk in range(k_tiles):
+                pos = j * k_tiles + kk
+                s = pos % STAGES
+                mbarrier.wait(p.ready.index(s), (pos // STAGES) & 1)
+                # the tile's last slot has landed: the other partition may start its next tile
+                mbarrier.arrive(p.handoff.index(1 - C), count=1, pred=kk == k_tiles - 1)
+                a_s = p.a_bufs.index(s)
+                if p.B_KN:
+                    b_s = p.b_bufs.index(s)
+                else:
+                    b_s = p.b_bufs.index(s).permute((1, 0))
+                acc = warpgroup_mma(a_s, b_s, acc, is_async=True)
+                acc, a_s, b_s = warpgroup_mma_wait(1, deps=(acc, a_s, b_s))
+                # only this step's MMA is in flight: the previous step's slot has been read
+                mbarrier.arrive(p.empty.index(prev), count=1, pred=kk > 0)
+                prev = s
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(p.empty.index(prev), count=1)
+            if own:
+                if waited == 0:
+                    my_flags = gl.load(p.flag_ptrs + p.rank).to(gl.pointer_type(gl.int32))
+                    for src in range(p.WORLD):
+                        if src != p.rank:
+                            wait_signal(my_flags + src, p.epoch, p.max_spins, p.err_ptr, _OP_GEMM_RS,
+                                        p.rank, src)
+                    fence_async_proxy(p.epoch, True)  # the TMA reads below follow the acquire
+                    waited = 1
+                for src in gl.static_range(p.WORLD):  # rank order; the own partial is acc
+                    if src != p.rank:
+                        if (prefetched == 0) | (src != src0):
+                            tma.store_wait(0)
+                            mbarrier.expect(p.pload.index(C), nbytes)
+                            _tma_load(p.slots_desc, [src * p.m_local + off_m, off_n],
+                                      p.pload.index(C), c_buf)
+                        mbarrier.wait(p.pload.index(C), nload & 1)
+                        nload += 1
+                        acc += c_buf.load(acc_layout).to(gl.float32)
+                        _partition_barrier()  # every thread has read the buffer before reuse
+                        fence_async_shared()
+                if p.HAS_BIAS:
+                    cols = off_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, acc_layout))
+                    acc += gl.load(p.bias_ptr + cols, mask=cols < p.N, other=0.0).to(gl.float32)[None, :]
+                tma.store_wait(0)
+                c_buf.store(acc.to(dtype))
+                fence_async_shared()
+                _tma_store(p.out_desc, [off_m, off_n], c_buf)
+            else:
+                tma.store_wait(0)
+                c_buf.store(acc.to(dtype))
+                fence_async_shared()
+                if p.WORLD == 2:
+                    _tma_store(push0, [off_m, off_n], c_buf)
+                else:
+                    dst = gl.load(p.data_ptrs + seg).to(gl.pointer_type(dtype)) + slot
+                    push = tma.make_tensor_descriptor(dst, [p.m_local, p.N], [p.N, 1],
+                                                      [BLOCK_M, BLOCK_N], p.out_desc.layout)
+                    _tma_store(push, [off_m, off_n], c_buf)
+        if arrived == 0:  # no own tile: count in anyway
+            _arrive(p, one_layout)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _mma_partition_1(p):
+        _mma_partition(p, 1)
+
+    @gluon.jit(do_not_specialize=["rank", "epoch", "max_spins"])
+    def gemm_rs_ws_kernel(a_ptr, b_ptr, out_ptr, data_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr,
+                          m_local, N, K, ldb, rank, epoch, max_spins, WORLD: gl.constexpr,
+                          B_KN: gl.constexpr, HAS_BIAS: gl.constexpr, CE_PUSH: gl.constexpr,
+                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                          GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr):
+        """``a`` ``[WORLD * m_local, K]``; ``b`` ``[K, N]`` row-major (B_KN) or a transposed
+        row-major ``[N, K]`` (leading stride ``ldb``); ``out`` ``[m_local, N]``; ``data_ptr``
+        this rank's ``[WORLD, m_local, N]`` slot region of this call's parity; ``data_ptrs`` /
+        ``flag_ptrs`` every rank's slot region and signal words (as
+        :func:`.gemm_rs.gemm_rs_kernel`). Launch with ``num_warps=4`` (the default MMA
+        partition) and ``maxnreg=MAXNREG``; descriptors are built on the device."""
+        dtype: gl.constexpr = a_ptr.dtype.element_ty
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+        a_desc = tma.make_tensor_descriptor(a_ptr, [WORLD * m_local, K], [K, 1], [BLOCK_M, BLOCK_K],
+                                            a_layout)
+        if B_KN:
+            b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype)
+            b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N], b_layout)
+            b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_layout)
+        else:
+            b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
+            b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K], b_layout)
+            b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], b_layout)
+        out_desc = tma.make_tensor_descriptor(out_ptr, [m_local, N], [N, 1], [BLOCK_M, BLOCK_N],
+                                              c_layout)
+        # this rank's slots as one [WORLD * m_local, N] matrix (m_local % BLOCK_M == 0: no tile
+        # crosses a slot)
+        slots_desc = tma.make_tensor_descriptor(data_ptr, [WORLD * m_local, N], [N, 1],
+                                                [BLOCK_M, BLOCK_N], c_layout)
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+        c_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], c_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        pload = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(handoff.index(i), count=1)
+            mbarrier.init(pload.index(i), count=1)
+        p = _Args(a_desc, b_desc, out_desc, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty,
+                  handoff, pload, data_ptrs, flag_ptrs, bias_ptr, err_ptr, m_local, N, K, rank,
+                  epoch, max_spins, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M, NUM_PROGRAMS)
+        gl.warp_specialize([(_mma_partition, (p, 0)), (_mma_partition_1, (p, )),
+                            (_load_partition, (p, ))], [4, 1], [CONSUMER_REGS, 24])
+else:  # pragma: no cover
+    gemm_rs_ws_kernel = None
+
+
+def smem_bytes(cfg, elem_bytes: int = 2) -> int:
+    """Shared memory the kernel takes for ``cfg``, at most: the A/B ring, two epilogue tiles,
+    and 1 KiB for barriers and alignment (compiled for sm_90a it was 229 760 B for 128x128x64
+    and 5 stages, against 230 400 here; ``tests/test_kernels_compile.py`` checks the bound)."""
+    ring = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * elem_bytes
+    return ring + 2 * cfg.block_m * cfg.block_n * elem_bytes + 1024
+
+
+def unsupported_reason(a, m_local: int, cfg, *, trace=None, produce=True, consume=True) -> Optional[str]:
+    """Why this call cannot run :func:`gemm_rs_ws_kernel` (None: it can)."""
+    import torch
+
+    if _GLUON_ERROR is not None:
+        return _GLUON_ERROR
+    if interpreting():
+        return "the CPU interpreter runs no Gluon"
+    if trace is not None or not (produce and consume):
+        return "phase traces and split phases exist only in the Triton kernel"
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {a.dtype} (bf16 or fp16 only)"
+    if m_local % cfg.block_m:
+        return f"{m_local} rows per rank are not a multiple of block_m={cfg.block_m}"
+    if triton.cdiv(a.shape[1], cfg.block_k) < cfg.num_stages:
+        return (f"K={a.shape[1]} has fewer than num_stages={cfg.num_stages} steps of "
+                f"block_k={cfg.block_k}")
+    if smem_bytes(cfg, a.element_size()) > _SMEM_LIMIT:
+        return f"needs {smem_bytes(cfg, a.element_size())} B of shared memory"
+    return None
+
+
+_WARNED = set()
+
+
+def warn_fallback(reason: str) -> None:
+    """One warning per reason: the call runs the Triton GEMM+RS kernel instead."""
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"megatron-flux GEMM+RS: rs_warp_specialized config runs the Triton kernel "
+                      f"instead ({reason})", stacklevel=3)
+
+
+def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, world, epoch,
+                      cfg, num_sms, max_spins):
+    """:func:`gemm_rs_ws_kernel` on the current stream, with :func:`.gemm_rs.launch_gemm_rs`'s
+    arguments (the caller has checked :func:`unsupported_reason`). ``cfg`` gives block_m/n/k,
+    num_stages, group_m and rs_copy_engine; the kernel's warps are fixed (two MMA warpgroups
+    and a load warp)."""
+    from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
+
+    m, k = a.shape
+    m_local = m // world
+    n = b.shape[1]
+    b_kn = b.stride(1) == 1
+    grid = min(num_sms, world * (m_local // cfg.block_m) * triton.cdiv(n, cfg.block_n))
+    ensure_descriptor_allocator()
+    gemm_rs_ws_kernel[(grid,)](
+        a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
+        m_local, n, k, b.stride(0) if b_kn else b.stride(1), rank, epoch, max_spins,
+        WORLD=world, B_KN=b_kn, HAS_BIAS=bias is not None, CE_PUSH=cfg.rs_copy_engine,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        STAGES=cfg.num_stages, NUM_PROGRAMS=grid, CONSUMER_REGS=CONSUMER_REGS,
+        num_warps=4, maxnreg=MAXNREG)

@@ -1,0 +1,84 @@
+"""``GemmConfig.rs_warp_specialized`` and when the warp-specialized GEMM+RS runs (CPU).
+
+The Gluon kernel itself has no interpreter: it is compiled for sm_90 in
+``test_kernels_compile.py`` and run in ``test_kernels_one_gpu.py`` / ``test_flux_gpu.py``; that
+a config with it runs the Triton kernel under the interpreter is
+``interpret_checks.check_gemm_rs_ws_config_runs_the_triton_kernel``."""
+
+import warnings
+
+import pytest
+import torch
+
+from megatron_flux.kernels import gemm_rs_ws
+from megatron_flux.kernels.config import GemmConfig
+
+WS = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, epilogue_split=1,
+          rs_warp_specialized=True)
+
+
+def test_rs_warp_specialized_round_trips_and_defaults_off():
+    assert GemmConfig().rs_warp_specialized is False
+    cfg = GemmConfig(**WS)
+    assert GemmConfig.from_dict(cfg.to_dict()) == cfg
+    assert GemmConfig.from_dict({"block_m": 64}).rs_warp_specialized is False  # older tables
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(block_n=256), "at most 128x128"),            # two warpgroups' accumulators: no room
+    (dict(block_m=256, block_n=64), "at most 128x128"),
+    (dict(block_k=256), "block_k"),
+    (dict(rs_spread_reduce=True), "rs_spread_reduce"),
+    (dict(rs_copy_engine=True, rs_ce_bands=True), "rs_ce_bands"),
+    (dict(programs_per_sm=2), "one program per SM"),
+    (dict(rs_warp_specialized=1), "must be a bool"),
+])
+def test_rs_warp_specialized_refuses_what_the_kernel_does_not_do(fields, match):
+    with pytest.raises(ValueError, match=match):
+        GemmConfig(**{**WS, **fields})
+
+
+def test_the_copy_engine_push_and_a_64_row_tile_are_accepted():
+    GemmConfig(**{**WS, "rs_copy_engine": True})
+    GemmConfig(**{**WS, "block_m": 64, "block_n": 256})
+
+
+def _reason(m_local=512, k=4096, dtype=torch.bfloat16, **cfg_fields):
+    a = torch.empty(2 * m_local, k, dtype=dtype)
+    return gemm_rs_ws.unsupported_reason(a, m_local, GemmConfig(**{**WS, **cfg_fields}))
+
+
+def test_unsupported_reasons_name_the_shape(monkeypatch):
+    if gemm_rs_ws.gemm_rs_ws_kernel is None:
+        pytest.skip(gemm_rs_ws._GLUON_ERROR)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert _reason() is None
+    assert _reason(dtype=torch.float16) is None
+    assert "multiple of block_m=128" in _reason(m_local=300)
+    assert "fewer than num_stages=5" in _reason(k=256)          # 4 K-steps of 64
+    assert _reason(k=320) is None                               # 5 K-steps
+    assert "float32" in _reason(dtype=torch.float32)
+    a = torch.empty(1024, 4096, dtype=torch.bfloat16)
+    assert "phase traces" in gemm_rs_ws.unsupported_reason(a, 512, GemmConfig(**WS),
+                                                           trace=torch.empty(1))
+    assert "phase traces" in gemm_rs_ws.unsupported_reason(a, 512, GemmConfig(**WS), consume=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "interpreter" in _reason()
+
+
+def test_shared_memory_bound_matches_the_launch_rule():
+    # 5 stages of 128x128x64 and two epilogue tiles fit Hopper (the compiled kernel: 229 760 B)
+    assert gemm_rs_ws.smem_bytes(GemmConfig(**WS)) <= gemm_rs_ws._SMEM_LIMIT
+    big = GemmConfig(**{**WS, "num_stages": 6})
+    assert gemm_rs_ws.smem_bytes(big) > gemm_rs_ws._SMEM_LIMIT
+    if gemm_rs_ws.gemm_rs_ws_kernel is not None and "TRITON_INTERPRET" not in __import__("os").environ:
+        assert "shared memory" in _reason(num_stages=6)
+
+
+def test_fallback_warns_once_per_reason():
+    gemm_rs_ws._WARNED.discard("a test reason")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gemm_rs_ws.warn_fallback("a test reason")
+        gemm_rs_ws.warn_fallback("a test reason")
+    assert len(caught) == 1 and "runs the Triton kernel instead (a test reason)" in str(caught[0].message)
