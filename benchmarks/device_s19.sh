@@ -28,6 +28,9 @@
 #            tests (test_kernels_one_gpu.py, with its WS cases) -> $OUT/tests-ws-1gpu.json; then
 #            kernel_vs_cublas, GEMM+RS, table and plain against WS 128x128x64 at 5 and 4 stages:
 #            training shapes m = 4096/8192 and the TP 2 grid  -> $OUT/kvc-ws-{train,grid}.json
+#   wsag     (carry .whl) the same for AG+GEMM (ag_warp_specialized): one-GPU tests again (with the AG
+#            cases) -> $OUT/tests-ws2-1gpu.json; kernel_vs_cublas AG+GEMM, table and default
+#            against WS 128x128x64/5 -> $OUT/kvc-wsag-{train,grid}.json
 #   pps2     kernel_vs_cublas, training shapes: table against two programs per SM and plain
 #                                                  -> $OUT/kvc-pps2-train.json
 #   trace    phase stamps, GEMM+RS proj and qkv dgrad (training shapes, table and default)
@@ -108,6 +111,19 @@ for what in "$@"; do
           2>&1 | grep -v Warning
       timeout 200 python3 ${KVC} --tp 2 --ops GEMM+RS --m 1024 2048 4096 8192 --configs table plain \
           --extra "${WS_EXTRA}" "${TIMING[@]}" --json "${OUT}/kvc-ws-grid.json" 2>&1 | grep -v Warning ;;
+    wsag)
+      install_carried_wheels || exit 2
+      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 240 python3 benchmarks/record_pytest.py \
+          "${OUT}/tests-ws2-1gpu.json" tests/test_kernels_one_gpu.py tests/test_warp_specialized_cpu.py \
+          -q -p no:cacheprovider > "${OUT}/tests-ws2-1gpu.log" 2>&1
+      echo "tests exit $?"; tail -3 "${OUT}/tests-ws2-1gpu.log"
+      AG_EXTRA='[{"ag_warp_specialized": true, "block_m": 128, "block_n": 128, "block_k": 64,
+                  "num_stages": 5, "num_warps": 4, "epilogue_split": 1, "stream_k": 0}]'
+      timeout 150 python3 ${KVC} --tp 2 --ops AG+GEMM "${TRAIN_SHAPES[@]}" --m 4096 8192 \
+          --configs table default --extra "${AG_EXTRA}" "${TIMING[@]}" --json "${OUT}/kvc-wsag-train.json" \
+          2>&1 | grep -v Warning
+      timeout 200 python3 ${KVC} --tp 2 --ops AG+GEMM --m 1024 2048 4096 8192 --configs table \
+          --extra "${AG_EXTRA}" "${TIMING[@]}" --json "${OUT}/kvc-wsag-grid.json" 2>&1 | grep -v Warning ;;
     pps2)
       timeout 200 python3 ${KVC} --tp 2 "${TRAIN_SHAPES[@]}" --m 8192 --configs table pps2 plain \
           "${TIMING[@]}" --json "${OUT}/kvc-pps2-train.json" 2>&1 | grep -v Warning ;;

@@ -467,33 +467,44 @@ def check_gemm_rs_all_ranks():
             assert e < TOL, f"world={world} rank={r} {cfg}: rel err {e}"
 
 
-def check_gemm_rs_ws_config_runs_the_triton_kernel():
-    """A warp-specialized config (``rs_warp_specialized``, a Gluon kernel with no interpreter)
-    runs the Triton GEMM+RS here, with one warning naming the interpreter, and gets the same
-    bits as the same tiles without the knob, on every rank."""
+def check_ws_configs_run_the_triton_kernels():
+    """A warp-specialized config (``rs_warp_specialized`` / ``ag_warp_specialized``: Gluon
+    kernels, which have no interpreter) runs the Triton kernel here, with one warning naming
+    the interpreter, and gets the same bits as the same tiles without the knob, on every
+    rank."""
     import warnings
 
-    from megatron_flux.kernels import gemm_rs_ws
+    from megatron_flux.kernels import ag_gemm_ws, gemm_rs_ws
 
     base = GemmConfig(block_m=64, block_n=64, block_k=16, num_stages=1, num_warps=4, group_m=2,
-                      epilogue_split=1)
-    outs = []
+                      epilogue_split=1, chunk_rows=16)
+
+    def said(caught, knob):
+        return [str(c.message) for c in caught if knob in str(c.message)]
+
+    rs_outs, ag_outs = [], []
+    torch.manual_seed(1)
+    xs, b, _ = _ag_case(2, 64, 32, 64, False)
     for ws in (False, True):
         gemm_rs_ws._WARNED.clear()
-        w = _rs_world(2, 64, 32, 64, False, True, cfg=GemmConfig(**{**base.to_dict(),
-                                                                      "rs_warp_specialized": ws}))
-        torch.manual_seed(1)  # the same inputs for both configs
-        w.update(_rs_world(2, 64, 32, 64, False, True, cfg=w["cfg"]))
+        ag_gemm_ws._WARNED.clear()
+        torch.manual_seed(2)  # the same inputs for both configs
+        w = _rs_world(2, 64, 32, 64, False, True,
+                      cfg=GemmConfig(**{**base.to_dict(), "rs_warp_specialized": ws}))
+        ag_cfg = GemmConfig(**{**base.to_dict(), "ag_warp_specialized": ws})
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             _rs_run(w)
-        said = [str(c.message) for c in caught if "rs_warp_specialized" in str(c.message)]
-        assert len(said) == (1 if ws else 0) and (not ws or "interpreter" in said[0]), said
+            ag_outs.append([_ag_on_rank(xs, b, r, ag_cfg, f"ws={ws} rank={r}") for r in range(2)])
+        for knob in ("rs_warp_specialized", "ag_warp_specialized"):
+            lines = said(caught, knob)
+            assert len(lines) == (1 if ws else 0) and (not ws or "interpreter" in lines[0]), lines
         assert all(e.tolist() == [0, 0, 0, 0] for e in w["errs"])
-        outs.append([o.clone() for o in w["outs"]])
+        rs_outs.append([o.clone() for o in w["outs"]])
     for r in range(2):
-        assert torch.equal(outs[0][r], outs[1][r]), f"rank {r}: the fallback changed the result"
-        assert not torch.isnan(outs[1][r]).any()
+        assert torch.equal(rs_outs[0][r], rs_outs[1][r]), f"rank {r}: the RS fallback changed the result"
+        assert torch.equal(ag_outs[0][r], ag_outs[1][r]), f"rank {r}: the AG fallback changed the result"
+        assert not torch.isnan(rs_outs[1][r]).any()
 
 
 def check_gemm_rs_ownership():
@@ -839,7 +850,7 @@ CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_
           check_gemm_rs_spread_waits_for_its_own_grid, check_gemm_rs_copy_engine,
           check_gemm_rs_copy_engine_bands, check_copy_engine_reduce_scatter,
           check_next_call_cannot_release_a_wait, check_ready_barrier, check_copy_engine_gather,
-          check_programs_per_sm, check_gemm_rs_ws_config_runs_the_triton_kernel]
+          check_programs_per_sm, check_ws_configs_run_the_triton_kernels]
 
 
 @triton.jit

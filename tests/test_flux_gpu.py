@@ -287,6 +287,16 @@ def _worker(rank, world, port, env, queue):
                                   gen, with_bias=(m_local % 2 == 0))
                         n_checks += 1
             flux_ws.check_errors()
+        # the warp-specialized Gluon AG+GEMM (kernels/ag_gemm_ws.py), pushing and pulling, over
+        # every shape and layout (shapes whose rows per rank are not a multiple of block_m run
+        # the Triton kernel instead)
+        ag_ws = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4,
+                     epilogue_split=1, ag_warp_specialized=True)
+        for variant in (ag_ws, dict(ag_ws, ag_pull=True, chunk_rows=64),
+                        dict(ag_ws, block_m=64, num_stages=4, chunk_rows=128)):
+            flux_ag_ws = _default_with(**variant)
+            n_checks += _check_ag_every_shape(flux_ag_ws, group, rank, world, gen)
+            flux_ag_ws.check_errors()
         # AG+GEMM's stream-K tail (default tiles, and 128x256 with warp specialization) over
         # every shape and layout, and bitwise repeatable on a shape whose tail it splits
         sk_variants = [dict(stream_k=1),

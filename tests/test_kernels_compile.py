@@ -111,6 +111,34 @@ def test_gemm_rs_ws_compiles_for_hopper_within_its_shared_memory_bound(world):
             (kernel.metadata.shared, W.smem_bytes(cfg))
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ag_gemm_ws_compiles_for_hopper_within_its_shared_memory_bound(world):
+    """The warp-specialized Gluon AG+GEMM builds for sm_90 (both B layouts, bf16 and fp16, 4
+    and 5 stages) within ``ag_gemm_ws.smem_bytes``."""
+    from megatron_flux.kernels import ag_gemm_ws as W
+    from megatron_flux.kernels.config import GemmConfig
+
+    if W.ag_gemm_ws_kernel is None:
+        pytest.skip(W._GLUON_ERROR)
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = W.ag_gemm_ws_kernel
+    names = [p.name for p in fn.params]
+    for b_kn, dtype, stages in ((False, "bf16", 5), (True, "fp16", 4)):
+        cfg = GemmConfig(128, 128, 64, stages, 4, 8, ag_warp_specialized=True)
+        consts = dict(WORLD=world, B_KN=b_kn, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
+                      STAGES=stages, NUM_PROGRAMS=132, CONSUMER_REGS=W.CONSUMER_REGS)
+        ptrs = {"flags_ptr": "*i32", "err_ptr": "*i32"}
+        sig = {q: "constexpr" if q in consts else ptrs.get(q, f"*{dtype}" if q.endswith("_ptr") else "i32")
+               for q in names}
+        src = GluonASTSource(fn, sig, constexprs={(names.index(q),): v for q, v in consts.items()},
+                             attrs={})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=4, maxnreg=W.MAXNREG))
+        assert kernel.metadata.shared <= W.smem_bytes(cfg) <= _HOPPER_SMEM, \
+            (kernel.metadata.shared, W.smem_bytes(cfg))
+
+
 #: dynamic shared memory one block may use on H100 / H200 (sm_90)
 _HOPPER_SMEM = 232448
 

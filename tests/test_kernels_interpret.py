@@ -23,7 +23,7 @@ NAMES = ["check_tile_order", "check_ag_gemm_all_ranks", "check_ag_peer_groups",
          "check_copy_engine_reduce_scatter",
          "check_next_call_cannot_release_a_wait",
          "check_ready_barrier", "check_copy_engine_gather", "check_plain_gemm",
-         "check_programs_per_sm", "check_gemm_rs_ws_config_runs_the_triton_kernel"]
+         "check_programs_per_sm", "check_ws_configs_run_the_triton_kernels"]
 
 
 @pytest.fixture(scope="module")

@@ -373,6 +373,11 @@ def main(argv=None):
     p.add_argument("--ag-world", type=int, default=2, help="also time the AG+GEMM form as rank 0 "
                    "of this many (one-GPU wiring, signals pre-set), beside the package's AG kernel")
     add_timing_args(p)
+    p.add_argument("--ag-config", type=int, default=0,
+                   help="index into CONFIGS of the AG form's config (0: 4 stages, 1: 5 stages)")
+    p.add_argument("--ag-table", action="store_true",
+                   help="time the package's AG kernel with the shipped table's config (else the "
+                        "heuristic default without stream-K)")
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--ptxas", default="ptxas")
     args = p.parse_args(argv)
@@ -421,17 +426,24 @@ def main(argv=None):
             fns[name] = lambda o=o, cfg=cfg: launch_ws_gemm(a, w, o, cfg, sms)
             outs[name] = (o, lambda: full)
         world = args.ag_world
-        if world > 1 and (m // world) % CONFIGS[0][0] == 0:  # the AG form, first config only
+        ag_cfg = CONFIGS[args.ag_config]
+        if world > 1 and (m // world) % ag_cfg[0] == 0:  # the AG form, one config
             m_local = m // world
             err = torch.zeros(4, dtype=torch.int32, device="cuda")
             flags = torch.full((world,), 1 << 30, dtype=torch.int32, device="cuda")
             o = torch.full((m, n), float("nan"), device="cuda", dtype=a.dtype)
             fns["ws-ag"] = lambda o=o: launch_ws_ag_gemm(
                 a[:m_local], a, w, o, flags, err, rank=0, world=world, epoch=1,
-                chunk_rows=m_local, cfg=CONFIGS[0], num_sms=sms)
+                chunk_rows=m_local, cfg=ag_cfg, num_sms=sms)
             outs["ws-ag"] = (o, lambda: full)
-            cfg = dict(default_config("ag", m, n, k).to_dict(), stream_k=0)
-            fns["triton-ag"], ag_out = ag_on_one_gpu(a, w, world, GemmConfig.from_dict(cfg), err)
+            if args.ag_table:
+                from megatron_flux.tuning.provider import TableConfigProvider
+
+                tcfg = TableConfigProvider()("ag", m, n, k, dtype=a.dtype, tp=world,
+                                             device=torch.device("cuda", 0))
+            else:
+                tcfg = GemmConfig.from_dict(dict(default_config("ag", m, n, k).to_dict(), stream_k=0))
+            fns["triton-ag"], ag_out = ag_on_one_gpu(a, w, world, tcfg, err)
             outs["triton-ag"] = (ag_out, lambda: full)
         rows += time_and_check(fns, outs, args, shape,
                                {"m": m, "n": n, "k": k})

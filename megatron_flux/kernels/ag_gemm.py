@@ -427,10 +427,20 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     With ``cfg.ag_merge_local`` (and ``world > 1``) the kernel also reads this rank's own rows
     from ``ag``: the caller must have copied them there, in stream order before the kernel.
     ``trace``: an int64 ``[grid, TRACE_SLOTS]`` buffer to stamp :data:`AG_PHASES` into (a
-    diagnostic build of the kernel; :mod:`.phase_trace`).
+    diagnostic build of the kernel; :mod:`.phase_trace`). With ``cfg.ag_warp_specialized`` a
+    call the Gluon kernel can take runs there (:mod:`.ag_gemm_ws`).
     """
     m_local, k = x.shape
     n = b.shape[1]
+    if cfg.ag_warp_specialized:
+        from megatron_flux.kernels import ag_gemm_ws
+
+        reason = ag_gemm_ws.unsupported_reason(x, cfg, trace=trace)
+        if reason is None:
+            return ag_gemm_ws.launch_ag_gemm_ws(x, ag, b, out, flags, err, rank=rank, world=world,
+                                                epoch=epoch, cfg=cfg, num_sms=num_sms,
+                                                max_spins=max_spins)
+        ag_gemm_ws.warn_fallback(reason)
     peer_group = max(1, min(cfg.ag_peer_group, world - 1))
     merge = world > 1 and cfg.ag_merge_local  # the local rows are read from `ag` too
     # stream-K's tiles follow the per-segment order: off when the segments are grouped

@@ -90,6 +90,14 @@ class GemmConfig:
     training step's short-K GEMM+RS (k = 2048-3072 per rank, m = 8192) and 1.02-1.08x it at
     long K (benchmarks/NOTES.md, session 19); not yet run with communication.
 
+    ``ag_warp_specialized`` (AG+GEMM only): the same for AllGather+GEMM
+    (:mod:`megatron_flux.kernels.ag_gemm_ws`): two MMA warpgroups on alternate tiles, one load
+    warp doing the TMA reads and the waits for the peers' chunks; per-segment schedule only (no
+    ``ag_peer_group`` > 1, no ``ag_merge_local``; ``stream_k`` is ignored). With communication
+    off on one H200 it ran 0.95-0.99x the table config on the training step's AG+GEMMs and the
+    grid's m <= 2048 shapes, and lost to 128x256 tiles on the largest (benchmarks/NOTES.md,
+    session 19); not yet run with communication.
+
     ``programs_per_sm``: persistent programs per SM (grid = that times the SMs, capped at the
     tiles). At 2, one program's epilogue runs beside the other's K loop; the launchers check
     with CUDA's occupancy calculator that they all fit and otherwise run one per SM, with a
@@ -119,6 +127,7 @@ class GemmConfig:
     ag_merge_local: bool = False
     ag_merge_lead: int = 1
     rs_warp_specialized: bool = False
+    ag_warp_specialized: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -133,7 +142,7 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.comm_priority must be an int in [-5, 0]: {self}")
         for name in ("flatten", "flatten_consume", "warp_specialize", "ag_pull", "rs_tma_push",
                      "rs_tma_reduce", "rs_spread_reduce", "rs_copy_engine", "rs_ce_bands",
-                     "ag_merge_local", "rs_warp_specialized"):
+                     "ag_merge_local", "rs_warp_specialized", "ag_warp_specialized"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemmConfig.{name} must be a bool: {self}")
         if self.stream_k not in (0, 1) or isinstance(self.stream_k, bool):
@@ -147,16 +156,21 @@ class GemmConfig:
         if (isinstance(self.ag_merge_lead, bool) or not isinstance(self.ag_merge_lead, int)
                 or not 0 <= self.ag_merge_lead <= 8):
             raise ValueError(f"GemmConfig.ag_merge_lead must be an int in [0, 8]: {self}")
-        if self.rs_warp_specialized:
+        for knob in ("rs_warp_specialized", "ag_warp_specialized"):
+            if not getattr(self, knob):
+                continue
             if self.block_m not in (64, 128) or self.block_n not in (64, 128, 256) \
                     or self.block_m * self.block_n > 128 * 128 or self.block_k > 128:
-                raise ValueError("GemmConfig.rs_warp_specialized takes tiles of at most 128x128 "
-                                 f"(one warpgroup's accumulator) and block_k <= 128: {self}")
+                raise ValueError(f"GemmConfig.{knob} takes tiles of at most 128x128 (one "
+                                 f"warpgroup's accumulator) and block_k <= 128: {self}")
             if self.programs_per_sm != 1:
-                raise ValueError(f"GemmConfig.rs_warp_specialized runs one program per SM: {self}")
-            if self.rs_spread_reduce or self.rs_ce_bands:
-                raise ValueError("GemmConfig.rs_warp_specialized does not implement "
-                                 f"rs_spread_reduce or rs_ce_bands: {self}")
+                raise ValueError(f"GemmConfig.{knob} runs one program per SM: {self}")
+        if self.rs_warp_specialized and (self.rs_spread_reduce or self.rs_ce_bands):
+            raise ValueError("GemmConfig.rs_warp_specialized does not implement "
+                             f"rs_spread_reduce or rs_ce_bands: {self}")
+        if self.ag_warp_specialized and (self.ag_peer_group != 1 or self.ag_merge_local):
+            raise ValueError("GemmConfig.ag_warp_specialized runs the per-segment schedule: no "
+                             f"ag_peer_group > 1, no ag_merge_local: {self}")
         if self.group_m < 1 or self.chunk_rows < 1:
             raise ValueError(f"GemmConfig.group_m and chunk_rows must be >= 1: {self}")
 

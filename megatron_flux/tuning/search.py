@@ -85,6 +85,8 @@ NOT_SEARCHED: Dict[str, str] = {
     "ag_merge_lead": "only matters with ag_merge_local",
     "rs_warp_specialized": "a kernel, not a knob to vary alone (its tiles are at most 128x128); "
                            "GEMM+RS at short K gets it as one seed (RS_SHORT_K_SEEDS)",
+    "ag_warp_specialized": "a kernel, not a knob to vary alone (its tiles are at most 128x128); "
+                           "AG+GEMM gets it as one seed (AG_SEEDS)",
     "rs_ce_bands": "0.97x the table config on one training shape, 1.04x on another, mixed on "
                    "the rest (benchmarks/NOTES.md, session 17)",
     "flatten_consume": "compiles to the same GEMM+RS kernel either way (Triton does not flatten "
@@ -149,11 +151,24 @@ RS_SHORT_K_SEEDS: Tuple[Dict[str, object], ...] = (
 )
 
 
+#: AG+GEMM also tries the warp-specialized Gluon kernel (``ag_warp_specialized``, 5 stages):
+#: with communication off on one H200 it ran 0.95-0.99x the TP 2 table's config on the
+#: training step's AG+GEMMs and the grid's m <= 2048 shapes, 1.02-1.04x on the largest
+#: (benchmarks/NOTES.md, session 19).
+AG_SEEDS: Tuple[Dict[str, object], ...] = (
+    dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
+         epilogue_split=1, warp_specialize=False, ag_warp_specialized=True),
+)
+
+
 def seeds_for(op: str, k: int) -> Tuple[Dict[str, object], ...]:
     """The multi-knob seeds tried for ``op`` at per-rank contraction width ``k``:
-    :data:`SEED_CONFIGS`, plus :data:`RS_SHORT_K_SEEDS` for a short-K GEMM+RS."""
-    short_k = normalize_op(op) == "rs" and k <= RS_SHORT_K
-    return SEED_CONFIGS + (RS_SHORT_K_SEEDS if short_k else ())
+    :data:`SEED_CONFIGS`, plus :data:`AG_SEEDS` for AG+GEMM and :data:`RS_SHORT_K_SEEDS` for a
+    short-K GEMM+RS."""
+    op = normalize_op(op)
+    if op == "ag":
+        return SEED_CONFIGS + AG_SEEDS
+    return SEED_CONFIGS + (RS_SHORT_K_SEEDS if k <= RS_SHORT_K else ())
 
 
 #: Hopper: 227 KiB of shared memory per block
@@ -579,6 +594,7 @@ def _run(args, group, rank, tp, device) -> int:
                           "seeds": [dict(s) for s in SEED_CONFIGS],
                           "rs_short_k_seeds": {"max_k": RS_SHORT_K,
                                                "seeds": [dict(s) for s in RS_SHORT_K_SEEDS]},
+                          "ag_seeds": [dict(s) for s in AG_SEEDS],
                           "not_searched": {**NOT_SEARCHED, **pinned}},
                "entries": entries}
         new: Table = validate_table(json.loads(json.dumps(obj)), out)

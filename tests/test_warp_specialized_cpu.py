@@ -1,16 +1,17 @@
-"""``GemmConfig.rs_warp_specialized`` and when the warp-specialized GEMM+RS runs (CPU).
+"""``GemmConfig.rs_warp_specialized`` / ``ag_warp_specialized`` and when the warp-specialized
+Gluon kernels run (CPU).
 
-The Gluon kernel itself has no interpreter: it is compiled for sm_90 in
+The Gluon kernels have no interpreter: they are compiled for sm_90 in
 ``test_kernels_compile.py`` and run in ``test_kernels_one_gpu.py`` / ``test_flux_gpu.py``; that
-a config with it runs the Triton kernel under the interpreter is
-``interpret_checks.check_gemm_rs_ws_config_runs_the_triton_kernel``."""
+a config with them runs the Triton kernels under the interpreter is
+``interpret_checks.check_ws_configs_run_the_triton_kernels``."""
 
 import warnings
 
 import pytest
 import torch
 
-from megatron_flux.kernels import gemm_rs_ws
+from megatron_flux.kernels import ag_gemm_ws, gemm_rs_ws
 from megatron_flux.kernels.config import GemmConfig
 
 WS = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, epilogue_split=1,
@@ -82,3 +83,44 @@ def test_fallback_warns_once_per_reason():
         gemm_rs_ws.warn_fallback("a test reason")
         gemm_rs_ws.warn_fallback("a test reason")
     assert len(caught) == 1 and "runs the Triton kernel instead (a test reason)" in str(caught[0].message)
+
+
+AG_WS = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, epilogue_split=1,
+             chunk_rows=1024, ag_warp_specialized=True)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(block_n=256), "at most 128x128"),
+    (dict(ag_peer_group=2), "per-segment schedule"),
+    (dict(ag_merge_local=True), "per-segment schedule"),
+    (dict(programs_per_sm=2), "one program per SM"),
+    (dict(ag_warp_specialized="yes"), "must be a bool"),
+])
+def test_ag_warp_specialized_refuses_what_the_kernel_does_not_do(fields, match):
+    with pytest.raises(ValueError, match=match):
+        GemmConfig(**{**AG_WS, **fields})
+
+
+def test_ag_warp_specialized_round_trips_and_takes_pulls_and_stream_k_flags():
+    assert GemmConfig().ag_warp_specialized is False
+    cfg = GemmConfig(**{**AG_WS, "ag_pull": True, "stream_k": 1})  # stream-K is ignored
+    assert GemmConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_ag_unsupported_reasons_name_the_shape(monkeypatch):
+    if ag_gemm_ws.ag_gemm_ws_kernel is None:
+        pytest.skip(ag_gemm_ws._GLUON_ERROR)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    def reason(m_local=512, k=4096, dtype=torch.bfloat16, **fields):
+        return ag_gemm_ws.unsupported_reason(torch.empty(m_local, k, dtype=dtype),
+                                             GemmConfig(**{**AG_WS, **fields}))
+
+    assert reason() is None and reason(dtype=torch.float16) is None
+    assert "multiple of block_m=128" in reason(m_local=40)
+    assert "fewer than num_stages=5" in reason(k=256)
+    assert "shared memory" in reason(num_stages=6)
+    assert "phase traces" in ag_gemm_ws.unsupported_reason(torch.empty(512, 4096, dtype=torch.bfloat16),
+                                                           GemmConfig(**AG_WS), trace=torch.empty(1))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "interpreter" in reason()

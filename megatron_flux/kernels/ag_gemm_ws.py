@@ -1,0 +1,339 @@
+"""AllGather + GEMM on a warp-specialized Hopper GEMM, written in Gluon (``ag_warp_specialized``).
+
+Same inputs, outputs, workspace and chunk signals as :mod:`.ag_gemm`'s per-segment schedule;
+what differs is how an SM runs its tiles. Two MMA warpgroups take alternate tiles
+("ping-pong"), so one's epilogue (round, store) runs beside the other's MMAs, and a single load
+warp does every TMA read and every wait for a peer's rows, so the MMA warps never spin on
+communication. With communication off on one H200 it ran 0.95-0.99x the shipped table's
+config on the training step's AG+GEMMs and on the grid's m <= 2048 shapes (llama3-8b
+m = 1024: 1.08x cuBLAS against 1.17x), and lost to the table's 128x256 tiles on the largest
+ones (``benchmarks/NOTES.md``, session 19). The kernel began as session 10's experiment
+``benchmarks/experiments/gluon_ws_gemm.py``.
+
+Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
+
+* Flat tile ``t`` over ``W * tiles_per_segment``: step ``t // tiles_per_segment`` visits
+  segment ``(r + step) % W`` (:mod:`.tile_order`: local rows first, then ring order),
+  GROUP_M-grouped inside the segment. Program ``p`` owns ``t = p, p + G, ...``; its ``j``-th
+  tile belongs to MMA partition ``j % 2``.
+* **Load partition** (1 warp, 24 registers): every K-step of every tile of the program, in
+  order, into a ring of ``num_stages`` shared-memory slots. Step 0's A rows come from the
+  caller's shard ``x`` (no wait). Before the first load of a peer segment it waits (acquire,
+  system scope, bounded: ``signals.wait_signal``, op AG+GEMM) for each of the segment's
+  ``cdiv(m_local, chunk_rows)`` chunk signals ``flags[seg * chunks + c] >= epoch``, then
+  fences the async proxy, so its TMA reads of the gathered workspace ``ag`` follow the
+  acquire.
+* **Two MMA partitions** (one warpgroup each): per K-step wait ``ready``, issue an async
+  ``wgmma``, keep one in flight, release the previous slot; after the tile, round to the
+  output dtype into the partition's epilogue buffer and TMA-store it. The ``handoff``
+  barriers keep every ``ready`` wait at most one phase ahead (the argument and a randomized
+  model: ``benchmarks/experiments/gluon_ws_gemm.py``, ``ws_protocol_model.py``); this needs
+  ``k_tiles >= num_stages``.
+
+Limits (the launcher runs :mod:`.ag_gemm` instead, with one warning naming why): ``m_local``
+a multiple of ``block_m``; at least ``num_stages`` K-steps; bf16 or fp16; a Triton with Gluon;
+not under the interpreter or phase traces. ``ag_peer_group``, ``ag_merge_local`` and stream-K
+are the Triton kernel's (stream-K is ignored here; ``GemmConfig`` refuses the other two with
+this kernel).
+"""
+
+import warnings
+from typing import Optional
+
+import triton
+
+# (no `from __future__ import annotations`: Triton 3.6 checks an aggregate's attribute types
+# against its class annotations, which that import would turn into strings)
+
+try:  # Gluon: Triton >= 3.5; names moved between 3.6 and 3.9
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+    from triton.language.core import _aggregate as aggregate
+    _GLUON_ERROR: Optional[str] = None
+except ImportError as exc:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+    _GLUON_ERROR = f"this Triton has no Gluon ({exc})"
+
+from megatron_flux.kernels.config import interpreting
+from megatron_flux.kernels.signals import OP_AG_GEMM, fence_async_proxy, wait_signal
+from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step
+
+#: registers per thread of the whole CTA (65536 / 384 threads, a multiple of 8); the MMA
+#: partitions get CONSUMER_REGS each, the load warp 24
+MAXNREG = 168
+CONSUMER_REGS = 232
+#: Hopper's dynamic shared memory per block
+_SMEM_LIMIT = 232448
+
+if gluon is not None:
+    _OP_AG_GEMM = gl.constexpr(OP_AG_GEMM)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+    @aggregate
+    class _Args:
+        x_desc: tma.tensor_descriptor
+        ag_desc: tma.tensor_descriptor
+        b_desc: tma.tensor_descriptor
+        c_desc: tma.tensor_descriptor
+        a_bufs: gl.shared_memory_descriptor
+        b_bufs: gl.shared_memory_descriptor
+        c_bufs: gl.shared_memory_descriptor
+        ready: gl.shared_memory_descriptor
+        empty: gl.shared_memory_descriptor
+        handoff: gl.shared_memory_descriptor
+        flags_ptr: gl.tensor
+        err_ptr: gl.tensor
+        m_local: gl.tensor
+        N: gl.tensor
+        K: gl.tensor
+        rank: gl.tensor
+        epoch: gl.tensor
+        chunk_rows: gl.tensor
+        max_spins: gl.tensor
+        WORLD: gl.constexpr
+        B_KN: gl.constexpr
+        GROUP_M: gl.constexpr
+        NUM_PROGRAMS: gl.constexpr
+
+        @gluon.constexpr_function
+        def __init__(self, x_desc, ag_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty,
+                     handoff, flags_ptr, err_ptr, m_local, N, K, rank, epoch, chunk_rows,
+                     max_spins, WORLD, B_KN, GROUP_M, NUM_PROGRAMS):
+            self.x_desc = x_desc
+            self.ag_desc = ag_desc
+            self.b_desc = b_desc
+            self.c_desc = c_desc
+            self.a_bufs = a_bufs
+            self.b_bufs = b_bufs
+            self.c_bufs = c_bufs
+            self.ready = ready
+            self.empty = empty
+            self.handoff = handoff
+            self.flags_ptr = flags_ptr
+            self.err_ptr = err_ptr
+            self.m_local = m_local
+            self.N = N
+            self.K = K
+            self.rank = rank
+            self.epoch = epoch
+            self.chunk_rows = chunk_rows
+            self.max_spins = max_spins
+            self.WORLD = gl.constexpr(WORLD)
+            self.B_KN = gl.constexpr(B_KN)
+            self.GROUP_M = gl.constexpr(GROUP_M)
+            self.NUM_PROGRAMS = gl.constexpr(NUM_PROGRAMS)
+
+    @gluon.jit
+    def _tiles_per_segment(p):
+        BLOCK_M: gl.constexpr = p.c_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = p.c_desc.block_type.shape[1]
+        return gl.cdiv(p.m_local, BLOCK_M) * gl.cdiv(p.N, BLOCK_N)
+
+    @gluon.jit
+    def _tile(p, j):
+        """This program's ``j``-th tile: ``(step, seg, a_row, c_row, off_n)``; ``a_row`` is
+        relative to the shard at step 0 and to the workspace after it."""
+        BLOCK_M: gl.constexpr = p.c_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = p.c_desc.block_type.shape[1]
+        tps = _tiles_per_segment(p)
+        t = gl.program_id(0) + j * p.NUM_PROGRAMS
+        step = t // tps
+        seg = segment_of_step(step, p.rank, p.WORLD, False)
+        pid_m, pid_n = grouped_tile(t - step * tps, gl.cdiv(p.m_local, BLOCK_M),
+                                    gl.cdiv(p.N, BLOCK_N), p.GROUP_M)
+        c_row = seg * p.m_local + pid_m * BLOCK_M
+        a_row = gl.where(step == 0, pid_m * BLOCK_M, c_row)
+        return step, seg, a_row, c_row, pid_n * BLOCK_N
+
+    @gluon.jit
+    def _num_tiles(p):
+        return gl.cdiv(p.WORLD * _tiles_per_segment(p) - gl.program_id(0), p.NUM_PROGRAMS)
+
+    @gluon.jit
+    def _wait_segment(p, seg):
+        """Bounded acquire wait on every chunk signal of ``seg``, then the proxy fence."""
+        chunks = gl.cdiv(p.m_local, p.chunk_rows)
+        for c in range(chunks):
+            idx = seg * chunks + c
+            wait_signal(p.flags_ptr + idx, p.epoch, p.max_spins, p.err_ptr, _OP_AG_GEMM, p.rank, idx)
+        fence_async_proxy(p.epoch, True)
+
+    @gluon.jit
+    def _load_partition(p):
+        BLOCK_K: gl.constexpr = p.x_desc.block_type.shape[1]
+        STAGES: gl.constexpr = p.a_bufs.type.shape[0]
+        nbytes: gl.constexpr = p.x_desc.block_type.nbytes + p.b_desc.block_type.nbytes
+        k_tiles = gl.cdiv(p.K, BLOCK_K)
+        pos = 0
+        waited = 0  # the last step whose segment has landed (step 0 is the local shard)
+        for j in range(_num_tiles(p)):
+            step, seg, a_row, c_row, off_n = _tile(p, j)
+            if step > waited:  # a peer's segment: its chunks must have landed before any read
+                _wait_segment(p, seg)
+                waited = step
+            for kk in range(k_tiles):
+                s = pos % STAGES
+                mbarrier.wait(p.empty.index(s), ((pos // STAGES) & 1) ^ 1)
+                mbarrier.expect(p.ready.index(s), nbytes)
+                if step == 0:
+                    _tma_load(p.x_desc, [a_row, kk * BLOCK_K], p.ready.index(s), p.a_bufs.index(s))
+                else:
+                    _tma_load(p.ag_desc, [a_row, kk * BLOCK_K], p.ready.index(s), p.a_bufs.index(s))
+                if p.B_KN:
+                    _tma_load(p.b_desc, [kk * BLOCK_K, off_n], p.ready.index(s), p.b_bufs.index(s))
+                else:
+                    _tma_load(p.b_desc, [off_n, kk * BLOCK_K], p.ready.index(s), p.b_bufs.index(s))
+                pos += 1
+
+    @gluon.jit
+    def _mma_partition(p, C: gl.constexpr):
+        BLOCK_M: gl.constexpr = p.c_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = p.c_desc.block_type.shape[1]
+        BLOCK_K: gl.constexpr = p.x_desc.block_type.shape[1]
+        STAGES: gl.constexpr = p.a_bufs.type.shape[0]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        k_tiles = gl.cdiv(p.K, BLOCK_K)
+        c_buf = p.c_bufs.index(C)
+        for j in range(C, _num_tiles(p), 2):
+            # every load of tile j - 1 (the other partition's) has landed; (j - 2 + C) // 2 is
+            # that tile's index among the other partition's tiles
+            mbarrier.wait(p.handoff.index(C), ((j - 2 + C) // 2) & 1, pred=j > 0)
+            step, seg, a_row, c_row, off_n = _tile(p, j)
+            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
+            prev = 0
+            for kk in range(k_tiles):
+                pos = j * k_tiles + kk
+                s = pos % STAGES
+                mbarrier.wait(p.ready.index(s), (pos // STAGES) & 1)
+                # the tile's last slot has landed: the other partition may start its next tile
+                mbarrier.arrive(p.handoff.index(1 - C), count=1, pred=kk == k_tiles - 1)
+                a_s = p.a_bufs.index(s)
+                if p.B_KN:
+                    b_s = p.b_bufs.index(s)
+                else:
+                    b_s = p.b_bufs.index(s).permute((1, 0))
+                acc = warpgroup_mma(a_s, b_s, acc, is_async=True)
+                acc, a_s, b_s = warpgroup_mma_wait(1, deps=(acc, a_s, b_s))
+                # only this step's MMA is in flight: the previous step's slot has been read
+                mbarrier.arrive(p.empty.index(prev), count=1, pred=kk > 0)
+                prev = s
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(p.empty.index(prev), count=1)
+            tma.store_wait(0)  # this partition's previous store has read its buffer out
+            c_buf.store(acc.to(p.c_desc.dtype))
+            fence_async_shared()
+            _tma_store(p.c_desc, [c_row, off_n], c_buf)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _mma_partition_1(p):
+        _mma_partition(p, 1)
+
+    @gluon.jit(do_not_specialize=["rank", "epoch", "max_spins"])
+    def ag_gemm_ws_kernel(x_ptr, ag_ptr, b_ptr, c_ptr, flags_ptr, err_ptr, m_local, N, K, ldb, rank,
+                          epoch, chunk_rows, max_spins, WORLD: gl.constexpr, B_KN: gl.constexpr,
+                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                          GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr):
+        """``c = AllGather_rows(x) @ b``: ``x`` ``[m_local, K]`` this rank's shard; ``ag``
+        ``[WORLD * m_local, K]`` the gathered workspace, whose segment ``s`` is valid once its
+        chunk signals ``flags[s * cdiv(m_local, chunk_rows) + c]`` hold ``epoch``; ``b``
+        ``[K, N]`` row-major (B_KN) or a transposed row-major ``[N, K]`` (leading stride
+        ``ldb``); ``c`` ``[WORLD * m_local, N]``. Launch with ``num_warps=4`` and
+        ``maxnreg=MAXNREG``; descriptors are built on the device."""
+        dtype: gl.constexpr = x_ptr.dtype.element_ty
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+        x_desc = tma.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K], a_layout)
+        ag_desc = tma.make_tensor_descriptor(ag_ptr, [WORLD * m_local, K], [K, 1],
+                                             [BLOCK_M, BLOCK_K], a_layout)
+        if B_KN:
+            b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype)
+            b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N], b_layout)
+            b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_layout)
+        else:
+            b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
+            b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K], b_layout)
+            b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], b_layout)
+        c_desc = tma.make_tensor_descriptor(c_ptr, [WORLD * m_local, N], [N, 1], [BLOCK_M, BLOCK_N],
+                                            c_layout)
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+        c_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], c_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(handoff.index(i), count=1)
+        p = _Args(x_desc, ag_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, handoff,
+                  flags_ptr, err_ptr, m_local, N, K, rank, epoch, chunk_rows, max_spins, WORLD,
+                  B_KN, GROUP_M, NUM_PROGRAMS)
+        gl.warp_specialize([(_mma_partition, (p, 0)), (_mma_partition_1, (p, )),
+                            (_load_partition, (p, ))], [4, 1], [CONSUMER_REGS, 24])
+else:  # pragma: no cover
+    ag_gemm_ws_kernel = None
+
+
+def smem_bytes(cfg, elem_bytes: int = 2) -> int:
+    """Shared memory the kernel takes for ``cfg``, at most: the A/B ring, two epilogue tiles,
+    and 1 KiB for barriers and alignment (``tests/test_kernels_compile.py`` checks the bound)."""
+    ring = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * elem_bytes
+    return ring + 2 * cfg.block_m * cfg.block_n * elem_bytes + 1024
+
+
+def unsupported_reason(x, cfg, *, trace=None) -> Optional[str]:
+    """Why this call cannot run :func:`ag_gemm_ws_kernel` (None: it can)."""
+    import torch
+
+    if _GLUON_ERROR is not None:
+        return _GLUON_ERROR
+    if interpreting():
+        return "the CPU interpreter runs no Gluon"
+    if trace is not None:
+        return "phase traces exist only in the Triton kernel"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {x.dtype} (bf16 or fp16 only)"
+    m_local, k = x.shape
+    if m_local % cfg.block_m:
+        return f"{m_local} rows per rank are not a multiple of block_m={cfg.block_m}"
+    if triton.cdiv(k, cfg.block_k) < cfg.num_stages:
+        return f"K={k} has fewer than num_stages={cfg.num_stages} steps of block_k={cfg.block_k}"
+    if smem_bytes(cfg, x.element_size()) > _SMEM_LIMIT:
+        return f"needs {smem_bytes(cfg, x.element_size())} B of shared memory"
+    return None
+
+
+_WARNED = set()
+
+
+def warn_fallback(reason: str) -> None:
+    """One warning per reason: the call runs the Triton AG+GEMM kernel instead."""
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"megatron-flux AG+GEMM: ag_warp_specialized config runs the Triton kernel "
+                      f"instead ({reason})", stacklevel=3)
+
+
+def launch_ag_gemm_ws(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sms, max_spins):
+    """:func:`ag_gemm_ws_kernel` on the current stream, with :func:`.ag_gemm.launch_ag_gemm`'s
+    arguments (the caller has checked :func:`unsupported_reason`). ``cfg`` gives block_m/n/k,
+    num_stages, group_m and chunk_rows; the kernel's warps are fixed (two MMA warpgroups and a
+    load warp)."""
+    from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
+
+    m_local, k = x.shape
+    n = b.shape[1]
+    b_kn = b.stride(1) == 1
+    grid = min(num_sms, world * (m_local // cfg.block_m) * triton.cdiv(n, cfg.block_n))
+    ensure_descriptor_allocator()
+    ag_gemm_ws_kernel[(grid,)](
+        x, ag, b, out, flags, err, m_local, n, k, b.stride(0) if b_kn else b.stride(1), rank, epoch,
+        cfg.chunk_rows, max_spins, WORLD=world, B_KN=b_kn, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+        NUM_PROGRAMS=grid, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
