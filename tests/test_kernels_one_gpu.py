@@ -281,3 +281,101 @@ def test_ag_gemm_ws_times_out_loudly_on_a_missing_chunk():
                    cfg=cfg, num_sms=8, max_spins=1000)
     torch.cuda.synchronize()
     assert err.tolist() == [OP_AG_GEMM, rank, 3, 8], err.tolist()
+
+
+# Two ranks on one GPU: each rank's grid gets half the SMs and its own stream, so both run at
+# once and wait on each other through real signals (GPU memory instead of a peer's; the
+# release/acquire pairs are the same instructions). Every wait is bounded: a schedule that
+# could not keep both grids resident would show as a timeout in the error words, not a hang.
+_RS_PAIR = {
+    "triton": dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=2),
+    "ws": dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, epilogue_split=1,
+               rs_warp_specialized=True),
+}
+
+
+@pytest.mark.parametrize("configs", [("ws", "ws"), ("triton", "triton"), ("ws", "triton")],
+                         ids=lambda c: "-".join(c))
+def test_gemm_rs_two_ranks_on_one_gpu(configs):
+    """GEMM+RS of two simulated ranks running concurrently: rank ``r``'s output is rows ``r``
+    of ``A_0 @ B_0 + A_1 @ B_1``, over several epochs (signals are never reset), for the
+    warp-specialized kernel, the Triton kernel, and one of each (the same protocol)."""
+    from megatron_flux.kernels.config import GemmConfig, rs_signal_count
+    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+
+    world, m_local, n, k = 2, 512, 512, 1024
+    sms = torch.cuda.get_device_properties(0).multi_processor_count // world
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    a = [torch.randn(world * m_local, k, device="cuda", generator=gen).to(torch.bfloat16)
+         for _ in range(world)]
+    w = [torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(world)]
+    data = [torch.zeros(world, m_local, n, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
+    flags = [torch.zeros(rs_signal_count(world), dtype=torch.int32, device="cuda")
+             for _ in range(world)]
+    data_ptrs = torch.tensor([d.data_ptr() for d in data], dtype=torch.int64, device="cuda")
+    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device="cuda")
+    errs = [torch.zeros(4, dtype=torch.int32, device="cuda") for _ in range(world)]
+    outs = [torch.empty(m_local, n, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    cfgs = [GemmConfig(**_RS_PAIR[c]) for c in configs]
+    ref = sum(x.float() @ y.t().float() for x, y in zip(a, w))
+    for epoch in (1, 2, 3):
+        for o in outs:
+            o.fill_(float("nan"))
+        torch.cuda.synchronize()
+        for r in range(world):
+            with torch.cuda.stream(streams[r]):
+                launch_gemm_rs(a[r], w[r].t(), outs[r], data[r], data_ptrs, flag_ptrs, None,
+                               errs[r], rank=r, world=world, epoch=epoch, cfg=cfgs[r],
+                               num_sms=sms, max_spins=1 << 22)
+        torch.cuda.synchronize()
+        for r in range(world):
+            assert errs[r].tolist() == [0, 0, 0, 0], (epoch, r, errs[r].tolist())
+            assert int(flags[r][world]) == 0, "arrival counter not back at zero"
+            assert int(flags[r][1 - r]) == epoch, "the peer's signal"
+            got = outs[r].float()
+            exp = ref[r * m_local:(r + 1) * m_local]
+            rel = float((got - exp).norm() / exp.norm())
+            assert rel < 1e-2, (epoch, r, configs, rel)
+
+
+@pytest.mark.parametrize("ws", [True, False], ids=["ws", "triton"])
+def test_ag_gemm_waits_for_chunks_that_land_while_it_runs(ws):
+    """AG+GEMM as rank 0 of 2 while "the peer's copy engine" (a second stream, after a delay)
+    copies its rows into the workspace chunk by chunk and raises each chunk's signal: the
+    kernel spins on real, late signals and computes the right product."""
+    from megatron_flux.kernels.ag_gemm import launch_ag_gemm
+    from megatron_flux.kernels.config import GemmConfig
+
+    world, m_local, n, k, chunk = 2, 512, 1024, 1024, 128
+    chunks = m_local // chunk
+    sms = torch.cuda.get_device_properties(0).multi_processor_count // 2
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    xs = [torch.randn(m_local, k, device="cuda", generator=gen).to(torch.bfloat16)
+          for _ in range(world)]
+    w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+    ref = torch.cat(xs).float() @ w.t().float()
+    cfg = GemmConfig(**(dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4,
+                             epilogue_split=1, ag_warp_specialized=True) if ws else
+                        dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
+                             epilogue_split=1)), chunk_rows=chunk)
+    peer = torch.cuda.Stream()
+    for epoch in (1, 2):
+        ag = torch.full((world * m_local, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+        flags = torch.full((world * chunks,), epoch - 1, dtype=torch.int32, device="cuda")
+        flags[:chunks] = epoch  # the own segment is never waited for
+        err = torch.zeros(4, dtype=torch.int32, device="cuda")
+        out = torch.full((world * m_local, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        launch_ag_gemm(xs[0], ag, w.t(), out, flags, err, rank=0, world=world, epoch=epoch,
+                       cfg=cfg, num_sms=sms, max_spins=1 << 24)
+        with torch.cuda.stream(peer):
+            torch.cuda._sleep(2_000_000)  # the kernel reaches its first wait before any chunk
+            for c in range(chunks):
+                rows = slice(m_local + c * chunk, m_local + (c + 1) * chunk)
+                ag[rows].copy_(xs[1][c * chunk:(c + 1) * chunk])
+                flags[chunks + c].fill_(epoch)
+        torch.cuda.synchronize()
+        assert err.tolist() == [0, 0, 0, 0], err.tolist()
+        rel = float((out.float() - ref).norm() / ref.norm())
+        assert rel < 1e-2, (epoch, rel)
