@@ -31,6 +31,9 @@
 #   wsag     (carry .whl) the same for AG+GEMM (ag_warp_specialized): one-GPU tests again (with the AG
 #            cases) -> $OUT/tests-ws2-1gpu.json; kernel_vs_cublas AG+GEMM, table and default
 #            against WS 128x128x64/5 -> $OUT/kvc-wsag-{train,grid}.json
+#   pair     (carry .whl) the two-ranks-on-one-GPU tests -> $OUT/tests-pair-1gpu.json; a replicate of
+#            both warp-specialized kernels against table/default on the training shapes, m = 8192
+#                                                  -> $OUT/kvc-ws-train-rep.json
 #   pps2     kernel_vs_cublas, training shapes: table against two programs per SM and plain
 #                                                  -> $OUT/kvc-pps2-train.json
 #   trace    phase stamps, GEMM+RS proj and qkv dgrad (training shapes, table and default)
@@ -124,6 +127,17 @@ for what in "$@"; do
           2>&1 | grep -v Warning
       timeout 200 python3 ${KVC} --tp 2 --ops AG+GEMM --m 1024 2048 4096 8192 --configs table \
           --extra "${AG_EXTRA}" "${TIMING[@]}" --json "${OUT}/kvc-wsag-grid.json" 2>&1 | grep -v Warning ;;
+    pair)
+      install_carried_wheels || exit 2
+      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 200 python3 benchmarks/record_pytest.py \
+          "${OUT}/tests-pair-1gpu.json" tests/test_kernels_one_gpu.py -k "two_ranks or land_while" \
+          -q -p no:cacheprovider > "${OUT}/tests-pair-1gpu.log" 2>&1
+      echo "tests exit $?"; tail -3 "${OUT}/tests-pair-1gpu.log"
+      timeout 150 python3 ${KVC} --tp 2 "${TRAIN_SHAPES[@]}" --m 8192 --configs table default \
+          --extra '[{"ag_warp_specialized": true, "rs_warp_specialized": true, "block_m": 128,
+                     "block_n": 128, "block_k": 64, "num_stages": 5, "num_warps": 4,
+                     "epilogue_split": 1, "stream_k": 0, "rs_copy_engine": false}]' \
+          "${TIMING[@]}" --json "${OUT}/kvc-ws-train-rep.json" 2>&1 | grep -v Warning ;;
     pps2)
       timeout 200 python3 ${KVC} --tp 2 "${TRAIN_SHAPES[@]}" --m 8192 --configs table pps2 plain \
           "${TIMING[@]}" --json "${OUT}/kvc-pps2-train.json" 2>&1 | grep -v Warning ;;
