@@ -130,7 +130,7 @@ for what in "$@"; do
     pair)
       install_carried_wheels || exit 2
       PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 200 python3 benchmarks/record_pytest.py \
-          "${OUT}/tests-pair-1gpu.json" tests/test_kernels_one_gpu.py -k "two_ranks or land_while" \
+          "${OUT}/tests-pair-1gpu.json" tests/test_kernels_one_gpu.py -k "two_ranks or land_while" --durations=0 \
           -q -p no:cacheprovider > "${OUT}/tests-pair-1gpu.log" 2>&1
       echo "tests exit $?"; tail -3 "${OUT}/tests-pair-1gpu.log"
       timeout 150 python3 ${KVC} --tp 2 "${TRAIN_SHAPES[@]}" --m 8192 --configs table default \
