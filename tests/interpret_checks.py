@@ -486,8 +486,8 @@ def check_ws_configs_run_the_triton_kernels():
     torch.manual_seed(1)
     xs, b, _ = _ag_case(2, 64, 32, 64, False)
     for ws in (False, True):
-        gemm_rs_ws._WARNED.clear()
-        ag_gemm_ws._WARNED.clear()
+        gemm_rs_ws.warn_fallback.seen.clear()
+        ag_gemm_ws.warn_fallback.seen.clear()
         torch.manual_seed(2)  # the same inputs for both configs
         w = _rs_world(2, 64, 32, 64, False, True,
                       cfg=GemmConfig(**{**base.to_dict(), "rs_warp_specialized": ws}))

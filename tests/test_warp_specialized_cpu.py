@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from megatron_flux.kernels import ag_gemm_ws, gemm_rs_ws
+from megatron_flux.kernels import ag_gemm_ws, gemm_rs_ws, gluon_ws
 from megatron_flux.kernels.config import GemmConfig
 
 WS = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, epilogue_split=1,
@@ -51,7 +51,7 @@ def _reason(m_local=512, k=4096, dtype=torch.bfloat16, **cfg_fields):
 
 def test_unsupported_reasons_name_the_shape(monkeypatch):
     if gemm_rs_ws.gemm_rs_ws_kernel is None:
-        pytest.skip(gemm_rs_ws._GLUON_ERROR)
+        pytest.skip(gemm_rs_ws.GLUON_ERROR)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert _reason() is None
     assert _reason(dtype=torch.float16) is None
@@ -69,15 +69,15 @@ def test_unsupported_reasons_name_the_shape(monkeypatch):
 
 def test_shared_memory_bound_matches_the_launch_rule():
     # 5 stages of 128x128x64 and two epilogue tiles fit Hopper (the compiled kernel: 229 760 B)
-    assert gemm_rs_ws.smem_bytes(GemmConfig(**WS)) <= gemm_rs_ws._SMEM_LIMIT
+    assert gemm_rs_ws.smem_bytes(GemmConfig(**WS)) <= gluon_ws.SMEM_LIMIT
     big = GemmConfig(**{**WS, "num_stages": 6})
-    assert gemm_rs_ws.smem_bytes(big) > gemm_rs_ws._SMEM_LIMIT
+    assert gemm_rs_ws.smem_bytes(big) > gluon_ws.SMEM_LIMIT
     if gemm_rs_ws.gemm_rs_ws_kernel is not None and "TRITON_INTERPRET" not in __import__("os").environ:
         assert "shared memory" in _reason(num_stages=6)
 
 
 def test_fallback_warns_once_per_reason():
-    gemm_rs_ws._WARNED.discard("a test reason")
+    gemm_rs_ws.warn_fallback.seen.discard("a test reason")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         gemm_rs_ws.warn_fallback("a test reason")
@@ -109,7 +109,7 @@ def test_ag_warp_specialized_round_trips_and_takes_pulls_and_stream_k_flags():
 
 def test_ag_unsupported_reasons_name_the_shape(monkeypatch):
     if ag_gemm_ws.ag_gemm_ws_kernel is None:
-        pytest.skip(ag_gemm_ws._GLUON_ERROR)
+        pytest.skip(ag_gemm_ws.GLUON_ERROR)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
     def reason(m_local=512, k=4096, dtype=torch.bfloat16, **fields):

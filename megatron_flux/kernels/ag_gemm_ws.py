@@ -37,7 +37,6 @@ are the Triton kernel's (stream-K is ignored here; ``GemmConfig`` refuses the ot
 this kernel).
 """
 
-import warnings
 from typing import Optional
 
 import triton
@@ -45,32 +44,17 @@ import triton
 # (no `from __future__ import annotations`: Triton 3.6 checks an aggregate's attribute types
 # against its class annotations, which that import would turn into strings)
 
-try:  # Gluon: Triton >= 3.5; names moved between 3.6 and 3.9
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                   warpgroup_mma, warpgroup_mma_wait)
-    from triton.language.core import _aggregate as aggregate
-    _GLUON_ERROR: Optional[str] = None
-except ImportError as exc:  # pragma: no cover - depends on the installed Triton
-    gluon = None
-    _GLUON_ERROR = f"this Triton has no Gluon ({exc})"
-
+from megatron_flux.kernels import gluon_ws
 from megatron_flux.kernels.config import interpreting
+from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, MAXNREG, aggregate,
+                                            fence_async_shared, gl, gluon, mbarrier, tma)
 from megatron_flux.kernels.signals import OP_AG_GEMM, fence_async_proxy, wait_signal
 from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step
 
-#: registers per thread of the whole CTA (65536 / 384 threads, a multiple of 8); the MMA
-#: partitions get CONSUMER_REGS each, the load warp 24
-MAXNREG = 168
-CONSUMER_REGS = 232
-#: Hopper's dynamic shared memory per block
-_SMEM_LIMIT = 232448
-
 if gluon is not None:
+    from megatron_flux.kernels.gluon_ws import load_ab, pingpong_tile, tma_store
+
     _OP_AG_GEMM = gl.constexpr(OP_AG_GEMM)
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
     @aggregate
     class _Args:
@@ -164,8 +148,6 @@ if gluon is not None:
     @gluon.jit
     def _load_partition(p):
         BLOCK_K: gl.constexpr = p.x_desc.block_type.shape[1]
-        STAGES: gl.constexpr = p.a_bufs.type.shape[0]
-        nbytes: gl.constexpr = p.x_desc.block_type.nbytes + p.b_desc.block_type.nbytes
         k_tiles = gl.cdiv(p.K, BLOCK_K)
         pos = 0
         waited = 0  # the last step whose segment has landed (step 0 is the local shard)
@@ -175,17 +157,12 @@ if gluon is not None:
                 _wait_segment(p, seg)
                 waited = step
             for kk in range(k_tiles):
-                s = pos % STAGES
-                mbarrier.wait(p.empty.index(s), ((pos // STAGES) & 1) ^ 1)
-                mbarrier.expect(p.ready.index(s), nbytes)
                 if step == 0:
-                    _tma_load(p.x_desc, [a_row, kk * BLOCK_K], p.ready.index(s), p.a_bufs.index(s))
+                    load_ab(p.x_desc, a_row, p.b_desc, off_n, p.a_bufs, p.b_bufs, p.ready,
+                            p.empty, pos, kk, p.B_KN)
                 else:
-                    _tma_load(p.ag_desc, [a_row, kk * BLOCK_K], p.ready.index(s), p.a_bufs.index(s))
-                if p.B_KN:
-                    _tma_load(p.b_desc, [kk * BLOCK_K, off_n], p.ready.index(s), p.b_bufs.index(s))
-                else:
-                    _tma_load(p.b_desc, [off_n, kk * BLOCK_K], p.ready.index(s), p.b_bufs.index(s))
+                    load_ab(p.ag_desc, a_row, p.b_desc, off_n, p.a_bufs, p.b_bufs, p.ready,
+                            p.empty, pos, kk, p.B_KN)
                 pos += 1
 
     @gluon.jit
@@ -193,40 +170,18 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = p.c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.c_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = p.x_desc.block_type.shape[1]
-        STAGES: gl.constexpr = p.a_bufs.type.shape[0]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         k_tiles = gl.cdiv(p.K, BLOCK_K)
         c_buf = p.c_bufs.index(C)
         for j in range(C, _num_tiles(p), 2):
-            # every load of tile j - 1 (the other partition's) has landed; (j - 2 + C) // 2 is
-            # that tile's index among the other partition's tiles
-            mbarrier.wait(p.handoff.index(C), ((j - 2 + C) // 2) & 1, pred=j > 0)
             step, seg, a_row, c_row, off_n = _tile(p, j)
-            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
-            prev = 0
-            for kk in range(k_tiles):
-                pos = j * k_tiles + kk
-                s = pos % STAGES
-                mbarrier.wait(p.ready.index(s), (pos // STAGES) & 1)
-                # the tile's last slot has landed: the other partition may start its next tile
-                mbarrier.arrive(p.handoff.index(1 - C), count=1, pred=kk == k_tiles - 1)
-                a_s = p.a_bufs.index(s)
-                if p.B_KN:
-                    b_s = p.b_bufs.index(s)
-                else:
-                    b_s = p.b_bufs.index(s).permute((1, 0))
-                acc = warpgroup_mma(a_s, b_s, acc, is_async=True)
-                acc, a_s, b_s = warpgroup_mma_wait(1, deps=(acc, a_s, b_s))
-                # only this step's MMA is in flight: the previous step's slot has been read
-                mbarrier.arrive(p.empty.index(prev), count=1, pred=kk > 0)
-                prev = s
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(p.empty.index(prev), count=1)
+            acc = pingpong_tile(p.a_bufs, p.b_bufs, p.ready, p.empty, p.handoff, j, k_tiles, C,
+                                p.B_KN, BLOCK_M, BLOCK_N, acc_layout)
             tma.store_wait(0)  # this partition's previous store has read its buffer out
             c_buf.store(acc.to(p.c_desc.dtype))
             fence_async_shared()
-            _tma_store(p.c_desc, [c_row, off_n], c_buf)
+            tma_store(p.c_desc, [c_row, off_n], c_buf)
         tma.store_wait(0)
 
     @gluon.jit
@@ -280,44 +235,16 @@ else:  # pragma: no cover
     ag_gemm_ws_kernel = None
 
 
-def smem_bytes(cfg, elem_bytes: int = 2) -> int:
-    """Shared memory the kernel takes for ``cfg``, at most: the A/B ring, two epilogue tiles,
-    and 1 KiB for barriers and alignment (``tests/test_kernels_compile.py`` checks the bound)."""
-    ring = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * elem_bytes
-    return ring + 2 * cfg.block_m * cfg.block_n * elem_bytes + 1024
+smem_bytes = gluon_ws.smem_bytes
+warn_fallback = gluon_ws.FallbackWarning("AG+GEMM", "ag_warp_specialized")
 
 
 def unsupported_reason(x, cfg, *, trace=None) -> Optional[str]:
-    """Why this call cannot run :func:`ag_gemm_ws_kernel` (None: it can)."""
-    import torch
-
-    if _GLUON_ERROR is not None:
-        return _GLUON_ERROR
-    if interpreting():
-        return "the CPU interpreter runs no Gluon"
-    if trace is not None:
+    """Why this call (``x`` this rank's ``[m_local, K]`` rows) cannot run
+    :func:`ag_gemm_ws_kernel` (None: it can)."""
+    if GLUON_ERROR is None and not interpreting() and trace is not None:
         return "phase traces exist only in the Triton kernel"
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {x.dtype} (bf16 or fp16 only)"
-    m_local, k = x.shape
-    if m_local % cfg.block_m:
-        return f"{m_local} rows per rank are not a multiple of block_m={cfg.block_m}"
-    if triton.cdiv(k, cfg.block_k) < cfg.num_stages:
-        return f"K={k} has fewer than num_stages={cfg.num_stages} steps of block_k={cfg.block_k}"
-    if smem_bytes(cfg, x.element_size()) > _SMEM_LIMIT:
-        return f"needs {smem_bytes(cfg, x.element_size())} B of shared memory"
-    return None
-
-
-_WARNED = set()
-
-
-def warn_fallback(reason: str) -> None:
-    """One warning per reason: the call runs the Triton AG+GEMM kernel instead."""
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"megatron-flux AG+GEMM: ag_warp_specialized config runs the Triton kernel "
-                      f"instead ({reason})", stacklevel=3)
+    return gluon_ws.unsupported_reason(x, x.shape[0], cfg)
 
 
 def launch_ag_gemm_ws(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sms, max_spins):

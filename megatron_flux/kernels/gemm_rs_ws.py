@@ -51,8 +51,6 @@ separate produce/consume test phases. ``rs_spread_reduce`` and ``rs_ce_bands`` a
 implemented and ``GemmConfig`` refuses them together with this kernel.
 """
 
-
-import warnings
 from typing import Optional
 
 import triton
@@ -60,34 +58,18 @@ import triton
 # (no `from __future__ import annotations`: Triton 3.6 checks an aggregate's attribute types
 # against its class annotations, which that import would turn into strings)
 
-try:  # Gluon: Triton >= 3.5; names moved between 3.6 and 3.9
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                   warpgroup_mma, warpgroup_mma_wait)
-    from triton.language.core import _aggregate as aggregate
-    _GLUON_ERROR: Optional[str] = None
-except ImportError as exc:  # pragma: no cover - depends on the installed Triton
-    gluon = None
-    _GLUON_ERROR = f"this Triton has no Gluon ({exc})"
-
+from megatron_flux.kernels import gluon_ws
 from megatron_flux.kernels.config import interpreting
+from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, MAXNREG, aggregate,
+                                            fence_async_shared, gl, gluon, mbarrier, tma)
 from megatron_flux.kernels.signals import OP_GEMM_RS, fence_async_proxy, wait_signal
 from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step, serpentine
 
-#: registers per thread of the whole CTA (65536 / 384 threads, a multiple of 8); the MMA
-#: partitions get CONSUMER_REGS each, the load warp 24
-MAXNREG = 168
-CONSUMER_REGS = 232
-#: Hopper's dynamic shared memory per block
-_SMEM_LIMIT = 232448
-
 if gluon is not None:
+    from megatron_flux.kernels.gluon_ws import load_ab, partition_barrier, pingpong_tile, \
+        tma_load, tma_store
+
     _OP_GEMM_RS = gl.constexpr(OP_GEMM_RS)
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    # a barrier of the calling partition's threads (a named barrier inside a partition)
-    _partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
     @aggregate
     class _Args:
@@ -180,21 +162,13 @@ if gluon is not None:
     @gluon.jit
     def _load_partition(p):
         BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
-        STAGES: gl.constexpr = p.a_bufs.type.shape[0]
-        nbytes: gl.constexpr = p.a_desc.block_type.nbytes + p.b_desc.block_type.nbytes
         k_tiles = gl.cdiv(p.K, BLOCK_K)
         pos = 0
         for j in range(_num_tiles(p)):
             step, seg, a_row, off_m, off_n = _tile(p, j)
             for kk in range(k_tiles):
-                s = pos % STAGES
-                mbarrier.wait(p.empty.index(s), ((pos // STAGES) & 1) ^ 1)
-                mbarrier.expect(p.ready.index(s), nbytes)
-                _tma_load(p.a_desc, [a_row, kk * BLOCK_K], p.ready.index(s), p.a_bufs.index(s))
-                if p.B_KN:
-                    _tma_load(p.b_desc, [kk * BLOCK_K, off_n], p.ready.index(s), p.b_bufs.index(s))
-                else:
-                    _tma_load(p.b_desc, [off_n, kk * BLOCK_K], p.ready.index(s), p.b_bufs.index(s))
+                load_ab(p.a_desc, a_row, p.b_desc, off_n, p.a_bufs, p.b_bufs, p.ready, p.empty,
+                        pos, kk, p.B_KN)
                 pos += 1
 
     @gluon.jit
@@ -205,7 +179,7 @@ if gluon is not None:
         gl.inline_asm_elementwise(
             "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, $1;",
             "=r,r", [zero], dtype=gl.int32, is_pure=False, pack=1)
-        _partition_barrier()
+        partition_barrier()
         my_flags = gl.load(p.flag_ptrs + p.rank + zero).to(gl.pointer_type(gl.int32))
         counter = my_flags + p.WORLD
         arrived = gl.atomic_add(counter, 1 + zero, sem="acq_rel", scope="sys")
@@ -228,7 +202,6 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
-        STAGES: gl.constexpr = p.a_bufs.type.shape[0]
         dtype: gl.constexpr = p.out_desc.dtype
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
@@ -247,7 +220,6 @@ if gluon is not None:
         waited = 0
         nload = 0
         for j in range(C, _num_tiles(p), 2):
-            mbarrier.wait(p.handoff.index(C), ((j - 2 + C) // 2) & 1, pred=j > 0)
             step, seg, a_row, off_m, off_n = _tile(p, j)
             own = step == p.WORLD - 1
             if own and arrived == 0:
@@ -259,28 +231,10 @@ if gluon is not None:
                 # partial into the epilogue buffer now, beside this tile's MMAs
                 tma.store_wait(0)
                 mbarrier.expect(p.pload.index(C), nbytes)
-                _tma_load(p.slots_desc, [src0 * p.m_local + off_m, off_n], p.pload.index(C), c_buf)
+                tma_load(p.slots_desc, [src0 * p.m_local + off_m, off_n], p.pload.index(C), c_buf)
                 prefetched = 1
-            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
-            prev = 0
-            for kk in range(k_tiles):
-                pos = j * k_tiles + kk
-                s = pos % STAGES
-                mbarrier.wait(p.ready.index(s), (pos // STAGES) & 1)
-                # the tile's last slot has landed: the other partition may start its next tile
-                mbarrier.arrive(p.handoff.index(1 - C), count=1, pred=kk == k_tiles - 1)
-                a_s = p.a_bufs.index(s)
-                if p.B_KN:
-                    b_s = p.b_bufs.index(s)
-                else:
-                    b_s = p.b_bufs.index(s).permute((1, 0))
-                acc = warpgroup_mma(a_s, b_s, acc, is_async=True)
-                acc, a_s, b_s = warpgroup_mma_wait(1, deps=(acc, a_s, b_s))
-                # only this step's MMA is in flight: the previous step's slot has been read
-                mbarrier.arrive(p.empty.index(prev), count=1, pred=kk > 0)
-                prev = s
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(p.empty.index(prev), count=1)
+            acc = pingpong_tile(p.a_bufs, p.b_bufs, p.ready, p.empty, p.handoff, j, k_tiles, C,
+                                p.B_KN, BLOCK_M, BLOCK_N, acc_layout)
             if own:
                 if waited == 0:
                     my_flags = gl.load(p.flag_ptrs + p.rank).to(gl.pointer_type(gl.int32))
@@ -295,12 +249,12 @@ if gluon is not None:
                         if (prefetched == 0) | (src != src0):
                             tma.store_wait(0)
                             mbarrier.expect(p.pload.index(C), nbytes)
-                            _tma_load(p.slots_desc, [src * p.m_local + off_m, off_n],
+                            tma_load(p.slots_desc, [src * p.m_local + off_m, off_n],
                                       p.pload.index(C), c_buf)
                         mbarrier.wait(p.pload.index(C), nload & 1)
                         nload += 1
                         acc += c_buf.load(acc_layout).to(gl.float32)
-                        _partition_barrier()  # every thread has read the buffer before reuse
+                        partition_barrier()  # every thread has read the buffer before reuse
                         fence_async_shared()
                 if p.HAS_BIAS:
                     cols = off_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, acc_layout))
@@ -308,18 +262,18 @@ if gluon is not None:
                 tma.store_wait(0)
                 c_buf.store(acc.to(dtype))
                 fence_async_shared()
-                _tma_store(p.out_desc, [off_m, off_n], c_buf)
+                tma_store(p.out_desc, [off_m, off_n], c_buf)
             else:
                 tma.store_wait(0)
                 c_buf.store(acc.to(dtype))
                 fence_async_shared()
                 if p.WORLD == 2:
-                    _tma_store(push0, [off_m, off_n], c_buf)
+                    tma_store(push0, [off_m, off_n], c_buf)
                 else:
                     dst = gl.load(p.data_ptrs + seg).to(gl.pointer_type(dtype)) + slot
                     push = tma.make_tensor_descriptor(dst, [p.m_local, p.N], [p.N, 1],
                                                       [BLOCK_M, BLOCK_N], p.out_desc.layout)
-                    _tma_store(push, [off_m, off_n], c_buf)
+                    tma_store(push, [off_m, off_n], c_buf)
         if arrived == 0:  # no own tile: count in anyway
             _arrive(p, one_layout)
         tma.store_wait(0)
@@ -381,45 +335,15 @@ else:  # pragma: no cover
     gemm_rs_ws_kernel = None
 
 
-def smem_bytes(cfg, elem_bytes: int = 2) -> int:
-    """Shared memory the kernel takes for ``cfg``, at most: the A/B ring, two epilogue tiles,
-    and 1 KiB for barriers and alignment (compiled for sm_90a it was 229 760 B for 128x128x64
-    and 5 stages, against 230 400 here; ``tests/test_kernels_compile.py`` checks the bound)."""
-    ring = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * elem_bytes
-    return ring + 2 * cfg.block_m * cfg.block_n * elem_bytes + 1024
+smem_bytes = gluon_ws.smem_bytes
+warn_fallback = gluon_ws.FallbackWarning("GEMM+RS", "rs_warp_specialized")
 
 
 def unsupported_reason(a, m_local: int, cfg, *, trace=None, produce=True, consume=True) -> Optional[str]:
     """Why this call cannot run :func:`gemm_rs_ws_kernel` (None: it can)."""
-    import torch
-
-    if _GLUON_ERROR is not None:
-        return _GLUON_ERROR
-    if interpreting():
-        return "the CPU interpreter runs no Gluon"
-    if trace is not None or not (produce and consume):
+    if GLUON_ERROR is None and not interpreting() and (trace is not None or not (produce and consume)):
         return "phase traces and split phases exist only in the Triton kernel"
-    if a.dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {a.dtype} (bf16 or fp16 only)"
-    if m_local % cfg.block_m:
-        return f"{m_local} rows per rank are not a multiple of block_m={cfg.block_m}"
-    if triton.cdiv(a.shape[1], cfg.block_k) < cfg.num_stages:
-        return (f"K={a.shape[1]} has fewer than num_stages={cfg.num_stages} steps of "
-                f"block_k={cfg.block_k}")
-    if smem_bytes(cfg, a.element_size()) > _SMEM_LIMIT:
-        return f"needs {smem_bytes(cfg, a.element_size())} B of shared memory"
-    return None
-
-
-_WARNED = set()
-
-
-def warn_fallback(reason: str) -> None:
-    """One warning per reason: the call runs the Triton GEMM+RS kernel instead."""
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"megatron-flux GEMM+RS: rs_warp_specialized config runs the Triton kernel "
-                      f"instead ({reason})", stacklevel=3)
+    return gluon_ws.unsupported_reason(a, m_local, cfg)
 
 
 def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, world, epoch,

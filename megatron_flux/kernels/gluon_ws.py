@@ -1,0 +1,135 @@
+"""What the warp-specialized Gluon kernels (:mod:`.ag_gemm_ws`, :mod:`.gemm_rs_ws`) share: the
+Gluon imports (names moved between Triton 3.6 and 3.9), their register and shared-memory
+budget, the ping-pong K loop of one tile, and the fallback rule of their launchers.
+
+A program is one CTA per SM: one load warp (24 registers) fills a ring of shared-memory slots
+with every K-step of every tile of the program, in order; two MMA warpgroups
+(``CONSUMER_REGS`` each) take alternate tiles, so one's epilogue runs beside the other's MMAs.
+The ``handoff`` barriers keep every ``ready`` wait at most one phase ahead (the argument, and a
+randomized model of the protocol: ``benchmarks/experiments/gluon_ws_gemm.py`` and
+``ws_protocol_model.py``); this needs ``k_tiles >= stages``.
+"""
+
+import warnings
+from typing import Optional
+
+import triton
+
+try:  # Gluon: Triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+    from triton.language.core import _aggregate as aggregate
+    GLUON_ERROR: Optional[str] = None
+except ImportError as exc:  # pragma: no cover - depends on the installed Triton
+    gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
+    aggregate = None
+    GLUON_ERROR = f"this Triton has no Gluon ({exc})"
+
+from megatron_flux.kernels.config import interpreting
+
+#: registers per thread of the whole CTA (65536 / 384 threads, a multiple of 8); the MMA
+#: partitions get CONSUMER_REGS each, the load warp 24
+MAXNREG = 168
+CONSUMER_REGS = 232
+#: Hopper's dynamic shared memory per block
+SMEM_LIMIT = 232448
+
+if gluon is not None:
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # a barrier of the calling partition's threads (a named barrier inside a partition)
+    partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+
+    @gluon.jit
+    def pingpong_tile(a_bufs, b_bufs, ready, empty, handoff, j, k_tiles, C: gl.constexpr,
+                      B_KN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      acc_layout: gl.constexpr):
+        """MMA partition ``C``'s tile ``j`` (the program's ``j``-th): wait until the other
+        partition's tile ``j - 1`` has all its slots, then per K-step wait ``ready``, issue an
+        async ``wgmma``, keep one in flight and release the previous step's slot; returns the
+        fp32 accumulator, every slot released."""
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        # (j - 2 + C) // 2 is tile j - 1's index among the other partition's tiles
+        mbarrier.wait(handoff.index(C), ((j - 2 + C) // 2) & 1, pred=j > 0)
+        acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
+        prev = 0
+        for kk in range(k_tiles):
+            pos = j * k_tiles + kk
+            s = pos % STAGES
+            mbarrier.wait(ready.index(s), (pos // STAGES) & 1)
+            # the tile's last slot has landed: the other partition may start its next tile
+            mbarrier.arrive(handoff.index(1 - C), count=1, pred=kk == k_tiles - 1)
+            a_s = a_bufs.index(s)
+            if B_KN:
+                b_s = b_bufs.index(s)
+            else:
+                b_s = b_bufs.index(s).permute((1, 0))
+            acc = warpgroup_mma(a_s, b_s, acc, is_async=True)
+            acc, a_s, b_s = warpgroup_mma_wait(1, deps=(acc, a_s, b_s))
+            # only this step's MMA is in flight: the previous step's slot has been read
+            mbarrier.arrive(empty.index(prev), count=1, pred=kk > 0)
+            prev = s
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index(prev), count=1)
+        return acc
+
+    @gluon.jit
+    def load_ab(a_desc, a_row, b_desc, off_n, a_bufs, b_bufs, ready, empty, pos, kk,
+                B_KN: gl.constexpr):
+        """The load warp's K-step ``kk`` of a tile into ring slot ``pos % STAGES``: wait until
+        the slot is free, expect both boxes, issue the two TMA loads."""
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        s = pos % STAGES
+        mbarrier.wait(empty.index(s), ((pos // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        tma_load(a_desc, [a_row, kk * BLOCK_K], ready.index(s), a_bufs.index(s))
+        if B_KN:
+            tma_load(b_desc, [kk * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
+        else:
+            tma_load(b_desc, [off_n, kk * BLOCK_K], ready.index(s), b_bufs.index(s))
+
+
+def smem_bytes(cfg, elem_bytes: int = 2) -> int:
+    """Shared memory a kernel takes for ``cfg``, at most: the A/B ring, two epilogue tiles, and
+    1 KiB for barriers and alignment (compiled for sm_90a, 128x128x64 with 5 stages took
+    229 760 B against 230 400 here; ``tests/test_kernels_compile.py`` checks the bound)."""
+    ring = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * elem_bytes
+    return ring + 2 * cfg.block_m * cfg.block_n * elem_bytes + 1024
+
+
+def unsupported_reason(a, m_local: int, cfg) -> Optional[str]:
+    """Why a call with A ``a`` (``[rows, K]``) and ``m_local`` rows per rank cannot run on a
+    warp-specialized kernel with ``cfg`` (None: it can)."""
+    import torch
+
+    if GLUON_ERROR is not None:
+        return GLUON_ERROR
+    if interpreting():
+        return "the CPU interpreter runs no Gluon"
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {a.dtype} (bf16 or fp16 only)"
+    if m_local % cfg.block_m:
+        return f"{m_local} rows per rank are not a multiple of block_m={cfg.block_m}"
+    if triton.cdiv(a.shape[1], cfg.block_k) < cfg.num_stages:
+        return (f"K={a.shape[1]} has fewer than num_stages={cfg.num_stages} steps of "
+                f"block_k={cfg.block_k}")
+    if smem_bytes(cfg, a.element_size()) > SMEM_LIMIT:
+        return f"needs {smem_bytes(cfg, a.element_size())} B of shared memory"
+    return None
+
+
+class FallbackWarning:
+    """One warning per reason that a ``knob`` config of ``op`` runs the Triton kernel instead."""
+
+    def __init__(self, op: str, knob: str):
+        self.op, self.knob, self.seen = op, knob, set()
+
+    def __call__(self, reason: str) -> None:
+        if reason not in self.seen:
+            self.seen.add(reason)
+            warnings.warn(f"megatron-flux {self.op}: {self.knob} config runs the Triton kernel "
+                          f"instead ({reason})", stacklevel=3)
