@@ -9,7 +9,7 @@ after the kernel's start; ``err`` is the kernel's error word (a wait that ran ou
 
     PYTHONPATH=. python3 benchmarks/experiments/peer_stream_delay.py
 """
-import torch, time
+import torch
 from megatron_flux.kernels.ag_gemm import launch_ag_gemm
 from megatron_flux.kernels.config import GemmConfig
 world, m_local, n, k, chunk = 2, 512, 1024, 1024, 128
