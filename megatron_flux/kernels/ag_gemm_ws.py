@@ -52,7 +52,8 @@ from megatron_flux.kernels.signals import OP_AG_GEMM, fence_async_proxy, wait_si
 from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step
 
 if gluon is not None:
-    from megatron_flux.kernels.gluon_ws import load_ab, pingpong_tile, tma_store
+    from megatron_flux.kernels.gluon_ws import load_ab, pingpong_tile, tiles_of_program, \
+        tiles_per_segment, tma_store
 
     _OP_AG_GEMM = gl.constexpr(OP_AG_GEMM)
 
@@ -111,18 +112,12 @@ if gluon is not None:
             self.NUM_PROGRAMS = gl.constexpr(NUM_PROGRAMS)
 
     @gluon.jit
-    def _tiles_per_segment(p):
-        BLOCK_M: gl.constexpr = p.c_desc.block_type.shape[0]
-        BLOCK_N: gl.constexpr = p.c_desc.block_type.shape[1]
-        return gl.cdiv(p.m_local, BLOCK_M) * gl.cdiv(p.N, BLOCK_N)
-
-    @gluon.jit
     def _tile(p, j):
         """This program's ``j``-th tile: ``(step, seg, a_row, c_row, off_n)``; ``a_row`` is
         relative to the shard at step 0 and to the workspace after it."""
         BLOCK_M: gl.constexpr = p.c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.c_desc.block_type.shape[1]
-        tps = _tiles_per_segment(p)
+        tps = tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N)
         t = gl.program_id(0) + j * p.NUM_PROGRAMS
         step = t // tps
         seg = segment_of_step(step, p.rank, p.WORLD, False)
@@ -134,7 +129,10 @@ if gluon is not None:
 
     @gluon.jit
     def _num_tiles(p):
-        return gl.cdiv(p.WORLD * _tiles_per_segment(p) - gl.program_id(0), p.NUM_PROGRAMS)
+        BLOCK_M: gl.constexpr = p.c_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = p.c_desc.block_type.shape[1]
+        return tiles_of_program(tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N), p.WORLD,
+                                p.NUM_PROGRAMS)
 
     @gluon.jit
     def _wait_segment(p, seg):

@@ -67,7 +67,7 @@ from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step, serp
 
 if gluon is not None:
     from megatron_flux.kernels.gluon_ws import load_ab, partition_barrier, pingpong_tile, \
-        tma_load, tma_store
+        tiles_of_program, tiles_per_segment, tma_load, tma_store
 
     _OP_GEMM_RS = gl.constexpr(OP_GEMM_RS)
 
@@ -135,18 +135,12 @@ if gluon is not None:
             self.NUM_PROGRAMS = gl.constexpr(NUM_PROGRAMS)
 
     @gluon.jit
-    def _tiles_per_segment(p):
-        BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
-        BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
-        return gl.cdiv(p.m_local, BLOCK_M) * gl.cdiv(p.N, BLOCK_N)
-
-    @gluon.jit
     def _tile(p, j):
         """This program's ``j``-th tile: ``(step, seg, a_row, off_m, off_n)`` (``off_m`` inside
         the segment, ``a_row`` in A)."""
         BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
-        tps = _tiles_per_segment(p)
+        tps = tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N)
         t = gl.program_id(0) + j * p.NUM_PROGRAMS
         step = t // tps
         seg = segment_of_step(step, p.rank, p.WORLD, True)
@@ -157,7 +151,10 @@ if gluon is not None:
 
     @gluon.jit
     def _num_tiles(p):
-        return gl.cdiv(p.WORLD * _tiles_per_segment(p) - gl.program_id(0), p.NUM_PROGRAMS)
+        BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
+        return tiles_of_program(tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N), p.WORLD,
+                                p.NUM_PROGRAMS)
 
     @gluon.jit
     def _load_partition(p):

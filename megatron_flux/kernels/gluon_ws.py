@@ -43,6 +43,17 @@ if gluon is not None:
     partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
     @gluon.jit
+    def tiles_per_segment(m_local, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Output tiles in one rank's ``m_local`` rows."""
+        return gl.cdiv(m_local, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+
+    @gluon.jit
+    def tiles_of_program(tiles_per_seg, WORLD: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+        """How many of the ``WORLD * tiles_per_seg`` flat tiles this program owns (``t = p,
+        p + G, ...``)."""
+        return gl.cdiv(WORLD * tiles_per_seg - gl.program_id(0), NUM_PROGRAMS)
+
+    @gluon.jit
     def pingpong_tile(a_bufs, b_bufs, ready, empty, handoff, j, k_tiles, C: gl.constexpr,
                       B_KN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       acc_layout: gl.constexpr):
