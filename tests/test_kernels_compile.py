@@ -80,6 +80,20 @@ def test_ag_gemm_compiles_with_one_row_per_rank(world):
                  ones=("m_local", "chunk_rows"))
 
 
+def _compile_gluon(module, fn, constexprs, ptr_types, dtype):
+    """A warp-specialized Gluon kernel of ``module`` compiled for sm_90 (no GPU needed): its
+    pointer arguments are ``dtype`` unless ``ptr_types`` names them, every other argument i32."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = [p.name for p in fn.params]
+    sig = {q: "constexpr" if q in constexprs else
+           ptr_types.get(q, f"*{dtype}" if q.endswith("_ptr") else "i32") for q in names}
+    src = GluonASTSource(fn, sig, constexprs={(names.index(q),): v for q, v in constexprs.items()},
+                         attrs={})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=module.MAXNREG))
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_gemm_rs_ws_compiles_for_hopper_within_its_shared_memory_bound(world):
     """The warp-specialized Gluon GEMM+RS builds for sm_90 (both B layouts, bias, the copy
@@ -90,23 +104,14 @@ def test_gemm_rs_ws_compiles_for_hopper_within_its_shared_memory_bound(world):
 
     if W.gemm_rs_ws_kernel is None:
         pytest.skip(W.GLUON_ERROR)
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = W.gemm_rs_ws_kernel
-    names = [p.name for p in fn.params]
     for b_kn, bias, ce, dtype, stages in ((False, False, False, "bf16", 5),
                                           (True, True, True, "fp16", 4)):
         cfg = GemmConfig(128, 128, 64, stages, 4, 8, rs_warp_specialized=True, rs_copy_engine=ce)
         consts = dict(WORLD=world, B_KN=b_kn, HAS_BIAS=bias, CE_PUSH=ce, BLOCK_M=128,
                       BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=stages, NUM_PROGRAMS=132,
                       CONSUMER_REGS=W.CONSUMER_REGS)
-        ptrs = {"data_ptrs": "*i64", "flag_ptrs": "*i64", "err_ptr": "*i32"}
-        sig = {q: "constexpr" if q in consts else ptrs.get(q, f"*{dtype}" if q.endswith("_ptr") else "i32")
-               for q in names}
-        src = GluonASTSource(fn, sig, constexprs={(names.index(q),): v for q, v in consts.items()},
-                             attrs={})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=4, maxnreg=W.MAXNREG))
+        kernel = _compile_gluon(W, W.gemm_rs_ws_kernel, consts,
+                                {"data_ptrs": "*i64", "flag_ptrs": "*i64", "err_ptr": "*i32"}, dtype)
         assert kernel.metadata.shared <= W.smem_bytes(cfg) <= _HOPPER_SMEM, \
             (kernel.metadata.shared, W.smem_bytes(cfg))
 
@@ -120,21 +125,12 @@ def test_ag_gemm_ws_compiles_for_hopper_within_its_shared_memory_bound(world):
 
     if W.ag_gemm_ws_kernel is None:
         pytest.skip(W.GLUON_ERROR)
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = W.ag_gemm_ws_kernel
-    names = [p.name for p in fn.params]
     for b_kn, dtype, stages in ((False, "bf16", 5), (True, "fp16", 4)):
         cfg = GemmConfig(128, 128, 64, stages, 4, 8, ag_warp_specialized=True)
         consts = dict(WORLD=world, B_KN=b_kn, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
                       STAGES=stages, NUM_PROGRAMS=132, CONSUMER_REGS=W.CONSUMER_REGS)
-        ptrs = {"flags_ptr": "*i32", "err_ptr": "*i32"}
-        sig = {q: "constexpr" if q in consts else ptrs.get(q, f"*{dtype}" if q.endswith("_ptr") else "i32")
-               for q in names}
-        src = GluonASTSource(fn, sig, constexprs={(names.index(q),): v for q, v in consts.items()},
-                             attrs={})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=4, maxnreg=W.MAXNREG))
+        kernel = _compile_gluon(W, W.ag_gemm_ws_kernel, consts,
+                                {"flags_ptr": "*i32", "err_ptr": "*i32"}, dtype)
         assert kernel.metadata.shared <= W.smem_bytes(cfg) <= _HOPPER_SMEM, \
             (kernel.metadata.shared, W.smem_bytes(cfg))
 
