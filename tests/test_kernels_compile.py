@@ -80,10 +80,16 @@ def test_ag_gemm_compiles_with_one_row_per_rank(world):
                  ones=("m_local", "chunk_rows"))
 
 
-def _compile_gluon(module, fn, constexprs, ptr_types, dtype):
-    """A warp-specialized Gluon kernel of ``module`` compiled for sm_90 (no GPU needed): its
-    pointer arguments are ``dtype`` unless ``ptr_types`` names them, every other argument i32."""
+def _compile_gluon(fn, cfg, constexprs, ptr_types, dtype):
+    """A warp-specialized Gluon kernel compiled for sm_90 (no GPU needed) with ``cfg``'s launch
+    options: its pointer arguments are ``dtype`` unless ``ptr_types`` names them, every other
+    argument i32."""
+    from megatron_flux.kernels.gluon_ws import launch_options, mma_partitions
     from triton.experimental.gluon._runtime import GluonASTSource
+
+    constexprs = dict(constexprs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      GROUP_M=cfg.group_m, STAGES=cfg.num_stages, NUM_PROGRAMS=132,
+                      PARTITIONS=mma_partitions(cfg))
 
     names = [p.name for p in fn.params]
     sig = {q: "constexpr" if q in constexprs else
@@ -91,26 +97,35 @@ def _compile_gluon(module, fn, constexprs, ptr_types, dtype):
     src = GluonASTSource(fn, sig, constexprs={(names.index(q),): v for q, v in constexprs.items()},
                          attrs={})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=module.MAXNREG))
+                          options=launch_options(cfg))
+
+
+#: (block_m, block_n, block_k, num_stages, num_warps, group_m) of the warp-specialized kernels'
+#: two forms: ping-pong (4 warps per MMA partition) and cooperative (one 8-warp partition)
+_PINGPONG5 = (128, 128, 64, 5, 4, 8)
+_PINGPONG4 = (128, 128, 64, 4, 4, 8)
+_COOP = (128, 256, 64, 3, 8, 8)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_gemm_rs_ws_compiles_for_hopper_within_its_shared_memory_bound(world):
     """The warp-specialized Gluon GEMM+RS builds for sm_90 (both B layouts, bias, the copy
-    engine's "produced" signal, bf16 and fp16, 4 and 5 stages) and uses no more shared memory
+    engine's "produced" signal, bf16 and fp16, ping-pong with 4 and 5 stages, cooperative
+    128x256 with 3) and uses no more shared memory
     than ``gemm_rs_ws.smem_bytes`` says, which the launcher checks against Hopper's limit."""
     from megatron_flux.kernels import gemm_rs_ws as W
     from megatron_flux.kernels.config import GemmConfig
 
     if W.gemm_rs_ws_kernel is None:
         pytest.skip(W.GLUON_ERROR)
-    for b_kn, bias, ce, dtype, stages in ((False, False, False, "bf16", 5),
-                                          (True, True, True, "fp16", 4)):
-        cfg = GemmConfig(128, 128, 64, stages, 4, 8, rs_warp_specialized=True, rs_copy_engine=ce)
-        consts = dict(WORLD=world, B_KN=b_kn, HAS_BIAS=bias, CE_PUSH=ce, BLOCK_M=128,
-                      BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=stages, NUM_PROGRAMS=132,
+    for b_kn, bias, ce, dtype, tile in ((False, False, False, "bf16", _PINGPONG5),
+                                        (True, True, True, "fp16", _PINGPONG4),
+                                        (False, True, False, "bf16", _COOP),
+                                        (True, False, True, "fp16", _COOP)):
+        cfg = GemmConfig(*tile, rs_warp_specialized=True, rs_copy_engine=ce)
+        consts = dict(WORLD=world, B_KN=b_kn, HAS_BIAS=bias, CE_PUSH=ce,
                       CONSUMER_REGS=W.CONSUMER_REGS)
-        kernel = _compile_gluon(W, W.gemm_rs_ws_kernel, consts,
+        kernel = _compile_gluon(W.gemm_rs_ws_kernel, cfg, consts,
                                 {"data_ptrs": "*i64", "flag_ptrs": "*i64", "err_ptr": "*i32"}, dtype)
         assert kernel.metadata.shared <= W.smem_bytes(cfg) <= _HOPPER_SMEM, \
             (kernel.metadata.shared, W.smem_bytes(cfg))
@@ -118,18 +133,18 @@ def test_gemm_rs_ws_compiles_for_hopper_within_its_shared_memory_bound(world):
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_ag_gemm_ws_compiles_for_hopper_within_its_shared_memory_bound(world):
-    """The warp-specialized Gluon AG+GEMM builds for sm_90 (both B layouts, bf16 and fp16, 4
-    and 5 stages) within ``ag_gemm_ws.smem_bytes``."""
+    """The warp-specialized Gluon AG+GEMM builds for sm_90 (both B layouts, bf16 and fp16,
+    ping-pong with 4 and 5 stages, cooperative 128x256 with 3) within ``ag_gemm_ws.smem_bytes``."""
     from megatron_flux.kernels import ag_gemm_ws as W
     from megatron_flux.kernels.config import GemmConfig
 
     if W.ag_gemm_ws_kernel is None:
         pytest.skip(W.GLUON_ERROR)
-    for b_kn, dtype, stages in ((False, "bf16", 5), (True, "fp16", 4)):
-        cfg = GemmConfig(128, 128, 64, stages, 4, 8, ag_warp_specialized=True)
-        consts = dict(WORLD=world, B_KN=b_kn, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
-                      STAGES=stages, NUM_PROGRAMS=132, CONSUMER_REGS=W.CONSUMER_REGS)
-        kernel = _compile_gluon(W, W.ag_gemm_ws_kernel, consts,
+    for b_kn, dtype, tile in ((False, "bf16", _PINGPONG5), (True, "fp16", _PINGPONG4),
+                              (False, "bf16", _COOP), (True, "fp16", _COOP)):
+        cfg = GemmConfig(*tile, ag_warp_specialized=True)
+        consts = dict(WORLD=world, B_KN=b_kn, CONSUMER_REGS=W.CONSUMER_REGS)
+        kernel = _compile_gluon(W.ag_gemm_ws_kernel, cfg, consts,
                                 {"flags_ptr": "*i32", "err_ptr": "*i32"}, dtype)
         assert kernel.metadata.shared <= W.smem_bytes(cfg) <= _HOPPER_SMEM, \
             (kernel.metadata.shared, W.smem_bytes(cfg))

@@ -27,7 +27,14 @@ RS_CONFIGS = [
     # instead, with a warning
     dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, rs_warp_specialized=True),
     dict(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4, rs_warp_specialized=True),
+    # its cooperative form: one 8-warp MMA partition, 128x256 tiles
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, rs_warp_specialized=True),
 ]
+
+#: the warp-specialized kernels' two forms (``gluon_ws``): two 4-warp MMA partitions taking
+#: alternate tiles, or one 8-warp partition taking every tile
+WS_FORMS = {"pingpong": dict(block_m=128, block_n=128, block_k=64, num_warps=4),
+            "coop": dict(block_m=128, block_n=256, block_k=64, num_warps=8)}
 
 
 @pytest.mark.parametrize("shape", RS_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -141,7 +148,8 @@ def test_rs_reduce_sums_in_rank_order(world, with_bias, m_local, n):
 @pytest.mark.parametrize("b_kn", [False, True], ids=["b_nk", "b_kn"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("copy_engine", [False, True], ids=["sm_push", "ce_push"])
-def test_gemm_rs_ws_bias_layouts_and_signals(world, b_kn, dtype, copy_engine):
+@pytest.mark.parametrize("form", list(WS_FORMS))
+def test_gemm_rs_ws_bias_layouts_and_signals(world, b_kn, dtype, copy_engine, form):
     """The warp-specialized GEMM+RS as rank 0 of ``world`` on one GPU: own rows = own partial
     + the peers' slots (+ bias) against fp32 math, for both B layouts and dtypes; its producer
     tiles land in the pushed-to slots (``data_ptrs``); the grid's last partition raises every
@@ -169,7 +177,8 @@ def test_gemm_rs_ws_bias_layouts_and_signals(world, b_kn, dtype, copy_engine):
                              dtype=torch.int64, device="cuda")
     flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device="cuda")
     err = torch.zeros(4, dtype=torch.int32, device="cuda")
-    cfg = GemmConfig(128, 128, 64, 4, 4, 8, rs_warp_specialized=True, rs_copy_engine=copy_engine)
+    cfg = GemmConfig(**WS_FORMS[form], num_stages=3, rs_warp_specialized=True,
+                     rs_copy_engine=copy_engine)
     results = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback to the Triton kernel would warn
@@ -197,7 +206,8 @@ def test_gemm_rs_ws_bias_layouts_and_signals(world, b_kn, dtype, copy_engine):
         assert rel_p < 1e-2, (s, rel_p)
 
 
-def test_gemm_rs_ws_times_out_loudly_without_peer():
+@pytest.mark.parametrize("form", list(WS_FORMS))
+def test_gemm_rs_ws_times_out_loudly_without_peer(form):
     """A peer that never signals: the warp-specialized kernel's bounded wait gives up and
     records (op GEMM+RS, rank, peer, value seen) instead of hanging."""
     from megatron_flux.kernels.config import GemmConfig, rs_signal_count
@@ -214,7 +224,7 @@ def test_gemm_rs_ws_times_out_loudly_without_peer():
     data_ptrs = torch.tensor([data.data_ptr(), pushed.data_ptr()], dtype=torch.int64, device="cuda")
     flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device="cuda")
     err = torch.zeros(4, dtype=torch.int32, device="cuda")
-    cfg = GemmConfig(128, 128, 64, 4, 4, 8, rs_warp_specialized=True)
+    cfg = GemmConfig(**WS_FORMS[form], num_stages=3, rs_warp_specialized=True)
     # rank 1 of 2: its peer (rank 0) signals at flags[0]; rank 1's own grid raises flags[1]
     launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err, rank=1, world=world,
                    epoch=5, cfg=cfg, num_sms=8, max_spins=1000)
@@ -225,7 +235,8 @@ def test_gemm_rs_ws_times_out_loudly_without_peer():
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("b_kn", [False, True], ids=["b_nk", "b_kn"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_ag_gemm_ws_reads_shard_and_workspace(world, b_kn, dtype):
+@pytest.mark.parametrize("form", list(WS_FORMS))
+def test_ag_gemm_ws_reads_shard_and_workspace(world, b_kn, dtype, form):
     """The warp-specialized AG+GEMM as rank 1 of ``world``: its own rows come from the shard
     (the workspace's copy of them is NaN), the peers' from the workspace after their chunk
     signals (several chunks per segment); against fp32 math, bitwise repeatable, and it took
@@ -245,7 +256,7 @@ def test_ag_gemm_ws_reads_shard_and_workspace(world, b_kn, dtype):
     flags = torch.full((world * (m_local // chunk),), 3, dtype=torch.int32, device="cuda")
     err = torch.zeros(4, dtype=torch.int32, device="cuda")
     out = torch.full((world * m_local, n), float("nan"), device="cuda", dtype=dtype)
-    cfg = GemmConfig(128, 128, 64, 5, 4, 8, chunk_rows=chunk, ag_warp_specialized=True)
+    cfg = GemmConfig(**WS_FORMS[form], num_stages=3, chunk_rows=chunk, ag_warp_specialized=True)
     results = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -262,7 +273,8 @@ def test_ag_gemm_ws_reads_shard_and_workspace(world, b_kn, dtype):
     assert torch.equal(results[0], results[1]), "repeated AG+GEMM launches differ"
 
 
-def test_ag_gemm_ws_times_out_loudly_on_a_missing_chunk():
+@pytest.mark.parametrize("form", list(WS_FORMS))
+def test_ag_gemm_ws_times_out_loudly_on_a_missing_chunk(form):
     """One chunk of one peer never arrives: the load warp's bounded wait gives up and records
     (op AG+GEMM, rank, the chunk's signal index, the value seen) instead of hanging."""
     from megatron_flux.kernels.ag_gemm import launch_ag_gemm
@@ -276,7 +288,7 @@ def test_ag_gemm_ws_times_out_loudly_on_a_missing_chunk():
     flags = torch.full((world * 2,), 9, dtype=torch.int32, device="cuda")
     flags[3] = 8  # segment 1's second chunk is a call behind
     err = torch.zeros(4, dtype=torch.int32, device="cuda")
-    cfg = GemmConfig(128, 128, 64, 5, 4, 8, chunk_rows=chunk, ag_warp_specialized=True)
+    cfg = GemmConfig(**WS_FORMS[form], num_stages=3, chunk_rows=chunk, ag_warp_specialized=True)
     launch_ag_gemm(x[:m_local], x, w.t(), out, flags, err, rank=rank, world=world, epoch=9,
                    cfg=cfg, num_sms=8, max_spins=1000)
     torch.cuda.synchronize()
@@ -291,10 +303,13 @@ _RS_PAIR = {
     "triton": dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=2),
     "ws": dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, epilogue_split=1,
                rs_warp_specialized=True),
+    "coop": dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=1,
+                 rs_warp_specialized=True),
 }
 
 
-@pytest.mark.parametrize("configs", [("ws", "ws"), ("triton", "triton"), ("ws", "triton")],
+@pytest.mark.parametrize("configs", [("ws", "ws"), ("triton", "triton"), ("ws", "triton"),
+                                     ("coop", "coop"), ("coop", "ws")],
                          ids=lambda c: "-".join(c))
 def test_gemm_rs_two_ranks_on_one_gpu(configs):
     """GEMM+RS of two simulated ranks running concurrently: rank ``r``'s output is rows ``r``
@@ -347,8 +362,8 @@ _PEER_TIMING = [("own", True), ("own", False), ("default", False)]
 
 @pytest.mark.parametrize("kernel_stream, sleep", _PEER_TIMING,
                          ids=["own-sleep", "own-nosleep", "default-nosleep"])
-@pytest.mark.parametrize("ws", [True, False], ids=["ws", "triton"])
-def test_ag_gemm_waits_for_chunks_that_land_while_it_runs(ws, kernel_stream, sleep):
+@pytest.mark.parametrize("kernel", ["ws", "coop", "triton"])
+def test_ag_gemm_waits_for_chunks_that_land_while_it_runs(kernel, kernel_stream, sleep):
     """AG+GEMM as rank 0 of 2 while "the peer's copy engine" (a second stream, optionally
     after a sleep kernel) copies its rows into the workspace chunk by chunk and raises each
     chunk's signal: the kernel spins on real, late signals and computes the right product.
@@ -369,10 +384,10 @@ def test_ag_gemm_waits_for_chunks_that_land_while_it_runs(ws, kernel_stream, sle
           for _ in range(world)]
     w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
     ref = torch.cat(xs).float() @ w.t().float()
-    cfg = GemmConfig(**(dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4,
-                             epilogue_split=1, ag_warp_specialized=True) if ws else
-                        dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
-                             epilogue_split=1)), chunk_rows=chunk)
+    fields = {"ws": dict(WS_FORMS["pingpong"], num_stages=5, ag_warp_specialized=True),
+              "coop": dict(WS_FORMS["coop"], num_stages=3, ag_warp_specialized=True),
+              "triton": dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4)}
+    cfg = GemmConfig(**fields[kernel], epilogue_split=1, chunk_rows=chunk)
     peer = torch.cuda.Stream()
     kstream = torch.cuda.current_stream() if kernel_stream == "default" else torch.cuda.Stream()
     with torch.cuda.stream(peer):  # load the peer stream's kernels before any grid spins

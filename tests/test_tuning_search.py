@@ -308,16 +308,18 @@ def test_short_k_gemm_rs_tries_the_overlapped_epilogues_once():
     assert S.seeds_for("GEMM+RS", 14336) == S.SEED_CONFIGS
 
 
-def test_ag_gemm_tries_its_warp_specialized_kernel_once():
-    """Every AG+GEMM entry gets the warp-specialized seed right after the common seeds;
-    GEMM+RS never gets the AG kernel's knob."""
+def test_ag_gemm_tries_both_forms_of_its_warp_specialized_kernel():
+    """Every AG+GEMM entry gets the warp-specialized seeds right after the common seeds, one
+    per form (ping-pong 128x128/5 with 4 warps, cooperative 128x256/3 with 8); GEMM+RS never
+    gets the AG kernel's knob."""
     assert S.seeds_for("ag", 2048) == S.seeds_for("AG+GEMM", 14336) == S.SEED_CONFIGS + S.AG_SEEDS
     for n, k in ((2048, 4096), (14336, 4096), (28672, 8192)):
         c = S.generate_candidates("ag", 8192, n, k, 2, max_candidates=64)
         ws = [x for x in c if x.ag_warp_specialized]
-        assert len(ws) == 1 and (ws[0].block_n, ws[0].num_stages) == (128, 5), (n, k)
-        assert c.index(ws[0]) <= 2 + len(S.SEED_CONFIGS)
-        assert ws[0].chunk_rows == c[0].chunk_rows and ws[0].ag_pull == c[0].ag_pull
+        assert [(x.block_n, x.num_stages, x.num_warps) for x in ws] == [(128, 5, 4), (256, 3, 8)], (n, k)
+        for x in ws:
+            assert c.index(x) <= 3 + len(S.SEED_CONFIGS)
+            assert x.chunk_rows == c[0].chunk_rows and x.ag_pull == c[0].ag_pull
     for k in (2048, 14336):
         assert not any(x.ag_warp_specialized
                        for x in S.generate_candidates("rs", 8192, 4096, k, 2, max_candidates=10**6))

@@ -29,6 +29,11 @@ def test_rs_warp_specialized_round_trips_and_defaults_off():
     (dict(block_n=256), "at most 128x128"),            # two warpgroups' accumulators: no room
     (dict(block_m=256, block_n=64), "at most 128x128"),
     (dict(block_k=256), "block_k"),
+    # the cooperative form's two warpgroups take 64 rows each
+    (dict(num_warps=8, block_m=64, block_n=256), "block_m=128"),
+    (dict(num_warps=8, block_m=256, block_n=128), "block_m=128"),
+    (dict(num_warps=8, block_n=512), "block_n <= 256"),
+    (dict(num_warps=16), "num_warps=4 .ping-pong. or 8"),
     (dict(rs_spread_reduce=True), "rs_spread_reduce"),
     (dict(rs_copy_engine=True, rs_ce_bands=True), "rs_ce_bands"),
     (dict(programs_per_sm=2), "one program per SM"),
@@ -42,6 +47,21 @@ def test_rs_warp_specialized_refuses_what_the_kernel_does_not_do(fields, match):
 def test_the_copy_engine_push_and_a_64_row_tile_are_accepted():
     GemmConfig(**{**WS, "rs_copy_engine": True})
     GemmConfig(**{**WS, "block_m": 64, "block_n": 256})
+
+
+def test_num_warps_picks_the_form_and_its_launch():
+    """4 warps: two MMA partitions (ping-pong), each with an epilogue tile; 8: one cooperative
+    partition of two warpgroups and one epilogue tile. Both launch 12 warps once Triton pads
+    the CTA to whole warpgroups, so both take the same register cap."""
+    pingpong = GemmConfig(**WS)
+    coop = GemmConfig(**{**WS, "num_warps": 8, "block_n": 256, "num_stages": 3})
+    assert gluon_ws.mma_partitions(pingpong) == 2 and gluon_ws.mma_partitions(coop) == 1
+    assert gluon_ws.launch_options(pingpong) == dict(num_warps=4, maxnreg=gluon_ws.MAXNREG)
+    assert gluon_ws.launch_options(coop) == dict(num_warps=8, maxnreg=gluon_ws.MAXNREG)
+    assert gluon_ws.MAXNREG * 12 * 32 <= 65536 and gluon_ws.MAXNREG % 8 == 0
+    # 3 stages of 128x256x64 plus one 128x256 epilogue tile fit; 4 stages do not
+    assert gemm_rs_ws.smem_bytes(coop) == 3 * 384 * 64 * 2 + 128 * 256 * 2 + 1024 <= gluon_ws.SMEM_LIMIT
+    assert gemm_rs_ws.smem_bytes(GemmConfig(**{**WS, "num_warps": 8, "block_n": 256})) > gluon_ws.SMEM_LIMIT
 
 
 def _reason(m_local=512, k=4096, dtype=torch.bfloat16, **cfg_fields):
@@ -91,6 +111,7 @@ AG_WS = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, ep
 
 @pytest.mark.parametrize("fields, match", [
     (dict(block_n=256), "at most 128x128"),
+    (dict(num_warps=8, block_m=64), "block_m=128"),
     (dict(ag_peer_group=2), "per-segment schedule"),
     (dict(ag_merge_local=True), "per-segment schedule"),
     (dict(programs_per_sm=2), "one program per SM"),

@@ -2,9 +2,10 @@
 
 Same inputs, outputs, workspace and chunk signals as :mod:`.ag_gemm`'s per-segment schedule;
 what differs is how an SM runs its tiles. Two MMA warpgroups take alternate tiles
-("ping-pong"), so one's epilogue (round, store) runs beside the other's MMAs, and a single load
-warp does every TMA read and every wait for a peer's rows, so the MMA warps never spin on
-communication. With communication off on one H200 it ran 0.95-0.99x the shipped table's
+("ping-pong", ``num_warps=4``), so one's epilogue (round, store) runs beside the other's MMAs,
+or one partition of two warpgroups takes every tile of up to 128x256 (cooperative,
+``num_warps=8``; :mod:`.gluon_ws`); a single load warp does every TMA read and every wait for
+a peer's rows, so the MMA warps never spin on communication. With communication off on one H200 it ran 0.95-0.99x the shipped table's
 config on the training step's AG+GEMMs and on the grid's m <= 2048 shapes (llama3-8b
 m = 1024: 1.08x cuBLAS against 1.17x), and lost to the table's 128x256 tiles on the largest
 ones (``benchmarks/NOTES.md``, session 19). The kernel began as session 10's experiment
@@ -15,7 +16,7 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
 * Flat tile ``t`` over ``W * tiles_per_segment``: step ``t // tiles_per_segment`` visits
   segment ``(r + step) % W`` (:mod:`.tile_order`: local rows first, then ring order),
   GROUP_M-grouped inside the segment. Program ``p`` owns ``t = p, p + G, ...``; its ``j``-th
-  tile belongs to MMA partition ``j % 2``.
+  tile belongs to MMA partition ``j % P`` (``P`` = 2 in ping-pong, 1 cooperative).
 * **Load partition** (1 warp, 24 registers): every K-step of every tile of the program, in
   order, into a ring of ``num_stages`` shared-memory slots. Step 0's A rows come from the
   caller's shard ``x`` (no wait). Before the first load of a peer segment it waits (acquire,
@@ -23,10 +24,10 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
   ``cdiv(m_local, chunk_rows)`` chunk signals ``flags[seg * chunks + c] >= epoch``, then
   fences the async proxy, so its TMA reads of the gathered workspace ``ag`` follow the
   acquire.
-* **Two MMA partitions** (one warpgroup each): per K-step wait ``ready``, issue an async
-  ``wgmma``, keep one in flight, release the previous slot; after the tile, round to the
-  output dtype into the partition's epilogue buffer and TMA-store it. The ``handoff``
-  barriers keep every ``ready`` wait at most one phase ahead (the argument and a randomized
+* **MMA partitions** (two of one warpgroup each, or one of two): per K-step wait ``ready``,
+  issue an async ``wgmma``, keep one in flight, release the previous slot; after the tile,
+  round to the output dtype into the partition's epilogue buffer and TMA-store it. In
+  ping-pong the ``handoff`` barriers keep every ``ready`` wait at most one phase ahead (the argument and a randomized
   model: ``benchmarks/experiments/gluon_ws_gemm.py``, ``ws_protocol_model.py``); this needs
   ``k_tiles >= num_stages``.
 
@@ -46,13 +47,13 @@ import triton
 
 from megatron_flux.kernels import gluon_ws
 from megatron_flux.kernels.config import interpreting
-from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, MAXNREG, aggregate,
+from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, aggregate,
                                             fence_async_shared, gl, gluon, mbarrier, tma)
 from megatron_flux.kernels.signals import OP_AG_GEMM, fence_async_proxy, wait_signal
 from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step
 
 if gluon is not None:
-    from megatron_flux.kernels.gluon_ws import load_ab, pingpong_tile, tiles_of_program, \
+    from megatron_flux.kernels.gluon_ws import load_ab, mma_tile, tiles_of_program, \
         tiles_per_segment, tma_store
 
     _OP_AG_GEMM = gl.constexpr(OP_AG_GEMM)
@@ -82,11 +83,12 @@ if gluon is not None:
         B_KN: gl.constexpr
         GROUP_M: gl.constexpr
         NUM_PROGRAMS: gl.constexpr
+        PARTITIONS: gl.constexpr
 
         @gluon.constexpr_function
         def __init__(self, x_desc, ag_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty,
                      handoff, flags_ptr, err_ptr, m_local, N, K, rank, epoch, chunk_rows,
-                     max_spins, WORLD, B_KN, GROUP_M, NUM_PROGRAMS):
+                     max_spins, WORLD, B_KN, GROUP_M, NUM_PROGRAMS, PARTITIONS):
             self.x_desc = x_desc
             self.ag_desc = ag_desc
             self.b_desc = b_desc
@@ -110,6 +112,7 @@ if gluon is not None:
             self.B_KN = gl.constexpr(B_KN)
             self.GROUP_M = gl.constexpr(GROUP_M)
             self.NUM_PROGRAMS = gl.constexpr(NUM_PROGRAMS)
+            self.PARTITIONS = gl.constexpr(PARTITIONS)
 
     @gluon.jit
     def _tile(p, j):
@@ -168,14 +171,15 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = p.c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.c_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = p.x_desc.block_type.shape[1]
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_N, 16])
+        # one warpgroup (ping-pong) or two stacked along M (cooperative)
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[8 // p.PARTITIONS, 1], instr_shape=[16, BLOCK_N, 16])
         k_tiles = gl.cdiv(p.K, BLOCK_K)
         c_buf = p.c_bufs.index(C)
-        for j in range(C, _num_tiles(p), 2):
+        for j in range(C, _num_tiles(p), p.PARTITIONS):
             step, seg, a_row, c_row, off_n = _tile(p, j)
-            acc = pingpong_tile(p.a_bufs, p.b_bufs, p.ready, p.empty, p.handoff, j, k_tiles, C,
-                                p.B_KN, BLOCK_M, BLOCK_N, acc_layout)
+            acc = mma_tile(p.a_bufs, p.b_bufs, p.ready, p.empty, p.handoff, j, k_tiles, C,
+                           p.PARTITIONS, p.B_KN, BLOCK_M, BLOCK_N, acc_layout)
             tma.store_wait(0)  # this partition's previous store has read its buffer out
             c_buf.store(acc.to(p.c_desc.dtype))
             fence_async_shared()
@@ -191,13 +195,14 @@ if gluon is not None:
                           epoch, chunk_rows, max_spins, WORLD: gl.constexpr, B_KN: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr):
+                          PARTITIONS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """``c = AllGather_rows(x) @ b``: ``x`` ``[m_local, K]`` this rank's shard; ``ag``
         ``[WORLD * m_local, K]`` the gathered workspace, whose segment ``s`` is valid once its
         chunk signals ``flags[s * cdiv(m_local, chunk_rows) + c]`` hold ``epoch``; ``b``
         ``[K, N]`` row-major (B_KN) or a transposed row-major ``[N, K]`` (leading stride
-        ``ldb``); ``c`` ``[WORLD * m_local, N]``. Launch with ``num_warps=4`` and
-        ``maxnreg=MAXNREG``; descriptors are built on the device."""
+        ``ldb``); ``c`` ``[WORLD * m_local, N]``; ``PARTITIONS`` MMA partitions (2: ping-pong,
+        1: cooperative). Launch with :func:`.gluon_ws.launch_options`; descriptors are built on
+        the device."""
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
@@ -215,7 +220,7 @@ if gluon is not None:
         c_desc = tma.make_tensor_descriptor(c_ptr, [WORLD * m_local, N], [N, 1], [BLOCK_M, BLOCK_N],
                                             c_layout)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
-        c_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], c_layout)
+        c_bufs = gl.allocate_shared_memory(dtype, [PARTITIONS, BLOCK_M, BLOCK_N], c_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -226,9 +231,12 @@ if gluon is not None:
             mbarrier.init(handoff.index(i), count=1)
         p = _Args(x_desc, ag_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, handoff,
                   flags_ptr, err_ptr, m_local, N, K, rank, epoch, chunk_rows, max_spins, WORLD,
-                  B_KN, GROUP_M, NUM_PROGRAMS)
-        gl.warp_specialize([(_mma_partition, (p, 0)), (_mma_partition_1, (p, )),
-                            (_load_partition, (p, ))], [4, 1], [CONSUMER_REGS, 24])
+                  B_KN, GROUP_M, NUM_PROGRAMS, PARTITIONS)
+        if PARTITIONS == 2:
+            gl.warp_specialize([(_mma_partition, (p, 0)), (_mma_partition_1, (p, )),
+                                (_load_partition, (p, ))], [4, 1], [CONSUMER_REGS, 24])
+        else:
+            gl.warp_specialize([(_mma_partition, (p, 0)), (_load_partition, (p, ))], [1], [24])
 else:  # pragma: no cover
     ag_gemm_ws_kernel = None
 
@@ -248,8 +256,8 @@ def unsupported_reason(x, cfg, *, trace=None) -> Optional[str]:
 def launch_ag_gemm_ws(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sms, max_spins):
     """:func:`ag_gemm_ws_kernel` on the current stream, with :func:`.ag_gemm.launch_ag_gemm`'s
     arguments (the caller has checked :func:`unsupported_reason`). ``cfg`` gives block_m/n/k,
-    num_stages, group_m and chunk_rows; the kernel's warps are fixed (two MMA warpgroups and a
-    load warp)."""
+    num_stages, group_m and chunk_rows, and its num_warps the form (4: ping-pong, 8:
+    cooperative; :func:`.gluon_ws.launch_options`)."""
     from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 
     m_local, k = x.shape
@@ -261,4 +269,5 @@ def launch_ag_gemm_ws(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num
         x, ag, b, out, flags, err, m_local, n, k, b.stride(0) if b_kn else b.stride(1), rank, epoch,
         cfg.chunk_rows, max_spins, WORLD=world, B_KN=b_kn, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        NUM_PROGRAMS=grid, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
+        NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg), CONSUMER_REGS=CONSUMER_REGS,
+        **gluon_ws.launch_options(cfg))

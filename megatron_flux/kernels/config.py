@@ -83,20 +83,25 @@ class GemmConfig:
     ``rs_warp_specialized`` (GEMM+RS only): run the call on the warp-specialized Gluon kernel
     (:mod:`megatron_flux.kernels.gemm_rs_ws`): two MMA warpgroups take alternate tiles, so the
     own tiles' reduction epilogue runs beside the other warpgroup's MMAs. It takes block_m/n/k,
-    num_stages, group_m and rs_copy_engine from the config (its warps are fixed: 128x128 tiles
-    at most, the accumulator of one warpgroup); calls it cannot take (``m_local`` not a
+    num_stages, group_m and rs_copy_engine from the config; ``num_warps`` picks its form
+    (:mod:`megatron_flux.kernels.gluon_ws`): 4 is the ping-pong (two MMA warpgroups on
+    alternate tiles of at most 128x128), 8 the cooperative one (one 8-warp MMA partition on
+    every tile, block_m = 128, block_n up to 256). Calls it cannot take (``m_local`` not a
     multiple of block_m, fewer K-steps than stages, the interpreter) run the Triton kernel with
-    one warning. With communication off on one H200 it ran 0.92x the table config on the
-    training step's short-K GEMM+RS (k = 2048-3072 per rank, m = 8192) and 1.02-1.08x it at
-    long K (benchmarks/NOTES.md, session 19); not yet run with communication.
+    one warning. With communication off on one H200 the ping-pong ran 0.92x the table config
+    on the training step's short-K GEMM+RS (k = 2048-3072 per rank, m = 8192) and 1.02-1.08x it
+    at long K (benchmarks/NOTES.md, session 19); the cooperative 128x256 form ran 0.98-1.02x
+    the table at long K (session 20). Not yet run with communication.
 
     ``ag_warp_specialized`` (AG+GEMM only): the same for AllGather+GEMM
     (:mod:`megatron_flux.kernels.ag_gemm_ws`): two MMA warpgroups on alternate tiles, one load
-    warp doing the TMA reads and the waits for the peers' chunks; per-segment schedule only (no
-    ``ag_peer_group`` > 1, no ``ag_merge_local``; ``stream_k`` is ignored). With communication
-    off on one H200 it ran 0.95-0.99x the table config on the training step's AG+GEMMs and the
-    grid's m <= 2048 shapes, and lost to 128x256 tiles on the largest (benchmarks/NOTES.md,
-    session 19); not yet run with communication.
+    warp doing the TMA reads and the waits for the peers' chunks, in the same two forms
+    (``num_warps`` 4 or 8); per-segment schedule only (no ``ag_peer_group`` > 1, no
+    ``ag_merge_local``; ``stream_k`` is ignored). With communication off on one H200 the
+    ping-pong ran 0.95-0.99x the table config on the training step's AG+GEMMs and the grid's
+    m <= 2048 shapes and lost to 128x256 tiles on the largest (benchmarks/NOTES.md, session
+    19), where the cooperative 128x256 form ran 0.97-1.005x the table (session 20); not yet
+    run with communication.
 
     ``programs_per_sm``: persistent programs per SM (grid = that times the SMs, capped at the
     tiles). At 2, one program's epilogue runs beside the other's K loop; the launchers check
@@ -159,10 +164,18 @@ class GemmConfig:
         for knob in ("rs_warp_specialized", "ag_warp_specialized"):
             if not getattr(self, knob):
                 continue
-            if self.block_m not in (64, 128) or self.block_n not in (64, 128, 256) \
-                    or self.block_m * self.block_n > 128 * 128 or self.block_k > 128:
-                raise ValueError(f"GemmConfig.{knob} takes tiles of at most 128x128 (one "
-                                 f"warpgroup's accumulator) and block_k <= 128: {self}")
+            if self.num_warps == 4:  # ping-pong: a tile is one warpgroup's accumulator
+                if self.block_m not in (64, 128) or self.block_n not in (64, 128, 256) \
+                        or self.block_m * self.block_n > 128 * 128 or self.block_k > 128:
+                    raise ValueError(f"GemmConfig.{knob} with num_warps=4 (ping-pong) takes tiles "
+                                     f"of at most 128x128 and block_k <= 128: {self}")
+            elif self.num_warps == 8:  # cooperative: two warpgroups, 64 rows each
+                if self.block_m != 128 or self.block_n not in (64, 128, 256) or self.block_k > 128:
+                    raise ValueError(f"GemmConfig.{knob} with num_warps=8 (cooperative) takes "
+                                     f"block_m=128, block_n <= 256 and block_k <= 128: {self}")
+            else:
+                raise ValueError(f"GemmConfig.{knob} runs num_warps=4 (ping-pong) or 8 "
+                                 f"(cooperative): {self}")
             if self.programs_per_sm != 1:
                 raise ValueError(f"GemmConfig.{knob} runs one program per SM: {self}")
         if self.rs_warp_specialized and (self.rs_spread_reduce or self.rs_ce_bands):

@@ -5,8 +5,10 @@ an SM runs its tiles. A Triton 3.6 persistent GEMM is not warp-specialized on Ho
 a program reads the peers' partials of an own tile, adds them and stores the sum, its tensor
 cores idle; at short K that epilogue is a large part of the tile (the partials' reads alone
 cost 6-7 % of the kernel at k = 2048-3072, m = 8192; ``benchmarks/NOTES.md``, session 19). Here
-two MMA warpgroups take alternate tiles ("ping-pong"), so one's epilogue runs beside the
-other's MMAs.
+two MMA warpgroups take alternate tiles ("ping-pong", ``num_warps=4``), so one's epilogue runs
+beside the other's MMAs. The cooperative form (``num_warps=8``: one MMA partition of two
+warpgroups takes every tile, up to 128x256) is for long K, where tile size matters more than
+hiding the epilogue (:mod:`.gluon_ws`).
 
 Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
 
@@ -14,14 +16,15 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
   tiles_per_segment``; steps ``0..W-2`` are the peers' segments ``r+1, r+2, ...`` (producer),
   step ``W-1`` the own segment (consumer); odd steps walk their segment backwards
   (``serpentine``), GROUP_M-grouped inside. Program ``p`` owns ``t = p, p + G, ...``; its
-  ``j``-th tile belongs to MMA partition ``j % 2``.
+  ``j``-th tile belongs to MMA partition ``j % P`` (``P`` = 2 in ping-pong, 1 cooperative).
 * **Load partition** (1 warp, 24 registers): every K-step of every tile of the program, in
   order, into a ring of ``num_stages`` shared-memory slots (A ``[BM, BK]``, B ``[BN, BK]`` or
   ``[BK, BN]``): wait the slot's ``empty`` barrier, expect both boxes on its ``ready`` barrier,
   issue the two TMA loads.
-* **Two MMA partitions** (one warpgroup each): per K-step wait ``ready``, issue an async
-  ``wgmma``, keep one in flight, release the previous slot. A partition arrives on the other's
-  ``handoff`` barrier once its tile's last slot has landed and waits on its own before a tile,
+* **MMA partitions** (two of one warpgroup each, or one of two): per K-step wait ``ready``,
+  issue an async ``wgmma``, keep one in flight, release the previous slot. In ping-pong a
+  partition arrives on the other's ``handoff`` barrier once its tile's last slot has landed
+  and waits on its own before a tile,
   so every ``ready`` wait is at most one phase ahead (the argument and a randomized model of it:
   ``benchmarks/experiments/gluon_ws_gemm.py``, ``ws_protocol_model.py``); this needs
   ``k_tiles >= num_stages``.
@@ -31,7 +34,7 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
 * **Grid barrier**: before its first own tile (or at its end, if it has none) each MMA
   partition drains its TMA stores (``cp.async.bulk.wait_group 0``, proxy fence), meets its
   warpgroup at a named barrier, and counts itself in at ``flags[r][W]`` (acq_rel, system
-  scope). The last of the grid's ``2 G`` partitions resets the counter and, after one
+  scope). The last of the grid's ``P G`` partitions resets the counter and, after one
   ``fence.acq_rel.sys``, writes ``epoch`` (relaxed) to every peer owner's ``flags[owner][r]``
   (with ``rs_copy_engine``: to this rank's "produced" word ``flags[r][W + 1]``, which the copy
   engine's stream waits for). Its atomics run on a ``[1]`` tensor one thread owns, masked.
@@ -60,13 +63,13 @@ import triton
 
 from megatron_flux.kernels import gluon_ws
 from megatron_flux.kernels.config import interpreting
-from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, MAXNREG, aggregate,
+from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, aggregate,
                                             fence_async_shared, gl, gluon, mbarrier, tma)
 from megatron_flux.kernels.signals import OP_GEMM_RS, fence_async_proxy, wait_signal
 from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step, serpentine
 
 if gluon is not None:
-    from megatron_flux.kernels.gluon_ws import load_ab, partition_barrier, pingpong_tile, \
+    from megatron_flux.kernels.gluon_ws import load_ab, mma_tile, partition_barrier, \
         tiles_of_program, tiles_per_segment, tma_load, tma_store
 
     _OP_GEMM_RS = gl.constexpr(OP_GEMM_RS)
@@ -100,12 +103,13 @@ if gluon is not None:
         CE_PUSH: gl.constexpr
         GROUP_M: gl.constexpr
         NUM_PROGRAMS: gl.constexpr
+        PARTITIONS: gl.constexpr
 
         @gluon.constexpr_function
         def __init__(self, a_desc, b_desc, out_desc, slots_desc, a_bufs, b_bufs, c_bufs, ready,
                      empty, handoff, pload, data_ptrs, flag_ptrs, bias_ptr, err_ptr, m_local, N,
                      K, rank, epoch, max_spins, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M,
-                     NUM_PROGRAMS):
+                     NUM_PROGRAMS, PARTITIONS):
             self.a_desc = a_desc
             self.b_desc = b_desc
             self.out_desc = out_desc
@@ -133,6 +137,7 @@ if gluon is not None:
             self.CE_PUSH = gl.constexpr(CE_PUSH)
             self.GROUP_M = gl.constexpr(GROUP_M)
             self.NUM_PROGRAMS = gl.constexpr(NUM_PROGRAMS)
+            self.PARTITIONS = gl.constexpr(PARTITIONS)
 
     @gluon.jit
     def _tile(p, j):
@@ -180,7 +185,7 @@ if gluon is not None:
         my_flags = gl.load(p.flag_ptrs + p.rank + zero).to(gl.pointer_type(gl.int32))
         counter = my_flags + p.WORLD
         arrived = gl.atomic_add(counter, 1 + zero, sem="acq_rel", scope="sys")
-        last = arrived == 2 * p.NUM_PROGRAMS - 1
+        last = arrived == p.PARTITIONS * p.NUM_PROGRAMS - 1
         gl.atomic_xchg(counter, zero, mask=last, sem="relaxed", scope="gpu")
         gl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, $1;", "=r,r", [zero],
                                   dtype=gl.int32, is_pure=False, pack=1)
@@ -200,9 +205,10 @@ if gluon is not None:
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
         dtype: gl.constexpr = p.out_desc.dtype
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_N, 16])
-        one_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        # one warpgroup (ping-pong) or two stacked along M (cooperative)
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[8 // p.PARTITIONS, 1], instr_shape=[16, BLOCK_N, 16])
+        one_layout: gl.constexpr = gl.BlockedLayout([1], [32], [8 // p.PARTITIONS], [0])
         nbytes: gl.constexpr = p.slots_desc.block_type.nbytes
         k_tiles = gl.cdiv(p.K, BLOCK_K)
         c_buf = p.c_bufs.index(C)
@@ -216,7 +222,7 @@ if gluon is not None:
         arrived = 0
         waited = 0
         nload = 0
-        for j in range(C, _num_tiles(p), 2):
+        for j in range(C, _num_tiles(p), p.PARTITIONS):
             step, seg, a_row, off_m, off_n = _tile(p, j)
             own = step == p.WORLD - 1
             if own and arrived == 0:
@@ -230,8 +236,8 @@ if gluon is not None:
                 mbarrier.expect(p.pload.index(C), nbytes)
                 tma_load(p.slots_desc, [src0 * p.m_local + off_m, off_n], p.pload.index(C), c_buf)
                 prefetched = 1
-            acc = pingpong_tile(p.a_bufs, p.b_bufs, p.ready, p.empty, p.handoff, j, k_tiles, C,
-                                p.B_KN, BLOCK_M, BLOCK_N, acc_layout)
+            acc = mma_tile(p.a_bufs, p.b_bufs, p.ready, p.empty, p.handoff, j, k_tiles, C,
+                           p.PARTITIONS, p.B_KN, BLOCK_M, BLOCK_N, acc_layout)
             if own:
                 if waited == 0:
                     my_flags = gl.load(p.flag_ptrs + p.rank).to(gl.pointer_type(gl.int32))
@@ -285,13 +291,14 @@ if gluon is not None:
                           B_KN: gl.constexpr, HAS_BIAS: gl.constexpr, CE_PUSH: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr):
+                          PARTITIONS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """``a`` ``[WORLD * m_local, K]``; ``b`` ``[K, N]`` row-major (B_KN) or a transposed
         row-major ``[N, K]`` (leading stride ``ldb``); ``out`` ``[m_local, N]``; ``data_ptr``
         this rank's ``[WORLD, m_local, N]`` slot region of this call's parity; ``data_ptrs`` /
         ``flag_ptrs`` every rank's slot region and signal words (as
-        :func:`.gemm_rs.gemm_rs_kernel`). Launch with ``num_warps=4`` (the default MMA
-        partition) and ``maxnreg=MAXNREG``; descriptors are built on the device."""
+        :func:`.gemm_rs.gemm_rs_kernel`); ``PARTITIONS`` MMA partitions (2: ping-pong, 1:
+        cooperative). Launch with :func:`.gluon_ws.launch_options`; descriptors are built on
+        the device."""
         dtype: gl.constexpr = a_ptr.dtype.element_ty
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
@@ -312,7 +319,7 @@ if gluon is not None:
         slots_desc = tma.make_tensor_descriptor(data_ptr, [WORLD * m_local, N], [N, 1],
                                                 [BLOCK_M, BLOCK_N], c_layout)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
-        c_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], c_layout)
+        c_bufs = gl.allocate_shared_memory(dtype, [PARTITIONS, BLOCK_M, BLOCK_N], c_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -325,9 +332,12 @@ if gluon is not None:
             mbarrier.init(pload.index(i), count=1)
         p = _Args(a_desc, b_desc, out_desc, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty,
                   handoff, pload, data_ptrs, flag_ptrs, bias_ptr, err_ptr, m_local, N, K, rank,
-                  epoch, max_spins, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M, NUM_PROGRAMS)
-        gl.warp_specialize([(_mma_partition, (p, 0)), (_mma_partition_1, (p, )),
-                            (_load_partition, (p, ))], [4, 1], [CONSUMER_REGS, 24])
+                  epoch, max_spins, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M, NUM_PROGRAMS, PARTITIONS)
+        if PARTITIONS == 2:
+            gl.warp_specialize([(_mma_partition, (p, 0)), (_mma_partition_1, (p, )),
+                                (_load_partition, (p, ))], [4, 1], [CONSUMER_REGS, 24])
+        else:
+            gl.warp_specialize([(_mma_partition, (p, 0)), (_load_partition, (p, ))], [1], [24])
 else:  # pragma: no cover
     gemm_rs_ws_kernel = None
 
@@ -347,8 +357,8 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
                       cfg, num_sms, max_spins):
     """:func:`gemm_rs_ws_kernel` on the current stream, with :func:`.gemm_rs.launch_gemm_rs`'s
     arguments (the caller has checked :func:`unsupported_reason`). ``cfg`` gives block_m/n/k,
-    num_stages, group_m and rs_copy_engine; the kernel's warps are fixed (two MMA warpgroups
-    and a load warp)."""
+    num_stages, group_m and rs_copy_engine, and its num_warps the form (4: ping-pong, 8:
+    cooperative; :func:`.gluon_ws.launch_options`)."""
     from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 
     m, k = a.shape
@@ -362,5 +372,5 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
         m_local, n, k, b.stride(0) if b_kn else b.stride(1), rank, epoch, max_spins,
         WORLD=world, B_KN=b_kn, HAS_BIAS=bias is not None, CE_PUSH=cfg.rs_copy_engine,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, NUM_PROGRAMS=grid, CONSUMER_REGS=CONSUMER_REGS,
-        num_warps=4, maxnreg=MAXNREG)
+        STAGES=cfg.num_stages, NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg),
+        CONSUMER_REGS=CONSUMER_REGS, **gluon_ws.launch_options(cfg))

@@ -1,13 +1,21 @@
 """What the warp-specialized Gluon kernels (:mod:`.ag_gemm_ws`, :mod:`.gemm_rs_ws`) share: the
 Gluon imports (names moved between Triton 3.6 and 3.9), their register and shared-memory
-budget, the ping-pong K loop of one tile, and the fallback rule of their launchers.
+budget, the K loop of one tile, and the fallback rule of their launchers.
 
 A program is one CTA per SM: one load warp (24 registers) fills a ring of shared-memory slots
-with every K-step of every tile of the program, in order; two MMA warpgroups
-(``CONSUMER_REGS`` each) take alternate tiles, so one's epilogue runs beside the other's MMAs.
-The ``handoff`` barriers keep every ``ready`` wait at most one phase ahead (the argument, and a
-randomized model of the protocol: ``benchmarks/experiments/gluon_ws_gemm.py`` and
-``ws_protocol_model.py``); this needs ``k_tiles >= stages``.
+with every K-step of every tile of the program, in order. The MMA warps come in one of two
+forms, chosen by the config's ``num_warps``:
+
+* ``num_warps=4``, **ping-pong**: two MMA partitions of one warpgroup each (``CONSUMER_REGS``
+  registers) take alternate tiles, so one's epilogue runs beside the other's MMAs; tiles of
+  at most 128x128 (one warpgroup's accumulator). The ``handoff`` barriers keep every
+  ``ready`` wait at most one phase ahead (the argument, and a randomized model of the
+  protocol: ``benchmarks/experiments/gluon_ws_gemm.py`` and ``ws_protocol_model.py``); this
+  needs ``k_tiles >= stages``.
+* ``num_warps=8``, **cooperative**: one MMA partition of two warpgroups takes every tile, each
+  warpgroup 64 of its 128 rows, so a tile can be 128x256 (less shared-memory and L2 traffic
+  per FLOP, which long K needs); the epilogue does not overlap the MMAs, only the load warp's
+  next loads. No handoff: one partition consumes the ring in order.
 """
 
 import warnings
@@ -29,8 +37,11 @@ except ImportError as exc:  # pragma: no cover - depends on the installed Triton
 
 from megatron_flux.kernels.config import interpreting
 
-#: registers per thread of the whole CTA (65536 / 384 threads, a multiple of 8); the MMA
-#: partitions get CONSUMER_REGS each, the load warp 24
+#: registers per thread of the whole CTA (65536 / 384 threads, a multiple of 8). Triton pads a
+#: warp-specialized CTA to whole warpgroups, so both forms launch 12 warps (4 + 4 + 1, or 8 + 1,
+#: plus idle ones); ``setmaxnreg`` then gives the load warp 24, a ping-pong MMA partition
+#: CONSUMER_REGS and the cooperative one 240 (Triton 3.6's sm_90 PTX; a 224 cap was refused at
+#: launch: 384 threads required, 256 allowed)
 MAXNREG = 168
 CONSUMER_REGS = 232
 #: Hopper's dynamic shared memory per block
@@ -54,24 +65,26 @@ if gluon is not None:
         return gl.cdiv(WORLD * tiles_per_seg - gl.program_id(0), NUM_PROGRAMS)
 
     @gluon.jit
-    def pingpong_tile(a_bufs, b_bufs, ready, empty, handoff, j, k_tiles, C: gl.constexpr,
-                      B_KN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      acc_layout: gl.constexpr):
-        """MMA partition ``C``'s tile ``j`` (the program's ``j``-th): wait until the other
-        partition's tile ``j - 1`` has all its slots, then per K-step wait ``ready``, issue an
-        async ``wgmma``, keep one in flight and release the previous step's slot; returns the
-        fp32 accumulator, every slot released."""
+    def mma_tile(a_bufs, b_bufs, ready, empty, handoff, j, k_tiles, C: gl.constexpr,
+                 PARTITIONS: gl.constexpr, B_KN: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, acc_layout: gl.constexpr):
+        """MMA partition ``C``'s tile ``j`` (the program's ``j``-th): in ping-pong
+        (``PARTITIONS == 2``) first wait until the other partition's tile ``j - 1`` has all its
+        slots; then per K-step wait ``ready``, issue an async ``wgmma``, keep one in flight and
+        release the previous step's slot; returns the fp32 accumulator, every slot released."""
         STAGES: gl.constexpr = a_bufs.type.shape[0]
-        # (j - 2 + C) // 2 is tile j - 1's index among the other partition's tiles
-        mbarrier.wait(handoff.index(C), ((j - 2 + C) // 2) & 1, pred=j > 0)
+        if PARTITIONS == 2:
+            # (j - 2 + C) // 2 is tile j - 1's index among the other partition's tiles
+            mbarrier.wait(handoff.index(C), ((j - 2 + C) // 2) & 1, pred=j > 0)
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
         prev = 0
         for kk in range(k_tiles):
             pos = j * k_tiles + kk
             s = pos % STAGES
             mbarrier.wait(ready.index(s), (pos // STAGES) & 1)
-            # the tile's last slot has landed: the other partition may start its next tile
-            mbarrier.arrive(handoff.index(1 - C), count=1, pred=kk == k_tiles - 1)
+            if PARTITIONS == 2:
+                # the tile's last slot has landed: the other partition may start its next tile
+                mbarrier.arrive(handoff.index(1 - C), count=1, pred=kk == k_tiles - 1)
             a_s = a_bufs.index(s)
             if B_KN:
                 b_s = b_bufs.index(s)
@@ -104,12 +117,23 @@ if gluon is not None:
             tma_load(b_desc, [off_n, kk * BLOCK_K], ready.index(s), b_bufs.index(s))
 
 
+def mma_partitions(cfg) -> int:
+    """2 for the ping-pong form (``num_warps=4``), 1 for the cooperative one (``num_warps=8``)."""
+    return 2 if cfg.num_warps == 4 else 1
+
+
+def launch_options(cfg) -> dict:
+    """``num_warps`` (the default MMA partition's) and ``maxnreg`` of a launch for ``cfg``."""
+    return dict(num_warps=4 if mma_partitions(cfg) == 2 else 8, maxnreg=MAXNREG)
+
+
 def smem_bytes(cfg, elem_bytes: int = 2) -> int:
-    """Shared memory a kernel takes for ``cfg``, at most: the A/B ring, two epilogue tiles, and
-    1 KiB for barriers and alignment (compiled for sm_90a, 128x128x64 with 5 stages took
-    229 760 B against 230 400 here; ``tests/test_kernels_compile.py`` checks the bound)."""
+    """Shared memory a kernel takes for ``cfg``, at most: the A/B ring, one epilogue tile per
+    MMA partition, and 1 KiB for barriers and alignment (compiled for sm_90a, 128x128x64 with
+    5 stages took 229 760 B against 230 400 here; ``tests/test_kernels_compile.py`` checks the
+    bound)."""
     ring = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * elem_bytes
-    return ring + 2 * cfg.block_m * cfg.block_n * elem_bytes + 1024
+    return ring + mma_partitions(cfg) * cfg.block_m * cfg.block_n * elem_bytes + 1024
 
 
 def unsupported_reason(a, m_local: int, cfg) -> Optional[str]:

@@ -83,10 +83,11 @@ NOT_SEARCHED: Dict[str, str] = {
     "ag_merge_local": "no faster with communication on, slower in 7 of 8 paired comm-off "
                       "cases at TP 2 (benchmarks/NOTES.md, session 15)",
     "ag_merge_lead": "only matters with ag_merge_local",
-    "rs_warp_specialized": "a kernel, not a knob to vary alone (its tiles are at most 128x128); "
-                           "GEMM+RS at short K gets it as one seed (RS_SHORT_K_SEEDS)",
-    "ag_warp_specialized": "a kernel, not a knob to vary alone (its tiles are at most 128x128); "
-                           "AG+GEMM gets it as one seed (AG_SEEDS)",
+    "rs_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
+                           "fixed forms); GEMM+RS at short K gets it as one seed "
+                           "(RS_SHORT_K_SEEDS)",
+    "ag_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
+                           "fixed forms); AG+GEMM gets both forms as seeds (AG_SEEDS)",
     "rs_ce_bands": "0.97x the table config on one training shape, 1.04x on another, mixed on "
                    "the rest (benchmarks/NOTES.md, session 17)",
     "flatten_consume": "compiles to the same GEMM+RS kernel either way (Triton does not flatten "
@@ -151,12 +152,15 @@ RS_SHORT_K_SEEDS: Tuple[Dict[str, object], ...] = (
 )
 
 
-#: AG+GEMM also tries the warp-specialized Gluon kernel (``ag_warp_specialized``, 5 stages):
-#: with communication off on one H200 it ran 0.95-0.99x the TP 2 table's config on the
-#: training step's AG+GEMMs and the grid's m <= 2048 shapes, 1.02-1.04x on the largest
-#: (benchmarks/NOTES.md, session 19).
+#: AG+GEMM also tries the warp-specialized Gluon kernel (``ag_warp_specialized``) in both its
+#: forms. Ping-pong (128x128, 5 stages): with communication off on one H200 it ran 0.95-0.99x
+#: the TP 2 table's config on the training step's AG+GEMMs and the grid's m <= 2048 shapes,
+#: 1.02-1.06x on the largest (benchmarks/NOTES.md, session 19). Cooperative (128x256, 3
+#: stages): 0.97-1.005x the table on those largest shapes, where ping-pong loses (session 20).
 AG_SEEDS: Tuple[Dict[str, object], ...] = (
     dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
+         epilogue_split=1, warp_specialize=False, ag_warp_specialized=True),
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, group_m=8,
          epilogue_split=1, warp_specialize=False, ag_warp_specialized=True),
 )
 
