@@ -12,6 +12,10 @@
 #                                                  -> $OUT/kvc-coop-ag-{train,grid}.json
 #   names    the cuBLAS kernel torch.matmul runs for every grid GEMM (tile, cluster, schedule)
 #                                                  -> $OUT/cublas-names.json
+#   mutants  (carry .whl) experiments/mutants_ws.py: break one line of a warp-specialized kernel,
+#            run the one-GPU tests that should notice (MUTANTS="a b" picks some)
+#                                                  -> $OUT/mutants.json
+#   tests    (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s20.sh coop names
 set -uo pipefail
@@ -60,6 +64,15 @@ for what in "$@"; do
     names)
       timeout 120 python3 ${EXP}/cublas_kernel_names.py --tp 2 --json "${OUT}/cublas-names.json" \
           2>&1 | grep -v Warning ;;
+    mutants)
+      install_carried_wheels || exit 2
+      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 560 python3 ${EXP}/mutants_ws.py --timeout 130 \
+          --json "${OUT}/mutants.json" ${MUTANTS:+--only ${MUTANTS}} 2>&1 | grep -v Warning ;;
+    tests)
+      install_carried_wheels || exit 2
+      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 540 python3 benchmarks/record_pytest.py \
+          "${OUT}/tests-1gpu.json" tests -q -m gpu -p no:cacheprovider > "${OUT}/tests-1gpu.log" 2>&1
+      echo "tests exit $?"; tail -2 "${OUT}/tests-1gpu.log" ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
 done

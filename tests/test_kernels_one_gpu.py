@@ -184,8 +184,10 @@ def test_gemm_rs_ws_bias_layouts_and_signals(world, b_kn, dtype, copy_engine, fo
         warnings.simplefilter("error")  # a fallback to the Triton kernel would warn
         for epoch in (1, 2):
             out.fill_(float("nan"))
+            # 4 programs: every MMA partition gets several own tiles, so the later ones take
+            # the partial loaded before their MMAs
             launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, rank=0, world=world,
-                           epoch=epoch, cfg=cfg, num_sms=20, max_spins=1 << 20)
+                           epoch=epoch, cfg=cfg, num_sms=4, max_spins=1 << 20)
             torch.cuda.synchronize()
             results.append(out.clone())
             assert int(err[0]) == 0
@@ -308,18 +310,27 @@ _RS_PAIR = {
 }
 
 
-@pytest.mark.parametrize("configs", [("ws", "ws"), ("triton", "triton"), ("ws", "triton"),
-                                     ("coop", "coop"), ("coop", "ws")],
-                         ids=lambda c: "-".join(c))
-def test_gemm_rs_two_ranks_on_one_gpu(configs):
+@pytest.mark.parametrize("configs, split", [
+    (("ws", "ws"), "even"), (("triton", "triton"), "even"), (("ws", "triton"), "even"),
+    (("coop", "coop"), "even"), (("coop", "ws"), "even"),
+    (("ws", "ws"), "skewed"), (("coop", "coop"), "skewed"), (("triton", "triton"), "skewed")],
+    ids=lambda c: "-".join(c) if isinstance(c, tuple) else c)
+def test_gemm_rs_two_ranks_on_one_gpu(configs, split):
     """GEMM+RS of two simulated ranks running concurrently: rank ``r``'s output is rows ``r``
-    of ``A_0 @ B_0 + A_1 @ B_1``, over several epochs (signals are never reset), for the
-    warp-specialized kernel, the Triton kernel, and one of each (the same protocol)."""
+    of ``A_0 @ B_0 + A_1 @ B_1``, over several epochs (signals are never reset; the slots the
+    peers push into are poisoned before each), for the warp-specialized kernel, the Triton
+    kernel, and one of each (the same protocol).
+
+    ``skewed``: rank 0 runs 3 programs, whose producer tiles do not divide evenly among them,
+    and rank 1 most of the GPU, so rank 1 sits at its wait while rank 0's programs finish
+    their last producer tiles one tile apart. A signal raised before the last of them has
+    stored (a grid barrier that counts wrong) lets rank 1 read poisoned slots."""
     from megatron_flux.kernels.config import GemmConfig, rs_signal_count
     from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
     world, m_local, n, k = 2, 512, 512, 1024
-    sms = torch.cuda.get_device_properties(0).multi_processor_count // world
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = [total // world] * world if split == "even" else [3, total - 3 - 8]
     gen = torch.Generator(device="cuda").manual_seed(7)
     a = [torch.randn(world * m_local, k, device="cuda", generator=gen).to(torch.bfloat16)
          for _ in range(world)]
@@ -335,14 +346,14 @@ def test_gemm_rs_two_ranks_on_one_gpu(configs):
     cfgs = [GemmConfig(**_RS_PAIR[c]) for c in configs]
     ref = sum(x.float() @ y.t().float() for x, y in zip(a, w))
     for epoch in (1, 2, 3):
-        for o in outs:
+        for o in outs + data:
             o.fill_(float("nan"))
         torch.cuda.synchronize()
         for r in range(world):
             with torch.cuda.stream(streams[r]):
                 launch_gemm_rs(a[r], w[r].t(), outs[r], data[r], data_ptrs, flag_ptrs, None,
                                errs[r], rank=r, world=world, epoch=epoch, cfg=cfgs[r],
-                               num_sms=sms, max_spins=1 << 22)
+                               num_sms=sms[r], max_spins=1 << 22)
         torch.cuda.synchronize()
         for r in range(world):
             assert errs[r].tolist() == [0, 0, 0, 0], (epoch, r, errs[r].tolist())

@@ -1,0 +1,110 @@
+"""Mutation check of the warp-specialized kernels' GPU tests: break one line of a kernel (a
+wait dropped, a partial scaled, a signal raised early, ...), run the tests that should notice,
+and record whether they failed. A mutant the tests pass is a hole in the tests.
+
+Each mutant is an exact text replacement that must match once; the file is restored after
+its run. Every run has a time limit (a mutant may hang a kernel on an unbounded barrier).
+
+    python3 benchmarks/experiments/mutants_ws.py --json mutants.json [--only NAME ...]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+RS = "megatron_flux/kernels/gemm_rs_ws.py"
+AG = "megatron_flux/kernels/ag_gemm_ws.py"
+WS = "megatron_flux/kernels/gluon_ws.py"
+T = "tests/test_kernels_one_gpu.py"
+
+#: name -> (file, old text, new text, pytest -k expression)
+MUTANTS = {
+    # GEMM+RS: the own tiles do not wait for the peers' signals
+    "rs_no_peer_wait": (
+        RS, "wait_signal(my_flags + src, p.epoch, p.max_spins, p.err_ptr, _OP_GEMM_RS,\n"
+            "                                        p.rank, src)",
+        "pass",
+        "rs_ws_times_out or two_ranks_on_one_gpu and (ws-ws or coop-coop)"),
+    # GEMM+RS: each peer's partial enters the sum at half weight
+    "rs_half_partial": (
+        RS, "acc += c_buf.load(acc_layout).to(gl.float32)",
+        "acc += c_buf.load(acc_layout).to(gl.float32) * 0.5",
+        "rs_ws_bias and sm_push and bf16 and b_nk"),
+    # GEMM+RS: the first partition to arrive raises the owners' signals
+    "rs_early_signal": (
+        RS, "last = arrived == p.PARTITIONS * p.NUM_PROGRAMS - 1", "last = arrived == 0",
+        "two_ranks_on_one_gpu and skewed and (ws-ws or coop-coop)"),
+    # GEMM+RS: the prefetched partial (own tiles after the first) comes from the wrong slot
+    "rs_prefetch_wrong_slot": (
+        RS, "tma_load(p.slots_desc, [src0 * p.m_local + off_m, off_n], p.pload.index(C), c_buf)",
+        "tma_load(p.slots_desc, [(1 - src0) * p.m_local + off_m, off_n], p.pload.index(C), c_buf)",
+        "rs_ws_bias and sm_push and bf16 and b_nk"),
+    # AG+GEMM: the load warp reads a peer's segment without waiting for its chunks
+    "ag_no_wait": (
+        AG, "                _wait_segment(p, seg)\n", "                pass\n",
+        "ag_gemm_ws_times_out or land_while and (ws or coop)"),
+    # AG+GEMM: only a segment's first chunk is waited for
+    "ag_first_chunk_only": (
+        AG, "        for c in range(chunks):", "        for c in range(1):",
+        "ag_gemm_ws_times_out or land_while and (ws or coop)"),
+    # ping-pong: a partition starts its tile without the other's handoff
+    "pingpong_no_handoff_wait": (
+        WS, "mbarrier.wait(handoff.index(C), ((j - 2 + C) // 2) & 1, pred=j > 0)",
+        "mbarrier.wait(handoff.index(C), ((j - 2 + C) // 2) & 1, pred=j < 0)",
+        "(rs_ws_bias and pingpong and sm_push and bf16) or (ag_gemm_ws_reads and pingpong and bf16)"),
+    # cooperative: the grid barrier expects two partitions per program (ping-pong's count)
+    "coop_grid_barrier_count": (
+        RS, "last = arrived == p.PARTITIONS * p.NUM_PROGRAMS - 1",
+        "last = arrived == 2 * p.NUM_PROGRAMS - 1",
+        "rs_ws_bias and coop and sm_push and bf16 and b_nk"),
+}
+
+
+def run(name, timeout):
+    path, old, new, expr = MUTANTS[name]
+    src = open(path).read()
+    if src.count(old) != 1:
+        return dict(name=name, outcome="not applied", detail=f"{src.count(old)} matches in {path}")
+    open(path, "w").write(src.replace(old, new))
+    t0 = time.time()
+    try:
+        cmd = [sys.executable, "-m", "pytest", T, "-x", "-q", "-p", "no:cacheprovider", "-k", expr]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        tail = (p.stdout + p.stderr).strip().splitlines()[-1:]
+        outcome = "killed (tests failed)" if p.returncode == 1 else \
+            ("SURVIVED (tests passed)" if p.returncode == 0 else f"pytest exit {p.returncode}")
+    except subprocess.TimeoutExpired:
+        outcome, tail = "killed (hung past the time limit)", []
+    finally:
+        open(path, "w").write(src)
+    return dict(name=name, file=path, expr=expr, outcome=outcome, seconds=round(time.time() - t0, 1),
+                tail=tail)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--timeout", type=float, default=150)
+    p.add_argument("--json", default=None)
+    p.add_argument("--check", action="store_true", help="only check that every mutant applies")
+    args = p.parse_args()
+    names = args.only or list(MUTANTS)
+    if args.check:
+        for n in names:
+            path, old, _, _ = MUTANTS[n]
+            print(n, open(path).read().count(old))
+        return
+    rows = []
+    for n in names:
+        rows.append(run(n, args.timeout))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(command=" ".join(sys.argv), cwd=os.getcwd(), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
