@@ -243,9 +243,18 @@ def _worker(rank, world, port, env, queue):
         def alternating_ws(op, m_total, n, k):  # RS alternates the Gluon and the Triton kernel
             return dataclasses.replace(alternating(op, m_total, n, k), rs_warp_specialized=n == 1024)
 
-        flux_alt_ws = FluxBackend(config_provider=alternating_ws)
-        n_checks += _check_back_to_back(flux_alt_ws, group, rank, world, gen)
-        flux_alt_ws.check_errors()
+        def alternating_forms(op, m_total, n, k):  # both ops alternate the Gluon kernels' forms
+            cfg = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
+                             chunk_rows=128, epilogue_split=1)
+            if n != 1024:
+                cfg = dataclasses.replace(cfg, block_n=256, num_stages=3, num_warps=8)
+            return dataclasses.replace(cfg, rs_warp_specialized=op == "rs",
+                                       ag_warp_specialized=op == "ag")
+
+        for provider in (alternating_ws, alternating_forms):
+            flux_alt_ws = FluxBackend(config_provider=provider)
+            n_checks += _check_back_to_back(flux_alt_ws, group, rank, world, gen)
+            flux_alt_ws.check_errors()
         n_checks += _check_gather_beside_rs(flux, group, rank, world, gen)
         for column_dgrad in ("copy_engine", "fused", "nccl"):
             n_checks += _check_rs_start_every_shape(FluxBackend(column_dgrad=column_dgrad), group,
@@ -278,7 +287,9 @@ def _worker(rank, world, port, env, queue):
         # are not a multiple of block_m (or too short a K) run the Triton kernel instead
         ws = dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
                   epilogue_split=1, rs_warp_specialized=True)
-        for variant in (ws, dict(ws, rs_copy_engine=True), dict(ws, block_m=64, num_stages=5)):
+        coop = dict(ws, block_n=256, num_stages=3, num_warps=8)  # the cooperative form
+        for variant in (ws, dict(ws, rs_copy_engine=True), dict(ws, block_m=64, num_stages=5),
+                        coop, dict(coop, rs_copy_engine=True)):
             flux_ws = _default_with(**variant)
             for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float16, 5e-3)):
                 for layout in ("nk", "kn"):
@@ -292,8 +303,10 @@ def _worker(rank, world, port, env, queue):
         # the Triton kernel instead)
         ag_ws = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4,
                      epilogue_split=1, ag_warp_specialized=True)
+        ag_coop = dict(ag_ws, block_n=256, num_stages=3, num_warps=8)  # the cooperative form
         for variant in (ag_ws, dict(ag_ws, ag_pull=True, chunk_rows=64),
-                        dict(ag_ws, block_m=64, num_stages=4, chunk_rows=128)):
+                        dict(ag_ws, block_m=64, num_stages=4, chunk_rows=128),
+                        ag_coop, dict(ag_coop, ag_pull=True, chunk_rows=64)):
             flux_ag_ws = _default_with(**variant)
             n_checks += _check_ag_every_shape(flux_ag_ws, group, rank, world, gen)
             flux_ag_ws.check_errors()
