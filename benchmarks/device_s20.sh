@@ -16,6 +16,16 @@
 #            run the one-GPU tests that should notice (MUTANTS="a b" picks some)
 #                                                  -> $OUT/mutants.json
 #   tests    (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
+# On 2 GPUs (kind nvidia-h200-x2), the next step for the warp-specialized kernels:
+#   tests2   (carry .whl) every GPU-marked test on both GPUs (test_flux_gpu.py runs the fused ops
+#            under CUDA_DEVICE_MAX_CONNECTIONS=1, the default and direct launch; with both forms
+#            of both Gluon kernels)                       -> $OUT/tests-2gpu.json
+#   wsab     comm-on A/B, megatron-flux bench, table configs (flux) against each Gluon form
+#            (flux_variant): RS ping-pong and cooperative on the training shapes (m = 4096, 8192),
+#            AG the same, then AG ping-pong on the grid's m = 1024/2048
+#                                                  -> $OUT/ab-{rs,ag}-{pp,coop}-train.json, ab-ag-pp-grid.json
+#            adopt where every run wins (a second run makes "every" mean something):
+#            python -m megatron_flux.tuning.adopt TABLE AB.json [AB2.json] OUT_TABLE
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s20.sh coop names
 set -uo pipefail
@@ -23,7 +33,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/s20}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
-one_gpu_session
+case " $* " in
+  *" tests2 "*|*" wsab "*)  # every GPU
+    export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments" TRITON_CACHE_DIR="${PWD}/.device/triton-cache"
+    sample_gpus "${OUT}/smi.csv" 200 ;;
+  *) one_gpu_session ;;
+esac
 TIMING=(--trials 7 --iters 20 --warmup 10 --shuffle-seed 0)
 KVC=megatron_flux/bench/kernel_vs_cublas.py
 EXP=benchmarks/experiments
@@ -73,6 +88,32 @@ for what in "$@"; do
       PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 540 python3 benchmarks/record_pytest.py \
           "${OUT}/tests-1gpu.json" tests -q -m gpu -p no:cacheprovider > "${OUT}/tests-1gpu.log" 2>&1
       echo "tests exit $?"; tail -2 "${OUT}/tests-1gpu.log" ;;
+    tests2)
+      install_carried_wheels || exit 2
+      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 560 python3 benchmarks/record_pytest.py \
+          "${OUT}/tests-2gpu.json" tests -q -m gpu -p no:cacheprovider > "${OUT}/tests-2gpu.log" 2>&1
+      echo "tests exit $?"; tail -2 "${OUT}/tests-2gpu.log" ;;
+    wsab)
+      RS_FIXED='"rs_warp_specialized": true, "block_m": 128, "block_k": 64, "epilogue_split": 1, "rs_ce_bands": false, "rs_spread_reduce": false, "programs_per_sm": 1'
+      AG_FIXED='"ag_warp_specialized": true, "block_m": 128, "block_k": 64, "epilogue_split": 1, "ag_peer_group": 1, "ag_merge_local": false, "stream_k": 0, "programs_per_sm": 1'
+      PP='"block_n": 128, "num_stages": 5, "num_warps": 4'
+      COOP='"block_n": 256, "num_stages": 3, "num_warps": 8'
+      for run in rs:pp rs:coop ag:pp ag:coop ag:pp:grid; do
+        IFS=: read -r op form grid <<< "${run}"
+        fixed=$([ "${op}" = rs ] && echo "${RS_FIXED}" || echo "${AG_FIXED}")
+        tile=$([ "${form}" = pp ] && echo "${PP}" || echo "${COOP}")
+        if [ -n "${grid}" ]; then
+          shapes=(--ms 1024 2048); name="ab-${op}-${form}-grid"
+        else
+          shapes=("${TRAIN_SHAPES[@]}" --ms 4096 8192); name="ab-${op}-${form}-train"
+        fi
+        PYTHONPATH="${PWD}" timeout 110 python3 -m torch.distributed.run --standalone \
+            --nproc-per-node "${NGPUS}" -m megatron_flux.bench --ops "${op}" "${shapes[@]}" \
+            --methods cublas_gemm nccl flux flux_variant --flux-variant "{${fixed}, ${tile}}" \
+            --trials 5 --iters 20 --out-json "${OUT}/${name}.json" --out-png none \
+            > "${OUT}/${name}.log" 2>&1
+        echo "   ${name} exit $? (${SECONDS}s)"; grep -A4 "^summary" "${OUT}/${name}.log" | head -5
+      done ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
 done
