@@ -7,7 +7,7 @@ workspace chunk by chunk, raising each chunk's signal with a one-element ``fill_
 Events give the kernel's end and when the peer stream got past its sleep and finished, in ms
 after the kernel's start; ``err`` is the kernel's error word (a wait that ran out of polls).
 
-    PYTHONPATH=. python3 benchmarks/experiments/peer_stream_delay.py
+    PYTHONPATH=. python3 benchmarks/experiments/peer_stream_delay.py [--repeat N] [--triton-first]
 """
 import torch
 from megatron_flux.kernels.ag_gemm import launch_ag_gemm
@@ -41,8 +41,15 @@ def run(ws, grid_sms, sleep_cycles, peer_prio):
         evs[3].record()
     torch.cuda.synchronize()
     print(f"ws={int(ws)} grid_sms={grid_sms} sleep={sleep_cycles} prio={peer_prio}: err={err.tolist()} kernel_end={evs[0].elapsed_time(evs[1]):.2f}ms peer_after_sleep={evs[0].elapsed_time(evs[2]):.2f}ms peer_done={evs[0].elapsed_time(evs[3]):.2f}ms", flush=True)
-for ws in (True, False):
+import sys
+# --repeat N: each case N times in a row (session 20: only a case's first run, which compiles the
+# kernel for its grid size, was late)
+repeat = int(sys.argv[sys.argv.index("--repeat") + 1]) if "--repeat" in sys.argv else 1
+# --triton-first: the Triton kernel's cases before the warp-specialized one's
+for ws in ((False, True) if "--triton-first" in sys.argv else (True, False)):
     for grid in (66, 32):
         for sleep in (2_000_000, 0):
-            run(ws, grid, sleep, -1)
-run(True, 66, 2_000_000, 0)
+            for _ in range(repeat):
+                run(ws, grid, sleep, -1)
+for _ in range(repeat):
+    run(True, 66, 2_000_000, 0)
