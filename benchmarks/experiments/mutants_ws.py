@@ -1,4 +1,5 @@
-"""Mutation check of the warp-specialized kernels' GPU tests: break one line of a kernel (a
+"""Mutation check of the fused kernels' one-GPU tests (the warp-specialized kernels, and a few
+of the Triton kernels' mutants): break one line of a kernel (a
 wait dropped, a partial scaled, a signal raised early, ...), run the tests that should notice,
 and record whether they failed. A mutant the tests pass is a hole in the tests.
 
@@ -18,6 +19,8 @@ import time
 RS = "megatron_flux/kernels/gemm_rs_ws.py"
 AG = "megatron_flux/kernels/ag_gemm_ws.py"
 WS = "megatron_flux/kernels/gluon_ws.py"
+TRS = "megatron_flux/kernels/gemm_rs.py"
+TAG = "megatron_flux/kernels/ag_gemm.py"
 T = "tests/test_kernels_one_gpu.py"
 
 #: name -> (file, old text, new text, pytest -k expression)
@@ -60,6 +63,22 @@ MUTANTS = {
         RS, "last = arrived == p.PARTITIONS * p.NUM_PROGRAMS - 1",
         "last = arrived == 2 * p.NUM_PROGRAMS - 1",
         "rs_ws_bias and coop and sm_push and bf16 and b_nk"),
+    # the Triton kernels, against the same one-GPU tests
+    # Triton GEMM+RS: the grid barrier of one program (every arrival raises the signals)
+    "triton_rs_early_signal": (
+        TRS, "if arrive_at_grid_barrier(my_flags + WORLD, NUM_SMS, ASYNC_FENCE and TMA_PUSH):",
+        "if arrive_at_grid_barrier(my_flags + WORLD, 1, ASYNC_FENCE and TMA_PUSH):",
+        "two_ranks_on_one_gpu and skewed and triton-triton"),
+    # Triton GEMM+RS: the own tiles do not wait for the peers
+    "triton_rs_no_peer_wait": (
+        TRS, "                wait_signal(my_flags + src, epoch, max_spins, err_ptr, 2, rank, src)  # OP_GEMM_RS",
+        "                pass",
+        "two_ranks_on_one_gpu and triton-triton"),
+    # Triton AG+GEMM: only a segment's first chunk is waited for
+    "triton_ag_first_chunk_only": (
+        TAG, "    for c in range(chunks_per_seg):\n        idx = seg * chunks_per_seg + c",
+        "    for c in range(1):\n        idx = seg * chunks_per_seg + c",
+        "land_while and triton"),
 }
 
 
