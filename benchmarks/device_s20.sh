@@ -44,11 +44,14 @@ KVC=megatron_flux/bench/kernel_vs_cublas.py
 EXP=benchmarks/experiments
 TRAIN_SHAPES=(--model-shapes l8fc2:4096:14336:14336 l8proj:4096:4096:4096 l8qkv:4096:6144:6144
               l8fc1:4096:28672:28672 --rs-k ffn)
+# the tiles of the warp-specialized kernels' two forms (JSON fields)
+PP='"block_n": 128, "num_stages": 5, "num_warps": 4'
+COOP='"block_n": 256, "num_stages": 3, "num_warps": 8'
 forms() {  # forms KNOB [EXTRA_FIELDS]: the cooperative 128x256/3, ping-pong 128x128/5 and
   # cooperative 128x128/4 configs of the warp-specialized kernel named by KNOB, as a JSON list
   local c="\"$1\": true, \"block_m\": 128, \"block_k\": 64, \"epilogue_split\": 1${2:-}"
-  echo "[{${c}, \"block_n\": 256, \"num_stages\": 3, \"num_warps\": 8},
-        {${c}, \"block_n\": 128, \"num_stages\": 5, \"num_warps\": 4},
+  echo "[{${c}, ${COOP}},
+        {${c}, ${PP}},
         {${c}, \"block_n\": 128, \"num_stages\": 4, \"num_warps\": 8}]"
 }
 first_two() { python3 -c 'import json,sys; print(json.dumps(json.loads(sys.argv[1])[:2]))' "$1"; }
@@ -96,8 +99,6 @@ for what in "$@"; do
     wsab)
       RS_FIXED='"rs_warp_specialized": true, "block_m": 128, "block_k": 64, "epilogue_split": 1, "rs_ce_bands": false, "rs_spread_reduce": false, "programs_per_sm": 1'
       AG_FIXED='"ag_warp_specialized": true, "block_m": 128, "block_k": 64, "epilogue_split": 1, "ag_peer_group": 1, "ag_merge_local": false, "stream_k": 0, "programs_per_sm": 1'
-      PP='"block_n": 128, "num_stages": 5, "num_warps": 4'
-      COOP='"block_n": 256, "num_stages": 3, "num_warps": 8'
       for run in rs:pp rs:coop ag:pp ag:coop ag:pp:grid; do
         IFS=: read -r op form grid <<< "${run}"
         fixed=$([ "${op}" = rs ] && echo "${RS_FIXED}" || echo "${AG_FIXED}")

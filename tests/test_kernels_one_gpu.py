@@ -11,6 +11,11 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+#: the warp-specialized kernels' two forms (``gluon_ws``): two 4-warp MMA partitions taking
+#: alternate tiles, or one 8-warp partition taking every tile
+WS_FORMS = {"pingpong": dict(block_m=128, block_n=128, block_k=64, num_warps=4),
+            "coop": dict(block_m=128, block_n=256, block_k=64, num_warps=8)}
+
 # (world, m_local, n, k): several own tiles per program, ragged m_local, a partial N tile
 RS_SHAPES = [(2, 1024, 1024, 512), (2, 300, 1000, 512), (4, 256, 768, 1024)]
 RS_CONFIGS = [
@@ -25,16 +30,11 @@ RS_CONFIGS = [
          warp_specialize=True, flatten_consume=True),
     # the warp-specialized Gluon kernel (gemm_rs_ws); the ragged shape runs the Triton kernel
     # instead, with a warning
-    dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, rs_warp_specialized=True),
+    dict(WS_FORMS["pingpong"], num_stages=5, rs_warp_specialized=True),
     dict(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4, rs_warp_specialized=True),
     # its cooperative form: one 8-warp MMA partition, 128x256 tiles
-    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, rs_warp_specialized=True),
+    dict(WS_FORMS["coop"], num_stages=3, rs_warp_specialized=True),
 ]
-
-#: the warp-specialized kernels' two forms (``gluon_ws``): two 4-warp MMA partitions taking
-#: alternate tiles, or one 8-warp partition taking every tile
-WS_FORMS = {"pingpong": dict(block_m=128, block_n=128, block_k=64, num_warps=4),
-            "coop": dict(block_m=128, block_n=256, block_k=64, num_warps=8)}
 
 
 @pytest.mark.parametrize("shape", RS_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -303,10 +303,8 @@ def test_ag_gemm_ws_times_out_loudly_on_a_missing_chunk(form):
 # could not keep both grids resident would show as a timeout in the error words, not a hang.
 _RS_PAIR = {
     "triton": dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=2),
-    "ws": dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, epilogue_split=1,
-               rs_warp_specialized=True),
-    "coop": dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=1,
-                 rs_warp_specialized=True),
+    "ws": dict(WS_FORMS["pingpong"], num_stages=5, epilogue_split=1, rs_warp_specialized=True),
+    "coop": dict(WS_FORMS["coop"], num_stages=3, epilogue_split=1, rs_warp_specialized=True),
 }
 
 

@@ -40,21 +40,19 @@ this kernel).
 
 from typing import Optional
 
-import triton
-
 # (no `from __future__ import annotations`: Triton 3.6 checks an aggregate's attribute types
 # against its class annotations, which that import would turn into strings)
 
 from megatron_flux.kernels import gluon_ws
 from megatron_flux.kernels.config import interpreting
 from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, aggregate,
-                                            fence_async_shared, gl, gluon, mbarrier, tma)
+                                            fence_async_shared, gl, gluon, tma)
 from megatron_flux.kernels.signals import OP_AG_GEMM, fence_async_proxy, wait_signal
 from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step
 
 if gluon is not None:
-    from megatron_flux.kernels.gluon_ws import load_ab, mma_tile, tiles_of_program, \
-        tiles_per_segment, tma_store
+    from megatron_flux.kernels.gluon_ws import b_operand, load_ab, mma_tile, ring_barriers, \
+        tiles_of_program, tiles_per_segment, tma_store
 
     _OP_AG_GEMM = gl.constexpr(OP_AG_GEMM)
 
@@ -209,26 +207,12 @@ if gluon is not None:
         x_desc = tma.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K], a_layout)
         ag_desc = tma.make_tensor_descriptor(ag_ptr, [WORLD * m_local, K], [K, 1],
                                              [BLOCK_M, BLOCK_K], a_layout)
-        if B_KN:
-            b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype)
-            b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N], b_layout)
-            b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_layout)
-        else:
-            b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
-            b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K], b_layout)
-            b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], b_layout)
+        b_desc, b_bufs = b_operand(b_ptr, K, N, ldb, B_KN, BLOCK_N, BLOCK_K, STAGES)
         c_desc = tma.make_tensor_descriptor(c_ptr, [WORLD * m_local, N], [N, 1], [BLOCK_M, BLOCK_N],
                                             c_layout)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
         c_bufs = gl.allocate_shared_memory(dtype, [PARTITIONS, BLOCK_M, BLOCK_N], c_layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        for i in gl.static_range(2):
-            mbarrier.init(handoff.index(i), count=1)
+        ready, empty, handoff = ring_barriers(STAGES)
         p = _Args(x_desc, ag_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, handoff,
                   flags_ptr, err_ptr, m_local, N, K, rank, epoch, chunk_rows, max_spins, WORLD,
                   B_KN, GROUP_M, NUM_PROGRAMS, PARTITIONS)
@@ -261,12 +245,10 @@ def launch_ag_gemm_ws(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num
     from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 
     m_local, k = x.shape
-    n = b.shape[1]
-    b_kn = b.stride(1) == 1
-    grid = min(num_sms, world * (m_local // cfg.block_m) * triton.cdiv(n, cfg.block_n))
+    n, b_kn, ldb, grid = gluon_ws.launch_geometry(b, m_local, world, cfg, num_sms)
     ensure_descriptor_allocator()
     ag_gemm_ws_kernel[(grid,)](
-        x, ag, b, out, flags, err, m_local, n, k, b.stride(0) if b_kn else b.stride(1), rank, epoch,
+        x, ag, b, out, flags, err, m_local, n, k, ldb, rank, epoch,
         cfg.chunk_rows, max_spins, WORLD=world, B_KN=b_kn, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
         NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg), CONSUMER_REGS=CONSUMER_REGS,

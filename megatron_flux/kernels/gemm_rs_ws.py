@@ -56,8 +56,6 @@ implemented and ``GemmConfig`` refuses them together with this kernel.
 
 from typing import Optional
 
-import triton
-
 # (no `from __future__ import annotations`: Triton 3.6 checks an aggregate's attribute types
 # against its class annotations, which that import would turn into strings)
 
@@ -69,8 +67,8 @@ from megatron_flux.kernels.signals import OP_GEMM_RS, fence_async_proxy, wait_si
 from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step, serpentine
 
 if gluon is not None:
-    from megatron_flux.kernels.gluon_ws import load_ab, mma_tile, partition_barrier, \
-        tiles_of_program, tiles_per_segment, tma_load, tma_store
+    from megatron_flux.kernels.gluon_ws import b_operand, load_ab, mma_tile, partition_barrier, \
+        ring_barriers, tiles_of_program, tiles_per_segment, tma_load, tma_store
 
     _OP_GEMM_RS = gl.constexpr(OP_GEMM_RS)
 
@@ -304,14 +302,7 @@ if gluon is not None:
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
         a_desc = tma.make_tensor_descriptor(a_ptr, [WORLD * m_local, K], [K, 1], [BLOCK_M, BLOCK_K],
                                             a_layout)
-        if B_KN:
-            b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype)
-            b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N], b_layout)
-            b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_layout)
-        else:
-            b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
-            b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K], b_layout)
-            b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], b_layout)
+        b_desc, b_bufs = b_operand(b_ptr, K, N, ldb, B_KN, BLOCK_N, BLOCK_K, STAGES)
         out_desc = tma.make_tensor_descriptor(out_ptr, [m_local, N], [N, 1], [BLOCK_M, BLOCK_N],
                                               c_layout)
         # this rank's slots as one [WORLD * m_local, N] matrix (m_local % BLOCK_M == 0: no tile
@@ -320,15 +311,9 @@ if gluon is not None:
                                                 [BLOCK_M, BLOCK_N], c_layout)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
         c_bufs = gl.allocate_shared_memory(dtype, [PARTITIONS, BLOCK_M, BLOCK_N], c_layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready, empty, handoff = ring_barriers(STAGES)
         pload = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
         for i in gl.static_range(2):
-            mbarrier.init(handoff.index(i), count=1)
             mbarrier.init(pload.index(i), count=1)
         p = _Args(a_desc, b_desc, out_desc, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty,
                   handoff, pload, data_ptrs, flag_ptrs, bias_ptr, err_ptr, m_local, N, K, rank,
@@ -363,13 +348,11 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
 
     m, k = a.shape
     m_local = m // world
-    n = b.shape[1]
-    b_kn = b.stride(1) == 1
-    grid = min(num_sms, world * (m_local // cfg.block_m) * triton.cdiv(n, cfg.block_n))
+    n, b_kn, ldb, grid = gluon_ws.launch_geometry(b, m_local, world, cfg, num_sms)
     ensure_descriptor_allocator()
     gemm_rs_ws_kernel[(grid,)](
         a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
-        m_local, n, k, b.stride(0) if b_kn else b.stride(1), rank, epoch, max_spins,
+        m_local, n, k, ldb, rank, epoch, max_spins,
         WORLD=world, B_KN=b_kn, HAS_BIAS=bias is not None, CE_PUSH=cfg.rs_copy_engine,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages, NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg),

@@ -100,6 +100,37 @@ if gluon is not None:
         return acc
 
     @gluon.jit
+    def b_operand(b_ptr, K, N, ldb, B_KN: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+        """B's TMA descriptor and its ring of ``STAGES`` shared-memory slots: ``b`` ``[K, N]``
+        row-major (B_KN, boxes ``[BK, BN]``) or a transposed row-major ``[N, K]`` (boxes
+        ``[BN, BK]``), leading stride ``ldb``."""
+        dtype: gl.constexpr = b_ptr.dtype.element_ty
+        if B_KN:
+            b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype)
+            b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N], b_layout)
+            b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_layout)
+        else:
+            b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
+            b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K], b_layout)
+            b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], b_layout)
+        return b_desc, b_bufs
+
+    @gluon.jit
+    def ring_barriers(STAGES: gl.constexpr):
+        """The ring's ``ready`` and ``empty`` barriers (one per slot) and the two ping-pong
+        ``handoff`` barriers, each initialized with count 1."""
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(handoff.index(i), count=1)
+        return ready, empty, handoff
+
+    @gluon.jit
     def load_ab(a_desc, a_row, b_desc, off_n, a_bufs, b_bufs, ready, empty, pos, kk,
                 B_KN: gl.constexpr):
         """The load warp's K-step ``kk`` of a tile into ring slot ``pos % STAGES``: wait until
@@ -125,6 +156,16 @@ def mma_partitions(cfg) -> int:
 def launch_options(cfg) -> dict:
     """``num_warps`` (the default MMA partition's) and ``maxnreg`` of a launch for ``cfg``."""
     return dict(num_warps=4 if mma_partitions(cfg) == 2 else 8, maxnreg=MAXNREG)
+
+
+def launch_geometry(b, m_local: int, world: int, cfg, num_sms: int):
+    """``(n, b_kn, ldb, grid)`` of a launch: B's width, layout (``[K, N]`` row-major, else a
+    transposed ``[N, K]``) and leading stride, and the persistent grid (one program per SM,
+    at most one per output tile)."""
+    n = b.shape[1]
+    b_kn = b.stride(1) == 1
+    grid = min(num_sms, world * (m_local // cfg.block_m) * triton.cdiv(n, cfg.block_n))
+    return n, b_kn, b.stride(0) if b_kn else b.stride(1), grid
 
 
 def smem_bytes(cfg, elem_bytes: int = 2) -> int:
