@@ -11,6 +11,9 @@ GEMM+RS pushes into local slots and reduces them). Prints time / cuBLAS.
     python benchmarks/experiments/kernel_ab.py --op rs --prev /tmp/gemm_rs_prev.py
     python benchmarks/experiments/kernel_ab.py --op rs --prev /tmp/gemm_rs_prev.py \
         --new-override '{"rs_spread_reduce": true}'   # also the current kernel, config changed
+    git show HEAD:megatron_flux/kernels/ag_gemm_ws.py > /tmp/ag_ws_prev.py  # a Gluon kernel
+    python benchmarks/experiments/kernel_ab.py --op ag --prev /tmp/ag_ws_prev.py \
+        --launcher launch_ag_gemm_ws --forms '{"pp": {"ag_warp_specialized": true, ...}}'
 
 (run as scripts, with the repository root on ``PYTHONPATH``: they import ``common`` beside them)
 """
@@ -39,9 +42,17 @@ def main(argv=None):
                         'kernel with the config changed, e.g. {"rs_spread_reduce": true}')
     p.add_argument("--variant", action="append", default=[], metavar="NAME=PATH",
                    help="one more runner: the launcher of the module at PATH, timed as NAME")
+    p.add_argument("--launcher", default=None,
+                   help="the launcher's name in --prev / --variant modules (default "
+                        "launch_ag_gemm / launch_gemm_rs; launch_ag_gemm_ws for a copy of the "
+                        "Gluon AG kernel, whose configs must then select it)")
+    p.add_argument("--forms", type=json.loads, default=None,
+                   help='{"label": {GemmConfig fields}, ...}: time these configs (each the '
+                        "heuristic default with the fields replaced) instead of the table's "
+                        "and the default")
     add_timing_args(p)
     args = p.parse_args(argv)
-    launcher = "launch_ag_gemm" if args.op == "ag" else "launch_gemm_rs"
+    launcher = args.launcher or ("launch_ag_gemm" if args.op == "ag" else "launch_gemm_rs")
     launchers = {"prev": getattr(load_module(args.prev, "kernel_prev"), launcher),
                  "new": None}  # None: the package's
     for spec in args.variant:
@@ -55,6 +66,9 @@ def main(argv=None):
             a, w, full = problem(m, n, k)
             err = torch.zeros(4, dtype=torch.int32, device="cuda")
             cfgs = named_configs(table, args.op, m, n, k, args.tp)
+            if args.forms:
+                cfgs = {label: dataclasses.replace(cfgs["default"], **fields)
+                        for label, fields in args.forms.items()}
             for label, cfg in cfgs.items():
                 plain_out = torch.full((m, n), float("nan"), device="cuda", dtype=a.dtype)
                 fns = {"cublas": lambda: torch.matmul(a, w.t()),

@@ -15,7 +15,8 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
 
 * Flat tile ``t`` over ``W * tiles_per_segment``: step ``t // tiles_per_segment`` visits
   segment ``(r + step) % W`` (:mod:`.tile_order`: local rows first, then ring order),
-  GROUP_M-grouped inside the segment. Program ``p`` owns ``t = p, p + G, ...``; its ``j``-th
+  GROUP_M-grouped inside the segment; odd steps walk their segment backwards
+  (``serpentine``), so a step starts on the B columns the previous one ended on. Program ``p`` owns ``t = p, p + G, ...``; its ``j``-th
   tile belongs to MMA partition ``j % P`` (``P`` = 2 in ping-pong, 1 cooperative).
 * **Load partition** (1 warp, 24 registers): every K-step of every tile of the program, in
   order, into a ring of ``num_stages`` shared-memory slots. Step 0's A rows come from the
@@ -48,7 +49,7 @@ from megatron_flux.kernels.config import interpreting
 from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, aggregate,
                                             fence_async_shared, gl, gluon, tma)
 from megatron_flux.kernels.signals import OP_AG_GEMM, fence_async_proxy, wait_signal
-from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step
+from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step, serpentine
 
 if gluon is not None:
     from megatron_flux.kernels.gluon_ws import b_operand, load_ab, mma_tile, ring_barriers, \
@@ -122,7 +123,7 @@ if gluon is not None:
         t = gl.program_id(0) + j * p.NUM_PROGRAMS
         step = t // tps
         seg = segment_of_step(step, p.rank, p.WORLD, False)
-        pid_m, pid_n = grouped_tile(t - step * tps, gl.cdiv(p.m_local, BLOCK_M),
+        pid_m, pid_n = grouped_tile(serpentine(t, step, tps), gl.cdiv(p.m_local, BLOCK_M),
                                     gl.cdiv(p.N, BLOCK_N), p.GROUP_M)
         c_row = seg * p.m_local + pid_m * BLOCK_M
         a_row = gl.where(step == 0, pid_m * BLOCK_M, c_row)

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Session 21, one GPU (kind nvidia-h100-x1 / nvidia-h200; again no 2-GPU box lent), comm off.
+# Why: issue 3 asks for the fused kernels within 1.02x cuBLAS, communication disabled, on every
+# grid shape, and for that to be reported; the last whole-grid run (session 19, call 5) predates
+# both Gluon forms. And the Gluon AG kernel walked every step forwards while the Triton kernels
+# walk odd steps backwards (serpentine, session 12: 1.2-1.6 % at AG llama3-8b m = 1024).
+#   serp   (carry .device/head_ag_gemm_ws.py = `git show HEAD~:megatron_flux/kernels/ag_gemm_ws.py`
+#          before the serpentine commit, and .device/aa_ag_gemm_ws.py = a copy of the current one)
+#          experiments/kernel_ab.py: the Gluon AG kernel before ("prev") and after ("new") the
+#          serpentine order, plus an A/A copy of "new" ("aa"), both forms, the m <= 2048 grid
+#          (where a segment has at most group_m row tiles)      -> $OUT/ab-serp-ag.json
+#   grid   kernel_vs_cublas on the whole TP 2 grid: per op, the config the backend runs (table,
+#          else default) and both Gluon forms at m >= 1024 (extra0 cooperative 128x256x64/3,
+#          extra1 ping-pong 128x128x64/5); the small-m set with the backend's config only
+#                                     -> $OUT/kvc-grid-{ag,rs}.json, kvc-small.json
+#   tests  (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
+# The 2-GPU stages are device_s20.sh's (tests2, wsab): nothing about them changed.
+# nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
+# Usage: OUT=/somewhere bash benchmarks/device_s21.sh serp grid
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-/tmp/s21}"
+mkdir -p "${OUT}"
+source benchmarks/device_env.sh
+one_gpu_session
+TIMING=(--trials 7 --iters 20 --warmup 10 --shuffle-seed 0)
+KVC=megatron_flux/bench/kernel_vs_cublas.py
+EXP=benchmarks/experiments
+PP='"block_n": 128, "num_stages": 5, "num_warps": 4'
+COOP='"block_n": 256, "num_stages": 3, "num_warps": 8'
+forms() {  # forms KNOB [EXTRA_FIELDS]: the cooperative and ping-pong configs as a JSON list
+  local c="\"$1\": true, \"block_m\": 128, \"block_k\": 64, \"epilogue_split\": 1${2:-}"
+  echo "[{${c}, ${COOP}}, {${c}, ${PP}}]"
+}
+for what in "$@"; do
+  echo "== ${what} ($(date +%T), ${SECONDS}s)"
+  case "${what}" in
+    serp)
+      AGF='"ag_warp_specialized": true, "block_m": 128, "block_k": 64, "epilogue_split": 1, "stream_k": 0'
+      timeout 300 python3 ${EXP}/kernel_ab.py --op ag --tp 2 --m 1024 2048 \
+          --prev .device/head_ag_gemm_ws.py --variant aa=.device/aa_ag_gemm_ws.py \
+          --launcher launch_ag_gemm_ws \
+          --forms "{\"coop\": {${AGF}, ${COOP}}, \"pp\": {${AGF}, ${PP}}}" \
+          "${TIMING[@]}" --json "${OUT}/ab-serp-ag.json" 2>&1 | grep -v Warning ;;
+    grid)
+      timeout 200 python3 ${KVC} --tp 2 --ops AG+GEMM --m 1024 2048 4096 8192 --configs table \
+          --extra "$(forms ag_warp_specialized ', "stream_k": 0')" "${TIMING[@]}" \
+          --json "${OUT}/kvc-grid-ag.json" 2>&1 | grep -v Warning
+      timeout 200 python3 ${KVC} --tp 2 --ops GEMM+RS --m 1024 2048 4096 8192 --configs table \
+          --extra "$(forms rs_warp_specialized ', "rs_copy_engine": false')" "${TIMING[@]}" \
+          --json "${OUT}/kvc-grid-rs.json" 2>&1 | grep -v Warning
+      timeout 120 python3 ${KVC} --tp 2 --ops AG+GEMM GEMM+RS --m 64 128 256 512 --configs table \
+          "${TIMING[@]}" --json "${OUT}/kvc-small.json" 2>&1 | grep -v Warning ;;
+    tests) one_gpu_tests ;;
+    *) echo "unknown stage ${what}"; exit 2 ;;
+  esac
+done
+echo "== done in ${SECONDS}s"
