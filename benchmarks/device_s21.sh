@@ -13,6 +13,10 @@
 #          else default) and both Gluon forms at m >= 1024 (extra0 cooperative 128x256x64/3,
 #          extra1 ping-pong 128x128x64/5); the small-m set with the backend's config only
 #                                     -> $OUT/kvc-grid-{ag,rs}.json, kvc-small.json
+#   smallag  the small-m set, GPU time alone: AG+GEMM with the backend's config against merged
+#          local rows (ag_merge_local, lead 0: one wait, then every segment's rows in one tile
+#          space, so B is streamed once instead of once per segment) with four tiles; GEMM+RS
+#          with the backend's config               -> $OUT/kvc-small-ag-merge.json, kvc-small-rs.json
 #   tests  (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # The 2-GPU stages are device_s20.sh's (tests2, wsab): nothing about them changed.
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
@@ -51,6 +55,19 @@ for what in "$@"; do
           --json "${OUT}/kvc-grid-rs.json" 2>&1 | grep -v Warning
       timeout 120 python3 ${KVC} --tp 2 --ops AG+GEMM GEMM+RS --m 64 128 256 512 --configs table \
           "${TIMING[@]}" --json "${OUT}/kvc-small.json" 2>&1 | grep -v Warning ;;
+    smallag)  # GPU time alone (--queue-ahead-ms): at small m the host's issue time bounds
+      # back-to-back calls of the fused launchers (benchmarks/NOTES.md, session 21)
+      M='"ag_merge_local": true, "ag_merge_lead": 0, "stream_k": 0'
+      S='"stream_k": 0, "block_m": 64'
+      T1='"block_m": 64, "block_n": 128, "block_k": 128, "num_stages": 4, "num_warps": 4'
+      T2='"block_m": 64, "block_n": 256, "block_k": 64, "num_stages": 4, "num_warps": 4'
+      T3='"block_m": 128, "block_n": 128, "block_k": 128, "num_stages": 3, "num_warps": 8'
+      T4='"block_m": 128, "block_n": 256, "block_k": 64, "num_stages": 3, "num_warps": 8'
+      timeout 240 python3 ${KVC} --tp 2 --ops AG+GEMM --m 64 128 256 512 --configs table \
+          --extra "[{${M}, ${T1}}, {${M}, ${T2}}, {${M}, ${T3}}, {${M}, ${T4}}]" "${TIMING[@]}" \
+          --queue-ahead-ms 5 --json "${OUT}/kvc-small-ag-merge.json" 2>&1 | grep -v Warning
+      timeout 120 python3 ${KVC} --tp 2 --ops GEMM+RS --m 64 128 256 512 --configs table \
+          "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-small-rs.json" 2>&1 | grep -v Warning ;;
     tests) one_gpu_tests ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac

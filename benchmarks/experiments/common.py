@@ -58,7 +58,8 @@ def time_and_check(fns, outs, args, title, row):
     ref_fn)`` after the timing (rel. error < 1e-2, else the line says WRONG); print ``title``
     with every method's time / cuBLAS. Returns one record per method, ``row``'s fields plus
     ``method``, ``median_ms``, ``spread_ms``, ``times_ms`` and ``rel_err``."""
-    times = _time(fns, args.trials, args.iters, args.warmup, args.shuffle_seed)
+    times = _time(fns, args.trials, args.iters, args.warmup, args.shuffle_seed,
+                  getattr(args, "queue_ahead_ms", 0.0))
     base = statistics.median(times["cublas"])
     line, rows = [f"{title} cublas {base:.4f}"], []
     for name, ts in times.items():

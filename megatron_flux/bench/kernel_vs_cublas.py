@@ -60,13 +60,14 @@ PER_SM_TILES = [
 
 
 def _time(fns: Dict[str, Callable], trials: int, iters: int, warmup: int = 0,
-          shuffle_seed=None) -> Dict[str, List[float]]:
+          shuffle_seed=None, queue_ahead_ms: float = 0.0) -> Dict[str, List[float]]:
     """Per method, ``trials`` samples of the mean time of ``iters`` back-to-back calls, the
     methods interleaved inside every trial. ``warmup`` untimed calls of the same method run
     right before each sample: a GEMM's time depends on the clock the power limiter allows, and
     that follows the last few milliseconds of load, so without them a sample partly measures
     the method before it (session 11: a 0.7 ms GEMM ran 5-10 % apart depending on its
-    neighbour). With ``shuffle_seed`` the order of the methods changes from trial to trial."""
+    neighbour). With ``shuffle_seed`` the order of the methods changes from trial to trial.
+    ``queue_ahead_ms``: see :func:`mean_ms`."""
     import random
 
     out = {name: [] for name in fns}
@@ -82,19 +83,45 @@ def _time(fns: Dict[str, Callable], trials: int, iters: int, warmup: int = 0,
             fn = fns[name]
             for _ in range(warmup):
                 fn()
-            out[name].append(mean_ms(fn, iters))
+            out[name].append(mean_ms(fn, iters, queue_ahead_ms))
     return out
 
 
-def mean_ms(fn: Callable, iters: int) -> float:
-    """Mean time of ``iters`` back-to-back calls of ``fn``, by CUDA events (ms)."""
+def mean_ms(fn: Callable, iters: int, queue_ahead_ms: float = 0.0) -> float:
+    """Mean time of ``iters`` back-to-back calls of ``fn``, by CUDA events (ms).
+
+    With ``queue_ahead_ms > 0`` a sleep kernel of about that long runs before the start event,
+    so the host queues the calls while the GPU is busy and the events time the GPU's work
+    alone, not the host's issue time (which bounds small, short kernels: host cost per call is
+    measured apart, ``benchmarks/host_overhead.py``). It must outlast issuing the ``iters``
+    calls; a sample whose calls were still being issued when the sleep ended is not marked."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if queue_ahead_ms > 0:
+        torch.cuda._sleep(int(queue_ahead_ms * _sleep_cycles_per_ms()))
     start.record()
     for _ in range(iters):
         fn()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / iters
+
+
+_CYCLES_PER_MS: Dict[int, float] = {}
+
+
+def _sleep_cycles_per_ms() -> float:
+    """``torch.cuda._sleep`` cycles per millisecond on the current device (timed once)."""
+    dev = torch.cuda.current_device()
+    if dev not in _CYCLES_PER_MS:
+        cycles = 10_000_000
+        torch.cuda._sleep(cycles // 10)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_MS[dev] = cycles / start.elapsed_time(end)
+    return _CYCLES_PER_MS[dev]
 
 
 def ag_on_one_gpu(a, w, world, cfg, err, launch_ag_gemm=None, num_sms=None):
@@ -258,7 +285,8 @@ def run(args) -> dict:
             rows.append({"op": op, "model": model, "m": m, "n": n, "k": k, "error": results})
             continue
         fns["cublas"] = cublas
-        times = _time(fns, args.trials, args.iters, args.warmup, args.shuffle_seed)
+        times = _time(fns, args.trials, args.iters, args.warmup, args.shuffle_seed,
+                      args.queue_ahead_ms)
         cub = statistics.median(times["cublas"])
         for name, cfg in checks.items():
             med = statistics.median(times[name])
@@ -425,6 +453,9 @@ def add_sample_args(p: argparse.ArgumentParser) -> None:
                    help="untimed calls of a method right before each of its samples")
     p.add_argument("--shuffle-seed", type=int, default=None,
                    help="shuffle the methods' order in every trial (seeded)")
+    p.add_argument("--queue-ahead-ms", type=float, default=0.0,
+                   help="before each sample, a GPU sleep of this long while the host queues "
+                        "the calls: times GPU work alone, not host issue time (small m)")
 
 
 def write_json(result: dict, path) -> dict:
