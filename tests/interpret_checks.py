@@ -224,7 +224,8 @@ def check_ag_merged_local():
     """AG+GEMM with the local segment merged into the first peer group (``ag_merge_local``):
     the same product, bitwise equal to the per-segment schedule, at TP 2 (every rank), 4 and 8
     (two ranks), aligned (two row tiles per segment) and ragged (one) m_local, leads of 0 waves
-    (wait first), 1 (some columns local-only) and 2 (every column: nothing left after the wait
+    (wait for every peer first, then the gathered rows as one operand: at ragged m_local its
+    row tiles span segments), 1 (some columns local-only) and 2 (every column: nothing left after the wait
     but the peers' rows), peer groups 1 and larger, pushed and (once) pulled. The own rows are
     in the workspace (the host copies them before the kernel). With 5 column tiles and a
     5-program grid, lead 1 covers 3 columns at two row tiles per segment, 5 at one."""

@@ -64,7 +64,8 @@ def test_rs_reduce_compiles_with_one_row_per_rank(world):
 def test_ag_gemm_compiles_with_one_row_per_rank(world):
     """Every step schedule: per segment (with and without stream-K), peers grouped
     (``ag_peer_group``, unrolled at TP 4, a runtime loop at TP 8) and the local rows merged
-    into the first group (``ag_merge_local``, leads of 1 and 0, with later groups above TP 2)."""
+    into the first group (``ag_merge_local`` with a lead of 1, with later groups above TP 2), or
+    with a lead of 0 the gathered rows as one operand (``GATHERED``, 2-D descriptors)."""
     from megatron_flux.kernels.ag_gemm import ag_gemm_kernel
     from megatron_flux.kernels.config import unroll_steps
 
@@ -72,12 +73,13 @@ def test_ag_gemm_compiles_with_one_row_per_rank(world):
     if world > 2:
         variants.append(dict(STREAM_K=False, PEER_GROUP=world // 2))
     variants.append(dict(STREAM_K=False, MERGE_LOCAL=True, MERGE_LEAD=1))
-    variants.append(dict(STREAM_K=False, MERGE_LOCAL=True, MERGE_LEAD=0,
-                         PEER_GROUP=max(1, world // 4)))
+    variants.append(dict(STREAM_K=False, MERGE_LOCAL=True, MERGE_LEAD=0, GATHERED=True,
+                         RAGGED=False))
     for variant in variants:
-        _compile(ag_gemm_kernel, dict(_SMALL, WORLD=world, RAGGED=True, EPI_SPLIT=1,
-                                      SK_LOCAL=False, UNROLL_STEPS=unroll_steps(world), **variant),
-                 ones=("m_local", "chunk_rows"))
+        constexprs = dict(_SMALL, WORLD=world, RAGGED=True, EPI_SPLIT=1, SK_LOCAL=False,
+                          UNROLL_STEPS=unroll_steps(world))
+        constexprs.update(variant)
+        _compile(ag_gemm_kernel, constexprs, ones=("m_local", "chunk_rows"))
 
 
 def _compile_gluon(fn, cfg, constexprs, ptr_types, dtype):

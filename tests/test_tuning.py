@@ -130,6 +130,26 @@ def test_missing_config_fields_take_the_default_at_the_tables_tp():
         assert rs.config.rs_spread_reduce is spread and rs.config.num_stages == 2
 
 
+def test_small_m_ag_default_gathers_first_but_old_table_entries_keep_their_schedule():
+    """At m <= 512 and TP >= 2 the AG default waits for every peer and runs the gathered rows
+    as one operand (merged local rows, lead 0), with 64-row tiles up to m = 128; not at larger m,
+    without a TP, or for GEMM+RS. A table entry that names no schedule knob keeps the
+    per-segment one it was measured with (the shipped TP 4 table has such entries)."""
+    from megatron_flux.tuning import schema
+
+    for m, tp, block_m in ((64, 2, 64), (128, 8, 64), (256, 2, 128), (512, 4, 128)):
+        cfg = default_config("ag", m, 14336, 4096, tp=tp)
+        assert cfg.ag_merge_local and cfg.ag_merge_lead == 0 and cfg.block_m == block_m, (m, tp)
+        assert not default_config("ag", m, 14336, 4096, tp=tp, gather_small_m=False).ag_merge_local
+    for op, m, tp in (("ag", 1024, 2), ("ag", 64, None), ("ag", 64, 1), ("rs", 64, 2)):
+        assert not default_config(op, m, 14336, 4096, tp=tp).ag_merge_local, (op, m, tp)
+    obj = table_obj(tp=2)
+    next(e for e in obj["entries"] if e["op"] == "ag" and e["m"] == 64)["config"] = {"block_n": 64}
+    t = schema.validate_table(obj, "mem")
+    cfg = next(e.config for e in t.entries if e.op == "ag" and e.m == 64)
+    assert not cfg.ag_merge_local and cfg.stream_k == 1
+
+
 @pytest.mark.parametrize("change", [
     dict(dtype=torch.float16), dict(n=1024), dict(k=128), dict(op="rs"), "no-context",
 ])
@@ -141,10 +161,11 @@ def test_shape_misses_fall_back_to_default_config(tmp_path, change):
     assert hit != default_config("ag", 64, 512, 256)  # the table's block_n=64 config
     if change == "no-context":
         got = prov("ag", 64, 512, 256)
+        args["tp"] = None
     else:
         args.update(change)
         got = prov(**{"m_total" if a == "m" else a: v for a, v in args.items()})
-    assert got == default_config(args["op"], args["m"], args["n"], args["k"])
+    assert got == default_config(args["op"], args["m"], args["n"], args["k"], tp=args["tp"])
 
 
 def _shipped_tp2_entries():
@@ -545,7 +566,7 @@ def test_flux_backend_default_provider_is_the_table(tmp_path):
     ctx = dict(dtype=torch.bfloat16, tp=2, device=TEST_GPU)
     assert fb.config("ag", 100, 512, 256, **ctx).block_n == 64            # nearest bucket 64
     assert fb.config("ag", 100, 512, 256) == default_config("ag", 100, 512, 256)  # no context
-    assert fb.config("ag", 100, 999, 256, **ctx) == default_config("ag", 100, 999, 256)
+    assert fb.config("ag", 100, 999, 256, **ctx) == default_config("ag", 100, 999, 256, tp=2)
     # a plain 4-argument provider keeps working, and answers are cached per shape
     seen = []
     fixed = GemmConfig(64, 64, 32, 2, 4, 1)

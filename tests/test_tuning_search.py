@@ -39,7 +39,7 @@ def test_candidates_order_by_distance_from_default():
 
 def test_seed_configs_come_right_after_the_default_and_respect_the_filters():
     for op, m in (("ag", 4096), ("rs", 4096), ("ag", 64)):
-        base = default_config(op, m, 14336, 4096)
+        base = default_config(op, m, 14336, 4096, tp=2)
         c = S.generate_candidates(op, m, 14336, 4096, 2, max_candidates=10**6)
         expected = []
         for seed in S.SEED_CONFIGS:
@@ -48,13 +48,18 @@ def test_seed_configs_come_right_after_the_default_and_respect_the_filters():
                 expected.append(cfg)
         twin = [dataclasses.replace(base, ag_pull=True) if op == "ag"
                 else dataclasses.replace(base, rs_copy_engine=True)]
+        if base.ag_merge_local:  # small m gathers first; the per-segment schedule is a seed too
+            twin.append(dataclasses.replace(base, ag_merge_local=False, ag_merge_lead=1,
+                                            stream_k=1))
         assert c[0] == base and c[1:1 + len(twin) + len(expected)] == twin + expected, op
         assert len(c) == len(set(c))
     # the multi-knob seeds are there although they differ from the default in several knobs
     c = S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=8)
     assert any(x.warp_specialize and x.epilogue_split == 1 for x in c)
-    # m = 64 on 2 ranks: 32-row segments, no 128-row seed survives
-    assert all(x.block_m == 64 for x in S.generate_candidates("ag", 64, 14336, 4096, 2)[2:])
+    # m = 64 on 2 ranks: 32-row segments, no 128-row seed survives; the default gathers first
+    c = S.generate_candidates("ag", 64, 14336, 4096, 2)
+    assert c[0].ag_merge_local and c[0].ag_merge_lead == 0
+    assert all(x.block_m == 64 for x in c[2:])
 
 
 def test_candidate_filters():

@@ -20,10 +20,14 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   walks its ``g * tiles_per_seg`` tiles as one tile space whose row tiles are grouped
   ``GROUP_M`` at a time across the segments, so a segment with few row tiles no longer makes
   every step stream all of B. Groups alternate direction like steps. Stream-K is off then.
-* Merged local rows (``GemmConfig.ag_merge_local``, opt-in; no faster at TP 2, session 15): after
+* Merged local rows (``GemmConfig.ag_merge_local``, opt-in; no faster at TP 2, m >= 1024, session 15): after
   ``ag_merge_lead`` waves of local tiles (whole columns, from the shard, no wait), the local
   segment joins the first peer group's tile space (:func:`_merged_local_group`), its rows read
   from the workspace, where the host copied them before the kernel. Later groups follow.
+  With a lead of 0 the kernel first waits for every peer's chunks, then walks the gathered
+  rows ``[W * m_local, K]`` as one plain tile space (:func:`_gathered_tiles`): tiles may span
+  segments, so at small m a B column tile is read once for every row instead of once per
+  segment, by one tile instead of W half-empty ones.
 * Epilogue: TMA store of the tile (clipped to the segment when ``m_local % BLOCK_M != 0``).
 * Stream-K tail (``GemmConfig.stream_k``, :mod:`.stream_k`): the last ``sk_tiles`` flat tiles
   (the partial last wave, in the last step's segment) leave the data-parallel loops; after them
@@ -104,7 +108,7 @@ def ag_gemm_kernel(
     ASYNC_FENCE: tl.constexpr = True, SK_LOCAL: tl.constexpr = False,
     UNROLL_STEPS: tl.constexpr = True, TRACE: tl.constexpr = False,
     PEER_GROUP: tl.constexpr = 1, MERGE_LOCAL: tl.constexpr = False,
-    MERGE_LEAD: tl.constexpr = 1,
+    MERGE_LEAD: tl.constexpr = 1, GATHERED: tl.constexpr = False,
 ):
     """Pointers: ``x`` [m_local, K], ``ag`` / ``c`` [WORLD * m_local, K / N] contiguous; ``b``
     [K, N] (B_KN) or [N, K], row stride ``ldb``. TMA descriptors are built on the device, once
@@ -120,7 +124,9 @@ def ag_gemm_kernel(
     launcher turns stream-K off then, so ``sk_tiles`` is 0).
     MERGE_LOCAL: the local segment joins the first peer group after MERGE_LEAD waves of local
     tiles (``GemmConfig.ag_merge_local``, :func:`_merged_local_group`), its rows read from
-    ``ag``, where the caller copied them before the kernel. Stream-K is off then too."""
+    ``ag``, where the caller copied them before the kernel. Stream-K is off then too.
+    GATHERED (MERGE_LOCAL with a lead of 0; the launcher passes RAGGED=False): one wait for
+    every peer, then ``ag`` is one ``[WORLD * m_local, K]`` operand (:func:`_gathered_tiles`)."""
     stamp(trace_ptr, 0, TRACE)  # start
     x_desc = tl.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
     if RAGGED:
@@ -145,7 +151,13 @@ def ag_gemm_kernel(
     dp_end = WORLD * tiles_per_seg - sk_tiles  # tiles before it are data-parallel
     stamp(trace_ptr, 1, TRACE)  # descriptors
 
-    if MERGE_LOCAL:
+    if GATHERED:
+        stamp(trace_ptr, 2, TRACE)  # local_done (nothing local first)
+        _gathered_tiles(ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch, max_spins,
+                        m_local, N, chunks_per_seg, k_tiles, WORLD, B_KN, EPI_SPLIT, BLOCK_M,
+                        BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE,
+                        trace_ptr, TRACE)
+    elif MERGE_LOCAL:
         # The local segment and the first PEER_GROUP peers in one tile space, after a lead of
         # local tiles; the remaining peer groups follow below.
         _merged_local_group(x_desc, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
@@ -166,7 +178,9 @@ def ag_gemm_kernel(
     # top level of the kernel: nested in a runtime step loop they ran 1-3 % slower at TP 2 with
     # communication disabled (NOTES.md, session 9). At TP 8 the seven unrolled copies quadruple
     # the code, and a runtime loop ran up to 9-11 % faster (NOTES.md, session 12).
-    if PEER_GROUP == 1 and not MERGE_LOCAL:
+    if GATHERED:
+        pass  # every row was walked above
+    elif PEER_GROUP == 1 and not MERGE_LOCAL:
         if UNROLL_STEPS:
             for step in tl.static_range(1, WORLD):
                 _segment_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
@@ -312,6 +326,36 @@ def _peer_group_step(g, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, e
 
 
 @triton.jit
+def _gathered_tiles(a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch, max_spins,
+                    m_local, N, chunks_per_seg, k_tiles, WORLD: tl.constexpr, B_KN: tl.constexpr,
+                    EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+                    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                    ASYNC_FENCE: tl.constexpr, trace_ptr, TRACE: tl.constexpr):
+    """Merged local rows with a lead of 0: wait (acquire, bounded) for every chunk of every
+    peer, in ring order, then fence; then the gathered workspace (the own rows copied there by
+    the host before the kernel) is one ``[WORLD * m_local, K]`` operand and the output one
+    ``[WORLD * m_local, N]``: ``cdiv(WORLD * m_local, BLOCK_M)`` row tiles by ``cdiv(N,
+    BLOCK_N)`` column tiles, GROUP_M-grouped, 2-D descriptors (a tile may span segments; the
+    last row tile is clipped at ``WORLD * m_local``). No tile runs before the last wait: this
+    is for small m, where the copies take microseconds and each segment's own tile loop would
+    stream all of B again, with row tiles mostly empty when ``m_local < BLOCK_M``."""
+    for step in range(1, WORLD):
+        _wait_segment(segment_of_step(step, rank, WORLD, False), flags_ptr, err_ptr, rank, epoch,
+                      max_spins, chunks_per_seg)
+    fence_async_proxy(epoch, ASYNC_FENCE)  # the TMA reads below come after the acquires
+    stamp(trace_ptr, 3, TRACE)  # last_wait
+    num_pid_m = tl.cdiv(WORLD * m_local, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    for t in tl.range(pid, num_pid_m * num_pid_n, NUM_SMS, flatten=FLATTEN,
+                      warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
+        row = pid_m * BLOCK_M
+        _ag_tile(a_desc, b_desc, c_desc, row, 0, row, pid_n * BLOCK_N, k_tiles, False, False,
+                 B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
 def _merged_local_group(x_desc, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
                         max_spins, m_local, tiles_per_seg, chunks_per_seg, k_tiles, num_pid_m,
                         num_pid_n, WORLD: tl.constexpr, PEER_GROUP: tl.constexpr,
@@ -443,6 +487,7 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
         ag_gemm_ws.warn_fallback(reason)
     peer_group = max(1, min(cfg.ag_peer_group, world - 1))
     merge = world > 1 and cfg.ag_merge_local  # the local rows are read from `ag` too
+    gathered = merge and cfg.ag_merge_lead == 0  # ... as one operand with the peers' rows
     # stream-K's tiles follow the per-segment order: off when the segments are grouped
     mode = 0 if cfg in _STREAM_K_TOO_BIG or peer_group > 1 or merge else cfg.stream_k
     last_plan = {"sk_tiles": 0}  # of the kernel compiled or launched last
@@ -462,13 +507,14 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
                 trace if trace is not None else err, m_local, n, k, geo.ldb, rank, epoch,
                 cfg.chunk_rows, max_spins, sk_tiles)
         constexprs = dict(
-            WORLD=world, RAGGED=geo.ragged, B_KN=geo.b_kn, EPI_SPLIT=cfg.epilogue_split,
+            WORLD=world, RAGGED=geo.ragged and not gathered, B_KN=geo.b_kn,
+            EPI_SPLIT=cfg.epilogue_split,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             NUM_SMS=grid, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             STREAM_K=sk_tiles > 0, ASYNC_FENCE=not interpreting(),
             SK_LOCAL=sk_tiles > 0 and world == 1, UNROLL_STEPS=unroll_steps(world),
             TRACE=trace is not None, PEER_GROUP=peer_group, MERGE_LOCAL=merge,
-            MERGE_LEAD=cfg.ag_merge_lead)
+            MERGE_LEAD=cfg.ag_merge_lead, GATHERED=gathered)
         return grid, args, constexprs
 
     ensure_descriptor_allocator()

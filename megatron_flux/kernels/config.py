@@ -59,8 +59,10 @@ class GemmConfig:
     and the peers' rows, all read from the gathered workspace (the host copies the shard into
     its own rows there before the kernel, in stream order, as pulling does). Aimed at TP 2 with segments of few row tiles (llama3-8b m = 1024: 4 per
     segment) and at small m, where each segment is one row of tiles and the per-segment
-    schedule streams B once per segment. ``ag_merge_lead = 0`` waits before the first tile.
-    Stream-K is off. Measured on 2×H200 (benchmarks/NOTES.md, session 15): no faster with
+    schedule streams B once per segment. ``ag_merge_lead = 0`` waits for every peer before
+    the first tile and then treats the gathered rows as one operand, whatever
+    ``ag_peer_group``: tiles span segments, so a row tile is full even where ``m_local <
+    block_m`` (:func:`megatron_flux.kernels.ag_gemm._gathered_tiles`). Stream-K is off. Measured on 2×H200 (benchmarks/NOTES.md, session 15): no faster with
     communication on, and 0.2-3 % slower in 7 of 8 paired comm-off cases, so it is off by
     default and not searched by the tuner.
 
@@ -273,7 +275,7 @@ def launch_geometry(m_local: int, n: int, b, world: int, cfg: GemmConfig, num_sm
 
 
 def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = False,
-                   tp: Optional[int] = None) -> GemmConfig:
+                   tp: Optional[int] = None, gather_small_m: bool = True) -> GemmConfig:
     """Heuristic configuration for ``op`` ("ag" or "rs") on a ``[m_total, k] x [k, n]`` GEMM
     at TP size ``tp`` (``None``: unknown, taken as below 8).
 
@@ -286,6 +288,16 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
     over the grid (``rs_spread_reduce``): with communication off on one H200 it ran up to 14 %
     faster there (median 2.3 % over m = 1024-4096), level at TP 4 and 0.5-2.6 % slower at TP 2
     (benchmarks/NOTES.md, session 12).
+
+    AG+GEMM at small m (``m_total <= 512``, TP >= 2) waits for every peer first and treats the
+    gathered rows as one operand (``ag_merge_local`` with a lead of 0): each rank's segment is
+    then at most 256 rows, and the per-segment schedule streams all of B once per segment,
+    mostly through half-empty row tiles. With communication off (one H100, TP 2 wiring, GPU
+    time alone) that took the grid's m = 64-512 shapes from 1.21-2.43x cuBLAS to 1.00-1.30x
+    (benchmarks/NOTES.md, session 21). The copies it then waits for are m_local x K
+    (at most 6 MiB there). ``gather_small_m=False`` gives the earlier per-segment default
+    there: what tuning-table entries that do not name these knobs were measured with
+    (:mod:`megatron_flux.tuning.schema` fills missing fields from it).
     """
     if interpret:  # the CPU interpreter runs whole blocks in numpy: keep them small
         return GemmConfig(block_m=16, block_n=32, block_k=16, num_stages=1, num_warps=4, group_m=2,
@@ -297,8 +309,17 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
                               rs_spread_reduce=spread)
         return GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=2, flatten=True, flatten_consume=True,
                           rs_spread_reduce=spread)
-    if m_total <= 1024 and n <= 16384:
+    split = 1 if m_total <= 1024 and n <= 16384 else 2
+    if gather_small_m and tp is not None and tp >= 2 and m_total <= SMALL_M_GATHERED:
+        tile = (64, 128, 128, 4, 4) if m_total <= 128 else (128, 256, 64, 3, 8)
+        return GemmConfig(*tile, 8, chunk_rows=4096, epilogue_split=split, flatten=True,
+                          ag_merge_local=True, ag_merge_lead=0)
+    if split == 1:
         return GemmConfig(128, 128, 64, 4, 4, 8, chunk_rows=4096, epilogue_split=1, flatten=True,
                           stream_k=1)
     return GemmConfig(128, 256, 64, 3, 8, 8, chunk_rows=4096, epilogue_split=2, flatten=True,
                       stream_k=1)
+
+
+#: AG+GEMM's default gathers first (merged local rows, a lead of 0) up to this many global rows
+SMALL_M_GATHERED = 512

@@ -129,7 +129,9 @@ def _config(path, fld, d, op, m, n, k, tp):
             raise TuningFileError(path, f"{fld}.{name}", f"must be true or false, got {v!r}")
         if not want_bool and (isinstance(v, bool) or not isinstance(v, int)):
             raise TuningFileError(path, f"{fld}.{name}", f"must be an integer, got {v!r}")
-    base = default_config(op, m, n, k, tp=tp).to_dict()
+    # fields an entry does not name keep what it was measured with: entries written before
+    # the small-m AG default gathered first ran the per-segment schedule
+    base = default_config(op, m, n, k, tp=tp, gather_small_m=False).to_dict()
     base.update(d)
     try:
         return GemmConfig.from_dict(base)

@@ -159,9 +159,11 @@ RS_SHORT_K_SEEDS: Tuple[Dict[str, object], ...] = (
 #: stages): 0.97-1.005x the table on those largest shapes, where ping-pong loses (session 20).
 AG_SEEDS: Tuple[Dict[str, object], ...] = (
     dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
-         epilogue_split=1, warp_specialize=False, ag_warp_specialized=True),
+         epilogue_split=1, warp_specialize=False, ag_warp_specialized=True,
+         ag_merge_local=False),
     dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, group_m=8,
-         epilogue_split=1, warp_specialize=False, ag_warp_specialized=True),
+         epilogue_split=1, warp_specialize=False, ag_warp_specialized=True,
+         ag_merge_local=False),
 )
 
 
@@ -199,7 +201,8 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
                         smem_limit: int = SMEM_BYTES,
                         seeds: Optional[Sequence[Dict[str, object]]] = None) -> List:
     """Configs to try for one shape: the default first, then the default pulling instead of
-    pushing (AG) or with the other ReduceScatter delivery (RS: copy engine vs SM pushes), then
+    pushing (AG; where the default gathers first, at small m, also the per-segment schedule)
+    or with the other ReduceScatter delivery (RS: copy engine vs SM pushes), then
     the multi-knob seeds (``seeds``; by default :func:`seeds_for` the op and ``k``), then
     variations by distance from the default; the
     single-knob ones breadth-first (one value of each knob, comm knobs first, then the next).
@@ -244,6 +247,10 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     seed_cfgs = []
     if op == "ag" and len(set(space.get("ag_pull", ()))) > 1:  # pull vs push on every entry
         twin = dataclasses.replace(base, ag_pull=not base.ag_pull)
+        seen.add(twin)
+        seed_cfgs.append(twin)
+    if op == "ag" and base.ag_merge_local:  # small m gathers first: also the per-segment schedule
+        twin = dataclasses.replace(base, ag_merge_local=False, ag_merge_lead=1, stream_k=1)
         seen.add(twin)
         seed_cfgs.append(twin)
     if op == "rs" and len(set(space.get("rs_copy_engine", ()))) > 1:  # SM vs copy-engine pushes
