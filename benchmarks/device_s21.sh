@@ -17,6 +17,9 @@
 #          local rows (ag_merge_local, lead 0: one wait, then every segment's rows in one tile
 #          space, so B is streamed once instead of once per segment) with four tiles; GEMM+RS
 #          with the backend's config               -> $OUT/kvc-small-ag-merge.json, kvc-small-rs.json
+#   smallnew the AG+GEMM small-m set, GPU time alone: the table's config (per segment) against
+#          the new default (gathered first)           -> $OUT/kvc-small-ag-default.json
+#          and the one-GPU merged-rows tests         -> $OUT/tests-merged.json
 #   tests  (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # The 2-GPU stages are device_s20.sh's (tests2, wsab): nothing about them changed.
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
@@ -68,6 +71,11 @@ for what in "$@"; do
           --queue-ahead-ms 5 --json "${OUT}/kvc-small-ag-merge.json" 2>&1 | grep -v Warning
       timeout 120 python3 ${KVC} --tp 2 --ops GEMM+RS --m 64 128 256 512 --configs table \
           "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-small-rs.json" 2>&1 | grep -v Warning ;;
+    smallnew)
+      timeout 150 python3 ${KVC} --tp 2 --ops AG+GEMM --m 64 128 256 512 --configs table default \
+          "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-small-ag-default.json" 2>&1 | grep -v Warning
+      timeout 200 python3 benchmarks/record_pytest.py "${OUT}/tests-merged.json" \
+          tests/test_kernels_one_gpu.py -q -p no:cacheprovider -k "merged" 2>&1 | tail -2 ;;
     tests) one_gpu_tests ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
