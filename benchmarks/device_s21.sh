@@ -20,6 +20,9 @@
 #   smallnew the AG+GEMM small-m set, GPU time alone: the table's config (per segment) against
 #          the new default (gathered first)           -> $OUT/kvc-small-ag-default.json
 #          and the one-GPU merged-rows tests         -> $OUT/tests-merged.json
+#   smallrs  the GEMM+RS small-m set, GPU time alone: the table's config against narrower
+#          tiles (more of them, so more SMs stream B) and the plain yardstick GEMM of the same
+#          tiles                                       -> $OUT/kvc-small-rs-tiles.json
 #   tests  (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # The 2-GPU stages are device_s20.sh's (tests2, wsab): nothing about them changed.
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
@@ -76,6 +79,15 @@ for what in "$@"; do
           "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-small-ag-default.json" 2>&1 | grep -v Warning
       timeout 200 python3 benchmarks/record_pytest.py "${OUT}/tests-merged.json" \
           tests/test_kernels_one_gpu.py -q -p no:cacheprovider -k "merged" 2>&1 | tail -2 ;;
+    smallrs)
+      R='"block_m": 64, "num_warps": 4, "rs_copy_engine": false'
+      timeout 200 python3 ${KVC} --tp 2 --ops GEMM+RS --m 64 128 256 512 --configs table \
+          --extra "[{${R}, \"block_n\": 64, \"block_k\": 128, \"num_stages\": 4},
+                    {${R}, \"block_n\": 64, \"block_k\": 256, \"num_stages\": 3},
+                    {${R}, \"block_n\": 128, \"block_k\": 128, \"num_stages\": 4},
+                    {${R}, \"block_n\": 64, \"block_k\": 128, \"num_stages\": 4, \"runner\": \"plain\"},
+                    {${R}, \"block_n\": 128, \"block_k\": 128, \"num_stages\": 4, \"runner\": \"plain\"}]" \
+          "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-small-rs-tiles.json" 2>&1 | grep -v Warning ;;
     tests) one_gpu_tests ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac

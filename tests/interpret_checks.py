@@ -30,10 +30,13 @@ from megatron_flux.kernels.tile_order import tile_order_probe_kernel  # noqa: E4
 
 CFG = GemmConfig(block_m=16, block_n=32, block_k=16, num_stages=1, num_warps=4, group_m=2,
                  chunk_rows=8, epilogue_split=2)
-#: GEMM+RS pushing with vector stores, one epilogue store per tile; reducing with vector loads
+#: GEMM+RS pushing with vector stores, one epilogue store per tile; reducing with vector loads;
+#: the spread reduction; every rank's rows in one tile space (small m's default)
+MERGED_RS = GemmConfig(**{**CFG.to_dict(), "rs_spread_reduce": True, "rs_tma_push": False,
+                          "rs_merge_rows": True})
 RS_CFGS = (CFG, GemmConfig(**{**CFG.to_dict(), "rs_tma_push": False, "epilogue_split": 1}),
            GemmConfig(**{**CFG.to_dict(), "rs_tma_reduce": False}),
-           GemmConfig(**{**CFG.to_dict(), "rs_spread_reduce": True}))
+           GemmConfig(**{**CFG.to_dict(), "rs_spread_reduce": True}), MERGED_RS)
 DTYPE = torch.float16
 TOL = 2e-3
 NSMS = 5  # simulated persistent grid
@@ -554,6 +557,36 @@ def check_gemm_rs_deterministic_and_timeout():
         assert 0 <= index < world and index != r, "index is not a peer's step signal"
 
 
+def check_gemm_rs_merged_rows():
+    """``rs_merge_rows``: every rank's rows in one tile space, row tiles spanning owners
+    (ragged m_local, a row tile larger than a segment, TP 2/4/8, both epilogue splits, bias):
+    every slot holds exactly its partial (no row written into a neighbour's segment) and the
+    outputs are bitwise those of the per-segment schedule with the spread reduction (the same
+    K order per element, the same rank order in the sum)."""
+    cases = [(2, 9, 16, True), (4, 20, 16, False), (8, 5, 16, True), (2, 24, 64, False)]
+    for world, m_local, block_m, bias in cases:
+        for split in (1, 2):
+            merged = GemmConfig(**{**MERGED_RS.to_dict(), "block_m": block_m,
+                                   "epilogue_split": split})
+            per_segment = GemmConfig(**{**merged.to_dict(), "rs_merge_rows": False})
+            runs = []
+            for cfg in (per_segment, merged):
+                torch.manual_seed(world * 100 + m_local + split)
+                w = _rs_world(world, m_local, 32, 64, False, bias, cfg=cfg)
+                _rs_run(w)
+                assert all(e.tolist() == [0, 0, 0, 0] for e in w["errs"]), (world, cfg)
+                runs.append(w)
+            label = f"{world=} {m_local=} {block_m=} {split=}"
+            for r in range(world):
+                assert not torch.isnan(runs[1]["outs"][r]).any(), f"{label}: unwritten rank {r}"
+                assert torch.equal(runs[0]["outs"][r], runs[1]["outs"][r]), f"{label}: rank {r}"
+                for src in range(world):
+                    partial = (runs[1]["a"][src].float() @ runs[1]["b"][src].float())[
+                        r * m_local:(r + 1) * m_local]
+                    slot = runs[1]["data"][r][src]
+                    assert _rel(slot, partial) < TOL, f"{label}: slot {src} of owner {r}"
+
+
 def check_gemm_rs_spread_waits_for_its_own_grid():
     """With the spread reduction a rank also reads its own slot, so its consumers wait for its
     own producers' barrier: every peer produced this epoch, the rank itself did not, and its
@@ -848,7 +881,8 @@ def check_plain_gemm():
 CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_peer_groups,
           check_ag_merged_local, check_ag_merged_signals, check_ag_stream_k, check_ag_signal_indexing,
           check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout,
-          check_gemm_rs_spread_waits_for_its_own_grid, check_gemm_rs_copy_engine,
+          check_gemm_rs_spread_waits_for_its_own_grid, check_gemm_rs_merged_rows,
+          check_gemm_rs_copy_engine,
           check_gemm_rs_copy_engine_bands, check_copy_engine_reduce_scatter,
           check_next_call_cannot_release_a_wait, check_ready_barrier, check_copy_engine_gather,
           check_programs_per_sm, check_ws_configs_run_the_triton_kernels]

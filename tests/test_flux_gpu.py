@@ -266,8 +266,12 @@ def _worker(rank, world, port, env, queue):
         n_checks += _check_ag_every_shape(_default_with(ag_pull=True, chunk_rows=64), group, rank,
                                           world, gen)
         # GEMM+RS schedule knobs over every shape: vector-store pushes, unflattened loops,
-        # vector-load reduction, the reduction spread over the grid
-        rs_variants = [dict(rs_tma_push=False), dict(rs_tma_push=False, flatten=False),
+        # vector-load reduction, the reduction spread over the grid, every rank's rows in one
+        # tile space (rows tiles spanning owners where m_local is not a multiple of block_m)
+        merged_rs = dict(rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True)
+        rs_variants = [merged_rs, dict(merged_rs, block_m=64, block_n=128, block_k=128,
+                                       num_stages=4, num_warps=4, epilogue_split=1),
+                       dict(rs_tma_push=False), dict(rs_tma_push=False, flatten=False),
                        dict(flatten=False, flatten_consume=False, epilogue_split=1),
                        dict(rs_tma_reduce=False), dict(rs_spread_reduce=True),
                        dict(rs_copy_engine=True), dict(rs_copy_engine=True, rs_tma_push=False),
@@ -327,8 +331,9 @@ def _worker(rank, world, port, env, queue):
                     f"AG+GEMM with {variant} not deterministic"
             flux_sk.check_errors()
         # AG+GEMM with the local rows merged into the first peer group (the shard copied into
-        # the workspace before the kernel), pushing and pulling, leads of 0 and 1 waves, and
-        # the 128x128 warp-specialized tile of the llama3-8b TP 2 table entries
+        # the workspace before the kernel), pushing and pulling, leads of 0 (the gathered rows
+        # as one operand, tiles spanning segments: small m's default) and 1 waves, and the
+        # 128x128 warp-specialized tile of the llama3-8b TP 2 table entries
         merge_variants = [dict(ag_merge_local=True),
                           dict(ag_merge_local=True, ag_merge_lead=0, chunk_rows=64),
                           dict(ag_merge_local=True, ag_pull=True, chunk_rows=64),

@@ -34,6 +34,12 @@ RS_CONFIGS = [
     dict(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4, rs_warp_specialized=True),
     # its cooperative form: one 8-warp MMA partition, 128x256 tiles
     dict(WS_FORMS["coop"], num_stages=3, rs_warp_specialized=True),
+    # every rank's rows in one tile space (small m's default): on the ragged shape row tiles
+    # span segments, and each owner's rows go to its own slot
+    dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue_split=1,
+         rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=2,
+         rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
 ]
 
 
@@ -305,19 +311,24 @@ _RS_PAIR = {
     "triton": dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=2),
     "ws": dict(WS_FORMS["pingpong"], num_stages=5, epilogue_split=1, rs_warp_specialized=True),
     "coop": dict(WS_FORMS["coop"], num_stages=3, epilogue_split=1, rs_warp_specialized=True),
+    "merged": dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4,
+                   epilogue_split=1, rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
 }
 
 
 @pytest.mark.parametrize("configs, split", [
     (("ws", "ws"), "even"), (("triton", "triton"), "even"), (("ws", "triton"), "even"),
     (("coop", "coop"), "even"), (("coop", "ws"), "even"),
-    (("ws", "ws"), "skewed"), (("coop", "coop"), "skewed"), (("triton", "triton"), "skewed")],
+    (("ws", "ws"), "skewed"), (("coop", "coop"), "skewed"), (("triton", "triton"), "skewed"),
+    (("merged", "merged"), "even"), (("merged", "triton"), "skewed"),
+    (("ws", "merged"), "skewed")],
     ids=lambda c: "-".join(c) if isinstance(c, tuple) else c)
 def test_gemm_rs_two_ranks_on_one_gpu(configs, split):
     """GEMM+RS of two simulated ranks running concurrently: rank ``r``'s output is rows ``r``
     of ``A_0 @ B_0 + A_1 @ B_1``, over several epochs (signals are never reset; the slots the
     peers push into are poisoned before each), for the warp-specialized kernel, the Triton
-    kernel, and one of each (the same protocol).
+    kernel, and one of each (the same protocol); also with merged rows (``rs_merge_rows``: a
+    rank pushes into its own slot too and waits for its own signal as well as the peer's).
 
     ``skewed``: rank 0 runs 3 programs, whose producer tiles do not divide evenly among them,
     and rank 1 most of the GPU, so rank 1 sits at its wait while rank 0's programs finish

@@ -130,12 +130,21 @@ def test_missing_config_fields_take_the_default_at_the_tables_tp():
         assert rs.config.rs_spread_reduce is spread and rs.config.num_stages == 2
 
 
-def test_small_m_ag_default_gathers_first_but_old_table_entries_keep_their_schedule():
+def test_small_m_defaults_merge_the_rows_but_old_table_entries_keep_their_schedule():
     """At m <= 512 and TP >= 2 the AG default waits for every peer and runs the gathered rows
-    as one operand (merged local rows, lead 0), with 64-row tiles up to m = 128; not at larger m,
-    without a TP, or for GEMM+RS. A table entry that names no schedule knob keeps the
-    per-segment one it was measured with (the shipped TP 4 table has such entries)."""
+    as one operand (merged local rows, lead 0), with 64-row tiles up to m = 128, and the RS
+    default runs every rank's rows as one tile space (``rs_merge_rows``, spread reduction,
+    vector pushes); not at larger m or without a TP. A table entry that names no schedule knob
+    keeps the per-segment one it was measured with (the shipped TP 4 table has such entries)."""
     from megatron_flux.tuning import schema
+
+    for m, tp in ((64, 2), (512, 8)):
+        rs = default_config("rs", m, 4096, 14336, tp=tp)
+        assert rs.rs_merge_rows and rs.rs_spread_reduce and not rs.rs_tma_push, (m, tp)
+        assert not default_config("rs", m, 4096, 14336, tp=tp, gather_small_m=False).rs_merge_rows
+    assert not default_config("rs", 1024, 4096, 14336, tp=2).rs_merge_rows
+    with pytest.raises(ValueError, match="rs_merge_rows"):
+        GemmConfig(rs_merge_rows=True)  # TMA pushes, no spread reduction
 
     for m, tp, block_m in ((64, 2, 64), (128, 8, 64), (256, 2, 128), (512, 4, 128)):
         cfg = default_config("ag", m, 14336, 4096, tp=tp)
@@ -143,6 +152,8 @@ def test_small_m_ag_default_gathers_first_but_old_table_entries_keep_their_sched
         assert not default_config("ag", m, 14336, 4096, tp=tp, gather_small_m=False).ag_merge_local
     for op, m, tp in (("ag", 1024, 2), ("ag", 64, None), ("ag", 64, 1), ("rs", 64, 2)):
         assert not default_config(op, m, 14336, 4096, tp=tp).ag_merge_local, (op, m, tp)
+    for op, m, tp in (("rs", 64, None), ("rs", 64, 1), ("ag", 64, 2)):
+        assert not default_config(op, m, 14336, 4096, tp=tp).rs_merge_rows, (op, m, tp)
     obj = table_obj(tp=2)
     next(e for e in obj["entries"] if e["op"] == "ag" and e["m"] == 64)["config"] = {"block_n": 64}
     t = schema.validate_table(obj, "mem")

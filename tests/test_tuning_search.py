@@ -38,7 +38,7 @@ def test_candidates_order_by_distance_from_default():
 
 
 def test_seed_configs_come_right_after_the_default_and_respect_the_filters():
-    for op, m in (("ag", 4096), ("rs", 4096), ("ag", 64)):
+    for op, m in (("ag", 4096), ("rs", 4096), ("ag", 64), ("rs", 64)):
         base = default_config(op, m, 14336, 4096, tp=2)
         c = S.generate_candidates(op, m, 14336, 4096, 2, max_candidates=10**6)
         expected = []
@@ -46,11 +46,13 @@ def test_seed_configs_come_right_after_the_default_and_respect_the_filters():
             cfg = GemmConfig(**{**base.to_dict(), **seed})
             if cfg != base and cfg not in expected and cfg.block_m <= max(64, m // 2):
                 expected.append(cfg)
-        twin = [dataclasses.replace(base, ag_pull=True) if op == "ag"
-                else dataclasses.replace(base, rs_copy_engine=True)]
-        if base.ag_merge_local:  # small m gathers first; the per-segment schedule is a seed too
-            twin.append(dataclasses.replace(base, ag_merge_local=False, ag_merge_lead=1,
-                                            stream_k=1))
+        if base.rs_merge_rows:  # merged rows push from the SMs: no copy-engine twin
+            twin = [default_config(op, m, 14336, 4096, tp=2, gather_small_m=False)]
+        else:
+            twin = [dataclasses.replace(base, ag_pull=True) if op == "ag"
+                    else dataclasses.replace(base, rs_copy_engine=True)]
+        if base.ag_merge_local:  # small m gathers first; the per-segment default is a seed too
+            twin.append(default_config(op, m, 14336, 4096, tp=2, gather_small_m=False))
         assert c[0] == base and c[1:1 + len(twin) + len(expected)] == twin + expected, op
         assert len(c) == len(set(c))
     # the multi-knob seeds are there although they differ from the default in several knobs
@@ -59,7 +61,7 @@ def test_seed_configs_come_right_after_the_default_and_respect_the_filters():
     # m = 64 on 2 ranks: 32-row segments, no 128-row seed survives; the default gathers first
     c = S.generate_candidates("ag", 64, 14336, 4096, 2)
     assert c[0].ag_merge_local and c[0].ag_merge_lead == 0
-    assert all(x.block_m == 64 for x in c[2:])
+    assert all(x.block_m == 64 for x in c[3:])
 
 
 def test_candidate_filters():
@@ -68,10 +70,10 @@ def test_candidate_filters():
     assert {x.chunk_rows for x in rs} == {default_config("rs", 4096, 4096, 14336).chunk_rows}
     ag = S.generate_candidates("ag", 1024, 14336, 4096, 2, max_candidates=10**6)
     assert all(x.chunk_rows < 512 for x in ag[1:] if x.chunk_rows != ag[0].chunk_rows)
-    # small m: no block_m above the segment rows (rounded up, at least 64); the default and its
-    # pulling twin are kept as they are
+    # small m: no block_m above the segment rows (rounded up, at least 64); the default, its
+    # pulling twin and the per-segment default are kept as they are
     small = S.generate_candidates("ag", 64, 14336, 4096, 2, max_candidates=10**6)
-    assert max(x.block_m for x in small[2:]) == 64
+    assert max(x.block_m for x in small[3:]) == 64
     # a tight shared-memory budget removes the big pipelines
     tight = S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6, smem_limit=100 * 1024)
     assert all(S.smem_bytes(x) <= 100 * 1024 for x in tight[2:])

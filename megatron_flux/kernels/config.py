@@ -82,6 +82,14 @@ class GemmConfig:
     Without it the copy is a serial tail of the producer phase that the consumer's first own
     tile must cover; at short K it does not (session 16: 10-12 % slower than SM pushes).
 
+    ``rs_merge_rows`` (GEMM+RS only; with ``rs_spread_reduce`` and vector-store pushes,
+    ``rs_tma_push=False``): every rank's rows in one tile space instead of one tile loop per
+    segment, so a row tile may span owners; its epilogue stores each owner's rows into that
+    owner's slot (masked vector stores), the own rows into the own slot, and the spread
+    reduction sums them. At small m a segment is one mostly empty row of tiles, so the
+    per-segment schedule runs W times the row tiles and reads B through each of them. The
+    default at small m (:func:`default_config`).
+
     ``rs_warp_specialized`` (GEMM+RS only): run the call on the warp-specialized Gluon kernel
     (:mod:`megatron_flux.kernels.gemm_rs_ws`): two MMA warpgroups take alternate tiles, so the
     own tiles' reduction epilogue runs beside the other warpgroup's MMAs. It takes block_m/n/k,
@@ -135,6 +143,7 @@ class GemmConfig:
     ag_merge_lead: int = 1
     rs_warp_specialized: bool = False
     ag_warp_specialized: bool = False
+    rs_merge_rows: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -149,7 +158,8 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.comm_priority must be an int in [-5, 0]: {self}")
         for name in ("flatten", "flatten_consume", "warp_specialize", "ag_pull", "rs_tma_push",
                      "rs_tma_reduce", "rs_spread_reduce", "rs_copy_engine", "rs_ce_bands",
-                     "ag_merge_local", "rs_warp_specialized", "ag_warp_specialized"):
+                     "ag_merge_local", "rs_warp_specialized", "ag_warp_specialized",
+                     "rs_merge_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemmConfig.{name} must be a bool: {self}")
         if self.stream_k not in (0, 1) or isinstance(self.stream_k, bool):
@@ -180,6 +190,11 @@ class GemmConfig:
                                  f"(cooperative): {self}")
             if self.programs_per_sm != 1:
                 raise ValueError(f"GemmConfig.{knob} runs one program per SM: {self}")
+        if self.rs_merge_rows and (not self.rs_spread_reduce or self.rs_tma_push
+                                   or self.rs_copy_engine or self.rs_warp_specialized):
+            raise ValueError("GemmConfig.rs_merge_rows reduces with rs_spread_reduce and pushes "
+                             "with vector stores (rs_tma_push=False), on the SMs (no "
+                             f"rs_copy_engine), in the Triton kernel (no rs_warp_specialized): {self}")
         if self.rs_warp_specialized and (self.rs_spread_reduce or self.rs_ce_bands):
             raise ValueError("GemmConfig.rs_warp_specialized does not implement "
                              f"rs_spread_reduce or rs_ce_bands: {self}")
@@ -289,6 +304,9 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
     faster there (median 2.3 % over m = 1024-4096), level at TP 4 and 0.5-2.6 % slower at TP 2
     (benchmarks/NOTES.md, session 12).
 
+    GEMM+RS at small m (``m_total <= 512``, TP >= 2) likewise runs every rank's rows as one
+    tile space (``rs_merge_rows``, with the spread reduction).
+
     AG+GEMM at small m (``m_total <= 512``, TP >= 2) waits for every peer first and treats the
     gathered rows as one operand (``ag_merge_local`` with a lead of 0): each rank's segment is
     then at most 256 rows, and the per-segment schedule streams all of B once per segment,
@@ -304,6 +322,10 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
                           chunk_rows=16)
     if op == "rs":
         spread = tp is not None and tp >= 8
+        if gather_small_m and tp is not None and tp >= 2 and m_total <= SMALL_M_GATHERED:
+            return GemmConfig(64, 128, 128, 4, 4, 8, epilogue_split=1, flatten=True,
+                              flatten_consume=True, rs_spread_reduce=True, rs_tma_push=False,
+                              rs_merge_rows=True)
         if m_total < 1024:  # few rows: 64-row tiles (what the tuner picked on H200 below m=1024)
             return GemmConfig(64, 128, 128, 4, 4, 8, epilogue_split=1, flatten=True, flatten_consume=True,
                               rs_spread_reduce=spread)
@@ -321,5 +343,6 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
                       stream_k=1)
 
 
-#: AG+GEMM's default gathers first (merged local rows, a lead of 0) up to this many global rows
+#: up to this many global rows AG+GEMM's default gathers first (merged local rows, a lead of
+#: 0) and GEMM+RS's runs every rank's rows as one tile space (``rs_merge_rows``)
 SMALL_M_GATHERED = 512

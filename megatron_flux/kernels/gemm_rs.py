@@ -47,6 +47,13 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   the own rows (:func:`_spread_reduce`). For few own tiles (TP 8, small m: 16 of 128 programs
   would each read seven peer tiles) the whole grid shares the reads.
 
+* Merged rows (``rs_merge_rows``, MERGE_ROWS; with the spread reduction): no steps. One tile
+  loop walks every rank's rows, ``[W * m_local, K]``, as one GROUP_M-grouped tile space, so a
+  row tile may span owners; its epilogue stores each owner's rows into that owner's slot
+  ``r`` (the own rows into the own slot) by masked vector stores (:func:`_push_rows`), and the
+  grid barrier and the spread reduction follow as above. For small m, where each segment is
+  one mostly empty row of tiles.
+
 Waiting for a peer's whole step costs little makespan: programs that finish producing early
 would only start their reduction tiles early, the last producer program also finishes its
 reduction last, and when the grid covers every tile in one wave the first own tile's GEMM runs
@@ -65,12 +72,13 @@ import triton.language as tl
 from megatron_flux.kernels.config import MAX_RS_BANDS, interpreting, launch_geometry, unroll_steps
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
-from megatron_flux.kernels.mainloop import segment_tile, split_columns
+from megatron_flux.kernels.mainloop import segment_tile, split_columns, tile_mainloop
 from megatron_flux.kernels.phase_trace import stamp
 from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import arrive_at_grid_barrier, drain_async_stores, \
     fence_async_proxy, release_fence, wait_signal
-from megatron_flux.kernels.tile_order import first_tile_at_or_after, segment_of_step, serpentine
+from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step, \
+    serpentine
 
 
 _MAX_BANDS = tl.constexpr(MAX_RS_BANDS)
@@ -122,6 +130,58 @@ def _reduce_part(part, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, r
     if HAS_BIAS:
         part = _add_bias(part, bias_ptr, off_n, N, WIDTH)
     out_desc.store([off_m, off_n], part.to(out_desc.dtype))
+
+
+@triton.jit
+def _push_rows(acc, data_ptr, data_ptrs, slot_base, row0, off_n, m_local, N, WORLD: tl.constexpr,
+               EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store the fp32 tile at global rows ``row0 ..`` (MERGE_ROWS), rounded, into every owner's
+    slot ``rank`` (``slot_base``) that its rows reach: per owner one masked vector store of the
+    rows inside its segment (fully masked for the others)."""
+    HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
+    if EPI_SPLIT == 2:
+        acc0, acc1 = split_columns(acc, BLOCK_M, HALF)
+        for owner in tl.static_range(0, WORLD):
+            dst = tl.load(data_ptrs + owner).to(tl.pointer_type(data_ptr.dtype.element_ty))
+            _push_owner_rows(acc0, dst, slot_base, row0 - owner * m_local, off_n, m_local, N,
+                             BLOCK_M, HALF)
+            _push_owner_rows(acc1, dst, slot_base, row0 - owner * m_local, off_n + HALF,
+                             m_local, N, BLOCK_M, HALF)
+    else:
+        for owner in tl.static_range(0, WORLD):
+            dst = tl.load(data_ptrs + owner).to(tl.pointer_type(data_ptr.dtype.element_ty))
+            _push_owner_rows(acc, dst, slot_base, row0 - owner * m_local, off_n, m_local, N,
+                             BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _push_owner_rows(part, dst, slot_base, off_m, off_n, m_local, N, BLOCK_M: tl.constexpr,
+                     WIDTH: tl.constexpr):
+    """The rows of ``part`` that fall inside the owner's ``[m_local, N]`` slot when the tile
+    starts at its row ``off_m`` (negative: the tile starts in an earlier segment)."""
+    ptrs, mask = _tile_ptrs(dst, slot_base, off_m, off_n, m_local, N, BLOCK_M, WIDTH)
+    mask = mask & ((off_m + tl.arange(0, BLOCK_M)) >= 0)[:, None]
+    tl.store(ptrs, part.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _merged_rows_producer(a_desc, b_desc, data_ptr, data_ptrs, pid, slot_base, m_local, N,
+                          k_tiles, num_pid_n, WORLD: tl.constexpr, B_KN: tl.constexpr,
+                          EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+                          FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """MERGE_ROWS: this program's tiles of the ``[WORLD * m_local, N]`` partial (A a 2-D
+    descriptor over every row), each pushed by owner (:func:`_push_rows`)."""
+    num_pid_m = tl.cdiv(WORLD * m_local, BLOCK_M)
+    for t in tl.range(pid, num_pid_m * num_pid_n, NUM_SMS, flatten=FLATTEN,
+                      warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
+        row0 = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tile_mainloop(a_desc, b_desc, 0, row0, off_n, k_tiles, False, B_KN, BLOCK_M,
+                            BLOCK_N, BLOCK_K)
+        _push_rows(acc, data_ptr, data_ptrs, slot_base, row0, off_n, m_local, N, WORLD,
+                   EPI_SPLIT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -198,6 +258,7 @@ def gemm_rs_kernel(
     PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True, TMA_REDUCE: tl.constexpr = True,
     SPREAD_REDUCE: tl.constexpr = False, UNROLL_STEPS: tl.constexpr = True,
     CE_PUSH: tl.constexpr = False, CE_BANDS: tl.constexpr = False, TRACE: tl.constexpr = False,
+    MERGE_ROWS: tl.constexpr = False,
 ):
     """``data_ptr``: this rank's slot region (``[WORLD, m_local, N]``, output dtype) for this
     call's parity; ``data_ptrs``/``flag_ptrs``: int64 tables of every rank's slot region and
@@ -208,7 +269,9 @@ def gemm_rs_kernel(
     is this rank's local staging area for segment ``seg``, and the grid signals only its own
     "produced" word (the copy engine delivers; see the module docstring); CE_BANDS (with
     CE_PUSH) also a "produced" word per band. TMA descriptors are built on the device.
-    TRACE: stamp the phases of :data:`RS_PHASES` into ``trace_ptr`` (:mod:`.phase_trace`)."""
+    TRACE: stamp the phases of :data:`RS_PHASES` into ``trace_ptr`` (:mod:`.phase_trace`).
+    MERGE_ROWS (with SPREAD_REDUCE, vector-store pushes, RAGGED=False: A is one ``[WORLD *
+    m_local, K]`` operand): one tile loop over every rank's rows (:func:`_merged_rows_producer`)."""
     stamp(trace_ptr, 0, TRACE)  # start
     if RAGGED:
         a_desc = tl.make_tensor_descriptor(a_ptr, [WORLD, m_local, K], [m_local * K, K, 1],
@@ -234,7 +297,11 @@ def gemm_rs_kernel(
         # loop at the top level of the kernel; nested in a runtime step loop, the AG kernel's
         # ran 1-3 % slower at TP 2 (NOTES.md, s9). At TP 8 a runtime loop is up to 2-3 %
         # faster: seven unrolled copies are four times the code (NOTES.md, s12).
-        if UNROLL_STEPS:
+        if MERGE_ROWS:
+            _merged_rows_producer(a_desc, b_desc, data_ptr, data_ptrs, pid, slot_base, m_local,
+                                  N, k_tiles, num_pid_n, WORLD, B_KN, EPI_SPLIT, BLOCK_M,
+                                  BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE)
+        elif UNROLL_STEPS:
             for step in tl.static_range(0, WORLD - 1 + SPREAD_REDUCE):  # + own when spread
                 _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, my_flags, pid, rank,
                                slot_base, m_local, N, k_tiles, tiles_per_seg, num_pid_m,
@@ -472,6 +539,8 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
                                                 num_sms=num_sms, max_spins=max_spins)
         gemm_rs_ws.warn_fallback(reason)
 
+    merge_rows = cfg.rs_merge_rows  # GemmConfig: with the spread reduction, vector pushes
+
     def plan(per_sm):
         """(grid, runtime args, constexprs) with ``per_sm`` programs per SM."""
         geo = launch_geometry(m_local, n, b, world, cfg, num_sms * per_sm)
@@ -479,14 +548,16 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
                 trace if trace is not None else err, m_local, n, k, geo.ldb, rank, epoch,
                 max_spins)
         constexprs = dict(
-            WORLD=world, RAGGED=geo.ragged, B_KN=geo.b_kn, HAS_BIAS=bias is not None,
+            WORLD=world, RAGGED=geo.ragged and not merge_rows, B_KN=geo.b_kn,
+            HAS_BIAS=bias is not None,
             EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=geo.grid, FLATTEN=cfg.flatten,
             FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
             TMA_PUSH=cfg.rs_tma_push, ASYNC_FENCE=not interpreting(), PRODUCE=produce,
             CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce,
             UNROLL_STEPS=unroll_steps(world), CE_PUSH=cfg.rs_copy_engine,
-            CE_BANDS=cfg.rs_copy_engine and cfg.rs_ce_bands, TRACE=trace is not None)
+            CE_BANDS=cfg.rs_copy_engine and cfg.rs_ce_bands, TRACE=trace is not None,
+            MERGE_ROWS=merge_rows)
         return geo.grid, args, constexprs
 
     ensure_descriptor_allocator()

@@ -80,9 +80,13 @@ NOT_SEARCHED: Dict[str, str] = {
                        "shipped config beyond noise on the grid (benchmarks/NOTES.md, session "
                        "11); GEMM+RS at short K gets one seed with it (RS_SHORT_K_SEEDS)",
     "ag_peer_group": "not measured yet (added in session 13 without a GPU to time it)",
-    "ag_merge_local": "no faster with communication on, slower in 7 of 8 paired comm-off "
-                      "cases at TP 2 (benchmarks/NOTES.md, session 15)",
+    "ag_merge_local": "the default at m <= 512 (gathered first, lead 0), where the per-segment "
+                      "default is tried as a seed; at m = 1024-2048 no faster with "
+                      "communication on, slower in 7 of 8 paired comm-off cases at TP 2 "
+                      "(benchmarks/NOTES.md, sessions 15 and 21)",
     "ag_merge_lead": "only matters with ag_merge_local",
+    "rs_merge_rows": "the default at m <= 512, where the per-segment default is tried as a "
+                     "seed (benchmarks/NOTES.md, session 21)",
     "rs_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
                            "fixed forms); GEMM+RS at short K gets it as one seed "
                            "(RS_SHORT_K_SEEDS)",
@@ -201,8 +205,9 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
                         smem_limit: int = SMEM_BYTES,
                         seeds: Optional[Sequence[Dict[str, object]]] = None) -> List:
     """Configs to try for one shape: the default first, then the default pulling instead of
-    pushing (AG; where the default gathers first, at small m, also the per-segment schedule)
-    or with the other ReduceScatter delivery (RS: copy engine vs SM pushes), then
+    pushing (AG) or with the other ReduceScatter delivery (RS: copy engine vs SM pushes), and at
+    small m, where the default runs every rank's rows as one tile space, the per-segment
+    default (``default_config(..., gather_small_m=False)``), then
     the multi-knob seeds (``seeds``; by default :func:`seeds_for` the op and ``k``), then
     variations by distance from the default; the
     single-knob ones breadth-first (one value of each knob, comm knobs first, then the next).
@@ -249,11 +254,12 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
         twin = dataclasses.replace(base, ag_pull=not base.ag_pull)
         seen.add(twin)
         seed_cfgs.append(twin)
-    if op == "ag" and base.ag_merge_local:  # small m gathers first: also the per-segment schedule
-        twin = dataclasses.replace(base, ag_merge_local=False, ag_merge_lead=1, stream_k=1)
+    if base.ag_merge_local or base.rs_merge_rows:  # small m: also the per-segment default
+        twin = default_config(op, m_total, n, k, tp=tp, gather_small_m=False)
         seen.add(twin)
         seed_cfgs.append(twin)
-    if op == "rs" and len(set(space.get("rs_copy_engine", ()))) > 1:  # SM vs copy-engine pushes
+    if (op == "rs" and not base.rs_merge_rows  # (merged rows push from the SMs)
+            and len(set(space.get("rs_copy_engine", ()))) > 1):  # SM vs copy-engine pushes
         twin = dataclasses.replace(base, rs_copy_engine=not base.rs_copy_engine)
         seen.add(twin)
         seed_cfgs.append(twin)
