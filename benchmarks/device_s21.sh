@@ -23,6 +23,10 @@
 #   smallrs  the GEMM+RS small-m set, GPU time alone: the table's config against narrower
 #          tiles (more of them, so more SMs stream B) and the plain yardstick GEMM of the same
 #          tiles                                       -> $OUT/kvc-small-rs-tiles.json
+#   smallrs2 the GEMM+RS small-m set, GPU time alone: the table's config (per segment) against
+#          the new default (every rank's rows in one tile space, rs_merge_rows, 64x128x128/4)
+#          and merged rows with three other tiles     -> $OUT/kvc-small-rs-merged.json
+#          then the one-GPU tests of merged rows and two ranks -> $OUT/tests-merged-rs.json
 #   tests  (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # The 2-GPU stages are device_s20.sh's (tests2, wsab): nothing about them changed.
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
@@ -88,6 +92,15 @@ for what in "$@"; do
                     {${R}, \"block_n\": 64, \"block_k\": 128, \"num_stages\": 4, \"runner\": \"plain\"},
                     {${R}, \"block_n\": 128, \"block_k\": 128, \"num_stages\": 4, \"runner\": \"plain\"}]" \
           "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-small-rs-tiles.json" 2>&1 | grep -v Warning ;;
+    smallrs2)
+      R='"rs_merge_rows": true, "rs_spread_reduce": true, "rs_tma_push": false, "rs_copy_engine": false'
+      timeout 200 python3 ${KVC} --tp 2 --ops GEMM+RS --m 64 128 256 512 --configs table default \
+          --extra "[{${R}, \"block_m\": 64, \"block_n\": 256, \"block_k\": 64, \"num_stages\": 4, \"num_warps\": 4, \"epilogue_split\": 1},
+                    {${R}, \"block_m\": 128, \"block_n\": 128, \"block_k\": 128, \"num_stages\": 3, \"num_warps\": 8, \"epilogue_split\": 1},
+                    {${R}, \"block_m\": 128, \"block_n\": 256, \"block_k\": 64, \"num_stages\": 3, \"num_warps\": 8, \"epilogue_split\": 2}]" \
+          "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-small-rs-merged.json" 2>&1 | grep -v Warning
+      timeout 300 python3 benchmarks/record_pytest.py "${OUT}/tests-merged-rs.json" \
+          tests/test_kernels_one_gpu.py -q -p no:cacheprovider -k "reduction_paths or two_ranks" 2>&1 | tail -3 ;;
     tests) one_gpu_tests ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
