@@ -132,17 +132,17 @@ def test_missing_config_fields_take_the_default_at_the_tables_tp():
 
 def test_small_m_defaults_merge_the_rows_but_old_table_entries_keep_their_schedule():
     """At m <= 512 and TP >= 2 the AG default waits for every peer and runs the gathered rows
-    as one operand (merged local rows, lead 0), with 64-row tiles up to m = 128, and the RS
-    default runs every rank's rows as one tile space (``rs_merge_rows``, spread reduction,
-    vector pushes); not at larger m or without a TP. A table entry that names no schedule knob
+    as one operand (merged local rows, lead 0), with 64-row tiles up to m = 128, and up to
+    m = 256 the RS default runs every rank's rows as one tile space (``rs_merge_rows``, spread
+    reduction, vector pushes); not at larger m or without a TP. A table entry that names no schedule knob
     keeps the per-segment one it was measured with (the shipped TP 4 table has such entries)."""
     from megatron_flux.tuning import schema
 
-    for m, tp in ((64, 2), (512, 8)):
+    for m, tp in ((64, 2), (256, 8)):
         rs = default_config("rs", m, 4096, 14336, tp=tp)
         assert rs.rs_merge_rows and rs.rs_spread_reduce and not rs.rs_tma_push, (m, tp)
         assert not default_config("rs", m, 4096, 14336, tp=tp, gather_small_m=False).rs_merge_rows
-    assert not default_config("rs", 1024, 4096, 14336, tp=2).rs_merge_rows
+    assert not default_config("rs", 512, 4096, 14336, tp=2).rs_merge_rows
     with pytest.raises(ValueError, match="rs_merge_rows"):
         GemmConfig(rs_merge_rows=True)  # TMA pushes, no spread reduction
 

@@ -304,25 +304,30 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
     faster there (median 2.3 % over m = 1024-4096), level at TP 4 and 0.5-2.6 % slower at TP 2
     (benchmarks/NOTES.md, session 12).
 
-    GEMM+RS at small m (``m_total <= 512``, TP >= 2) likewise runs every rank's rows as one
-    tile space (``rs_merge_rows``, with the spread reduction).
+    GEMM+RS at small m (``m_total <= 256``, TP >= 2) likewise runs every rank's rows as one
+    tile space (``rs_merge_rows``, with the spread reduction): 1.02-1.60x cuBLAS's GPU time
+    on the grid's m = 64-256 shapes against 1.13-1.80x for the per-segment table configs; at
+    m = 512 it ran 1.30-1.37x against their 1.03-1.14x (one H200, benchmarks/NOTES.md, session
+    21). llama3-8b (n = 4096) stays at 1.4-1.6x at m <= 128: 32 column tiles keep 32 SMs
+    busy, which needs a split along K.
 
     AG+GEMM at small m (``m_total <= 512``, TP >= 2) waits for every peer first and treats the
     gathered rows as one operand (``ag_merge_local`` with a lead of 0): each rank's segment is
     then at most 256 rows, and the per-segment schedule streams all of B once per segment,
-    mostly through half-empty row tiles. With communication off (one H100, TP 2 wiring, GPU
-    time alone) that took the grid's m = 64-512 shapes from 1.21-2.43x cuBLAS to 1.00-1.30x
-    (benchmarks/NOTES.md, session 21). The copies it then waits for are m_local x K
-    (at most 6 MiB there). ``gather_small_m=False`` gives the earlier per-segment default
-    there: what tuning-table entries that do not name these knobs were measured with
-    (:mod:`megatron_flux.tuning.schema` fills missing fields from it).
+    mostly through half-empty row tiles. With communication off (TP 2 wiring, GPU time alone)
+    that took the grid's m = 64-512 shapes from 1.09-2.32x cuBLAS to 0.98-1.22x on one H200
+    (1.21-2.43x to 1.00-1.30x on one H100; benchmarks/NOTES.md, session 21). The copies it
+    then waits for are m_local x K (at most 6 MiB there). ``gather_small_m=False`` gives the
+    earlier per-segment defaults of both ops there: what tuning-table entries that do not name
+    these knobs were measured with (:mod:`megatron_flux.tuning.schema` fills missing fields
+    from it).
     """
     if interpret:  # the CPU interpreter runs whole blocks in numpy: keep them small
         return GemmConfig(block_m=16, block_n=32, block_k=16, num_stages=1, num_warps=4, group_m=2,
                           chunk_rows=16)
     if op == "rs":
         spread = tp is not None and tp >= 8
-        if gather_small_m and tp is not None and tp >= 2 and m_total <= SMALL_M_GATHERED:
+        if gather_small_m and tp is not None and tp >= 2 and m_total <= RS_MERGE_MAX_M:
             return GemmConfig(64, 128, 128, 4, 4, 8, epilogue_split=1, flatten=True,
                               flatten_consume=True, rs_spread_reduce=True, rs_tma_push=False,
                               rs_merge_rows=True)
@@ -332,7 +337,7 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
         return GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=2, flatten=True, flatten_consume=True,
                           rs_spread_reduce=spread)
     split = 1 if m_total <= 1024 and n <= 16384 else 2
-    if gather_small_m and tp is not None and tp >= 2 and m_total <= SMALL_M_GATHERED:
+    if gather_small_m and tp is not None and tp >= 2 and m_total <= AG_GATHER_MAX_M:
         tile = (64, 128, 128, 4, 4) if m_total <= 128 else (128, 256, 64, 3, 8)
         return GemmConfig(*tile, 8, chunk_rows=4096, epilogue_split=split, flatten=True,
                           ag_merge_local=True, ag_merge_lead=0)
@@ -343,6 +348,8 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
                       stream_k=1)
 
 
-#: up to this many global rows AG+GEMM's default gathers first (merged local rows, a lead of
-#: 0) and GEMM+RS's runs every rank's rows as one tile space (``rs_merge_rows``)
-SMALL_M_GATHERED = 512
+#: up to this many global rows AG+GEMM's default gathers first (merged local rows, a lead of 0)
+AG_GATHER_MAX_M = 512
+#: up to this many global rows GEMM+RS's default runs every rank's rows as one tile space
+#: (``rs_merge_rows``); at m = 512 (TP 2) the per-segment table configs ran faster
+RS_MERGE_MAX_M = 256
