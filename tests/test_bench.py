@@ -668,3 +668,25 @@ def test_model_args_fall_back_to_the_tools_default_only_without_model_shapes():
     assert list(model_shapes(args, "rs")) == [("l8proj", 4096, 2048)]
     args = p.parse_args(["--model-shapes", "l8proj:4096:4096:4096", "--models", "llama3-8b", "l8proj"])
     assert [x[0] for x in model_shapes(args, "ag")] == ["llama3-8b", "l8proj"]
+
+
+def test_flux_default_method_takes_the_default_at_the_groups_tp():
+    """``flux_default`` runs ``default_config`` at the group's TP (the backend passes it), so
+    the small-m defaults that depend on TP (gathered AG rows, merged GEMM+RS rows) are what it
+    times."""
+    from megatron_flux.bench import methods
+    from megatron_flux.kernels.config import default_config
+
+    class Backend:
+        def __init__(self, config_provider):
+            self.provider = config_provider
+
+    methods._DEFAULT_CONFIG_BACKEND.clear()
+    try:
+        provider = methods._default_config_backend(Backend, default_config).provider
+        assert provider.accepts_context
+        assert provider("ag", 64, 14336, 4096, tp=2, dtype=None, device=None).ag_merge_local
+        assert provider("rs", 64, 4096, 14336, tp=2, dtype=None, device=None).rs_merge_rows
+        assert provider("ag", 64, 14336, 4096) == default_config("ag", 64, 14336, 4096)
+    finally:
+        methods._DEFAULT_CONFIG_BACKEND.clear()

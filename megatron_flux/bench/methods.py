@@ -188,11 +188,14 @@ def _variant_backend(backend_cls):
 
 
 def _default_config_backend(backend_cls, default_config):
-    """One FluxBackend per process that always uses ``default_config`` (its workspaces are
-    reused across cases, like the registered backend's)."""
+    """One FluxBackend per process that always uses ``default_config`` at the group's TP (its
+    workspaces are reused across cases, like the registered backend's)."""
     if not _DEFAULT_CONFIG_BACKEND:
-        _DEFAULT_CONFIG_BACKEND.append(
-            backend_cls(config_provider=lambda op, m, n, k: default_config(op, m, n, k)))
+        def provider(op, m, n, k, *, tp=None, **context):
+            return default_config(op, m, n, k, tp=tp)
+
+        provider.accepts_context = True
+        _DEFAULT_CONFIG_BACKEND.append(backend_cls(config_provider=provider))
     return _DEFAULT_CONFIG_BACKEND[0]
 
 
