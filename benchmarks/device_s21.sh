@@ -27,6 +27,10 @@
 #          the new default (every rank's rows in one tile space, rs_merge_rows, 64x128x128/4)
 #          and merged rows with three other tiles     -> $OUT/kvc-small-rs-merged.json
 #          then the one-GPU tests of merged rows and two ranks -> $OUT/tests-merged-rs.json
+#   report the comm-off report of the final tree, GPU time alone (--queue-ahead-ms 5): per op,
+#          the table's config and the heuristic default over the whole grid (m = 64-8192), and
+#          both Gluon forms at m >= 1024 (extra0 cooperative, extra1 ping-pong)
+#                                     -> $OUT/report-{ag,rs}-{small,large}.json
 #   tests  (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # The 2-GPU stages are device_s20.sh's (tests2, wsab): nothing about them changed.
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
@@ -101,6 +105,17 @@ for what in "$@"; do
           "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-small-rs-merged.json" 2>&1 | grep -v Warning
       timeout 300 python3 benchmarks/record_pytest.py "${OUT}/tests-merged-rs.json" \
           tests/test_kernels_one_gpu.py -q -p no:cacheprovider -k "reduction_paths or two_ranks" 2>&1 | tail -3 ;;
+    report)
+      for op in AG+GEMM GEMM+RS; do
+        short=$([ "${op}" = AG+GEMM ] && echo ag || echo rs)
+        knob=$([ "${op}" = AG+GEMM ] && echo ag_warp_specialized || echo rs_warp_specialized)
+        more=$([ "${op}" = AG+GEMM ] && echo ', "stream_k": 0' || echo ', "rs_copy_engine": false')
+        timeout 120 python3 ${KVC} --tp 2 --ops "${op}" --m 64 128 256 512 --configs table default \
+            "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/report-${short}-small.json" 2>&1 | grep -v Warning
+        timeout 200 python3 ${KVC} --tp 2 --ops "${op}" --m 1024 2048 4096 8192 --configs table default \
+            --extra "$(forms ${knob} "${more}")" "${TIMING[@]}" --queue-ahead-ms 5 \
+            --json "${OUT}/report-${short}-large.json" 2>&1 | grep -v Warning
+      done ;;
     tests) one_gpu_tests ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
