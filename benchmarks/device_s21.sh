@@ -116,7 +116,11 @@ for what in "$@"; do
             --extra "$(forms ${knob} "${more}")" "${TIMING[@]}" --queue-ahead-ms 5 \
             --json "${OUT}/report-${short}-large.json" 2>&1 | grep -v Warning
       done ;;
-    tests) one_gpu_tests ;;
+    tests)
+      install_carried_wheels || exit 2
+      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 560 python3 benchmarks/record_pytest.py \
+          "${OUT}/tests-1gpu.json" tests -q -m gpu -p no:cacheprovider > "${OUT}/tests-1gpu.log" 2>&1
+      echo "tests exit $?"; tail -2 "${OUT}/tests-1gpu.log" ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
 done
