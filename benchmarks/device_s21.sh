@@ -27,6 +27,10 @@
 #          the new default (every rank's rows in one tile space, rs_merge_rows, 64x128x128/4)
 #          and merged rows with three other tiles     -> $OUT/kvc-small-rs-merged.json
 #          then the one-GPU tests of merged rows and two ranks -> $OUT/tests-merged-rs.json
+#   smallrs3 the GEMM+RS small-m set, GPU time: table, default, and merged rows with every
+#          tile split along K over the grid (stream_k=1) on three tiles
+#                                                     -> $OUT/kvc-small-rs-splitk.json
+#          then the one-GPU tests of merged rows and two ranks -> $OUT/tests-splitk.json
 #   report the comm-off report of the final tree, GPU time alone (--queue-ahead-ms 5): per op,
 #          the table's config and the heuristic default over the whole grid (m = 64-8192), and
 #          both Gluon forms at m >= 1024 (extra0 cooperative, extra1 ping-pong)
@@ -104,6 +108,15 @@ for what in "$@"; do
                     {${R}, \"block_m\": 128, \"block_n\": 256, \"block_k\": 64, \"num_stages\": 3, \"num_warps\": 8, \"epilogue_split\": 2}]" \
           "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-small-rs-merged.json" 2>&1 | grep -v Warning
       timeout 300 python3 benchmarks/record_pytest.py "${OUT}/tests-merged-rs.json" \
+          tests/test_kernels_one_gpu.py -q -p no:cacheprovider -k "reduction_paths or two_ranks" 2>&1 | tail -3 ;;
+    smallrs3)
+      R='"rs_merge_rows": true, "rs_spread_reduce": true, "rs_tma_push": false, "rs_copy_engine": false, "stream_k": 1'
+      timeout 200 python3 ${KVC} --tp 2 --ops GEMM+RS --m 64 128 256 512 --configs table default \
+          --extra "[{${R}, \"block_m\": 64, \"block_n\": 128, \"block_k\": 128, \"num_stages\": 4, \"num_warps\": 4, \"epilogue_split\": 1},
+                    {${R}, \"block_m\": 64, \"block_n\": 256, \"block_k\": 64, \"num_stages\": 4, \"num_warps\": 4, \"epilogue_split\": 1},
+                    {${R}, \"block_m\": 128, \"block_n\": 128, \"block_k\": 64, \"num_stages\": 4, \"num_warps\": 8, \"epilogue_split\": 1}]" \
+          "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-small-rs-splitk.json" 2>&1 | grep -v Warning
+      timeout 300 python3 benchmarks/record_pytest.py "${OUT}/tests-splitk.json" \
           tests/test_kernels_one_gpu.py -q -p no:cacheprovider -k "reduction_paths or two_ranks" 2>&1 | tail -3 ;;
     report)
       for op in AG+GEMM GEMM+RS; do
