@@ -54,17 +54,14 @@ def test_gemm_rs_compiles_with_one_row_per_rank(world, spread, copy_engine):
 @pytest.mark.parametrize("world", [2, 8])
 @pytest.mark.parametrize("split", [1, 2])
 def test_gemm_rs_merged_rows_compiles_with_one_row_per_rank(world, split):
-    """``rs_merge_rows``: one tile loop over every rank's rows, pushes by owner; and with
-    ``stream_k`` every tile's K-iterations spread over the grid."""
+    """``rs_merge_rows``: one tile loop over every rank's rows, pushes by owner."""
     from megatron_flux.kernels.config import unroll_steps
     from megatron_flux.kernels.gemm_rs import gemm_rs_kernel
 
-    for split_k in (False, True):  # (stream_k: every tile split along K over the grid)
-        _compile(gemm_rs_kernel, dict(_SMALL, WORLD=world, RAGGED=False, EPI_SPLIT=split,
-                                      HAS_BIAS=True, TMA_PUSH=False, SPREAD_REDUCE=True,
-                                      UNROLL_STEPS=unroll_steps(world), MERGE_ROWS=True,
-                                      SPLIT_K=split_k),
-                 ones=("m_local",))
+    _compile(gemm_rs_kernel, dict(_SMALL, WORLD=world, RAGGED=False, EPI_SPLIT=split,
+                                  HAS_BIAS=True, TMA_PUSH=False, SPREAD_REDUCE=True,
+                                  UNROLL_STEPS=unroll_steps(world), MERGE_ROWS=True),
+             ones=("m_local",))
 
 
 @pytest.mark.parametrize("world", [2, 8])

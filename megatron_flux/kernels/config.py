@@ -88,10 +88,7 @@ class GemmConfig:
     owner's slot (masked vector stores), the own rows into the own slot, and the spread
     reduction sums them. At small m a segment is one mostly empty row of tiles, so the
     per-segment schedule runs W times the row tiles and reads B through each of them. The
-    default at small m (:func:`default_config`). With ``stream_k=1`` every tile's K-iterations
-    are spread evenly over the whole grid (the stream-K schedule of
-    :mod:`megatron_flux.kernels.stream_k` over all tiles, parts summed in program order):
-    at small n there are fewer tiles than SMs. ``stream_k`` means nothing else for GEMM+RS.
+    default at small m (:func:`default_config`).
 
     ``rs_warp_specialized`` (GEMM+RS only): run the call on the warp-specialized Gluon kernel
     (:mod:`megatron_flux.kernels.gemm_rs_ws`): two MMA warpgroups take alternate tiles, so the

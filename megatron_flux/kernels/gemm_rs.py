@@ -52,9 +52,7 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   row tile may span owners; its epilogue stores each owner's rows into that owner's slot
   ``r`` (the own rows into the own slot) by masked vector stores (:func:`_push_rows`), and the
   grid barrier and the spread reduction follow as above. For small m, where each segment is
-  one mostly empty row of tiles. With ``stream_k=1`` (SPLIT_K) every tile's K-iterations are
-  spread over the whole grid instead (:func:`_merged_rows_stream_k`, :mod:`.stream_k`'s
-  schedule over all tiles): at small n there are fewer tiles than SMs.
+  one mostly empty row of tiles.
 
 Waiting for a peer's whole step costs little makespan: programs that finish producing early
 would only start their reduction tiles early, the last producer program also finishes its
@@ -74,14 +72,11 @@ import triton.language as tl
 from megatron_flux.kernels.config import MAX_RS_BANDS, interpreting, launch_geometry, unroll_steps
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
-from megatron_flux.kernels.mainloop import segment_tile, split_columns, tile_mainloop, \
-    tile_mainloop_k
+from megatron_flux.kernels.mainloop import segment_tile, split_columns, tile_mainloop
 from megatron_flux.kernels.phase_trace import stamp
 from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import arrive_at_grid_barrier, drain_async_stores, \
     fence_async_proxy, release_fence, wait_signal
-from megatron_flux.kernels.stream_k import sk_covering, sk_publish_part, sk_range, sk_sum_parts, \
-    stream_k_scratch
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step, \
     serpentine
 
@@ -190,42 +185,6 @@ def _merged_rows_producer(a_desc, b_desc, data_ptr, data_ptrs, pid, slot_base, m
 
 
 @triton.jit
-def _merged_rows_stream_k(a_desc, b_desc, data_ptr, data_ptrs, partials_ptr, counters_ptr, pid,
-                          slot_base, m_local, N, k_tiles, num_pid_n, WORLD: tl.constexpr,
-                          B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                          NUM_SMS: tl.constexpr):
-    """MERGE_ROWS with SPLIT_K: every tile's K-iterations cut into ``NUM_SMS`` equal contiguous
-    ranges, one per program (:mod:`.stream_k`'s schedule over all tiles), for small m with few
-    tiles (small n): a range covers the end of one tile, maybe whole tiles, and the start of
-    another. A tile one program covers is pushed by it; otherwise each covering program writes
-    its fp32 part to its scratch slot and counts in, and the last to arrive sums the parts in
-    program order (bitwise reproducible) and pushes the tile by owner (:func:`_push_rows`)."""
-    num_pid_m = tl.cdiv(WORLD * m_local, BLOCK_M)
-    it, end, per = sk_range(pid, num_pid_m * num_pid_n, k_tiles, NUM_SMS)
-    while it < end:
-        u = it // k_tiles
-        k_lo = it - u * k_tiles
-        k_hi = tl.minimum(end - u * k_tiles, k_tiles)
-        pid_m, pid_n = grouped_tile(u, num_pid_m, num_pid_n, GROUP_M)
-        row0 = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tile_mainloop_k(a_desc, b_desc, 0, row0, off_n, k_lo, k_hi, False, B_KN, BLOCK_M,
-                              BLOCK_N, BLOCK_K)
-        first, last = sk_covering(u, per, k_tiles)
-        if first == last:  # the whole tile is this program's
-            _push_rows(acc, data_ptr, data_ptrs, slot_base, row0, off_n, m_local, N, WORLD,
-                       EPI_SPLIT, BLOCK_M, BLOCK_N)
-        elif sk_publish_part(acc, partials_ptr, counters_ptr, pid, u, per, k_tiles, first, last,
-                             BLOCK_M, BLOCK_N):
-            tile = sk_sum_parts(partials_ptr, counters_ptr, u, per, k_tiles, first, last,
-                                BLOCK_M, BLOCK_N)
-            _push_rows(tile, data_ptr, data_ptrs, slot_base, row0, off_n, m_local, N, WORLD,
-                       EPI_SPLIT, BLOCK_M, BLOCK_N)
-        it = (u + 1) * k_tiles
-
-
-@triton.jit
 def _add_bias(part, bias_ptr, off_n, N, WIDTH: tl.constexpr):
     cols = off_n + tl.arange(0, WIDTH)
     return part + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -288,7 +247,7 @@ def _reduce_tile(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_
 @triton.jit(do_not_specialize=["rank", "epoch", "max_spins"])
 def gemm_rs_kernel(
     a_ptr, b_ptr, out_ptr,
-    data_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr, trace_ptr, sk_partials_ptr, sk_counters_ptr,
+    data_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr, trace_ptr,
     m_local, N, K, ldb, rank, epoch, max_spins,
     WORLD: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr, HAS_BIAS: tl.constexpr,
     EPI_SPLIT: tl.constexpr,
@@ -299,7 +258,7 @@ def gemm_rs_kernel(
     PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True, TMA_REDUCE: tl.constexpr = True,
     SPREAD_REDUCE: tl.constexpr = False, UNROLL_STEPS: tl.constexpr = True,
     CE_PUSH: tl.constexpr = False, CE_BANDS: tl.constexpr = False, TRACE: tl.constexpr = False,
-    MERGE_ROWS: tl.constexpr = False, SPLIT_K: tl.constexpr = False,
+    MERGE_ROWS: tl.constexpr = False,
 ):
     """``data_ptr``: this rank's slot region (``[WORLD, m_local, N]``, output dtype) for this
     call's parity; ``data_ptrs``/``flag_ptrs``: int64 tables of every rank's slot region and
@@ -312,9 +271,7 @@ def gemm_rs_kernel(
     CE_PUSH) also a "produced" word per band. TMA descriptors are built on the device.
     TRACE: stamp the phases of :data:`RS_PHASES` into ``trace_ptr`` (:mod:`.phase_trace`).
     MERGE_ROWS (with SPREAD_REDUCE, vector-store pushes, RAGGED=False: A is one ``[WORLD *
-    m_local, K]`` operand): one tile loop over every rank's rows (:func:`_merged_rows_producer`);
-    with SPLIT_K every tile's K-iterations are spread over the whole grid through the scratch
-    ``sk_partials`` / ``sk_counters`` (:func:`_merged_rows_stream_k`)."""
+    m_local, K]`` operand): one tile loop over every rank's rows (:func:`_merged_rows_producer`)."""
     stamp(trace_ptr, 0, TRACE)  # start
     if RAGGED:
         a_desc = tl.make_tensor_descriptor(a_ptr, [WORLD, m_local, K], [m_local * K, K, 1],
@@ -340,12 +297,7 @@ def gemm_rs_kernel(
         # loop at the top level of the kernel; nested in a runtime step loop, the AG kernel's
         # ran 1-3 % slower at TP 2 (NOTES.md, s9). At TP 8 a runtime loop is up to 2-3 %
         # faster: seven unrolled copies are four times the code (NOTES.md, s12).
-        if MERGE_ROWS and SPLIT_K:
-            _merged_rows_stream_k(a_desc, b_desc, data_ptr, data_ptrs, sk_partials_ptr,
-                                  sk_counters_ptr, pid, slot_base, m_local, N, k_tiles, num_pid_n,
-                                  WORLD, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                                  NUM_SMS)
-        elif MERGE_ROWS:
+        if MERGE_ROWS:
             _merged_rows_producer(a_desc, b_desc, data_ptr, data_ptrs, pid, slot_base, m_local,
                                   N, k_tiles, num_pid_n, WORLD, B_KN, EPI_SPLIT, BLOCK_M,
                                   BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE)
@@ -588,33 +540,25 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
         gemm_rs_ws.warn_fallback(reason)
 
     merge_rows = cfg.rs_merge_rows  # GemmConfig: with the spread reduction, vector pushes
-    # merged rows with stream_k: every tile split along K over the whole grid
-    split_k = merge_rows and cfg.stream_k == 1 and produce
 
     def plan(per_sm):
         """(grid, runtime args, constexprs) with ``per_sm`` programs per SM."""
         geo = launch_geometry(m_local, n, b, world, cfg, num_sms * per_sm)
-        grid = num_sms * per_sm if split_k else geo.grid
-        partials, counters = err, err  # never touched without SPLIT_K
-        if split_k:
-            tiles = -(-world * m_local // cfg.block_m) * -(-n // cfg.block_n)
-            scratch = stream_k_scratch(a.device, grid, cfg.block_m, cfg.block_n, tiles=tiles)
-            partials, counters = scratch.partials, scratch.counters
         args = (a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
-                trace if trace is not None else err, partials, counters, m_local, n, k, geo.ldb,
-                rank, epoch, max_spins)
+                trace if trace is not None else err, m_local, n, k, geo.ldb, rank, epoch,
+                max_spins)
         constexprs = dict(
             WORLD=world, RAGGED=geo.ragged and not merge_rows, B_KN=geo.b_kn,
             HAS_BIAS=bias is not None,
             EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=grid, FLATTEN=cfg.flatten,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=geo.grid, FLATTEN=cfg.flatten,
             FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
             TMA_PUSH=cfg.rs_tma_push, ASYNC_FENCE=not interpreting(), PRODUCE=produce,
             CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce,
             UNROLL_STEPS=unroll_steps(world), CE_PUSH=cfg.rs_copy_engine,
             CE_BANDS=cfg.rs_copy_engine and cfg.rs_ce_bands, TRACE=trace is not None,
-            MERGE_ROWS=merge_rows, SPLIT_K=split_k)
-        return grid, args, constexprs
+            MERGE_ROWS=merge_rows)
+        return geo.grid, args, constexprs
 
     ensure_descriptor_allocator()
     # every program must be resident: consumers wait on the peer's whole grid
