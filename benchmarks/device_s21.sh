@@ -28,7 +28,8 @@
 #          and merged rows with three other tiles     -> $OUT/kvc-small-rs-merged.json
 #          then the one-GPU tests of merged rows and two ranks -> $OUT/tests-merged-rs.json
 #   smallrs3 the GEMM+RS small-m set, GPU time: table, default, and merged rows with every
-#          tile split along K over the grid (stream_k=1) on three tiles
+#          tile split along K over the grid (stream_k=1) on three tiles (reverted: apply
+#          benchmarks/results/raw/s21/splitk_gemm_rs.patch first, or stream_k does nothing)
 #                                                     -> $OUT/kvc-small-rs-splitk.json
 #          then the one-GPU tests of merged rows and two ranks -> $OUT/tests-splitk.json
 #   report the comm-off report of the final tree, GPU time alone (--queue-ahead-ms 5): per op,
