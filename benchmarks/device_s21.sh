@@ -37,7 +37,14 @@
 #          both Gluon forms at m >= 1024 (extra0 cooperative, extra1 ping-pong)
 #                                     -> $OUT/report-{ag,rs}-{small,large}.json
 #   tests  (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
-# The 2-GPU stages are device_s20.sh's (tests2, wsab): nothing about them changed.
+# On 2 GPUs (kind nvidia-h200-x2): device_s20.sh's tests2 and wsab first (unchanged), then
+#   smalltune  tune the small-m set with the new defaults (every rank's rows in one tile space;
+#          the per-segment default is a seed) -> $OUT/table-small.json, tune-small.log; then the
+#          small-m benchmark with it (MEGATRON_FLUX_CONFIG: the new entries first, the shipped
+#          table for the rest): flux, flux_default, auto, nccl, torch_async_tp
+#                                                     -> $OUT/bench-small.{json,png,log}
+#          To ship: python -m megatron_flux.tuning.confirm TABLE-SMALL BENCH-SMALL OUT, then merge
+#          into megatron_flux/tuning/tables/h200-sm132-tp2-bf16.json (and test_tuning.py's chain).
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s21.sh serp grid
 set -uo pipefail
@@ -45,7 +52,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/s21}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
-one_gpu_session
+case " $* " in
+  *" smalltune "*)  # every GPU
+    export PYTHONPATH="${PWD}" TRITON_CACHE_DIR="${PWD}/.device/triton-cache"
+    sample_gpus "${OUT}/smi.csv" 200 ;;
+  *) one_gpu_session ;;
+esac
 TIMING=(--trials 7 --iters 20 --warmup 10 --shuffle-seed 0)
 KVC=megatron_flux/bench/kernel_vs_cublas.py
 EXP=benchmarks/experiments
@@ -130,6 +142,18 @@ for what in "$@"; do
             --extra "$(forms ${knob} "${more}")" "${TIMING[@]}" --queue-ahead-ms 5 \
             --json "${OUT}/report-${short}-large.json" 2>&1 | grep -v Warning
       done ;;
+    smalltune)
+      timeout 330 python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}" \
+          -m megatron_flux.tune --m-set small --max-candidates 8 --top 2 --screen-iters 5 \
+          --trials 3 --iters 10 --no-progress --no-merge --out "${OUT}/table-small.json" \
+          > "${OUT}/tune-small.log" 2>&1
+      echo "   tune exit $? (${SECONDS}s)"; grep -E "^(ag|rs) n=" "${OUT}/tune-small.log" | tail -24
+      MEGATRON_FLUX_CONFIG="${OUT}/table-small.json" timeout $((590 - SECONDS)) python3 -m \
+          torch.distributed.run --standalone --nproc-per-node "${NGPUS}" -m megatron_flux.bench \
+          --m-set small --methods cublas_gemm comm nccl torch_async_tp flux flux_default auto \
+          --trials 5 --iters 20 --out-json "${OUT}/bench-small.json" --out-png "${OUT}/bench-small.png" \
+          > "${OUT}/bench-small.log" 2>&1
+      echo "   bench exit $? (${SECONDS}s)"; grep -A8 "^summary" "${OUT}/bench-small.log" ;;
     tests)
       install_carried_wheels || exit 2
       PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 560 python3 benchmarks/record_pytest.py \
