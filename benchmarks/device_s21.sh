@@ -32,6 +32,12 @@
 #          benchmarks/results/raw/s21/splitk_gemm_rs.patch first, or stream_k does nothing)
 #                                                     -> $OUT/kvc-small-rs-splitk.json
 #          then the one-GPU tests of merged rows and two ranks -> $OUT/tests-splitk.json
+#   smallrs4 the GEMM+RS small-m set (m <= 256), GPU time: the merged default against merged
+#          rows with narrower tiles (64x64x128/4, 64x32x256/4, 64x64x256/3): more column tiles,
+#          so more SMs stream B at small n             -> $OUT/kvc-small-rs-narrow.json
+#   smallrs5 the GEMM+RS small-m set (m <= 256), GPU time: the table's config (per segment)
+#          against the default (merged rows, tiles narrowed at small n), twice
+#                                                     -> $OUT/kvc-small-rs-default{1,2}.json
 #   report the comm-off report of the final tree, GPU time alone (--queue-ahead-ms 5): per op,
 #          the table's config and the heuristic default over the whole grid (m = 64-8192), and
 #          both Gluon forms at m >= 1024 (extra0 cooperative, extra1 ping-pong)
@@ -131,6 +137,19 @@ for what in "$@"; do
           "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-small-rs-splitk.json" 2>&1 | grep -v Warning
       timeout 300 python3 benchmarks/record_pytest.py "${OUT}/tests-splitk.json" \
           tests/test_kernels_one_gpu.py -q -p no:cacheprovider -k "reduction_paths or two_ranks" 2>&1 | tail -3 ;;
+    smallrs4)
+      R='"rs_merge_rows": true, "rs_spread_reduce": true, "rs_tma_push": false, "rs_copy_engine": false, "block_m": 64, "num_warps": 4, "epilogue_split": 1'
+      timeout 200 python3 ${KVC} --tp 2 --ops GEMM+RS --m 64 128 256 --configs default \
+          --extra "[{${R}, \"block_n\": 64, \"block_k\": 128, \"num_stages\": 4},
+                    {${R}, \"block_n\": 32, \"block_k\": 256, \"num_stages\": 4},
+                    {${R}, \"block_n\": 64, \"block_k\": 256, \"num_stages\": 3}]" \
+          "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-small-rs-narrow.json" 2>&1 | grep -v Warning ;;
+    smallrs5)
+      for run in 1 2; do
+        timeout 100 python3 ${KVC} --tp 2 --ops GEMM+RS --m 64 128 256 --configs table default \
+            "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-small-rs-default${run}.json" \
+            2>&1 | grep -v Warning
+      done ;;
     report)
       for op in AG+GEMM GEMM+RS; do
         short=$([ "${op}" = AG+GEMM ] && echo ag || echo rs)

@@ -143,6 +143,10 @@ def test_small_m_defaults_merge_the_rows_but_old_table_entries_keep_their_schedu
         assert rs.rs_merge_rows and rs.rs_spread_reduce and not rs.rs_tma_push, (m, tp)
         assert not default_config("rs", m, 4096, 14336, tp=tp, gather_small_m=False).rs_merge_rows
     assert not default_config("rs", 512, 4096, 14336, tp=2).rs_merge_rows
+    # at small n the merged tiles narrow until about 0.7 of 132 SMs have a tile
+    for m, n, block_n in ((64, 12288, 128), (64, 8192, 64), (64, 4096, 32), (128, 4096, 64),
+                          (128, 8192, 128), (256, 4096, 128)):
+        assert default_config("rs", m, n, 14336, tp=2).block_n == block_n, (m, n)
     with pytest.raises(ValueError, match="rs_merge_rows"):
         GemmConfig(rs_merge_rows=True)  # TMA pushes, no spread reduction
 

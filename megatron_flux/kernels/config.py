@@ -308,8 +308,9 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
     tile space (``rs_merge_rows``, with the spread reduction): 1.02-1.60x cuBLAS's GPU time
     on the grid's m = 64-256 shapes against 1.13-1.80x for the per-segment table configs; at
     m = 512 it ran 1.30-1.37x against their 1.03-1.14x (one H200, benchmarks/NOTES.md, session
-    21). llama3-8b (n = 4096) stays at 1.4-1.6x at m <= 128: 32 column tiles keep 32 SMs
-    busy, which needs a split along K.
+    21). Its 64-row tiles narrow from 128 to 64 or 32 columns where fewer than
+    :data:`RS_MERGED_MIN_TILES` tiles would leave most SMs without B to stream (llama3-8b
+    m = 64: 128 tiles of 64x32 ran 1.11x against 32 tiles of 64x128, 1.47x).
 
     AG+GEMM at small m (``m_total <= 512``, TP >= 2) waits for every peer first and treats the
     gathered rows as one operand (``ag_merge_local`` with a lead of 0): each rank's segment is
@@ -328,7 +329,12 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
     if op == "rs":
         spread = tp is not None and tp >= 8
         if gather_small_m and tp is not None and tp >= 2 and m_total <= RS_MERGE_MAX_M:
-            return GemmConfig(64, 128, 128, 4, 4, 8, epilogue_split=1, flatten=True,
+            # at small n, narrower tiles put more SMs on streaming B
+            rows = -(-m_total // 64)
+            block_n, block_k = next(((bn, bk) for bn, bk in _RS_MERGED_TILES
+                                     if rows * -(-n // bn) >= RS_MERGED_MIN_TILES),
+                                    _RS_MERGED_TILES[-1])
+            return GemmConfig(64, block_n, block_k, 4, 4, 8, epilogue_split=1, flatten=True,
                               flatten_consume=True, rs_spread_reduce=True, rs_tma_push=False,
                               rs_merge_rows=True)
         if m_total < 1024:  # few rows: 64-row tiles (what the tuner picked on H200 below m=1024)
@@ -353,3 +359,7 @@ AG_GATHER_MAX_M = 512
 #: up to this many global rows GEMM+RS's default runs every rank's rows as one tile space
 #: (``rs_merge_rows``); at m = 512 (TP 2) the per-segment table configs ran faster
 RS_MERGE_MAX_M = 256
+#: merged GEMM+RS rows take the widest of these (block_n, block_k) with at least
+#: RS_MERGED_MIN_TILES tiles of 64 rows (about 0.7 of an H100/H200's 132 SMs), else the last
+_RS_MERGED_TILES = ((128, 128), (64, 128), (32, 256))
+RS_MERGED_MIN_TILES = 92
