@@ -305,12 +305,13 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
     (benchmarks/NOTES.md, session 12).
 
     GEMM+RS at small m (``m_total <= 256``, TP >= 2) likewise runs every rank's rows as one
-    tile space (``rs_merge_rows``, with the spread reduction): 1.02-1.60x cuBLAS's GPU time
-    on the grid's m = 64-256 shapes against 1.13-1.80x for the per-segment table configs; at
-    m = 512 it ran 1.30-1.37x against their 1.03-1.14x (one H200, benchmarks/NOTES.md, session
-    21). Its 64-row tiles narrow from 128 to 64 or 32 columns where fewer than
-    :data:`RS_MERGED_MIN_TILES` tiles would leave most SMs without B to stream (llama3-8b
-    m = 64: 128 tiles of 64x32 ran 1.11x against 32 tiles of 64x128, 1.47x).
+    tile space (``rs_merge_rows``, with the spread reduction). Its 64-row tiles narrow from
+    128 to 64 or 32 columns where fewer than :data:`RS_MERGED_MIN_TILES` tiles would leave
+    most SMs without B to stream (llama3-8b m = 64: 128 tiles of 64x32 ran 1.11x cuBLAS
+    against 32 tiles of 64x128, 1.47x). On the grid's m = 64-256 shapes it ran 0.99-1.43x
+    cuBLAS's GPU time against 1.16-1.72x for the per-segment table configs (two runs, slower
+    on one shape); at m = 512 merged rows ran 1.30-1.37x against their 1.03-1.14x (one H200,
+    benchmarks/NOTES.md, session 21).
 
     AG+GEMM at small m (``m_total <= 512``, TP >= 2) waits for every peer first and treats the
     gathered rows as one operand (``ag_merge_local`` with a lead of 0): each rank's segment is
