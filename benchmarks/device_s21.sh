@@ -38,6 +38,8 @@
 #   smallrs5 the GEMM+RS small-m set (m <= 256), GPU time: the table's config (per segment)
 #          against the default (merged rows, tiles narrowed at small n), twice
 #                                                     -> $OUT/kvc-small-rs-default{1,2}.json
+#   mergedtests (carry .whl) the one-GPU tests of merged rows, gathered rows and two ranks
+#                                                     -> $OUT/tests-merged-final.json
 #   report the comm-off report of the final tree, GPU time alone (--queue-ahead-ms 5): per op,
 #          the table's config and the heuristic default over the whole grid (m = 64-8192), and
 #          both Gluon forms at m >= 1024 (extra0 cooperative, extra1 ping-pong)
@@ -150,6 +152,11 @@ for what in "$@"; do
             "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-small-rs-default${run}.json" \
             2>&1 | grep -v Warning
       done ;;
+    mergedtests)
+      install_carried_wheels || exit 2
+      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 400 python3 benchmarks/record_pytest.py \
+          "${OUT}/tests-merged-final.json" tests/test_kernels_one_gpu.py -q -p no:cacheprovider \
+          -k "reduction_paths or two_ranks or merged" 2>&1 | tail -3 ;;
     report)
       for op in AG+GEMM GEMM+RS; do
         short=$([ "${op}" = AG+GEMM ] && echo ag || echo rs)
