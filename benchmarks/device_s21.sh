@@ -38,6 +38,10 @@
 #   smallrs5 the GEMM+RS small-m set (m <= 256), GPU time: the table's config (per segment)
 #          against the default (merged rows, tiles narrowed at small n), twice
 #                                                     -> $OUT/kvc-small-rs-default{1,2}.json
+#   bigmerge GEMM+RS m = 1024/2048, GPU time: the table's config against merged rows with the
+#          same 128x256 tile (B streamed once instead of once per segment) and against the
+#          per-segment spread reduction alone (what merging costs without the reuse)
+#                                                     -> $OUT/kvc-rs-bigmerge.json
 #   mergedtests (carry .whl) the one-GPU tests of merged rows, gathered rows and two ranks
 #                                                     -> $OUT/tests-merged-final.json
 #   report the comm-off report of the final tree, GPU time alone (--queue-ahead-ms 5): per op,
@@ -152,6 +156,13 @@ for what in "$@"; do
             "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-small-rs-default${run}.json" \
             2>&1 | grep -v Warning
       done ;;
+    bigmerge)
+      T='"block_m": 128, "block_n": 256, "block_k": 64, "num_stages": 3, "num_warps": 8, "rs_copy_engine": false'
+      M='"rs_merge_rows": true, "rs_spread_reduce": true, "rs_tma_push": false'
+      timeout 200 python3 ${KVC} --tp 2 --ops GEMM+RS --m 1024 2048 --configs table \
+          --extra "[{${T}, ${M}, \"epilogue_split\": 2}, {${T}, ${M}, \"epilogue_split\": 1},
+                    {${T}, \"rs_spread_reduce\": true, \"epilogue_split\": 2}]" \
+          "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-rs-bigmerge.json" 2>&1 | grep -v Warning ;;
     mergedtests)
       install_carried_wheels || exit 2
       PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 400 python3 benchmarks/record_pytest.py \
