@@ -40,8 +40,10 @@ RS_CONFIGS = [
          rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
     dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=2,
          rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
-    # the narrow merged tile of the small-n default
+    # the narrow and the tall merged tiles of the small-m default (config.merged_rs_tile)
     dict(block_m=64, block_n=32, block_k=256, num_stages=4, num_warps=4, epilogue_split=1,
+         rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
+    dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, epilogue_split=1,
          rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
 ]
 

@@ -143,10 +143,13 @@ def test_small_m_defaults_merge_the_rows_but_old_table_entries_keep_their_schedu
         assert rs.rs_merge_rows and rs.rs_spread_reduce and not rs.rs_tma_push, (m, tp)
         assert not default_config("rs", m, 4096, 14336, tp=tp, gather_small_m=False).rs_merge_rows
     assert not default_config("rs", 512, 4096, 14336, tp=2).rs_merge_rows
-    # at small n the merged tiles narrow until about 0.7 of 132 SMs have a tile
-    for m, n, block_n in ((64, 12288, 128), (64, 8192, 64), (64, 4096, 32), (128, 4096, 64),
-                          (128, 8192, 128), (256, 4096, 128)):
-        assert default_config("rs", m, n, 14336, tp=2).block_n == block_n, (m, n)
+    # the merged tile loads the busiest of 132 SMs least: narrow at small n, taller at larger m
+    for m, n, tile in ((64, 12288, (64, 128)), (64, 8192, (64, 64)), (64, 4096, (64, 32)),
+                       (128, 4096, (64, 64)), (128, 8192, (64, 128)), (128, 12288, (128, 128)),
+                       (256, 4096, (64, 128)), (256, 8192, (128, 128)), (256, 12288, (128, 256))):
+        cfg = default_config("rs", m, n, 14336, tp=2)
+        assert (cfg.block_m, cfg.block_n) == tile, (m, n)
+        assert cfg.num_warps == (8 if cfg.block_m == 128 else 4)
     with pytest.raises(ValueError, match="rs_merge_rows"):
         GemmConfig(rs_merge_rows=True)  # TMA pushes, no spread reduction
 

@@ -305,10 +305,9 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
     (benchmarks/NOTES.md, session 12).
 
     GEMM+RS at small m (``m_total <= 256``, TP >= 2) likewise runs every rank's rows as one
-    tile space (``rs_merge_rows``, with the spread reduction). Its 64-row tiles narrow from
-    128 to 64 or 32 columns where fewer than :data:`RS_MERGED_MIN_TILES` tiles would leave
-    most SMs without B to stream (llama3-8b m = 64: 128 tiles of 64x32 ran 1.11x cuBLAS
-    against 32 tiles of 64x128, 1.47x). On the grid's m = 64-256 shapes it ran 0.99-1.43x
+    tile space (``rs_merge_rows``, with the spread reduction), on the tile that loads the
+    busiest SM least (:func:`merged_rs_tile`: narrower at small n, where 32 tiles of 64x128
+    would leave 100 SMs without B to stream). On the grid's m = 64-256 shapes it ran 0.99-1.43x
     cuBLAS's GPU time against 1.16-1.72x for the per-segment table configs (two runs, slower
     on one shape); at m = 512 merged rows ran 1.30-1.37x against their 1.03-1.14x (one H200,
     benchmarks/NOTES.md, session 21).
@@ -330,12 +329,8 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
     if op == "rs":
         spread = tp is not None and tp >= 8
         if gather_small_m and tp is not None and tp >= 2 and m_total <= RS_MERGE_MAX_M:
-            # at small n, narrower tiles put more SMs on streaming B
-            rows = -(-m_total // 64)
-            block_n, block_k = next(((bn, bk) for bn, bk in _RS_MERGED_TILES
-                                     if rows * -(-n // bn) >= RS_MERGED_MIN_TILES),
-                                    _RS_MERGED_TILES[-1])
-            return GemmConfig(64, block_n, block_k, 4, 4, 8, epilogue_split=1, flatten=True,
+            bm, bn, bk, stages, warps = merged_rs_tile(m_total, n)
+            return GemmConfig(bm, bn, bk, stages, warps, 8, epilogue_split=1, flatten=True,
                               flatten_consume=True, rs_spread_reduce=True, rs_tma_push=False,
                               rs_merge_rows=True)
         if m_total < 1024:  # few rows: 64-row tiles (what the tuner picked on H200 below m=1024)
@@ -360,7 +355,23 @@ AG_GATHER_MAX_M = 512
 #: up to this many global rows GEMM+RS's default runs every rank's rows as one tile space
 #: (``rs_merge_rows``); at m = 512 (TP 2) the per-segment table configs ran faster
 RS_MERGE_MAX_M = 256
-#: merged GEMM+RS rows take the widest of these (block_n, block_k) with at least
-#: RS_MERGED_MIN_TILES tiles of 64 rows (about 0.7 of an H100/H200's 132 SMs), else the last
-_RS_MERGED_TILES = ((128, 128), (64, 128), (32, 256))
-RS_MERGED_MIN_TILES = 92
+#: merged GEMM+RS tiles to choose from: (block_m, block_n, block_k, num_stages, num_warps)
+MERGED_RS_TILES = ((64, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 32, 256, 4, 4),
+                   (128, 128, 64, 4, 8), (128, 256, 64, 3, 8))
+#: SMs the small-m tile choice assumes (H100 / H200)
+ASSUMED_SMS = 132
+
+
+def merged_rs_tile(m_total: int, n: int, sms: int = ASSUMED_SMS):
+    """The :data:`MERGED_RS_TILES` entry whose busiest SM streams the fewest operand columns:
+    at small m the GEMM reads B from memory and every SM streams ``block_m + block_n`` rows of
+    K per tile, so the cost is ``ceil(tiles / sms) * (block_m + block_n)``; the first of equals
+    wins. On one H200 this picked what ran best among 64x128, 64x64 and 64x32 at m = 64-256
+    (benchmarks/NOTES.md, session 21: llama3-8b m = 64, 128 tiles of 64x32, 1.11x cuBLAS
+    against 1.47x for 32 tiles of 64x128)."""
+    def cost(tile):
+        bm, bn = tile[0], tile[1]
+        tiles = -(-m_total // bm) * -(-n // bn)
+        return -(-tiles // sms) * (bm + bn)
+
+    return min(MERGED_RS_TILES, key=cost)
