@@ -307,9 +307,9 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
     GEMM+RS at small m (``m_total <= 256``, TP >= 2) likewise runs every rank's rows as one
     tile space (``rs_merge_rows``, with the spread reduction), on the tile that loads the
     busiest SM least (:func:`merged_rs_tile`: narrower at small n, where 32 tiles of 64x128
-    would leave 100 SMs without B to stream). On the grid's m = 64-256 shapes it ran 0.99-1.43x
-    cuBLAS's GPU time against 1.16-1.72x for the per-segment table configs (two runs, slower
-    on one shape); at m = 512 merged rows ran 1.30-1.37x against their 1.03-1.14x (one H200,
+    would leave 100 SMs without B to stream). On the grid's m = 64-256 shapes it ran 0.98-1.35x
+    cuBLAS's GPU time against 1.21-1.79x for the per-segment table configs (two runs, faster
+    on all 9); at m = 512 merged rows ran 1.30-1.37x against their 1.03-1.14x (one H200,
     benchmarks/NOTES.md, session 21).
 
     AG+GEMM at small m (``m_total <= 512``, TP >= 2) waits for every peer first and treats the
