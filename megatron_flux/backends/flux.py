@@ -9,9 +9,10 @@ Host-side schedule of one AllGather+GEMM call on rank ``r`` (``W`` ranks, epoch 
    each chunk followed by a stream memory write of ``e`` into that peer's signal word;
 3. the current stream waits for the side stream, so the shard and the workspace are safe to reuse.
 
-With ``GemmConfig.ag_merge_local`` the kernel reads its local rows from the gathered workspace
-after a lead of local tiles, so step 0 also copies the shard into this rank's own gathered rows,
-on the current stream before the GEMM (as pulling does). A copy queued on the side stream behind
+With ``GemmConfig.ag_merge_local`` (the default at small m, with a lead of 0) the kernel reads
+its local rows from the gathered workspace after a lead of local tiles, so step 0 also copies
+the shard into this rank's own gathered rows, on the current stream before the GEMM (as pulling
+does). A copy queued on the side stream behind
 the kernel and signalled would overlap the lead, but the kernel would then spin on work queued
 behind it on its own device, which this schedule never does.
 

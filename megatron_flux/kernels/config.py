@@ -57,14 +57,16 @@ class GemmConfig:
     rows, from the shard, no wait); then, after one wait for the group's peers, it walks the
     rest as one tile space whose row tiles are grouped ``group_m`` at a time across the local
     and the peers' rows, all read from the gathered workspace (the host copies the shard into
-    its own rows there before the kernel, in stream order, as pulling does). Aimed at TP 2 with segments of few row tiles (llama3-8b m = 1024: 4 per
-    segment) and at small m, where each segment is one row of tiles and the per-segment
-    schedule streams B once per segment. ``ag_merge_lead = 0`` waits for every peer before
-    the first tile and then treats the gathered rows as one operand, whatever
-    ``ag_peer_group``: tiles span segments, so a row tile is full even where ``m_local <
-    block_m`` (:func:`megatron_flux.kernels.ag_gemm._gathered_tiles`). Stream-K is off. Measured on 2×H200 (benchmarks/NOTES.md, session 15): no faster with
-    communication on, and 0.2-3 % slower in 7 of 8 paired comm-off cases, so it is off by
-    default and not searched by the tuner.
+    its own rows there before the kernel, in stream order, as pulling does). Aimed at TP 2
+    with segments of few row tiles (llama3-8b m = 1024: 4 per segment) and at small m, where
+    each segment is one row of tiles and the per-segment schedule streams B once per segment.
+    ``ag_merge_lead = 0`` waits for every peer before the first tile and then treats the
+    gathered rows as one operand, whatever ``ag_peer_group``: tiles span segments, so a row
+    tile is full even where ``m_local < block_m``
+    (:func:`megatron_flux.kernels.ag_gemm._gathered_tiles`). Stream-K is off. At m = 1024-2048
+    (TP 2, lead 1; benchmarks/NOTES.md, session 15) it was no faster with communication on
+    and 0.2-3 % slower in 7 of 8 paired comm-off cases; at small m, lead 0, it is the default
+    (:func:`default_config`; session 21).
 
     ``rs_copy_engine`` (GEMM+RS only): the producer tiles go into a local staging buffer
     instead of the owners' slots, and the copy engine moves each finished step to its owner
