@@ -42,6 +42,8 @@
 #          same 128x256 tile (B streamed once instead of once per segment) and against the
 #          per-segment spread reduction alone (what merging costs without the reuse)
 #                                                     -> $OUT/kvc-rs-bigmerge.json
+#   splitk   the GEMM+RS small-m set (m <= 256), GPU time: table, default, and merged rows split
+#          along K (rs_split_k) on four tiles        -> $OUT/kvc-small-rs-split.json
 #   mergedtests (carry .whl) the one-GPU tests of merged rows, gathered rows and two ranks
 #                                                     -> $OUT/tests-merged-final.json
 #   report the comm-off report of the final tree, GPU time alone (--queue-ahead-ms 5): per op,
@@ -163,6 +165,15 @@ for what in "$@"; do
           --extra "[{${T}, ${M}, \"epilogue_split\": 2}, {${T}, ${M}, \"epilogue_split\": 1},
                     {${T}, \"rs_spread_reduce\": true, \"epilogue_split\": 2}]" \
           "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-rs-bigmerge.json" 2>&1 | grep -v Warning ;;
+    splitk)
+      R='"rs_merge_rows": true, "rs_spread_reduce": true, "rs_tma_push": false, "rs_copy_engine": false, "epilogue_split": 1'
+      A='"block_m": 64, "block_n": 128, "block_k": 128, "num_stages": 4, "num_warps": 4'
+      B='"block_m": 128, "block_n": 256, "block_k": 64, "num_stages": 3, "num_warps": 8'
+      C='"block_m": 128, "block_n": 128, "block_k": 64, "num_stages": 4, "num_warps": 8'
+      timeout 200 python3 ${KVC} --tp 2 --ops GEMM+RS --m 64 128 256 --configs table default \
+          --extra "[{${R}, ${A}, \"rs_split_k\": 2}, {${R}, ${A}, \"rs_split_k\": 4},
+                    {${R}, ${B}, \"rs_split_k\": 2}, {${R}, ${C}, \"rs_split_k\": 2}]" \
+          "${TIMING[@]}" --queue-ahead-ms 5 --json "${OUT}/kvc-small-rs-split.json" 2>&1 | grep -v Warning ;;
     mergedtests)
       install_carried_wheels || exit 2
       PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 400 python3 benchmarks/record_pytest.py \

@@ -17,7 +17,8 @@ from triton.compiler import ASTSource  # noqa: E402
 _POINTERS = {"own_ptr": "*bf16", "slots_ptr": "*bf16", "x_ptr": "*bf16", "ag_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16",
              "a_ptr": "*bf16", "out_ptr": "*bf16", "data_ptr": "*bf16", "bias_ptr": "*bf16",
              "data_ptrs": "*i64", "flag_ptrs": "*i64", "flags_ptr": "*i32", "err_ptr": "*i32",
-             "sk_partials_ptr": "*fp32", "sk_counters_ptr": "*i32", "trace_ptr": "*i64"}
+             "sk_partials_ptr": "*fp32", "sk_counters_ptr": "*i32", "trace_ptr": "*i64",
+             "parts_ptr": "*fp32", "counters_ptr": "*i32"}
 _SMALL = dict(B_KN=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, NUM_SMS=4,
               FLATTEN=True, WARP_SPECIALIZE=False, ASYNC_FENCE=True)
 
@@ -58,10 +59,12 @@ def test_gemm_rs_merged_rows_compiles_with_one_row_per_rank(world, split):
     from megatron_flux.kernels.config import unroll_steps
     from megatron_flux.kernels.gemm_rs import gemm_rs_kernel
 
-    _compile(gemm_rs_kernel, dict(_SMALL, WORLD=world, RAGGED=False, EPI_SPLIT=split,
-                                  HAS_BIAS=True, TMA_PUSH=False, SPREAD_REDUCE=True,
-                                  UNROLL_STEPS=unroll_steps(world), MERGE_ROWS=True),
-             ones=("m_local",))
+    for k_split in (1, 4):  # (rs_split_k: each tile split along K)
+        _compile(gemm_rs_kernel, dict(_SMALL, WORLD=world, RAGGED=False, EPI_SPLIT=split,
+                                      HAS_BIAS=True, TMA_PUSH=False, SPREAD_REDUCE=True,
+                                      UNROLL_STEPS=unroll_steps(world), MERGE_ROWS=True,
+                                      SPLIT=k_split),
+                 ones=("m_local",))
 
 
 @pytest.mark.parametrize("world", [2, 8])

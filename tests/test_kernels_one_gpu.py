@@ -45,6 +45,9 @@ RS_CONFIGS = [
          rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
     dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, epilogue_split=1,
          rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
+    # ... split along K (rs_split_k): slices meet in scratch, the last pushes
+    dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue_split=1,
+         rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True, rs_split_k=4),
 ]
 
 
@@ -318,6 +321,9 @@ _RS_PAIR = {
     "coop": dict(WS_FORMS["coop"], num_stages=3, epilogue_split=1, rs_warp_specialized=True),
     "merged": dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4,
                    epilogue_split=1, rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
+    "split": dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4,
+                  epilogue_split=1, rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True,
+                  rs_split_k=2),
 }
 
 
@@ -326,7 +332,7 @@ _RS_PAIR = {
     (("coop", "coop"), "even"), (("coop", "ws"), "even"),
     (("ws", "ws"), "skewed"), (("coop", "coop"), "skewed"), (("triton", "triton"), "skewed"),
     (("merged", "merged"), "even"), (("merged", "triton"), "skewed"),
-    (("ws", "merged"), "skewed")],
+    (("ws", "merged"), "skewed"), (("split", "split"), "even"), (("split", "triton"), "skewed")],
     ids=lambda c: "-".join(c) if isinstance(c, tuple) else c)
 def test_gemm_rs_two_ranks_on_one_gpu(configs, split):
     """GEMM+RS of two simulated ranks running concurrently: rank ``r``'s output is rows ``r``

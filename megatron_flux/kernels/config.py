@@ -90,7 +90,11 @@ class GemmConfig:
     owner's slot (masked vector stores), the own rows into the own slot, and the spread
     reduction sums them. At small m a segment is one mostly empty row of tiles, so the
     per-segment schedule runs W times the row tiles and reads B through each of them. The
-    default at small m (:func:`default_config`).
+    default at small m (:func:`default_config`). ``rs_split_k`` = S > 1 splits each such tile
+    along K into S equal slices, each a work item of its own (its K loop pipelined as usual):
+    a slice writes its fp32 part to scratch and counts in at the tile's counter, and the last
+    of the S sums the parts in slice order (bitwise reproducible) and pushes the tile. For
+    small m at small n, where there are fewer tiles than SMs.
 
     ``rs_warp_specialized`` (GEMM+RS only): run the call on the warp-specialized Gluon kernel
     (:mod:`megatron_flux.kernels.gemm_rs_ws`): two MMA warpgroups take alternate tiles, so the
@@ -146,6 +150,7 @@ class GemmConfig:
     rs_warp_specialized: bool = False
     ag_warp_specialized: bool = False
     rs_merge_rows: bool = False
+    rs_split_k: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -192,6 +197,10 @@ class GemmConfig:
                                  f"(cooperative): {self}")
             if self.programs_per_sm != 1:
                 raise ValueError(f"GemmConfig.{knob} runs one program per SM: {self}")
+        if self.rs_split_k not in (1, 2, 4, 8) or isinstance(self.rs_split_k, bool):
+            raise ValueError(f"GemmConfig.rs_split_k must be 1, 2, 4 or 8: {self}")
+        if self.rs_split_k > 1 and not self.rs_merge_rows:
+            raise ValueError(f"GemmConfig.rs_split_k > 1 splits merged rows (rs_merge_rows): {self}")
         if self.rs_merge_rows and (not self.rs_spread_reduce or self.rs_tma_push
                                    or self.rs_copy_engine or self.rs_warp_specialized):
             raise ValueError("GemmConfig.rs_merge_rows reduces with rs_spread_reduce and pushes "

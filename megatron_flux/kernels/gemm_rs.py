@@ -72,11 +72,13 @@ import triton.language as tl
 from megatron_flux.kernels.config import MAX_RS_BANDS, interpreting, launch_geometry, unroll_steps
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
-from megatron_flux.kernels.mainloop import segment_tile, split_columns, tile_mainloop
+from megatron_flux.kernels.mainloop import segment_tile, split_columns, tile_mainloop, \
+    tile_mainloop_slice
 from megatron_flux.kernels.phase_trace import stamp
 from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import arrive_at_grid_barrier, drain_async_stores, \
     fence_async_proxy, release_fence, wait_signal
+from megatron_flux.kernels.stream_k import stream_k_scratch
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step, \
     serpentine
 
@@ -185,6 +187,45 @@ def _merged_rows_producer(a_desc, b_desc, data_ptr, data_ptrs, pid, slot_base, m
 
 
 @triton.jit
+def _merged_rows_split(a_desc, b_desc, data_ptr, data_ptrs, parts_ptr, counters_ptr, pid,
+                       slot_base, m_local, N, k_tiles, num_pid_n, WORLD: tl.constexpr,
+                       SPLIT: tl.constexpr, B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+    """MERGE_ROWS with ``SPLIT`` > 1 (``rs_split_k``): work item ``u`` is slice ``u % SPLIT``
+    (K-tiles ``[s * per, s * per + per)``, ``per = cdiv(k_tiles, SPLIT)``) of tile ``u //
+    SPLIT``; program ``p`` takes items ``p, p + G, ...``. Each writes its fp32 part to scratch
+    slot ``u`` and counts in at the tile's counter (acq_rel, GPU scope); the last of the
+    tile's ``SPLIT`` resets the counter, sums the parts in slice order and pushes the tile by
+    owner (:func:`_push_rows`). Nobody waits for anybody. Not flattened: the count sits under
+    a branch, which Triton 3.6 does not flatten; each slice's K loop stays pipelined."""
+    num_pid_m = tl.cdiv(WORLD * m_local, BLOCK_M)
+    per = tl.cdiv(k_tiles, SPLIT)
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    for u in tl.range(pid, num_pid_m * num_pid_n * SPLIT, NUM_SMS, flatten=False):
+        tile = u // SPLIT
+        k_first = (u - tile * SPLIT) * per
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        row0 = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tile_mainloop_slice(a_desc, b_desc, row0, off_n, k_first,
+                                  tl.maximum(tl.minimum(per, k_tiles - k_first), 0), B_KN,
+                                  BLOCK_M, BLOCK_N, BLOCK_K)
+        tl.store(parts_ptr + tl.cast(u, tl.int64) * (BLOCK_M * BLOCK_N) + offs, acc)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tl.atomic_xchg(counters_ptr + tile, 0, sem="relaxed", scope="gpu")
+            tl.debug_barrier()
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(0, SPLIT):
+                total += tl.load(parts_ptr + tl.cast(tile * SPLIT + s, tl.int64) * (BLOCK_M * BLOCK_N)
+                                 + offs, cache_modifier=".cg")
+            _push_rows(total, data_ptr, data_ptrs, slot_base, row0, off_n, m_local, N, WORLD,
+                       EPI_SPLIT, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
 def _add_bias(part, bias_ptr, off_n, N, WIDTH: tl.constexpr):
     cols = off_n + tl.arange(0, WIDTH)
     return part + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -247,7 +288,7 @@ def _reduce_tile(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_
 @triton.jit(do_not_specialize=["rank", "epoch", "max_spins"])
 def gemm_rs_kernel(
     a_ptr, b_ptr, out_ptr,
-    data_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr, trace_ptr,
+    data_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr, trace_ptr, parts_ptr, counters_ptr,
     m_local, N, K, ldb, rank, epoch, max_spins,
     WORLD: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr, HAS_BIAS: tl.constexpr,
     EPI_SPLIT: tl.constexpr,
@@ -258,7 +299,7 @@ def gemm_rs_kernel(
     PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True, TMA_REDUCE: tl.constexpr = True,
     SPREAD_REDUCE: tl.constexpr = False, UNROLL_STEPS: tl.constexpr = True,
     CE_PUSH: tl.constexpr = False, CE_BANDS: tl.constexpr = False, TRACE: tl.constexpr = False,
-    MERGE_ROWS: tl.constexpr = False,
+    MERGE_ROWS: tl.constexpr = False, SPLIT: tl.constexpr = 1,
 ):
     """``data_ptr``: this rank's slot region (``[WORLD, m_local, N]``, output dtype) for this
     call's parity; ``data_ptrs``/``flag_ptrs``: int64 tables of every rank's slot region and
@@ -271,7 +312,9 @@ def gemm_rs_kernel(
     CE_PUSH) also a "produced" word per band. TMA descriptors are built on the device.
     TRACE: stamp the phases of :data:`RS_PHASES` into ``trace_ptr`` (:mod:`.phase_trace`).
     MERGE_ROWS (with SPREAD_REDUCE, vector-store pushes, RAGGED=False: A is one ``[WORLD *
-    m_local, K]`` operand): one tile loop over every rank's rows (:func:`_merged_rows_producer`)."""
+    m_local, K]`` operand): one tile loop over every rank's rows (:func:`_merged_rows_producer`);
+    with SPLIT > 1 each tile split along K into SPLIT work items whose fp32 parts meet in the
+    scratch ``parts`` / ``counters`` (:func:`_merged_rows_split`)."""
     stamp(trace_ptr, 0, TRACE)  # start
     if RAGGED:
         a_desc = tl.make_tensor_descriptor(a_ptr, [WORLD, m_local, K], [m_local * K, K, 1],
@@ -297,7 +340,11 @@ def gemm_rs_kernel(
         # loop at the top level of the kernel; nested in a runtime step loop, the AG kernel's
         # ran 1-3 % slower at TP 2 (NOTES.md, s9). At TP 8 a runtime loop is up to 2-3 %
         # faster: seven unrolled copies are four times the code (NOTES.md, s12).
-        if MERGE_ROWS:
+        if MERGE_ROWS and SPLIT > 1:
+            _merged_rows_split(a_desc, b_desc, data_ptr, data_ptrs, parts_ptr, counters_ptr, pid,
+                               slot_base, m_local, N, k_tiles, num_pid_n, WORLD, SPLIT, B_KN,
+                               EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS)
+        elif MERGE_ROWS:
             _merged_rows_producer(a_desc, b_desc, data_ptr, data_ptrs, pid, slot_base, m_local,
                                   N, k_tiles, num_pid_n, WORLD, B_KN, EPI_SPLIT, BLOCK_M,
                                   BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE)
@@ -540,25 +587,34 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
         gemm_rs_ws.warn_fallback(reason)
 
     merge_rows = cfg.rs_merge_rows  # GemmConfig: with the spread reduction, vector pushes
+    split = cfg.rs_split_k if merge_rows and produce else 1
 
     def plan(per_sm):
         """(grid, runtime args, constexprs) with ``per_sm`` programs per SM."""
         geo = launch_geometry(m_local, n, b, world, cfg, num_sms * per_sm)
+        grid = geo.grid
+        parts, counters = err, err  # never touched without a split
+        if split > 1:  # a program per work item, up to the SMs
+            tiles = -(-world * m_local // cfg.block_m) * -(-n // cfg.block_n)
+            grid = min(num_sms * per_sm, tiles * split)
+            scratch = stream_k_scratch(a.device, -(-tiles * split // 2), cfg.block_m,
+                                       cfg.block_n, tiles=tiles)
+            parts, counters = scratch.partials, scratch.counters
         args = (a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
-                trace if trace is not None else err, m_local, n, k, geo.ldb, rank, epoch,
-                max_spins)
+                trace if trace is not None else err, parts, counters, m_local, n, k, geo.ldb,
+                rank, epoch, max_spins)
         constexprs = dict(
             WORLD=world, RAGGED=geo.ragged and not merge_rows, B_KN=geo.b_kn,
             HAS_BIAS=bias is not None,
             EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=geo.grid, FLATTEN=cfg.flatten,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=grid, FLATTEN=cfg.flatten,
             FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
             TMA_PUSH=cfg.rs_tma_push, ASYNC_FENCE=not interpreting(), PRODUCE=produce,
             CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce,
             UNROLL_STEPS=unroll_steps(world), CE_PUSH=cfg.rs_copy_engine,
             CE_BANDS=cfg.rs_copy_engine and cfg.rs_ce_bands, TRACE=trace is not None,
-            MERGE_ROWS=merge_rows)
-        return geo.grid, args, constexprs
+            MERGE_ROWS=merge_rows, SPLIT=split)
+        return grid, args, constexprs
 
     ensure_descriptor_allocator()
     # every program must be resident: consumers wait on the peer's whole grid

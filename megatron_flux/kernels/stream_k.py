@@ -78,23 +78,26 @@ class _Scratch:
 _SCRATCH: Dict[tuple, _Scratch] = {}
 
 
-def stream_k_scratch(device: torch.device, grid: int, block_m: int, block_n: int) -> _Scratch:
-    """Slots ``[grid, 2, block_m * block_n]`` fp32 and ``2 * grid`` int32 counters (zero) for
-    launches on the current stream of ``device`` (one per CPU, for the interpreter); grown,
-    never shrunk."""
+def stream_k_scratch(device: torch.device, grid: int, block_m: int, block_n: int,
+                     tiles: int = 0) -> _Scratch:
+    """Slots ``[grid, 2, block_m * block_n]`` fp32 and ``max(2 * grid, tiles)`` int32 counters
+    (zero) for launches on the current stream of ``device`` (one per CPU, for the
+    interpreter); grown, never shrunk. (GEMM+RS's split along K uses ``2 * grid`` slots as one
+    per split tile, ``tiles`` counters as one per tile.)"""
     if device.type == "cpu":
         key = ("cpu",)
     else:
         index = device.index if device.index is not None else torch.cuda.current_device()
         key = (index, torch.cuda.current_stream(device).cuda_stream)
     need = grid * 2 * block_m * block_n
+    counters = max(2 * grid, tiles)
     s = _SCRATCH.get(key)
-    if s is None or s.partials.numel() < need or s.counters.numel() < 2 * grid:
+    if s is None or s.partials.numel() < need or s.counters.numel() < counters:
         old_p = s.partials.numel() if s is not None else 0
         old_c = s.counters.numel() if s is not None else 0
         s = _SCRATCH[key] = _Scratch(
             torch.empty(max(need, old_p), dtype=torch.float32, device=device),
-            torch.zeros(max(2 * grid, old_c), dtype=torch.int32, device=device))
+            torch.zeros(max(counters, old_c), dtype=torch.int32, device=device))
     return s
 
 
