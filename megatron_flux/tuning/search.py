@@ -85,8 +85,9 @@ NOT_SEARCHED: Dict[str, str] = {
                       "communication on, slower in 7 of 8 paired comm-off cases at TP 2 "
                       "(benchmarks/NOTES.md, sessions 15 and 21)",
     "ag_merge_lead": "only matters with ag_merge_local",
-    "rs_merge_rows": "the default at m <= 512, where the per-segment default is tried as a "
+    "rs_merge_rows": "the default at m <= 256, where the per-segment default is tried as a "
                      "seed (benchmarks/NOTES.md, session 21)",
+    "rs_split_k": "only with merged rows, where it gets two seeds (RS_MERGED_SEEDS)",
     "rs_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
                            "fixed forms); GEMM+RS at short K gets it as one seed "
                            "(RS_SHORT_K_SEEDS)",
@@ -169,6 +170,15 @@ AG_SEEDS: Tuple[Dict[str, object], ...] = (
          epilogue_split=1, warp_specialize=False, ag_warp_specialized=True,
          ag_merge_local=False),
 )
+
+
+#: GEMM+RS whose default merges every rank's rows (small m) also tries 64x128 tiles split along
+#: K in 2 and 4 (``rs_split_k``): with communication off on one H200 they ran 0.87x the
+#: default on llama3-8b m = 128 and 0.94x on gpt3-175b m = 64, and lost elsewhere
+#: (benchmarks/NOTES.md, session 21).
+RS_MERGED_SEEDS: Tuple[Dict[str, object], ...] = tuple(
+    dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue_split=1,
+         rs_split_k=split) for split in (2, 4))
 
 
 def seeds_for(op: str, k: int) -> Tuple[Dict[str, object], ...]:
@@ -264,6 +274,8 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
         seen.add(twin)
         seed_cfgs.append(twin)
     pinned = {f: vals[0] for f, vals in space.items() if len(set(vals)) == 1}
+    if base.rs_merge_rows:
+        seeds = tuple(seeds) + RS_MERGED_SEEDS
     for seed in seeds:
         try:
             # a knob the space pins keeps its one value (e.g. warp_specialize on Hopper)
