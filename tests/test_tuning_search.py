@@ -352,9 +352,13 @@ def test_hopper_search_pins_knobs_that_compile_to_the_same_kernel():
 
 
 def test_small_m_gemm_rs_also_tries_its_split_along_k():
-    """Where the GEMM+RS default merges every rank's rows (small m), the candidates include
-    64x128 tiles split along K in 2 and 4, and the per-segment default; not at large m."""
+    """Where the GEMM+RS default merges every rank's rows (small m), the default seeds include
+    64x128 tiles split along K in 2 and 4, and the candidates the per-segment default; not at
+    large m, nor when the caller gives the seeds."""
     c = S.generate_candidates("rs", 128, 4096, 14336, 2, max_candidates=8)
     assert c[0].rs_merge_rows and not c[1].rs_merge_rows
     assert {x.rs_split_k for x in c if (x.block_m, x.block_n) == (64, 128)} >= {2, 4}
     assert all(x.rs_split_k == 1 for x in S.generate_candidates("rs", 4096, 4096, 14336, 2))
+    # explicit seeds are the seeds: nothing is added to them
+    assert all(x.rs_split_k == 1
+               for x in S.generate_candidates("rs", 128, 4096, 14336, 2, seeds=()))

@@ -218,7 +218,8 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     pushing (AG) or with the other ReduceScatter delivery (RS: copy engine vs SM pushes), and at
     small m, where the default runs every rank's rows as one tile space, the per-segment
     default (``default_config(..., gather_small_m=False)``), then
-    the multi-knob seeds (``seeds``; by default :func:`seeds_for` the op and ``k``), then
+    the multi-knob seeds (``seeds``; by default :func:`seeds_for` the op and ``k``, and
+    :data:`RS_MERGED_SEEDS` where the GEMM+RS default merges rows), then
     variations by distance from the default; the
     single-knob ones breadth-first (one value of each knob, comm knobs first, then the next).
 
@@ -234,12 +235,12 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     from megatron_flux.kernels.config import GemmConfig, default_config
 
     op = normalize_op(op)
-    if seeds is None:
-        seeds = seeds_for(op, k)
     if m_total % tp:
         raise ValueError(f"m={m_total} is not divisible by tp={tp}")
     space = dict(SEARCH_SPACE if space is None else space)
     base = default_config(op, m_total, n, k, tp=tp)
+    if seeds is None:
+        seeds = seeds_for(op, k) + (RS_MERGED_SEEDS if base.rs_merge_rows else ())
     m_local = m_total // tp
     for other, knobs_of_other in _OP_KNOBS.items():  # e.g. RS has no chunked copy, no side stream
         if other != op:
@@ -274,8 +275,6 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
         seen.add(twin)
         seed_cfgs.append(twin)
     pinned = {f: vals[0] for f, vals in space.items() if len(set(vals)) == 1}
-    if base.rs_merge_rows:
-        seeds = tuple(seeds) + RS_MERGED_SEEDS
     for seed in seeds:
         try:
             # a knob the space pins keeps its one value (e.g. warp_specialize on Hopper)
