@@ -78,7 +78,7 @@ from megatron_flux.kernels.phase_trace import stamp
 from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import arrive_at_grid_barrier, drain_async_stores, \
     fence_async_proxy, release_fence, wait_signal
-from megatron_flux.kernels.stream_k import stream_k_scratch
+from megatron_flux.kernels.stream_k import claim_tile, publish_part, stream_k_scratch
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step, \
     serpentine
 
@@ -195,10 +195,11 @@ def _merged_rows_split(a_desc, b_desc, data_ptr, data_ptrs, parts_ptr, counters_
     """MERGE_ROWS with ``SPLIT`` > 1 (``rs_split_k``): work item ``u`` is slice ``u % SPLIT``
     (K-tiles ``[s * per, s * per + per)``, ``per = cdiv(k_tiles, SPLIT)``) of tile ``u //
     SPLIT``; program ``p`` takes items ``p, p + G, ...``. Each writes its fp32 part to scratch
-    slot ``u`` and counts in at the tile's counter (acq_rel, GPU scope); the last of the
-    tile's ``SPLIT`` resets the counter, sums the parts in slice order and pushes the tile by
-    owner (:func:`_push_rows`). Nobody waits for anybody. Not flattened: the count sits under
-    a branch, which Triton 3.6 does not flatten; each slice's K loop stays pipelined."""
+    slot ``u`` and counts in at the tile's counter (stream-K's protocol,
+    :func:`.stream_k.publish_part`); the last of the tile's ``SPLIT`` resets the counter, sums
+    the parts in slice order and pushes the tile by owner (:func:`_push_rows`). Nobody waits
+    for anybody. Not flattened: the count sits under a branch, which Triton 3.6 does not
+    flatten; each slice's K loop stays pipelined."""
     num_pid_m = tl.cdiv(WORLD * m_local, BLOCK_M)
     per = tl.cdiv(k_tiles, SPLIT)
     offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -211,12 +212,10 @@ def _merged_rows_split(a_desc, b_desc, data_ptr, data_ptrs, parts_ptr, counters_
         acc = tile_mainloop_slice(a_desc, b_desc, row0, off_n, k_first,
                                   tl.maximum(tl.minimum(per, k_tiles - k_first), 0), B_KN,
                                   BLOCK_M, BLOCK_N, BLOCK_K)
-        tl.store(parts_ptr + tl.cast(u, tl.int64) * (BLOCK_M * BLOCK_N) + offs, acc)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        arrived = publish_part(acc, parts_ptr + tl.cast(u, tl.int64) * (BLOCK_M * BLOCK_N) + offs,
+                               counters_ptr + tile)
         if arrived == SPLIT - 1:
-            tl.atomic_xchg(counters_ptr + tile, 0, sem="relaxed", scope="gpu")
-            tl.debug_barrier()
+            claim_tile(counters_ptr + tile)
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in tl.static_range(0, SPLIT):
                 total += tl.load(parts_ptr + tl.cast(tile * SPLIT + s, tl.int64) * (BLOCK_M * BLOCK_N)

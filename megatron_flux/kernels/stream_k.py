@@ -125,10 +125,28 @@ def sk_publish_part(acc, partials_ptr, counters_ptr, pid, u, per, k_tiles, first
     the tile (:func:`sk_sum_parts`). The caller stores a tile covered by one program itself:
     keeping the two paths apart keeps ``acc`` out of any merge with the summed tile (a merged
     accumulator made ptxas serialise every wgmma of the kernel, C7515)."""
-    tl.store(_slot_ptrs(partials_ptr, pid, u, per, k_tiles, BLOCK_M, BLOCK_N), acc)
+    return publish_part(acc, _slot_ptrs(partials_ptr, pid, u, per, k_tiles, BLOCK_M, BLOCK_N),
+                        counters_ptr + u) == last - first
+
+
+@triton.jit
+def publish_part(acc, part_ptrs, counter_ptr):
+    """Store a program's fp32 part of a tile at ``part_ptrs``, then count it in at the tile's
+    counter (acq_rel, GPU scope, after the whole CTA's stores); returns how many had arrived
+    before. The one that sees the tile's part count less one owns the tile: it calls
+    :func:`claim_tile`, then reads the parts (``.cg``). Shared by stream-K here and GEMM+RS's
+    split along K (:func:`~megatron_flux.kernels.gemm_rs._merged_rows_split`)."""
+    tl.store(part_ptrs, acc)
     tl.debug_barrier()
-    arrived = tl.atomic_add(counters_ptr + u, 1, sem="acq_rel", scope="gpu")
-    return arrived == last - first
+    return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
+def claim_tile(counter_ptr):
+    """The tile's last arrival resets its counter for the next launch, before its CTA reads
+    the parts (:func:`publish_part`)."""
+    tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -136,8 +154,7 @@ def sk_sum_parts(partials_ptr, counters_ptr, u, per, k_tiles, first, last,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Tile ``u`` as the sum of its programs' parts in program order (fixed, so bitwise
     reproducible); resets the tile's counter for the next launch."""
-    tl.atomic_xchg(counters_ptr + u, 0, sem="relaxed", scope="gpu")
-    tl.debug_barrier()
+    claim_tile(counters_ptr + u)
     tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for p in range(first, last + 1):
         tile += tl.load(_slot_ptrs(partials_ptr, p, u, per, k_tiles, BLOCK_M, BLOCK_N),
