@@ -34,10 +34,22 @@ one_gpu_session() {  # one_gpu_session: GPU 0 only, experiments importable, Trit
     sample_gpus "${OUT}/smi.csv" 200 timestamp,clocks.sm,power.draw,temperature.gpu
 }
 
-one_gpu_tests() {  # one_gpu_tests: the GPU-marked tests on this one GPU (2-GPU ones skip),
-    # megatron-core from the carried wheel -> $OUT/tests-1gpu.json and .log
+every_gpu_session() {  # every_gpu_session: every local GPU, experiments importable, Triton
+    # cache in the ignored .device/, nvidia-smi logging SM clock, power and temperature per GPU
+    # every 200 ms to $OUT/smi.csv until the script exits
+    export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments"
+    export TRITON_CACHE_DIR="${PWD}/.device/triton-cache"
+    sample_gpus "${OUT}/smi.csv" 200
+}
+
+gpu_tests() {  # gpu_tests TIMEOUT NAME: every GPU-marked test on the visible GPUs (those that
+    # need more skip), megatron-core from the carried wheel -> $OUT/NAME.json and .log
     install_carried_wheels || return 1
-    PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 200 python3 benchmarks/record_pytest.py \
-        "${OUT}/tests-1gpu.json" tests -q -m gpu -p no:cacheprovider > "${OUT}/tests-1gpu.log" 2>&1
-    echo "tests exit $?"; tail -2 "${OUT}/tests-1gpu.log"
+    PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout "$1" python3 benchmarks/record_pytest.py \
+        "${OUT}/$2.json" tests -q -m gpu -p no:cacheprovider > "${OUT}/$2.log" 2>&1
+    echo "tests exit $?"; tail -2 "${OUT}/$2.log"
+}
+
+one_gpu_tests() {  # one_gpu_tests: gpu_tests on one GPU -> $OUT/tests-1gpu.json and .log
+    gpu_tests 200 tests-1gpu
 }

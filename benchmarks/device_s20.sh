@@ -34,9 +34,7 @@ OUT="${OUT:-/tmp/s20}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
 case " $* " in
-  *" tests2 "*|*" wsab "*)  # every GPU
-    export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments" TRITON_CACHE_DIR="${PWD}/.device/triton-cache"
-    sample_gpus "${OUT}/smi.csv" 200 ;;
+  *" tests2 "*|*" wsab "*) every_gpu_session ;;
   *) one_gpu_session ;;
 esac
 TIMING=(--trials 7 --iters 20 --warmup 10 --shuffle-seed 0)
@@ -86,16 +84,8 @@ for what in "$@"; do
       install_carried_wheels || exit 2
       PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 560 python3 ${EXP}/mutants_ws.py --timeout 130 \
           --json "${OUT}/mutants.json" ${MUTANTS:+--only ${MUTANTS}} 2>&1 | grep -v Warning ;;
-    tests)
-      install_carried_wheels || exit 2
-      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 540 python3 benchmarks/record_pytest.py \
-          "${OUT}/tests-1gpu.json" tests -q -m gpu -p no:cacheprovider > "${OUT}/tests-1gpu.log" 2>&1
-      echo "tests exit $?"; tail -2 "${OUT}/tests-1gpu.log" ;;
-    tests2)
-      install_carried_wheels || exit 2
-      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 560 python3 benchmarks/record_pytest.py \
-          "${OUT}/tests-2gpu.json" tests -q -m gpu -p no:cacheprovider > "${OUT}/tests-2gpu.log" 2>&1
-      echo "tests exit $?"; tail -2 "${OUT}/tests-2gpu.log" ;;
+    tests) gpu_tests 540 tests-1gpu || exit 2 ;;
+    tests2) gpu_tests 560 tests-2gpu || exit 2 ;;
     wsab)
       RS_FIXED='"rs_warp_specialized": true, "block_m": 128, "block_k": 64, "epilogue_split": 1, "rs_ce_bands": false, "rs_spread_reduce": false, "programs_per_sm": 1'
       AG_FIXED='"ag_warp_specialized": true, "block_m": 128, "block_k": 64, "epilogue_split": 1, "ag_peer_group": 1, "ag_merge_local": false, "stream_k": 0, "programs_per_sm": 1'

@@ -67,9 +67,7 @@ OUT="${OUT:-/tmp/s21}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
 case " $* " in
-  *" smalltune "*)  # every GPU
-    export PYTHONPATH="${PWD}" TRITON_CACHE_DIR="${PWD}/.device/triton-cache"
-    sample_gpus "${OUT}/smi.csv" 200 ;;
+  *" smalltune "*) every_gpu_session ;;
   *) one_gpu_session ;;
 esac
 TIMING=(--trials 7 --iters 20 --warmup 10 --shuffle-seed 0)
@@ -202,11 +200,7 @@ for what in "$@"; do
           --trials 5 --iters 20 --out-json "${OUT}/bench-small.json" --out-png "${OUT}/bench-small.png" \
           > "${OUT}/bench-small.log" 2>&1
       echo "   bench exit $? (${SECONDS}s)"; grep -A8 "^summary" "${OUT}/bench-small.log" ;;
-    tests)
-      install_carried_wheels || exit 2
-      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 560 python3 benchmarks/record_pytest.py \
-          "${OUT}/tests-1gpu.json" tests -q -m gpu -p no:cacheprovider > "${OUT}/tests-1gpu.log" 2>&1
-      echo "tests exit $?"; tail -2 "${OUT}/tests-1gpu.log" ;;
+    tests) gpu_tests 560 tests-1gpu || exit 2 ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
 done
