@@ -590,13 +590,15 @@ def check_gemm_rs_merged_rows():
 
 
 def _check_gemm_rs_merged_rows_split():
-    """``rs_split_k``: each merged tile split along K into 2, 4 or 8 slices (one ragged: K not
-    a multiple of the slices), on more work items than programs: the right product, the same
-    bits on a repeat, every tile counter back at zero."""
+    """``rs_split_k``: each merged tile split along K into 2-8 slices (ragged ones: K not a
+    multiple of the slices; with 5 slices of 3 K-tiles two slices are empty), on more work
+    items than programs: the right product, the same bits on a repeat, every tile counter
+    back at zero."""
     from megatron_flux.kernels.stream_k import _SCRATCH
 
     for world, m_local, k, n, split in ((2, 9, 64, 64, 2), (4, 12, 128, 96, 4),
-                                        (8, 5, 80, 32, 8), (2, 16, 48, 64, 4)):
+                                        (8, 5, 80, 32, 8), (2, 16, 48, 64, 4),
+                                        (2, 9, 80, 64, 3), (4, 6, 48, 32, 5)):
         cfg = GemmConfig(**{**MERGED_RS.to_dict(), "rs_split_k": split})
         torch.manual_seed(world + m_local + split)
         w = _rs_world(world, m_local, k, n, False, True, cfg=cfg)

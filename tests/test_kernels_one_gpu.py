@@ -48,6 +48,9 @@ RS_CONFIGS = [
     # ... split along K (rs_split_k): slices meet in scratch, the last pushes
     dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue_split=1,
          rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True, rs_split_k=4),
+    # ... into a count that does not divide K's tiles (slices of unequal length)
+    dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, epilogue_split=1,
+         rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True, rs_split_k=3),
 ]
 
 

@@ -156,7 +156,8 @@ def test_small_m_defaults_merge_the_rows_but_old_table_entries_keep_their_schedu
     assert GemmConfig(rs_split_k=4, **merged).rs_split_k == 4
     with pytest.raises(ValueError, match="rs_split_k > 1 splits merged rows"):
         GemmConfig(rs_split_k=2)
-    for bad in (3, 16, True):
+    assert GemmConfig(rs_split_k=3, **merged).rs_split_k == 3  # any count: it balances waves
+    for bad in (0, 17, True, 2.0):
         with pytest.raises(ValueError, match="rs_split_k must be"):
             GemmConfig(rs_split_k=bad, **merged)
 

@@ -197,8 +197,9 @@ class GemmConfig:
                                  f"(cooperative): {self}")
             if self.programs_per_sm != 1:
                 raise ValueError(f"GemmConfig.{knob} runs one program per SM: {self}")
-        if self.rs_split_k not in (1, 2, 4, 8) or isinstance(self.rs_split_k, bool):
-            raise ValueError(f"GemmConfig.rs_split_k must be 1, 2, 4 or 8: {self}")
+        if (isinstance(self.rs_split_k, bool) or not isinstance(self.rs_split_k, int)
+                or not 1 <= self.rs_split_k <= MAX_RS_SPLIT_K):
+            raise ValueError(f"GemmConfig.rs_split_k must be an int in 1..{MAX_RS_SPLIT_K}: {self}")
         if self.rs_split_k > 1 and not self.rs_merge_rows:
             raise ValueError(f"GemmConfig.rs_split_k > 1 splits merged rows (rs_merge_rows): {self}")
         if self.rs_merge_rows and (not self.rs_spread_reduce or self.rs_tma_push
@@ -241,6 +242,9 @@ class LaunchGeometry:
 def tiles_per_segment(m_local: int, n: int, cfg: GemmConfig) -> int:
     return -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
 
+
+#: Most K slices per merged GEMM+RS tile (``rs_split_k``)
+MAX_RS_SPLIT_K = 16
 
 #: Most bands per producer step of a banded copy-engine GEMM+RS (``rs_ce_bands``)
 MAX_RS_BANDS = 8

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Session 22, one GPU (kind nvidia-h100-x1 / nvidia-h200; again no 2-GPU box lent), comm off.
+# Why: at small m the GEMM streams B from memory, and a merged GEMM+RS tile loop with fewer
+# tiles than SMs leaves SMs idle (gpt3-175b m = 128: 96 tiles of 128x128 on 132 SMs, 1.25-1.41x
+# cuBLAS). rs_split_k now takes any count 1..16, so tiles x slices can fill the grid evenly.
+#   splitsweep the GEMM+RS small-m set (m = 64-512), GPU time alone: table, default, merged rows
+#          with three tiles split along K into 2, 3, 4, 6 slices, and the plain yardstick of the
+#          default's tile                              -> $OUT/kvc-rs-split-sweep.json
+#          then the one-GPU tests of the reduction paths (split into 3 slices among them)
+#          and of two ranks                            -> $OUT/tests-split.json
+# nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
+# Usage: OUT=/somewhere bash benchmarks/device_s22.sh splitsweep
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-/tmp/s22}"
+mkdir -p "${OUT}"
+source benchmarks/device_env.sh
+one_gpu_session
+TIMING=(--trials 7 --iters 20 --warmup 10 --shuffle-seed 0 --queue-ahead-ms 5)
+KVC=megatron_flux/bench/kernel_vs_cublas.py
+MERGED='"rs_merge_rows": true, "rs_spread_reduce": true, "rs_tma_push": false, "rs_copy_engine": false, "epilogue_split": 1'
+T64='"block_m": 64, "block_n": 128, "block_k": 128, "num_stages": 4, "num_warps": 4'
+T128='"block_m": 128, "block_n": 128, "block_k": 64, "num_stages": 4, "num_warps": 8'
+T256='"block_m": 128, "block_n": 256, "block_k": 64, "num_stages": 3, "num_warps": 8'
+splits() {  # splits TILE S...: merged-rows configs of TILE split along K into S slices
+  local tile="$1"; shift
+  for s in "$@"; do printf '{%s, %s, "rs_split_k": %s}, ' "${MERGED}" "${tile}" "${s}"; done
+}
+for what in "$@"; do
+  echo "== ${what} ($(date +%T), ${SECONDS}s)"
+  case "${what}" in
+    splitsweep)
+      EXTRA="[$(splits "${T128}" 1 2 3 4 6)$(splits "${T64}" 2 3 4)$(splits "${T256}" 2 3){\"runner\": \"plain\"}]"
+      timeout 560 python3 ${KVC} --tp 2 --ops GEMM+RS --m 64 128 256 512 --configs table default \
+          --extra "${EXTRA}" "${TIMING[@]}" --json "${OUT}/kvc-rs-split-sweep.json" 2>&1 | grep -v Warning
+      timeout $((590 - SECONDS)) python3 benchmarks/record_pytest.py "${OUT}/tests-split.json" \
+          tests/test_kernels_one_gpu.py -q -p no:cacheprovider -k "reduction_paths or two_ranks" 2>&1 | tail -3 ;;
+    *) echo "unknown stage ${what}"; exit 2 ;;
+  esac
+done
+echo "== done in ${SECONDS}s"
