@@ -8,6 +8,11 @@
 #          default's tile                              -> $OUT/kvc-rs-split-sweep.json
 #          then the one-GPU tests of the reduction paths (split into 3 slices among them)
 #          and of two ranks                            -> $OUT/tests-split.json
+#   gluonsmall the small-m GEMMs alone (AG's [m, K] x [K, fc1 / TP] and GEMM+RS's merged
+#          [m, K] x [K, h]), GPU time: cuBLAS, the plain Triton yardstick (three tiles) and the
+#          warp-specialized Gluon GEMM (ping-pong, a dedicated load warp, deeper rings): would
+#          small m gain from moving the gathered / merged schedules onto it?
+#                                                     -> $OUT/gluon-small.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s22.sh splitsweep
 set -uo pipefail
@@ -18,6 +23,7 @@ source benchmarks/device_env.sh
 one_gpu_session
 TIMING=(--trials 7 --iters 20 --warmup 10 --shuffle-seed 0 --queue-ahead-ms 5)
 KVC=megatron_flux/bench/kernel_vs_cublas.py
+EXP=benchmarks/experiments
 MERGED='"rs_merge_rows": true, "rs_spread_reduce": true, "rs_tma_push": false, "rs_copy_engine": false, "epilogue_split": 1'
 T64='"block_m": 64, "block_n": 128, "block_k": 128, "num_stages": 4, "num_warps": 4'
 T128='"block_m": 128, "block_n": 128, "block_k": 64, "num_stages": 4, "num_warps": 8'
@@ -35,6 +41,17 @@ for what in "$@"; do
           --extra "${EXTRA}" "${TIMING[@]}" --json "${OUT}/kvc-rs-split-sweep.json" 2>&1 | grep -v Warning
       timeout $((590 - SECONDS)) python3 benchmarks/record_pytest.py "${OUT}/tests-split.json" \
           tests/test_kernels_one_gpu.py -q -p no:cacheprovider -k "reduction_paths or two_ranks" 2>&1 | tail -3 ;;
+    gluonsmall)
+      SHAPES=()
+      for m in 64 128 256; do
+        SHAPES+=("${m}x24576x12288" "${m}x28672x8192" "${m}x14336x4096"
+                 "${m}x12288x24576" "${m}x8192x28672" "${m}x4096x14336")
+      done
+      timeout 400 python3 ${EXP}/gluon_ws_gemm.py --shapes "${SHAPES[@]}" --ag-world 1 \
+          --plain-configs 64x128x128x4x4 128x128x64x4x8 128x256x64x3x8 \
+          --ws-configs 64x128x64x8 64x128x128x4 128x128x64x5 \
+          --trials 7 --iters 20 --warmup 10 --shuffle-seed 0 --queue-ahead-ms 5 \
+          --json "${OUT}/gluon-small.json" 2>&1 | grep -v Warning ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
 done

@@ -117,6 +117,10 @@ def main(argv=None):
     add_timing_args(p)
     p.add_argument("--ag-config", type=int, default=0,
                    help="index into CONFIGS of the AG form's config (0: 4 stages, 1: 5 stages)")
+    p.add_argument("--ws-configs", nargs="+", default=None, metavar="BMxBNxBKxSTAGES",
+                   help="the warp-specialized (ping-pong) configs to time (default: CONFIGS)")
+    p.add_argument("--plain-configs", nargs="+", default=["128x128x64x4x4", "128x256x64x3x8"],
+                   metavar="BMxBNxBKxSTAGESxWARPS", help="the plain Triton yardstick's configs")
     p.add_argument("--ag-table", action="store_true",
                    help="time the package's AG kernel with the shipped table's config (else the "
                         "heuristic default without stream-K)")
@@ -129,8 +133,10 @@ def main(argv=None):
     from megatron_flux.kernels.config import GemmConfig, default_config
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plain_cfgs = {"plain-128x128": GemmConfig(128, 128, 64, 4, 4, 8),
-                  "plain-128x256": GemmConfig(128, 256, 64, 3, 8, 8)}
+    plain_cfgs = {f"plain-{spec}": GemmConfig(*map(int, spec.split("x")), 8)
+                  for spec in args.plain_configs}
+    ws_cfgs = ([(*map(int, spec.split("x")), 232) for spec in args.ws_configs]
+               if args.ws_configs else CONFIGS)
     rows = []
     for shape in args.shapes:
         m, n, k = parse_shape(shape)
@@ -141,7 +147,7 @@ def main(argv=None):
             o = torch.full((m, n), float("nan"), device="cuda", dtype=a.dtype)
             fns[name] = lambda o=o, cfg=cfg: launch_plain_gemm(a, w, o, cfg, sms)
             outs[name] = (o, lambda: full)
-        for cfg in CONFIGS:
+        for cfg in ws_cfgs:
             name = "ws-" + "x".join(map(str, cfg))
             o = torch.full((m, n), float("nan"), device="cuda", dtype=a.dtype)
             try:  # a config that does not build or run is reported and skipped
