@@ -203,13 +203,15 @@ class GemmConfig:
         if self.rs_split_k > 1 and not self.rs_merge_rows:
             raise ValueError(f"GemmConfig.rs_split_k > 1 splits merged rows (rs_merge_rows): {self}")
         if self.rs_merge_rows and (not self.rs_spread_reduce or self.rs_tma_push
-                                   or self.rs_copy_engine or self.rs_warp_specialized):
+                                   or self.rs_copy_engine):
             raise ValueError("GemmConfig.rs_merge_rows reduces with rs_spread_reduce and pushes "
                              "with vector stores (rs_tma_push=False), on the SMs (no "
-                             f"rs_copy_engine), in the Triton kernel (no rs_warp_specialized): {self}")
-        if self.rs_warp_specialized and (self.rs_spread_reduce or self.rs_ce_bands):
-            raise ValueError("GemmConfig.rs_warp_specialized does not implement "
-                             f"rs_spread_reduce or rs_ce_bands: {self}")
+                             f"rs_copy_engine): {self}")
+        if self.rs_warp_specialized and (self.rs_ce_bands or self.rs_split_k > 1 or (
+                self.rs_spread_reduce and not self.rs_merge_rows)):
+            raise ValueError("GemmConfig.rs_warp_specialized does not implement rs_ce_bands, "
+                             "rs_split_k or rs_spread_reduce without rs_merge_rows (its merged "
+                             f"rows reduce spread): {self}")
         if self.ag_warp_specialized and (self.ag_peer_group != 1 or self.ag_merge_local):
             raise ValueError("GemmConfig.ag_warp_specialized runs the per-segment schedule: no "
                              f"ag_peer_group > 1, no ag_merge_local: {self}")

@@ -85,6 +85,8 @@ if gluon is not None:
         empty: gl.shared_memory_descriptor
         handoff: gl.shared_memory_descriptor
         pload: gl.shared_memory_descriptor
+        data_ptr: gl.tensor
+        out_ptr: gl.tensor
         data_ptrs: gl.tensor
         flag_ptrs: gl.tensor
         bias_ptr: gl.tensor
@@ -102,12 +104,14 @@ if gluon is not None:
         GROUP_M: gl.constexpr
         NUM_PROGRAMS: gl.constexpr
         PARTITIONS: gl.constexpr
+        MERGE_ROWS: gl.constexpr
+        OWNER_STEPS: gl.constexpr
 
         @gluon.constexpr_function
         def __init__(self, a_desc, b_desc, out_desc, slots_desc, a_bufs, b_bufs, c_bufs, ready,
-                     empty, handoff, pload, data_ptrs, flag_ptrs, bias_ptr, err_ptr, m_local, N,
-                     K, rank, epoch, max_spins, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M,
-                     NUM_PROGRAMS, PARTITIONS):
+                     empty, handoff, pload, data_ptr, out_ptr, data_ptrs, flag_ptrs, bias_ptr,
+                     err_ptr, m_local, N, K, rank, epoch, max_spins, WORLD, B_KN, HAS_BIAS,
+                     CE_PUSH, GROUP_M, NUM_PROGRAMS, PARTITIONS, MERGE_ROWS):
             self.a_desc = a_desc
             self.b_desc = b_desc
             self.out_desc = out_desc
@@ -119,6 +123,8 @@ if gluon is not None:
             self.empty = empty
             self.handoff = handoff
             self.pload = pload
+            self.data_ptr = data_ptr
+            self.out_ptr = out_ptr
             self.data_ptrs = data_ptrs
             self.flag_ptrs = flag_ptrs
             self.bias_ptr = bias_ptr
@@ -136,6 +142,10 @@ if gluon is not None:
             self.GROUP_M = gl.constexpr(GROUP_M)
             self.NUM_PROGRAMS = gl.constexpr(NUM_PROGRAMS)
             self.PARTITIONS = gl.constexpr(PARTITIONS)
+            self.MERGE_ROWS = gl.constexpr(MERGE_ROWS)
+            # owners whose signal the grid's last arrival raises: the peers, and with merged
+            # rows (whose own partial is pushed to the own slot too) this rank
+            self.OWNER_STEPS = gl.constexpr(WORLD if MERGE_ROWS else WORLD - 1)
 
     @gluon.jit
     def _tile(p, j):
@@ -143,21 +153,35 @@ if gluon is not None:
         the segment, ``a_row`` in A)."""
         BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
-        tps = tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N)
         t = gl.program_id(0) + j * p.NUM_PROGRAMS
-        step = t // tps
-        seg = segment_of_step(step, p.rank, p.WORLD, True)
-        pid_m, pid_n = grouped_tile(serpentine(t, step, tps), gl.cdiv(p.m_local, BLOCK_M),
-                                    gl.cdiv(p.N, BLOCK_N), p.GROUP_M)
-        off_m = pid_m * BLOCK_M
-        return step, seg, seg * p.m_local + off_m, off_m, pid_n * BLOCK_N
+        if p.MERGE_ROWS:  # one tile space over every rank's rows; off_m = a_row is global
+            pid_m, pid_n = grouped_tile(t, gl.cdiv(p.WORLD * p.m_local, BLOCK_M),
+                                        gl.cdiv(p.N, BLOCK_N), p.GROUP_M)
+            step = 0
+            seg = 0
+            off_m = pid_m * BLOCK_M
+            a_row = off_m
+        else:
+            tps = tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N)
+            step = t // tps
+            seg = segment_of_step(step, p.rank, p.WORLD, True)
+            pid_m, pid_n = grouped_tile(serpentine(t, step, tps), gl.cdiv(p.m_local, BLOCK_M),
+                                        gl.cdiv(p.N, BLOCK_N), p.GROUP_M)
+            off_m = pid_m * BLOCK_M
+            a_row = seg * p.m_local + off_m
+        return step, seg, a_row, off_m, pid_n * BLOCK_N
 
     @gluon.jit
     def _num_tiles(p):
         BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
-        return tiles_of_program(tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N), p.WORLD,
-                                p.NUM_PROGRAMS)
+        if p.MERGE_ROWS:
+            n = tiles_of_program(gl.cdiv(p.WORLD * p.m_local, BLOCK_M) * gl.cdiv(p.N, BLOCK_N), 1,
+                                 p.NUM_PROGRAMS)
+        else:
+            n = tiles_of_program(tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N), p.WORLD,
+                                 p.NUM_PROGRAMS)
+        return n
 
     @gluon.jit
     def _load_partition(p):
@@ -191,7 +215,7 @@ if gluon is not None:
             gl.atomic_xchg(my_flags + p.WORLD + 1, p.epoch + zero, mask=last, sem="relaxed",
                            scope="sys")
         else:
-            for owner_step in gl.static_range(p.WORLD - 1):
+            for owner_step in gl.static_range(p.OWNER_STEPS):
                 seg = segment_of_step(owner_step, p.rank, p.WORLD, True)
                 owner_flags = gl.load(p.flag_ptrs + seg + zero).to(gl.pointer_type(gl.int32))
                 gl.atomic_xchg(owner_flags + p.rank, p.epoch + zero, mask=last, sem="relaxed",
@@ -199,6 +223,78 @@ if gluon is not None:
 
     @gluon.jit
     def _mma_partition(p, C: gl.constexpr):
+        if p.MERGE_ROWS:
+            _merged_mma_partition(p, C)
+        else:
+            _segment_mma_partition(p, C)
+
+    @gluon.jit
+    def _merged_mma_partition(p, C: gl.constexpr):
+        """MERGE_ROWS: MMA partition ``C``'s tiles of the ``[WORLD * m_local, N]`` partial, each
+        stored by TMA into the slot ``r`` of every owner whose rows it reaches (the tile's row
+        within that owner's slot is negative when the tile starts in an earlier segment: TMA
+        writes only the rows inside the slot's bounds), then the grid barrier and the spread
+        reduction (:func:`_spread_reduce`)."""
+        BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
+        BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
+        dtype: gl.constexpr = p.out_desc.dtype
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[8 // p.PARTITIONS, 1], instr_shape=[16, BLOCK_N, 16])
+        one_layout: gl.constexpr = gl.BlockedLayout([1], [32], [8 // p.PARTITIONS], [0])
+        red_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8 // p.PARTITIONS, 1], [1, 0])
+        k_tiles = gl.cdiv(p.K, BLOCK_K)
+        c_buf = p.c_bufs.index(C)
+        slot = (p.rank * p.m_local).to(gl.int64) * p.N  # this rank's slot in every owner's region
+        for j in range(C, _num_tiles(p), p.PARTITIONS):
+            step, seg, a_row, off_m, off_n = _tile(p, j)
+            acc = mma_tile(p.a_bufs, p.b_bufs, p.ready, p.empty, p.handoff, j, k_tiles, C,
+                           p.PARTITIONS, p.B_KN, BLOCK_M, BLOCK_N, acc_layout)
+            tma.store_wait(0)
+            c_buf.store(acc.to(dtype))
+            fence_async_shared()
+            for owner in gl.static_range(p.WORLD):
+                first = owner * p.m_local
+                if (a_row < first + p.m_local) & (a_row + BLOCK_M > first):
+                    dst = gl.load(p.data_ptrs + owner).to(gl.pointer_type(dtype)) + slot
+                    push = tma.make_tensor_descriptor(dst, [p.m_local, p.N], [p.N, 1],
+                                                      [BLOCK_M, BLOCK_N], p.out_desc.layout)
+                    tma_store(push, [a_row - first, off_n], c_buf)
+        _arrive(p, one_layout)
+        tma.store_wait(0)
+        _spread_reduce(p, C, red_layout)
+
+    @gluon.jit
+    def _spread_reduce(p, C: gl.constexpr, layout: gl.constexpr):
+        """Wait (acquire, bounded) until every rank, this one included, has pushed its partial
+        of this rank's rows, then sum the ``WORLD`` slots in rank order ``0..W-1`` (+ bias) into
+        ``out``, ``RED_M x RED_N`` chunks dealt round-robin over the grid's ``P G`` MMA
+        partitions: :func:`.gemm_rs._spread_reduce`'s sum and order, so the same bits."""
+        RED_M: gl.constexpr = 32
+        RED_N: gl.constexpr = 256
+        dtype: gl.constexpr = p.out_desc.dtype
+        my_flags = gl.load(p.flag_ptrs + p.rank).to(gl.pointer_type(gl.int32))
+        for peer in range(p.WORLD):
+            wait_signal(my_flags + peer, p.epoch, p.max_spins, p.err_ptr, _OP_GEMM_RS, p.rank, peer)
+        num_n = gl.cdiv(p.N, RED_N)
+        workers: gl.constexpr = p.NUM_PROGRAMS * p.PARTITIONS
+        for c in range(gl.program_id(0) * p.PARTITIONS + C, gl.cdiv(p.m_local, RED_M) * num_n,
+                       workers):
+            rows = (c // num_n) * RED_M + gl.arange(0, RED_M, gl.SliceLayout(1, layout))
+            off_n = (c % num_n) * RED_N
+            cols = off_n + gl.arange(0, RED_N, gl.SliceLayout(0, layout))
+            mask = (rows[:, None] < p.m_local) & (cols[None, :] < p.N)
+            offs = rows.to(gl.int64)[:, None] * p.N + cols[None, :]
+            acc = gl.zeros([RED_M, RED_N], gl.float32, layout)
+            for src in gl.static_range(p.WORLD):
+                acc += gl.load(p.data_ptr + (p.m_local * src).to(gl.int64) * p.N + offs, mask=mask,
+                               other=0.0).to(gl.float32)
+            if p.HAS_BIAS:
+                acc += gl.load(p.bias_ptr + cols, mask=cols < p.N, other=0.0).to(gl.float32)[None, :]
+            gl.store(p.out_ptr + offs, acc.to(dtype), mask=mask)
+
+    @gluon.jit
+    def _segment_mma_partition(p, C: gl.constexpr):
         BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
@@ -289,14 +385,16 @@ if gluon is not None:
                           B_KN: gl.constexpr, HAS_BIAS: gl.constexpr, CE_PUSH: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                          PARTITIONS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                          PARTITIONS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          MERGE_ROWS: gl.constexpr = False):
         """``a`` ``[WORLD * m_local, K]``; ``b`` ``[K, N]`` row-major (B_KN) or a transposed
         row-major ``[N, K]`` (leading stride ``ldb``); ``out`` ``[m_local, N]``; ``data_ptr``
         this rank's ``[WORLD, m_local, N]`` slot region of this call's parity; ``data_ptrs`` /
         ``flag_ptrs`` every rank's slot region and signal words (as
         :func:`.gemm_rs.gemm_rs_kernel`); ``PARTITIONS`` MMA partitions (2: ping-pong, 1:
         cooperative). Launch with :func:`.gluon_ws.launch_options`; descriptors are built on
-        the device."""
+        the device. MERGE_ROWS: one tile space over every rank's rows, pushed by owner, then
+        the spread reduction (:func:`_merged_mma_partition`)."""
         dtype: gl.constexpr = a_ptr.dtype.element_ty
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
@@ -316,8 +414,9 @@ if gluon is not None:
         for i in gl.static_range(2):
             mbarrier.init(pload.index(i), count=1)
         p = _Args(a_desc, b_desc, out_desc, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty,
-                  handoff, pload, data_ptrs, flag_ptrs, bias_ptr, err_ptr, m_local, N, K, rank,
-                  epoch, max_spins, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M, NUM_PROGRAMS, PARTITIONS)
+                  handoff, pload, data_ptr, out_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr,
+                  m_local, N, K, rank, epoch, max_spins, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M,
+                  NUM_PROGRAMS, PARTITIONS, MERGE_ROWS)
         if PARTITIONS == 2:
             gl.warp_specialize([(_mma_partition, (p, 0)), (_mma_partition_1, (p, )),
                                 (_load_partition, (p, ))], [4, 1], [CONSUMER_REGS, 24])
@@ -335,6 +434,10 @@ def unsupported_reason(a, m_local: int, cfg, *, trace=None, produce=True, consum
     """Why this call cannot run :func:`gemm_rs_ws_kernel` (None: it can)."""
     if GLUON_ERROR is None and not interpreting() and (trace is not None or not (produce and consume)):
         return "phase traces and split phases exist only in the Triton kernel"
+    if cfg.rs_merge_rows:  # row tiles may span segments: any m_local but 1
+        if m_local == 1:  # Triton makes an argument equal to 1 a constant, which the kernel's
+            return "1 row per rank"  # arguments (tensors) cannot hold
+        return gluon_ws.unsupported_reason(a, cfg.block_m, cfg)
     return gluon_ws.unsupported_reason(a, m_local, cfg)
 
 
@@ -349,6 +452,8 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
     m, k = a.shape
     m_local = m // world
     n, b_kn, ldb, grid = gluon_ws.launch_geometry(b, m_local, world, cfg, num_sms)
+    if cfg.rs_merge_rows:  # one tile space over every rank's rows
+        grid = min(num_sms, -(-m // cfg.block_m) * -(-n // cfg.block_n))
     ensure_descriptor_allocator()
     gemm_rs_ws_kernel[(grid,)](
         a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
@@ -356,4 +461,4 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
         WORLD=world, B_KN=b_kn, HAS_BIAS=bias is not None, CE_PUSH=cfg.rs_copy_engine,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages, NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg),
-        CONSUMER_REGS=CONSUMER_REGS, **gluon_ws.launch_options(cfg))
+        CONSUMER_REGS=CONSUMER_REGS, MERGE_ROWS=cfg.rs_merge_rows, **gluon_ws.launch_options(cfg))
