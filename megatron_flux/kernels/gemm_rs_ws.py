@@ -231,9 +231,9 @@ if gluon is not None:
     @gluon.jit
     def _merged_mma_partition(p, C: gl.constexpr):
         """MERGE_ROWS: MMA partition ``C``'s tiles of the ``[WORLD * m_local, N]`` partial, each
-        stored by TMA into the slot ``r`` of every owner whose rows it reaches (the tile's row
-        within that owner's slot is negative when the tile starts in an earlier segment: TMA
-        writes only the rows inside the slot's bounds), then the grid barrier and the spread
+        stored into the slot ``r`` of every owner whose rows it reaches: by TMA (which clips
+        the rows past the slot's end), or, for the owner whose segment starts inside the tile,
+        by masked vector stores (:func:`_store_rows`); then the grid barrier and the spread
         reduction (:func:`_spread_reduce`)."""
         BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
@@ -257,12 +257,32 @@ if gluon is not None:
                 first = owner * p.m_local
                 if (a_row < first + p.m_local) & (a_row + BLOCK_M > first):
                     dst = gl.load(p.data_ptrs + owner).to(gl.pointer_type(dtype)) + slot
-                    push = tma.make_tensor_descriptor(dst, [p.m_local, p.N], [p.N, 1],
-                                                      [BLOCK_M, BLOCK_N], p.out_desc.layout)
-                    tma_store(push, [a_row - first, off_n], c_buf)
+                    if a_row >= first:  # TMA clips the rows past the slot's end
+                        push = tma.make_tensor_descriptor(dst, [p.m_local, p.N], [p.N, 1],
+                                                          [BLOCK_M, BLOCK_N], p.out_desc.layout)
+                        tma_store(push, [a_row - first, off_n], c_buf)
+                    else:  # the tile starts in an earlier segment: TMA takes no negative row
+                        _store_rows(c_buf, dst, a_row - first, off_n, p.m_local, p.N, red_layout)
         _arrive(p, one_layout)
         tma.store_wait(0)
         _spread_reduce(p, C, red_layout)
+
+    @gluon.jit
+    def _store_rows(c_buf, dst, row0, off_n, m_local, N, layout: gl.constexpr):
+        """Masked vector stores of the rounded tile in ``c_buf`` at rows ``row0 ..`` of the
+        ``[m_local, N]`` slot at ``dst``, only the rows inside it (``row0`` < 0: a tile that
+        starts in an earlier segment; a TMA store with a negative row raised an illegal
+        instruction on H200). Between two barriers of the partition: every thread's tile is in
+        ``c_buf`` before the reads, and every read is done before the next tile overwrites it."""
+        BLOCK_M: gl.constexpr = c_buf.type.shape[0]
+        BLOCK_N: gl.constexpr = c_buf.type.shape[1]
+        partition_barrier()
+        vals = c_buf.load(layout)
+        rows = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, layout))
+        cols = off_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, layout))
+        mask = (rows[:, None] >= 0) & (rows[:, None] < m_local) & (cols[None, :] < N)
+        gl.store(dst + (rows.to(gl.int64)[:, None] * N + cols[None, :]), vals, mask=mask)
+        partition_barrier()
 
     @gluon.jit
     def _spread_reduce(p, C: gl.constexpr, layout: gl.constexpr):
