@@ -42,7 +42,10 @@ def test_seed_configs_come_right_after_the_default_and_respect_the_filters():
         base = default_config(op, m, 14336, 4096, tp=2)
         c = S.generate_candidates(op, m, 14336, 4096, 2, max_candidates=10**6)
         expected = []
-        for seed in S.SEED_CONFIGS:
+        # merged rows try their own seeds first; a tile spanning segments may be as tall as
+        # every rank's rows (here 64 of them, like one segment's rounded up)
+        merged_seeds = S.RS_MERGED_SEEDS if base.rs_merge_rows else ()
+        for seed in merged_seeds + S.SEED_CONFIGS:
             cfg = GemmConfig(**{**base.to_dict(), **seed})
             if cfg != base and cfg not in expected and cfg.block_m <= max(64, m // 2):
                 expected.append(cfg)
@@ -358,6 +361,10 @@ def test_small_m_gemm_rs_also_tries_its_split_along_k():
     c = S.generate_candidates("rs", 128, 4096, 14336, 2, max_candidates=8)
     assert c[0].rs_merge_rows and not c[1].rs_merge_rows
     assert {x.rs_split_k for x in c if (x.block_m, x.block_n) == (64, 128)} >= {2, 4}
+    # ... and the merged rows on the warp-specialized kernel: its 128-row tile spans both
+    # ranks' 64 rows (the per-segment bound, 64 rows, would drop it)
+    assert any(x.rs_warp_specialized and x.rs_merge_rows and x.block_m == 128 for x in c)
+    assert c[2:5] == [dataclasses.replace(c[0], **seed) for seed in S.RS_MERGED_SEEDS]
     assert all(x.rs_split_k == 1 for x in S.generate_candidates("rs", 4096, 4096, 14336, 2))
     # explicit seeds are the seeds: nothing is added to them
     assert all(x.rs_split_k == 1

@@ -176,9 +176,15 @@ AG_SEEDS: Tuple[Dict[str, object], ...] = (
 #: K in 2 and 4 (``rs_split_k``): with communication off on one H200 they ran 0.87x the
 #: default on llama3-8b m = 128 and 0.94x on gpt3-175b m = 64, and lost elsewhere
 #: (benchmarks/NOTES.md, session 21).
+#: And the same merged rows on the warp-specialized Gluon kernel, ping-pong 128x128x64 with 5
+#: stages (``rs_warp_specialized``): communication off on one H100 it ran 0.93-0.96x the
+#: default on gpt3-175b m = 128 and llama3-70b m = 256, and lost at m = 64 and at small n
+#: (session 22). These come before the generic seeds, so a short candidate list keeps them.
 RS_MERGED_SEEDS: Tuple[Dict[str, object], ...] = tuple(
     dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue_split=1,
-         rs_split_k=split) for split in (2, 4))
+         rs_split_k=split) for split in (2, 4)) + (
+    dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, epilogue_split=1,
+         rs_warp_specialized=True),)
 
 
 def seeds_for(op: str, k: int) -> Tuple[Dict[str, object], ...]:
@@ -218,15 +224,16 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     pushing (AG) or with the other ReduceScatter delivery (RS: copy engine vs SM pushes), and at
     small m, where the default runs every rank's rows as one tile space, the per-segment
     default (``default_config(..., gather_small_m=False)``), then
-    the multi-knob seeds (``seeds``; by default :func:`seeds_for` the op and ``k``, and
-    :data:`RS_MERGED_SEEDS` where the GEMM+RS default merges rows), then
+    the multi-knob seeds (``seeds``; by default :data:`RS_MERGED_SEEDS` where the GEMM+RS
+    default merges rows, then :func:`seeds_for` the op and ``k``), then
     variations by distance from the default; the
     single-knob ones breadth-first (one value of each knob, comm knobs first, then the next).
 
     Distance = number of knobs that differ from ``default_config``; within a distance the order
     is the product order of ``space`` (deterministic, so every rank builds the same list).
     Filters: ``GemmConfig`` validity, shared memory ``<= smem_limit``, ``block_m`` no larger
-    than the rows per rank segment rounded up to a power of two (at least 64), ``block_n`` /
+    than the rows per rank segment rounded up to a power of two (at least 64; every rank's
+    rows where the tile space spans segments: merged GEMM+RS rows, AG+GEMM gathered first), ``block_n`` /
     ``block_k`` no larger than ``n`` / ``k`` rounded up, and for AG ``chunk_rows`` below the rows
     of a segment (a chunk that large is one chunk: the default already covers it). RS keeps the
     default ``chunk_rows``, side-stream priority and ``ag_pull`` (it has no chunked copy); AG keeps
@@ -240,7 +247,7 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     space = dict(SEARCH_SPACE if space is None else space)
     base = default_config(op, m_total, n, k, tp=tp)
     if seeds is None:
-        seeds = seeds_for(op, k) + (RS_MERGED_SEEDS if base.rs_merge_rows else ())
+        seeds = (RS_MERGED_SEEDS if base.rs_merge_rows else ()) + seeds_for(op, k)
     m_local = m_total // tp
     for other, knobs_of_other in _OP_KNOBS.items():  # e.g. RS has no chunked copy, no side stream
         if other != op:
@@ -251,11 +258,14 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     unknown = set(space) - set(knobs)
     if unknown:
         raise ValueError(f"search space has knobs GemmConfig does not have: {sorted(unknown)}")
-    bm_max = max(64, _pow2_at_least(m_local))
     seen = {base}
     scored = []
 
     def fits(cfg) -> bool:
+        # a row tile covers at most one segment's rows, or every rank's where the tile space
+        # spans segments (merged GEMM+RS rows, AG+GEMM gathered first)
+        spans = cfg.rs_merge_rows or (cfg.ag_merge_local and cfg.ag_merge_lead == 0)
+        bm_max = max(64, _pow2_at_least(m_total if spans else m_local))
         return (smem_bytes(cfg, elem_bytes) <= smem_limit and cfg.block_m <= bm_max
                 and cfg.block_n <= max(64, _pow2_at_least(n))
                 and cfg.block_k <= max(32, _pow2_at_least(k)))
