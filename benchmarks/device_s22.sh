@@ -19,6 +19,9 @@
 #          then the GEMM+RS small-m set, GPU time: table, default, and merged rows on the Gluon
 #          kernel, ping-pong 64x128x64/8, 64x128x128/4, 128x128x64/5, cooperative 128x256x64/3
 #                                                     -> $OUT/kvc-rs-wsmerged.json
+#   wskvc  the kvc half of wsmerged alone (the GEMM+RS small-m set: table, default, merged
+#          rows on the Gluon kernel)                 -> $OUT/kvc-rs-wsmerged.json
+#   tests  (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s22.sh splitsweep
 set -uo pipefail
@@ -58,18 +61,19 @@ for what in "$@"; do
           --ws-configs 64x128x64x8 64x128x128x4 128x128x64x5 \
           --trials 7 --iters 20 --warmup 10 --shuffle-seed 0 --queue-ahead-ms 5 \
           --json "${OUT}/gluon-small.json" 2>&1 | grep -v Warning ;;
-    wsmerged)
-      timeout 300 python3 benchmarks/record_pytest.py "${OUT}/tests-wsmerged.json" \
-          tests/test_kernels_one_gpu.py -q -p no:cacheprovider -k "reduction_paths or two_ranks" \
-          2>&1 | tail -15
+    wsmerged|wskvc)
+      [ "${what}" = wsmerged ] && timeout 300 python3 benchmarks/record_pytest.py \
+          "${OUT}/tests-wsmerged.json" tests/test_kernels_one_gpu.py -q -p no:cacheprovider \
+          -k "reduction_paths or two_ranks" 2>&1 | tail -15
       W='"rs_warp_specialized": true, "rs_merge_rows": true, "rs_spread_reduce": true, "rs_tma_push": false, "rs_copy_engine": false, "epilogue_split": 1, "rs_split_k": 1'
-      timeout $((590 - SECONDS)) python3 ${KVC} --tp 2 --ops GEMM+RS --m 64 128 256 512 \
+      timeout 240 python3 ${KVC} --tp 2 --ops GEMM+RS --m 64 128 256 512 \
           --configs table default \
           --extra "[{${W}, \"block_m\": 64, \"block_n\": 128, \"block_k\": 64, \"num_stages\": 8, \"num_warps\": 4},
                     {${W}, \"block_m\": 64, \"block_n\": 128, \"block_k\": 128, \"num_stages\": 4, \"num_warps\": 4},
                     {${W}, \"block_m\": 128, \"block_n\": 128, \"block_k\": 64, \"num_stages\": 5, \"num_warps\": 4},
                     {${W}, \"block_m\": 128, \"block_n\": 256, \"block_k\": 64, \"num_stages\": 3, \"num_warps\": 8}]" \
           "${TIMING[@]}" --json "${OUT}/kvc-rs-wsmerged.json" 2>&1 | grep -v Warning ;;
+    tests) gpu_tests $((590 - SECONDS)) tests-1gpu || exit 2 ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
 done
