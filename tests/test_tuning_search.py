@@ -365,6 +365,14 @@ def test_small_m_gemm_rs_also_tries_its_split_along_k():
     # ranks' 64 rows (the per-segment bound, 64 rows, would drop it)
     assert any(x.rs_warp_specialized and x.rs_merge_rows and x.block_m == 128 for x in c)
     assert c[2:5] == [dataclasses.replace(c[0], **seed) for seed in S.RS_MERGED_SEEDS]
+    # at m = 512 the default runs per segment: the Gluon merged seed names its merged-rows
+    # knobs and still applies; the split seeds, which need a merged default, do not
+    c = S.generate_candidates("rs", 512, 12288, 24576, 2, max_candidates=8)
+    assert not c[0].rs_merge_rows
+    assert any(x.rs_warp_specialized and x.rs_merge_rows and x.rs_spread_reduce for x in c)
+    assert all(x.rs_split_k == 1 for x in c)
+    assert not any(x.rs_merge_rows
+                   for x in S.generate_candidates("rs", 1024, 12288, 24576, 2, max_candidates=8))
     assert all(x.rs_split_k == 1 for x in S.generate_candidates("rs", 4096, 4096, 14336, 2))
     # explicit seeds are the seeds: nothing is added to them
     assert all(x.rs_split_k == 1

@@ -176,15 +176,21 @@ AG_SEEDS: Tuple[Dict[str, object], ...] = (
 #: K in 2 and 4 (``rs_split_k``): with communication off on one H200 they ran 0.87x the
 #: default on llama3-8b m = 128 and 0.94x on gpt3-175b m = 64, and lost elsewhere
 #: (benchmarks/NOTES.md, session 21).
-#: And the same merged rows on the warp-specialized Gluon kernel, ping-pong 128x128x64 with 5
-#: stages (``rs_warp_specialized``): communication off on one H100 it ran 0.93-0.96x the
-#: default on gpt3-175b m = 128 and llama3-70b m = 256, and lost at m = 64 and at small n
-#: (session 22). These come before the generic seeds, so a short candidate list keeps them.
+#: And merged rows on the warp-specialized Gluon kernel, ping-pong 128x128x64 with 5 stages
+#: (``rs_warp_specialized``): communication off it ran 0.91x / 0.95x the default on gpt3-175b
+#: m = 128 and llama3-70b m = 256 on one H200 (0.96x / 0.93x on one H100), 0.92x the TP 2
+#: table's per-segment config on gpt3-175b m = 512, and lost at m = 64 and at small n
+#: (benchmarks/NOTES.md, session 22). It names the merged-rows knobs, so it also applies where
+#: the default does not merge (up to :data:`RS_MERGED_SEED_MAX_M`); the split seeds need a
+#: merged default. These come before the generic seeds, so a short candidate list keeps them.
 RS_MERGED_SEEDS: Tuple[Dict[str, object], ...] = tuple(
     dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue_split=1,
          rs_split_k=split) for split in (2, 4)) + (
     dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, epilogue_split=1,
-         rs_warp_specialized=True),)
+         rs_warp_specialized=True, rs_merge_rows=True, rs_spread_reduce=True,
+         rs_tma_push=False, rs_copy_engine=False),)
+#: GEMM+RS tries :data:`RS_MERGED_SEEDS` up to this many global rows
+RS_MERGED_SEED_MAX_M = 512
 
 
 def seeds_for(op: str, k: int) -> Tuple[Dict[str, object], ...]:
@@ -224,8 +230,8 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     pushing (AG) or with the other ReduceScatter delivery (RS: copy engine vs SM pushes), and at
     small m, where the default runs every rank's rows as one tile space, the per-segment
     default (``default_config(..., gather_small_m=False)``), then
-    the multi-knob seeds (``seeds``; by default :data:`RS_MERGED_SEEDS` where the GEMM+RS
-    default merges rows, then :func:`seeds_for` the op and ``k``), then
+    the multi-knob seeds (``seeds``; by default :data:`RS_MERGED_SEEDS` for GEMM+RS up to
+    :data:`RS_MERGED_SEED_MAX_M` rows, then :func:`seeds_for` the op and ``k``), then
     variations by distance from the default; the
     single-knob ones breadth-first (one value of each knob, comm knobs first, then the next).
 
@@ -247,7 +253,8 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     space = dict(SEARCH_SPACE if space is None else space)
     base = default_config(op, m_total, n, k, tp=tp)
     if seeds is None:
-        seeds = (RS_MERGED_SEEDS if base.rs_merge_rows else ()) + seeds_for(op, k)
+        merged = op == "rs" and (base.rs_merge_rows or m_total <= RS_MERGED_SEED_MAX_M)
+        seeds = (RS_MERGED_SEEDS if merged else ()) + seeds_for(op, k)
     m_local = m_total // tp
     for other, knobs_of_other in _OP_KNOBS.items():  # e.g. RS has no chunked copy, no side stream
         if other != op:
