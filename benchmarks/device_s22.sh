@@ -21,6 +21,8 @@
 #                                                     -> $OUT/kvc-rs-wsmerged.json
 #   wskvc  the kvc half of wsmerged alone (the GEMM+RS small-m set: table, default, merged
 #          rows on the Gluon kernel)                 -> $OUT/kvc-rs-wsmerged.json
+#   wskvc2 a replicate of wskvc's timing with ping-pong 128x128x64/5 and 64x128x64/8, and a
+#          narrow 64x64x128/6 for small n          -> $OUT/kvc-rs-wsmerged2.json
 #   tests  (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s22.sh splitsweep
@@ -73,6 +75,13 @@ for what in "$@"; do
                     {${W}, \"block_m\": 128, \"block_n\": 128, \"block_k\": 64, \"num_stages\": 5, \"num_warps\": 4},
                     {${W}, \"block_m\": 128, \"block_n\": 256, \"block_k\": 64, \"num_stages\": 3, \"num_warps\": 8}]" \
           "${TIMING[@]}" --json "${OUT}/kvc-rs-wsmerged.json" 2>&1 | grep -v Warning ;;
+    wskvc2)
+      W='"rs_warp_specialized": true, "rs_merge_rows": true, "rs_spread_reduce": true, "rs_tma_push": false, "rs_copy_engine": false, "epilogue_split": 1, "rs_split_k": 1, "num_warps": 4'
+      timeout 240 python3 ${KVC} --tp 2 --ops GEMM+RS --m 64 128 256 512 --configs table default \
+          --extra "[{${W}, \"block_m\": 128, \"block_n\": 128, \"block_k\": 64, \"num_stages\": 5},
+                    {${W}, \"block_m\": 64, \"block_n\": 128, \"block_k\": 64, \"num_stages\": 8},
+                    {${W}, \"block_m\": 64, \"block_n\": 64, \"block_k\": 128, \"num_stages\": 6}]" \
+          "${TIMING[@]}" --json "${OUT}/kvc-rs-wsmerged2.json" 2>&1 | grep -v Warning ;;
     tests) gpu_tests $((590 - SECONDS)) tests-1gpu || exit 2 ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
