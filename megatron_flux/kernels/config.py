@@ -94,7 +94,9 @@ class GemmConfig:
     along K into S equal slices, each a work item of its own (its K loop pipelined as usual):
     a slice writes its fp32 part to scratch and counts in at the tile's counter, and the last
     of the S sums the parts in slice order (bitwise reproducible) and pushes the tile. For
-    small m at small n, where there are fewer tiles than SMs.
+    small m at small n, where there are fewer tiles than SMs. Any S from 1 to 16; counts that
+    make tiles x S fill the SMs evenly did not beat the default (benchmarks/NOTES.md, session
+    22). With ``rs_warp_specialized`` the merged rows run on the Gluon kernel (no split).
 
     ``rs_warp_specialized`` (GEMM+RS only): run the call on the warp-specialized Gluon kernel
     (:mod:`megatron_flux.kernels.gemm_rs_ws`): two MMA warpgroups take alternate tiles, so the
@@ -107,7 +109,10 @@ class GemmConfig:
     one warning. With communication off on one H200 the ping-pong ran 0.92x the table config
     on the training step's short-K GEMM+RS (k = 2048-3072 per rank, m = 8192) and 1.02-1.08x it
     at long K (benchmarks/NOTES.md, session 19); the cooperative 128x256 form ran 0.98-1.02x
-    the table at long K (session 20). Not yet run with communication.
+    the table at long K (session 20). With ``rs_merge_rows`` (and its spread reduction) every
+    rank's rows are one tile space there too, and ``m_local`` may be any count but 1: the
+    ping-pong 128x128 ran 0.90-0.95x the default on gpt3-175b m = 128 and llama3-70b m = 256
+    and 0.91x the table at gpt3-175b m = 512 (session 22). Not yet run with communication.
 
     ``ag_warp_specialized`` (AG+GEMM only): the same for AllGather+GEMM
     (:mod:`megatron_flux.kernels.ag_gemm_ws`): two MMA warpgroups on alternate tiles, one load

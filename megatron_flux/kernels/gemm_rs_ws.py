@@ -47,11 +47,23 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
   bitwise repeatable (fixed order, no atomics on data); the sum is the same expression as
   :mod:`.gemm_rs`'s, though not necessarily the same bits (another MMA instruction shape).
 
+* **Merged rows** (``rs_merge_rows``, MERGE_ROWS; small m): no steps. The flat tile ``t``
+  walks every rank's rows ``[W * m_local, K]`` as one GROUP_M-grouped tile space, so a row tile
+  may span owners. Each tile is rounded into the partition's epilogue buffer and stored into
+  the slot ``r`` of every owner whose rows it reaches, the own slot included: by TMA when the
+  tile starts inside the owner's segment (TMA clips the rows past its end), else by masked
+  vector stores read back from the buffer (a TMA store at a negative row raised an illegal
+  instruction on H200). After its last tile each partition counts in at the grid barrier; the
+  last raises every owner's signal, this rank's too. Then every MMA partition waits (bounded)
+  for all ``W`` signals and sums the ``W`` slots of a share of the own rows into ``out``
+  (the spread reduction of :mod:`.gemm_rs`, same order).
+
 Limits (the launcher falls back to :mod:`.gemm_rs`, with one warning naming why, when a call
-breaks one): ``m_local`` a multiple of ``block_m``; at least ``num_stages`` K-steps; bf16 or
-fp16; a Triton with Gluon (3.6 and 3.9 checked); not under the interpreter, phase traces or the
-separate produce/consume test phases. ``rs_spread_reduce`` and ``rs_ce_bands`` are not
-implemented and ``GemmConfig`` refuses them together with this kernel.
+breaks one): ``m_local`` a multiple of ``block_m`` (merged rows: any but 1); at least
+``num_stages`` K-steps; bf16 or fp16; a Triton with Gluon (3.6 and 3.9 checked); not under the
+interpreter, phase traces or the separate produce/consume test phases. ``rs_ce_bands``,
+``rs_split_k`` and ``rs_spread_reduce`` without merged rows are not implemented and
+``GemmConfig`` refuses them together with this kernel.
 """
 
 from typing import Optional
