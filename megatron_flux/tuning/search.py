@@ -177,9 +177,10 @@ AG_SEEDS: Tuple[Dict[str, object], ...] = (
 #: default on llama3-8b m = 128 and 0.94x on gpt3-175b m = 64, and lost elsewhere
 #: (benchmarks/NOTES.md, session 21).
 #: And merged rows on the warp-specialized Gluon kernel, ping-pong 128x128x64 with 5 stages
-#: (``rs_warp_specialized``): communication off it ran 0.91x / 0.95x the default on gpt3-175b
-#: m = 128 and llama3-70b m = 256 on one H200 (0.96x / 0.93x on one H100), 0.92x the TP 2
-#: table's per-segment config on gpt3-175b m = 512, and lost at m = 64 and at small n
+#: (``rs_warp_specialized``): communication off it ran 0.90-0.91x / 0.94-0.95x the default on
+#: gpt3-175b m = 128 and llama3-70b m = 256 in two runs on one H200 (0.96x / 0.93x on one
+#: H100), 0.91-0.92x the TP 2 table's per-segment config on gpt3-175b m = 512, and lost at
+#: m = 64 and at small n
 #: (benchmarks/NOTES.md, session 22). It names the merged-rows knobs, so it also applies where
 #: the default does not merge (up to :data:`RS_MERGED_SEED_MAX_M`); the split seeds need a
 #: merged default. These come before the generic seeds, so a short candidate list keeps them.
