@@ -23,6 +23,9 @@
 #          rows on the Gluon kernel)                 -> $OUT/kvc-rs-wsmerged.json
 #   wskvc2 a replicate of wskvc's timing with ping-pong 128x128x64/5 and 64x128x64/8, and a
 #          narrow 64x64x128/6 for small n          -> $OUT/kvc-rs-wsmerged2.json
+#   wsbig  GEMM+RS m = 1024/2048, GPU time: the table's config against merged rows on the Gluon
+#          kernel (cooperative 128x256x64/3, ping-pong 128x128x64/5): does one tile space
+#          help the Gluon forms where the per-segment ones lost?  -> $OUT/kvc-rs-wsbig.json
 #   tests  (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s22.sh splitsweep
@@ -82,6 +85,12 @@ for what in "$@"; do
                     {${W}, \"block_m\": 64, \"block_n\": 128, \"block_k\": 64, \"num_stages\": 8},
                     {${W}, \"block_m\": 64, \"block_n\": 64, \"block_k\": 128, \"num_stages\": 6}]" \
           "${TIMING[@]}" --json "${OUT}/kvc-rs-wsmerged2.json" 2>&1 | grep -v Warning ;;
+    wsbig)
+      W='"rs_warp_specialized": true, "rs_merge_rows": true, "rs_spread_reduce": true, "rs_tma_push": false, "rs_copy_engine": false, "epilogue_split": 1, "rs_split_k": 1, "block_m": 128, "block_k": 64'
+      timeout 240 python3 ${KVC} --tp 2 --ops GEMM+RS --m 1024 2048 --configs table \
+          --extra "[{${W}, \"block_n\": 256, \"num_stages\": 3, \"num_warps\": 8},
+                    {${W}, \"block_n\": 128, \"num_stages\": 5, \"num_warps\": 4}]" \
+          "${TIMING[@]}" --json "${OUT}/kvc-rs-wsbig.json" 2>&1 | grep -v Warning ;;
     tests) gpu_tests $((590 - SECONDS)) tests-1gpu || exit 2 ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
