@@ -231,10 +231,67 @@ def test_gemm_rs_ws_bias_layouts_and_signals(world, b_kn, dtype, copy_engine, fo
         assert rel_p < 1e-2, (s, rel_p)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("form", list(WS_FORMS))
-def test_gemm_rs_ws_times_out_loudly_without_peer(form):
-    """A peer that never signals: the warp-specialized kernel's bounded wait gives up and
-    records (op GEMM+RS, rank, peer, value seen) instead of hanging."""
+def test_gemm_rs_ws_merged_rows_bias_and_signals(world, dtype, form):
+    """Merged rows on the warp-specialized GEMM+RS as rank 0 of ``world``, 40 rows per rank:
+    its row tiles span owners, so some owners' rows start inside a tile (the vector-store
+    path). Own rows = the own partial it pushed to its own slot + the peers' slots + bias,
+    against fp32 math; every peer's rows land in that owner's slot 0; the grid's last partition
+    raises every owner's signal, this rank's too; repeated launches are bitwise identical and
+    it took the Gluon kernel (no fallback warning)."""
+    import warnings
+
+    from megatron_flux.kernels.config import GemmConfig, rs_signal_count
+    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+
+    m_local, n, k = 40, 384, 640
+    gen = torch.Generator(device="cuda").manual_seed(world + 5)
+    a = torch.randn(world * m_local, k, device="cuda", generator=gen).to(dtype)
+    w = torch.randn(n, k, device="cuda", generator=gen).to(dtype)
+    bias = torch.randn(n, device="cuda", generator=gen).to(dtype)
+    out = torch.full((m_local, n), float("nan"), device="cuda", dtype=dtype)
+    data = (torch.randn(world, m_local, n, device="cuda", generator=gen) * 8).to(dtype)
+    pushed = torch.zeros(world, m_local, n, device="cuda", dtype=dtype)  # [owner]: rank 0's push
+    flags = torch.zeros(rs_signal_count(world), dtype=torch.int32, device="cuda")
+    flags[1:world] = 1 << 30  # the peers have delivered
+    data_ptrs = torch.tensor([data.data_ptr()] + [pushed[s].data_ptr() for s in range(1, world)],
+                             dtype=torch.int64, device="cuda")
+    flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device="cuda")
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    cfg = GemmConfig(**WS_FORMS[form], num_stages=3, epilogue_split=1, rs_warp_specialized=True,
+                     rs_merge_rows=True, rs_spread_reduce=True, rs_tma_push=False)
+    peers = data[1:].float().sum(0)  # before the launch: slot 0 is overwritten by the push
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the Triton kernel would warn
+        for epoch in (1, 2):
+            out.fill_(float("nan"))
+            launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, bias, err, rank=0,
+                           world=world, epoch=epoch, cfg=cfg, num_sms=4, max_spins=1 << 20)
+            torch.cuda.synchronize()
+            results.append(out.clone())
+            assert err.tolist() == [0, 0, 0, 0], err.tolist()
+            assert int(flags[world]) == 0  # the arrival counter is back at zero
+            assert int(flags[0]) == epoch  # every owner's word [rank 0], this rank's included
+    full = a.float() @ w.t().float()
+    ref = full[:m_local] + peers + bias.float()
+    rel = float((results[0].float() - ref).norm() / ref.norm())
+    assert rel < 1e-2, rel
+    assert torch.equal(results[0], results[1]), "repeated GEMM+RS launches differ"
+    for s in range(1, world):  # rank 0's rows of segment s went to owner s's slot 0
+        pushed_ref = full[s * m_local:(s + 1) * m_local]
+        rel_p = float((pushed[s].float() - pushed_ref).norm() / pushed_ref.norm())
+        assert rel_p < 1e-2, (s, rel_p)
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["segments", "merged"])
+@pytest.mark.parametrize("form", list(WS_FORMS))
+def test_gemm_rs_ws_times_out_loudly_without_peer(form, merged):
+    """A peer that never signals: the warp-specialized kernel's bounded wait (in the own
+    tiles, or with merged rows in the spread reduction) gives up and records (op GEMM+RS,
+    rank, peer, value seen) instead of hanging."""
     from megatron_flux.kernels.config import GemmConfig, rs_signal_count
     from megatron_flux.kernels.gemm_rs import launch_gemm_rs
     from megatron_flux.kernels.signals import OP_GEMM_RS
@@ -249,7 +306,8 @@ def test_gemm_rs_ws_times_out_loudly_without_peer(form):
     data_ptrs = torch.tensor([data.data_ptr(), pushed.data_ptr()], dtype=torch.int64, device="cuda")
     flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device="cuda")
     err = torch.zeros(4, dtype=torch.int32, device="cuda")
-    cfg = GemmConfig(**WS_FORMS[form], num_stages=3, rs_warp_specialized=True)
+    more = dict(rs_merge_rows=True, rs_spread_reduce=True, rs_tma_push=False) if merged else {}
+    cfg = GemmConfig(**WS_FORMS[form], num_stages=3, rs_warp_specialized=True, **more)
     # rank 1 of 2: its peer (rank 0) signals at flags[0]; rank 1's own grid raises flags[1]
     launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err, rank=1, world=world,
                    epoch=5, cfg=cfg, num_sms=8, max_spins=1000)
