@@ -26,6 +26,8 @@
 #   wsbig  GEMM+RS m = 1024/2048, GPU time: the table's config against merged rows on the Gluon
 #          kernel (cooperative 128x256x64/3, ping-pong 128x128x64/5): does one tile space
 #          help the Gluon forms where the per-segment ones lost?  -> $OUT/kvc-rs-wsbig.json
+#   wstests the one-GPU tests of the Gluon merged rows (bias, fp16, TP 4, 40 rows per rank,
+#          the loud timeout) with the reduction paths and two ranks  -> $OUT/tests-ws.json
 #   tests  (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s22.sh splitsweep
@@ -91,6 +93,10 @@ for what in "$@"; do
           --extra "[{${W}, \"block_n\": 256, \"num_stages\": 3, \"num_warps\": 8},
                     {${W}, \"block_n\": 128, \"num_stages\": 5, \"num_warps\": 4}]" \
           "${TIMING[@]}" --json "${OUT}/kvc-rs-wsbig.json" 2>&1 | grep -v Warning ;;
+    wstests)
+      timeout 400 python3 benchmarks/record_pytest.py "${OUT}/tests-ws.json" \
+          tests/test_kernels_one_gpu.py -q -p no:cacheprovider \
+          -k "ws_merged or loudly or reduction_paths or two_ranks" 2>&1 | tail -4 ;;
     tests) gpu_tests $((590 - SECONDS)) tests-1gpu || exit 2 ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
