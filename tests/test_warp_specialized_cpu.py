@@ -49,6 +49,30 @@ def test_the_copy_engine_push_and_a_64_row_tile_are_accepted():
     GemmConfig(**{**WS, "block_m": 64, "block_n": 256})
 
 
+MERGED = dict(rs_merge_rows=True, rs_spread_reduce=True, rs_tma_push=False)
+
+
+def test_merged_rows_run_on_it_with_the_spread_reduction_only():
+    """Merged rows (every rank's rows in one tile space) reduce spread, on the SMs; the
+    kernel takes them, but not split along K."""
+    GemmConfig(**{**WS, **MERGED})
+    GemmConfig(**{**WS, **MERGED, "num_warps": 8, "block_n": 256, "num_stages": 3})
+    with pytest.raises(ValueError, match="rs_split_k"):
+        GemmConfig(**{**WS, **MERGED, "rs_split_k": 2})
+    with pytest.raises(ValueError, match="rs_copy_engine"):
+        GemmConfig(**{**WS, **MERGED, "rs_copy_engine": True})
+
+
+def test_merged_rows_take_any_row_count_but_one(monkeypatch):
+    if gemm_rs_ws.gemm_rs_ws_kernel is None:
+        pytest.skip(gemm_rs_ws.GLUON_ERROR)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert _reason(m_local=300, **MERGED) is None   # tiles span segments
+    assert _reason(m_local=40, **MERGED) is None
+    assert "1 row per rank" in _reason(m_local=1, **MERGED)
+    assert "fewer than num_stages=5" in _reason(m_local=40, k=256, **MERGED)
+
+
 def test_num_warps_picks_the_form_and_its_launch():
     """4 warps: two MMA partitions (ping-pong), each with an epilogue tile; 8: one cooperative
     partition of two warpgroups and one epilogue tile. Both launch 12 warps once Triton pads

@@ -466,11 +466,10 @@ def unsupported_reason(a, m_local: int, cfg, *, trace=None, produce=True, consum
     """Why this call cannot run :func:`gemm_rs_ws_kernel` (None: it can)."""
     if GLUON_ERROR is None and not interpreting() and (trace is not None or not (produce and consume)):
         return "phase traces and split phases exist only in the Triton kernel"
-    if cfg.rs_merge_rows:  # row tiles may span segments: any m_local but 1
-        if m_local == 1:  # Triton makes an argument equal to 1 a constant, which the kernel's
-            return "1 row per rank"  # arguments (tensors) cannot hold
-        return gluon_ws.unsupported_reason(a, cfg.block_m, cfg)
-    return gluon_ws.unsupported_reason(a, m_local, cfg)
+    if cfg.rs_merge_rows and m_local == 1:  # Triton makes an argument equal to 1 a constant,
+        return "1 row per rank"  # which the kernel's arguments (tensors) cannot hold
+    # merged rows: row tiles may span segments, so any m_local
+    return gluon_ws.unsupported_reason(a, None if cfg.rs_merge_rows else m_local, cfg)
 
 
 def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, world, epoch,

@@ -177,9 +177,10 @@ def smem_bytes(cfg, elem_bytes: int = 2) -> int:
     return ring + mma_partitions(cfg) * cfg.block_m * cfg.block_n * elem_bytes + 1024
 
 
-def unsupported_reason(a, m_local: int, cfg) -> Optional[str]:
+def unsupported_reason(a, m_local: Optional[int], cfg) -> Optional[str]:
     """Why a call with A ``a`` (``[rows, K]``) and ``m_local`` rows per rank cannot run on a
-    warp-specialized kernel with ``cfg`` (None: it can)."""
+    warp-specialized kernel with ``cfg`` (None: it can). ``m_local=None``: a tile space over
+    every rank's rows, where tiles may span segments, so any row count works."""
     import torch
 
     if GLUON_ERROR is not None:
@@ -188,7 +189,7 @@ def unsupported_reason(a, m_local: int, cfg) -> Optional[str]:
         return "the CPU interpreter runs no Gluon"
     if a.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {a.dtype} (bf16 or fp16 only)"
-    if m_local % cfg.block_m:
+    if m_local is not None and m_local % cfg.block_m:
         return f"{m_local} rows per rank are not a multiple of block_m={cfg.block_m}"
     if triton.cdiv(a.shape[1], cfg.block_k) < cfg.num_stages:
         return (f"K={a.shape[1]} has fewer than num_stages={cfg.num_stages} steps of "
