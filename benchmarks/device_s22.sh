@@ -13,7 +13,7 @@
 #          warp-specialized Gluon GEMM (ping-pong, a dedicated load warp, deeper rings): would
 #          small m gain from moving the gathered / merged schedules onto it?
 #                                                     -> $OUT/gluon-small.json
-#   wsmerged (carry .whl) every rank's rows in one tile space on the warp-specialized Gluon
+#   wsmerged every rank's rows in one tile space on the warp-specialized Gluon
 #          GEMM+RS (rs_warp_specialized + rs_merge_rows): the one-GPU tests of the reduction
 #          paths and two ranks                      -> $OUT/tests-wsmerged.json
 #          then the GEMM+RS small-m set, GPU time: table, default, and merged rows on the Gluon

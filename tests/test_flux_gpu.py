@@ -288,12 +288,14 @@ def _worker(rank, world, port, env, queue):
             flux_rs.check_errors()
         # the warp-specialized Gluon GEMM+RS (kernels/gemm_rs_ws.py), SM and copy-engine
         # pushes, both layouts and dtypes, with and without a bias; shapes whose rows per rank
-        # are not a multiple of block_m (or too short a K) run the Triton kernel instead
+        # are not a multiple of block_m (or too short a K) run the Triton kernel instead, except
+        # with merged rows (every rank's rows in one tile space: tiles span owners there)
         ws = dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
                   epilogue_split=1, rs_warp_specialized=True)
         coop = dict(ws, block_n=256, num_stages=3, num_warps=8)  # the cooperative form
         for variant in (ws, dict(ws, rs_copy_engine=True), dict(ws, block_m=64, num_stages=5),
-                        coop, dict(coop, rs_copy_engine=True)):
+                        coop, dict(coop, rs_copy_engine=True), dict(ws, **merged_rs),
+                        dict(coop, **merged_rs)):
             flux_ws = _default_with(**variant)
             for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float16, 5e-3)):
                 for layout in ("nk", "kn"):
