@@ -354,6 +354,19 @@ def test_hopper_search_pins_knobs_that_compile_to_the_same_kernel():
         assert any(x.warp_specialize for x in c)
 
 
+def test_tiles_spanning_segments_may_be_as_tall_as_every_ranks_rows():
+    """At m = 128 on 2 ranks a segment is 64 rows. A per-segment candidate keeps 64-row tiles;
+    one whose tile space spans segments (AG+GEMM gathered first, merged GEMM+RS rows) may take
+    128-row tiles, which cover both ranks' rows. (The per-segment default is a candidate
+    whatever its tile.)"""
+    for op in ("ag", "rs"):
+        c = S.generate_candidates(op, 128, 14336, 4096, 2, max_candidates=10**6)
+        twin = default_config(op, 128, 14336, 4096, tp=2, gather_small_m=False)
+        spans = [x.rs_merge_rows or (x.ag_merge_local and x.ag_merge_lead == 0) for x in c]
+        assert any(x.block_m == 128 for x, span in zip(c, spans) if span), op
+        assert all(x.block_m == 64 for x, span in zip(c, spans) if not span and x != twin), op
+
+
 def test_small_m_gemm_rs_also_tries_its_split_along_k():
     """Where the GEMM+RS default merges every rank's rows (small m), the default seeds include
     64x128 tiles split along K in 2 and 4, and the candidates the per-segment default; not at
