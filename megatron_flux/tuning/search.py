@@ -87,10 +87,12 @@ NOT_SEARCHED: Dict[str, str] = {
     "ag_merge_lead": "only matters with ag_merge_local",
     "rs_merge_rows": "the default at m <= 256, where the per-segment default is tried as a "
                      "seed (benchmarks/NOTES.md, session 21)",
-    "rs_split_k": "only with merged rows, where it gets two seeds (RS_MERGED_SEEDS)",
+    "rs_split_k": "only with merged rows, where it gets two seeds (RS_MERGED_SEEDS); counts "
+                  "that fill the SMs evenly did not win (benchmarks/NOTES.md, session 22)",
     "rs_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
                            "fixed forms); GEMM+RS at short K gets it as one seed "
-                           "(RS_SHORT_K_SEEDS)",
+                           "(RS_SHORT_K_SEEDS), and with merged rows up to m = 512 as another "
+                           "(RS_MERGED_SEEDS)",
     "ag_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
                            "fixed forms); AG+GEMM gets both forms as seeds (AG_SEEDS)",
     "rs_ce_bands": "0.97x the table config on one training shape, 1.04x on another, mixed on "
