@@ -42,12 +42,14 @@ every_gpu_session() {  # every_gpu_session: every local GPU, experiments importa
     sample_gpus "${OUT}/smi.csv" 200
 }
 
-gpu_tests() {  # gpu_tests TIMEOUT NAME: every GPU-marked test on the visible GPUs (those that
-    # need more skip), megatron-core from the carried wheel -> $OUT/NAME.json and .log
+gpu_tests() {  # gpu_tests TIMEOUT NAME [PATH...]: every GPU-marked test under PATH (default:
+    # tests/) on the visible GPUs (those that need more skip), megatron-core from the carried
+    # wheel -> $OUT/NAME.json and .log
     install_carried_wheels || return 1
-    PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout "$1" python3 benchmarks/record_pytest.py \
-        "${OUT}/$2.json" tests -q -m gpu -p no:cacheprovider > "${OUT}/$2.log" 2>&1
-    echo "tests exit $?"; tail -2 "${OUT}/$2.log"
+    local timeout_s="$1" name="$2"; shift 2
+    PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout "${timeout_s}" python3 benchmarks/record_pytest.py \
+        "${OUT}/${name}.json" "${@:-tests}" -q -m gpu -p no:cacheprovider > "${OUT}/${name}.log" 2>&1
+    echo "tests exit $?"; tail -2 "${OUT}/${name}.log"
 }
 
 one_gpu_tests() {  # one_gpu_tests: gpu_tests on one GPU -> $OUT/tests-1gpu.json and .log

@@ -17,9 +17,11 @@
 #                                                  -> $OUT/mutants.json
 #   tests    (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # On 2 GPUs (kind nvidia-h200-x2), the next step for the warp-specialized kernels:
-#   tests2   (carry .whl) every GPU-marked test on both GPUs (test_flux_gpu.py runs the fused ops
-#            under CUDA_DEVICE_MAX_CONNECTIONS=1, the default and direct launch; with both forms
-#            of both Gluon kernels)                       -> $OUT/tests-2gpu.json
+#   tests2   (carry .whl) the multi-GPU tests (test_flux_gpu.py runs the fused ops under
+#            CUDA_DEVICE_MAX_CONNECTIONS=1, the default and direct launch, with both forms of
+#            both Gluon kernels; test_layers_gpu.py the MLP block). The one-GPU tests, which took
+#            5 min on their own in session 22, run on one GPU (device_s22.sh tests); together
+#            they would not fit one call                   -> $OUT/tests-2gpu.json
 #   wsab     comm-on A/B, megatron-flux bench, table configs (flux) against each Gluon form
 #            (flux_variant): RS ping-pong and cooperative on the training shapes (m = 4096, 8192),
 #            AG the same, then AG ping-pong on the grid's m = 1024/2048
@@ -85,7 +87,7 @@ for what in "$@"; do
       PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 560 python3 ${EXP}/mutants_ws.py --timeout 130 \
           --json "${OUT}/mutants.json" ${MUTANTS:+--only ${MUTANTS}} 2>&1 | grep -v Warning ;;
     tests) gpu_tests 540 tests-1gpu || exit 2 ;;
-    tests2) gpu_tests 560 tests-2gpu || exit 2 ;;
+    tests2) gpu_tests 560 tests-2gpu tests/test_flux_gpu.py tests/test_layers_gpu.py || exit 2 ;;
     wsab)
       RS_FIXED='"rs_warp_specialized": true, "block_m": 128, "block_k": 64, "epilogue_split": 1, "rs_ce_bands": false, "rs_spread_reduce": false, "programs_per_sm": 1'
       AG_FIXED='"ag_warp_specialized": true, "block_m": 128, "block_k": 64, "epilogue_split": 1, "ag_peer_group": 1, "ag_merge_local": false, "stream_k": 0, "programs_per_sm": 1'
