@@ -169,3 +169,15 @@ def test_ag_unsupported_reasons_name_the_shape(monkeypatch):
                                                            GemmConfig(**AG_WS), trace=torch.empty(1))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert "interpreter" in reason()
+
+
+def test_launch_geometry_counts_row_tiles_over_every_ranks_rows():
+    """One program per output tile at most: per segment that is ``world * m_local / block_m``
+    row tiles, and for a tile space over every rank's rows (merged GEMM+RS rows, 2 ranks of
+    40 rows, 64-row tiles) two row tiles over the 80 rows, where the per-segment count gives
+    none."""
+    b = torch.empty(384, 640).t()  # a transposed [N, K]: N = 384, three 128-column tiles
+    cfg = GemmConfig(**{**WS, "block_m": 64})
+    assert gluon_ws.launch_geometry(b, 512, 2, cfg, 132)[3] == 2 * 8 * 3
+    assert gluon_ws.launch_geometry(b, 512, 2, cfg, 20)[3] == 20  # capped at the SMs
+    assert gluon_ws.launch_geometry(b, 40, 2, GemmConfig(**{**cfg.to_dict(), **MERGED}), 132)[3] == 2 * 3

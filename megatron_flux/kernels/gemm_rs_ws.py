@@ -483,8 +483,6 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
     m, k = a.shape
     m_local = m // world
     n, b_kn, ldb, grid = gluon_ws.launch_geometry(b, m_local, world, cfg, num_sms)
-    if cfg.rs_merge_rows:  # one tile space over every rank's rows
-        grid = min(num_sms, -(-m // cfg.block_m) * -(-n // cfg.block_n))
     ensure_descriptor_allocator()
     gemm_rs_ws_kernel[(grid,)](
         a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,

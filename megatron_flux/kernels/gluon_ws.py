@@ -161,10 +161,12 @@ def launch_options(cfg) -> dict:
 def launch_geometry(b, m_local: int, world: int, cfg, num_sms: int):
     """``(n, b_kn, ldb, grid)`` of a launch: B's width, layout (``[K, N]`` row-major, else a
     transposed ``[N, K]``) and leading stride, and the persistent grid (one program per SM,
-    at most one per output tile)."""
+    at most one per output tile: row tiles over every rank's rows, which is ``world`` times a
+    segment's where ``m_local`` is a multiple of ``block_m``, and also counts a tile space
+    whose tiles span segments, as merged GEMM+RS rows)."""
     n = b.shape[1]
     b_kn = b.stride(1) == 1
-    grid = min(num_sms, world * (m_local // cfg.block_m) * triton.cdiv(n, cfg.block_n))
+    grid = min(num_sms, triton.cdiv(world * m_local, cfg.block_m) * triton.cdiv(n, cfg.block_n))
     return n, b_kn, b.stride(0) if b_kn else b.stride(1), grid
 
 
