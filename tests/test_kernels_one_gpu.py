@@ -167,6 +167,30 @@ def test_rs_reduce_sums_in_rank_order(world, with_bias, m_local, n):
         assert torch.equal(out, ref.to(torch.bfloat16)), f"rank {rank}"
 
 
+def _rank0_rs_wiring(world, m_local, n, k, dtype, seed):
+    """GEMM+RS as rank 0 of ``world`` on one GPU: ``(a, w, bias, out, data, pushed, flags,
+    data_ptrs, flag_ptrs, err)``. ``data`` is rank 0's slot region, the peers' slots random;
+    rank 0's pushes to owner ``s`` land in ``pushed[s]`` (``data_ptrs[s]`` points there, so
+    rank 0's slot 0 of it); every owner's signal words are the one ``flags`` array, the peers'
+    words already past any epoch; ``out`` is NaN."""
+    from megatron_flux.kernels.config import rs_signal_count
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(world * m_local, k, device="cuda", generator=gen).to(dtype)
+    w = torch.randn(n, k, device="cuda", generator=gen).to(dtype)
+    bias = torch.randn(n, device="cuda", generator=gen).to(dtype)
+    out = torch.full((m_local, n), float("nan"), device="cuda", dtype=dtype)
+    data = (torch.randn(world, m_local, n, device="cuda", generator=gen) * 8).to(dtype)
+    pushed = torch.zeros(world, m_local, n, device="cuda", dtype=dtype)  # [owner]: rank 0's push
+    flags = torch.zeros(rs_signal_count(world), dtype=torch.int32, device="cuda")
+    flags[1:world] = 1 << 30  # the peers have delivered
+    data_ptrs = torch.tensor([data.data_ptr()] + [pushed[s].data_ptr() for s in range(1, world)],
+                             dtype=torch.int64, device="cuda")
+    flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device="cuda")
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    return a, w, bias, out, data, pushed, flags, data_ptrs, flag_ptrs, err
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("b_kn", [False, True], ids=["b_nk", "b_kn"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -181,25 +205,13 @@ def test_gemm_rs_ws_bias_layouts_and_signals(world, b_kn, dtype, copy_engine, fo
     identical and it took the Gluon kernel (no fallback warning)."""
     import warnings
 
-    from megatron_flux.kernels.config import GemmConfig, rs_signal_count
+    from megatron_flux.kernels.config import GemmConfig
     from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
     m_local, n, k = 512, 384, 640
-    gen = torch.Generator(device="cuda").manual_seed(world + 2 * b_kn)
-    a = torch.randn(world * m_local, k, device="cuda", generator=gen).to(dtype)
-    w = torch.randn(n, k, device="cuda", generator=gen).to(dtype)
+    a, w, bias, out, data, pushed, flags, data_ptrs, flag_ptrs, err = _rank0_rs_wiring(
+        world, m_local, n, k, dtype, seed=world + 2 * b_kn)
     b = w.t().contiguous() if b_kn else w.t()  # [K, N] row-major, or a transposed [N, K]
-    bias = torch.randn(n, device="cuda", generator=gen).to(dtype)
-    out = torch.full((m_local, n), float("nan"), device="cuda", dtype=dtype)
-    data = (torch.randn(world, m_local, n, device="cuda", generator=gen) * 8).to(dtype)
-    pushed = torch.zeros(world, m_local, n, device="cuda", dtype=dtype)  # [owner]: rank 0's push
-    flags = torch.zeros(rs_signal_count(world), dtype=torch.int32, device="cuda")
-    flags[1:world] = 1 << 30  # the peers have delivered
-    # owner s's slot region starts at data_ptrs[s]; rank 0 writes its slot 0 there
-    data_ptrs = torch.tensor([data.data_ptr()] + [pushed[s].data_ptr() for s in range(1, world)],
-                             dtype=torch.int64, device="cuda")
-    flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device="cuda")
-    err = torch.zeros(4, dtype=torch.int32, device="cuda")
     cfg = GemmConfig(**WS_FORMS[form], num_stages=3, rs_warp_specialized=True,
                      rs_copy_engine=copy_engine)
     results = []
@@ -243,23 +255,12 @@ def test_gemm_rs_ws_merged_rows_bias_and_signals(world, dtype, form):
     it took the Gluon kernel (no fallback warning)."""
     import warnings
 
-    from megatron_flux.kernels.config import GemmConfig, rs_signal_count
+    from megatron_flux.kernels.config import GemmConfig
     from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
     m_local, n, k = 40, 384, 640
-    gen = torch.Generator(device="cuda").manual_seed(world + 5)
-    a = torch.randn(world * m_local, k, device="cuda", generator=gen).to(dtype)
-    w = torch.randn(n, k, device="cuda", generator=gen).to(dtype)
-    bias = torch.randn(n, device="cuda", generator=gen).to(dtype)
-    out = torch.full((m_local, n), float("nan"), device="cuda", dtype=dtype)
-    data = (torch.randn(world, m_local, n, device="cuda", generator=gen) * 8).to(dtype)
-    pushed = torch.zeros(world, m_local, n, device="cuda", dtype=dtype)  # [owner]: rank 0's push
-    flags = torch.zeros(rs_signal_count(world), dtype=torch.int32, device="cuda")
-    flags[1:world] = 1 << 30  # the peers have delivered
-    data_ptrs = torch.tensor([data.data_ptr()] + [pushed[s].data_ptr() for s in range(1, world)],
-                             dtype=torch.int64, device="cuda")
-    flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device="cuda")
-    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    a, w, bias, out, data, pushed, flags, data_ptrs, flag_ptrs, err = _rank0_rs_wiring(
+        world, m_local, n, k, dtype, seed=world + 5)
     cfg = GemmConfig(**WS_FORMS[form], num_stages=3, epilogue_split=1, rs_warp_specialized=True,
                      rs_merge_rows=True, rs_spread_reduce=True, rs_tma_push=False)
     peers = data[1:].float().sum(0)  # before the launch: slot 0 is overwritten by the push
