@@ -63,6 +63,29 @@ MUTANTS = {
         RS, "last = arrived == p.PARTITIONS * p.NUM_PROGRAMS - 1",
         "last = arrived == 2 * p.NUM_PROGRAMS - 1",
         "rs_ws_bias and coop and sm_push and bf16 and b_nk"),
+    # Gluon merged rows (rs_merge_rows on the warp-specialized kernel)
+    # a tile that starts in an earlier segment never reaches the later owner's slot
+    "ws_merged_span_skipped": (
+        RS, "if (a_row < first + p.m_local) & (a_row + BLOCK_M > first):",
+        "if (a_row < first + p.m_local) & (a_row >= first):",
+        "ws_merged_rows_bias or two_ranks_on_one_gpu and wsmerged"),
+    # the grid barrier raises the peers' signals but not this rank's own
+    "ws_merged_own_signal_not_raised": (
+        RS, "self.OWNER_STEPS = gl.constexpr(WORLD if MERGE_ROWS else WORLD - 1)",
+        "self.OWNER_STEPS = gl.constexpr(WORLD - 1)",
+        "ws_merged_rows_bias or two_ranks_on_one_gpu and wsmerged"),
+    # this rank's rows go into the next rank's slot of every owner
+    "ws_merged_wrong_slot": (
+        RS, "c_buf = p.c_bufs.index(C)\n        slot = (p.rank * p.m_local).to(gl.int64) * p.N  "
+            "# this rank's slot in every owner's region\n        for j in",
+        "c_buf = p.c_bufs.index(C)\n        slot = (((p.rank + 1) % p.WORLD) * p.m_local).to(gl.int64) "
+        "* p.N\n        for j in",
+        "ws_merged_rows_bias or two_ranks_on_one_gpu and wsmerged"),
+    # the spread reduction leaves out the last rank's slot
+    "ws_merged_reduce_drops_rank": (
+        RS, "            for src in gl.static_range(p.WORLD):\n                acc += gl.load(p.data_ptr",
+        "            for src in gl.static_range(p.WORLD - 1):\n                acc += gl.load(p.data_ptr",
+        "ws_merged_rows_bias or two_ranks_on_one_gpu and wsmerged"),
     # the Triton kernels, against the same one-GPU tests
     # Triton GEMM+RS: the grid barrier of one program (every arrival raises the signals)
     "triton_rs_early_signal": (
