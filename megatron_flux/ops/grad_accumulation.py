@@ -8,7 +8,14 @@ weight carries ``grad_added_to_main_grad``, else ``None``; ``weight.grad_added_t
 is set so DDP does not add the dummy to ``main_grad`` again. This module reproduces that
 convention (``LinearWithGradAccumulationAndAsyncCommunication.backward``, megatron-core 0.16
 and 0.19 alike) with one difference: without apex (or off CUDA) the accumulation is done in
-plain torch instead of raising, so megatron-flux layers work on any install.
+plain torch instead of raising, so megatron-flux layers work on any install. Into an fp32
+``main_grad`` from bf16/fp16 activations that is still one GEMM on CUDA:
+``torch.addmm(main_grad, dYᵀ, X, out_dtype=torch.float32, out=main_grad)``, fp32 output with
+beta = 1, what apex's ``wgrad_gemm_accum_fp32`` does. On one H200 (torch 2.11, Llama-3-8B TP 2
+weight gradients, m = 8192) it ran 1.02-1.04x the bf16 GEMM alone, where the GEMM then
+``main_grad.add_`` (what DDP does without the fusion) ran 1.15-1.19x; and it sums the fp32
+product, not its bf16 rounding (``benchmarks/NOTES.md``, session 23). A torch that refuses an
+fp32 ``self`` there gets the GEMM in the activation dtype and an ``add_``, with one warning.
 
 It also holds :class:`LinearWithMainGradAccumulation`, the non-sequence-parallel linear the
 layers use in place of megatron's when the fusion is on but apex is not there.
@@ -17,6 +24,7 @@ layers use in place of megatron's when the fusion is on but apex is not there.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -126,11 +134,39 @@ def _accumulate(main_grad: torch.Tensor, grad_output: torch.Tensor, total_input:
         )
     if main_grad.dtype == grad_output.dtype:
         main_grad.addmm_(grad_output.t(), total_input)
-    else:
-        # e.g. bf16 activations into an fp32 main_grad: torch's addmm_ needs one dtype, so the
-        # GEMM runs in the activation dtype and is added in main_grad's -- the numerics of
-        # megatron without the fusion (DDP adds the bf16 .grad into main_grad).
-        main_grad.add_(grad_output.t().matmul(total_input))
+        return
+    if main_grad.dtype == torch.float32 and _fp32_accumulate_ok(main_grad.device):
+        try:
+            # one GEMM: bf16/fp16 operands, fp32 accumulator read and written in its epilogue
+            # (beta = 1), as apex's wgrad_gemm_accum_fp32
+            torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=torch.float32,
+                        out=main_grad)
+            return
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            # this torch cannot (its dtype checks run before any work: main_grad is untouched)
+            _FP32_ACCUMULATE_OK[main_grad.device.type] = False
+            warnings.warn(
+                "megatron-flux: torch.addmm(..., out_dtype=torch.float32) cannot accumulate "
+                f"into an fp32 main_grad here ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                "the weight gradient is computed in the activation dtype and added instead",
+                RuntimeWarning, stacklevel=3)
+    # e.g. bf16 activations into an fp32 main_grad without a mixed-dtype GEMM: the GEMM runs in
+    # the activation dtype and is added in main_grad's -- the numerics of megatron without the
+    # fusion (DDP adds the bf16 .grad into main_grad).
+    main_grad.add_(grad_output.t().matmul(total_input))
+
+
+#: device type -> whether ``torch.addmm(..., out_dtype=torch.float32)`` accumulates into an fp32
+#: ``main_grad`` (set False after the first refusal)
+_FP32_ACCUMULATE_OK = {}
+
+
+def _fp32_accumulate_ok(device: torch.device) -> bool:
+    """Whether to try the one-GEMM fp32 accumulation on ``device``: CUDA only (torch's CPU build
+    has no kernel for ``addmm.dtype_out``), and not after this torch has refused it once."""
+    if device.type != "cuda":
+        return False
+    return _FP32_ACCUMULATE_OK.setdefault(device.type, True)
 
 
 class LinearWithMainGradAccumulation(torch.autograd.Function):
