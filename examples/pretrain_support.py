@@ -181,6 +181,12 @@ def disable_unavailable_fusions(args: Any) -> List[str]:
         elif getattr(args, attr, False):
             setattr(args, attr, False)
             messages.append(f"{attr} turned off: {why}")
+            if attr == "gradient_accumulation_fusion" and getattr(args, "flux_tp_overlap", False):
+                # megatron-flux's linears do it without apex: they keep what was asked for
+                args.flux_gradient_accumulation_fusion = True
+                messages.append("megatron-flux's linears keep gradient accumulation fusion "
+                                "(--flux-gradient-accumulation-fusion: one fp32-output GEMM "
+                                "into main_grad, no apex)")
     return messages
 
 

@@ -76,6 +76,17 @@ def add_flux_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "full-sequence input instead of this rank's shard: (tp-1) x seq/tp x micro-batch x "
         "hidden x bytes of extra activation memory, held until that layer's backward.",
     )
+    # Named after the layers' `flux_gradient_accumulation_fusion` (read from the config, see
+    # apply_flux_args_to_config).
+    group.add_argument(
+        "--flux-gradient-accumulation-fusion",
+        action="store_true",
+        help="megatron-flux's linears accumulate their weight gradients straight into "
+        "main_grad (megatron's gradient accumulation fusion, one fp32-output GEMM, no apex "
+        "needed) also when Megatron's --gradient-accumulation-fusion is off, as it must be "
+        "without apex for megatron-core's own output layer. Megatron-core's modules keep "
+        "Megatron's setting.",
+    )
     group.add_argument(
         "--flux-column-dgrad",
         choices=COLUMN_DGRAD_CHOICES,
@@ -226,10 +237,13 @@ def apply_flux_args_to_config(args: argparse.Namespace, config: Any) -> Any:
 
     Megatron's ``core_transformer_config_from_args`` copies only arguments named like a
     ``TransformerConfig`` field, so ours need this step. ``FluxColumnParallelLinear`` reads
-    ``config.flux_keep_gathered_input`` when constructed; :func:`flux_spec_from_args` calls this
-    when given the config. Returns ``config``.
+    ``config.flux_keep_gathered_input`` and both layers ``config.flux_gradient_accumulation_fusion``
+    when constructed; :func:`flux_spec_from_args` calls this when given the config. Returns
+    ``config``.
     """
     config.flux_keep_gathered_input = bool(getattr(args, "flux_keep_gathered_input", False))
+    config.flux_gradient_accumulation_fusion = bool(
+        getattr(args, "flux_gradient_accumulation_fusion", False))
     return config
 
 

@@ -62,6 +62,7 @@ def test_defaults():
     assert args.flux_backend == "auto"
     assert args.flux_config is None
     assert args.flux_keep_gathered_input is False
+    assert args.flux_gradient_accumulation_fusion is False
 
 
 def test_flags_parse():
@@ -87,7 +88,7 @@ def test_provider_returns_parser_and_adds_named_group():
     group = next(g for g in parser._action_groups if g.title == "megatron-flux")
     assert {a.dest for a in group._group_actions} == {
         "flux_tp_overlap", "flux_backend", "flux_config", "flux_keep_gathered_input",
-        "flux_column_dgrad",
+        "flux_column_dgrad", "flux_gradient_accumulation_fusion",
     }
 
 
@@ -269,6 +270,29 @@ def test_keep_gathered_input_reaches_the_column_layer(flux_linears, world_of_one
         layer = col(16, 32, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
                     gather_output=False, tp_group=world_of_one)
         assert layer.flux_keep_gathered_input is expected
+
+
+@pytest.mark.parametrize("megatron_gaf", [False, True])
+def test_gradient_accumulation_fusion_flag_reaches_both_layers(flux_linears, world_of_one,
+                                                               megatron_gaf):
+    """``--flux-gradient-accumulation-fusion`` lands where both layers read it; megatron-core's
+    own code paths keep Megatron's setting (``gradient_accumulation_fusion``), the plugin's
+    ops take either."""
+    import torch
+
+    col, row = flux_linears
+    for argv, flux_flag in (([], False), (["--flux-gradient-accumulation-fusion"], True)):
+        cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                use_cpu_initialization=True,
+                                gradient_accumulation_fusion=megatron_gaf)
+        apply_flux_args_to_config(megatron_like_args(argv), cfg)
+        assert cfg.flux_gradient_accumulation_fusion is flux_flag
+        for cls, kw in ((col, dict(gather_output=False)), (row, dict(input_is_parallel=True,
+                                                                     skip_bias_add=True))):
+            layer = cls(16, 32, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
+                        tp_group=world_of_one, **kw)
+            assert layer.gradient_accumulation_fusion is megatron_gaf
+            assert layer.flux_gradient_accumulation_fusion is (megatron_gaf or flux_flag)
 
 
 def test_column_dgrad_flag_is_exported_for_the_fused_backend(monkeypatch):

@@ -123,6 +123,22 @@ def test_unavailable_fusions_turned_off_and_reported(monkeypatch):
     assert not args.gradient_accumulation_fusion and not args.masked_softmax_fusion
     assert args.no_persist_layer_norm is True and args.bias_dropout_fusion is True
     assert len(messages) == 3  # rope was already off
+    # without --flux-tp-overlap megatron-flux's own fusion stays off
+    assert not getattr(args, "flux_gradient_accumulation_fusion", False)
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_flux_linears_keep_the_fusion_megatron_loses_to_missing_apex(monkeypatch, asked):
+    """With --flux-tp-overlap the plugin's linears keep gradient accumulation fusion when it is
+    turned off only for lack of apex; one the user turned off stays off for them too."""
+    monkeypatch.setattr(ps, "unavailable_fusions",
+                        lambda: {"gradient_accumulation_fusion": "no apex"})
+    args = argparse.Namespace(gradient_accumulation_fusion=asked, flux_tp_overlap=True,
+                              flux_gradient_accumulation_fusion=False)
+    messages = ps.disable_unavailable_fusions(args)
+    assert args.gradient_accumulation_fusion is False
+    assert args.flux_gradient_accumulation_fusion is asked
+    assert len(messages) == (2 if asked else 0)
 
 
 def test_unavailable_fusions_follow_megatrons_own_checks(monkeypatch):

@@ -139,9 +139,13 @@ def _layers():
     return ModelParallelConfig, ColumnParallelLinear, FluxColumnParallelLinear, FluxRowParallelLinear
 
 
-def _config(tp, sp, dtype=torch.float64, **kw):
-    return _layers()[0](tensor_model_parallel_size=tp, sequence_parallel=sp, use_cpu_initialization=True,
-                        params_dtype=dtype, gradient_accumulation_fusion=True, **kw)
+def _config(tp, sp, dtype=torch.float64, flux_only=False, **kw):
+    """Megatron's fusion on; or (``flux_only``) off, with megatron-flux's own flag on instead."""
+    cfg = _layers()[0](tensor_model_parallel_size=tp, sequence_parallel=sp, use_cpu_initialization=True,
+                       params_dtype=dtype, gradient_accumulation_fusion=not flux_only, **kw)
+    if flux_only:
+        cfg.flux_gradient_accumulation_fusion = True
+    return cfg
 
 
 def _build(cls, seed, *args, **kwargs):
@@ -175,11 +179,12 @@ def _two_steps(layer, xs, gs):
 
 
 def _column_case(rank, tp, *, sp, main_dtype=torch.float64, params_dtype=torch.float64, tol=TOL,
-                 keep=False, ddp_flag=True):
+                 keep=False, ddp_flag=True, flux_only=False):
     flux_col = _layers()[2]
-    layer = _build(flux_col, 0, H, F, config=_config(tp, sp, params_dtype), bias=True, gather_output=False,
-                   flux_backend="nccl", flux_keep_gathered_input=keep)
-    assert layer.gradient_accumulation_fusion and layer.config.gradient_accumulation_fusion
+    layer = _build(flux_col, 0, H, F, config=_config(tp, sp, params_dtype, flux_only), bias=True,
+                   gather_output=False, flux_backend="nccl", flux_keep_gathered_input=keep)
+    assert layer.flux_gradient_accumulation_fusion
+    assert layer.gradient_accumulation_fusion is layer.config.gradient_accumulation_fusion is (not flux_only)
     _with_main_grad(layer, main_dtype, ddp_flag)
     w_full = layer.master_weight.double()
     rows_w = slice(rank * (F // tp), (rank + 1) * (F // tp))
@@ -220,11 +225,12 @@ def check_column_sp_off_accumulates(rank, tp):
     _column_case(rank, tp, sp=False)
 
 
-def _row_case(rank, tp, *, sp, tp_group=None, layer_tp=None):
+def _row_case(rank, tp, *, sp, tp_group=None, layer_tp=None, flux_only=False):
     flux_row = _layers()[3]
     layer_tp = layer_tp or tp
-    layer = _build(flux_row, 1, F, H, config=_config(layer_tp, sp), bias=True, input_is_parallel=True,
-                   skip_bias_add=False, flux_backend="nccl", tp_group=tp_group)
+    layer = _build(flux_row, 1, F, H, config=_config(layer_tp, sp, flux_only=flux_only), bias=True,
+                   input_is_parallel=True, skip_bias_add=False, flux_backend="nccl", tp_group=tp_group)
+    assert layer.gradient_accumulation_fusion is (not flux_only)
     _with_main_grad(layer, torch.float64)
     w_full = layer.master_weight.double()
     lrank = dist.get_rank(group=layer.tp_group)
@@ -245,6 +251,13 @@ def _row_case(rank, tp, *, sp, tp_group=None, layer_tp=None):
 
 def check_row_sp_accumulates(rank, tp):
     _row_case(rank, tp, sp=True)
+
+
+def check_flux_flag_alone_accumulates_on_the_sp_path(rank, tp):
+    """Megatron's flag off, megatron-flux's on (``--flux-gradient-accumulation-fusion``): the
+    sequence-parallel ops of both layers still accumulate into main_grad."""
+    _column_case(rank, tp, sp=True, flux_only=True)
+    _row_case(rank, tp, sp=True, flux_only=True)
 
 
 def check_row_sp_off_accumulates(rank, tp):
@@ -288,6 +301,7 @@ CHECKS = [
     check_column_sp_fp32_and_bf16_main_grad,
     check_column_sp_off_accumulates,
     check_row_sp_accumulates,
+    check_flux_flag_alone_accumulates_on_the_sp_path,
     check_row_sp_off_accumulates,
     check_tp1_accumulates,
     check_frozen_weight_skips_accumulation,

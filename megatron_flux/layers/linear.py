@@ -15,7 +15,11 @@ which the stock one cannot (it allocates on ``torch.cuda.current_device()``).
 Differences from stock, each deliberate:
 
 * ``config.gradient_accumulation_fusion`` works without apex: the accumulation into
-  ``weight.main_grad`` falls back to torch (stock raises at construction).
+  ``weight.main_grad`` falls back to torch (stock raises at construction), one fp32-output GEMM
+  on CUDA (:mod:`megatron_flux.ops.grad_accumulation`). ``config.flux_gradient_accumulation_fusion``
+  (``--flux-gradient-accumulation-fusion``) turns it on for the sequence-parallel path alone,
+  where megatron's flag must stay off because megatron-core's own modules (GPTModel's output
+  layer) would need apex.
 * ``gather_output`` on the sequence-parallel path uses a device-agnostic gather.
 * The row layer adds its bias inside the backend's reduce-scatter (``RS(X Wᵀ) + b``, the same
   value as stock's ``RS(X Wᵀ)`` then ``+ b``).
@@ -112,7 +116,12 @@ class _FluxLinearMixin:
             )
         with _without_grad_accumulation_fusion(config, no_apex):
             super().__init__(input_size, output_size, **kwargs)
+        # megatron-core's own code paths (flux_backend="megatron", SP off) read this one
         self.gradient_accumulation_fusion = gaf
+        # megatron-flux's sequence-parallel ops read this one: also on where megatron's is off
+        # only because apex is missing (config.flux_gradient_accumulation_fusion)
+        self.flux_gradient_accumulation_fusion = gaf or bool(
+            getattr(config, "flux_gradient_accumulation_fusion", False))
         self.flux_backend = backend
 
     # ----------------------------------------------------------------------- spec integration
@@ -237,7 +246,8 @@ class FluxColumnParallelLinear(_FluxLinearMixin, ColumnParallelLinear):
                 group=self.tp_group,
                 backend=self.flux_backend,
                 keep_gathered_input=self.flux_keep_gathered_input,
-                gradient_accumulation_fusion=bool(kwargs.get("gradient_accumulation_fusion")),
+                gradient_accumulation_fusion=bool(kwargs.get("gradient_accumulation_fusion"))
+                or self.flux_gradient_accumulation_fusion,
             )
         return super()._forward_impl(input, weight, *args, **kwargs)
 
@@ -278,7 +288,7 @@ class FluxRowParallelLinear(_FluxLinearMixin, RowParallelLinear):
             None if self.skip_bias_add else self.bias,
             group=self.tp_group,
             backend=self.flux_backend,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            gradient_accumulation_fusion=self.flux_gradient_accumulation_fusion,
         )
         return output, (self.bias if self.skip_bias_add else None)
 
