@@ -82,3 +82,25 @@ def test_grid_follows_programs_per_sm():
     geo = launch_geometry(4096, 4096, b, 2, cfg, 132 * 2)
     assert geo.grid == 264  # 2 x 32 x 32 tiles: enough for both slots of every SM
     assert launch_geometry(256, 1024, b, 2, cfg, 264).grid == 32  # capped at the tiles
+
+
+def test_merged_tile_space_grid_has_no_idle_programs():
+    """A tile space over every rank's rows (merged GEMM+RS rows, AG+GEMM's gathered rows) has
+    fewer row tiles than ``world`` segments' own when ``m_local`` is not a multiple of
+    ``block_m``: the grid is capped at its tiles, so no program sits without a tile (gpt3-175b
+    GEMM+RS m = 64 at TP 2: 96 tiles of 64x128, not the 2 x 96 of two half-empty segments)."""
+    import torch
+
+    from megatron_flux.kernels.config import launch_geometry
+
+    cfg = GemmConfig(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4)
+    b = torch.empty(24576, 12288)  # [K, N]
+    per_segment = launch_geometry(32, 12288, b, 2, cfg, 132)
+    merged = launch_geometry(32, 12288, b, 2, cfg, 132, merged=True)
+    assert (per_segment.tiles, per_segment.grid) == (192, 132)
+    assert (merged.tiles, merged.grid) == (96, 96)
+    assert merged.tiles_per_segment == per_segment.tiles_per_segment == 96
+    # where m_local is a multiple of block_m both count the same
+    assert launch_geometry(128, 12288, b, 4, cfg, 132, merged=True).tiles == 4 * 2 * 96
+    # TP 4, 40 rows per rank: 160 rows are 3 row tiles, not 4 segments' 4
+    assert launch_geometry(40, 1000, b, 4, cfg, 132, merged=True).tiles == 3 * 8

@@ -494,9 +494,8 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
 
     def plan(per_sm):
         """(grid, runtime args, constexprs) with ``per_sm`` programs per SM."""
-        geo = launch_geometry(m_local, n, b, world, cfg, num_sms * per_sm)
-        grid, sk_tiles = stream_k_plan(world * geo.tiles_per_segment, num_sms * per_sm, mode,
-                                       geo.tiles_per_segment)
+        geo = launch_geometry(m_local, n, b, world, cfg, num_sms * per_sm, merged=gathered)
+        grid, sk_tiles = stream_k_plan(geo.tiles, num_sms * per_sm, mode, geo.tiles_per_segment)
         if sk_tiles:
             scratch = stream_k_scratch(x.device, grid, cfg.block_m, cfg.block_n)
             partials, counters = scratch.partials, scratch.counters

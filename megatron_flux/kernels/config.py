@@ -240,6 +240,7 @@ class LaunchGeometry:
     launchers must agree on it, so both take it from :func:`launch_geometry`."""
 
     tiles_per_segment: int  # output tiles in one rank's m_local rows
+    tiles: int              # output tiles of the launch's tile space (see launch_geometry)
     grid: int               # persistent programs
     ragged: bool            # m_local is not a multiple of block_m (3-D, clipped descriptors)
     b_kn: bool              # B is row-major [K, N] (else a transposed row-major [N, K])
@@ -299,12 +300,24 @@ def unroll_steps(world: int) -> bool:
     return world <= MAX_UNROLLED_WORLD
 
 
-def launch_geometry(m_local: int, n: int, b, world: int, cfg: GemmConfig, num_sms: int) -> LaunchGeometry:
+def launch_geometry(m_local: int, n: int, b, world: int, cfg: GemmConfig, num_sms: int,
+                    merged: bool = False) -> LaunchGeometry:
+    """The layout of a launch over ``world`` segments of ``m_local`` rows. ``merged``: one tile
+    space over every rank's rows (merged GEMM+RS rows, AG+GEMM's gathered rows), whose row
+    tiles may span segments: ``cdiv(world * m_local, block_m)`` row tiles, fewer than
+    ``world`` segments' own where ``m_local`` is not a multiple of ``block_m``. The grid is
+    one program per SM, at most one per tile. A grid with programs that have no tile is slower
+    than one without them when the kernel streams B from memory: on one H200 the merged
+    GEMM+RS at gpt3-175b m = 64 (96 tiles) ran 0.150 or 0.165-0.185 ms in a block of
+    launches, by where the 96 working programs of 132 landed, and its plain yardstick, whose
+    grid is the 96 tiles, 0.149 every time (``benchmarks/NOTES.md``, session 23)."""
     b_kn = b.stride(1) == 1
     tps = tiles_per_segment(m_local, n, cfg)
+    tiles = (-(-world * m_local // cfg.block_m) * -(-n // cfg.block_n)) if merged else world * tps
     return LaunchGeometry(
         tiles_per_segment=tps,
-        grid=min(num_sms, world * tps),
+        tiles=tiles,
+        grid=min(num_sms, tiles),
         ragged=m_local % cfg.block_m != 0,
         b_kn=b_kn,
         ldb=b.stride(0) if b_kn else b.stride(1),

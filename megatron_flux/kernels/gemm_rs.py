@@ -590,14 +590,13 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
 
     def plan(per_sm):
         """(grid, runtime args, constexprs) with ``per_sm`` programs per SM."""
-        geo = launch_geometry(m_local, n, b, world, cfg, num_sms * per_sm)
+        geo = launch_geometry(m_local, n, b, world, cfg, num_sms * per_sm, merged=merge_rows)
         grid = geo.grid
         parts, counters = err, err  # never touched without a split
         if split > 1:  # a program per work item, up to the SMs
-            tiles = -(-world * m_local // cfg.block_m) * -(-n // cfg.block_n)
-            grid = min(num_sms * per_sm, tiles * split)
-            scratch = stream_k_scratch(a.device, -(-tiles * split // 2), cfg.block_m,
-                                       cfg.block_n, tiles=tiles)
+            grid = min(num_sms * per_sm, geo.tiles * split)
+            scratch = stream_k_scratch(a.device, -(-geo.tiles * split // 2), cfg.block_m,
+                                       cfg.block_n, tiles=geo.tiles)
             parts, counters = scratch.partials, scratch.counters
         args = (a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
                 trace if trace is not None else err, parts, counters, m_local, n, k, geo.ldb,
