@@ -600,6 +600,49 @@ def test_sample_warmup_runs_before_every_timed_block():
                          sample_warmup=-1)
 
 
+def test_alternating_timing_cancels_clock_steps(monkeypatch):
+    """``--alternate``: methods take turns launch by launch, and a ratio is the median of
+    per-round ratios, so a clock step between (or inside) blocks cancels. Simulated GPU: a
+    launch takes its method's cost times the clock factor in force, which steps between 1 and
+    1.25 every 37 launches; ``fused`` costs 1.04 cuBLAS. Block timing (``_time``) compares
+    blocks at different clocks and misreports the ratio; the alternating one gives 1.04."""
+    from megatron_flux.bench import kernel_vs_cublas as K
+
+    clock = {"now": 0.0, "launches": 0}
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = clock["now"]
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+        def synchronize(self):
+            pass
+
+    def launcher(cost):
+        def fn():
+            clock["launches"] += 1
+            clock["now"] += cost * (1.0 + 0.25 * ((clock["launches"] // 37) % 2))
+        return fn
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    fns = {"cublas": launcher(1.0), "fused": launcher(1.04)}
+    times, ratios = K._time_alternating(fns, trials=5, rounds=20, warmup=2, shuffle_seed=0)
+    assert len(times["fused"]) == len(ratios["fused"]) == 5
+    assert all(abs(r - 1.04) < 1e-9 for r in ratios["fused"])
+    assert all(r == 1.0 for r in ratios["cublas"])
+    clock.update(now=0.0, launches=0)
+    blocks = K._time(fns, trials=5, iters=20, warmup=2, shuffle_seed=0)
+    import statistics
+    block_ratio = statistics.median(blocks["fused"]) / statistics.median(blocks["cublas"])
+    assert abs(block_ratio - 1.04) > 0.01  # what the steps do to block-wise timing
+
+
 def test_kernel_vs_cublas_config_families(monkeypatch):
     """``--configs`` families per op: ``spread`` flips where GEMM+RS reduces (RS only), ``sk``
     flips AG's stream-K tail (AG only); twins equal to a config already listed are dropped."""

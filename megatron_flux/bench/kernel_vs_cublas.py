@@ -10,7 +10,10 @@ Shapes are the benchmark grid's per-rank shapes at ``--tp``. Per shape it times 
 default config, the shipped table's config (what the backend runs) and their stream-K variants
 (``--configs``). Timing: CUDA events, ``--iters`` back-to-back launches per trial after
 ``--warmup`` untimed ones, methods interleaved inside every trial (in a shuffled order with
-``--shuffle-seed``), median over trials.
+``--shuffle-seed``), median over trials. With ``--alternate`` the methods take turns launch by
+launch instead, and each ratio is the median of per-round ratios to the cuBLAS launch beside it
+(:func:`_time_alternating`): the SM clock moves under large GEMMs by more than the differences
+being measured.
 """
 
 from __future__ import annotations
@@ -85,6 +88,59 @@ def _time(fns: Dict[str, Callable], trials: int, iters: int, warmup: int = 0,
                 fn()
             out[name].append(mean_ms(fn, iters, queue_ahead_ms))
     return out
+
+
+def _time_alternating(fns: Dict[str, Callable], trials: int, rounds: int, warmup: int = 0,
+                      shuffle_seed=None, queue_ahead_ms: float = 0.0, base: str = "cublas"):
+    """``(times, ratios)``: per method, ``trials`` samples of its mean GPU time per launch, and
+    of the median over ``rounds`` of its time / ``base``'s time in the same round.
+
+    A round launches every method once, back to back, each between its own pair of CUDA events
+    (one event between neighbours), in an order shuffled per trial with ``shuffle_seed``; a
+    trial is ``warmup`` untimed launches of each method, then ``rounds`` rounds, queued behind a
+    sleep of ``queue_ahead_ms`` (:func:`mean_ms`). Why: on one H200 the SM clock steps by up
+    to 25 % within tens of milliseconds under large GEMMs, for cuBLAS as for the fused kernels
+    (``benchmarks/NOTES.md``, session 23: per-launch times of gpt3-175b m = 1024 moved between
+    0.76 and 0.95 ms inside one block, each level held for many launches). Blocks of ``iters``
+    launches per method then compare methods at different clocks; neighbours in one round
+    share theirs."""
+    import random
+
+    names = list(fns)
+    rng = random.Random(shuffle_seed) if shuffle_seed is not None else None
+    times = {name: [] for name in names}
+    ratios = {name: [] for name in names}
+    for fn in fns.values():  # warm-up / compile
+        fn()
+    torch.cuda.synchronize()
+    sleep = int(queue_ahead_ms * _sleep_cycles_per_ms()) if queue_ahead_ms > 0 else 0
+    for _ in range(trials):
+        if rng is not None:
+            rng.shuffle(names)
+        for name in names:
+            for _ in range(warmup):
+                fns[name]()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(rounds * len(names) + 1)]
+        if sleep:
+            torch.cuda._sleep(sleep)
+        events[0].record()
+        j = 0
+        for _ in range(rounds):
+            for name in names:
+                fns[name]()
+                j += 1
+                events[j].record()
+        events[-1].synchronize()
+        per = {name: [] for name in names}
+        j = 0
+        for _ in range(rounds):
+            for name in names:
+                per[name].append(events[j].elapsed_time(events[j + 1]))
+                j += 1
+        for name in names:
+            times[name].append(sum(per[name]) / rounds)
+            ratios[name].append(statistics.median(t / b for t, b in zip(per[name], per[base])))
+    return times, ratios
 
 
 def mean_ms(fn: Callable, iters: int, queue_ahead_ms: float = 0.0) -> float:
@@ -285,21 +341,30 @@ def run(args) -> dict:
             rows.append({"op": op, "model": model, "m": m, "n": n, "k": k, "error": results})
             continue
         fns["cublas"] = cublas
-        times = _time(fns, args.trials, args.iters, args.warmup, args.shuffle_seed,
-                      args.queue_ahead_ms)
+        paired = None
+        if getattr(args, "alternate", False):
+            times, paired = _time_alternating(fns, args.trials, args.iters, args.warmup,
+                                              args.shuffle_seed, args.queue_ahead_ms)
+        else:
+            times = _time(fns, args.trials, args.iters, args.warmup, args.shuffle_seed,
+                          args.queue_ahead_ms)
         cub = statistics.median(times["cublas"])
         for name, cfg in checks.items():
             med = statistics.median(times[name])
             i = int(name[3:])
-            results[name] = {"cfg": cfg.to_dict(), "label": labels[i], "ms": med, "ratio": med / cub,
+            ratio = statistics.median(paired[name]) if paired else med / cub
+            results[name] = {"cfg": cfg.to_dict(), "label": labels[i], "ms": med, "ratio": ratio,
                              "trials_ms": times[name]}
-            if _runner_kind(labels[i]) == "fused" and (best is None or med < best[1]):
-                best = (name, med)
+            if paired:
+                results[name]["trials_ratio"] = paired[name]
+            if _runner_kind(labels[i]) == "fused" and (best is None or ratio < best[1]):
+                best = (name, ratio)
         by_label = {r["label"]: r.get("ratio") for r in results.values()}
         row = {"op": op, "model": model, "m": m, "n": n, "k": k, "cublas_ms": cub,
                "cublas_trials_ms": times["cublas"],
                "default_ratio": by_label.get("default"), "table_ratio": by_label.get("table"),
-               "best_ratio": best and best[1] / cub, "best_label": best and results[best[0]]["label"],
+               "best_ratio": best and results[best[0]]["ratio"],
+               "best_label": best and results[best[0]]["label"],
                "best_cfg": best and results[best[0]]["cfg"], "configs": results}
         rows.append(row)
         shown = "  ".join(f"{lab} x{r:.3f}" for lab, r in by_label.items() if r is not None)
@@ -481,6 +546,11 @@ def main(argv=None):
                    help='a JSON list of GemmConfig field dicts, each timed as the default config '
                         'with those fields changed ("extraI"); {"runner": "plain", ...} runs the '
                         'plain yardstick with it ("plain-extraI")')
+    p.add_argument("--alternate", action="store_true",
+                   help="launch the methods in turn, one launch each per round (--iters "
+                        "rounds per trial), and report each config's median over trials of its "
+                        "median per-round time / cuBLAS's (clock steps cancel; see "
+                        "_time_alternating)")
     p.add_argument("--sk-max-tail", type=float, default=None,
                    help="experiment: split the last wave along K when it fills at most this "
                         "share of the grid (stream_k.MAX_TAIL_FRACTION for this run)")
