@@ -23,6 +23,12 @@
 #   altgrid  the m >= 1024 grid with communication off, methods taking turns launch by launch
 #            (kernel_vs_cublas --alternate): table, default, the plain yardstick of both, the two
 #            Gluon forms; RUNS="1 2" names the runs  -> $OUT/kvc-alt-{ag,rs}-run<N>.json
+#   altsmall the small-m set (m = 64-512) the same way: table, default, their plain yardsticks
+#            (device and host descriptors)          -> $OUT/kvc-alt-small.json
+#   hostdesc the fused Triton kernels with host-encoded TMA descriptors (the new default): the
+#            one-GPU kernel tests, then host vs device descriptors, GPU time alternating with
+#            cuBLAS and host time per call, on the grid  -> $OUT/tests-hostdesc.json,
+#            $OUT/host-desc-ab.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s23.sh mutants wgrad
 set -uo pipefail
@@ -77,6 +83,14 @@ for what in "$@"; do
         timeout 280 python3 ${KVC} --tp 2 --ops GEMM+RS --m 1024 2048 4096 8192 --configs table default plain \
             --extra "${RSX}" --alternate "${TIMING[@]}" --json "${OUT}/kvc-alt-rs-run${run}.json" 2>&1 | grep -v Warning
       done ;;
+    altsmall)
+      timeout 280 python3 ${KVC} --tp 2 --ops AG+GEMM GEMM+RS --m 64 128 256 512 --configs table default plain \
+          --alternate "${TIMING[@]}" --json "${OUT}/kvc-alt-small.json" 2>&1 | grep -v Warning ;;
+    hostdesc)
+      timeout 300 python3 benchmarks/record_pytest.py "${OUT}/tests-hostdesc.json" \
+          tests/test_kernels_one_gpu.py tests/test_phase_trace_gpu.py tests/test_residency_gpu.py \
+          -q -p no:cacheprovider -x 2>&1 | tail -3
+      timeout $((590 - SECONDS)) python3 ${EXP}/host_desc_ab.py --json "${OUT}/host-desc-ab.json" ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
 done

@@ -910,6 +910,48 @@ def check_plain_gemm():
         raise AssertionError("a k that TMA cannot stride was accepted")
 
 
+def check_host_and_device_descriptors_agree():
+    """TMA descriptors encoded on the host (``host_descriptors=True``, kernel parameters) and
+    built on the device give bitwise the same outputs: AG+GEMM per segment with ragged 3-D
+    views, with B as [K, N], and with the gathered rows as one operand; GEMM+RS per segment
+    (ragged) and with merged rows. The other checks run the default (host descriptors)."""
+    import dataclasses
+
+    for world, m_local, b_kn, cfg in ((4, 20, False, CFG), (2, 32, True, CFG),
+                                      (2, 9, False, dataclasses.replace(
+                                          CFG, ag_merge_local=True, ag_merge_lead=0))):
+        xs, b, _ = _ag_case(world, m_local, 32, 64, b_kn)
+        outs = []
+        for host in (True, False):
+            flags = torch.full((world * triton.cdiv(m_local, cfg.chunk_rows),), 7,
+                               dtype=torch.int32)
+            err = torch.zeros(4, dtype=torch.int32)
+            out = torch.full((world * m_local, b.shape[1]), float("nan")).to(DTYPE)
+            launch_ag_gemm(xs[1], _gathered_by(1, xs, own=cfg.ag_merge_local), b, out, flags,
+                           err, rank=1, world=world, epoch=7, cfg=cfg, num_sms=NSMS,
+                           max_spins=10, host_descriptors=host)
+            assert err.tolist() == [0, 0, 0, 0] and not torch.isnan(out).any(), (world, host)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), f"AG+GEMM {world=} {m_local=}: host != device"
+    for world, m_local, cfg in ((4, 20, CFG), (2, 9, MERGED_RS)):
+        runs = []
+        for host in (True, False):
+            torch.manual_seed(world + m_local)
+            w = _rs_world(world, m_local, 32, 64, False, True, cfg=cfg)
+            for phase in ("produce", "consume"):
+                for r in range(world):
+                    launch_gemm_rs(w["a"][r], w["b"][r], w["outs"][r], w["data"][r], w["dptr"],
+                                   w["fptr"], w["bias"], w["errs"][r], rank=r, world=world,
+                                   epoch=w["epoch"], cfg=cfg, num_sms=NSMS, max_spins=10,
+                                   produce=phase == "produce", consume=phase == "consume",
+                                   host_descriptors=host)
+            assert all(e.tolist() == [0, 0, 0, 0] for e in w["errs"]), (world, host)
+            runs.append(w)
+        for r in range(world):
+            assert torch.equal(runs[0]["outs"][r], runs[1]["outs"][r]), \
+                f"GEMM+RS {world=} {m_local=} rank {r}: host != device"
+
+
 CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_peer_groups,
           check_ag_merged_local, check_ag_merged_signals, check_ag_stream_k, check_ag_signal_indexing,
           check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout,
@@ -917,7 +959,8 @@ CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_
           check_gemm_rs_copy_engine,
           check_gemm_rs_copy_engine_bands, check_copy_engine_reduce_scatter,
           check_next_call_cannot_release_a_wait, check_ready_barrier, check_copy_engine_gather,
-          check_programs_per_sm, check_ws_configs_run_the_triton_kernels]
+          check_programs_per_sm, check_ws_configs_run_the_triton_kernels,
+          check_host_and_device_descriptors_agree]
 
 
 @triton.jit

@@ -23,14 +23,16 @@ _SMALL = dict(B_KN=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, NUM_SMS
               FLATTEN=True, WARP_SPECIALIZE=False, ASYNC_FENCE=True)
 
 
-def _compile(fn, constexprs, ones, num_warps=4, num_stages=2):
+def _compile(fn, constexprs, ones, num_warps=4, num_stages=2, types=None):
     """``fn`` compiled for sm_90 (no GPU needed) with ``constexprs`` and the integer arguments
-    in ``ones`` specialized to 1, as Triton does at launch."""
+    in ``ones`` specialized to 1, as Triton does at launch; ``types`` overrides arguments'
+    types (host TMA descriptors: ``"tensordesc<bf16[64,64]>"``)."""
     constexprs = {**{p.name: p.default for p in fn.params
                      if p.is_constexpr and p.default is not inspect.Parameter.empty},
                   **constexprs, **{name: 1 for name in ones}}
     names = [p.name for p in fn.params]
-    sig = {n: "constexpr" if n in constexprs else _POINTERS.get(n, "i32") for n in names}
+    kinds = {**_POINTERS, **(types or {})}
+    sig = {n: "constexpr" if n in constexprs else kinds.get(n, "i32") for n in names}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                     attrs={})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -74,6 +76,40 @@ def test_rs_reduce_compiles_with_one_row_per_rank(world):
     for bias in (False, True):
         _compile(rs_reduce_kernel, dict(WORLD=world, HAS_BIAS=bias, BLOCK_M=32, BLOCK_N=256),
                  ones=("m_local",), num_stages=1)
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_kernels_compile_with_host_descriptors(world):
+    """HOST_DESC: A and B (and AG+GEMM's gathered rows and output) arrive as host-encoded TMA
+    descriptors (kernel parameters) of the views the kernels otherwise build on the device:
+    2-D and, for ragged segments, 3-D; B as [N, K] or [K, N]."""
+    from megatron_flux.kernels.ag_gemm import ag_gemm_kernel
+    from megatron_flux.kernels.config import unroll_steps
+    from megatron_flux.kernels.gemm_rs import gemm_rs_kernel
+
+    desc = lambda *block: f"tensordesc<bf16[{','.join(map(str, block))}]>"  # noqa: E731
+    for ragged, b_kn in ((True, False), (False, True)):
+        a = desc(1, 64, 64) if ragged else desc(64, 64)
+        b = desc(64, 64)
+        _compile(gemm_rs_kernel, dict(_SMALL, WORLD=world, RAGGED=ragged, B_KN=b_kn, EPI_SPLIT=1,
+                                      HAS_BIAS=True, TMA_PUSH=True, TMA_REDUCE=True,
+                                      UNROLL_STEPS=unroll_steps(world), HOST_DESC=True),
+                 ones=(), types={"a_ptr": a, "b_ptr": b})
+        c = desc(1, 64, 32) if ragged else desc(64, 32)
+        _compile(ag_gemm_kernel, dict(_SMALL, WORLD=world, RAGGED=ragged, B_KN=b_kn, EPI_SPLIT=2,
+                                      SK_LOCAL=False, STREAM_K=not ragged,
+                                      UNROLL_STEPS=unroll_steps(world), HOST_DESC=True),
+                 ones=(), types={"x_ptr": desc(64, 64), "ag_ptr": a, "b_ptr": b, "c_ptr": c})
+    # merged GEMM+RS rows (one 2-D A over every rank's rows) and gathered AG+GEMM rows
+    _compile(gemm_rs_kernel, dict(_SMALL, WORLD=world, RAGGED=False, EPI_SPLIT=1, HAS_BIAS=False,
+                                  TMA_PUSH=False, SPREAD_REDUCE=True, MERGE_ROWS=True,
+                                  UNROLL_STEPS=unroll_steps(world), HOST_DESC=True),
+             ones=(), types={"a_ptr": desc(64, 64), "b_ptr": desc(64, 64)})
+    _compile(ag_gemm_kernel, dict(_SMALL, WORLD=world, RAGGED=False, EPI_SPLIT=1, SK_LOCAL=False,
+                                  STREAM_K=False, MERGE_LOCAL=True, MERGE_LEAD=0, GATHERED=True,
+                                  UNROLL_STEPS=unroll_steps(world), HOST_DESC=True),
+             ones=(), types={"x_ptr": desc(64, 64), "ag_ptr": desc(64, 64),
+                             "b_ptr": desc(64, 64), "c_ptr": desc(64, 64)})
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -24,7 +24,8 @@ NAMES = ["check_tile_order", "check_ag_gemm_all_ranks", "check_ag_peer_groups",
          "check_copy_engine_reduce_scatter",
          "check_next_call_cannot_release_a_wait",
          "check_ready_barrier", "check_copy_engine_gather", "check_plain_gemm",
-         "check_programs_per_sm", "check_ws_configs_run_the_triton_kernels"]
+         "check_programs_per_sm", "check_ws_configs_run_the_triton_kernels",
+         "check_host_and_device_descriptors_agree"]
 
 
 @pytest.fixture(scope="module")

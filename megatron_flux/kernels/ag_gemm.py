@@ -47,7 +47,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from megatron_flux.kernels.config import interpreting, launch_geometry, unroll_steps
-from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
+from megatron_flux.kernels.descriptors import ensure_descriptor_allocator, host_descriptor, \
+    host_descriptors_enabled
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import split_columns, tile_mainloop, tile_mainloop_k
 from megatron_flux.kernels.phase_trace import stamp
@@ -108,7 +109,7 @@ def ag_gemm_kernel(
     ASYNC_FENCE: tl.constexpr = True, SK_LOCAL: tl.constexpr = False,
     UNROLL_STEPS: tl.constexpr = True, TRACE: tl.constexpr = False,
     PEER_GROUP: tl.constexpr = 1, MERGE_LOCAL: tl.constexpr = False,
-    MERGE_LEAD: tl.constexpr = 1, GATHERED: tl.constexpr = False,
+    MERGE_LEAD: tl.constexpr = 1, GATHERED: tl.constexpr = False, HOST_DESC: tl.constexpr = False,
 ):
     """Pointers: ``x`` [m_local, K], ``ag`` / ``c`` [WORLD * m_local, K / N] contiguous; ``b``
     [K, N] (B_KN) or [N, K], row stride ``ldb``. TMA descriptors are built on the device, once
@@ -126,22 +127,31 @@ def ag_gemm_kernel(
     tiles (``GemmConfig.ag_merge_local``, :func:`_merged_local_group`), its rows read from
     ``ag``, where the caller copied them before the kernel. Stream-K is off then too.
     GATHERED (MERGE_LOCAL with a lead of 0; the launcher passes RAGGED=False): one wait for
-    every peer, then ``ag`` is one ``[WORLD * m_local, K]`` operand (:func:`_gathered_tiles`)."""
+    every peer, then ``ag`` is one ``[WORLD * m_local, K]`` operand (:func:`_gathered_tiles`).
+    HOST_DESC: ``x_ptr``, ``ag_ptr``, ``b_ptr`` and ``c_ptr`` are host-encoded TMA descriptors of
+    the same views (:func:`_host_descriptors`) instead of pointers (:mod:`.descriptors`)."""
     stamp(trace_ptr, 0, TRACE)  # start
-    x_desc = tl.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
-    if RAGGED:
-        ag_desc = tl.make_tensor_descriptor(ag_ptr, [WORLD, m_local, K], [m_local * K, K, 1],
-                                            [1, BLOCK_M, BLOCK_K])
-        c_desc = tl.make_tensor_descriptor(c_ptr, [WORLD, m_local, N], [m_local * N, N, 1],
-                                           [1, BLOCK_M, BLOCK_N // EPI_SPLIT])
+    if HOST_DESC:
+        x_desc = x_ptr
+        ag_desc = ag_ptr
+        c_desc = c_ptr
+        b_desc = b_ptr
     else:
-        ag_desc = tl.make_tensor_descriptor(ag_ptr, [WORLD * m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
-        c_desc = tl.make_tensor_descriptor(c_ptr, [WORLD * m_local, N], [N, 1],
-                                           [BLOCK_M, BLOCK_N // EPI_SPLIT])
-    if B_KN:
-        b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K])
+        x_desc = tl.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
+        if RAGGED:
+            ag_desc = tl.make_tensor_descriptor(ag_ptr, [WORLD, m_local, K],
+                                                [m_local * K, K, 1], [1, BLOCK_M, BLOCK_K])
+            c_desc = tl.make_tensor_descriptor(c_ptr, [WORLD, m_local, N], [m_local * N, N, 1],
+                                               [1, BLOCK_M, BLOCK_N // EPI_SPLIT])
+        else:
+            ag_desc = tl.make_tensor_descriptor(ag_ptr, [WORLD * m_local, K], [K, 1],
+                                                [BLOCK_M, BLOCK_K])
+            c_desc = tl.make_tensor_descriptor(c_ptr, [WORLD * m_local, N], [N, 1],
+                                               [BLOCK_M, BLOCK_N // EPI_SPLIT])
+        if B_KN:
+            b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N])
+        else:
+            b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K])
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(m_local, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -461,8 +471,27 @@ def _stream_k_tiles(x_desc, ag_desc, b_desc, c_desc, partials_ptr, counters_ptr,
         it = (u + 1) * k_tiles
 
 
+def _host_descriptors(x, ag, b, out, world, m_local, n, k, ldb, b_kn, ragged, cfg):
+    """``(x, ag, b, out)`` as host TMA descriptors of the views :func:`ag_gemm_kernel` builds
+    on the device without HOST_DESC."""
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    x_desc = host_descriptor(x, [m_local, k], [k, 1], [bm, bk])
+    if ragged:
+        ag_desc = host_descriptor(ag, [world, m_local, k], [m_local * k, k, 1], [1, bm, bk])
+        c_desc = host_descriptor(out, [world, m_local, n], [m_local * n, n, 1],
+                                 [1, bm, bn // cfg.epilogue_split])
+    else:
+        ag_desc = host_descriptor(ag, [world * m_local, k], [k, 1], [bm, bk])
+        c_desc = host_descriptor(out, [world * m_local, n], [n, 1], [bm, bn // cfg.epilogue_split])
+    if b_kn:
+        b_desc = host_descriptor(b, [k, n], [ldb, 1], [bk, bn])
+    else:
+        b_desc = host_descriptor(b, [n, k], [ldb, 1], [bn, bk])
+    return x_desc, ag_desc, b_desc, c_desc
+
+
 def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sms, max_spins,
-                   trace=None):
+                   trace=None, host_descriptors=None):
     """Launch :func:`ag_gemm_kernel` on the current stream.
 
     ``x`` ``[m_local, K]`` this rank's rows; ``ag`` ``[world * m_local, K]`` the gathered
@@ -472,7 +501,9 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     from ``ag``: the caller must have copied them there, in stream order before the kernel.
     ``trace``: an int64 ``[grid, TRACE_SLOTS]`` buffer to stamp :data:`AG_PHASES` into (a
     diagnostic build of the kernel; :mod:`.phase_trace`). With ``cfg.ag_warp_specialized`` a
-    call the Gluon kernel can take runs there (:mod:`.ag_gemm_ws`).
+    call the Gluon kernel can take runs there (:mod:`.ag_gemm_ws`). ``host_descriptors``: the
+    TMA descriptors encoded on the host (``None``:
+    :func:`~megatron_flux.kernels.descriptors.host_descriptors_enabled`).
     """
     m_local, k = x.shape
     n = b.shape[1]
@@ -490,6 +521,7 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     gathered = merge and cfg.ag_merge_lead == 0  # ... as one operand with the peers' rows
     # stream-K's tiles follow the per-segment order: off when the segments are grouped
     mode = 0 if cfg in _STREAM_K_TOO_BIG or peer_group > 1 or merge else cfg.stream_k
+    host_desc = host_descriptors_enabled(host_descriptors)
     last_plan = {"sk_tiles": 0}  # of the kernel compiled or launched last
 
     def plan(per_sm):
@@ -502,18 +534,24 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
         else:
             partials, counters = err, err  # never touched
         last_plan["sk_tiles"] = sk_tiles
-        args = (x, ag, b, out, flags, err, partials, counters,
+        ragged = geo.ragged and not gathered
+        if host_desc:
+            x_arg, ag_arg, b_arg, out_arg = _host_descriptors(
+                x, ag, b, out, world, m_local, n, k, geo.ldb, geo.b_kn, ragged, cfg)
+        else:
+            x_arg, ag_arg, b_arg, out_arg = x, ag, b, out
+        args = (x_arg, ag_arg, b_arg, out_arg, flags, err, partials, counters,
                 trace if trace is not None else err, m_local, n, k, geo.ldb, rank, epoch,
                 cfg.chunk_rows, max_spins, sk_tiles)
         constexprs = dict(
-            WORLD=world, RAGGED=geo.ragged and not gathered, B_KN=geo.b_kn,
+            WORLD=world, RAGGED=ragged, B_KN=geo.b_kn,
             EPI_SPLIT=cfg.epilogue_split,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             NUM_SMS=grid, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             STREAM_K=sk_tiles > 0, ASYNC_FENCE=not interpreting(),
             SK_LOCAL=sk_tiles > 0 and world == 1, UNROLL_STEPS=unroll_steps(world),
             TRACE=trace is not None, PEER_GROUP=peer_group, MERGE_LOCAL=merge,
-            MERGE_LEAD=cfg.ag_merge_lead, GATHERED=gathered)
+            MERGE_LEAD=cfg.ag_merge_lead, GATHERED=gathered, HOST_DESC=host_desc)
         return grid, args, constexprs
 
     ensure_descriptor_allocator()
@@ -531,7 +569,8 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
         warnings.warn(f"megatron-flux AG+GEMM: {cfg} needs more shared memory with stream_k="
                       f"{cfg.stream_k} than this GPU has ({exc}); running it without stream-K")
         launch_ag_gemm(x, ag, b, out, flags, err, rank=rank, world=world, epoch=epoch, cfg=cfg,
-                       num_sms=num_sms, max_spins=max_spins, trace=trace)
+                       num_sms=num_sms, max_spins=max_spins, trace=trace,
+                       host_descriptors=host_desc)
 
 
 #: configs whose stream-K variant exceeded shared memory (they run data-parallel)

@@ -1,15 +1,48 @@
-"""Scratch memory for device-side TMA descriptors.
+"""Where the fused Triton kernels' TMA descriptors come from.
 
-The fused kernels build their tensor descriptors on the device (``tl.make_tensor_descriptor``),
-once per program, so a launch passes plain pointers instead of having the host encode four TMA
-descriptors per call. Triton takes the descriptors' global scratch from the allocator set with
+Device-built (``tl.make_tensor_descriptor``, once per program): a launch passes plain
+pointers, and Triton takes the descriptors' global scratch from the allocator set with
 ``triton.set_allocator``, a context variable: autograd runs backward on its own thread, where
-it is unset, so it is (re)installed before every launch unless the caller installed one.
+it is unset, so :func:`ensure_descriptor_allocator` (re)installs it before every launch unless
+the caller installed one. Every program then spends its first microseconds writing and fencing
+descriptors before its first TMA load.
+
+Host-encoded (:func:`host_descriptor`, ``triton.tools.tensor_descriptor.TensorDescriptor``
+kernel arguments): Triton's launcher encodes each one on the host (``cuTensorMapEncodeTiled``)
+and passes it as a kernel parameter. The kernels take A and B this way (the AG+GEMM kernel its
+output too) when :func:`host_descriptors_enabled`; descriptors of peers' buffers stay
+device-built. With communication off on one H200, the plain yardstick ran 0.3-2 % faster with
+host descriptors at m >= 1024 and 2-8 % at m <= 512 (``benchmarks/NOTES.md``, session 23).
 """
+
+import os
+from typing import Optional, Sequence
 
 import torch
 import triton
 from triton.runtime import _allocation
+
+#: ``"0"`` builds every descriptor on the device, ``"1"`` (the default) encodes A's and B's on
+#: the host
+ENV_HOST_DESCRIPTORS = "MEGATRON_FLUX_HOST_DESCRIPTORS"
+
+
+def host_descriptors_enabled(explicit: Optional[bool] = None) -> bool:
+    """``explicit`` when given, else ``$MEGATRON_FLUX_HOST_DESCRIPTORS`` (default on)."""
+    if explicit is not None:
+        return bool(explicit)
+    value = os.environ.get(ENV_HOST_DESCRIPTORS, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"${ENV_HOST_DESCRIPTORS} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def host_descriptor(t: torch.Tensor, shape: Sequence[int], strides: Sequence[int],
+                    block_shape: Sequence[int]):
+    """A host TMA descriptor of ``t``'s memory seen as ``shape`` / ``strides`` (elements)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(shape), list(strides), list(block_shape))
 
 
 def _torch_scratch(size: int, alignment: int, stream):

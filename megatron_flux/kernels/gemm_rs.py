@@ -70,7 +70,8 @@ import triton
 import triton.language as tl
 
 from megatron_flux.kernels.config import MAX_RS_BANDS, interpreting, launch_geometry, unroll_steps
-from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
+from megatron_flux.kernels.descriptors import ensure_descriptor_allocator, host_descriptor, \
+    host_descriptors_enabled
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import segment_tile, split_columns, tile_mainloop, \
     tile_mainloop_slice
@@ -298,7 +299,7 @@ def gemm_rs_kernel(
     PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True, TMA_REDUCE: tl.constexpr = True,
     SPREAD_REDUCE: tl.constexpr = False, UNROLL_STEPS: tl.constexpr = True,
     CE_PUSH: tl.constexpr = False, CE_BANDS: tl.constexpr = False, TRACE: tl.constexpr = False,
-    MERGE_ROWS: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    MERGE_ROWS: tl.constexpr = False, SPLIT: tl.constexpr = 1, HOST_DESC: tl.constexpr = False,
 ):
     """``data_ptr``: this rank's slot region (``[WORLD, m_local, N]``, output dtype) for this
     call's parity; ``data_ptrs``/``flag_ptrs``: int64 tables of every rank's slot region and
@@ -313,17 +314,24 @@ def gemm_rs_kernel(
     MERGE_ROWS (with SPREAD_REDUCE, vector-store pushes, RAGGED=False: A is one ``[WORLD *
     m_local, K]`` operand): one tile loop over every rank's rows (:func:`_merged_rows_producer`);
     with SPLIT > 1 each tile split along K into SPLIT work items whose fp32 parts meet in the
-    scratch ``parts`` / ``counters`` (:func:`_merged_rows_split`)."""
+    scratch ``parts`` / ``counters`` (:func:`_merged_rows_split`).
+    HOST_DESC: ``a_ptr`` and ``b_ptr`` are host-encoded TMA descriptors of the same views
+    (:func:`_host_descriptors`) instead of pointers (:mod:`.descriptors`)."""
     stamp(trace_ptr, 0, TRACE)  # start
-    if RAGGED:
-        a_desc = tl.make_tensor_descriptor(a_ptr, [WORLD, m_local, K], [m_local * K, K, 1],
-                                           [1, BLOCK_M, BLOCK_K])
+    if HOST_DESC:
+        a_desc = a_ptr
+        b_desc = b_ptr
     else:
-        a_desc = tl.make_tensor_descriptor(a_ptr, [WORLD * m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
-    if B_KN:
-        b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K])
+        if RAGGED:
+            a_desc = tl.make_tensor_descriptor(a_ptr, [WORLD, m_local, K], [m_local * K, K, 1],
+                                               [1, BLOCK_M, BLOCK_K])
+        else:
+            a_desc = tl.make_tensor_descriptor(a_ptr, [WORLD * m_local, K], [K, 1],
+                                               [BLOCK_M, BLOCK_K])
+        if B_KN:
+            b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N])
+        else:
+            b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K])
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(m_local, BLOCK_M)
@@ -559,8 +567,24 @@ def rs_staging_table(staging_addr: int, own_slot_addr: int, *, rank: int, world:
     return table
 
 
+def _host_descriptors(a, b, world, m_local, n, k, ldb, b_kn, ragged, cfg):
+    """``(a, b)`` as host TMA descriptors of the views :func:`gemm_rs_kernel` builds on the
+    device without HOST_DESC."""
+    if ragged:
+        a_desc = host_descriptor(a, [world, m_local, k], [m_local * k, k, 1],
+                                 [1, cfg.block_m, cfg.block_k])
+    else:
+        a_desc = host_descriptor(a, [world * m_local, k], [k, 1], [cfg.block_m, cfg.block_k])
+    if b_kn:
+        b_desc = host_descriptor(b, [k, n], [ldb, 1], [cfg.block_k, cfg.block_n])
+    else:
+        b_desc = host_descriptor(b, [n, k], [ldb, 1], [cfg.block_n, cfg.block_k])
+    return a_desc, b_desc
+
+
 def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, world, epoch, cfg,
-                   num_sms, max_spins, produce=True, consume=True, trace=None):
+                   num_sms, max_spins, produce=True, consume=True, trace=None,
+                   host_descriptors=None):
     """Launch :func:`gemm_rs_kernel` on the current stream.
 
     ``a`` ``[world * m_local, K]``; ``b`` ``[K, N]`` row-major or a transposed row-major
@@ -570,7 +594,8 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
     the kernel; :mod:`.phase_trace`). With ``cfg.rs_copy_engine`` the caller passes the
     staging table as ``data_ptrs`` (:func:`rs_staging_table`) and queues the copies. With
     ``cfg.rs_warp_specialized`` a call the Gluon kernel can take runs there
-    (:mod:`.gemm_rs_ws`)."""
+    (:mod:`.gemm_rs_ws`). ``host_descriptors``: A's and B's TMA descriptors encoded on the host
+    (``None``: :func:`~megatron_flux.kernels.descriptors.host_descriptors_enabled`)."""
     m, k = a.shape
     m_local = m // world
     n = b.shape[1]
@@ -587,6 +612,7 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
 
     merge_rows = cfg.rs_merge_rows  # GemmConfig: with the spread reduction, vector pushes
     split = cfg.rs_split_k if merge_rows and produce else 1
+    host_desc = host_descriptors_enabled(host_descriptors)
 
     def plan(per_sm):
         """(grid, runtime args, constexprs) with ``per_sm`` programs per SM."""
@@ -598,11 +624,14 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
             scratch = stream_k_scratch(a.device, -(-geo.tiles * split // 2), cfg.block_m,
                                        cfg.block_n, tiles=geo.tiles)
             parts, counters = scratch.partials, scratch.counters
-        args = (a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
-                trace if trace is not None else err, parts, counters, m_local, n, k, geo.ldb,
+        ragged = geo.ragged and not merge_rows
+        a_arg, b_arg = (_host_descriptors(a, b, world, m_local, n, k, geo.ldb, geo.b_kn, ragged,
+                                          cfg) if host_desc else (a, b))
+        args = (a_arg, b_arg, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data,
+                err, trace if trace is not None else err, parts, counters, m_local, n, k, geo.ldb,
                 rank, epoch, max_spins)
         constexprs = dict(
-            WORLD=world, RAGGED=geo.ragged and not merge_rows, B_KN=geo.b_kn,
+            WORLD=world, RAGGED=ragged, B_KN=geo.b_kn,
             HAS_BIAS=bias is not None,
             EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=grid, FLATTEN=cfg.flatten,
@@ -611,7 +640,7 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
             CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce,
             UNROLL_STEPS=unroll_steps(world), CE_PUSH=cfg.rs_copy_engine,
             CE_BANDS=cfg.rs_copy_engine and cfg.rs_ce_bands, TRACE=trace is not None,
-            MERGE_ROWS=merge_rows, SPLIT=split)
+            MERGE_ROWS=merge_rows, SPLIT=split, HOST_DESC=host_desc)
         return grid, args, constexprs
 
     ensure_descriptor_allocator()

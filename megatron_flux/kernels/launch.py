@@ -11,6 +11,7 @@ directly. Its key refines Triton's own specialisation (so two launches Triton wo
 differently never share an entry):
 
 * every tensor: dtype, and whether its address is 16-byte aligned;
+* every host TMA descriptor: its tensor's dtype, block shape, rank and padding;
 * every int: whether it is 1, whether it is divisible by 16, and whether it fits in int32 (also
   for ``do_not_specialize`` ints, which Triton still types by width);
 * every constexpr, ``num_warps`` and ``num_stages``.
@@ -44,10 +45,14 @@ def direct_launch_enabled() -> bool:
 
 def specialization_key(args: Sequence[Any], constexprs: Tuple, options: Tuple) -> tuple:
     """The key described in the module docstring (runtime ``args`` in kernel order)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     key = []
     for a in args:
         if isinstance(a, torch.Tensor):
             key.append((a.dtype, a.data_ptr() & 15 == 0))
+        elif isinstance(a, TensorDescriptor):  # Triton types it by dtype and block shape
+            key.append(("desc", a.base.dtype, tuple(a.block_shape), len(a.shape), a.padding))
         elif isinstance(a, bool):
             key.append(("b", a))
         elif isinstance(a, int):
