@@ -29,6 +29,9 @@
 #            one-GPU kernel tests, then host vs device descriptors, GPU time alternating with
 #            cuBLAS and host time per call, on the grid  -> $OUT/tests-hostdesc.json,
 #            $OUT/host-desc-ab.json
+#   hostdesc2 GEMM+RS's own-tile output and slot descriptors also from the host: its one-GPU
+#            tests, then hostdesc's A/B for GEMM+RS  -> $OUT/tests-hostdesc2.json,
+#            $OUT/host-desc-ab-rs.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s23.sh mutants wgrad
 set -uo pipefail
@@ -91,6 +94,11 @@ for what in "$@"; do
           tests/test_kernels_one_gpu.py tests/test_phase_trace_gpu.py tests/test_residency_gpu.py \
           -q -p no:cacheprovider -x 2>&1 | tail -3
       timeout $((590 - SECONDS)) python3 ${EXP}/host_desc_ab.py --json "${OUT}/host-desc-ab.json" ;;
+    hostdesc2)
+      timeout 250 python3 benchmarks/record_pytest.py "${OUT}/tests-hostdesc2.json" \
+          tests/test_kernels_one_gpu.py tests/test_phase_trace_gpu.py -q -p no:cacheprovider \
+          -k "rs or reduction or two_ranks" 2>&1 | tail -3
+      timeout $((590 - SECONDS)) python3 ${EXP}/host_desc_ab.py --ops rs --json "${OUT}/host-desc-ab-rs.json" ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
 done

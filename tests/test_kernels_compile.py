@@ -18,7 +18,7 @@ _POINTERS = {"own_ptr": "*bf16", "slots_ptr": "*bf16", "x_ptr": "*bf16", "ag_ptr
              "a_ptr": "*bf16", "out_ptr": "*bf16", "data_ptr": "*bf16", "bias_ptr": "*bf16",
              "data_ptrs": "*i64", "flag_ptrs": "*i64", "flags_ptr": "*i32", "err_ptr": "*i32",
              "sk_partials_ptr": "*fp32", "sk_counters_ptr": "*i32", "trace_ptr": "*i64",
-             "parts_ptr": "*fp32", "counters_ptr": "*i32"}
+             "parts_ptr": "*fp32", "counters_ptr": "*i32", "out_hd": "*bf16", "slots_hd": "*bf16"}
 _SMALL = dict(B_KN=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, NUM_SMS=4,
               FLATTEN=True, WARP_SPECIALIZE=False, ASYNC_FENCE=True)
 
@@ -94,7 +94,8 @@ def test_kernels_compile_with_host_descriptors(world):
         _compile(gemm_rs_kernel, dict(_SMALL, WORLD=world, RAGGED=ragged, B_KN=b_kn, EPI_SPLIT=1,
                                       HAS_BIAS=True, TMA_PUSH=True, TMA_REDUCE=True,
                                       UNROLL_STEPS=unroll_steps(world), HOST_DESC=True),
-                 ones=(), types={"a_ptr": a, "b_ptr": b})
+                 ones=(), types={"a_ptr": a, "b_ptr": b, "out_hd": desc(64, 64),
+                                 "slots_hd": desc(1, 64, 64)})
         c = desc(1, 64, 32) if ragged else desc(64, 32)
         _compile(ag_gemm_kernel, dict(_SMALL, WORLD=world, RAGGED=ragged, B_KN=b_kn, EPI_SPLIT=2,
                                       SK_LOCAL=False, STREAM_K=not ragged,
@@ -104,7 +105,8 @@ def test_kernels_compile_with_host_descriptors(world):
     _compile(gemm_rs_kernel, dict(_SMALL, WORLD=world, RAGGED=False, EPI_SPLIT=1, HAS_BIAS=False,
                                   TMA_PUSH=False, SPREAD_REDUCE=True, MERGE_ROWS=True,
                                   UNROLL_STEPS=unroll_steps(world), HOST_DESC=True),
-             ones=(), types={"a_ptr": desc(64, 64), "b_ptr": desc(64, 64)})
+             ones=(), types={"a_ptr": desc(64, 64), "b_ptr": desc(64, 64), "out_hd": desc(64, 64),
+                             "slots_hd": desc(1, 64, 64)})
     _compile(ag_gemm_kernel, dict(_SMALL, WORLD=world, RAGGED=False, EPI_SPLIT=1, SK_LOCAL=False,
                                   STREAM_K=False, MERGE_LOCAL=True, MERGE_LEAD=0, GATHERED=True,
                                   UNROLL_STEPS=unroll_steps(world), HOST_DESC=True),

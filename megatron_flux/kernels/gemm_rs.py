@@ -289,6 +289,7 @@ def _reduce_tile(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_
 def gemm_rs_kernel(
     a_ptr, b_ptr, out_ptr,
     data_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr, trace_ptr, parts_ptr, counters_ptr,
+    out_hd, slots_hd,
     m_local, N, K, ldb, rank, epoch, max_spins,
     WORLD: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr, HAS_BIAS: tl.constexpr,
     EPI_SPLIT: tl.constexpr,
@@ -316,7 +317,9 @@ def gemm_rs_kernel(
     with SPLIT > 1 each tile split along K into SPLIT work items whose fp32 parts meet in the
     scratch ``parts`` / ``counters`` (:func:`_merged_rows_split`).
     HOST_DESC: ``a_ptr`` and ``b_ptr`` are host-encoded TMA descriptors of the same views
-    (:func:`_host_descriptors`) instead of pointers (:mod:`.descriptors`)."""
+    (:func:`_host_descriptors`) instead of pointers, and ``out_hd`` / ``slots_hd`` those of the
+    own tiles' output and slot region (:mod:`.descriptors`); without it ``out_hd`` and
+    ``slots_hd`` are unused."""
     stamp(trace_ptr, 0, TRACE)  # start
     if HOST_DESC:
         a_desc = a_ptr
@@ -402,9 +405,14 @@ def gemm_rs_kernel(
         own_start = (WORLD - 1) * tiles_per_seg
         first = first_tile_at_or_after(pid, own_start, NUM_SMS)
         if first < WORLD * tiles_per_seg:
-            out_desc = tl.make_tensor_descriptor(out_ptr, [m_local, N], [N, 1], [BLOCK_M, HALF])
-            slots_desc = tl.make_tensor_descriptor(data_ptr, [WORLD, m_local, N],
-                                                   [m_local * N, N, 1], [1, BLOCK_M, BLOCK_N])
+            if HOST_DESC:
+                out_desc = out_hd
+                slots_desc = slots_hd
+            else:
+                out_desc = tl.make_tensor_descriptor(out_ptr, [m_local, N], [N, 1],
+                                                     [BLOCK_M, HALF])
+                slots_desc = tl.make_tensor_descriptor(data_ptr, [WORLD, m_local, N],
+                                                       [m_local * N, N, 1], [1, BLOCK_M, BLOCK_N])
             _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
                           err_ptr, trace_ptr, serpentine(first, WORLD - 1, tiles_per_seg),
                           m_local, N, k_tiles, rank, WORLD, epoch, max_spins, num_pid_m,
@@ -567,9 +575,12 @@ def rs_staging_table(staging_addr: int, own_slot_addr: int, *, rank: int, world:
     return table
 
 
-def _host_descriptors(a, b, world, m_local, n, k, ldb, b_kn, ragged, cfg):
-    """``(a, b)`` as host TMA descriptors of the views :func:`gemm_rs_kernel` builds on the
-    device without HOST_DESC."""
+def _host_descriptors(a, b, out, data, world, m_local, n, k, ldb, b_kn, ragged, cfg,
+                      own_tiles=True):
+    """``(a, b, out, data)`` as host TMA descriptors of the views :func:`gemm_rs_kernel`
+    builds on the device without HOST_DESC; ``out`` and ``data`` stay as they are without
+    ``own_tiles`` (a spread reduction or a launch without its consumer reads neither through
+    a descriptor)."""
     if ragged:
         a_desc = host_descriptor(a, [world, m_local, k], [m_local * k, k, 1],
                                  [1, cfg.block_m, cfg.block_k])
@@ -579,7 +590,13 @@ def _host_descriptors(a, b, world, m_local, n, k, ldb, b_kn, ragged, cfg):
         b_desc = host_descriptor(b, [k, n], [ldb, 1], [cfg.block_k, cfg.block_n])
     else:
         b_desc = host_descriptor(b, [n, k], [ldb, 1], [cfg.block_n, cfg.block_k])
-    return a_desc, b_desc
+    if not own_tiles:
+        return a_desc, b_desc, out, data
+    out_desc = host_descriptor(out, [m_local, n], [n, 1],
+                               [cfg.block_m, cfg.block_n // cfg.epilogue_split])
+    slots_desc = host_descriptor(data, [world, m_local, n], [m_local * n, n, 1],
+                                 [1, cfg.block_m, cfg.block_n])
+    return a_desc, b_desc, out_desc, slots_desc
 
 
 def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, world, epoch, cfg,
@@ -625,11 +642,15 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
                                        cfg.block_n, tiles=geo.tiles)
             parts, counters = scratch.partials, scratch.counters
         ragged = geo.ragged and not merge_rows
-        a_arg, b_arg = (_host_descriptors(a, b, world, m_local, n, k, geo.ldb, geo.b_kn, ragged,
-                                          cfg) if host_desc else (a, b))
+        if host_desc:
+            a_arg, b_arg, out_hd, slots_hd = _host_descriptors(
+                a, b, out, data, world, m_local, n, k, geo.ldb, geo.b_kn, ragged, cfg,
+                own_tiles=consume and not cfg.rs_spread_reduce)
+        else:
+            a_arg, b_arg, out_hd, slots_hd = a, b, out, data  # the last two unused
         args = (a_arg, b_arg, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data,
-                err, trace if trace is not None else err, parts, counters, m_local, n, k, geo.ldb,
-                rank, epoch, max_spins)
+                err, trace if trace is not None else err, parts, counters, out_hd, slots_hd,
+                m_local, n, k, geo.ldb, rank, epoch, max_spins)
         constexprs = dict(
             WORLD=world, RAGGED=ragged, B_KN=geo.b_kn,
             HAS_BIAS=bias is not None,
