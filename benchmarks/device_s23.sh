@@ -32,6 +32,7 @@
 #   hostdesc2 GEMM+RS's own-tile output and slot descriptors also from the host: its one-GPU
 #            tests, then hostdesc's A/B for GEMM+RS  -> $OUT/tests-hostdesc2.json,
 #            $OUT/host-desc-ab-rs.json
+#   tests    (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu-final.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s23.sh mutants wgrad
 set -uo pipefail
@@ -99,6 +100,8 @@ for what in "$@"; do
           tests/test_kernels_one_gpu.py tests/test_phase_trace_gpu.py -q -p no:cacheprovider \
           -k "rs or reduction or two_ranks" 2>&1 | tail -3
       timeout $((590 - SECONDS)) python3 ${EXP}/host_desc_ab.py --ops rs --json "${OUT}/host-desc-ab-rs.json" ;;
+    tests)
+      gpu_tests 560 tests-1gpu-final ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
 done
