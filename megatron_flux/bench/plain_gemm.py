@@ -9,7 +9,8 @@ grouped GROUP_M row-tiles at a time for L2 reuse (:func:`~megatron_flux.kernels.
 grouped_tile`); program ``p`` of the persistent grid takes tiles ``p, p + NUM_SMS, ...`` in one
 ``tl.range`` loop (flattened with FLATTEN), K loop inside, TMA loads of A ``[BLOCK_M, BLOCK_K]``
 and B ``[BLOCK_N, BLOCK_K]``, one TMA store per tile. No signals, no waits. Two entry points:
-descriptors built on the device (as the fused kernels do) or encoded on the host.
+descriptors built on the device or encoded on the host (the fused Triton kernels' default since
+session 23).
 """
 
 import triton
@@ -30,7 +31,8 @@ def plain_gemm_kernel(a_ptr, b_ptr, c_ptr, trace_ptr, M, N, K,
                       GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
                       TRACE: tl.constexpr = False):
     """``a`` ``[M, K]``, ``b`` ``[N, K]``, ``c`` ``[M, N]``, all contiguous; TMA descriptors
-    built on the device, as the fused kernels do. TRACE: stamp :data:`PLAIN_PHASES`."""
+    built on the device (the fused kernels' ``MEGATRON_FLUX_HOST_DESCRIPTORS=0``). TRACE: stamp
+    :data:`PLAIN_PHASES`."""
     stamp(trace_ptr, 0, TRACE)
     a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
     b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])

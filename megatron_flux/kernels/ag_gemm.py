@@ -113,7 +113,8 @@ def ag_gemm_kernel(
 ):
     """Pointers: ``x`` [m_local, K], ``ag`` / ``c`` [WORLD * m_local, K / N] contiguous; ``b``
     [K, N] (B_KN) or [N, K], row stride ``ldb``. TMA descriptors are built on the device, once
-    per program, so a launch passes only pointers and integers. With STREAM_K the last
+    per program, or with HOST_DESC (below) arrive from the host in place of the pointers. With
+    STREAM_K the last
     ``sk_tiles`` tiles run split along K through the scratch ``sk_partials`` / ``sk_counters``
     (:mod:`.stream_k`); without it ``sk_tiles`` is 0 and the scratch is not touched.
     ASYNC_FENCE: a proxy fence after each step's waits (off only under the interpreter, which

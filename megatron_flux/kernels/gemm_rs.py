@@ -310,7 +310,8 @@ def gemm_rs_kernel(
     signal (off only under the interpreter). CE_PUSH: ``data_ptrs[seg] + rank * m_local * N``
     is this rank's local staging area for segment ``seg``, and the grid signals only its own
     "produced" word (the copy engine delivers; see the module docstring); CE_BANDS (with
-    CE_PUSH) also a "produced" word per band. TMA descriptors are built on the device.
+    CE_PUSH) also a "produced" word per band. TMA descriptors are built on the device, or
+    with HOST_DESC (below) come from the host; those of peers' slots are always device-built.
     TRACE: stamp the phases of :data:`RS_PHASES` into ``trace_ptr`` (:mod:`.phase_trace`).
     MERGE_ROWS (with SPREAD_REDUCE, vector-store pushes, RAGGED=False: A is one ``[WORLD *
     m_local, K]`` operand): one tile loop over every rank's rows (:func:`_merged_rows_producer`);
