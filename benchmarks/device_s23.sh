@@ -33,6 +33,9 @@
 #            tests, then hostdesc's A/B for GEMM+RS  -> $OUT/tests-hostdesc2.json,
 #            $OUT/host-desc-ab-rs.json
 #   tests    (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu-final.json
+#   wshostdesc the Gluon kernels with host descriptors too: their one-GPU tests, then host vs
+#            device descriptors for the ping-pong on the m >= 1024 grid
+#            -> $OUT/tests-wshostdesc.json, $OUT/host-desc-ab-ws.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s23.sh mutants wgrad
 set -uo pipefail
@@ -102,6 +105,11 @@ for what in "$@"; do
       timeout $((590 - SECONDS)) python3 ${EXP}/host_desc_ab.py --ops rs --json "${OUT}/host-desc-ab-rs.json" ;;
     tests)
       gpu_tests 560 tests-1gpu-final ;;
+    wshostdesc)
+      timeout 240 python3 benchmarks/record_pytest.py "${OUT}/tests-wshostdesc.json" \
+          tests/test_kernels_one_gpu.py -q -p no:cacheprovider -k "ws or coop or pingpong" 2>&1 | tail -3
+      timeout $((590 - SECONDS)) python3 ${EXP}/host_desc_ab.py --ws --m 1024 2048 4096 8192 \
+          --trials 5 --json "${OUT}/host-desc-ab-ws.json" ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
 done

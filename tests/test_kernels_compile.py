@@ -143,9 +143,11 @@ def _compile_gluon(fn, cfg, constexprs, ptr_types, dtype):
     from megatron_flux.kernels.gluon_ws import launch_options, mma_partitions
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    constexprs = dict(constexprs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      GROUP_M=cfg.group_m, STAGES=cfg.num_stages, NUM_PROGRAMS=132,
-                      PARTITIONS=mma_partitions(cfg))
+    defaults = {p.name: p.default for p in fn.params
+                if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    constexprs = dict(defaults, **constexprs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+                      NUM_PROGRAMS=132, PARTITIONS=mma_partitions(cfg))
 
     names = [p.name for p in fn.params]
     sig = {q: "constexpr" if q in constexprs else
@@ -210,6 +212,44 @@ def test_ag_gemm_ws_compiles_for_hopper_within_its_shared_memory_bound(world):
                                 {"flags_ptr": "*i32", "err_ptr": "*i32"}, dtype)
         assert kernel.metadata.shared <= W.smem_bytes(cfg) <= _HOPPER_SMEM, \
             (kernel.metadata.shared, W.smem_bytes(cfg))
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_gluon_kernels_compile_with_host_descriptors(world):
+    """HOST_DESC: both Gluon kernels take their A/B/output (and GEMM+RS's slot) descriptors
+    encoded on the host, with the layouts their shared-memory buffers use
+    (``gluon_ws.host_descriptor``), both forms and both B layouts."""
+    from megatron_flux.kernels import ag_gemm_ws as AG
+    from megatron_flux.kernels import gemm_rs_ws as RS
+    from megatron_flux.kernels.config import GemmConfig
+
+    if RS.gemm_rs_ws_kernel is None:
+        pytest.skip(RS.GLUON_ERROR)
+    from triton.experimental.gluon import language as gl
+
+    def desc(*block):
+        layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+        return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
+
+    for tile, b_kn, merged in ((_PINGPONG5, False, False), (_COOP, True, False),
+                               (_PINGPONG64, False, True)):
+        cfg = GemmConfig(*tile, rs_warp_specialized=True, rs_merge_rows=merged,
+                         rs_spread_reduce=merged, rs_tma_push=not merged)
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        b = desc(bk, bn) if b_kn else desc(bn, bk)
+        consts = dict(WORLD=world, B_KN=b_kn, HAS_BIAS=True, CE_PUSH=False,
+                      CONSUMER_REGS=RS.CONSUMER_REGS, MERGE_ROWS=merged, HOST_DESC=True)
+        _compile_gluon(RS.gemm_rs_ws_kernel, cfg, consts,
+                       {"data_ptrs": "*i64", "flag_ptrs": "*i64", "err_ptr": "*i32",
+                        "a_hd": desc(bm, bk), "b_hd": b, "out_hd": desc(bm, bn),
+                        "slots_hd": desc(bm, bn)}, "bf16")
+        if merged:
+            continue
+        cfg = GemmConfig(*tile, ag_warp_specialized=True)
+        consts = dict(WORLD=world, B_KN=b_kn, CONSUMER_REGS=AG.CONSUMER_REGS, HOST_DESC=True)
+        _compile_gluon(AG.ag_gemm_ws_kernel, cfg, consts,
+                       {"flags_ptr": "*i32", "err_ptr": "*i32", "x_hd": desc(bm, bk),
+                        "ag_hd": desc(bm, bk), "b_hd": b, "c_hd": desc(bm, bn)}, "bf16")
 
 
 #: dynamic shared memory one block may use on H100 / H200 (sm_90)

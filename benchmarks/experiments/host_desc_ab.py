@@ -47,9 +47,19 @@ def host_us(fn, calls):
     return t
 
 
-def methods(op, model, m):
+def ws_config(op):
+    """The Gluon ping-pong 128x128x64/5 (``--ws``)."""
+    from megatron_flux.kernels.config import GemmConfig
+
+    knob = "ag_warp_specialized" if op == "ag" else "rs_warp_specialized"
+    return GemmConfig(128, 128, 64, 5, 4, 8, chunk_rows=4096, epilogue_split=1, **{knob: True})
+
+
+def methods(op, model, m, ws=False):
     n, k = grid_shape(op, model, 2)
-    if m >= 1024:
+    if ws:
+        cfg = ws_config(op)
+    elif m >= 1024:
         cfg = TableConfigProvider()(op, m, n, k, dtype=torch.bfloat16, tp=2,
                                     device=torch.device("cuda", torch.cuda.current_device()))
     else:
@@ -79,13 +89,15 @@ def main():
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--host-calls", type=int, default=200)
+    p.add_argument("--ws", action="store_true",
+                   help="time the Gluon ping-pong (128x128x64/5) instead of the table/default")
     p.add_argument("--json")
     args = p.parse_args()
     rows = []
     for op in args.ops:
         for model in MODELS:
             for m in args.m:
-                n, k, cfg, fns, outs = methods(op, model, m)
+                n, k, cfg, fns, outs = methods(op, model, m, args.ws)
                 for fn in fns.values():
                     fn()
                 torch.cuda.synchronize()

@@ -515,7 +515,8 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
         if reason is None:
             return ag_gemm_ws.launch_ag_gemm_ws(x, ag, b, out, flags, err, rank=rank, world=world,
                                                 epoch=epoch, cfg=cfg, num_sms=num_sms,
-                                                max_spins=max_spins)
+                                                max_spins=max_spins,
+                                                host_descriptors=host_descriptors)
         ag_gemm_ws.warn_fallback(reason)
     peer_group = max(1, min(cfg.ag_peer_group, world - 1))
     merge = world > 1 and cfg.ag_merge_local  # the local rows are read from `ag` too

@@ -190,27 +190,37 @@ if gluon is not None:
         _mma_partition(p, 1)
 
     @gluon.jit(do_not_specialize=["rank", "epoch", "max_spins"])
-    def ag_gemm_ws_kernel(x_ptr, ag_ptr, b_ptr, c_ptr, flags_ptr, err_ptr, m_local, N, K, ldb, rank,
+    def ag_gemm_ws_kernel(x_ptr, ag_ptr, b_ptr, c_ptr, flags_ptr, err_ptr, x_hd, ag_hd, b_hd, c_hd,
+                          m_local, N, K, ldb, rank,
                           epoch, chunk_rows, max_spins, WORLD: gl.constexpr, B_KN: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                          PARTITIONS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                          PARTITIONS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          HOST_DESC: gl.constexpr = False):
         """``c = AllGather_rows(x) @ b``: ``x`` ``[m_local, K]`` this rank's shard; ``ag``
         ``[WORLD * m_local, K]`` the gathered workspace, whose segment ``s`` is valid once its
         chunk signals ``flags[s * cdiv(m_local, chunk_rows) + c]`` hold ``epoch``; ``b``
         ``[K, N]`` row-major (B_KN) or a transposed row-major ``[N, K]`` (leading stride
         ``ldb``); ``c`` ``[WORLD * m_local, N]``; ``PARTITIONS`` MMA partitions (2: ping-pong,
         1: cooperative). Launch with :func:`.gluon_ws.launch_options`; descriptors are built on
-        the device."""
+        the device, or with HOST_DESC are ``x_hd`` / ``ag_hd`` / ``b_hd`` / ``c_hd``, encoded on
+        the host with the same views and layouts (:func:`_host_descriptors`)."""
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-        x_desc = tma.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K], a_layout)
-        ag_desc = tma.make_tensor_descriptor(ag_ptr, [WORLD * m_local, K], [K, 1],
-                                             [BLOCK_M, BLOCK_K], a_layout)
-        b_desc, b_bufs = b_operand(b_ptr, K, N, ldb, B_KN, BLOCK_N, BLOCK_K, STAGES)
-        c_desc = tma.make_tensor_descriptor(c_ptr, [WORLD * m_local, N], [N, 1], [BLOCK_M, BLOCK_N],
-                                            c_layout)
+        b_desc, b_bufs = b_operand(b_ptr, b_hd, K, N, ldb, B_KN, BLOCK_N, BLOCK_K, STAGES,
+                                   HOST_DESC)
+        if HOST_DESC:
+            x_desc = x_hd
+            ag_desc = ag_hd
+            c_desc = c_hd
+        else:
+            x_desc = tma.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K],
+                                                a_layout)
+            ag_desc = tma.make_tensor_descriptor(ag_ptr, [WORLD * m_local, K], [K, 1],
+                                                 [BLOCK_M, BLOCK_K], a_layout)
+            c_desc = tma.make_tensor_descriptor(c_ptr, [WORLD * m_local, N], [N, 1],
+                                                [BLOCK_M, BLOCK_N], c_layout)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
         c_bufs = gl.allocate_shared_memory(dtype, [PARTITIONS, BLOCK_M, BLOCK_N], c_layout)
         ready, empty, handoff = ring_barriers(STAGES)
@@ -238,19 +248,36 @@ def unsupported_reason(x, cfg, *, trace=None) -> Optional[str]:
     return gluon_ws.unsupported_reason(x, x.shape[0], cfg)
 
 
-def launch_ag_gemm_ws(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sms, max_spins):
+def _host_descriptors(x, ag, b, out, world, m_local, n, k, ldb, b_kn, cfg):
+    """``(x, ag, b, c)`` host descriptors of the views :func:`ag_gemm_ws_kernel` builds on the
+    device without HOST_DESC."""
+    hd = gluon_ws.host_descriptor
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    return (hd(x, [m_local, k], [k, 1], [bm, bk]),
+            hd(ag, [world * m_local, k], [k, 1], [bm, bk]),
+            gluon_ws.b_host_descriptor(b, n, k, ldb, b_kn, cfg),
+            hd(out, [world * m_local, n], [n, 1], [bm, bn]))
+
+
+def launch_ag_gemm_ws(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sms, max_spins,
+                      host_descriptors=None):
     """:func:`ag_gemm_ws_kernel` on the current stream, with :func:`.ag_gemm.launch_ag_gemm`'s
     arguments (the caller has checked :func:`unsupported_reason`). ``cfg`` gives block_m/n/k,
     num_stages, group_m and chunk_rows, and its num_warps the form (4: ping-pong, 8:
-    cooperative; :func:`.gluon_ws.launch_options`)."""
-    from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
+    cooperative; :func:`.gluon_ws.launch_options`). ``host_descriptors``: as
+    :func:`.ag_gemm.launch_ag_gemm`."""
+    from megatron_flux.kernels.descriptors import ensure_descriptor_allocator, \
+        host_descriptors_enabled
 
     m_local, k = x.shape
     n, b_kn, ldb, grid = gluon_ws.launch_geometry(b, m_local, world, cfg, num_sms)
+    host_desc = host_descriptors_enabled(host_descriptors)
+    descs = (_host_descriptors(x, ag, b, out, world, m_local, n, k, ldb, b_kn, cfg)
+             if host_desc else (err, err, err, err))  # unused without HOST_DESC
     ensure_descriptor_allocator()
     ag_gemm_ws_kernel[(grid,)](
-        x, ag, b, out, flags, err, m_local, n, k, ldb, rank, epoch,
-        cfg.chunk_rows, max_spins, WORLD=world, B_KN=b_kn, BLOCK_M=cfg.block_m,
+        x, ag, b, out, flags, err, *descs, m_local, n, k, ldb, rank, epoch,
+        cfg.chunk_rows, max_spins, HOST_DESC=host_desc, WORLD=world, B_KN=b_kn, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
         NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg), CONSUMER_REGS=CONSUMER_REGS,
         **gluon_ws.launch_options(cfg))

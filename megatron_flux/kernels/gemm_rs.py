@@ -625,7 +625,8 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
         if reason is None:
             return gemm_rs_ws.launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err,
                                                 rank=rank, world=world, epoch=epoch, cfg=cfg,
-                                                num_sms=num_sms, max_spins=max_spins)
+                                                num_sms=num_sms, max_spins=max_spins,
+                                                host_descriptors=host_descriptors)
         gemm_rs_ws.warn_fallback(reason)
 
     merge_rows = cfg.rs_merge_rows  # GemmConfig: with the spread reduction, vector pushes

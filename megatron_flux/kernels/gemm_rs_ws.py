@@ -413,32 +413,41 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["rank", "epoch", "max_spins"])
     def gemm_rs_ws_kernel(a_ptr, b_ptr, out_ptr, data_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr,
+                          a_hd, b_hd, out_hd, slots_hd,
                           m_local, N, K, ldb, rank, epoch, max_spins, WORLD: gl.constexpr,
                           B_KN: gl.constexpr, HAS_BIAS: gl.constexpr, CE_PUSH: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                           PARTITIONS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          MERGE_ROWS: gl.constexpr = False):
+                          MERGE_ROWS: gl.constexpr = False, HOST_DESC: gl.constexpr = False):
         """``a`` ``[WORLD * m_local, K]``; ``b`` ``[K, N]`` row-major (B_KN) or a transposed
         row-major ``[N, K]`` (leading stride ``ldb``); ``out`` ``[m_local, N]``; ``data_ptr``
         this rank's ``[WORLD, m_local, N]`` slot region of this call's parity; ``data_ptrs`` /
         ``flag_ptrs`` every rank's slot region and signal words (as
         :func:`.gemm_rs.gemm_rs_kernel`); ``PARTITIONS`` MMA partitions (2: ping-pong, 1:
         cooperative). Launch with :func:`.gluon_ws.launch_options`; descriptors are built on
-        the device. MERGE_ROWS: one tile space over every rank's rows, pushed by owner, then
-        the spread reduction (:func:`_merged_mma_partition`)."""
+        the device, or with HOST_DESC are ``a_hd`` / ``b_hd`` / ``out_hd`` / ``slots_hd``,
+        encoded on the host with the same views and layouts (:func:`_host_descriptors`; the
+        peers' push descriptors stay device-built). MERGE_ROWS: one tile space over every
+        rank's rows, pushed by owner, then the spread reduction (:func:`_merged_mma_partition`)."""
         dtype: gl.constexpr = a_ptr.dtype.element_ty
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-        a_desc = tma.make_tensor_descriptor(a_ptr, [WORLD * m_local, K], [K, 1], [BLOCK_M, BLOCK_K],
-                                            a_layout)
-        b_desc, b_bufs = b_operand(b_ptr, K, N, ldb, B_KN, BLOCK_N, BLOCK_K, STAGES)
-        out_desc = tma.make_tensor_descriptor(out_ptr, [m_local, N], [N, 1], [BLOCK_M, BLOCK_N],
-                                              c_layout)
-        # this rank's slots as one [WORLD * m_local, N] matrix (m_local % BLOCK_M == 0: no tile
-        # crosses a slot)
-        slots_desc = tma.make_tensor_descriptor(data_ptr, [WORLD * m_local, N], [N, 1],
-                                                [BLOCK_M, BLOCK_N], c_layout)
+        b_desc, b_bufs = b_operand(b_ptr, b_hd, K, N, ldb, B_KN, BLOCK_N, BLOCK_K, STAGES,
+                                   HOST_DESC)
+        if HOST_DESC:
+            a_desc = a_hd
+            out_desc = out_hd
+            slots_desc = slots_hd
+        else:
+            a_desc = tma.make_tensor_descriptor(a_ptr, [WORLD * m_local, K], [K, 1],
+                                                [BLOCK_M, BLOCK_K], a_layout)
+            out_desc = tma.make_tensor_descriptor(out_ptr, [m_local, N], [N, 1],
+                                                  [BLOCK_M, BLOCK_N], c_layout)
+            # this rank's slots as one [WORLD * m_local, N] matrix (m_local % BLOCK_M == 0: no
+            # tile crosses a slot)
+            slots_desc = tma.make_tensor_descriptor(data_ptr, [WORLD * m_local, N], [N, 1],
+                                                    [BLOCK_M, BLOCK_N], c_layout)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
         c_bufs = gl.allocate_shared_memory(dtype, [PARTITIONS, BLOCK_M, BLOCK_N], c_layout)
         ready, empty, handoff = ring_barriers(STAGES)
@@ -472,21 +481,37 @@ def unsupported_reason(a, m_local: int, cfg, *, trace=None, produce=True, consum
     return gluon_ws.unsupported_reason(a, None if cfg.rs_merge_rows else m_local, cfg)
 
 
+def _host_descriptors(a, b, out, data, world, m_local, n, k, ldb, b_kn, cfg):
+    """``(a, b, out, slots)`` host descriptors of the views :func:`gemm_rs_ws_kernel` builds
+    on the device without HOST_DESC."""
+    hd = gluon_ws.host_descriptor
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    return (hd(a, [world * m_local, k], [k, 1], [bm, bk]),
+            gluon_ws.b_host_descriptor(b, n, k, ldb, b_kn, cfg),
+            hd(out, [m_local, n], [n, 1], [bm, bn]),
+            hd(data, [world * m_local, n], [n, 1], [bm, bn]))
+
+
 def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, world, epoch,
-                      cfg, num_sms, max_spins):
+                      cfg, num_sms, max_spins, host_descriptors=None):
     """:func:`gemm_rs_ws_kernel` on the current stream, with :func:`.gemm_rs.launch_gemm_rs`'s
     arguments (the caller has checked :func:`unsupported_reason`). ``cfg`` gives block_m/n/k,
     num_stages, group_m and rs_copy_engine, and its num_warps the form (4: ping-pong, 8:
-    cooperative; :func:`.gluon_ws.launch_options`)."""
-    from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
+    cooperative; :func:`.gluon_ws.launch_options`). ``host_descriptors``: as
+    :func:`.gemm_rs.launch_gemm_rs`."""
+    from megatron_flux.kernels.descriptors import ensure_descriptor_allocator, \
+        host_descriptors_enabled
 
     m, k = a.shape
     m_local = m // world
     n, b_kn, ldb, grid = gluon_ws.launch_geometry(b, m_local, world, cfg, num_sms)
+    host_desc = host_descriptors_enabled(host_descriptors)
+    descs = (_host_descriptors(a, b, out, data, world, m_local, n, k, ldb, b_kn, cfg)
+             if host_desc else (err, err, err, err))  # unused without HOST_DESC
     ensure_descriptor_allocator()
     gemm_rs_ws_kernel[(grid,)](
-        a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
-        m_local, n, k, ldb, rank, epoch, max_spins,
+        a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err, *descs,
+        m_local, n, k, ldb, rank, epoch, max_spins, HOST_DESC=host_desc,
         WORLD=world, B_KN=b_kn, HAS_BIAS=bias is not None, CE_PUSH=cfg.rs_copy_engine,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages, NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg),

@@ -21,6 +21,7 @@ forms, chosen by the config's ``num_warps``:
 import warnings
 from typing import Optional
 
+import torch
 import triton
 
 try:  # Gluon: Triton >= 3.5
@@ -100,19 +101,28 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def b_operand(b_ptr, K, N, ldb, B_KN: gl.constexpr, BLOCK_N: gl.constexpr,
-                  BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    def b_operand(b_ptr, b_hd, K, N, ldb, B_KN: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr, STAGES: gl.constexpr, HOST_DESC: gl.constexpr):
         """B's TMA descriptor and its ring of ``STAGES`` shared-memory slots: ``b`` ``[K, N]``
         row-major (B_KN, boxes ``[BK, BN]``) or a transposed row-major ``[N, K]`` (boxes
-        ``[BN, BK]``), leading stride ``ldb``."""
+        ``[BN, BK]``), leading stride ``ldb``; with HOST_DESC the descriptor is ``b_hd``,
+        encoded on the host with the same view and layout (:func:`host_descriptor`)."""
         dtype: gl.constexpr = b_ptr.dtype.element_ty
         if B_KN:
             b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype)
-            b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N], b_layout)
+            if HOST_DESC:
+                b_desc = b_hd
+            else:
+                b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N],
+                                                    b_layout)
             b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_layout)
         else:
             b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
-            b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K], b_layout)
+            if HOST_DESC:
+                b_desc = b_hd
+            else:
+                b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K],
+                                                    b_layout)
             b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], b_layout)
         return b_desc, b_bufs
 
@@ -168,6 +178,25 @@ def launch_geometry(b, m_local: int, world: int, cfg, num_sms: int):
     b_kn = b.stride(1) == 1
     grid = min(num_sms, triton.cdiv(world * m_local, cfg.block_m) * triton.cdiv(n, cfg.block_n))
     return n, b_kn, b.stride(0) if b_kn else b.stride(1), grid
+
+
+def host_descriptor(t, shape, strides, block_shape):
+    """A host-encoded Gluon TMA descriptor of ``t``'s memory seen as ``shape`` / ``strides``,
+    with the shared-memory layout the kernels use for that box
+    (``NVMMASharedLayout.get_default_for``), so it matches their buffers."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+    return TensorDescriptor(t, list(shape), list(strides), list(block_shape), layout)
+
+
+def b_host_descriptor(b, n, k, ldb, b_kn, cfg):
+    """:func:`host_descriptor` of B as :func:`b_operand` views it."""
+    if b_kn:
+        return host_descriptor(b, [k, n], [ldb, 1], [cfg.block_k, cfg.block_n])
+    return host_descriptor(b, [n, k], [ldb, 1], [cfg.block_n, cfg.block_k])
 
 
 def smem_bytes(cfg, elem_bytes: int = 2) -> int:
