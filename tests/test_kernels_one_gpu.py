@@ -440,6 +440,17 @@ def test_gemm_rs_two_ranks_on_one_gpu(configs, split):
     streams = [torch.cuda.Stream() for _ in range(world)]
     cfgs = [GemmConfig(**_RS_PAIR[c]) for c in configs]
     ref = sum(x.float() @ y.t().float() for x, y in zip(a, w))
+    # Load every rank's kernel binary before two grids run at once: with CUDA's lazy loading a
+    # binary's first launch waits for the running grids, so a grid spinning on its peer would
+    # wait for a launch queued behind it (session 20). Session 23 met it when the test
+    # selection had not loaded a rank's kernel before (its wait timed out). Epoch 0: every wait
+    # passes at once (the signals start at 0); the outputs are not checked.
+    for r in range(world):
+        launch_gemm_rs(a[r], w[r].t(), outs[r], data[r], data_ptrs, flag_ptrs, None, errs[r],
+                       rank=r, world=world, epoch=0, cfg=cfgs[r], num_sms=sms[r],
+                       max_spins=1 << 22)
+        torch.cuda.synchronize()
+        assert errs[r].tolist() == [0, 0, 0, 0] and int(flags[r][world]) == 0, r
     for epoch in (1, 2, 3):
         for o in outs + data:
             o.fill_(float("nan"))
