@@ -9,9 +9,10 @@ descriptors before its first TMA load.
 
 Host-encoded (:func:`host_descriptor`, ``triton.tools.tensor_descriptor.TensorDescriptor``
 kernel arguments): Triton's launcher encodes each one on the host (``cuTensorMapEncodeTiled``)
-and passes it as a kernel parameter. The kernels take A and B this way (the AG+GEMM kernel its
-output too) when :func:`host_descriptors_enabled`; descriptors of peers' buffers stay
-device-built. With communication off on one H200, the plain yardstick ran 0.3-2 % faster with
+and passes it as a kernel parameter. The kernels take A and B this way (AG+GEMM also its
+gathered rows and output, GEMM+RS its own tiles' output and slots; the Gluon kernels through
+:func:`megatron_flux.kernels.gluon_ws.host_descriptor`, with their buffers' layouts) when
+:func:`host_descriptors_enabled`; descriptors of peers' buffers stay device-built. With communication off on one H200, the plain yardstick ran 0.3-2 % faster with
 host descriptors at m >= 1024 and 2-8 % at m <= 512 (``benchmarks/NOTES.md``, session 23).
 """
 
