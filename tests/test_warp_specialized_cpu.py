@@ -181,3 +181,30 @@ def test_launch_geometry_counts_row_tiles_over_every_ranks_rows():
     assert gluon_ws.launch_geometry(b, 512, 2, cfg, 132)[3] == 2 * 8 * 3
     assert gluon_ws.launch_geometry(b, 512, 2, cfg, 20)[3] == 20  # capped at the SMs
     assert gluon_ws.launch_geometry(b, 40, 2, GemmConfig(**{**cfg.to_dict(), **MERGED}), 132)[3] == 2 * 3
+
+
+@pytest.mark.skipif(gluon_ws.GLUON_ERROR is not None, reason="this Triton has no Gluon")
+def test_host_descriptors_carry_the_layouts_of_the_kernels_buffers():
+    """A Gluon host descriptor's layout is the one the kernels give the same box
+    (``NVMMASharedLayout.get_default_for``), per dtype and box, also when it comes from the
+    cache; the Gluon launchers build A, B, output and slot descriptors of the kernels' views."""
+    from triton.experimental.gluon import language as gl
+
+    for dtype, gdtype in ((torch.bfloat16, gl.bfloat16), (torch.float16, gl.float16)):
+        t = torch.empty(512, 256, dtype=dtype)
+        for block in ([128, 64], [64, 128], [128, 256]):
+            for _ in range(2):  # computed, then cached
+                d = gluon_ws.host_descriptor(t, [512, 256], [256, 1], block)
+                assert d.layout == gl.NVMMASharedLayout.get_default_for(block, gdtype)
+                assert list(d.block_shape) == block and d.base is t
+    cfg = GemmConfig(128, 128, 64, 5, 4, 8, epilogue_split=1, rs_warp_specialized=True)
+    a, out = torch.empty(2 * 256, 512, dtype=torch.bfloat16), torch.empty(256, 384, dtype=torch.bfloat16)
+    w, data = torch.empty(384, 512, dtype=torch.bfloat16), torch.empty(2, 256, 384, dtype=torch.bfloat16)
+    descs = gemm_rs_ws._host_descriptors(a, w.t(), out, data, 2, 256, 384, 512, 512, False, cfg)
+    assert [list(d.shape) for d in descs] == [[512, 512], [384, 512], [256, 384], [512, 384]]
+    assert [list(d.block_shape) for d in descs] == [[128, 64], [128, 64], [128, 128], [128, 128]]
+    x, ag, c = a[:256], a, torch.empty(512, 384, dtype=torch.bfloat16)
+    descs = ag_gemm_ws._host_descriptors(x, ag, w.t().contiguous(), c, 2, 256, 384, 512, 384,
+                                         True, cfg)
+    assert [list(d.shape) for d in descs] == [[256, 512], [512, 512], [512, 384], [512, 384]]
+    assert list(descs[2].block_shape) == [64, 128]  # B as [K, N]: boxes [BK, BN]
