@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from common import write_record
+from common import named_configs, write_record
 from megatron_flux.bench.kernel_vs_cublas import (
     _sleep_cycles_per_ms,
     _time_alternating,
@@ -26,7 +26,6 @@ from megatron_flux.bench.kernel_vs_cublas import (
     rs_on_one_gpu,
 )
 from megatron_flux.kernels.ag_gemm import launch_ag_gemm
-from megatron_flux.kernels.config import default_config
 from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 from megatron_flux.tuning.provider import TableConfigProvider
 
@@ -59,11 +58,8 @@ def methods(op, model, m, ws=False):
     n, k = grid_shape(op, model, 2)
     if ws:
         cfg = ws_config(op)
-    elif m >= 1024:
-        cfg = TableConfigProvider()(op, m, n, k, dtype=torch.bfloat16, tp=2,
-                                    device=torch.device("cuda", torch.cuda.current_device()))
     else:
-        cfg = default_config(op, m, n, k, tp=2)
+        cfg = named_configs(TableConfigProvider(), op, m, n, k, 2)["table" if m >= 1024 else "default"]
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     fns, outs = {"cublas": lambda: torch.matmul(a, w.t())}, {}

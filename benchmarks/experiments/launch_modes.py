@@ -24,7 +24,7 @@ import statistics
 
 import torch
 
-from common import write_record
+from common import named_configs, write_record
 from megatron_flux.bench.kernel_vs_cublas import (
     _plain_runner,
     _rs_runner,
@@ -32,7 +32,6 @@ from megatron_flux.bench.kernel_vs_cublas import (
     _sleep_cycles_per_ms,
     grid_shape,
 )
-from megatron_flux.kernels.config import default_config
 from megatron_flux.tuning.provider import TableConfigProvider
 
 
@@ -74,11 +73,7 @@ def methods_for(case):
     m = int(m)
     short = "ag" if op == "ag" else "rs"
     n, k = grid_shape(short, model, 2)
-    if which == "table":
-        cfg = TableConfigProvider()(short, m, n, k, dtype=torch.bfloat16, tp=2,
-                                    device=torch.device("cuda", torch.cuda.current_device()))
-    else:
-        cfg = default_config(short, m, n, k, tp=2)
+    cfg = named_configs(TableConfigProvider(), short, m, n, k, 2)[which]
     runner = _ag_runner if short == "ag" else _rs_runner
     fused, cublas, check, err = runner(m, n, k, 2, cfg, torch.bfloat16)
     plain, _, _, _ = _plain_runner(m, n, k, 2, cfg, torch.bfloat16)
