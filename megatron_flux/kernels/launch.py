@@ -32,6 +32,7 @@ import os
 from typing import Any, Dict, Sequence, Tuple
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megatron_flux.kernels.config import interpreting
 
@@ -45,8 +46,6 @@ def direct_launch_enabled() -> bool:
 
 def specialization_key(args: Sequence[Any], constexprs: Tuple, options: Tuple) -> tuple:
     """The key described in the module docstring (runtime ``args`` in kernel order)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     key = []
     for a in args:
         if isinstance(a, torch.Tensor):

@@ -116,6 +116,7 @@ def accumulate_weight_grad(
 
 def _accumulate(main_grad: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor) -> None:
     """``main_grad += grad_outputᵀ @ total_input`` (apex on CUDA when present, else torch)."""
+    global _FP32_ACCUMULATE_REFUSED
     if main_grad.shape != (grad_output.shape[1], total_input.shape[1]):
         raise RuntimeError(
             f"weight.main_grad has shape {tuple(main_grad.shape)}, expected "
@@ -135,7 +136,7 @@ def _accumulate(main_grad: torch.Tensor, grad_output: torch.Tensor, total_input:
     if main_grad.dtype == grad_output.dtype:
         main_grad.addmm_(grad_output.t(), total_input)
         return
-    if main_grad.dtype == torch.float32 and _fp32_accumulate_ok(main_grad.device):
+    if main_grad.dtype == torch.float32 and main_grad.is_cuda and not _FP32_ACCUMULATE_REFUSED:
         try:
             # one GEMM: bf16/fp16 operands, fp32 accumulator read and written in its epilogue
             # (beta = 1), as apex's wgrad_gemm_accum_fp32
@@ -144,7 +145,7 @@ def _accumulate(main_grad: torch.Tensor, grad_output: torch.Tensor, total_input:
             return
         except (RuntimeError, TypeError, NotImplementedError) as exc:
             # this torch cannot (its dtype checks run before any work: main_grad is untouched)
-            _FP32_ACCUMULATE_OK[main_grad.device.type] = False
+            _FP32_ACCUMULATE_REFUSED = True
             warnings.warn(
                 "megatron-flux: torch.addmm(..., out_dtype=torch.float32) cannot accumulate "
                 f"into an fp32 main_grad here ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
@@ -156,17 +157,10 @@ def _accumulate(main_grad: torch.Tensor, grad_output: torch.Tensor, total_input:
     main_grad.add_(grad_output.t().matmul(total_input))
 
 
-#: device type -> whether ``torch.addmm(..., out_dtype=torch.float32)`` accumulates into an fp32
-#: ``main_grad`` (set False after the first refusal)
-_FP32_ACCUMULATE_OK = {}
-
-
-def _fp32_accumulate_ok(device: torch.device) -> bool:
-    """Whether to try the one-GEMM fp32 accumulation on ``device``: CUDA only (torch's CPU build
-    has no kernel for ``addmm.dtype_out``), and not after this torch has refused it once."""
-    if device.type != "cuda":
-        return False
-    return _FP32_ACCUMULATE_OK.setdefault(device.type, True)
+#: set when this torch has refused ``torch.addmm(..., out_dtype=torch.float32)`` into an fp32
+#: ``main_grad`` once; tried on CUDA only (torch's CPU build has no kernel for
+#: ``addmm.dtype_out``)
+_FP32_ACCUMULATE_REFUSED = False
 
 
 class LinearWithMainGradAccumulation(torch.autograd.Function):
