@@ -192,7 +192,7 @@ def test_host_descriptors_carry_the_layouts_of_the_kernels_buffers():
 
     for dtype, gdtype in ((torch.bfloat16, gl.bfloat16), (torch.float16, gl.float16)):
         t = torch.empty(512, 256, dtype=dtype)
-        for block in ([128, 64], [64, 128], [128, 256]):
+        for block in ([128, 64], [64, 128], [128, 256], [128, 32]):  # last: a 64-byte swizzle
             for _ in range(2):  # computed, then cached
                 d = gluon_ws.host_descriptor(t, [512, 256], [256, 1], block)
                 assert d.layout == gl.NVMMASharedLayout.get_default_for(block, gdtype)
