@@ -2,6 +2,11 @@
 # Session 24, one GPU (kinds nvidia-h100-x1 / nvidia-h200 only, for the sixth session).
 #   tworanks the two-rank-on-one-GPU tests alone, in a fresh process: session 23's epoch-0
 #            warm-up launch per rank (CUDA lazy loading) had not run  -> $OUT/tests-tworanks.json
+#   agseg    does the AG+GEMM's per-segment grouping cost the Gluon ping-pong at llama3-8b
+#            m = 1024 what it cost the Triton kernel (segments of 4 row tiles, so group_m is
+#            4 in effect)? The same GEMM [1024, 4096] x [4096, 14336] as TP 2 (two segments)
+#            and as TP 1 (one segment of 8 row tiles), ping-pong 128x128x64/5 with group_m
+#            4 / 8 / 16, comm off, alternating with cuBLAS  -> $OUT/agseg-tp{1,2}.json
 #   tests    (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s24.sh tworanks tests
@@ -11,12 +16,21 @@ OUT="${OUT:-/tmp/s24}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
 one_gpu_session
+TIMING=(--trials 7 --iters 20 --warmup 10 --shuffle-seed 0 --queue-ahead-ms 5)
+KVC=megatron_flux/bench/kernel_vs_cublas.py
 for what in "$@"; do
   echo "== ${what} ($(date +%T), ${SECONDS}s)"
   case "${what}" in
     tworanks)
       timeout 200 python3 benchmarks/record_pytest.py "${OUT}/tests-tworanks.json" \
           tests/test_kernels_one_gpu.py -q -p no:cacheprovider -k two_ranks 2>&1 | tail -3 ;;
+    agseg)
+      PPG='{"ag_warp_specialized": true, "block_m": 128, "block_k": 64, "epilogue_split": 1, "stream_k": 0, "ag_peer_group": 1, "ag_merge_local": false, "block_n": 128, "num_stages": 5, "num_warps": 4, "group_m": G}'
+      X="[${PPG/G/4}, ${PPG/G/8}, ${PPG/G/16}]"
+      timeout 200 python3 ${KVC} --tp 1 --model-shapes l8half:4096:14336:14336 --ops AG+GEMM --m 1024 \
+          --configs default plain --extra "${X}" --alternate "${TIMING[@]}" --json "${OUT}/agseg-tp1.json" 2>&1 | grep -v Warning
+      timeout 200 python3 ${KVC} --tp 2 --models llama3-8b --ops AG+GEMM --m 1024 2048 \
+          --configs table plain --extra "${X}" --alternate "${TIMING[@]}" --json "${OUT}/agseg-tp2.json" 2>&1 | grep -v Warning ;;
     tests)
       gpu_tests $((590 - SECONDS)) tests-1gpu ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
