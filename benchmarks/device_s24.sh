@@ -7,6 +7,9 @@
 #            4 in effect)? The same GEMM [1024, 4096] x [4096, 14336] as TP 2 (two segments)
 #            and as TP 1 (one segment of 8 row tiles), ping-pong 128x128x64/5 with group_m
 #            4 / 8 / 16, comm off, alternating with cuBLAS  -> $OUT/agseg-tp{1,2}.json
+#   outlayer the output layer's AG+GEMM (Llama-3-8B: h 4096, vocab 128256, so n = 64128 per
+#            rank at TP 2) with comm off at m = 4096 / 8192: the default config and the two
+#            Gluon forms against cuBLAS, alternating  -> $OUT/kvc-outlayer.json
 #   tests    (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s24.sh tworanks tests
@@ -31,6 +34,11 @@ for what in "$@"; do
           --configs default plain --extra "${X}" --alternate "${TIMING[@]}" --json "${OUT}/agseg-tp1.json" 2>&1 | grep -v Warning
       timeout 200 python3 ${KVC} --tp 2 --models llama3-8b --ops AG+GEMM --m 1024 2048 \
           --configs table plain --extra "${X}" --alternate "${TIMING[@]}" --json "${OUT}/agseg-tp2.json" 2>&1 | grep -v Warning ;;
+    outlayer)
+      WS='{"ag_warp_specialized": true, "block_m": 128, "block_k": 64, "epilogue_split": 1, "stream_k": 0, "ag_peer_group": 1, "ag_merge_local": false'
+      X="[${WS}, \"block_n\": 256, \"num_stages\": 3, \"num_warps\": 8}, ${WS}, \"block_n\": 128, \"num_stages\": 5, \"num_warps\": 4}]"
+      timeout 300 python3 ${KVC} --tp 2 --model-shapes l8out:4096:128256:128256 --ops AG+GEMM --m 4096 8192 \
+          --configs default plain --extra "${X}" --alternate "${TIMING[@]}" --json "${OUT}/kvc-outlayer.json" 2>&1 | grep -v Warning ;;
     tests)
       gpu_tests $((590 - SECONDS)) tests-1gpu ;;
     *) echo "unknown stage ${what}"; exit 2 ;;

@@ -2,9 +2,10 @@
 
 No megatron.training here: this is what a user with their own training loop writes. The two
 megatron-flux lines are the spec (``get_gpt_layer_flux_spec`` for a fresh spec, or
-``swap_tp_linears`` to rewrite one you already have) and the final norm, which a layer spec does
+``swap_tp_linears`` to rewrite one you already have), the final norm, which a layer spec does
 not reach (``get_flux_final_norm``; without apex or Transformer Engine, megatron-core's default
-final norm cannot run under sequence parallelism).
+final norm cannot run under sequence parallelism), and the output layer, which GPTModel builds
+outside the spec (``swap_output_layer``, in place, once the model is built).
 
 Run on GPUs, TP = number of processes, sequence parallel on::
 
@@ -25,7 +26,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from megatron_flux import get_flux_final_norm, get_gpt_layer_flux_spec, swap_tp_linears
+from megatron_flux import (
+    get_flux_final_norm,
+    get_gpt_layer_flux_spec,
+    swap_output_layer,
+    swap_tp_linears,
+)
 
 
 def llama_config(tp_size: int, args: argparse.Namespace, **overrides):
@@ -137,7 +143,9 @@ def main(argv=None) -> None:
 
     config = llama_config(world, args)
     spec = llama_block_spec(config, args.spec_mode, args.backend)
-    model = build_model(config, spec, args.vocab_size, args.seq_length).cuda()
+    model = build_model(config, spec, args.vocab_size, args.seq_length)
+    swap_output_layer(model, flux_backend=args.backend)  # the vocabulary GEMM, outside the spec
+    model = model.cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
 
     # Fixed synthetic data, the same on every TP rank (the ranks of one TP group see one batch).

@@ -89,6 +89,7 @@ import megatron_flux  # noqa: E402
 from megatron_flux import (  # noqa: E402
     add_flux_args,
     compose_extra_args_providers,
+    flux_pre_wrap_hooks,
     validate_flux_args,
 )
 
@@ -248,11 +249,15 @@ def make_pretrain_config():
     layer_spec = pretrain_support.layer_spec_hook(args)
     if layer_spec is not None:
         model_cfg.transformer_layer_spec = layer_spec
+    # GPTModel builds its output layer outside any spec: with --flux-tp-overlap a pre-wrap hook
+    # converts it to a Flux linear before DDP wraps the model (unless --no-flux-output-layer).
+    model_cfg.pre_wrap_hooks.extend(flux_pre_wrap_hooks(args))
     if args.flux_tp_overlap:
         print_rank_0(
             f"> megatron-flux: --flux-tp-overlap on, backend {args.flux_backend}, "
             f"TP {args.tensor_model_parallel_size}, sequence parallel {args.sequence_parallel}, "
-            f"core attention {args.core_attention}"
+            f"core attention {args.core_attention}, output layer "
+            f"{'flux' if args.flux_output_layer else 'megatron-core'}"
         )
     elif layer_spec is not None:
         print_rank_0(

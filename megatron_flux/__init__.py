@@ -5,6 +5,7 @@ Public API (imported lazily so ``import megatron_flux`` stays cheap):
 * :class:`FluxColumnParallelLinear`, :class:`FluxRowParallelLinear`: drop-in subclasses of
   megatron-core's Column/RowParallelLinear.
 * :func:`swap_tp_linears`, :func:`get_gpt_layer_flux_spec`: put them into Megatron layer specs.
+* :func:`swap_output_layer`: GPTModel's output layer (built outside the spec) converted in place.
 * :class:`SDPACoreAttention`, :func:`swap_core_attention`: megatron-core's local
   ``DotProductAttention`` on torch's fused scaled-dot-product attention, and its spec swap.
 * :func:`add_flux_args`: Megatron ``extra_args_provider`` adding ``--flux-tp-overlap`` & co.
@@ -30,7 +31,9 @@ _LAZY = {
     "swap_norms": "megatron_flux.specs",
     "swap_core_attention": "megatron_flux.specs",
     "FluxSpecProvider": "megatron_flux.specs",
+    "swap_output_layer": "megatron_flux.output_layer",
     "add_flux_args": "megatron_flux.arguments",
+    "flux_pre_wrap_hooks": "megatron_flux.arguments",
     "validate_flux_args": "megatron_flux.arguments",
     "flux_spec_from_args": "megatron_flux.arguments",
     "compose_extra_args_providers": "megatron_flux.arguments",

@@ -22,6 +22,7 @@ __all__ = [
     "add_flux_args",
     "apply_flux_args_to_config",
     "compose_extra_args_providers",
+    "flux_pre_wrap_hooks",
     "flux_spec_from_args",
     "load_flux_config",
     "validate_flux_args",
@@ -86,6 +87,15 @@ def add_flux_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "needed) also when Megatron's --gradient-accumulation-fusion is off, as it must be "
         "without apex for megatron-core's own output layer. Megatron-core's modules keep "
         "Megatron's setting.",
+    )
+    group.add_argument(
+        "--no-flux-output-layer",
+        dest="flux_output_layer",
+        action="store_false",
+        help="With --flux-tp-overlap, keep GPTModel's output layer as megatron-core built it "
+        "(its all-gather then the GEMM). By default it becomes a FluxColumnParallelLinear too "
+        "(in place, before DDP wraps the model; parameters and checkpoints unchanged): no spec "
+        "reaches it, and it is the model's largest column-parallel GEMM.",
     )
     group.add_argument(
         "--flux-column-dgrad",
@@ -245,6 +255,22 @@ def apply_flux_args_to_config(args: argparse.Namespace, config: Any) -> Any:
     config.flux_gradient_accumulation_fusion = bool(
         getattr(args, "flux_gradient_accumulation_fusion", False))
     return config
+
+
+def flux_pre_wrap_hooks(args: argparse.Namespace) -> list:
+    """Megatron pre-wrap hooks for these arguments (``GPTModelConfig.pre_wrap_hooks``, run on
+    the list of model chunks after they are built and before DDP wraps them): with
+    ``--flux-tp-overlap``, unless ``--no-flux-output-layer``, one that converts GPTModel's output
+    layer (:func:`megatron_flux.output_layer.swap_output_layer`, backend ``--flux-backend``).
+    Empty otherwise, so ``model_cfg.pre_wrap_hooks.extend(flux_pre_wrap_hooks(args))`` is always
+    safe."""
+    if not getattr(args, "flux_tp_overlap", False) or not getattr(args, "flux_output_layer", True):
+        return []
+    import functools
+
+    from megatron_flux.output_layer import swap_output_layer
+
+    return [functools.partial(swap_output_layer, flux_backend=getattr(args, "flux_backend", "auto"))]
 
 
 def flux_spec_from_args(

@@ -25,8 +25,8 @@ Not rewritten, on purpose: MLA's ``linear_q_down_proj`` / ``linear_kv_down_proj`
 ``linear_qkv_down_proj`` (``MLASelfAttention`` accepts them only if they *are*
 ``ColumnParallelLinear``, by an identity check, in 0.16 and 0.19) and linears that are not
 megatron-core's TP linears (Transformer Engine, custom subclasses), which keep their own
-communication. Modules Megatron builds outside the spec (``GPTModel.output_layer``) are not
-reached either.
+communication. Modules Megatron builds outside the spec are not reached either: for
+``GPTModel.output_layer`` see :func:`megatron_flux.output_layer.swap_output_layer`.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from megatron_flux.arguments import (
     add_flux_args,
     apply_flux_args_to_config,
     compose_extra_args_providers,
+    flux_pre_wrap_hooks,
     flux_spec_from_args,
     load_flux_config,
     validate_flux_args,
@@ -63,6 +64,7 @@ def test_defaults():
     assert args.flux_config is None
     assert args.flux_keep_gathered_input is False
     assert args.flux_gradient_accumulation_fusion is False
+    assert args.flux_output_layer is True
 
 
 def test_flags_parse():
@@ -88,7 +90,7 @@ def test_provider_returns_parser_and_adds_named_group():
     group = next(g for g in parser._action_groups if g.title == "megatron-flux")
     assert {a.dest for a in group._group_actions} == {
         "flux_tp_overlap", "flux_backend", "flux_config", "flux_keep_gathered_input",
-        "flux_column_dgrad", "flux_gradient_accumulation_fusion",
+        "flux_column_dgrad", "flux_gradient_accumulation_fusion", "flux_output_layer",
     }
 
 
@@ -293,6 +295,29 @@ def test_gradient_accumulation_fusion_flag_reaches_both_layers(flux_linears, wor
                         tp_group=world_of_one, **kw)
             assert layer.gradient_accumulation_fusion is megatron_gaf
             assert layer.flux_gradient_accumulation_fusion is (megatron_gaf or flux_flag)
+
+
+def test_output_layer_pre_wrap_hook(flux_linears, world_of_one):
+    """With --flux-tp-overlap one pre-wrap hook converts GPTModel's output layer, with
+    --flux-backend's backend, and returns the chunk list as Megatron's hooks must; none without
+    the flag or with --no-flux-output-layer."""
+    import torch
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    col, _ = flux_linears
+    assert flux_pre_wrap_hooks(megatron_like_args()) == []
+    assert flux_pre_wrap_hooks(megatron_like_args(["--flux-tp-overlap",
+                                                   "--no-flux-output-layer"])) == []
+    hooks = flux_pre_wrap_hooks(megatron_like_args(["--flux-tp-overlap", "--flux-backend", "nccl"]))
+    assert len(hooks) == 1
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                            use_cpu_initialization=True)
+    model = torch.nn.Module()
+    model.output_layer = ColumnParallelLinear(16, 32, config=cfg, init_method=torch.nn.init.zeros_,
+                                              bias=False, gather_output=False, tp_group=world_of_one)
+    chunks = [model]
+    assert hooks[0](chunks) is chunks
+    assert type(model.output_layer) is col.with_backend("nccl")
 
 
 def test_column_dgrad_flag_is_exported_for_the_fused_backend(monkeypatch):

@@ -409,7 +409,8 @@ print("RESULT", args.flux_tp_overlap, args.flux_backend, t.sequence_parallel,
       t.tensor_model_parallel_size, t.normalization, t.num_layers,
       t.gradient_accumulation_fusion and not
       __import__("megatron.core.tensor_parallel.layers", fromlist=["x"])._grad_accum_fusion_available,
-      hook is not None and hook.__name__)
+      hook is not None and hook.__name__,
+      [getattr(h, "func", h).__name__ for h in full.model.pre_wrap_hooks])
 """
 
 
@@ -428,7 +429,7 @@ def test_pretrain_flow_parses_flag_and_swaps_spec():
     line = [l for l in res.stdout.splitlines() if l.startswith("RESULT")]
     assert res.returncode == 0 and line, res.stderr[-3000:]
     assert line[0].split()[1:] == ["True", "nccl", "True", "2", "RMSNorm", "2", "False",
-                                   "flux_layer_spec"]
+                                   "flux_layer_spec", "['swap_output_layer']"]
 
 
 # ---------------------------------------------------------------- interleaved backends

@@ -204,10 +204,24 @@ def _assert_close(actual, expected, what):
 # ------------------------------------------------------------------- sequence-parallel column
 def _check_column_sp(rank, tp, *, stride=1, bias=True, skip_bias_add=False, gather_output=False,
                      runtime_gather_output=None, keep=False, backend="scratch", frozen=False,
-                     non_contiguous=False):
-    flux_col = _imports()[4]
-    layer = _column(flux_col, tp, bias=bias, stride=stride, skip_bias_add=skip_bias_add,
-                    gather_output=gather_output, flux_backend=backend, flux_keep_gathered_input=keep)
+                     non_contiguous=False, convert=False):
+    """``convert``: build megatron-core's own ColumnParallelLinear and turn it into a Flux one in
+    place (``FluxColumnParallelLinear.convert_``, as ``swap_output_layer`` does), instead of
+    constructing the Flux class."""
+    _, _, stock_col, _, flux_col, _ = _imports()
+    if convert:
+        layer = _column(stock_col, tp, bias=bias, stride=stride, skip_bias_add=skip_bias_add,
+                        gather_output=gather_output)
+        params = dict(layer.named_parameters())
+        keys = list(layer.state_dict())
+        assert flux_col.convert_(layer, flux_backend=backend, flux_keep_gathered_input=keep) is layer
+        assert type(layer) is flux_col.with_backend(backend)
+        assert layer.flux_backend == backend and layer.flux_keep_gathered_input is keep
+        assert dict(layer.named_parameters()) == params and list(layer.state_dict()) == keys
+    else:
+        layer = _column(flux_col, tp, bias=bias, stride=stride, skip_bias_add=skip_bias_add,
+                        gather_output=gather_output, flux_backend=backend,
+                        flux_keep_gathered_input=keep)
     w_full = layer.master_weight.double()
     b_full = _randn(F, seed=1) if bias else None
     idx = _shard_index(F, tp, rank, stride)
@@ -354,6 +368,78 @@ def check_column_weight_passed_to_forward(rank, tp):
     _assert_close(weight.grad, dw_ref[idx], "weight grad")
     with pytest.raises(RuntimeError, match="supplied weight's shape"):
         layer(x, weight=weight[:-1])
+
+
+def check_converted_column_sp(rank, tp):
+    """megatron-core's ColumnParallelLinear converted in place computes what a constructed Flux
+    one does (against the dense reference), with its parameters and state_dict keys kept."""
+    _check_column_sp(rank, tp, convert=True)
+    _check_column_sp(rank, tp, convert=True, bias=False, keep=True)
+    _check_column_sp(rank, tp, convert=True, stride=2, gather_output=True)
+
+
+def check_converted_output_layer_tied_weight(rank, tp):
+    """GPTModel's output layer with tied embeddings: no weight of its own, the embedding's passed
+    to forward; converted by swap_output_layer (and the config's flux flags read), its gradients
+    land on the passed weight."""
+    from megatron_flux.output_layer import swap_output_layer
+
+    _, _, stock_col, _, flux_col, _ = _imports()
+    cfg = _config(tp)
+    cfg.flux_keep_gathered_input = True
+    model = torch.nn.Module()
+    model.output_layer = _column(stock_col, tp, bias=False, skip_weight_param_allocation=True,
+                                 cfg=cfg)
+    assert swap_output_layer([model], flux_backend="scratch") == [model]
+    layer = model.output_layer
+    assert type(layer) is flux_col.with_backend("scratch") and layer.weight is None
+    assert layer.flux_keep_gathered_input is True
+    w_full = _randn(F, H, seed=30)
+    idx = _shard_index(F, tp, rank)
+    weight = w_full[idx].clone().requires_grad_()
+    x_full = _randn(S_LOCAL * tp, B, H, seed=31)
+    x = x_full[rank * S_LOCAL:(rank + 1) * S_LOCAL].clone().requires_grad_()
+    g_full = _randn(S_LOCAL * tp, B, F, seed=32)
+    out, _ = layer(x, weight=weight, runtime_gather_output=False)
+    out.backward(g_full[..., idx])
+    y_ref, dx_ref, dw_ref, _ = _dense(x_full, w_full, None, g_full)
+    _assert_close(out, y_ref[..., idx], "output")
+    _assert_close(x.grad, dx_ref[rank * S_LOCAL:(rank + 1) * S_LOCAL], "input grad")
+    _assert_close(weight.grad, dw_ref[idx], "weight grad")
+
+
+def check_swap_output_layer_converts_only_stock_column_layers(rank, tp):
+    """Every ``output_layer`` of megatron-core's exact class is converted, through wrappers and
+    in every chunk; subclasses (Transformer Engine's LM head stands for these), Flux layers and
+    other modules are left alone; ``convert_`` refuses them."""
+    from megatron_flux.output_layer import output_layers, swap_output_layer
+
+    _, _, stock_col, stock_row, flux_col, flux_row = _imports()
+
+    class LMHead(stock_col):
+        pass
+
+    cfg = _config(tp)
+    chunks = [torch.nn.Module() for _ in range(4)]
+    chunks[0].module = torch.nn.Module()  # a wrapper (DDP, Float16Module) around the model
+    chunks[0].module.output_layer = _column(stock_col, tp, cfg=cfg)
+    chunks[1].output_layer = _column(LMHead, tp, cfg=cfg)
+    chunks[2].output_layer = _column(flux_col.with_backend("nccl"), tp, cfg=cfg)
+    chunks[3].linear = _column(stock_col, tp, cfg=cfg)  # not an output layer
+    assert len(output_layers(chunks)) == 3
+    swap_output_layer(chunks, flux_backend="auto")
+    assert type(chunks[0].module.output_layer) is flux_col.with_backend("auto")
+    assert type(chunks[1].output_layer) is LMHead
+    assert chunks[2].output_layer.flux_backend == "nccl"
+    assert type(chunks[3].linear) is stock_col
+    for layer, cls in ((chunks[1].output_layer, flux_col), (chunks[2].output_layer, flux_col),
+                       (_column(stock_col, tp, cfg=cfg), flux_row)):
+        with pytest.raises(TypeError, match="convert_: expected megatron-core's"):
+            cls.convert_(layer)
+    with pytest.raises(ValueError, match="unknown megatron-flux backend"):
+        flux_col.convert_(_column(stock_col, tp, cfg=cfg), flux_backend="nope")
+    row = _row(stock_row, tp, cfg=cfg)
+    assert type(flux_row.convert_(row, flux_backend="nccl")) is flux_row.with_backend("nccl")
 
 
 # ---------------------------------------------------------------------- sequence-parallel row
@@ -687,6 +773,9 @@ SP_CHECKS = [
     check_column_reuse_equals_regather,
     check_column_backend_calls,
     check_column_weight_passed_to_forward,
+    check_converted_column_sp,
+    check_converted_output_layer_tied_weight,
+    check_swap_output_layer_converts_only_stock_column_layers,
     check_row_sp_bias,
     check_row_sp_no_bias,
     check_row_sp_skip_bias_add,

@@ -53,11 +53,14 @@ def test_patch_adds_flag_provider_validation_and_spec_swap():
     assert "if args.flux_tp_overlap:" in added
     assert re.search(r"model_cfg\.transformer_layer_spec = lambda cfg, vp_stage=None: "
                      r"flux_spec_from_args\(\s*args, cfg\.transformer, vp_stage=vp_stage\s*\)", added)
+    # the output layer's pre-wrap hook, inside the same `if args.flux_tp_overlap:` block
+    assert re.search(r"\n        model_cfg\.pre_wrap_hooks\.extend\(flux_pre_wrap_hooks\(args\)\)",
+                     added)
     # the names it imports exist in the plugin
     import megatron_flux
 
-    for name in ("add_flux_args", "compose_extra_args_providers", "flux_spec_from_args",
-                 "validate_flux_args"):
+    for name in ("add_flux_args", "compose_extra_args_providers", "flux_pre_wrap_hooks",
+                 "flux_spec_from_args", "validate_flux_args"):
         assert name in megatron_flux.__all__ and callable(getattr(megatron_flux, name))
 
 

@@ -116,13 +116,41 @@ class _FluxLinearMixin:
             )
         with _without_grad_accumulation_fusion(config, no_apex):
             super().__init__(input_size, output_size, **kwargs)
+        self._init_flux(gaf, backend)
+
+    def _init_flux(self, gaf: bool, backend: str) -> None:
+        """The attributes megatron-flux adds to a constructed megatron-core layer (also what
+        :meth:`convert_` sets on one built by megatron-core)."""
         # megatron-core's own code paths (flux_backend="megatron", SP off) read this one
         self.gradient_accumulation_fusion = gaf
         # megatron-flux's sequence-parallel ops read this one: also on where megatron's is off
         # only because apex is missing (config.flux_gradient_accumulation_fusion)
         self.flux_gradient_accumulation_fusion = gaf or bool(
-            getattr(config, "flux_gradient_accumulation_fusion", False))
+            getattr(self.config, "flux_gradient_accumulation_fusion", False))
         self.flux_backend = backend
+
+    @classmethod
+    def convert_(cls, layer: torch.nn.Module, flux_backend: str = "auto", **flux_kwargs) -> torch.nn.Module:
+        """Turn ``layer``, built by megatron-core as exactly this class's parent, into this class
+        in place (for modules no spec reaches, e.g. ``GPTModel.output_layer``) and return it.
+
+        Parameters, buffers, hooks and ``state_dict`` keys stay as they are: only the class
+        changes and megatron-flux's attributes are added, as the constructor would have set
+        them for ``layer.config``. The class is ``cls.with_backend(flux_backend)``, the one a
+        spec would hold. A layer of any other class (a subclass, Transformer Engine's, already
+        a Flux one) raises ``TypeError``.
+        """
+        root = cls.__dict__.get("_flux_root") or cls
+        if type(layer) is not root._megatron_parent:
+            raise TypeError(
+                f"{root.__name__}.convert_: expected megatron-core's "
+                f"{root._megatron_parent.__name__}, got {type(layer).__module__}."
+                f"{type(layer).__qualname__}")
+        backend = validate_backend_name(flux_backend)
+        layer.__class__ = root.with_backend(backend)
+        layer._init_flux(bool(getattr(layer, "gradient_accumulation_fusion", False)), backend,
+                         **flux_kwargs)
+        return layer
 
     # ----------------------------------------------------------------------- spec integration
     @classmethod
@@ -223,6 +251,12 @@ class FluxColumnParallelLinear(_FluxLinearMixin, ColumnParallelLinear):
         **kwargs,
     ):
         super().__init__(input_size, output_size, flux_backend=flux_backend, **kwargs)
+        if flux_keep_gathered_input is not None:
+            self.flux_keep_gathered_input = bool(flux_keep_gathered_input)
+
+    def _init_flux(self, gaf: bool, backend: str,
+                   flux_keep_gathered_input: Optional[bool] = None) -> None:
+        super()._init_flux(gaf, backend)
         if flux_keep_gathered_input is None:
             flux_keep_gathered_input = getattr(self.config, "flux_keep_gathered_input", False)
         self.flux_keep_gathered_input = bool(flux_keep_gathered_input)
