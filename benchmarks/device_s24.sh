@@ -10,6 +10,12 @@
 #   outlayer the output layer's AG+GEMM (Llama-3-8B: h 4096, vocab 128256, so n = 64128 per
 #            rank at TP 2) with comm off at m = 4096 / 8192: the default config and the two
 #            Gluon forms against cuBLAS, alternating  -> $OUT/kvc-outlayer.json
+#   outwgrad the output layer's weight gradient [64128, 4096] at m = 8192 accumulated into an
+#            fp32 main_grad: bf16 GEMM + add_ (stock without apex) against one fp32-output GEMM
+#            (experiments/wgrad_accum.py)          -> $OUT/wgrad-accum-output.json
+#   flowtest (carry .whl) tests/test_examples.py's Megatron 0.19 flow tests (megatron.training
+#            needs Python 3.12 and CUDA, so they skip on CI): the pretrain script's parsed
+#            flags, spec hook and pre-wrap hooks          -> $OUT/tests-flow.json
 #   tests    (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s24.sh tworanks tests
@@ -39,6 +45,13 @@ for what in "$@"; do
       X="[${WS}, \"block_n\": 256, \"num_stages\": 3, \"num_warps\": 8}, ${WS}, \"block_n\": 128, \"num_stages\": 5, \"num_warps\": 4}]"
       timeout 300 python3 ${KVC} --tp 2 --model-shapes l8out:4096:128256:128256 --ops AG+GEMM --m 4096 8192 \
           --configs default plain --extra "${X}" --alternate "${TIMING[@]}" --json "${OUT}/kvc-outlayer.json" 2>&1 | grep -v Warning ;;
+    outwgrad)
+      timeout 200 python3 benchmarks/experiments/wgrad_accum.py --shapes output --m 8192 \
+          "${TIMING[@]}" --json "${OUT}/wgrad-accum-output.json" 2>&1 | tail -8 ;;
+    flowtest)
+      install_carried_wheels || exit 2
+      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 300 python3 benchmarks/record_pytest.py \
+          "${OUT}/tests-flow.json" tests/test_examples.py -q -p no:cacheprovider -rs 2>&1 | tail -6 ;;
     tests)
       gpu_tests $((590 - SECONDS)) tests-1gpu ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
