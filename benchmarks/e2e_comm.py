@@ -19,8 +19,16 @@ GEMM. megatron-flux does too beside a non-fused dgrad, but runs it to completion
 one, because a concurrent collective could starve a peer's spinning grid. It skips it with
 ``--flux-keep-gathered-input``. The 2026-11-22 runs used neither option.
 
-The step's TP communication is ``layers x microbatches x 4 x (t_all_gather + t_reduce_scatter)``,
-each collective timed alone (interleaved trials, medians, max over ranks). This is the time the
+Outside the layers, per micro-batch, two more all-gathers and two more reduce-scatters of the
+same size (``--model-collectives``, default 2 of each): the embedding's reduce-scatter into the
+sequence-parallel region (forward; with rotary positions, as in Llama: learned absolute
+positions make megatron-core all-reduce instead) and its all-gather (backward), and the output layer's
+all-gather (forward) and its input gradient's reduce-scatter (backward). Before session 24 they
+were not counted (``--model-collectives 0``).
+
+The step's TP communication is ``microbatches x (4 x layers + model_collectives) x
+(t_all_gather + t_reduce_scatter)``, each collective timed alone (interleaved trials, medians,
+max over ranks). This is the time the
 plugin's ``nccl`` backend spends with the GPU doing nothing else; the end-to-end report divides the
 step time that ``flux`` saves by it.
 """
@@ -46,6 +54,9 @@ def main(argv=None) -> None:
     ap.add_argument("--hidden", type=int, required=True)
     ap.add_argument("--layers", type=int, required=True)
     ap.add_argument("--microbatches", type=int, required=True, help="per step and TP group")
+    ap.add_argument("--model-collectives", type=int, default=2,
+                    help="all-gathers (and as many reduce-scatters) per micro-batch outside the "
+                         "layers: the embedding's and the output layer's")
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", required=True)
@@ -71,7 +82,7 @@ def main(argv=None) -> None:
     if res.errors:
         raise SystemExit(f"collective failed: {res.errors}")
     t_ag, t_rs = median(res.trials_ms["all_gather"]), median(res.trials_ms["reduce_scatter"])
-    per_step = args.layers * args.microbatches * 4 * (t_ag + t_rs)
+    per_step = args.microbatches * (4 * args.layers + args.model_collectives) * (t_ag + t_rs)
     out = {
         "tp": tp,
         "gpu": torch.cuda.get_device_name(dev),
@@ -80,6 +91,8 @@ def main(argv=None) -> None:
         "layers": args.layers,
         "microbatches": args.microbatches,
         "collectives_per_layer_and_microbatch": {"all_gather": 4, "reduce_scatter": 4},
+        "collectives_per_microbatch_outside_layers": {"all_gather": args.model_collectives,
+                                                      "reduce_scatter": args.model_collectives},
         "all_gather_ms": {"median": t_ag, "spread": spread(res.trials_ms["all_gather"])},
         "reduce_scatter_ms": {"median": t_rs, "spread": spread(res.trials_ms["reduce_scatter"])},
         "tp_comm_ms_per_step": per_step,
