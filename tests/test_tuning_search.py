@@ -116,22 +116,26 @@ def test_model_config_file(tmp_path):
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
-def test_the_shipped_training_configs_plan_their_four_tp_gemms(tp):
+def test_the_shipped_training_configs_plan_their_tp_gemms(tp):
     """The pretrain scripts' configs (Megatron argument names with '-') give the GEMMs that the
-    training runs: QKV and fc1 (AG), proj and fc2 (RS, with fc2's true input width)."""
+    training runs: QKV and fc1 (AG), proj and fc2 (RS, with fc2's true input width), and the
+    output layer (AG) over the vocabulary as Megatron pads it (a multiple of 128 x tp)."""
+    padded = {2: 128256, 4: 128512, 8: 129024}[tp]  # Llama-3's 128256 tokens
     llama = tp_gemms(os.path.join(REPO, "configs", "llama3_8b_16l.json"), tp)
     assert [(g.op, g.n, g.k) for g in llama] == [
         ("ag", (32 + 2 * 8) * 128 // tp, 4096), ("rs", 4096, 4096 // tp),
-        ("ag", 2 * 14336 // tp, 4096), ("rs", 4096, 14336 // tp)]
-    assert [g.label for g in llama] == ["llama3_8b_16l:" + x for x in ("qkv", "proj", "fc1", "fc2")]
+        ("ag", 2 * 14336 // tp, 4096), ("rs", 4096, 14336 // tp), ("ag", padded // tp, 4096)]
+    assert [g.label for g in llama] == ["llama3_8b_16l:" + x
+                                        for x in ("qkv", "proj", "fc1", "fc2", "output")]
     gpt = tp_gemms(os.path.join(REPO, "configs", "gpt3_175b_4l.json"), tp)
+    padded = {2: 50432, 4: 50688, 8: 51200}[tp]  # GPT-2's 50257 tokens
     assert [(g.op, g.n, g.k) for g in gpt] == [
         ("ag", 3 * 12288 // tp, 12288), ("rs", 12288, 12288 // tp),
-        ("ag", 49152 // tp, 12288), ("rs", 12288, 49152 // tp)]
+        ("ag", 49152 // tp, 12288), ("rs", 12288, 49152 // tp), ("ag", padded // tp, 12288)]
     # backward: each linear's data gradient is the reverse op with n and k swapped
     both = tp_gemms(os.path.join(REPO, "configs", "llama3_8b_16l.json"), tp, backward=True)
-    assert both[:4] == llama
-    assert [(g.op, g.n, g.k, g.label) for g in both[4:]] == [
+    assert both[:5] == llama
+    assert [(g.op, g.n, g.k, g.label) for g in both[5:]] == [
         ("rs" if g.op == "ag" else "ag", g.k, g.n, g.label + ".dgrad") for g in llama]
     args = S.parse_args(["--model-config", os.path.join(REPO, "configs", "llama3_8b_16l.json")])
     assert [(op, n, k) for op, n, k, _ in S.plan_shapes(args, tp)] == [(g.op, g.n, g.k) for g in both]

@@ -11,6 +11,10 @@ fc1        AG      ffn (x2 when gated: SwiGLU) / tp      hidden
 fc2        RS      hidden                                ffn / tp
 =========  ======  ===================================  =======================
 
+plus, once per model and micro-batch, the output layer (``vocab_size`` in the config): AG with
+``n`` = the vocabulary padded as Megatron pads it (to a multiple of
+``make_vocab_size_divisible_by`` (128) x tp) / tp and ``k`` = hidden, labelled ``output``;
+
 and in backward each linear's data gradient is the reverse pair with ``n`` and ``k`` swapped:
 a column linear's (QKV, fc1) is GEMM+RS, a row linear's (proj, fc2) is AG+GEMM. With
 ``backward=True`` those four follow, labelled ``<linear>.dgrad``; shapes that coincide are the
@@ -81,8 +85,9 @@ def _per_rank(width: int, tp: int, what: str, path: str) -> int:
 
 
 def tp_gemms(path: str, tp: int, backward: bool = False) -> List[TPGemm]:
-    """The config's TP GEMMs at TP size ``tp``, in layer order (QKV, proj, fc1, fc2), then with
-    ``backward`` their data-gradient GEMMs in the same order."""
+    """The config's TP GEMMs at TP size ``tp``, in layer order (QKV, proj, fc1, fc2, then the
+    output layer when the config names a vocabulary), then with ``backward`` their
+    data-gradient GEMMs in the same order."""
     cfg = load_settings(path)
     if "hidden_size" not in cfg:
         raise ValueError(f"{path}: needs hidden_size (and ffn_hidden_size)")
@@ -111,6 +116,10 @@ def tp_gemms(path: str, tp: int, backward: bool = False) -> List[TPGemm]:
     fc1 = 2 * ffn if gated else ffn
     out.append(TPGemm("ag", _per_rank(fc1, tp, "fc1 width (from ffn_hidden_size)", path), hidden, f"{name}:fc1"))
     out.append(TPGemm("rs", hidden, _per_rank(ffn, tp, "ffn_hidden_size", path), f"{name}:fc2"))
+    if cfg.get("vocab_size") is not None:
+        multiple = _int(cfg, "make_vocab_size_divisible_by", path, default=128) * tp
+        padded = -(-_int(cfg, "vocab_size", path) // multiple) * multiple
+        out.append(TPGemm("ag", padded // tp, hidden, f"{name}:output"))
     if backward:
         out += [TPGemm("rs" if g.op == "ag" else "ag", g.k, g.n, f"{g.label}.dgrad") for g in list(out)]
     return out
