@@ -47,8 +47,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from megatron_flux.kernels.config import interpreting, launch_geometry, unroll_steps
-from megatron_flux.kernels.descriptors import ensure_descriptor_allocator, host_descriptor, \
-    host_descriptors_enabled
+from megatron_flux.kernels.descriptors import b_descriptor, ensure_descriptor_allocator, \
+    host_descriptor, host_descriptors_enabled, segments_descriptor
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import split_columns, tile_mainloop, tile_mainloop_k
 from megatron_flux.kernels.phase_trace import stamp
@@ -132,27 +132,11 @@ def ag_gemm_kernel(
     HOST_DESC: ``x_ptr``, ``ag_ptr``, ``b_ptr`` and ``c_ptr`` are host-encoded TMA descriptors of
     the same views (:func:`_host_descriptors`) instead of pointers (:mod:`.descriptors`)."""
     stamp(trace_ptr, 0, TRACE)  # start
-    if HOST_DESC:
-        x_desc = x_ptr
-        ag_desc = ag_ptr
-        c_desc = c_ptr
-        b_desc = b_ptr
-    else:
-        x_desc = tl.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K])
-        if RAGGED:
-            ag_desc = tl.make_tensor_descriptor(ag_ptr, [WORLD, m_local, K],
-                                                [m_local * K, K, 1], [1, BLOCK_M, BLOCK_K])
-            c_desc = tl.make_tensor_descriptor(c_ptr, [WORLD, m_local, N], [m_local * N, N, 1],
-                                               [1, BLOCK_M, BLOCK_N // EPI_SPLIT])
-        else:
-            ag_desc = tl.make_tensor_descriptor(ag_ptr, [WORLD * m_local, K], [K, 1],
-                                                [BLOCK_M, BLOCK_K])
-            c_desc = tl.make_tensor_descriptor(c_ptr, [WORLD * m_local, N], [N, 1],
-                                               [BLOCK_M, BLOCK_N // EPI_SPLIT])
-        if B_KN:
-            b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N])
-        else:
-            b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K])
+    x_desc = segments_descriptor(x_ptr, m_local, K, 1, BLOCK_M, BLOCK_K, False, HOST_DESC)
+    ag_desc = segments_descriptor(ag_ptr, m_local, K, WORLD, BLOCK_M, BLOCK_K, RAGGED, HOST_DESC)
+    c_desc = segments_descriptor(c_ptr, m_local, N, WORLD, BLOCK_M, BLOCK_N // EPI_SPLIT, RAGGED,
+                                 HOST_DESC)
+    b_desc = b_descriptor(b_ptr, N, K, ldb, B_KN, BLOCK_N, BLOCK_K, HOST_DESC)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(m_local, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)

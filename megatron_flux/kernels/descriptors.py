@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 import triton
+import triton.language as tl
 from triton.runtime import _allocation
 
 #: ``"0"`` builds every descriptor on the device, ``"1"`` (the default) encodes A's and B's on
@@ -44,6 +45,38 @@ def host_descriptor(t: torch.Tensor, shape: Sequence[int], strides: Sequence[int
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor(t, list(shape), list(strides), list(block_shape))
+
+
+@triton.jit
+def b_descriptor(b, N, K, ldb, B_KN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HOST_DESC: tl.constexpr):
+    """B's TMA descriptor: ``b`` itself when it arrived host-encoded (HOST_DESC), else built on
+    the device over ``b``'s memory as ``[K, N]`` (B_KN) or ``[N, K]``, leading stride ``ldb``."""
+    if HOST_DESC:
+        desc = b
+    elif B_KN:
+        desc = tl.make_tensor_descriptor(b, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N])
+    else:
+        desc = tl.make_tensor_descriptor(b, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K])
+    return desc
+
+
+@triton.jit
+def segments_descriptor(ptr, rows, cols, WORLD: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                        BLOCK_COLS: tl.constexpr, RAGGED: tl.constexpr, HOST_DESC: tl.constexpr):
+    """The TMA descriptor of ``WORLD`` row-major segments of ``[rows, cols]`` laid end to end:
+    ``ptr`` itself when it arrived host-encoded (HOST_DESC); else built on the device as
+    ``[WORLD, rows, cols]`` with a ``[1, BLOCK_ROWS, BLOCK_COLS]`` box (RAGGED: a box never
+    reads or writes past its segment's last row), or as one ``[WORLD * rows, cols]`` operand."""
+    if HOST_DESC:
+        desc = ptr
+    elif RAGGED:
+        desc = tl.make_tensor_descriptor(ptr, [WORLD, rows, cols], [rows * cols, cols, 1],
+                                         [1, BLOCK_ROWS, BLOCK_COLS])
+    else:
+        desc = tl.make_tensor_descriptor(ptr, [WORLD * rows, cols], [cols, 1],
+                                         [BLOCK_ROWS, BLOCK_COLS])
+    return desc
 
 
 def _torch_scratch(size: int, alignment: int, stream):

@@ -70,8 +70,8 @@ import triton
 import triton.language as tl
 
 from megatron_flux.kernels.config import MAX_RS_BANDS, interpreting, launch_geometry, unroll_steps
-from megatron_flux.kernels.descriptors import ensure_descriptor_allocator, host_descriptor, \
-    host_descriptors_enabled
+from megatron_flux.kernels.descriptors import b_descriptor, ensure_descriptor_allocator, \
+    host_descriptor, host_descriptors_enabled, segments_descriptor
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import segment_tile, split_columns, tile_mainloop, \
     tile_mainloop_slice
@@ -322,20 +322,8 @@ def gemm_rs_kernel(
     own tiles' output and slot region (:mod:`.descriptors`); without it ``out_hd`` and
     ``slots_hd`` are unused."""
     stamp(trace_ptr, 0, TRACE)  # start
-    if HOST_DESC:
-        a_desc = a_ptr
-        b_desc = b_ptr
-    else:
-        if RAGGED:
-            a_desc = tl.make_tensor_descriptor(a_ptr, [WORLD, m_local, K], [m_local * K, K, 1],
-                                               [1, BLOCK_M, BLOCK_K])
-        else:
-            a_desc = tl.make_tensor_descriptor(a_ptr, [WORLD * m_local, K], [K, 1],
-                                               [BLOCK_M, BLOCK_K])
-        if B_KN:
-            b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N])
-        else:
-            b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K])
+    a_desc = segments_descriptor(a_ptr, m_local, K, WORLD, BLOCK_M, BLOCK_K, RAGGED, HOST_DESC)
+    b_desc = b_descriptor(b_ptr, N, K, ldb, B_KN, BLOCK_N, BLOCK_K, HOST_DESC)
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(m_local, BLOCK_M)

@@ -1,0 +1,67 @@
+"""Fingerprints of the fused Triton kernels' sm_90 PTX, to show a refactor leaves the code alone.
+
+Compiles ``gemm_rs_kernel`` and ``ag_gemm_kernel`` (no GPU needed; the target is sm_90) over
+the descriptor variants: host-encoded or device-built, ragged segments or one operand, B as
+``[N, K]`` or ``[K, N]``, at TP 2 with small blocks, and hashes each PTX without its debug
+information (``.loc``/``.file`` lines, ``$L__tmp`` line labels, comments and the
+``.section .debug_*`` tail), which moves with source line numbers. Run it before and after a
+change and compare the JSON files::
+
+    PYTHONPATH=/work/t36:. python benchmarks/experiments/ptx_fingerprint.py before.json
+"""
+
+import hashlib
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
+from test_kernels_compile import _SMALL, _compile  # noqa: E402
+
+from megatron_flux.kernels.ag_gemm import ag_gemm_kernel  # noqa: E402
+from megatron_flux.kernels.config import unroll_steps  # noqa: E402
+from megatron_flux.kernels.gemm_rs import gemm_rs_kernel  # noqa: E402
+
+
+def fingerprint(ptx: str) -> str:
+    lines = ptx.splitlines()
+    cut = next((i for i, l in enumerate(lines) if re.match(r"\s*\.section\s+\.debug", l)), len(lines))
+    code = [l for l in lines[:cut] if not re.match(r"\s*(\.loc|\.file|//|\$L__tmp)", l)]
+    return hashlib.sha256("\n".join(code).encode()).hexdigest()[:16]
+
+
+def desc(*block):
+    return f"tensordesc<bf16[{','.join(map(str, block))}]>"
+
+
+def main(path):
+    import triton
+
+    out, world = {"triton": triton.__version__, "kernels": {}}, 2
+    for host in (False, True):
+        for ragged in (True, False):
+            for b_kn in (False, True):
+                a = desc(1, 64, 64) if ragged else desc(64, 64)
+                types = ({"a_ptr": a, "b_ptr": desc(64, 64), "out_hd": desc(64, 64),
+                          "slots_hd": desc(1, 64, 64)} if host else {})
+                k = _compile(gemm_rs_kernel, dict(
+                    _SMALL, WORLD=world, RAGGED=ragged, B_KN=b_kn, EPI_SPLIT=1, HAS_BIAS=True,
+                    TMA_PUSH=True, TMA_REDUCE=True, UNROLL_STEPS=unroll_steps(world),
+                    HOST_DESC=host), ones=(), types=types)
+                out["kernels"][f"rs host={host} ragged={ragged} b_kn={b_kn}"] = fingerprint(k.asm["ptx"])
+                c = desc(1, 64, 32) if ragged else desc(64, 32)
+                types = ({"x_ptr": desc(64, 64), "ag_ptr": a, "b_ptr": desc(64, 64), "c_ptr": c}
+                         if host else {})
+                k = _compile(ag_gemm_kernel, dict(
+                    _SMALL, WORLD=world, RAGGED=ragged, B_KN=b_kn, EPI_SPLIT=2, SK_LOCAL=False,
+                    STREAM_K=not ragged, UNROLL_STEPS=unroll_steps(world), HOST_DESC=host),
+                    ones=(), types=types)
+                out["kernels"][f"ag host={host} ragged={ragged} b_kn={b_kn}"] = fingerprint(k.asm["ptx"])
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
