@@ -16,6 +16,11 @@
 #   flowtest (carry .whl) tests/test_examples.py's Megatron 0.19 flow tests (megatron.training
 #            needs Python 3.12 and CUDA, so they skip on CI): the pretrain script's parsed
 #            flags, spec hook and pre-wrap hooks          -> $OUT/tests-flow.json
+#   outab    (2 GPUs) the output layer's AG+GEMM with communication (Llama-3-8B, n = 64128 per
+#            rank, m = 4096 / 8192): cuBLAS, NCCL, the default config (flux) and the Gluon
+#            ping-pong (flux_variant), twice; adopt into a table where both runs win:
+#            python -m megatron_flux.tuning.adopt TABLE ab-out-1.json ab-out-2.json OUT_TABLE
+#                                                  -> $OUT/ab-out-{1,2}.{json,log}
 #   tests    (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s24.sh tworanks tests
@@ -24,7 +29,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/s24}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
-one_gpu_session
+case " $* " in
+  *" outab "*) every_gpu_session ;;
+  *) one_gpu_session ;;
+esac
 TIMING=(--trials 7 --iters 20 --warmup 10 --shuffle-seed 0 --queue-ahead-ms 5)
 KVC=megatron_flux/bench/kernel_vs_cublas.py
 for what in "$@"; do
@@ -52,6 +60,17 @@ for what in "$@"; do
       install_carried_wheels || exit 2
       PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout 300 python3 benchmarks/record_pytest.py \
           "${OUT}/tests-flow.json" tests/test_examples.py -q -p no:cacheprovider -rs 2>&1 | tail -6 ;;
+    outab)
+      PP='"ag_warp_specialized": true, "block_m": 128, "block_k": 64, "epilogue_split": 1, "ag_peer_group": 1, "ag_merge_local": false, "stream_k": 0, "programs_per_sm": 1, "block_n": 128, "num_stages": 5, "num_warps": 4'
+      for run in 1 2; do
+        PYTHONPATH="${PWD}" timeout 150 python3 -m torch.distributed.run --standalone \
+            --nproc-per-node "${NGPUS}" -m megatron_flux.bench --ops ag \
+            --model-shapes l8out:4096:128256:128256 --ms 4096 8192 \
+            --methods cublas_gemm nccl flux flux_variant --flux-variant "{${PP}}" \
+            --trials 5 --iters 20 --out-json "${OUT}/ab-out-${run}.json" --out-png none \
+            > "${OUT}/ab-out-${run}.log" 2>&1
+        echo "   ab-out-${run} exit $? (${SECONDS}s)"; grep -A4 "^summary" "${OUT}/ab-out-${run}.log" | head -5
+      done ;;
     tests)
       gpu_tests $((590 - SECONDS)) tests-1gpu ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
