@@ -21,6 +21,9 @@
 #            ping-pong (flux_variant), twice; adopt into a table where both runs win:
 #            python -m megatron_flux.tuning.adopt TABLE ab-out-1.json ab-out-2.json OUT_TABLE
 #                                                  -> $OUT/ab-out-{1,2}.{json,log}
+#   kvcgrid  comm off, alternating with cuBLAS, llama3-8b and llama3-70b at m = 1024-8192: the
+#            default config (what a GPU without a shipped table runs, e.g. an H100), the plain
+#            yardstick and the Gluon ping-pong / cooperative forms  -> $OUT/kvc-grid-{ag,rs}.json
 #   tests    (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s24.sh tworanks tests
@@ -70,6 +73,17 @@ for what in "$@"; do
             --trials 5 --iters 20 --out-json "${OUT}/ab-out-${run}.json" --out-png none \
             > "${OUT}/ab-out-${run}.log" 2>&1
         echo "   ab-out-${run} exit $? (${SECONDS}s)"; grep -A4 "^summary" "${OUT}/ab-out-${run}.log" | head -5
+      done ;;
+    kvcgrid)
+      for op in AG+GEMM GEMM+RS; do
+        knob=$([ "${op}" = AG+GEMM ] && echo ag_warp_specialized || echo rs_warp_specialized)
+        WS="{\"${knob}\": true, \"block_m\": 128, \"block_k\": 64, \"epilogue_split\": 1, \"stream_k\": 0"
+        X="[${WS}, \"block_n\": 128, \"num_stages\": 5, \"num_warps\": 4}, ${WS}, \"block_n\": 256, \"num_stages\": 3, \"num_warps\": 8}]"
+        name=$([ "${op}" = AG+GEMM ] && echo ag || echo rs)
+        left=$(( (590 - SECONDS) / ($([ "${op}" = AG+GEMM ] && echo 2 || echo 1)) ))
+        timeout "$(( left < 200 ? left : 200 ))" python3 ${KVC} --tp 2 --models llama3-8b llama3-70b --ops "${op}" --m 1024 2048 4096 8192 \
+            --configs default plain --extra "${X}" --alternate "${TIMING[@]}" \
+            --json "${OUT}/kvc-grid-${name}.json" 2>&1 | grep -v Warning
       done ;;
     tests)
       gpu_tests $((590 - SECONDS)) tests-1gpu ;;
