@@ -94,3 +94,70 @@ def test_mlp_block_flux_matches_nccl(column_dgrad, monkeypatch):
     # TP = every local GPU (up to 8; the shapes divide by 8): 2 here, 4 or 8 on larger boxes
     checks = run_nccl_world(_worker, min(torch.cuda.device_count(), 8), timeout=300)
     assert all(c > 0 for c in checks)
+
+
+def _output_layer_worker(rank, world, port, queue):
+    """megatron-core's own output layer (sequence-parallel all-gather, then cuBLAS) against a
+    copy converted by ``swap_output_layer`` to the fused backend, which accumulates its weight
+    gradient into an fp32 ``main_grad`` (``flux_gradient_accumulation_fusion``)."""
+    try:
+        init_rank(rank, world, port)
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.model_parallel_config import ModelParallelConfig
+        from megatron.core.tensor_parallel import ColumnParallelLinear
+
+        from megatron_flux import FluxColumnParallelLinear, swap_output_layer
+
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        config = ModelParallelConfig(tensor_model_parallel_size=world, sequence_parallel=True,
+                                     params_dtype=torch.bfloat16)
+        h, vocab, s, b = 1024, 8192 * world, 512, 2
+        init = lambda w: torch.nn.init.normal_(w, std=0.02)  # noqa: E731
+        stock, converted = (ColumnParallelLinear(h, vocab, config=config, init_method=init,
+                                                 bias=False, gather_output=False)
+                            for _ in range(2))
+        converted.load_state_dict(stock.state_dict())
+        config.flux_gradient_accumulation_fusion = True  # what --flux-gradient-accumulation-fusion sets
+        model = torch.nn.Module()
+        model.output_layer = converted
+        swap_output_layer([model], flux_backend="flux")
+        assert type(converted) is FluxColumnParallelLinear.with_backend("flux")
+        assert converted.flux_gradient_accumulation_fusion
+        converted.weight.main_grad = torch.zeros(converted.weight.shape, device="cuda",
+                                                 dtype=torch.float32)
+        ref_main = torch.zeros_like(converted.weight.main_grad)
+        checks = 0
+        for step in range(3):  # three micro-batches accumulate into main_grad
+            x = torch.randn(s // world, b, h, device="cuda", dtype=torch.bfloat16)
+            dy = torch.randn(s, b, vocab // world, device="cuda", dtype=torch.bfloat16)
+            stock.weight.grad = None
+            xs, xc = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+            ys, _ = stock(xs)
+            ys.backward(dy)
+            yc, _ = converted(xc, runtime_gather_output=False)
+            yc.backward(dy)
+            ref_main += stock.weight.grad.float()
+            for what, got, ref, tol in (("output", yc, ys, 2e-2), ("input grad", xc.grad, xs.grad, 3e-2),
+                                        ("main_grad", converted.weight.main_grad, ref_main, 3e-2)):
+                err = _rel(got, ref)
+                assert err < tol, f"step {step}: {what} rel err {err}"
+                checks += 1
+        torch.cuda.synchronize()
+        parallel_state.destroy_model_parallel()
+        queue.put((rank, "ok", checks))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+@_NEEDS_2_GPUS
+def test_converted_output_layer_matches_megatron_core():
+    """GPTModel's output layer converted in place (``swap_output_layer``) computes what
+    megatron-core's own sequence-parallel layer does, fused, with its weight gradient
+    accumulated into ``main_grad``."""
+    pytest.importorskip("megatron.core")
+    checks = run_nccl_world(_output_layer_worker, min(torch.cuda.device_count(), 8), timeout=300)
+    assert all(c == 9 for c in checks)
