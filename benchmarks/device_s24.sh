@@ -24,6 +24,9 @@
 #   kvcgrid  comm off, alternating with cuBLAS, llama3-8b and llama3-70b at m = 1024-8192: the
 #            default config (what a GPU without a shipped table runs, e.g. an H100), the plain
 #            yardstick and the Gluon ping-pong / cooperative forms  -> $OUT/kvc-grid-{ag,rs}.json
+#   custom1  (carry .whl) examples/custom_model.py under torchrun on this one GPU (TP 1: no
+#            sequence parallelism, so the converted output layer runs megatron-core's code inside
+#            a real GPTModel), 3 steps             -> $OUT/custom1.log
 #   tests    (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s24.sh tworanks tests
@@ -85,6 +88,12 @@ for what in "$@"; do
             --configs default plain --extra "${X}" --alternate "${TIMING[@]}" \
             --json "${OUT}/kvc-grid-${name}.json" 2>&1 | grep -v Warning
       done ;;
+    custom1)
+      install_carried_wheels || exit 2
+      PYTHONPATH="${PWD}:/tmp/site" timeout 200 python3 -m torch.distributed.run --standalone \
+          --nproc-per-node 1 examples/custom_model.py --steps 3 --num-layers 2 --backend flux \
+          > "${OUT}/custom1.log" 2>&1
+      echo "   exit $?"; grep -E "step|Error|Traceback" "${OUT}/custom1.log" | head -8 ;;
     tests)
       gpu_tests $((590 - SECONDS)) tests-1gpu ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
