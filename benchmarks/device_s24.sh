@@ -27,6 +27,10 @@
 #   custom1  (carry .whl) examples/custom_model.py under torchrun on this one GPU (TP 1: no
 #            sequence parallelism, so the converted output layer runs megatron-core's code inside
 #            a real GPTModel), 3 steps             -> $OUT/custom1.log
+#   waves    is the Gluon ping-pong's 4 % at AG llama3-8b m = 1024 wave quantization? The same
+#            GEMM family at TP 1, m = 1024 (8 row tiles of 128): n = 14336 (896 tiles of
+#            128x128, 6.79 waves of 132), 16384 (7.76 waves) and 16896 (exactly 8 waves), comm
+#            off, alternating with cuBLAS          -> $OUT/waves.json
 #   tests    (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s24.sh tworanks tests
@@ -94,6 +98,11 @@ for what in "$@"; do
           --nproc-per-node 1 examples/custom_model.py --steps 3 --num-layers 2 --backend flux \
           > "${OUT}/custom1.log" 2>&1
       echo "   exit $?"; grep -E "step|Error|Traceback" "${OUT}/custom1.log" | head -8 ;;
+    waves)
+      PPW='[{"ag_warp_specialized": true, "block_m": 128, "block_k": 64, "epilogue_split": 1, "stream_k": 0, "ag_peer_group": 1, "ag_merge_local": false, "block_n": 128, "num_stages": 5, "num_warps": 4, "group_m": 8}]'
+      timeout 300 python3 ${KVC} --tp 1 --model-shapes w679:4096:14336:14336 w776:4096:16384:16384 \
+          w800:4096:16896:16896 --ops AG+GEMM --m 1024 --configs default plain --extra "${PPW}" \
+          --alternate "${TIMING[@]}" --json "${OUT}/waves.json" 2>&1 | grep -v Warning ;;
     tests)
       gpu_tests $((590 - SECONDS)) tests-1gpu ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
