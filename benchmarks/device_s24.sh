@@ -31,6 +31,7 @@
 #            GEMM family at TP 1, m = 1024 (8 row tiles of 128): n = 14336 (896 tiles of
 #            128x128, 6.79 waves of 132), 16384 (7.76 waves) and 16896 (exactly 8 waves), comm
 #            off, alternating with cuBLAS          -> $OUT/waves.json
+#   check    `megatron-flux check` on this GPU, plain and for --tp 2 (JSON)  -> $OUT/check*.txt/json
 #   tests    (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s24.sh tworanks tests
@@ -103,6 +104,9 @@ for what in "$@"; do
       timeout 300 python3 ${KVC} --tp 1 --model-shapes w679:4096:14336:14336 w776:4096:16384:16384 \
           w800:4096:16896:16896 --ops AG+GEMM --m 1024 --configs default plain --extra "${PPW}" \
           --alternate "${TIMING[@]}" --json "${OUT}/waves.json" 2>&1 | grep -v Warning ;;
+    check)
+      python3 -m megatron_flux.cli check | tee "${OUT}/check.txt"
+      python3 -m megatron_flux.cli check --tp 2 --json > "${OUT}/check-tp2.json"; tail -12 "${OUT}/check-tp2.json" ;;
     tests)
       gpu_tests $((590 - SECONDS)) tests-1gpu ;;
     *) echo "unknown stage ${what}"; exit 2 ;;

@@ -1,4 +1,4 @@
-"""The ``megatron-flux`` console script: ``megatron-flux {bench,tune,plan} [options]``.
+"""The ``megatron-flux`` console script: ``megatron-flux {bench,tune,plan,check} [options]``.
 
 A thin dispatcher so one installed entry point covers the package's tools; each subcommand
 owns its own options (``megatron-flux bench --help``). Under torchrun use
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-USAGE = """usage: megatron-flux {bench,tune,plan} [options]
+USAGE = """usage: megatron-flux {bench,tune,plan,check} [options]
 
 subcommands:
   bench   FLUX-style benchmark of AG+GEMM / GEMM+RS methods (run under torchrun;
@@ -19,6 +19,8 @@ subcommands:
           as a tuning table (run under torchrun; see `megatron-flux tune --help`)
   plan    what the plugin runs for each TP GEMM of a model config: table entry, auto's
           choice and why, kernel settings (no GPU needed; see `megatron-flux plan --help`)
+  check   what this machine offers the plugin (versions, GPUs, peer access, environment,
+          tables) and whether the fused backend can run here (see `megatron-flux check --help`)
 """
 
 
@@ -41,6 +43,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_flux.tuning.plan import main as plan_main
 
         return plan_main(rest)
+    if cmd == "check":
+        from megatron_flux.env_report import main as check_main
+
+        return check_main(rest)
     print(f"megatron-flux: unknown subcommand {cmd!r}\n\n{USAGE}", file=sys.stderr, end="")
     return 2
 

@@ -1,0 +1,104 @@
+"""``megatron-flux check``: the report, its verdict on made-up machines, and the CLI."""
+
+import copy
+import json
+
+import pytest
+
+from megatron_flux import cli
+from megatron_flux.env_report import _tables, collect, format_report, verdict
+
+H200 = {"index": 0, "name": "NVIDIA H200", "capability": [9, 0], "sms": 132, "memory_gib": 139.8}
+
+
+def _machine(**changes):
+    """A 2×H200 node as collect() would describe it, with every variable set as on our box."""
+    info = {
+        "versions": {"python": "3.12.3", "torch": "2.11.0", "cuda": "13.0", "triton": "3.6.0",
+                     "megatron.core": "0.19.2", "megatron_flux": "0.1.0"},
+        "gluon": "available",
+        "env": {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_NVLS_ENABLE": "0",
+                "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"},
+        "optional": {"apex_wgrad_kernel": True, "transformer_engine": None},
+        "cuda_available": True,
+        "devices": [H200, dict(H200, index=1)],
+        "tp": 2,
+        "peer_access": {"0->1": True, "1->0": True},
+        "symmetric_memory": "available",
+        "tables": ["h200-sm132-tp2-bf16.json"],
+    }
+    info.update(copy.deepcopy(changes))
+    return info
+
+
+def test_this_cpu_machine_is_reported_without_the_fused_backend():
+    info = collect(2)
+    assert info["tp"] == 2 and info["versions"]["torch"]
+    if not info["cuda_available"]:
+        fb = info["fused_backend"]
+        assert not fb["available"] and "no CUDA device is visible" in fb["why"]
+        assert "UNAVAILABLE, 'auto' will use 'nccl'" in format_report(info)
+
+
+def test_a_good_node_passes_with_no_reasons():
+    fb = verdict(_machine())
+    assert fb == {"available": True, "why": [], "notes": []}
+    assert "fused backend: AVAILABLE at TP 2" in format_report(dict(_machine(), fused_backend=fb))
+
+
+@pytest.mark.parametrize("changes, reason", [
+    (dict(devices=[dict(H200, capability=[8, 0])] * 2), "compute capability 8.0"),
+    (dict(peer_access={"0->1": True, "1->0": False}), "no peer access between GPUs 1->0"),
+    (dict(devices=[H200], tp=2, peer_access={}), "--tp 2 but only 1 GPU(s) visible"),
+    (dict(tp=1), "tensor-parallel size 1"),
+    (dict(cuda_available=False, devices=[], peer_access={}), "no CUDA device is visible"),
+    (dict(symmetric_memory="unavailable: No module named 'x'"), "torch symmetric memory unavailable"),
+])
+def test_each_blocker_is_named(changes, reason):
+    fb = verdict(_machine(**changes))
+    assert not fb["available"]
+    assert any(reason in why for why in fb["why"]), fb["why"]
+
+
+def test_an_unreadable_user_table_is_named(tmp_path, monkeypatch):
+    from megatron_flux.tuning import registry
+
+    bad = tmp_path / "t.json"
+    bad.write_text("{not json")
+    monkeypatch.setenv("MEGATRON_FLUX_CONFIG", str(bad))
+    registry.reset()
+    try:
+        info = collect(2)
+    finally:
+        monkeypatch.delenv("MEGATRON_FLUX_CONFIG")
+        registry.reset()
+    assert "t.json" in info["tables_error"]
+    assert any("tuning tables cannot be read" in w for w in info["fused_backend"]["why"])
+
+
+def test_notes_for_what_runs_but_may_not_be_meant():
+    info = _machine(env={}, tables=[], gluon="ImportError: no gluon")
+    info["optional"]["apex_wgrad_kernel"] = False
+    fb = verdict(info)
+    assert fb["available"]
+    text = " | ".join(fb["notes"])
+    for expected in ("CUDA_DEVICE_MAX_CONNECTIONS is not 1", "NVLink multicast is not turned off",
+                     "Gluon unavailable", "no tuning table for NVIDIA H200 (132 SMs) at TP 2",
+                     "apex's weight-gradient kernel is not installed"):
+        assert expected in text, text
+
+
+def test_the_shipped_tables_are_found_for_their_machine():
+    assert any("h200-sm132-tp2-bf16.json" in t for t in _tables([H200], 2))
+    assert _tables([dict(H200, name="NVIDIA H100 80GB HBM3")], 2) == []
+    assert _tables([], 2) == []
+
+
+def test_cli(capsys):
+    assert cli.main(["check", "--json", "--tp", "2"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["tp"] == 2 and set(info["fused_backend"]) == {"available", "why", "notes"}
+    with pytest.raises(SystemExit):
+        cli.main(["check", "--tp", "0"])
+    assert cli.main(["--help"]) == 0
+    assert "check" in capsys.readouterr().out
