@@ -440,6 +440,17 @@ def check_swap_output_layer_converts_only_stock_column_layers(rank, tp):
         flux_col.convert_(_column(stock_col, tp, cfg=cfg), flux_backend="nope")
     row = _row(stock_row, tp, cfg=cfg)
     assert type(flux_row.convert_(row, flux_backend="nccl")) is flux_row.with_backend("nccl")
+    # gradient accumulation fusion: megatron's own setting is kept (on where the stock layer was
+    # built with apex; set by hand here, where stock construction would refuse it), and the
+    # config's flux flag turns it on for the plugin's ops alone
+    apex_built = _column(stock_col, tp, cfg=cfg)
+    apex_built.gradient_accumulation_fusion = True
+    flux_col.convert_(apex_built)
+    assert apex_built.gradient_accumulation_fusion and apex_built.flux_gradient_accumulation_fusion
+    flag_cfg = _config(tp)
+    flag_cfg.flux_gradient_accumulation_fusion = True
+    flagged = flux_col.convert_(_column(stock_col, tp, cfg=flag_cfg))
+    assert not flagged.gradient_accumulation_fusion and flagged.flux_gradient_accumulation_fusion
 
 
 # ---------------------------------------------------------------------- sequence-parallel row
