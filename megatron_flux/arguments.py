@@ -175,6 +175,9 @@ def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
       all-gather/reduce-scatter along the sequence), as Megatron's ``--tp-comm-overlap`` does.
     * ``--flux-tp-overlap`` with ``--tp-comm-overlap`` is an error: two systems would both try
       to overlap the same communication (Transformer Engine userbuffers vs megatron-flux).
+    * ``--flux-tp-overlap`` with ``--overlap-grad-reduce`` or ``--overlap-param-gather`` at
+      data-parallel size > 1 warns once unless ``$MEGATRON_FLUX_RESERVED_SMS`` reserves SMs for
+      the data-parallel NCCL kernels (untested: see the README's known limits).
     * ``--flux-tp-overlap`` with ``--transformer-impl transformer_engine`` is an error:
       megatron-flux rewrites megatron-core's *local* spec (Transformer Engine's linears do their
       own communication), so pass ``--transformer-impl local``.
@@ -239,7 +242,34 @@ def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
             use_table_files([config_path])
         except TuningFileError as exc:
             raise FluxArgumentError(f"--flux-config: {exc}") from None
+    _warn_data_parallel_overlap(args)
     return args
+
+
+def _warn_data_parallel_overlap(args: argparse.Namespace) -> None:
+    """One warning when data-parallel NCCL kernels may run beside the fused persistent grids
+    (``--overlap-grad-reduce`` / ``--overlap-param-gather`` at data-parallel size > 1) and no SMs
+    are reserved for them: untested, and a grid that cannot become fully resident stalls its
+    peers until the bounded waits raise ``FusedOpTimeout``."""
+    from megatron_flux.backends.flux import ENV_RESERVED_SMS
+
+    overlapped = [flag for flag, name in (("--overlap-grad-reduce", "overlap_grad_reduce"),
+                                          ("--overlap-param-gather", "overlap_param_gather"))
+                  if getattr(args, name, False)]
+    if not overlapped or getattr(args, "data_parallel_size", 1) <= 1:
+        return
+    if os.environ.get(ENV_RESERVED_SMS, "") not in ("", "0"):
+        return
+    warnings.warn(
+        f"--flux-tp-overlap with {' and '.join(overlapped)} at data-parallel size "
+        f"{args.data_parallel_size}: NCCL's data-parallel kernels can run beside the fused "
+        "kernels' persistent grids, which wait on their tensor-parallel peers while holding "
+        "every SM. This combination has not been tested; if a fused op raises FusedOpTimeout, "
+        f"set ${ENV_RESERVED_SMS} to at least NCCL's channel count (the grids then leave that "
+        "many SMs free) or use --flux-backend nccl.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def apply_flux_args_to_config(args: argparse.Namespace, config: Any) -> Any:

@@ -128,6 +128,32 @@ def test_valid_combination_passes_silently():
     assert args.flux_tp_overlap is True
 
 
+def test_data_parallel_overlap_warns_once_unless_sms_are_reserved(monkeypatch):
+    """NCCL's data-parallel kernels beside the persistent grids: one warning naming the flag
+    and the knob; none at DP 1, without the overlap flags, or with SMs reserved."""
+    monkeypatch.delenv("MEGATRON_FLUX_RESERVED_SMS", raising=False)
+    args = megatron_like_args(["--flux-tp-overlap"], data_parallel_size=4,
+                              overlap_grad_reduce=True)
+    with pytest.warns(UserWarning, match="--overlap-grad-reduce at data-parallel size 4.*"
+                      "MEGATRON_FLUX_RESERVED_SMS") as record:
+        validate_flux_args(args)
+    assert len(record) == 1
+    quiet = [dict(data_parallel_size=1, overlap_grad_reduce=True),
+             dict(data_parallel_size=4, overlap_grad_reduce=False, overlap_param_gather=False)]
+    for megatron in quiet:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            validate_flux_args(megatron_like_args(["--flux-tp-overlap"], **megatron))
+    monkeypatch.setenv("MEGATRON_FLUX_RESERVED_SMS", "16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate_flux_args(args)
+    monkeypatch.delenv("MEGATRON_FLUX_RESERVED_SMS")
+    with pytest.warns(UserWarning, match="--overlap-param-gather"):
+        validate_flux_args(megatron_like_args(["--flux-tp-overlap"], data_parallel_size=2,
+                                              overlap_param_gather=True))
+
+
 def test_off_is_not_validated_against_megatron_flags():
     args = megatron_like_args([], sequence_parallel=False, tp_comm_overlap=True,
                               transformer_impl="transformer_engine")
