@@ -93,11 +93,20 @@ flux_megatron_args() {
     fi
 }
 
+# With the flag: what `megatron-flux check` says of this node at this TP size (its verdict and
+# notes), so the log shows up front whether the fused backend can run here.
+flux_preflight() {
+    [ "${#FLUX_ARGS[@]}" -gt 0 ] || return 0
+    "${PYTHON}" -m megatron_flux.cli check --tp "${NPROC}" 2>/dev/null \
+        | sed -n '/^fused backend/,$p' | sed 's/^/> megatron-flux check: /' || true
+}
+
 run_pretrain() {  # run_pretrain MODEL_CONFIG [extra megatron args...]
     local config="$1"; shift
     export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
     common_megatron_args
     cd "${REPO}"
+    flux_preflight
     set -x
     "${PYTHON}" -m torch.distributed.run --standalone --nproc-per-node "${NPROC}" \
         examples/pretrain_gpt.py --model-config "${config}" "${COMMON_ARGS[@]}" "$@"

@@ -381,6 +381,20 @@ def test_launcher_flag_switch(env, expected):
     assert res.stdout.strip() == expected
 
 
+def test_launcher_preflight_prints_the_check_verdict_with_the_flag_only():
+    """run_pretrain first prints `megatron-flux check`'s verdict at the job's TP size (this CPU
+    machine: unavailable, and why); without the flag, nothing."""
+    assert "flux_preflight" in (EXAMPLES / "_common.sh").read_text().split("run_pretrain()")[1]
+    script = (f'source "{EXAMPLES}/_common.sh"; PYTHON="{sys.executable}"; NPROC=2; '
+              'FLUX_ARGS=(--flux-tp-overlap); flux_preflight; echo ---; FLUX_ARGS=(); flux_preflight')
+    res = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0, res.stderr
+    with_flag, without = res.stdout.split("---\n")
+    assert with_flag.startswith("> megatron-flux check: fused backend: ")
+    assert without == ""
+
+
 # ---------------------------------------------------------------- megatron.training flow
 
 
