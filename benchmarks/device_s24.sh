@@ -32,6 +32,10 @@
 #            128x128, 6.79 waves of 132), 16384 (7.76 waves) and 16896 (exactly 8 waves), comm
 #            off, alternating with cuBLAS          -> $OUT/waves.json
 #   check    `megatron-flux check` on this GPU, plain and for --tp 2 (JSON)  -> $OUT/check*.txt/json
+#   agsmall  AG+GEMM's small-m default (every peer's rows gathered first, one tile space) on
+#            other tiles: 64x128x128/4, 128x128x64/4 (4 and 8 warps), 64x256x64/4, 128x256x64/3
+#            (the default from m = 256), m = 64-512, comm off, block timing (small kernels:
+#            alternation biases ratios towards 1)     -> $OUT/agsmall.json
 #   tests    (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s24.sh tworanks tests
@@ -107,6 +111,15 @@ for what in "$@"; do
     check)
       python3 -m megatron_flux.cli check | tee "${OUT}/check.txt"
       python3 -m megatron_flux.cli check --tp 2 --json > "${OUT}/check-tp2.json"; tail -12 "${OUT}/check-tp2.json" ;;
+    agsmall)
+      G='"ag_merge_local": true, "ag_merge_lead": 0, "chunk_rows": 4096, "epilogue_split": 1, "flatten": true, "stream_k": 0, "group_m": 8'
+      X="[{${G}, \"block_m\": 64, \"block_n\": 128, \"block_k\": 128, \"num_stages\": 4, \"num_warps\": 4},
+          {${G}, \"block_m\": 128, \"block_n\": 128, \"block_k\": 64, \"num_stages\": 4, \"num_warps\": 4},
+          {${G}, \"block_m\": 128, \"block_n\": 128, \"block_k\": 64, \"num_stages\": 4, \"num_warps\": 8},
+          {${G}, \"block_m\": 64, \"block_n\": 256, \"block_k\": 64, \"num_stages\": 4, \"num_warps\": 4},
+          {${G}, \"block_m\": 128, \"block_n\": 256, \"block_k\": 64, \"num_stages\": 3, \"num_warps\": 8}]"
+      timeout 400 python3 ${KVC} --tp 2 --ops AG+GEMM --m 64 128 256 512 --configs default \
+          --extra "${X}" "${TIMING[@]}" --json "${OUT}/agsmall.json" 2>&1 | grep -v Warning ;;
     tests)
       gpu_tests $((590 - SECONDS)) tests-1gpu ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
