@@ -35,7 +35,8 @@
 #   agsmall  AG+GEMM's small-m default (every peer's rows gathered first, one tile space) on
 #            other tiles: 64x128x128/4, 128x128x64/4 (4 and 8 warps), 64x256x64/4, 128x256x64/3
 #            (the default from m = 256), m = 64-512, comm off, block timing (small kernels:
-#            alternation biases ratios towards 1)     -> $OUT/agsmall.json
+#            alternation biases ratios towards 1); RUNS="1 2" names the runs
+#                                                  -> $OUT/agsmall-run<N>.json
 #   tests    (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s24.sh tworanks tests
@@ -118,8 +119,10 @@ for what in "$@"; do
           {${G}, \"block_m\": 128, \"block_n\": 128, \"block_k\": 64, \"num_stages\": 4, \"num_warps\": 8},
           {${G}, \"block_m\": 64, \"block_n\": 256, \"block_k\": 64, \"num_stages\": 4, \"num_warps\": 4},
           {${G}, \"block_m\": 128, \"block_n\": 256, \"block_k\": 64, \"num_stages\": 3, \"num_warps\": 8}]"
-      timeout 400 python3 ${KVC} --tp 2 --ops AG+GEMM --m 64 128 256 512 --configs default \
-          --extra "${X}" "${TIMING[@]}" --json "${OUT}/agsmall.json" 2>&1 | grep -v Warning ;;
+      for run in ${RUNS:-1}; do
+        timeout 200 python3 ${KVC} --tp 2 --ops AG+GEMM --m 64 128 256 512 --configs default \
+            --extra "${X}" "${TIMING[@]}" --json "${OUT}/agsmall-run${run}.json" 2>&1 | grep -v Warning
+      done ;;
     tests)
       gpu_tests $((590 - SECONDS)) tests-1gpu ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
