@@ -37,6 +37,9 @@
 #            (the default from m = 256), m = 64-512, comm off, block timing (small kernels:
 #            alternation biases ratios towards 1); RUNS="1 2" names the runs
 #                                                  -> $OUT/agsmall-run<N>.json
+#   agdefault after AG+GEMM's small-m default took gathered_ag_tile: the one-GPU kernel tests,
+#            then the small-m AG grid with the default (block timing), twice
+#                                      -> $OUT/tests-kernels.json, $OUT/agdefault-run{1,2}.json
 #   tests    (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s24.sh tworanks tests
@@ -122,6 +125,13 @@ for what in "$@"; do
       for run in ${RUNS:-1}; do
         timeout 200 python3 ${KVC} --tp 2 --ops AG+GEMM --m 64 128 256 512 --configs default \
             --extra "${X}" "${TIMING[@]}" --json "${OUT}/agsmall-run${run}.json" 2>&1 | grep -v Warning
+      done ;;
+    agdefault)
+      timeout 330 python3 benchmarks/record_pytest.py "${OUT}/tests-kernels.json" \
+          tests/test_kernels_one_gpu.py -q -p no:cacheprovider 2>&1 | tail -2
+      for run in 1 2; do
+        timeout 100 python3 ${KVC} --tp 2 --ops AG+GEMM --m 64 128 256 512 --configs default \
+            "${TIMING[@]}" --json "${OUT}/agdefault-run${run}.json" 2>&1 | grep -v Warning
       done ;;
     tests)
       gpu_tests $((590 - SECONDS)) tests-1gpu ;;

@@ -99,6 +99,8 @@ AG_MERGED = [
     dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4, epilogue_split=1,
          warp_specialize=True, ag_merge_local=True),
     dict(ag_merge_local=True, ag_peer_group=3),
+    # the wide gathered-rows tile of the small-m default (config.gathered_ag_tile)
+    dict(block_n=256, num_stages=4, ag_merge_local=True, ag_merge_lead=0),
 ]
 
 

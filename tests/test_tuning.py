@@ -165,6 +165,13 @@ def test_small_m_defaults_merge_the_rows_but_old_table_entries_keep_their_schedu
         cfg = default_config("ag", m, 14336, 4096, tp=tp)
         assert cfg.ag_merge_local and cfg.ag_merge_lead == 0 and cfg.block_m == block_m, (m, tp)
         assert not default_config("ag", m, 14336, 4096, tp=tp, gather_small_m=False).ag_merge_local
+    # the gathered rows' tile at m <= 128 (config.gathered_ag_tile): 64x256 where the busiest
+    # SM streams fewer columns through it, else 64x128 (the grid's TP 2 shapes, per-rank n)
+    for m, n, block_n in ((64, 24576, 256), (64, 28672, 256), (64, 14336, 128),
+                          (128, 24576, 128), (128, 28672, 256), (128, 14336, 256),
+                          (256, 24576, 256)):
+        cfg = default_config("ag", m, n, 4096, tp=2)
+        assert (cfg.block_m, cfg.block_n) == (64 if m <= 128 else 128, block_n), (m, n)
     for op, m, tp in (("ag", 1024, 2), ("ag", 64, None), ("ag", 64, 1), ("rs", 64, 2)):
         assert not default_config(op, m, 14336, 4096, tp=tp).ag_merge_local, (op, m, tp)
     for op, m, tp in (("rs", 64, None), ("rs", 64, 1), ("ag", 64, 2)):

@@ -352,7 +352,8 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
     then at most 256 rows, and the per-segment schedule streams all of B once per segment,
     mostly through half-empty row tiles. With communication off (TP 2 wiring, GPU time alone)
     that took the grid's m = 64-512 shapes from 1.09-2.32x cuBLAS to 0.98-1.22x on one H200
-    (1.21-2.43x to 1.00-1.30x on one H100; benchmarks/NOTES.md, session 21). The copies it
+    (1.21-2.43x to 1.00-1.30x on one H100; benchmarks/NOTES.md, session 21). At m <= 128 its
+    tile is :func:`gathered_ag_tile`'s (64x128 or 64x256, session 24). The copies it
     then waits for are m_local x K (at most 6 MiB there). ``gather_small_m=False`` gives the
     earlier per-segment defaults of both ops there: what tuning-table entries that do not name
     these knobs were measured with (:mod:`megatron_flux.tuning.schema` fills missing fields
@@ -375,7 +376,7 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
                           rs_spread_reduce=spread)
     split = 1 if m_total <= 1024 and n <= 16384 else 2
     if gather_small_m and tp is not None and tp >= 2 and m_total <= AG_GATHER_MAX_M:
-        tile = (64, 128, 128, 4, 4) if m_total <= 128 else (128, 256, 64, 3, 8)
+        tile = gathered_ag_tile(m_total, n) if m_total <= 128 else (128, 256, 64, 3, 8)
         return GemmConfig(*tile, 8, chunk_rows=4096, epilogue_split=split, flatten=True,
                           ag_merge_local=True, ag_merge_lead=0)
     if split == 1:
@@ -393,20 +394,41 @@ RS_MERGE_MAX_M = 256
 #: merged GEMM+RS tiles to choose from: (block_m, block_n, block_k, num_stages, num_warps)
 MERGED_RS_TILES = ((64, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 32, 256, 4, 4),
                    (128, 128, 64, 4, 8), (128, 256, 64, 3, 8))
+#: AG+GEMM's gathered-rows tiles to choose from at m <= 128 (the 64-row pair; above, 128x256)
+GATHERED_AG_TILES = ((64, 128, 128, 4, 4), (64, 256, 64, 4, 4))
 #: SMs the small-m tile choice assumes (H100 / H200)
 ASSUMED_SMS = 132
 
 
-def merged_rs_tile(m_total: int, n: int, sms: int = ASSUMED_SMS):
-    """The :data:`MERGED_RS_TILES` entry whose busiest SM streams the fewest operand columns:
-    at small m the GEMM reads B from memory and every SM streams ``block_m + block_n`` rows of
-    K per tile, so the cost is ``ceil(tiles / sms) * (block_m + block_n)``; the first of equals
-    wins. On one H200 this picked what ran best among 64x128, 64x64 and 64x32 at m = 64-256
-    (benchmarks/NOTES.md, session 21: llama3-8b m = 64, 128 tiles of 64x32, 1.11x cuBLAS
-    against 1.47x for 32 tiles of 64x128)."""
+def least_streaming_tile(tiles: Tuple[Tuple[int, ...], ...], m_total: int, n: int,
+                         sms: int = ASSUMED_SMS):
+    """The entry of ``tiles`` ((block_m, block_n, ...) each) whose busiest SM streams the fewest
+    operand columns: at small m the GEMM reads B from memory and every SM streams
+    ``block_m + block_n`` rows of K per tile, so the cost is ``ceil(tiles / sms) * (block_m +
+    block_n)``; the first of equals wins."""
     def cost(tile):
         bm, bn = tile[0], tile[1]
-        tiles = -(-m_total // bm) * -(-n // bn)
-        return -(-tiles // sms) * (bm + bn)
+        count = -(-m_total // bm) * -(-n // bn)
+        return -(-count // sms) * (bm + bn)
 
-    return min(MERGED_RS_TILES, key=cost)
+    return min(tiles, key=cost)
+
+
+def merged_rs_tile(m_total: int, n: int, sms: int = ASSUMED_SMS):
+    """GEMM+RS's merged-rows tile: :func:`least_streaming_tile` of :data:`MERGED_RS_TILES`. On
+    one H200 this picked what ran best among 64x128, 64x64 and 64x32 at m = 64-256
+    (benchmarks/NOTES.md, session 21: llama3-8b m = 64, 128 tiles of 64x32, 1.11x cuBLAS
+    against 1.47x for 32 tiles of 64x128)."""
+    return least_streaming_tile(MERGED_RS_TILES, m_total, n, sms)
+
+
+def gathered_ag_tile(m_total: int, n: int, sms: int = ASSUMED_SMS):
+    """AG+GEMM's gathered-rows tile at m <= 128: :func:`least_streaming_tile` of
+    :data:`GATHERED_AG_TILES`. Communication off on one H200, three runs (benchmarks/NOTES.md,
+    session 24): 64x256 where it streams less, gpt3-175b m = 64 1.10-1.19x cuBLAS -> 1.015x,
+    llama3-70b m = 64 1.02x -> 0.98x and m = 128 1.07x -> 1.03x; 64x128 kept where it wins
+    (gpt3-175b m = 128, llama3-8b m = 64); llama3-8b m = 128 about 1 % slower (1.09-1.11x ->
+    1.11x). With all four 64/128-row tiles the same rule picked 128x256 on gpt3-175b m = 128,
+    10 % slower than 64x128 (96 tiles leave 36 SMs without B to stream), so it chooses among
+    the 64-row pair only."""
+    return least_streaming_tile(GATHERED_AG_TILES, m_total, n, sms)
