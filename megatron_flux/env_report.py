@@ -150,8 +150,6 @@ def verdict(info: Dict[str, Any]) -> Dict[str, Any]:
     _, reason = flux_backend_factory_or_reason()
     if reason is not None:
         why.append(f"fused backend not importable: {reason}")
-    if info["versions"]["triton"] is None:
-        why.append("Triton is not installed")
     if not info["cuda_available"]:
         why.append("no CUDA device is visible")
     tp, devices = info["tp"], info["devices"]

@@ -38,16 +38,24 @@ def _mlp(config, h, ffn, backend, keep_gathered):
     return fc1, fc2
 
 
+def _tp_world(rank, world, port):
+    """In a spawned rank: join the NCCL world, megatron-core's TP groups over all of it, and
+    the bf16 sequence-parallel config the workers build their layers with."""
+    init_rank(rank, world, port)
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    return ModelParallelConfig(tensor_model_parallel_size=world, sequence_parallel=True,
+                               params_dtype=torch.bfloat16)
+
+
 def _worker(rank, world, port, queue):
     try:
-        init_rank(rank, world, port)
-        from megatron.core import parallel_state, tensor_parallel
-        from megatron.core.model_parallel_config import ModelParallelConfig
+        from megatron.core import parallel_state
 
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-        tensor_parallel.model_parallel_cuda_manual_seed(1234)
-        config = ModelParallelConfig(tensor_model_parallel_size=world, sequence_parallel=True,
-                                     params_dtype=torch.bfloat16)
+        config = _tp_world(rank, world, port)
         h, ffn, s, b = 1024, 4096, 512, 2
         fluxed = _mlp(config, h, ffn, "flux", False)
         ref = _mlp(config, h, ffn, "nccl", False)
@@ -101,17 +109,12 @@ def _output_layer_worker(rank, world, port, queue):
     copy converted by ``swap_output_layer`` to the fused backend, which accumulates its weight
     gradient into an fp32 ``main_grad`` (``flux_gradient_accumulation_fusion``)."""
     try:
-        init_rank(rank, world, port)
-        from megatron.core import parallel_state, tensor_parallel
-        from megatron.core.model_parallel_config import ModelParallelConfig
+        from megatron.core import parallel_state
         from megatron.core.tensor_parallel import ColumnParallelLinear
 
         from megatron_flux import FluxColumnParallelLinear, swap_output_layer
 
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-        tensor_parallel.model_parallel_cuda_manual_seed(1234)
-        config = ModelParallelConfig(tensor_model_parallel_size=world, sequence_parallel=True,
-                                     params_dtype=torch.bfloat16)
+        config = _tp_world(rank, world, port)
         h, vocab, s, b = 1024, 8192 * world, 512, 2
         init = lambda w: torch.nn.init.normal_(w, std=0.02)  # noqa: E731
         stock, converted = (ColumnParallelLinear(h, vocab, config=config, init_method=init,

@@ -350,22 +350,30 @@ def check_column_backend_calls(rank, tp):
     ], backend.calls
 
 
-def check_column_weight_passed_to_forward(rank, tp):
-    flux_col = _imports()[4]
-    layer = _column(flux_col, tp, bias=False, skip_weight_param_allocation=True, flux_backend="scratch")
+def _check_weight_passed(layer, rank, tp, seed, **forward_kwargs):
+    """A column layer without a weight of its own (``skip_weight_param_allocation``, as GPTModel's
+    output layer with tied embeddings) given this rank's shard in forward: output, input and
+    weight gradients against the dense reference. Returns ``(layer's input, weight)``."""
     assert layer.weight is None
-    w_full = _randn(F, H, seed=20)
+    w_full = _randn(F, H, seed=seed)
     idx = _shard_index(F, tp, rank)
     weight = w_full[idx].clone().requires_grad_()
-    x_full = _randn(S_LOCAL * tp, B, H, seed=21)
+    x_full = _randn(S_LOCAL * tp, B, H, seed=seed + 1)
     x = x_full[rank * S_LOCAL:(rank + 1) * S_LOCAL].clone().requires_grad_()
-    g_full = _randn(S_LOCAL * tp, B, F, seed=22)
-    out, _ = layer(x, weight=weight)
+    g_full = _randn(S_LOCAL * tp, B, F, seed=seed + 2)
+    out, _ = layer(x, weight=weight, **forward_kwargs)
     out.backward(g_full[..., idx])
     y_ref, dx_ref, dw_ref, _ = _dense(x_full, w_full, None, g_full)
     _assert_close(out, y_ref[..., idx], "output")
     _assert_close(x.grad, dx_ref[rank * S_LOCAL:(rank + 1) * S_LOCAL], "input grad")
     _assert_close(weight.grad, dw_ref[idx], "weight grad")
+    return x, weight
+
+
+def check_column_weight_passed_to_forward(rank, tp):
+    flux_col = _imports()[4]
+    layer = _column(flux_col, tp, bias=False, skip_weight_param_allocation=True, flux_backend="scratch")
+    x, weight = _check_weight_passed(layer, rank, tp, seed=20)
     with pytest.raises(RuntimeError, match="supplied weight's shape"):
         layer(x, weight=weight[:-1])
 
@@ -392,20 +400,9 @@ def check_converted_output_layer_tied_weight(rank, tp):
                                  cfg=cfg)
     assert swap_output_layer([model], flux_backend="scratch") == [model]
     layer = model.output_layer
-    assert type(layer) is flux_col.with_backend("scratch") and layer.weight is None
+    assert type(layer) is flux_col.with_backend("scratch")
     assert layer.flux_keep_gathered_input is True
-    w_full = _randn(F, H, seed=30)
-    idx = _shard_index(F, tp, rank)
-    weight = w_full[idx].clone().requires_grad_()
-    x_full = _randn(S_LOCAL * tp, B, H, seed=31)
-    x = x_full[rank * S_LOCAL:(rank + 1) * S_LOCAL].clone().requires_grad_()
-    g_full = _randn(S_LOCAL * tp, B, F, seed=32)
-    out, _ = layer(x, weight=weight, runtime_gather_output=False)
-    out.backward(g_full[..., idx])
-    y_ref, dx_ref, dw_ref, _ = _dense(x_full, w_full, None, g_full)
-    _assert_close(out, y_ref[..., idx], "output")
-    _assert_close(x.grad, dx_ref[rank * S_LOCAL:(rank + 1) * S_LOCAL], "input grad")
-    _assert_close(weight.grad, dw_ref[idx], "weight grad")
+    _check_weight_passed(layer, rank, tp, seed=30, runtime_gather_output=False)
 
 
 def check_swap_output_layer_converts_only_stock_column_layers(rank, tp):
