@@ -498,6 +498,38 @@ def _check_row_sp(rank, tp, *, bias=True, skip_bias_add=False, backend="scratch"
     return layer
 
 
+def check_outputs_modifiable_in_place(rank, tp):
+    """Column and row outputs are not autograd views: megatron-core's vocabulary-parallel cross
+    entropy subtracts the row maximum from fp32 logits in place, which autograd refuses on a
+    view made inside a custom Function. The stock layers allow it; so must ours."""
+    _, _, _, _, flux_col, flux_row = _imports()
+    rows = slice(rank * S_LOCAL, (rank + 1) * S_LOCAL)
+    for backend in ("nccl", "scratch"):
+        col = _column(flux_col, tp, flux_backend=backend)
+        idx = _shard_index(F, tp, rank)
+        x_full, g_full = _randn(S_LOCAL * tp, B, H, seed=40), _randn(S_LOCAL * tp, B, F, seed=41)
+        x = x_full[rows].clone().requires_grad_()
+        out, _ = col(x)
+        assert not out._is_view()
+        out.mul_(2.0)
+        out.backward(g_full[..., idx])
+        _, dx_ref, dw_ref, _ = _dense(x_full, col.master_weight.double(), _randn(F, seed=1), 2 * g_full)
+        _assert_close(x.grad, dx_ref[rows], f"{backend} column input grad after an in-place op")
+        _assert_close(col.weight.grad, dw_ref[idx], f"{backend} column weight grad after an in-place op")
+
+        row = _row(flux_row, tp, flux_backend=backend)
+        cols = _shard_index(F, tp, rank)
+        x_full, g_full = _randn(S_LOCAL * tp, B, F, seed=42), _randn(S_LOCAL * tp, B, H, seed=43)
+        x = x_full[..., cols].clone().requires_grad_()
+        out, _ = row(x)
+        assert not out._is_view()
+        out.sub_(1.0)
+        out.backward(g_full[rows])
+        _, dx_ref, dw_ref, _ = _dense(x_full, row.master_weight.double(), _randn(H, seed=1), g_full)
+        _assert_close(x.grad, dx_ref[..., cols], f"{backend} row input grad after an in-place op")
+        _assert_close(row.weight.grad, dw_ref[:, cols], f"{backend} row weight grad after an in-place op")
+
+
 def check_row_sp_bias(rank, tp):
     _check_row_sp(rank, tp)
 
@@ -791,6 +823,7 @@ SP_CHECKS = [
     check_row_sp_non_contiguous_input,
     check_row_sp_auto_and_nccl_backends,
     check_row_backend_calls,
+    check_outputs_modifiable_in_place,
     check_megatron_passthrough_routing,
     check_mlp_block_sp,
     check_forward_under_no_grad,

@@ -37,7 +37,20 @@ __all__ = [
     "check_linear_operands",
     "column_parallel_linear",
     "gather_along_last_dim",
+    "output_of_shape",
 ]
+
+
+def output_of_shape(y2d: torch.Tensor, shape) -> torch.Tensor:
+    """``y2d`` reshaped to ``shape`` as a tensor autograd does not treat as a view.
+
+    A custom Function's output that is a ``view`` of a tensor made inside ``forward`` may not be
+    modified in place afterwards (autograd raises), and megatron-core does modify it: its
+    vocabulary-parallel cross entropy subtracts the row maximum from fp32 logits in place.
+    megatron-core's own linear returns ``torch.matmul``'s result, which is reshaped by
+    ``_unsafe_view`` for the same reason; so is ours. No copy.
+    """
+    return torch.ops.aten._unsafe_view(y2d, shape)
 
 
 def check_linear_operands(
@@ -109,7 +122,7 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
         ctx.backend = backend
         ctx.group = group
         ctx.wgrad_target = wgrad_target(weight, gradient_accumulation_fusion)
-        return y2d.view(input.shape[0] * tp, *input.shape[1:-1], weight.shape[0])
+        return output_of_shape(y2d, (input.shape[0] * tp, *input.shape[1:-1], weight.shape[0]))
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):

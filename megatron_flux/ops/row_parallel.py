@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_flux.backends import resolve_backend
-from megatron_flux.ops.column_parallel import check_linear_operands
+from megatron_flux.ops.column_parallel import check_linear_operands, output_of_shape
 from megatron_flux.ops.grad_accumulation import accumulate_weight_grad, wgrad_target
 
 __all__ = ["RowParallelLinearFunction", "row_parallel_linear"]
@@ -54,7 +54,7 @@ class RowParallelLinearFunction(torch.autograd.Function):
         ctx.backend = backend
         ctx.group = group
         ctx.wgrad_target = wgrad_target(weight, gradient_accumulation_fusion)
-        return y2d.view(input.shape[0] // tp, *input.shape[1:-1], weight.shape[0])
+        return output_of_shape(y2d, (input.shape[0] // tp, *input.shape[1:-1], weight.shape[0]))
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
