@@ -13,10 +13,11 @@ activation per collective. Per layer and micro-batch there are 8 of them:
 * backward: reduce-scatter of the input gradients of linear_qkv and linear_fc1, all-gather of
   the output gradients of linear_proj and linear_fc2.
 
-Not counted: the re-gather of the inputs of linear_qkv and linear_fc1 for their weight gradients
-(2 more all-gathers per layer and micro-batch). megatron-core overlaps it with the input-gradient
-GEMM. megatron-flux does too beside a non-fused dgrad, but runs it to completion before a fused
-one, because a concurrent collective could starve a peer's spinning grid. It skips it with
+Not counted: the re-gather of the inputs of linear_qkv and linear_fc1 (and of the output layer)
+for their weight gradients (2 more all-gathers per layer and one per micro-batch). megatron-core
+overlaps it with the input-gradient GEMM. megatron-flux does too beside a non-fused dgrad, but
+runs it to completion before a fused one, because a concurrent collective could starve a peer's
+spinning grid. It skips it with
 ``--flux-keep-gathered-input``. The 2026-11-22 runs used neither option.
 
 Outside the layers, per micro-batch, two more all-gathers and two more reduce-scatters of the
@@ -27,8 +28,9 @@ all-gather (forward) and its input gradient's reduce-scatter (backward). Before 
 were not counted (``--model-collectives 0``).
 
 The step's TP communication is ``microbatches x (4 x layers + model_collectives) x
-(t_all_gather + t_reduce_scatter)``, each collective timed alone (interleaved trials, medians,
-max over ranks). This is the time the
+(t_all_gather + t_reduce_scatter)`` (:func:`collectives_per_microbatch`, checked against the
+collectives of a real GPTModel by ``tests/test_e2e_comm.py``), each collective timed alone
+(interleaved trials, medians, max over ranks). This is the time the
 plugin's ``nccl`` backend spends with the GPU doing nothing else; the end-to-end report divides the
 step time that ``flux`` saves by it.
 """
@@ -46,6 +48,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_flux.bench.timing import median, spread, time_interleaved  # noqa: E402
+
+
+def collectives_per_microbatch(layers: int, model_collectives: int = 2) -> dict:
+    """``{"all_gather": n, "reduce_scatter": n}`` of one micro-batch's forward and backward that
+    the step's TP communication counts (re-gathers for weight gradients not included)."""
+    n = 4 * layers + model_collectives
+    return {"all_gather": n, "reduce_scatter": n}
 
 
 def main(argv=None) -> None:
@@ -82,7 +91,8 @@ def main(argv=None) -> None:
     if res.errors:
         raise SystemExit(f"collective failed: {res.errors}")
     t_ag, t_rs = median(res.trials_ms["all_gather"]), median(res.trials_ms["reduce_scatter"])
-    per_step = args.microbatches * (4 * args.layers + args.model_collectives) * (t_ag + t_rs)
+    counts = collectives_per_microbatch(args.layers, args.model_collectives)
+    per_step = args.microbatches * (counts["all_gather"] * t_ag + counts["reduce_scatter"] * t_rs)
     out = {
         "tp": tp,
         "gpu": torch.cuda.get_device_name(dev),
