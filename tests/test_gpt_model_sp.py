@@ -1,0 +1,156 @@
+"""A whole Llama-style GPTModel through the plugin at TP 2 with sequence parallelism, on gloo,
+against megatron-core's stock model at TP 1 with the same full weights (float64).
+
+The TP 2 model is what the pretrain scripts build: the plugin's decoder-block spec (Flux linears,
+SP-capable norms, ``nccl`` backend) and GPTModel's output layer converted by
+``swap_output_layer``. The reference is megatron-core's local spec at TP 1 without sequence
+parallelism, so every collective, every shard layout (vocabulary-parallel embedding and output
+layer, grouped QKV rows, the SwiGLU fc1 halves) and the vocabulary-parallel cross entropy are
+checked end to end: the per-token losses, and every parameter's gradient against its shard of
+the reference gradient (norm gradients after megatron-core's own TP all-reduce of
+``sequence_parallel`` parameters). Tied and untied output weights.
+
+CUDA-only pieces of megatron-core that move no data are stubbed in the workers:
+``torch.cuda.current_device`` (the embedding's scatter allocates its output there) and the CUDA
+RNG tracker that the embedding forks for dropout (dropout is 0 here).
+"""
+
+import contextlib
+import dataclasses
+import os
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_harness import run_distributed  # noqa: E402
+
+TP = 2
+VOCAB, SEQ, BATCH = 128, 16, 2
+
+
+def _stub_cuda_only_helpers():
+    torch.cuda.current_device = lambda: "cpu"
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.get_cuda_rng_tracker = lambda: types.SimpleNamespace(fork=contextlib.nullcontext)
+
+
+def _config(tp, **kw):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=96, tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float64,
+        attention_dropout=0.0, hidden_dropout=0.0, masked_softmax_fusion=False,
+        bias_dropout_fusion=False, bias_activation_fusion=False, apply_rope_fusion=False,
+        persist_layer_norm=False, **kw,
+    )
+
+
+def _with_cpu_attention(layer_spec):
+    from test_specs import CpuCoreAttention
+
+    attn = layer_spec.submodules.self_attention
+    attn = dataclasses.replace(
+        attn, submodules=dataclasses.replace(attn.submodules, core_attention=CpuCoreAttention))
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, self_attention=attn))
+
+
+def _gpt_model(cfg, spec, tie):
+    from megatron.core.models.gpt import GPTModel
+
+    torch.manual_seed(0)
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                    position_embedding_type="rope", share_embeddings_and_output_weights=tie)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return ids, torch.arange(SEQ).expand(BATCH, SEQ), labels
+
+
+def _run(model):
+    ids, pos, labels = _inputs()
+    loss = model(ids, pos, None, labels=labels)  # [b, s] per-token losses
+    loss.sum().backward()
+    return loss.detach()
+
+
+def _stock_tp1(rank, world, tie):
+    _stub_cuda_only_helpers()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    model = _gpt_model(_config(1), _with_cpu_attention(get_gpt_layer_local_spec(normalization="RMSNorm")), tie)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # away from init, norms too, so every gradient is exercised
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
+    loss = _run(model)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss, params, grads
+
+
+def _shard(name, full, rank, tp=TP):
+    """This rank's slice of a full (TP 1) GPTModel parameter, megatron-core's TP layout."""
+    from test_specs import shard_llama_param
+
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return full.chunk(tp, dim=0)[rank]  # vocabulary rows
+    if name == "decoder.final_layernorm.weight":
+        return full
+    prefix, _, rest = name.partition(".layers.")
+    assert prefix == "decoder", name
+    return shard_llama_param(rest.partition(".")[2], full, rank, tp)
+
+
+def _flux_tp2(rank, world, tie, full_params):
+    _stub_cuda_only_helpers()
+    from megatron.core import parallel_state
+    from megatron.core.distributed.finalize_model_grads import _allreduce_layernorm_grads
+
+    from megatron_flux import specs
+    from megatron_flux.layers.linear import FluxColumnParallelLinear
+    from megatron_flux.output_layer import swap_output_layer
+
+    cfg = _config(world)
+    block = specs.get_gpt_decoder_block_flux_spec(cfg, backend="nccl")
+    block = dataclasses.replace(block, layer_specs=[_with_cpu_attention(s) for s in block.layer_specs])
+    model = swap_output_layer(_gpt_model(cfg, block, tie), "nccl")
+    assert isinstance(model.output_layer, FluxColumnParallelLinear)
+    assert sorted(n for n, _ in model.named_parameters()) == sorted(full_params)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(_shard(n, full_params[n], rank, world))
+    loss = _run(model)
+    chunk = torch.nn.Module()  # finalize_model_grads' all-reduce of the norms' gradients
+    chunk.module = model
+    chunk.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)
+    _allreduce_layernorm_grads([chunk], cfg, parallel_state.get_tensor_model_parallel_group())
+    return loss, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_gpt_model_tp2_sp_through_the_plugin_matches_stock_tp1(tie):
+    (ref_loss, full_params, ref_grads), = run_distributed(
+        _stock_tp1, 1, tie, tensor_model_parallel_size=1, timeout=240)
+    per_rank = run_distributed(_flux_tp2, TP, tie, full_params, tensor_model_parallel_size=TP, timeout=240)
+    # float64 everywhere but megatron-core's vocabulary-parallel cross entropy, which computes
+    # in float32 (``logits.float()``) and sums each rank's vocabulary shard apart at TP 2
+    tol = dict(rtol=1e-5, atol=1e-6)
+    for rank, (loss, grads) in enumerate(per_rank):
+        torch.testing.assert_close(loss, ref_loss, **tol, msg=lambda m: f"rank {rank} loss: {m}")
+        for name, ref in ref_grads.items():
+            assert grads[name] is not None, (rank, name)
+            # (the stock TP 1 model's torch RMSNorm keeps float32 weights whatever params_dtype)
+            torch.testing.assert_close(grads[name], _shard(name, ref, rank), **tol, check_dtype=False,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
