@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Session 25, one GPU (kinds nvidia-h100-x1 / nvidia-h200 only, for the seventh session).
+#   layers   (carry .whl) the GPU-marked layer and weight-gradient tests on this GPU (the
+#            2-GPU ones skip), after the ops' outputs stopped being autograd views
+#                                                  -> $OUT/tests-layers.json
+#   report-ag / report-rs   issue 3's comm-off report of the current kernels (TP 2 wiring,
+#            every peer signal pre-set): at m = 1024-8192 the table's config, the default and
+#            both Gluon forms, alternating launch by launch with cuBLAS; at m = 64-512 the
+#            table's config and the default, block timing (alternation biases small kernels'
+#            ratios towards 1)     -> $OUT/report-{ag,rs}-{small,large}.json
+# nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
+# Usage: OUT=/somewhere bash benchmarks/device_s25.sh layers report-ag
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-/tmp/s25}"
+mkdir -p "${OUT}"
+source benchmarks/device_env.sh
+one_gpu_session
+TIMING=(--trials 7 --iters 20 --warmup 10 --shuffle-seed 0 --queue-ahead-ms 5)
+KVC=megatron_flux/bench/kernel_vs_cublas.py
+forms() {  # forms KNOB EXTRA_FIELDS: the cooperative and ping-pong Gluon configs, a JSON list
+  local c="\"$1\": true, \"block_m\": 128, \"block_k\": 64, \"epilogue_split\": 1$2"
+  echo "[{${c}, \"block_n\": 256, \"num_stages\": 3, \"num_warps\": 8}, {${c}, \"block_n\": 128, \"num_stages\": 5, \"num_warps\": 4}]"
+}
+report() {  # report OP SHORT KNOB EXTRA_FIELDS SMALL_TIMEOUT LARGE_TIMEOUT
+  timeout "$5" python3 ${KVC} --tp 2 --ops "$1" --m 64 128 256 512 --configs table default \
+      "${TIMING[@]}" --json "${OUT}/report-$2-small.json" 2>&1 | grep -v Warning
+  timeout "$6" python3 ${KVC} --tp 2 --ops "$1" --m 1024 2048 4096 8192 --configs table default \
+      --extra "$(forms "$3" "$4")" --alternate "${TIMING[@]}" \
+      --json "${OUT}/report-$2-large.json" 2>&1 | grep -v Warning
+}
+for what in "$@"; do
+  echo "== ${what} ($(date +%T), ${SECONDS}s)"
+  case "${what}" in
+    layers) gpu_tests 200 tests-layers tests/test_layers_gpu.py tests/test_grad_accumulation_gpu.py || exit 2 ;;
+    report-ag) report AG+GEMM ag ag_warp_specialized ', "stream_k": 0' 120 $((580 - SECONDS - 120)) ;;
+    report-rs) report GEMM+RS rs rs_warp_specialized ', "rs_copy_engine": false' 120 $((580 - SECONDS - 120)) ;;
+    *) echo "unknown stage ${what}"; exit 2 ;;
+  esac
+done
+echo "== done in ${SECONDS}s"
