@@ -4,8 +4,12 @@ Compiles ``gemm_rs_kernel`` and ``ag_gemm_kernel`` (no GPU needed; the target is
 the descriptor variants: host-encoded or device-built, ragged segments or one operand, B as
 ``[N, K]`` or ``[K, N]``, at TP 2 with small blocks, and hashes each PTX without its debug
 information (``.loc``/``.file`` lines, ``$L__tmp`` line labels, comments and the
-``.section .debug_*`` tail), which moves with source line numbers. Run it before and after a
-change and compare the JSON files::
+``.section .debug_*`` tail), which moves with source line numbers. Also the warp-specialized
+Gluon kernels (``gemm_rs_ws_kernel``, ``ag_gemm_ws_kernel``) at TP 2: descriptors host-encoded
+or device-built, both B layouts, ping-pong (two MMA partitions, 128x128 tiles) or cooperative
+(one, 128x256), and for GEMM+RS per-rank or merged rows, compiled as
+``tests/test_kernels_compile.py`` does (``_compile_gluon``). Run it before and after a change
+and compare the JSON files::
 
     PYTHONPATH=/work/t36:. python benchmarks/experiments/ptx_fingerprint.py before.json
 """
@@ -17,7 +21,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from test_kernels_compile import _SMALL, _compile  # noqa: E402
+from test_kernels_compile import _COOP, _PINGPONG5, _SMALL, _compile, _compile_gluon  # noqa: E402
 
 from megatron_flux.kernels.ag_gemm import ag_gemm_kernel  # noqa: E402
 from megatron_flux.kernels.config import unroll_steps  # noqa: E402
@@ -33,6 +37,56 @@ def fingerprint(ptx: str) -> str:
 
 def desc(*block):
     return f"tensordesc<bf16[{','.join(map(str, block))}]>"
+
+
+def gluon_desc(*block):
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+    return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
+
+
+def gluon_kernels(world):
+    """``{name: fingerprint}`` of the two Gluon kernels' variants (empty without Gluon)."""
+    from megatron_flux.kernels import ag_gemm_ws as AG
+    from megatron_flux.kernels import gemm_rs_ws as RS
+    from megatron_flux.kernels.config import GemmConfig
+    from megatron_flux.kernels.gluon_ws import mma_partitions
+
+    if RS.gemm_rs_ws_kernel is None or AG.ag_gemm_ws_kernel is None:
+        return {}
+    out = {}
+    for host in (False, True):
+        for b_kn in (False, True):
+            for tile in (_PINGPONG5, _COOP):
+                for merged in (False, True):
+                    cfg = GemmConfig(*tile, rs_warp_specialized=True, rs_merge_rows=merged,
+                                     rs_spread_reduce=merged, rs_tma_push=not merged)
+                    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+                    b = gluon_desc(bk, bn) if b_kn else gluon_desc(bn, bk)
+                    types = {"data_ptrs": "*i64", "flag_ptrs": "*i64", "err_ptr": "*i32"}
+                    if host:
+                        types.update(a_hd=gluon_desc(bm, bk), b_hd=b, out_hd=gluon_desc(bm, bn),
+                                     slots_hd=gluon_desc(bm, bn))
+                    k = _compile_gluon(RS.gemm_rs_ws_kernel, cfg, dict(
+                        WORLD=world, B_KN=b_kn, HAS_BIAS=True, CE_PUSH=False,
+                        CONSUMER_REGS=RS.CONSUMER_REGS, MERGE_ROWS=merged, HOST_DESC=host),
+                        types, "bf16")
+                    out[f"rs_ws host={host} b_kn={b_kn} partitions={mma_partitions(cfg)} "
+                        f"merge_rows={merged}"] = fingerprint(k.asm["ptx"])
+                cfg = GemmConfig(*tile, ag_warp_specialized=True)
+                bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+                types = {"flags_ptr": "*i32", "err_ptr": "*i32"}
+                if host:
+                    types.update(x_hd=gluon_desc(bm, bk), ag_hd=gluon_desc(bm, bk),
+                                 b_hd=gluon_desc(bk, bn) if b_kn else gluon_desc(bn, bk),
+                                 c_hd=gluon_desc(bm, bn))
+                k = _compile_gluon(AG.ag_gemm_ws_kernel, cfg, dict(
+                    WORLD=world, B_KN=b_kn, CONSUMER_REGS=AG.CONSUMER_REGS, HOST_DESC=host),
+                    types, "bf16")
+                out[f"ag_ws host={host} b_kn={b_kn} partitions={mma_partitions(cfg)}"] = \
+                    fingerprint(k.asm["ptx"])
+    return out
 
 
 def main(path):
@@ -58,6 +112,7 @@ def main(path):
                     STREAM_K=not ragged, UNROLL_STEPS=unroll_steps(world), HOST_DESC=host),
                     ones=(), types=types)
                 out["kernels"][f"ag host={host} ragged={ragged} b_kn={b_kn}"] = fingerprint(k.asm["ptx"])
+    out["kernels"].update(gluon_kernels(world))
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out, indent=1))
