@@ -8,6 +8,12 @@
 #            both Gluon forms, alternating launch by launch with cuBLAS; at m = 64-512 the
 #            table's config and the default, block timing (alternation biases small kernels'
 #            ratios towards 1)     -> $OUT/report-{ag,rs}-{small,large}.json
+#   ppgrid   (2 GPUs) the Gluon ping-pong forms, best of the comm-off report on 21 of 24 m >= 1024
+#            shapes, against the shipped table with communication on: the m >= 1024 grid, per op
+#            cuBLAS, NCCL, the table (flux) and the table's configs turned into the ping-pong
+#            (flux_variant); RUNS="1 2" names the runs. Adopt where every run wins:
+#            python -m megatron_flux.tuning.adopt TABLE ab-pp-{ag,rs}-1.json ab-pp-{ag,rs}-2.json OUT
+#                                                  -> $OUT/ab-pp-{ag,rs}-<run>.{json,log}
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # Usage: OUT=/somewhere bash benchmarks/device_s25.sh layers report-ag
 set -uo pipefail
@@ -15,7 +21,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/s25}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
-one_gpu_session
+case " $* " in
+  *" ppgrid "*) every_gpu_session ;;
+  *) one_gpu_session ;;
+esac
 TIMING=(--trials 7 --iters 20 --warmup 10 --shuffle-seed 0 --queue-ahead-ms 5)
 KVC=megatron_flux/bench/kernel_vs_cublas.py
 forms() {  # forms KNOB EXTRA_FIELDS: the cooperative and ping-pong Gluon configs, a JSON list
@@ -35,6 +44,21 @@ for what in "$@"; do
     layers) gpu_tests 200 tests-layers tests/test_layers_gpu.py tests/test_grad_accumulation_gpu.py || exit 2 ;;
     report-ag) report AG+GEMM ag ag_warp_specialized ', "stream_k": 0' 120 $((580 - SECONDS - 120)) ;;
     report-rs) report GEMM+RS rs rs_warp_specialized ', "rs_copy_engine": false' 120 $((580 - SECONDS - 120)) ;;
+    ppgrid)
+      PP='"block_m": 128, "block_k": 64, "epilogue_split": 1, "programs_per_sm": 1, "block_n": 128, "num_stages": 5, "num_warps": 4'
+      AG="{\"ag_warp_specialized\": true, \"ag_peer_group\": 1, \"ag_merge_local\": false, \"stream_k\": 0, ${PP}}"
+      RS="{\"rs_warp_specialized\": true, \"rs_ce_bands\": false, \"rs_spread_reduce\": false, \"rs_copy_engine\": false, ${PP}}"
+      for run in ${RUNS:-1}; do
+        for op in ag rs; do
+          variant=$([ "${op}" = ag ] && echo "${AG}" || echo "${RS}")
+          PYTHONPATH="${PWD}" timeout 280 python3 -m torch.distributed.run --standalone \
+              --nproc-per-node "${NGPUS}" -m megatron_flux.bench --ops "${op}" --m-set large \
+              --methods cublas_gemm nccl flux flux_variant --flux-variant "${variant}" \
+              --trials 5 --iters 20 --out-json "${OUT}/ab-pp-${op}-${run}.json" --out-png none \
+              > "${OUT}/ab-pp-${op}-${run}.log" 2>&1
+          echo "   ab-pp-${op}-${run} exit $? (${SECONDS}s)"; grep -A4 "^summary" "${OUT}/ab-pp-${op}-${run}.log" | head -5
+        done
+      done ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
 done
