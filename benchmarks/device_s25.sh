@@ -45,9 +45,9 @@ for what in "$@"; do
     report-ag) report AG+GEMM ag ag_warp_specialized ', "stream_k": 0' 120 $((580 - SECONDS - 120)) ;;
     report-rs) report GEMM+RS rs rs_warp_specialized ', "rs_copy_engine": false' 120 $((580 - SECONDS - 120)) ;;
     ppgrid)
-      PP='"block_m": 128, "block_k": 64, "epilogue_split": 1, "programs_per_sm": 1, "block_n": 128, "num_stages": 5, "num_warps": 4'
+      PP='"block_m": 128, "block_k": 64, "epilogue_split": 1, "programs_per_sm": 1, "block_n": 128, "num_stages": 5, "num_warps": 4, "group_m": 8'
       AG="{\"ag_warp_specialized\": true, \"ag_peer_group\": 1, \"ag_merge_local\": false, \"stream_k\": 0, ${PP}}"
-      RS="{\"rs_warp_specialized\": true, \"rs_ce_bands\": false, \"rs_spread_reduce\": false, \"rs_copy_engine\": false, ${PP}}"
+      RS="{\"rs_warp_specialized\": true, \"rs_ce_bands\": false, \"rs_spread_reduce\": false, \"rs_copy_engine\": false, \"rs_tma_push\": true, \"rs_tma_reduce\": true, \"rs_merge_rows\": false, \"rs_split_k\": 1, ${PP}}"
       for run in ${RUNS:-1}; do
         for op in ag rs; do
           variant=$([ "${op}" = ag ] && echo "${AG}" || echo "${RS}")
