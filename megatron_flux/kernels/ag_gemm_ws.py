@@ -53,7 +53,7 @@ from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step, serp
 
 if gluon is not None:
     from megatron_flux.kernels.gluon_ws import b_operand, load_ab, mma_tile, ring_barriers, \
-        tiles_of_program, tiles_per_segment, tma_store
+        tiles_of_program, tiles_per_segment, tma_descriptor, tma_store
 
     _OP_AG_GEMM = gl.constexpr(OP_AG_GEMM)
 
@@ -210,17 +210,12 @@ if gluon is not None:
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
         b_desc, b_bufs = b_operand(b_ptr, b_hd, K, N, ldb, B_KN, BLOCK_N, BLOCK_K, STAGES,
                                    HOST_DESC)
-        if HOST_DESC:
-            x_desc = x_hd
-            ag_desc = ag_hd
-            c_desc = c_hd
-        else:
-            x_desc = tma.make_tensor_descriptor(x_ptr, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K],
-                                                a_layout)
-            ag_desc = tma.make_tensor_descriptor(ag_ptr, [WORLD * m_local, K], [K, 1],
-                                                 [BLOCK_M, BLOCK_K], a_layout)
-            c_desc = tma.make_tensor_descriptor(c_ptr, [WORLD * m_local, N], [N, 1],
-                                                [BLOCK_M, BLOCK_N], c_layout)
+        x_desc = tma_descriptor(x_ptr, x_hd, [m_local, K], [K, 1], [BLOCK_M, BLOCK_K], a_layout,
+                                HOST_DESC)
+        ag_desc = tma_descriptor(ag_ptr, ag_hd, [WORLD * m_local, K], [K, 1], [BLOCK_M, BLOCK_K],
+                                 a_layout, HOST_DESC)
+        c_desc = tma_descriptor(c_ptr, c_hd, [WORLD * m_local, N], [N, 1], [BLOCK_M, BLOCK_N],
+                                c_layout, HOST_DESC)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
         c_bufs = gl.allocate_shared_memory(dtype, [PARTITIONS, BLOCK_M, BLOCK_N], c_layout)
         ready, empty, handoff = ring_barriers(STAGES)

@@ -80,7 +80,7 @@ from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step, serp
 
 if gluon is not None:
     from megatron_flux.kernels.gluon_ws import b_operand, load_ab, mma_tile, partition_barrier, \
-        ring_barriers, tiles_of_program, tiles_per_segment, tma_load, tma_store
+        ring_barriers, tiles_of_program, tiles_per_segment, tma_descriptor, tma_load, tma_store
 
     _OP_GEMM_RS = gl.constexpr(OP_GEMM_RS)
 
@@ -435,19 +435,14 @@ if gluon is not None:
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
         b_desc, b_bufs = b_operand(b_ptr, b_hd, K, N, ldb, B_KN, BLOCK_N, BLOCK_K, STAGES,
                                    HOST_DESC)
-        if HOST_DESC:
-            a_desc = a_hd
-            out_desc = out_hd
-            slots_desc = slots_hd
-        else:
-            a_desc = tma.make_tensor_descriptor(a_ptr, [WORLD * m_local, K], [K, 1],
-                                                [BLOCK_M, BLOCK_K], a_layout)
-            out_desc = tma.make_tensor_descriptor(out_ptr, [m_local, N], [N, 1],
-                                                  [BLOCK_M, BLOCK_N], c_layout)
-            # this rank's slots as one [WORLD * m_local, N] matrix (m_local % BLOCK_M == 0: no
-            # tile crosses a slot)
-            slots_desc = tma.make_tensor_descriptor(data_ptr, [WORLD * m_local, N], [N, 1],
-                                                    [BLOCK_M, BLOCK_N], c_layout)
+        a_desc = tma_descriptor(a_ptr, a_hd, [WORLD * m_local, K], [K, 1], [BLOCK_M, BLOCK_K],
+                                a_layout, HOST_DESC)
+        out_desc = tma_descriptor(out_ptr, out_hd, [m_local, N], [N, 1], [BLOCK_M, BLOCK_N],
+                                  c_layout, HOST_DESC)
+        # this rank's slots as one [WORLD * m_local, N] matrix (m_local % BLOCK_M == 0: no tile
+        # crosses a slot)
+        slots_desc = tma_descriptor(data_ptr, slots_hd, [WORLD * m_local, N], [N, 1],
+                                    [BLOCK_M, BLOCK_N], c_layout, HOST_DESC)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
         c_bufs = gl.allocate_shared_memory(dtype, [PARTITIONS, BLOCK_M, BLOCK_N], c_layout)
         ready, empty, handoff = ring_barriers(STAGES)

@@ -102,6 +102,19 @@ if gluon is not None:
         return acc
 
     @gluon.jit
+    def tma_descriptor(ptr, host_desc, shape, strides, block_shape, layout: gl.constexpr,
+                       HOST_DESC: gl.constexpr):
+        """A TMA descriptor of ``ptr``'s memory seen as ``shape`` / ``strides`` (elements) with
+        ``block_shape`` boxes in shared-memory ``layout``: ``host_desc`` itself when it arrived
+        host-encoded with that view and layout (HOST_DESC, :func:`host_descriptor`), else built
+        on the device."""
+        if HOST_DESC:
+            desc = host_desc
+        else:
+            desc = tma.make_tensor_descriptor(ptr, shape, strides, block_shape, layout)
+        return desc
+
+    @gluon.jit
     def b_operand(b_ptr, b_hd, K, N, ldb, B_KN: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr, HOST_DESC: gl.constexpr):
         """B's TMA descriptor and its ring of ``STAGES`` shared-memory slots: ``b`` ``[K, N]``
@@ -111,19 +124,13 @@ if gluon is not None:
         dtype: gl.constexpr = b_ptr.dtype.element_ty
         if B_KN:
             b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype)
-            if HOST_DESC:
-                b_desc = b_hd
-            else:
-                b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N],
-                                                    b_layout)
+            b_desc = tma_descriptor(b_ptr, b_hd, [K, N], [ldb, 1], [BLOCK_K, BLOCK_N], b_layout,
+                                    HOST_DESC)
             b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_layout)
         else:
             b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
-            if HOST_DESC:
-                b_desc = b_hd
-            else:
-                b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K],
-                                                    b_layout)
+            b_desc = tma_descriptor(b_ptr, b_hd, [N, K], [ldb, 1], [BLOCK_N, BLOCK_K], b_layout,
+                                    HOST_DESC)
             b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], b_layout)
         return b_desc, b_bufs
 
