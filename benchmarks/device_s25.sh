@@ -8,6 +8,10 @@
 #            both Gluon forms, alternating launch by launch with cuBLAS; at m = 64-512 the
 #            table's config and the default, block timing (alternation biases small kernels'
 #            ratios towards 1)     -> $OUT/report-{ag,rs}-{small,large}.json
+#   cpu019   (carry .whl) the CPU (gloo) tests of whole models and layers under megatron-core
+#            0.19.2 and Python 3.12, which CI (0.16.1, Python 3.11) cannot run: the GPTModel
+#            through the plugin at TP 2 + SP against stock TP 1, the collective count, the layer
+#            checks at TP 2/4                          -> $OUT/tests-cpu019.{json,log}
 #   ppgrid   (2 GPUs) the Gluon ping-pong forms, best of the comm-off report on 21 of 24 m >= 1024
 #            shapes, against the shipped table with communication on: the m >= 1024 grid, per op
 #            cuBLAS, NCCL, the table (flux) and the table's configs turned into the ping-pong
@@ -44,6 +48,13 @@ for what in "$@"; do
     layers) gpu_tests 200 tests-layers tests/test_layers_gpu.py tests/test_grad_accumulation_gpu.py || exit 2 ;;
     report-ag) report AG+GEMM ag ag_warp_specialized ', "stream_k": 0' 120 $((580 - SECONDS - 120)) ;;
     report-rs) report GEMM+RS rs rs_warp_specialized ', "rs_copy_engine": false' 120 $((580 - SECONDS - 120)) ;;
+    cpu019)
+      install_carried_wheels || exit 2
+      PYTHONPATH="${PYTHONPATH}:/tmp/site" CUDA_VISIBLE_DEVICES= timeout 300 python3 \
+          benchmarks/record_pytest.py "${OUT}/tests-cpu019.json" tests/test_gpt_model_sp.py \
+          tests/test_e2e_comm.py tests/test_linear_layers.py tests/test_specs.py -q \
+          -p no:cacheprovider > "${OUT}/tests-cpu019.log" 2>&1
+      echo "   exit $?"; tail -2 "${OUT}/tests-cpu019.log" ;;
     ppgrid)
       PP='"block_m": 128, "block_k": 64, "epilogue_split": 1, "programs_per_sm": 1, "block_n": 128, "num_stages": 5, "num_warps": 4, "group_m": 8'
       AG="{\"ag_warp_specialized\": true, \"ag_peer_group\": 1, \"ag_merge_local\": false, \"stream_k\": 0, ${PP}}"
