@@ -156,6 +156,18 @@ _UNSUPPORTED_WITH_OVERLAP = {
     "use_kitchen": "--use-kitchen (Kitchen's quantized linears replace megatron-core's)",
 }
 
+#: selective-recompute modules that megatron-core (0.16-0.19) checkpoints with
+#: ``CheckpointWithoutOutput``, whose ``fp8 = fp8 is not None`` is true for the default
+#: ``fp8=False``: without Transformer Engine its forward raises ``NameError:
+#: FP8GlobalStateManager``
+_RECOMPUTE_MODULES_NEEDING_TE = ("layernorm", "moe_act", "mla_up_proj")
+
+
+def _have_transformer_engine() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
 
 def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
     """Check ``--flux-*`` against Megatron's arguments; call after Megatron's validation.
@@ -181,6 +193,11 @@ def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
     * ``--flux-tp-overlap`` with ``--transformer-impl transformer_engine`` is an error:
       megatron-flux rewrites megatron-core's *local* spec (Transformer Engine's linears do their
       own communication), so pass ``--transformer-impl local``.
+    * ``--flux-tp-overlap`` with ``--recompute-granularity selective`` and a recompute module
+      that megatron-core checkpoints with ``CheckpointWithoutOutput`` (``layernorm``,
+      ``moe_act``, ``mla_up_proj``) is an error without Transformer Engine: megatron-core's
+      checkpoint then fails in the first forward with ``NameError``. ``full`` recomputation
+      and the ``mlp`` / ``core_attn`` modules work (tests/test_gpt_model_sp.py).
 
     Returns ``args`` (modified only as described for TP=1).
     """
@@ -227,6 +244,15 @@ def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
             "of megatron-core's local layer spec (Transformer Engine's fused linears do their "
             "own communication); use --transformer-impl local"
         )
+    if getattr(args, "recompute_granularity", None) == "selective" and not _have_transformer_engine():
+        needs_te = [m for m in getattr(args, "recompute_modules", None) or []
+                    if m in _RECOMPUTE_MODULES_NEEDING_TE]
+        if needs_te:
+            raise FluxArgumentError(
+                f"--recompute-modules {' '.join(needs_te)}: megatron-core recomputes these with "
+                "CheckpointWithoutOutput, which needs Transformer Engine (not installed) and "
+                "would fail in the first forward; drop them, or use --recompute-granularity full"
+            )
     for name, what in _UNSUPPORTED_WITH_OVERLAP.items():
         if getattr(args, name, None):
             raise FluxArgumentError(f"--flux-tp-overlap is not supported with {what}")

@@ -193,6 +193,25 @@ def test_transformer_engine_impl_rejected():
         validate_flux_args(args)
 
 
+def test_selective_recompute_modules_that_need_transformer_engine_rejected(monkeypatch):
+    from megatron_flux import arguments
+
+    monkeypatch.setattr(arguments, "_have_transformer_engine", lambda: False)
+    for modules in (["layernorm"], ["mlp", "moe_act"], ["core_attn", "mla_up_proj"]):
+        args = megatron_like_args(["--flux-tp-overlap"], recompute_granularity="selective",
+                                  recompute_modules=modules)
+        with pytest.raises(FluxArgumentError, match="needs Transformer Engine"):
+            validate_flux_args(args)
+    # what runs without it (tests/test_gpt_model_sp.py recomputes through the plugin's layers)
+    for granularity, modules in (("selective", ["mlp", "core_attn"]), ("selective", None),
+                                 ("full", ["layernorm"]), (None, ["layernorm"])):
+        validate_flux_args(megatron_like_args(["--flux-tp-overlap"], recompute_granularity=granularity,
+                                              recompute_modules=modules))
+    monkeypatch.setattr(arguments, "_have_transformer_engine", lambda: True)
+    validate_flux_args(megatron_like_args(["--flux-tp-overlap"], recompute_granularity="selective",
+                                          recompute_modules=["layernorm"]))
+
+
 @pytest.mark.parametrize(
     "name,value,match",
     [

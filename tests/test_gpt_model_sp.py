@@ -35,8 +35,21 @@ VOCAB, SEQ, BATCH = 128, 16, 2
 def _stub_cuda_only_helpers():
     torch.cuda.current_device = lambda: "cpu"
     from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random as megatron_random
 
     tensor_parallel.get_cuda_rng_tracker = lambda: types.SimpleNamespace(fork=contextlib.nullcontext)
+    # activation recomputation saves and restores the CPU, CUDA and tracker RNG states
+    megatron_random._get_all_rng_states = lambda: (torch.get_rng_state(), None, None)
+    megatron_random._set_all_rng_states = lambda cpu_state, *_: torch.set_rng_state(cpu_state)
+
+
+#: activation recomputation (TransformerConfig fields): the whole layer (``--recompute-granularity
+#: full``), and the selective modules that re-run the plugin's linears or norms inside backward
+RECOMPUTE = {
+    "none": {},
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "selective": dict(recompute_granularity="selective", recompute_modules=["mlp"]),
+}
 
 
 def _config(tp, **kw):
@@ -112,7 +125,7 @@ def _shard(name, full, rank, tp=TP):
     return shard_llama_param(rest.partition(".")[2], full, rank, tp)
 
 
-def _flux_tp2(rank, world, tie, full_params):
+def _flux_tp2(rank, world, tie, full_params, recompute="none"):
     _stub_cuda_only_helpers()
     from megatron.core import parallel_state
     from megatron.core.distributed.finalize_model_grads import _allreduce_layernorm_grads
@@ -121,7 +134,7 @@ def _flux_tp2(rank, world, tie, full_params):
     from megatron_flux.layers.linear import FluxColumnParallelLinear
     from megatron_flux.output_layer import swap_output_layer
 
-    cfg = _config(world)
+    cfg = _config(world, **RECOMPUTE[recompute])
     block = specs.get_gpt_decoder_block_flux_spec(cfg, backend="nccl")
     block = dataclasses.replace(block, layer_specs=[_with_cpu_attention(s) for s in block.layer_specs])
     model = swap_output_layer(_gpt_model(cfg, block, tie), "nccl")
@@ -139,11 +152,16 @@ def _flux_tp2(rank, world, tie, full_params):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_gpt_model_tp2_sp_through_the_plugin_matches_stock_tp1(tie):
+@pytest.mark.parametrize("tie,recompute", [(False, "none"), (True, "none"), (False, "full"),
+                                           (False, "selective")],
+                         ids=["untied", "tied", "untied-recompute-full", "untied-recompute-selective"])
+def test_gpt_model_tp2_sp_through_the_plugin_matches_stock_tp1(tie, recompute):
+    """With activation recomputation the plugin's linears (and, selective, its norms) run their
+    forward a second time inside backward; the reference never recomputes."""
     (ref_loss, full_params, ref_grads), = run_distributed(
         _stock_tp1, 1, tie, tensor_model_parallel_size=1, timeout=240)
-    per_rank = run_distributed(_flux_tp2, TP, tie, full_params, tensor_model_parallel_size=TP, timeout=240)
+    per_rank = run_distributed(_flux_tp2, TP, tie, full_params, recompute,
+                               tensor_model_parallel_size=TP, timeout=240)
     # float64 everywhere but megatron-core's vocabulary-parallel cross entropy, which computes
     # in float32 (``logits.float()``) and sums each rank's vocabulary shard apart at TP 2
     tol = dict(rtol=1e-5, atol=1e-6)
