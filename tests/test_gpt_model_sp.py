@@ -8,7 +8,10 @@ parallelism, so every collective, every shard layout (vocabulary-parallel embedd
 layer, grouped QKV rows, the SwiGLU fc1 halves) and the vocabulary-parallel cross entropy are
 checked end to end: the per-token losses, and every parameter's gradient against its shard of
 the reference gradient (norm gradients after megatron-core's own TP all-reduce of
-``sequence_parallel`` parameters). Tied and untied output weights.
+``sequence_parallel`` parameters). Tied and untied output weights; with activation
+recomputation (full, and selective ``mlp``); with the linears' weight gradients accumulated into
+megatron's ``main_grad`` buffers (``--flux-gradient-accumulation-fusion``), checking which
+parameters took that path.
 
 CUDA-only pieces of megatron-core that move no data are stubbed in the workers:
 ``torch.cuda.current_device`` (the embedding's scatter allocates its output there) and the CUDA
@@ -125,7 +128,7 @@ def _shard(name, full, rank, tp=TP):
     return shard_llama_param(rest.partition(".")[2], full, rank, tp)
 
 
-def _flux_tp2(rank, world, tie, full_params, recompute="none"):
+def _flux_tp2(rank, world, tie, full_params, recompute="none", main_grad=False):
     _stub_cuda_only_helpers()
     from megatron.core import parallel_state
     from megatron.core.distributed.finalize_model_grads import _allreduce_layernorm_grads
@@ -135,6 +138,7 @@ def _flux_tp2(rank, world, tie, full_params, recompute="none"):
     from megatron_flux.output_layer import swap_output_layer
 
     cfg = _config(world, **RECOMPUTE[recompute])
+    cfg.flux_gradient_accumulation_fusion = main_grad  # what --flux-gradient-accumulation-fusion sets
     block = specs.get_gpt_decoder_block_flux_spec(cfg, backend="nccl")
     block = dataclasses.replace(block, layer_specs=[_with_cpu_attention(s) for s in block.layer_specs])
     model = swap_output_layer(_gpt_model(cfg, block, tie), "nccl")
@@ -143,29 +147,55 @@ def _flux_tp2(rank, world, tie, full_params, recompute="none"):
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(_shard(n, full_params[n], rank, world))
+    if main_grad:  # as megatron's DDP: an fp32 (here float64) buffer per parameter
+        for p in model.parameters():
+            p.main_grad = torch.zeros_like(p)
     loss = _run(model)
+    fused, plain = set(), set()
+    if main_grad:  # the fused linears wrote main_grad; DDP's hook adds what reached .grad
+        for n, p in model.named_parameters():
+            if p.main_grad.any():
+                fused.add(n)
+            if p.grad is not None:
+                plain.add(n)
+                p.main_grad += p.grad
+                p.grad = None
     chunk = torch.nn.Module()  # finalize_model_grads' all-reduce of the norms' gradients
     chunk.module = model
     chunk.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)
     _allreduce_layernorm_grads([chunk], cfg, parallel_state.get_tensor_model_parallel_group())
-    return loss, {n: p.grad for n, p in model.named_parameters()}
+    grads = {n: p.main_grad if main_grad else p.grad for n, p in model.named_parameters()}
+    return loss, grads, (fused, plain)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tie,recompute", [(False, "none"), (True, "none"), (False, "full"),
-                                           (False, "selective")],
-                         ids=["untied", "tied", "untied-recompute-full", "untied-recompute-selective"])
-def test_gpt_model_tp2_sp_through_the_plugin_matches_stock_tp1(tie, recompute):
-    """With activation recomputation the plugin's linears (and, selective, its norms) run their
-    forward a second time inside backward; the reference never recomputes."""
+@pytest.mark.parametrize("tie,recompute,main_grad", [
+    (False, "none", False), (True, "none", False), (False, "full", False),
+    (False, "selective", False), (False, "none", True), (True, "full", True),
+], ids=["untied", "tied", "untied-recompute-full", "untied-recompute-selective",
+        "untied-main-grad", "tied-recompute-full-main-grad"])
+def test_gpt_model_tp2_sp_through_the_plugin_matches_stock_tp1(tie, recompute, main_grad):
+    """With activation recomputation the plugin's linears run their forward a second time
+    inside backward; the reference never recomputes. With ``main_grad`` the linears'
+    weight gradients are accumulated into megatron's ``main_grad`` buffers (the pretrain
+    scripts' ``--flux-gradient-accumulation-fusion``), every other gradient reaches ``.grad``."""
     (ref_loss, full_params, ref_grads), = run_distributed(
         _stock_tp1, 1, tie, tensor_model_parallel_size=1, timeout=240)
-    per_rank = run_distributed(_flux_tp2, TP, tie, full_params, recompute,
+    per_rank = run_distributed(_flux_tp2, TP, tie, full_params, recompute, main_grad,
                                tensor_model_parallel_size=TP, timeout=240)
+    output_weight = "embedding.word_embeddings.weight" if tie else "output_layer.weight"
+    linears = {n for n in full_params if "linear_" in n and n.endswith(".weight")} | {output_weight}
+    for rank, (_, _, (fused, plain)) in enumerate(per_rank):
+        if not main_grad:
+            continue
+        # every linear weight went through main_grad, the converted output layer's too (tied:
+        # the embedding's weight, whose lookup gradient also reaches .grad); nothing else did
+        assert fused == linears, (rank, fused ^ linears)
+        assert plain == (set(full_params) - linears) | ({output_weight} if tie else set()), rank
     # float64 everywhere but megatron-core's vocabulary-parallel cross entropy, which computes
     # in float32 (``logits.float()``) and sums each rank's vocabulary shard apart at TP 2
     tol = dict(rtol=1e-5, atol=1e-6)
-    for rank, (loss, grads) in enumerate(per_rank):
+    for rank, (loss, grads, _) in enumerate(per_rank):
         torch.testing.assert_close(loss, ref_loss, **tol, msg=lambda m: f"rank {rank} loss: {m}")
         for name, ref in ref_grads.items():
             assert grads[name] is not None, (rank, name)
