@@ -11,7 +11,8 @@ the reference gradient (norm gradients after megatron-core's own TP all-reduce o
 ``sequence_parallel`` parameters). Tied and untied output weights; with activation
 recomputation (full, and selective ``mlp``); with the linears' weight gradients accumulated into
 megatron's ``main_grad`` buffers (``--flux-gradient-accumulation-fusion``), checking which
-parameters took that path.
+parameters took that path; and with two pipeline stages (TP 2 x PP 2, megatron-core's 1F1B
+schedule over two micro-batches).
 
 CUDA-only pieces of megatron-core that move no data are stubbed in the workers:
 ``torch.cuda.current_device`` (the embedding's scatter allocates its output there) and the CUDA
@@ -58,15 +59,16 @@ RECOMPUTE = {
 def _config(tp, **kw):
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(
+    fields = dict(
         num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
         ffn_hidden_size=96, tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float64,
         attention_dropout=0.0, hidden_dropout=0.0, masked_softmax_fusion=False,
         bias_dropout_fusion=False, bias_activation_fusion=False, apply_rope_fusion=False,
-        persist_layer_norm=False, **kw,
+        persist_layer_norm=False,
     )
+    return TransformerConfig(**{**fields, **kw})
 
 
 def _with_cpu_attention(layer_spec):
@@ -100,16 +102,37 @@ def _run(model):
     return loss.detach()
 
 
-def _stock_tp1(rank, world, tie):
+def _microbatches(count):
+    out = []
+    for i in range(count):
+        g = torch.Generator().manual_seed(100 + i)
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        out.append((ids, torch.arange(SEQ).expand(BATCH, SEQ), labels))
+    return out
+
+
+def _stock_tp1(rank, world, tie, num_layers=2, microbatches=0):
+    """The reference: loss and gradients of one batch, or with ``microbatches`` the mean over
+    that many micro-batches of each one's summed per-token loss, as a pipeline schedule scales
+    them."""
     _stub_cuda_only_helpers()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    model = _gpt_model(_config(1), _with_cpu_attention(get_gpt_layer_local_spec(normalization="RMSNorm")), tie)
+    model = _gpt_model(_config(1, num_layers=num_layers),
+                       _with_cpu_attention(get_gpt_layer_local_spec(normalization="RMSNorm")), tie)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():  # away from init, norms too, so every gradient is exercised
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
-    loss = _run(model)
+    if microbatches:
+        loss = []
+        for ids, pos, labels in _microbatches(microbatches):
+            total = model(ids, pos, None, labels=labels).sum()
+            (total / microbatches).backward()
+            loss.append(total.detach())
+    else:
+        loss = _run(model)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return loss, params, grads
@@ -202,3 +225,103 @@ def test_gpt_model_tp2_sp_through_the_plugin_matches_stock_tp1(tie, recompute, m
             # (the stock TP 1 model's torch RMSNorm keeps float32 weights whatever params_dtype)
             torch.testing.assert_close(grads[name], _shard(name, ref, rank), **tol, check_dtype=False,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def _stub_pipeline_cuda_calls():
+    """megatron-core's pipeline schedule and p2p communication create small tensors with
+    ``device="cuda"`` and synchronize the device; on CPU they get the CPU and no-op."""
+    zeros, tensor = torch.zeros, torch.tensor
+
+    def cpu(device):
+        cuda = device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda")
+        return "cpu" if cuda else device
+
+    torch.zeros = lambda *a, device=None, **k: zeros(*a, device=cpu(device), **k)
+    torch.tensor = lambda *a, device=None, **k: tensor(*a, device=cpu(device), **k)
+    torch.cuda.synchronize = lambda *a, **k: None
+
+
+def _flux_tp2_pp2(rank, world, full_params, num_layers, microbatches):
+    """TP 2 x PP 2 (world 4): each stage builds its layers from the plugin's block spec for its
+    pipeline rank, the last stage's output layer is converted, and megatron-core's 1F1B
+    schedule runs ``microbatches`` micro-batches."""
+    _stub_cuda_only_helpers()
+    _stub_pipeline_cuda_calls()
+    from megatron.core import parallel_state
+    from megatron.core.distributed.finalize_model_grads import _allreduce_layernorm_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_flux import specs
+    from megatron_flux.layers.linear import FluxColumnParallelLinear
+    from megatron_flux.output_layer import swap_output_layer
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=2)
+    try:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        cfg = _config(TP, num_layers=num_layers, pipeline_model_parallel_size=2,
+                      pipeline_dtype=torch.float64)
+        block = specs.get_gpt_decoder_block_flux_spec(cfg, backend="nccl", pp_rank=pp_rank)
+        block = dataclasses.replace(block, layer_specs=[_with_cpu_attention(s) for s in block.layer_specs])
+        torch.manual_seed(0)
+        model = GPTModel(config=cfg, transformer_layer_spec=block, vocab_size=VOCAB,
+                         max_sequence_length=SEQ, position_embedding_type="rope",
+                         share_embeddings_and_output_weights=False,
+                         pre_process=pp_rank == 0, post_process=pp_rank == 1)
+        swap_output_layer([model], "nccl")  # a list of model chunks, as Megatron's hook gets
+        if pp_rank == 1:
+            assert isinstance(model.output_layer, FluxColumnParallelLinear)
+        first_layer = pp_rank * len(block.layer_specs)
+
+        def global_name(name):  # this stage's layer i is the model's layer first_layer + i
+            if ".layers." not in name:
+                return name
+            prefix, _, rest = name.partition(".layers.")
+            index, _, tail = rest.partition(".")
+            return f"{prefix}.layers.{int(index) + first_layer}.{tail}"
+
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(_shard(global_name(n), full_params[global_name(n)], tp_rank))
+
+        def forward_step(data_iterator, model):
+            ids, pos, labels = next(data_iterator)
+            out = model(ids, pos, None, labels=labels)
+            return out, lambda t: (t.sum(), {"loss": t.sum().detach().clone()})
+
+        reduced = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(_microbatches(microbatches)),
+            model=[model], num_microbatches=microbatches, seq_length=SEQ, micro_batch_size=BATCH,
+            forward_only=False)
+        chunk = torch.nn.Module()
+        chunk.module = model
+        chunk.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)
+        _allreduce_layernorm_grads([chunk], cfg, parallel_state.get_tensor_model_parallel_group())
+        losses = [r["loss"] for r in reduced]  # the last stage's; empty on the first
+        return pp_rank, tp_rank, losses, {global_name(n): p.grad for n, p in model.named_parameters()}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.slow
+def test_gpt_model_tp2_pp2_through_the_plugin_matches_stock_tp1():
+    """Pipeline parallelism: two stages of two TP ranks, 1F1B over 2 micro-batches; every stage's
+    gradients and the last stage's per-micro-batch losses against stock TP 1."""
+    num_layers, microbatches = 4, 2
+    (ref_losses, full_params, ref_grads), = run_distributed(
+        _stock_tp1, 1, False, num_layers, microbatches, tensor_model_parallel_size=1, timeout=240)
+    per_rank = run_distributed(_flux_tp2_pp2, 2 * TP, full_params, num_layers, microbatches, timeout=300)
+    tol = dict(rtol=1e-5, atol=1e-6)
+    seen = set()
+    for pp_rank, tp_rank, losses, grads in per_rank:
+        if pp_rank == 1:
+            torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), **tol)
+        else:
+            assert losses == []
+        for name, grad in grads.items():
+            assert grad is not None, (pp_rank, tp_rank, name)
+            torch.testing.assert_close(grad, _shard(name, ref_grads[name], tp_rank), **tol, check_dtype=False,
+                                       msg=lambda m: f"pp {pp_rank} tp {tp_rank} {name}: {m}")
+        seen |= set(grads)
+    assert seen == set(ref_grads)  # the stages together hold every parameter
