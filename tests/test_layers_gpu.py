@@ -164,3 +164,80 @@ def test_converted_output_layer_matches_megatron_core():
     pytest.importorskip("megatron.core")
     checks = run_nccl_world(_output_layer_worker, min(torch.cuda.device_count(), 8), timeout=300)
     assert all(c == 9 for c in checks)
+
+
+def _gpt_model_worker(rank, world, port, recompute, queue):
+    """A Llama-style GPTModel (plugin spec, converted output layer, bf16, weight gradients into
+    fp32 ``main_grad``) with the ``flux`` backend against the same model with ``nccl``, with or
+    without full activation recomputation (the fused kernels then run forward again inside
+    backward). tests/test_gpt_model_sp.py checks the ``nccl`` model against stock on the CPU."""
+    try:
+        import torch.nn.functional as F
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.transformer import TransformerConfig
+
+        from megatron_flux import specs, swap_output_layer
+
+        _tp_world(rank, world, port)
+        extra = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+                 if recompute else {})
+        cfg = TransformerConfig(
+            num_layers=2, hidden_size=1024, num_attention_heads=8, num_query_groups=4,
+            ffn_hidden_size=2048, tensor_model_parallel_size=world, sequence_parallel=True,
+            normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+            add_bias_linear=False, params_dtype=torch.bfloat16, bf16=True, attention_dropout=0.0,
+            hidden_dropout=0.0, masked_softmax_fusion=False, bias_dropout_fusion=False,
+            bias_activation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False, **extra)
+        cfg.flux_gradient_accumulation_fusion = True
+        vocab, seq, batch = 4096 * world, 512, 2
+        models = {}
+        for backend in ("flux", "nccl"):
+            torch.manual_seed(0)
+            model = GPTModel(config=cfg, transformer_layer_spec=specs.get_gpt_decoder_block_flux_spec(
+                cfg, backend=backend), vocab_size=vocab, max_sequence_length=seq,
+                position_embedding_type="rope").cuda()
+            models[backend] = swap_output_layer(model, backend)
+        models["nccl"].load_state_dict(models["flux"].state_dict())
+        checks = 0
+        for step in range(2):  # two micro-batches accumulate into main_grad
+            ids = torch.randint(0, vocab, (batch, seq), device="cuda")
+            pos = torch.arange(seq, device="cuda").expand(batch, seq)
+            losses = {}
+            for backend, model in models.items():
+                if step == 0:
+                    for p in model.parameters():
+                        p.main_grad = torch.zeros(p.shape, device="cuda", dtype=torch.float32)
+                loss = model(ids, pos, None, labels=ids)
+                loss.float().mean().backward()
+                for p in model.parameters():  # DDP's hook: what reached .grad joins main_grad
+                    if p.grad is not None:
+                        p.main_grad += p.grad.float()
+                        p.grad = None
+                losses[backend] = loss.float()
+            err = _rel(losses["flux"], losses["nccl"])
+            assert err < 1e-2, f"step {step}: loss rel err {err}"
+            # (the norms' gradients are this rank's share until finalize_model_grads sums them
+            # over TP: the same share in both models)
+            for (name, p), q in zip(models["flux"].named_parameters(), models["nccl"].parameters()):
+                assert q.main_grad.norm() > 0, name
+                err = _rel(p.main_grad, q.main_grad)
+                assert err < 3e-2, f"step {step}: {name} main_grad rel err {err}"
+                checks += 1
+        torch.cuda.synchronize()
+        parallel_state.destroy_model_parallel()
+        queue.put((rank, "ok", checks))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+@_NEEDS_2_GPUS
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute-full"])
+def test_gpt_model_flux_matches_nccl(recompute):
+    """A whole model through the fused backend, also under activation recomputation."""
+    pytest.importorskip("megatron.core")
+    checks = run_nccl_world(_gpt_model_worker, min(torch.cuda.device_count(), 8), recompute, timeout=300)
+    assert all(c > 10 for c in checks)
