@@ -184,7 +184,7 @@ def _gpt_model_worker(rank, world, port, recompute, queue):
                  if recompute else {})
         cfg = TransformerConfig(
             num_layers=2, hidden_size=1024, num_attention_heads=8, num_query_groups=4,
-            ffn_hidden_size=2048, tensor_model_parallel_size=world, sequence_parallel=True,
+            ffn_hidden_size=2048, tensor_model_parallel_size=world, sequence_parallel=world > 1,
             normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
             add_bias_linear=False, params_dtype=torch.bfloat16, bf16=True, attention_dropout=0.0,
             hidden_dropout=0.0, masked_softmax_fusion=False, bias_dropout_fusion=False,
