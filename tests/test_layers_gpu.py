@@ -47,7 +47,7 @@ def _tp_world(rank, world, port):
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    return ModelParallelConfig(tensor_model_parallel_size=world, sequence_parallel=True,
+    return ModelParallelConfig(tensor_model_parallel_size=world, sequence_parallel=world > 1,
                                params_dtype=torch.bfloat16)
 
 
