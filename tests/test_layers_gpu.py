@@ -214,7 +214,7 @@ def _gpt_model_worker(rank, world, port, recompute, queue):
                     if p.grad is not None:
                         p.main_grad += p.grad.float()
                         p.grad = None
-                losses[backend] = loss.float()
+                losses[backend] = loss.detach().float()
             err = _rel(losses["flux"], losses["nccl"])
             assert err < 1e-2, f"step {step}: loss rel err {err}"
             # (the norms' gradients are this rank's share until finalize_model_grads sums them
