@@ -12,7 +12,7 @@ the reference gradient (norm gradients after megatron-core's own TP all-reduce o
 recomputation (full, and selective ``mlp``); with the linears' weight gradients accumulated into
 megatron's ``main_grad`` buffers (``--flux-gradient-accumulation-fusion``), checking which
 parameters took that path; and with two pipeline stages (TP 2 x PP 2, megatron-core's 1F1B
-schedule over two micro-batches).
+schedule over two micro-batches, and its interleaved schedule with two virtual stages).
 
 CUDA-only pieces of megatron-core that move no data are stubbed in the workers:
 ``torch.cuda.current_device`` (the embedding's scatter allocates its output there) and the CUDA
@@ -241,9 +241,10 @@ def _stub_pipeline_cuda_calls():
     torch.cuda.synchronize = lambda *a, **k: None
 
 
-def _flux_tp2_pp2(rank, world, full_params, num_layers, microbatches):
+def _flux_tp2_pp2(rank, world, full_params, num_layers, microbatches, virtual=1):
     """TP 2 x PP 2 (world 4): each stage builds its layers from the plugin's block spec for its
-    pipeline rank, the last stage's output layer is converted, and megatron-core's 1F1B
+    pipeline rank (and, with ``virtual`` > 1, one model chunk per virtual stage, megatron-core's
+    interleaved schedule), the last stage's output layer is converted, and megatron-core's
     schedule runs ``microbatches`` micro-batches."""
     _stub_cuda_only_helpers()
     _stub_pipeline_cuda_calls()
@@ -256,62 +257,79 @@ def _flux_tp2_pp2(rank, world, full_params, num_layers, microbatches):
     from megatron_flux.layers.linear import FluxColumnParallelLinear
     from megatron_flux.output_layer import swap_output_layer
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=2)
+    vpp = virtual if virtual > 1 else None
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=2,
+                                             virtual_pipeline_model_parallel_size=vpp)
     try:
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         cfg = _config(TP, num_layers=num_layers, pipeline_model_parallel_size=2,
-                      pipeline_dtype=torch.float64)
-        block = specs.get_gpt_decoder_block_flux_spec(cfg, backend="nccl", pp_rank=pp_rank)
-        block = dataclasses.replace(block, layer_specs=[_with_cpu_attention(s) for s in block.layer_specs])
-        torch.manual_seed(0)
-        model = GPTModel(config=cfg, transformer_layer_spec=block, vocab_size=VOCAB,
-                         max_sequence_length=SEQ, position_embedding_type="rope",
-                         share_embeddings_and_output_weights=False,
-                         pre_process=pp_rank == 0, post_process=pp_rank == 1)
-        swap_output_layer([model], "nccl")  # a list of model chunks, as Megatron's hook gets
+                      virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float64)
+        chunks, offsets = [], []
+        for vp in range(virtual):
+            block = specs.get_gpt_decoder_block_flux_spec(cfg, backend="nccl", pp_rank=pp_rank,
+                                                          vp_stage=vp if vpp else None)
+            block = dataclasses.replace(block, layer_specs=[_with_cpu_attention(s) for s in block.layer_specs])
+            first = pp_rank == 0 and vp == 0
+            last = pp_rank == 1 and vp == virtual - 1
+            torch.manual_seed(0)
+            chunks.append(GPTModel(config=cfg, transformer_layer_spec=block, vocab_size=VOCAB,
+                                   max_sequence_length=SEQ, position_embedding_type="rope",
+                                   share_embeddings_and_output_weights=False,
+                                   pre_process=first, post_process=last,
+                                   **({"vp_stage": vp} if vpp else {})))
+            # this chunk's layer i is the model's layer (vp * PP + pp_rank) * per_chunk + i
+            offsets.append((vp * 2 + pp_rank) * len(block.layer_specs))
+        swap_output_layer(chunks, "nccl")  # a list of model chunks, as Megatron's hook gets
         if pp_rank == 1:
-            assert isinstance(model.output_layer, FluxColumnParallelLinear)
-        first_layer = pp_rank * len(block.layer_specs)
+            assert isinstance(chunks[-1].output_layer, FluxColumnParallelLinear)
 
-        def global_name(name):  # this stage's layer i is the model's layer first_layer + i
+        def global_name(name, offset):
             if ".layers." not in name:
                 return name
             prefix, _, rest = name.partition(".layers.")
             index, _, tail = rest.partition(".")
-            return f"{prefix}.layers.{int(index) + first_layer}.{tail}"
+            return f"{prefix}.layers.{int(index) + offset}.{tail}"
 
         with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(_shard(global_name(n), full_params[global_name(n)], tp_rank))
+            for chunk, offset in zip(chunks, offsets):
+                for n, p in chunk.named_parameters():
+                    p.copy_(_shard(global_name(n, offset), full_params[global_name(n, offset)], tp_rank))
 
         def forward_step(data_iterator, model):
             ids, pos, labels = next(data_iterator)
             out = model(ids, pos, None, labels=labels)
             return out, lambda t: (t.sum(), {"loss": t.sum().detach().clone()})
 
+        iterators = [iter(_microbatches(microbatches)) for _ in chunks]
         reduced = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(_microbatches(microbatches)),
-            model=[model], num_microbatches=microbatches, seq_length=SEQ, micro_batch_size=BATCH,
+            forward_step_func=forward_step, data_iterator=iterators if vpp else iterators[0],
+            model=chunks, num_microbatches=microbatches, seq_length=SEQ, micro_batch_size=BATCH,
             forward_only=False)
-        chunk = torch.nn.Module()
-        chunk.module = model
-        chunk.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)
-        _allreduce_layernorm_grads([chunk], cfg, parallel_state.get_tensor_model_parallel_group())
+        grads = {}
+        for chunk, offset in zip(chunks, offsets):
+            wrapper = torch.nn.Module()
+            wrapper.module = chunk
+            wrapper.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)
+            _allreduce_layernorm_grads([wrapper], cfg, parallel_state.get_tensor_model_parallel_group())
+            grads.update({global_name(n, offset): p.grad for n, p in chunk.named_parameters()})
         losses = [r["loss"] for r in reduced]  # the last stage's; empty on the first
-        return pp_rank, tp_rank, losses, {global_name(n): p.grad for n, p in model.named_parameters()}
+        return pp_rank, tp_rank, losses, grads
     finally:
         parallel_state.destroy_model_parallel()
 
 
 @pytest.mark.slow
-def test_gpt_model_tp2_pp2_through_the_plugin_matches_stock_tp1():
-    """Pipeline parallelism: two stages of two TP ranks, 1F1B over 2 micro-batches; every stage's
+@pytest.mark.parametrize("virtual", [1, 2], ids=["1f1b", "interleaved"])
+def test_gpt_model_tp2_pp2_through_the_plugin_matches_stock_tp1(virtual):
+    """Pipeline parallelism: two stages of two TP ranks, 1F1B over 2 micro-batches, or two
+    virtual stages each (the interleaved schedule, one layer per model chunk); every stage's
     gradients and the last stage's per-micro-batch losses against stock TP 1."""
     num_layers, microbatches = 4, 2
     (ref_losses, full_params, ref_grads), = run_distributed(
         _stock_tp1, 1, False, num_layers, microbatches, tensor_model_parallel_size=1, timeout=240)
-    per_rank = run_distributed(_flux_tp2_pp2, 2 * TP, full_params, num_layers, microbatches, timeout=300)
+    per_rank = run_distributed(_flux_tp2_pp2, 2 * TP, full_params, num_layers, microbatches, virtual,
+                               timeout=300)
     tol = dict(rtol=1e-5, atol=1e-6)
     seen = set()
     for pp_rank, tp_rank, losses, grads in per_rank:
