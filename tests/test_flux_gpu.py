@@ -15,13 +15,12 @@ tail and its merged local rows (``ag_merge_local``) run over every shape. Runs u
 import dataclasses
 import os
 import sys
-import traceback
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_harness import init_rank, run_nccl_world  # noqa: E402
+from gpu_harness import init_rank, nccl_worker, run_nccl_world  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -192,177 +191,172 @@ def _check_gather_beside_rs(flux, group, rank, world, gen, rounds=10):
     return rounds + 1
 
 
-def _worker(rank, world, port, env, queue):
-    try:
-        init_rank(rank, world, port, env)
-        from megatron_flux.backends.flux import FluxBackend
+@nccl_worker
+def _worker(rank, world, port, env):
+    init_rank(rank, world, port, env)
+    from megatron_flux.backends.flux import FluxBackend
 
-        group = torch.distributed.group.WORLD
-        flux = FluxBackend()
-        gen = torch.Generator(device="cuda")
-        gen.manual_seed(1000 + rank + int.from_bytes(os.urandom(2), "little"))
-        n_checks = 0
+    group = torch.distributed.group.WORLD
+    flux = FluxBackend()
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(1000 + rank + int.from_bytes(os.urandom(2), "little"))
+    n_checks = 0
+    for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float16, 5e-3)):
+        for layout in ("nk", "kn"):
+            for (m_local, k, n) in SHAPES:
+                _check_ag(flux, group, rank, world, m_local, k, n, dtype, layout, tol, gen)
+                _check_rs(flux, group, rank, world, m_local, k, n, dtype, layout, tol, gen,
+                          with_bias=(m_local % 2 == 0))
+                n_checks += 2
+    # many back-to-back calls with changing shapes: epochs, parity, workspace growth
+    for i in range(60):
+        m_local, k, n = SHAPES[i % len(SHAPES)]
+        _check_ag(flux, group, rank, world, m_local, k, n, torch.bfloat16, "nk", 2e-2, gen)
+        _check_rs(flux, group, rank, world, m_local, k, n, torch.bfloat16, "nk", 2e-2, gen, False)
+        n_checks += 2
+    # consecutive calls under different signal layouts (chunks per segment, tiles per
+    # segment): at TP >= 3 a peer may signal the next call while this rank still waits on a
+    # third rank (the workspace keeps the two calls' signals apart by parity)
+    from megatron_flux.kernels.config import GemmConfig
+
+    def alternating(op, m_total, n, k):  # AG alternates pulling and pushing, RS TMA and
+        if n == 1024:                    # vector pushes
+            return GemmConfig(block_m=64, block_n=128, num_stages=3, num_warps=4, chunk_rows=32,
+                              epilogue_split=1, ag_pull=True, rs_tma_push=False, flatten=False)
+        return GemmConfig(block_m=128, block_n=128, num_stages=3, num_warps=8, chunk_rows=128,
+                          epilogue_split=1)
+
+    flux_alt = FluxBackend(config_provider=alternating)
+    n_checks += _check_back_to_back(flux_alt, group, rank, world, gen)
+    flux_alt.check_errors()
+
+    def alternating_ce(op, m_total, n, k):  # RS alternates copy-engine (banded on some
+        # shapes) and SM pushes
+        return dataclasses.replace(alternating(op, m_total, n, k), rs_copy_engine=n == 1024,
+                                   rs_ce_bands=n == 1024 and m_total % 3 == 0)
+
+    flux_alt_ce = FluxBackend(config_provider=alternating_ce)
+    n_checks += _check_back_to_back(flux_alt_ce, group, rank, world, gen)
+    flux_alt_ce.check_errors()
+
+    def alternating_ws(op, m_total, n, k):  # RS alternates the Gluon and the Triton kernel
+        return dataclasses.replace(alternating(op, m_total, n, k), rs_warp_specialized=n == 1024)
+
+    def alternating_forms(op, m_total, n, k):  # both ops alternate the Gluon kernels' forms
+        cfg = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
+                         chunk_rows=128, epilogue_split=1)
+        if n != 1024:
+            cfg = dataclasses.replace(cfg, block_n=256, num_stages=3, num_warps=8)
+        return dataclasses.replace(cfg, rs_warp_specialized=op == "rs",
+                                   ag_warp_specialized=op == "ag")
+
+    for provider in (alternating_ws, alternating_forms):
+        flux_alt_ws = FluxBackend(config_provider=provider)
+        n_checks += _check_back_to_back(flux_alt_ws, group, rank, world, gen)
+        flux_alt_ws.check_errors()
+    n_checks += _check_gather_beside_rs(flux, group, rank, world, gen)
+    for column_dgrad in ("copy_engine", "fused", "nccl"):
+        n_checks += _check_rs_start_every_shape(FluxBackend(column_dgrad=column_dgrad), group,
+                                                rank, world, gen)
+    flux_ce = _default_with(rs_copy_engine=True)
+    n_checks += _check_gather_beside_rs(flux_ce, group, rank, world, gen)
+    flux_ce.check_errors()
+    # the pulling AllGather over every shape and layout
+    n_checks += _check_ag_every_shape(_default_with(ag_pull=True, chunk_rows=64), group, rank,
+                                      world, gen)
+    # GEMM+RS schedule knobs over every shape: vector-store pushes, unflattened loops,
+    # vector-load reduction, the reduction spread over the grid, every rank's rows in one
+    # tile space (rows tiles spanning owners where m_local is not a multiple of block_m)
+    merged_rs = dict(rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True)
+    rs_variants = [merged_rs, dict(merged_rs, block_m=64, block_n=128, block_k=128,
+                                   num_stages=4, num_warps=4, epilogue_split=1),
+                   dict(rs_tma_push=False), dict(rs_tma_push=False, flatten=False),
+                   dict(flatten=False, flatten_consume=False, epilogue_split=1),
+                   dict(rs_tma_reduce=False), dict(rs_spread_reduce=True),
+                   dict(rs_copy_engine=True), dict(rs_copy_engine=True, rs_tma_push=False),
+                   dict(rs_copy_engine=True, rs_spread_reduce=True),
+                   dict(rs_copy_engine=True, rs_ce_bands=True),
+                   dict(rs_copy_engine=True, rs_ce_bands=True, group_m=1, block_m=64),
+                   dict(rs_copy_engine=True, rs_ce_bands=True, rs_spread_reduce=True)]
+    for variant in rs_variants:
+        flux_rs = _default_with(**variant)
+        for (m_local, k, n) in SHAPES:
+            _check_rs(flux_rs, group, rank, world, m_local, k, n, torch.bfloat16, "nk", 2e-2, gen,
+                      with_bias=(m_local % 2 == 0))
+            n_checks += 1
+        flux_rs.check_errors()
+    # the warp-specialized Gluon GEMM+RS (kernels/gemm_rs_ws.py), SM and copy-engine
+    # pushes, both layouts and dtypes, with and without a bias; shapes whose rows per rank
+    # are not a multiple of block_m (or too short a K) run the Triton kernel instead, except
+    # with merged rows (every rank's rows in one tile space: tiles span owners there)
+    ws = dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
+              epilogue_split=1, rs_warp_specialized=True)
+    coop = dict(ws, block_n=256, num_stages=3, num_warps=8)  # the cooperative form
+    for variant in (ws, dict(ws, rs_copy_engine=True), dict(ws, block_m=64, num_stages=5),
+                    coop, dict(coop, rs_copy_engine=True), dict(ws, **merged_rs),
+                    dict(coop, **merged_rs)):
+        flux_ws = _default_with(**variant)
         for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float16, 5e-3)):
             for layout in ("nk", "kn"):
                 for (m_local, k, n) in SHAPES:
-                    _check_ag(flux, group, rank, world, m_local, k, n, dtype, layout, tol, gen)
-                    _check_rs(flux, group, rank, world, m_local, k, n, dtype, layout, tol, gen,
-                              with_bias=(m_local % 2 == 0))
-                    n_checks += 2
-        # many back-to-back calls with changing shapes: epochs, parity, workspace growth
-        for i in range(60):
-            m_local, k, n = SHAPES[i % len(SHAPES)]
-            _check_ag(flux, group, rank, world, m_local, k, n, torch.bfloat16, "nk", 2e-2, gen)
-            _check_rs(flux, group, rank, world, m_local, k, n, torch.bfloat16, "nk", 2e-2, gen, False)
-            n_checks += 2
-        # consecutive calls under different signal layouts (chunks per segment, tiles per
-        # segment): at TP >= 3 a peer may signal the next call while this rank still waits on a
-        # third rank (the workspace keeps the two calls' signals apart by parity)
-        from megatron_flux.kernels.config import GemmConfig
+                    _check_rs(flux_ws, group, rank, world, m_local, k, n, dtype, layout, tol,
+                              gen, with_bias=(m_local % 2 == 0))
+                    n_checks += 1
+        flux_ws.check_errors()
+    # the warp-specialized Gluon AG+GEMM (kernels/ag_gemm_ws.py), pushing and pulling, over
+    # every shape and layout (shapes whose rows per rank are not a multiple of block_m run
+    # the Triton kernel instead)
+    ag_ws = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4,
+                 epilogue_split=1, ag_warp_specialized=True)
+    ag_coop = dict(ag_ws, block_n=256, num_stages=3, num_warps=8)  # the cooperative form
+    for variant in (ag_ws, dict(ag_ws, ag_pull=True, chunk_rows=64),
+                    dict(ag_ws, block_m=64, num_stages=4, chunk_rows=128),
+                    ag_coop, dict(ag_coop, ag_pull=True, chunk_rows=64)):
+        flux_ag_ws = _default_with(**variant)
+        n_checks += _check_ag_every_shape(flux_ag_ws, group, rank, world, gen)
+        flux_ag_ws.check_errors()
+    # AG+GEMM's stream-K tail (default tiles, and 128x256 with warp specialization) over
+    # every shape and layout, and bitwise repeatable on a shape whose tail it splits
+    sk_variants = [dict(stream_k=1),
+                   dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8,
+                        epilogue_split=1, warp_specialize=True, stream_k=1)]
+    for variant in sk_variants:
+        flux_sk = _default_with(**variant)
+        n_checks += _check_ag_every_shape(flux_sk, group, rank, world, gen)
+        # 8 x 9 tiles of 128x256 per rank: the tail (world * 72 % SMs) is split on H200
+        x = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+        b = torch.randn(4096, 2304, device="cuda", dtype=torch.bfloat16, generator=gen)
+        first = flux_sk.all_gather_matmul(x, b, group)[0].clone()
+        for _ in range(3):
+            assert torch.equal(first, flux_sk.all_gather_matmul(x, b, group)[0]), \
+                f"AG+GEMM with {variant} not deterministic"
+        flux_sk.check_errors()
+    # AG+GEMM with the local rows merged into the first peer group (the shard copied into
+    # the workspace before the kernel), pushing and pulling, leads of 0 (the gathered rows
+    # as one operand, tiles spanning segments: small m's default) and 1 waves, and the
+    # 128x128 warp-specialized tile of the llama3-8b TP 2 table entries
+    merge_variants = [dict(ag_merge_local=True),
+                      dict(ag_merge_local=True, ag_merge_lead=0, chunk_rows=64),
+                      dict(ag_merge_local=True, ag_pull=True, chunk_rows=64),
+                      dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
+                           epilogue_split=1, warp_specialize=True, ag_merge_local=True)]
+    for variant in merge_variants:
+        n_checks += _check_ag_every_shape(_default_with(**variant), group, rank, world, gen)
+    # bitwise determinism of AG+GEMM
+    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
+    first = flux.all_gather_matmul(x, b, group)[0].clone()
+    for _ in range(5):
+        assert torch.equal(first, flux.all_gather_matmul(x, b, group)[0]), "AG+GEMM not deterministic"
+    torch.cuda.synchronize()
+    flux.check_errors()
+    if os.environ.get("MEGATRON_FLUX_DIRECT_LAUNCH") == "1":  # the direct path really ran
+        from megatron_flux.kernels import ag_gemm, gemm_rs, ready_barrier
 
-        def alternating(op, m_total, n, k):  # AG alternates pulling and pushing, RS TMA and
-            if n == 1024:                    # vector pushes
-                return GemmConfig(block_m=64, block_n=128, num_stages=3, num_warps=4, chunk_rows=32,
-                                  epilogue_split=1, ag_pull=True, rs_tma_push=False, flatten=False)
-            return GemmConfig(block_m=128, block_n=128, num_stages=3, num_warps=8, chunk_rows=128,
-                              epilogue_split=1)
-
-        flux_alt = FluxBackend(config_provider=alternating)
-        n_checks += _check_back_to_back(flux_alt, group, rank, world, gen)
-        flux_alt.check_errors()
-
-        def alternating_ce(op, m_total, n, k):  # RS alternates copy-engine (banded on some
-            # shapes) and SM pushes
-            return dataclasses.replace(alternating(op, m_total, n, k), rs_copy_engine=n == 1024,
-                                       rs_ce_bands=n == 1024 and m_total % 3 == 0)
-
-        flux_alt_ce = FluxBackend(config_provider=alternating_ce)
-        n_checks += _check_back_to_back(flux_alt_ce, group, rank, world, gen)
-        flux_alt_ce.check_errors()
-
-        def alternating_ws(op, m_total, n, k):  # RS alternates the Gluon and the Triton kernel
-            return dataclasses.replace(alternating(op, m_total, n, k), rs_warp_specialized=n == 1024)
-
-        def alternating_forms(op, m_total, n, k):  # both ops alternate the Gluon kernels' forms
-            cfg = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
-                             chunk_rows=128, epilogue_split=1)
-            if n != 1024:
-                cfg = dataclasses.replace(cfg, block_n=256, num_stages=3, num_warps=8)
-            return dataclasses.replace(cfg, rs_warp_specialized=op == "rs",
-                                       ag_warp_specialized=op == "ag")
-
-        for provider in (alternating_ws, alternating_forms):
-            flux_alt_ws = FluxBackend(config_provider=provider)
-            n_checks += _check_back_to_back(flux_alt_ws, group, rank, world, gen)
-            flux_alt_ws.check_errors()
-        n_checks += _check_gather_beside_rs(flux, group, rank, world, gen)
-        for column_dgrad in ("copy_engine", "fused", "nccl"):
-            n_checks += _check_rs_start_every_shape(FluxBackend(column_dgrad=column_dgrad), group,
-                                                    rank, world, gen)
-        flux_ce = _default_with(rs_copy_engine=True)
-        n_checks += _check_gather_beside_rs(flux_ce, group, rank, world, gen)
-        flux_ce.check_errors()
-        # the pulling AllGather over every shape and layout
-        n_checks += _check_ag_every_shape(_default_with(ag_pull=True, chunk_rows=64), group, rank,
-                                          world, gen)
-        # GEMM+RS schedule knobs over every shape: vector-store pushes, unflattened loops,
-        # vector-load reduction, the reduction spread over the grid, every rank's rows in one
-        # tile space (rows tiles spanning owners where m_local is not a multiple of block_m)
-        merged_rs = dict(rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True)
-        rs_variants = [merged_rs, dict(merged_rs, block_m=64, block_n=128, block_k=128,
-                                       num_stages=4, num_warps=4, epilogue_split=1),
-                       dict(rs_tma_push=False), dict(rs_tma_push=False, flatten=False),
-                       dict(flatten=False, flatten_consume=False, epilogue_split=1),
-                       dict(rs_tma_reduce=False), dict(rs_spread_reduce=True),
-                       dict(rs_copy_engine=True), dict(rs_copy_engine=True, rs_tma_push=False),
-                       dict(rs_copy_engine=True, rs_spread_reduce=True),
-                       dict(rs_copy_engine=True, rs_ce_bands=True),
-                       dict(rs_copy_engine=True, rs_ce_bands=True, group_m=1, block_m=64),
-                       dict(rs_copy_engine=True, rs_ce_bands=True, rs_spread_reduce=True)]
-        for variant in rs_variants:
-            flux_rs = _default_with(**variant)
-            for (m_local, k, n) in SHAPES:
-                _check_rs(flux_rs, group, rank, world, m_local, k, n, torch.bfloat16, "nk", 2e-2, gen,
-                          with_bias=(m_local % 2 == 0))
-                n_checks += 1
-            flux_rs.check_errors()
-        # the warp-specialized Gluon GEMM+RS (kernels/gemm_rs_ws.py), SM and copy-engine
-        # pushes, both layouts and dtypes, with and without a bias; shapes whose rows per rank
-        # are not a multiple of block_m (or too short a K) run the Triton kernel instead, except
-        # with merged rows (every rank's rows in one tile space: tiles span owners there)
-        ws = dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
-                  epilogue_split=1, rs_warp_specialized=True)
-        coop = dict(ws, block_n=256, num_stages=3, num_warps=8)  # the cooperative form
-        for variant in (ws, dict(ws, rs_copy_engine=True), dict(ws, block_m=64, num_stages=5),
-                        coop, dict(coop, rs_copy_engine=True), dict(ws, **merged_rs),
-                        dict(coop, **merged_rs)):
-            flux_ws = _default_with(**variant)
-            for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float16, 5e-3)):
-                for layout in ("nk", "kn"):
-                    for (m_local, k, n) in SHAPES:
-                        _check_rs(flux_ws, group, rank, world, m_local, k, n, dtype, layout, tol,
-                                  gen, with_bias=(m_local % 2 == 0))
-                        n_checks += 1
-            flux_ws.check_errors()
-        # the warp-specialized Gluon AG+GEMM (kernels/ag_gemm_ws.py), pushing and pulling, over
-        # every shape and layout (shapes whose rows per rank are not a multiple of block_m run
-        # the Triton kernel instead)
-        ag_ws = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4,
-                     epilogue_split=1, ag_warp_specialized=True)
-        ag_coop = dict(ag_ws, block_n=256, num_stages=3, num_warps=8)  # the cooperative form
-        for variant in (ag_ws, dict(ag_ws, ag_pull=True, chunk_rows=64),
-                        dict(ag_ws, block_m=64, num_stages=4, chunk_rows=128),
-                        ag_coop, dict(ag_coop, ag_pull=True, chunk_rows=64)):
-            flux_ag_ws = _default_with(**variant)
-            n_checks += _check_ag_every_shape(flux_ag_ws, group, rank, world, gen)
-            flux_ag_ws.check_errors()
-        # AG+GEMM's stream-K tail (default tiles, and 128x256 with warp specialization) over
-        # every shape and layout, and bitwise repeatable on a shape whose tail it splits
-        sk_variants = [dict(stream_k=1),
-                       dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8,
-                            epilogue_split=1, warp_specialize=True, stream_k=1)]
-        for variant in sk_variants:
-            flux_sk = _default_with(**variant)
-            n_checks += _check_ag_every_shape(flux_sk, group, rank, world, gen)
-            # 8 x 9 tiles of 128x256 per rank: the tail (world * 72 % SMs) is split on H200
-            x = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
-            b = torch.randn(4096, 2304, device="cuda", dtype=torch.bfloat16, generator=gen)
-            first = flux_sk.all_gather_matmul(x, b, group)[0].clone()
-            for _ in range(3):
-                assert torch.equal(first, flux_sk.all_gather_matmul(x, b, group)[0]), \
-                    f"AG+GEMM with {variant} not deterministic"
-            flux_sk.check_errors()
-        # AG+GEMM with the local rows merged into the first peer group (the shard copied into
-        # the workspace before the kernel), pushing and pulling, leads of 0 (the gathered rows
-        # as one operand, tiles spanning segments: small m's default) and 1 waves, and the
-        # 128x128 warp-specialized tile of the llama3-8b TP 2 table entries
-        merge_variants = [dict(ag_merge_local=True),
-                          dict(ag_merge_local=True, ag_merge_lead=0, chunk_rows=64),
-                          dict(ag_merge_local=True, ag_pull=True, chunk_rows=64),
-                          dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
-                               epilogue_split=1, warp_specialize=True, ag_merge_local=True)]
-        for variant in merge_variants:
-            n_checks += _check_ag_every_shape(_default_with(**variant), group, rank, world, gen)
-        # bitwise determinism of AG+GEMM
-        x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
-        b = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
-        first = flux.all_gather_matmul(x, b, group)[0].clone()
-        for _ in range(5):
-            assert torch.equal(first, flux.all_gather_matmul(x, b, group)[0]), "AG+GEMM not deterministic"
-        torch.cuda.synchronize()
-        flux.check_errors()
-        if os.environ.get("MEGATRON_FLUX_DIRECT_LAUNCH") == "1":  # the direct path really ran
-            from megatron_flux.kernels import ag_gemm, gemm_rs, ready_barrier
-
-            for mod in (ag_gemm, gemm_rs, ready_barrier):
-                assert mod._LAUNCH.direct_calls > 0, f"{mod.__name__}: no direct launch happened"
-        torch.distributed.barrier()
-        queue.put((rank, "ok", n_checks))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        for mod in (ag_gemm, gemm_rs, ready_barrier):
+            assert mod._LAUNCH.direct_calls > 0, f"{mod.__name__}: no direct launch happened"
+    torch.distributed.barrier()
+    return n_checks
 
 
 @_NEEDS_2_GPUS
