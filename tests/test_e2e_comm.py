@@ -7,22 +7,18 @@ GPTModel (rotary positions, RMSNorm, SwiGLU) with the plugin's spec, ``nccl`` ba
 converted output layer runs one forward and backward with TP 2 and sequence parallelism on gloo,
 and every c10d collective it issues is counted by a dispatch mode.
 
-Two CUDA-only pieces of megatron-core are stubbed in the worker, neither of which communicates:
-``torch.cuda.current_device`` (the embedding's scatter allocates its output there) and the CUDA
-RNG tracker the embedding forks for dropout (dropout is 0 here).
+The model and the stubs of megatron-core's CUDA-only helpers (which move no data) are
+``tests/test_gpt_model_sp.py``'s.
 """
 
 import collections
-import contextlib
 import dataclasses
 import importlib.util
 import os
 import sys
-import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -51,47 +47,22 @@ class _CountCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _with_core_attention(block, core_attention):
-    def layer(spec):
-        attn = spec.submodules.self_attention
-        attn = dataclasses.replace(
-            attn, submodules=dataclasses.replace(attn.submodules, core_attention=core_attention))
-        return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))
-
-    return dataclasses.replace(block, layer_specs=[layer(s) for s in block.layer_specs])
-
-
 def _count_gpt_model_collectives(rank, world, layers, keep_gathered_input):
-    torch.cuda.current_device = lambda: "cpu"
-    from megatron.core import tensor_parallel
-
-    tensor_parallel.get_cuda_rng_tracker = lambda: types.SimpleNamespace(fork=contextlib.nullcontext)
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer import TransformerConfig
-
     from megatron_flux import specs
     from megatron_flux.output_layer import swap_output_layer
-    from test_specs import CpuCoreAttention
+    from test_gpt_model_sp import (_config, _gpt_model, _microbatches, _stub_cuda_only_helpers,
+                                   _with_cpu_attention)
 
-    cfg = TransformerConfig(
-        num_layers=layers, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=128, tensor_model_parallel_size=world, sequence_parallel=True,
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, use_cpu_initialization=True, attention_dropout=0.0,
-        hidden_dropout=0.0, masked_softmax_fusion=False, bias_dropout_fusion=False,
-        bias_activation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-    )
+    _stub_cuda_only_helpers()
+    cfg = _config(world, num_layers=layers, params_dtype=torch.float32)
     cfg.flux_keep_gathered_input = keep_gathered_input
-    block = _with_core_attention(specs.get_gpt_decoder_block_flux_spec(cfg, backend="nccl"), CpuCoreAttention)
-    torch.manual_seed(0)
-    model = GPTModel(config=cfg, transformer_layer_spec=block, vocab_size=128,
-                     max_sequence_length=16, position_embedding_type="rope")
-    swap_output_layer(model, "nccl")
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    pos = torch.arange(16).expand(2, 16)
+    block = specs.get_gpt_decoder_block_flux_spec(cfg, backend="nccl")
+    block = dataclasses.replace(block, layer_specs=[_with_cpu_attention(s) for s in block.layer_specs])
+    model = swap_output_layer(_gpt_model(cfg, block, tie=False), "nccl")
+    ids, pos, labels = _microbatches(1)[0]
     mode = _CountCollectives()
     with mode:
-        loss = model(ids, pos, None, labels=ids)
+        loss = model(ids, pos, None, labels=labels)
         loss.sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     return dict(mode.counts)

@@ -88,20 +88,6 @@ def _gpt_model(cfg, spec, tie):
                     position_embedding_type="rope", share_embeddings_and_output_weights=tie)
 
 
-def _inputs():
-    g = torch.Generator().manual_seed(7)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return ids, torch.arange(SEQ).expand(BATCH, SEQ), labels
-
-
-def _run(model):
-    ids, pos, labels = _inputs()
-    loss = model(ids, pos, None, labels=labels)  # [b, s] per-token losses
-    loss.sum().backward()
-    return loss.detach()
-
-
 def _microbatches(count):
     out = []
     for i in range(count):
@@ -110,6 +96,13 @@ def _microbatches(count):
         labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
         out.append((ids, torch.arange(SEQ).expand(BATCH, SEQ), labels))
     return out
+
+
+def _run(model):
+    ids, pos, labels = _microbatches(1)[0]
+    loss = model(ids, pos, None, labels=labels)  # [b, s] per-token losses
+    loss.sum().backward()
+    return loss.detach()
 
 
 def _stock_tp1(rank, world, tie, num_layers=2, microbatches=0):
