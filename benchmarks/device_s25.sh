@@ -12,9 +12,6 @@
 #            0.19.2 and Python 3.12, which CI (0.16.1, Python 3.11) cannot run: the GPTModel
 #            through the plugin at TP 2 + SP against stock TP 1, the collective count, the layer
 #            checks at TP 2/4                          -> $OUT/tests-cpu019.{json,log}
-#   agsplit  AG+GEMM's gathered rows split along K (ag_split_k 2 / 3 / 4 on the default's tile)
-#            against the default, m = 64-512, comm off, block timing; then the one-GPU merged /
-#            gathered AG tests with the split configs  -> $OUT/agsplit.json, $OUT/tests-agsplit.json
 #   ppgrid   (2 GPUs) the Gluon ping-pong forms, best of the comm-off report on 21 of 24 m >= 1024
 #            shapes, against the shipped table with communication on: the m >= 1024 grid, per op
 #            cuBLAS, NCCL, the table (flux) and the table's configs turned into the ping-pong
@@ -58,12 +55,6 @@ for what in "$@"; do
           tests/test_e2e_comm.py tests/test_linear_layers.py tests/test_specs.py -q \
           -p no:cacheprovider > "${OUT}/tests-cpu019.log" 2>&1
       echo "   exit $?"; tail -2 "${OUT}/tests-cpu019.log" ;;
-    agsplit)
-      timeout 200 python3 ${KVC} --tp 2 --ops AG+GEMM --m 64 128 256 512 --configs default \
-          --extra '[{"ag_split_k": 2}, {"ag_split_k": 3}, {"ag_split_k": 4}]' "${TIMING[@]}" \
-          --json "${OUT}/agsplit.json" 2>&1 | grep -v Warning
-      timeout 200 python3 benchmarks/record_pytest.py "${OUT}/tests-agsplit.json" \
-          tests/test_kernels_one_gpu.py -q -p no:cacheprovider -k merged_local_rows 2>&1 | tail -2 ;;
     ppgrid)
       PP='"block_m": 128, "block_k": 64, "epilogue_split": 1, "programs_per_sm": 1, "block_n": 128, "num_stages": 5, "num_warps": 4, "group_m": 8'
       AG="{\"ag_warp_specialized\": true, \"ag_peer_group\": 1, \"ag_merge_local\": false, \"stream_k\": 0, ${PP}}"

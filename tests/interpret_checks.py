@@ -255,28 +255,6 @@ def check_ag_merged_local():
                 assert torch.equal(out, base), f"{label}: not bitwise the per-segment one"
 
 
-def check_ag_gathered_split_k():
-    """``ag_split_k``: the gathered rows' tiles split along K into 2-8 slices (ragged ones: K
-    not a multiple of the slices; with 5 slices of 2 K-tiles some are empty), more work items
-    than programs, both B layouts: the right product, the same bits on a repeat, every tile
-    counter back at zero."""
-    import dataclasses
-
-    from megatron_flux.kernels.stream_k import _SCRATCH
-
-    for world, m_local, k, b_kn, split, rank in ((2, 32, 64, False, 2, 1), (4, 20, 128, True, 4, 2),
-                                                  (8, 9, 80, False, 8, 5), (2, 9, 48, False, 3, 0),
-                                                  (4, 6, 32, True, 5, 3)):
-        xs, b, ref = _ag_case(world, m_local, k, 96, b_kn)
-        cfg = dataclasses.replace(CFG, ag_merge_local=True, ag_merge_lead=0, ag_split_k=split)
-        label = f"{world=} {m_local=} {k=} {split=} {rank=}"
-        out = _ag_on_rank(xs, b, rank, cfg, label)
-        e = _rel(out, ref)
-        assert e < TOL, f"{label}: rel err {e}"
-        assert torch.equal(out, _ag_on_rank(xs, b, rank, cfg, label)), f"{label}: not repeatable"
-        assert all(int(sc.counters.abs().sum()) == 0 for sc in _SCRATCH.values()), label
-
-
 def check_ag_merged_signals():
     """Merged local rows: a missing or stale chunk signal of any peer in the merged group is
     the one reported (index segment * chunks + c); the local segment's signals are never
@@ -975,7 +953,7 @@ def check_host_and_device_descriptors_agree():
 
 
 CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_peer_groups,
-          check_ag_merged_local, check_ag_gathered_split_k, check_ag_merged_signals, check_ag_stream_k, check_ag_signal_indexing,
+          check_ag_merged_local, check_ag_merged_signals, check_ag_stream_k, check_ag_signal_indexing,
           check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout,
           check_gemm_rs_spread_waits_for_its_own_grid, check_gemm_rs_merged_rows,
           check_gemm_rs_copy_engine,

@@ -119,8 +119,7 @@ def test_ag_gemm_compiles_with_one_row_per_rank(world):
     """Every step schedule: per segment (with and without stream-K), peers grouped
     (``ag_peer_group``, unrolled at TP 4, a runtime loop at TP 8) and the local rows merged
     into the first group (``ag_merge_local`` with a lead of 1, with later groups above TP 2), or
-    with a lead of 0 the gathered rows as one operand (``GATHERED``, 2-D descriptors), also
-    split along K (``SPLIT``)."""
+    with a lead of 0 the gathered rows as one operand (``GATHERED``, 2-D descriptors)."""
     from megatron_flux.kernels.ag_gemm import ag_gemm_kernel
     from megatron_flux.kernels.config import unroll_steps
 
@@ -130,9 +129,6 @@ def test_ag_gemm_compiles_with_one_row_per_rank(world):
     variants.append(dict(STREAM_K=False, MERGE_LOCAL=True, MERGE_LEAD=1))
     variants.append(dict(STREAM_K=False, MERGE_LOCAL=True, MERGE_LEAD=0, GATHERED=True,
                          RAGGED=False))
-    for split in (2, 16):  # ... split along K (ag_split_k)
-        variants.append(dict(STREAM_K=False, MERGE_LOCAL=True, MERGE_LEAD=0, GATHERED=True,
-                             RAGGED=False, SPLIT=split))
     for variant in variants:
         constexprs = dict(_SMALL, WORLD=world, RAGGED=True, EPI_SPLIT=1, SK_LOCAL=False,
                           UNROLL_STEPS=unroll_steps(world))

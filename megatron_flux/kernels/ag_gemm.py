@@ -50,13 +50,12 @@ from megatron_flux.kernels.config import interpreting, launch_geometry, unroll_s
 from megatron_flux.kernels.descriptors import b_descriptor, ensure_descriptor_allocator, \
     host_descriptor, host_descriptors_enabled, segments_descriptor
 from megatron_flux.kernels.launch import KernelLauncher
-from megatron_flux.kernels.mainloop import split_columns, tile_mainloop, tile_mainloop_k, \
-    tile_mainloop_slice
+from megatron_flux.kernels.mainloop import split_columns, tile_mainloop, tile_mainloop_k
 from megatron_flux.kernels.phase_trace import stamp
 from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import fence_async_proxy, wait_signal
-from megatron_flux.kernels.stream_k import claim_tile, publish_part, sk_covering, sk_publish_part, \
-    sk_range, sk_sum_parts, stream_k_plan, stream_k_scratch
+from megatron_flux.kernels.stream_k import sk_covering, sk_publish_part, sk_range, sk_sum_parts, \
+    stream_k_plan, stream_k_scratch
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step, \
     step_tile
 
@@ -111,7 +110,6 @@ def ag_gemm_kernel(
     UNROLL_STEPS: tl.constexpr = True, TRACE: tl.constexpr = False,
     PEER_GROUP: tl.constexpr = 1, MERGE_LOCAL: tl.constexpr = False,
     MERGE_LEAD: tl.constexpr = 1, GATHERED: tl.constexpr = False, HOST_DESC: tl.constexpr = False,
-    SPLIT: tl.constexpr = 1,
 ):
     """Pointers: ``x`` [m_local, K], ``ag`` / ``c`` [WORLD * m_local, K / N] contiguous; ``b``
     [K, N] (B_KN) or [N, K], row stride ``ldb``. TMA descriptors are built on the device, once
@@ -130,9 +128,7 @@ def ag_gemm_kernel(
     tiles (``GemmConfig.ag_merge_local``, :func:`_merged_local_group`), its rows read from
     ``ag``, where the caller copied them before the kernel. Stream-K is off then too.
     GATHERED (MERGE_LOCAL with a lead of 0; the launcher passes RAGGED=False): one wait for
-    every peer, then ``ag`` is one ``[WORLD * m_local, K]`` operand (:func:`_gathered_tiles`);
-    SPLIT > 1 (``GemmConfig.ag_split_k``) cuts each of its tiles along K into SPLIT work items
-    that meet in the scratch ``sk_partials`` / ``sk_counters``.
+    every peer, then ``ag`` is one ``[WORLD * m_local, K]`` operand (:func:`_gathered_tiles`).
     HOST_DESC: ``x_ptr``, ``ag_ptr``, ``b_ptr`` and ``c_ptr`` are host-encoded TMA descriptors of
     the same views (:func:`_host_descriptors`) instead of pointers (:mod:`.descriptors`)."""
     stamp(trace_ptr, 0, TRACE)  # start
@@ -152,10 +148,10 @@ def ag_gemm_kernel(
 
     if GATHERED:
         stamp(trace_ptr, 2, TRACE)  # local_done (nothing local first)
-        _gathered_tiles(ag_desc, b_desc, c_desc, flags_ptr, err_ptr, sk_partials_ptr,
-                        sk_counters_ptr, pid, rank, epoch, max_spins, m_local, N, chunks_per_seg,
-                        k_tiles, WORLD, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE, SPLIT)
+        _gathered_tiles(ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch, max_spins,
+                        m_local, N, chunks_per_seg, k_tiles, WORLD, B_KN, EPI_SPLIT, BLOCK_M,
+                        BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE,
+                        trace_ptr, TRACE)
     elif MERGE_LOCAL:
         # The local segment and the first PEER_GROUP peers in one tile space, after a lead of
         # local tiles; the remaining peer groups follow below.
@@ -325,13 +321,12 @@ def _peer_group_step(g, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, e
 
 
 @triton.jit
-def _gathered_tiles(a_desc, b_desc, c_desc, flags_ptr, err_ptr, parts_ptr, counters_ptr, pid,
-                    rank, epoch, max_spins, m_local, N, chunks_per_seg, k_tiles,
-                    WORLD: tl.constexpr, B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
-                    WARP_SPECIALIZE: tl.constexpr, ASYNC_FENCE: tl.constexpr, trace_ptr,
-                    TRACE: tl.constexpr, SPLIT: tl.constexpr):
+def _gathered_tiles(a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch, max_spins,
+                    m_local, N, chunks_per_seg, k_tiles, WORLD: tl.constexpr, B_KN: tl.constexpr,
+                    EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+                    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                    ASYNC_FENCE: tl.constexpr, trace_ptr, TRACE: tl.constexpr):
     """Merged local rows with a lead of 0: wait (acquire, bounded) for every chunk of every
     peer, in ring order, then fence; then the gathered workspace (the own rows copied there by
     the host before the kernel) is one ``[WORLD * m_local, K]`` operand and the output one
@@ -339,14 +334,7 @@ def _gathered_tiles(a_desc, b_desc, c_desc, flags_ptr, err_ptr, parts_ptr, count
     BLOCK_N)`` column tiles, GROUP_M-grouped, 2-D descriptors (a tile may span segments; the
     last row tile is clipped at ``WORLD * m_local``). No tile runs before the last wait: this
     is for small m, where the copies take microseconds and each segment's own tile loop would
-    stream all of B again, with row tiles mostly empty when ``m_local < BLOCK_M``.
-
-    SPLIT > 1: work item ``u`` is slice ``u % SPLIT`` (K-tiles ``[s * per, s * per + per)``,
-    ``per = cdiv(k_tiles, SPLIT)``) of tile ``u // SPLIT``; program ``p`` takes items ``p, p +
-    G, ...``. Each writes its fp32 part to scratch slot ``u`` and counts in at the tile's
-    counter (:func:`.stream_k.publish_part`); the last of the tile's ``SPLIT`` resets the
-    counter, sums the parts in slice order (bitwise reproducible) and stores the tile. Nobody
-    waits for anybody. GEMM+RS's ``rs_split_k`` does the same (``gemm_rs._merged_rows_split``)."""
+    stream all of B again, with row tiles mostly empty when ``m_local < BLOCK_M``."""
     for step in range(1, WORLD):
         _wait_segment(segment_of_step(step, rank, WORLD, False), flags_ptr, err_ptr, rank, epoch,
                       max_spins, chunks_per_seg)
@@ -354,34 +342,12 @@ def _gathered_tiles(a_desc, b_desc, c_desc, flags_ptr, err_ptr, parts_ptr, count
     stamp(trace_ptr, 3, TRACE)  # last_wait
     num_pid_m = tl.cdiv(WORLD * m_local, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    if SPLIT == 1:
-        for t in tl.range(pid, num_pid_m * num_pid_n, NUM_SMS, flatten=FLATTEN,
-                          warp_specialize=WARP_SPECIALIZE):
-            pid_m, pid_n = grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
-            row = pid_m * BLOCK_M
-            _ag_tile(a_desc, b_desc, c_desc, row, 0, row, pid_n * BLOCK_N, k_tiles, False, False,
-                     B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
-    else:
-        per = tl.cdiv(k_tiles, SPLIT)
-        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        for u in tl.range(pid, num_pid_m * num_pid_n * SPLIT, NUM_SMS, flatten=False):
-            tile = u // SPLIT
-            k_first = (u - tile * SPLIT) * per
-            pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-            row = pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
-            acc = tile_mainloop_slice(a_desc, b_desc, row, off_n, k_first,
-                                      tl.maximum(tl.minimum(per, k_tiles - k_first), 0), B_KN,
-                                      BLOCK_M, BLOCK_N, BLOCK_K)
-            arrived = publish_part(acc, parts_ptr + tl.cast(u, tl.int64) * (BLOCK_M * BLOCK_N) + offs,
-                                   counters_ptr + tile)
-            if arrived == SPLIT - 1:
-                claim_tile(counters_ptr + tile)
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in tl.static_range(0, SPLIT):
-                    total += tl.load(parts_ptr + tl.cast(tile * SPLIT + s, tl.int64) * (BLOCK_M * BLOCK_N)
-                                     + offs, cache_modifier=".cg")
-                _epilogue(c_desc, 0, row, off_n, total, False, EPI_SPLIT, BLOCK_M, BLOCK_N)
+    for t in tl.range(pid, num_pid_m * num_pid_n, NUM_SMS, flatten=FLATTEN,
+                      warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
+        row = pid_m * BLOCK_M
+        _ag_tile(a_desc, b_desc, c_desc, row, 0, row, pid_n * BLOCK_N, k_tiles, False, False,
+                 B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -541,7 +507,6 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     gathered = merge and cfg.ag_merge_lead == 0  # ... as one operand with the peers' rows
     # stream-K's tiles follow the per-segment order: off when the segments are grouped
     mode = 0 if cfg in _STREAM_K_TOO_BIG or peer_group > 1 or merge else cfg.stream_k
-    split = cfg.ag_split_k if gathered else 1
     host_desc = host_descriptors_enabled(host_descriptors)
     last_plan = {"sk_tiles": 0}  # of the kernel compiled or launched last
 
@@ -551,11 +516,6 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
         grid, sk_tiles = stream_k_plan(geo.tiles, num_sms * per_sm, mode, geo.tiles_per_segment)
         if sk_tiles:
             scratch = stream_k_scratch(x.device, grid, cfg.block_m, cfg.block_n)
-            partials, counters = scratch.partials, scratch.counters
-        elif split > 1:  # a program per work item, up to the SMs; a slot per item
-            grid = min(num_sms * per_sm, geo.tiles * split)
-            scratch = stream_k_scratch(x.device, -(-geo.tiles * split // 2), cfg.block_m,
-                                       cfg.block_n, tiles=geo.tiles)
             partials, counters = scratch.partials, scratch.counters
         else:
             partials, counters = err, err  # never touched
@@ -577,7 +537,7 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
             STREAM_K=sk_tiles > 0, ASYNC_FENCE=not interpreting(),
             SK_LOCAL=sk_tiles > 0 and world == 1, UNROLL_STEPS=unroll_steps(world),
             TRACE=trace is not None, PEER_GROUP=peer_group, MERGE_LOCAL=merge,
-            MERGE_LEAD=cfg.ag_merge_lead, GATHERED=gathered, HOST_DESC=host_desc, SPLIT=split)
+            MERGE_LEAD=cfg.ag_merge_lead, GATHERED=gathered, HOST_DESC=host_desc)
         return grid, args, constexprs
 
     ensure_descriptor_allocator()

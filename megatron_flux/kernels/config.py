@@ -97,8 +97,6 @@ class GemmConfig:
     small m at small n, where there are fewer tiles than SMs. Any S from 1 to 16; counts that
     make tiles x S fill the SMs evenly did not beat the default (benchmarks/NOTES.md, session
     22). With ``rs_warp_specialized`` the merged rows run on the Gluon kernel (no split).
-    ``ag_split_k`` = S > 1 does the same for AG+GEMM's gathered rows (``ag_merge_local`` with
-    a lead of 0): the last slice of a tile stores it.
 
     ``rs_warp_specialized`` (GEMM+RS only): run the call on the warp-specialized Gluon kernel
     (:mod:`megatron_flux.kernels.gemm_rs_ws`): two MMA warpgroups take alternate tiles, so the
@@ -158,7 +156,6 @@ class GemmConfig:
     ag_warp_specialized: bool = False
     rs_merge_rows: bool = False
     rs_split_k: int = 1
-    ag_split_k: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -210,13 +207,6 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.rs_split_k must be an int in 1..{MAX_RS_SPLIT_K}: {self}")
         if self.rs_split_k > 1 and not self.rs_merge_rows:
             raise ValueError(f"GemmConfig.rs_split_k > 1 splits merged rows (rs_merge_rows): {self}")
-        if (isinstance(self.ag_split_k, bool) or not isinstance(self.ag_split_k, int)
-                or not 1 <= self.ag_split_k <= MAX_RS_SPLIT_K):
-            raise ValueError(f"GemmConfig.ag_split_k must be an int in 1..{MAX_RS_SPLIT_K}: {self}")
-        if self.ag_split_k > 1 and (not self.ag_merge_local or self.ag_merge_lead != 0
-                                    or self.ag_warp_specialized):
-            raise ValueError("GemmConfig.ag_split_k > 1 splits the gathered rows of the Triton "
-                             f"kernel (ag_merge_local with ag_merge_lead 0): {self}")
         if self.rs_merge_rows and (not self.rs_spread_reduce or self.rs_tma_push
                                    or self.rs_copy_engine):
             raise ValueError("GemmConfig.rs_merge_rows reduces with rs_spread_reduce and pushes "
