@@ -11,7 +11,7 @@ the reference gradient (norm gradients after megatron-core's own TP all-reduce o
 ``sequence_parallel`` parameters). Tied and untied output weights; with activation
 recomputation (full, and selective ``mlp``); with the linears' weight gradients accumulated into
 megatron's ``main_grad`` buffers (``--flux-gradient-accumulation-fusion``), checking which
-parameters took that path; and with two pipeline stages (TP 2 x PP 2, megatron-core's 1F1B
+parameters took that path; with mixture-of-experts layers; and with two pipeline stages (TP 2 x PP 2, megatron-core's 1F1B
 schedule over two micro-batches, and its interleaved schedule with two virtual stages).
 
 CUDA-only pieces of megatron-core that move no data are stubbed in the workers:
@@ -22,6 +22,7 @@ RNG tracker that the embedding forks for dropout (dropout is 0 here).
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 import types
 
@@ -45,6 +46,12 @@ def _stub_cuda_only_helpers():
     # activation recomputation saves and restores the CPU, CUDA and tracker RNG states
     megatron_random._get_all_rng_states = lambda: (torch.get_rng_state(), None, None)
     megatron_random._set_all_rng_states = lambda cpu_state, *_: torch.set_rng_state(cpu_state)
+    # megatron-core 0.16's MoE router names Transformer Engine's GEMM even when TE is missing
+    # (0.19 sets it to None)
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 #: activation recomputation (TransformerConfig fields): the whole layer (``--recompute-granularity
@@ -53,6 +60,23 @@ RECOMPUTE = {
     "none": {},
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     "selective": dict(recompute_granularity="selective", recompute_modules=["mlp"]),
+}
+
+#: mixture of experts: every layer's MLP four SequentialMLP experts (expert TP = TP), top-2, the
+#: all-gather token dispatcher (the all-to-all one takes a CUDA stream at construction)
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="allgather",
+           moe_grouped_gemm=False, moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+
+#: the whole-model cases: (tied output weight, recomputation, main_grad accumulation, MoE)
+CASES = {
+    "untied": (False, "none", False, False),
+    "tied": (True, "none", False, False),
+    "untied-recompute-full": (False, "full", False, False),
+    "untied-recompute-selective": (False, "selective", False, False),
+    "untied-main-grad": (False, "none", True, False),
+    "tied-recompute-full-main-grad": (True, "full", True, False),
+    "moe": (False, "none", False, True),
+    "moe-recompute-full-main-grad": (False, "full", True, True),
 }
 
 
@@ -105,15 +129,17 @@ def _run(model):
     return loss.detach()
 
 
-def _stock_tp1(rank, world, tie, num_layers=2, microbatches=0):
+def _stock_tp1(rank, world, tie, num_layers=2, microbatches=0, moe=False):
     """The reference: loss and gradients of one batch, or with ``microbatches`` the mean over
     that many micro-batches of each one's summed per-token loss, as a pipeline schedule scales
     them."""
     _stub_cuda_only_helpers()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    model = _gpt_model(_config(1, num_layers=num_layers),
-                       _with_cpu_attention(get_gpt_layer_local_spec(normalization="RMSNorm")), tie)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", **(
+        dict(num_experts=MOE["num_moe_experts"], moe_grouped_gemm=False) if moe else {}))
+    model = _gpt_model(_config(1, num_layers=num_layers, **(MOE if moe else {})),
+                       _with_cpu_attention(spec), tie)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():  # away from init, norms too, so every gradient is exercised
         for p in model.parameters():
@@ -141,10 +167,14 @@ def _shard(name, full, rank, tp=TP):
         return full
     prefix, _, rest = name.partition(".layers.")
     assert prefix == "decoder", name
-    return shard_llama_param(rest.partition(".")[2], full, rank, tp)
+    local = rest.partition(".")[2]
+    if local == "mlp.router.weight":
+        return full  # replicated
+    # an expert's linears are split like the dense MLP's (expert TP = TP)
+    return shard_llama_param(re.sub(r"^mlp\.experts\.local_experts\.\d+\.", "mlp.", local), full, rank, tp)
 
 
-def _flux_tp2(rank, world, tie, full_params, recompute="none", main_grad=False):
+def _flux_tp2(rank, world, tie, full_params, recompute="none", main_grad=False, moe=False):
     _stub_cuda_only_helpers()
     from megatron.core import parallel_state
     from megatron.core.distributed.finalize_model_grads import _allreduce_layernorm_grads
@@ -153,7 +183,7 @@ def _flux_tp2(rank, world, tie, full_params, recompute="none", main_grad=False):
     from megatron_flux.layers.linear import FluxColumnParallelLinear
     from megatron_flux.output_layer import swap_output_layer
 
-    cfg = _config(world, **RECOMPUTE[recompute])
+    cfg = _config(world, **RECOMPUTE[recompute], **(MOE if moe else {}))
     cfg.flux_gradient_accumulation_fusion = main_grad  # what --flux-gradient-accumulation-fusion sets
     block = specs.get_gpt_decoder_block_flux_spec(cfg, backend="nccl")
     block = dataclasses.replace(block, layer_specs=[_with_cpu_attention(s) for s in block.layer_specs])
@@ -185,22 +215,24 @@ def _flux_tp2(rank, world, tie, full_params, recompute="none", main_grad=False):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tie,recompute,main_grad", [
-    (False, "none", False), (True, "none", False), (False, "full", False),
-    (False, "selective", False), (False, "none", True), (True, "full", True),
-], ids=["untied", "tied", "untied-recompute-full", "untied-recompute-selective",
-        "untied-main-grad", "tied-recompute-full-main-grad"])
-def test_gpt_model_tp2_sp_through_the_plugin_matches_stock_tp1(tie, recompute, main_grad):
+@pytest.mark.parametrize("case", CASES)
+def test_gpt_model_tp2_sp_through_the_plugin_matches_stock_tp1(case):
     """With activation recomputation the plugin's linears run their forward a second time
     inside backward; the reference never recomputes. With ``main_grad`` the linears'
     weight gradients are accumulated into megatron's ``main_grad`` buffers (the pretrain
-    scripts' ``--flux-gradient-accumulation-fusion``), every other gradient reaches ``.grad``."""
+    scripts' ``--flux-gradient-accumulation-fusion``), every other gradient reaches ``.grad``.
+    With MoE the experts' linears are the plugin's too (no sequence-parallel communication of
+    their own: the token dispatcher gathers the sequence)."""
+    tie, recompute, main_grad, moe = CASES[case]
     (ref_loss, full_params, ref_grads), = run_distributed(
-        _stock_tp1, 1, tie, tensor_model_parallel_size=1, timeout=240)
-    per_rank = run_distributed(_flux_tp2, TP, tie, full_params, recompute, main_grad,
+        _stock_tp1, 1, tie, 2, 0, moe, tensor_model_parallel_size=1, timeout=240)
+    per_rank = run_distributed(_flux_tp2, TP, tie, full_params, recompute, main_grad, moe,
                                tensor_model_parallel_size=TP, timeout=240)
     output_weight = "embedding.word_embeddings.weight" if tie else "output_layer.weight"
-    linears = {n for n in full_params if "linear_" in n and n.endswith(".weight")} | {output_weight}
+    # (an expert's linears run without sequence parallelism, so on megatron-core's own path,
+    # whose accumulation fusion needs apex: their gradients reach .grad, as in stock)
+    linears = {n for n in full_params if "linear_" in n and n.endswith(".weight")
+               and ".experts." not in n} | {output_weight}
     for rank, (_, _, (fused, plain)) in enumerate(per_rank):
         if not main_grad:
             continue
