@@ -11,12 +11,15 @@ the reference gradient (norm gradients after megatron-core's own TP all-reduce o
 ``sequence_parallel`` parameters). Tied and untied output weights; with activation
 recomputation (full, and selective ``mlp``); with the linears' weight gradients accumulated into
 megatron's ``main_grad`` buffers (``--flux-gradient-accumulation-fusion``), checking which
-parameters took that path; with mixture-of-experts layers; and with two pipeline stages (TP 2 x PP 2, megatron-core's 1F1B
-schedule over two micro-batches, and its interleaved schedule with two virtual stages).
+parameters took that path; with mixture-of-experts layers; and with two pipeline stages (TP 2 x
+PP 2, megatron-core's 1F1B schedule over two micro-batches, and its interleaved schedule with two
+virtual stages).
 
-CUDA-only pieces of megatron-core that move no data are stubbed in the workers:
-``torch.cuda.current_device`` (the embedding's scatter allocates its output there) and the CUDA
-RNG tracker that the embedding forks for dropout (dropout is 0 here).
+Pieces of megatron-core that move no data but need CUDA (or, in 0.16, Transformer Engine) are
+stubbed in the workers: ``torch.cuda.current_device`` (the embedding's scatter allocates its
+output there), the CUDA RNG tracker the embedding forks for dropout (dropout is 0 here), the RNG
+state save/restore of activation recomputation, the MoE router's TE GEMM name, and the pipeline
+schedule's few ``device="cuda"`` tensors and synchronizations.
 """
 
 import contextlib
