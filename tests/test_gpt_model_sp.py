@@ -371,3 +371,61 @@ def test_gpt_model_tp2_pp2_through_the_plugin_matches_stock_tp1(virtual):
                                        msg=lambda m: f"pp {pp_rank} tp {tp_rank} {name}: {m}")
         seen |= set(grads)
     assert seen == set(ref_grads)  # the stages together hold every parameter
+
+
+def _sharded_layout(entry):
+    """A sharded state-dict entry as comparable data: a ShardedTensorFactory (SwiGLU's fc1) by
+    the ShardedTensors it builds, a ShardedTensor by every field but its local data (whose
+    shape and dtype stand in), anything else as is."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if isinstance(entry, ShardedTensorFactory):
+        return ("factory", _sharded_layout(entry.build()))
+    if isinstance(entry, (list, tuple)):
+        return [_sharded_layout(e) for e in entry]
+    if isinstance(entry, dict):
+        return {k: _sharded_layout(v) for k, v in entry.items()}
+    if dataclasses.is_dataclass(entry):
+        fields = {f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)}
+        return (type(entry).__name__, {n: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
+                                       for n, v in fields.items()})
+    return (tuple(entry.shape), entry.dtype) if isinstance(entry, torch.Tensor) else entry
+
+
+def _sharded_state_dicts(rank, world, moe):
+    """This rank's sharded state-dict layout of the plugin's model and of the same model with
+    megatron-core's own linears (the plugin's SP norms in both: stock torch norms refuse
+    sequence parallelism)."""
+    _stub_cuda_only_helpers()
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_flux import specs
+    from megatron_flux.output_layer import swap_output_layer
+
+    cfg = _config(world, **(MOE if moe else {}))
+    stock_block = specs.swap_norms(
+        get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=None), "RMSNorm")
+    flux_block = specs.get_gpt_decoder_block_flux_spec(cfg, backend="nccl")
+    layouts = []
+    for block, convert in ((stock_block, False), (flux_block, True)):
+        block = dataclasses.replace(block, layer_specs=[_with_cpu_attention(s) for s in block.layer_specs])
+        model = _gpt_model(cfg, block, tie=False)
+        if convert:
+            swap_output_layer(model, "nccl")
+        metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+        layouts.append({k: _sharded_layout(v) for k, v in model.sharded_state_dict(metadata=metadata).items()})
+    return layouts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_sharded_state_dict_is_megatron_cores(moe):
+    """A distributed checkpoint of the plugin's model has exactly the keys, global shapes,
+    offsets and replica ids of megatron-core's own linears at TP 2 (MoE experts included), so
+    either loads the other's checkpoint and Megatron can reshard it."""
+    for rank, (stock, flux) in enumerate(run_distributed(_sharded_state_dicts, TP, moe,
+                                                         tensor_model_parallel_size=TP, timeout=240)):
+        assert list(flux) == list(stock), rank
+        for key in stock:
+            assert flux[key] == stock[key], (rank, key)
