@@ -12,7 +12,6 @@ The model and the stubs of megatron-core's CUDA-only helpers (which move no data
 """
 
 import collections
-import dataclasses
 import importlib.util
 import os
 import sys
@@ -57,7 +56,7 @@ def _count_gpt_model_collectives(rank, world, layers, keep_gathered_input):
     cfg = _config(world, num_layers=layers, params_dtype=torch.float32)
     cfg.flux_keep_gathered_input = keep_gathered_input
     block = specs.get_gpt_decoder_block_flux_spec(cfg, backend="nccl")
-    block = dataclasses.replace(block, layer_specs=[_with_cpu_attention(s) for s in block.layer_specs])
+    block = _with_cpu_attention(block)
     model = swap_output_layer(_gpt_model(cfg, block, tie=False), "nccl")
     ids, pos, labels = _microbatches(1)[0]
     mode = _CountCollectives()

@@ -98,13 +98,12 @@ def _config(tp, **kw):
     return TransformerConfig(**{**fields, **kw})
 
 
-def _with_cpu_attention(layer_spec):
-    from test_specs import CpuCoreAttention
+def _with_cpu_attention(block):
+    """A block spec with every layer's core attention runnable on CPU (test_specs'
+    :func:`with_cpu_attention`)."""
+    from test_specs import with_cpu_attention
 
-    attn = layer_spec.submodules.self_attention
-    attn = dataclasses.replace(
-        attn, submodules=dataclasses.replace(attn.submodules, core_attention=CpuCoreAttention))
-    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, self_attention=attn))
+    return dataclasses.replace(block, layer_specs=[with_cpu_attention(s) for s in block.layer_specs])
 
 
 def _gpt_model(cfg, spec, tie):
@@ -138,11 +137,12 @@ def _stock_tp1(rank, world, tie, num_layers=2, microbatches=0, moe=False):
     them."""
     _stub_cuda_only_helpers()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from test_specs import with_cpu_attention
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", **(
         dict(num_experts=MOE["num_moe_experts"], moe_grouped_gemm=False) if moe else {}))
     model = _gpt_model(_config(1, num_layers=num_layers, **(MOE if moe else {})),
-                       _with_cpu_attention(spec), tie)
+                       with_cpu_attention(spec), tie)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():  # away from init, norms too, so every gradient is exercised
         for p in model.parameters():
@@ -179,8 +179,7 @@ def _shard(name, full, rank, tp=TP):
 
 def _flux_tp2(rank, world, tie, full_params, recompute="none", main_grad=False, moe=False):
     _stub_cuda_only_helpers()
-    from megatron.core import parallel_state
-    from megatron.core.distributed.finalize_model_grads import _allreduce_layernorm_grads
+    from test_specs import allreduce_sp_grads
 
     from megatron_flux import specs
     from megatron_flux.layers.linear import FluxColumnParallelLinear
@@ -189,7 +188,7 @@ def _flux_tp2(rank, world, tie, full_params, recompute="none", main_grad=False, 
     cfg = _config(world, **RECOMPUTE[recompute], **(MOE if moe else {}))
     cfg.flux_gradient_accumulation_fusion = main_grad  # what --flux-gradient-accumulation-fusion sets
     block = specs.get_gpt_decoder_block_flux_spec(cfg, backend="nccl")
-    block = dataclasses.replace(block, layer_specs=[_with_cpu_attention(s) for s in block.layer_specs])
+    block = _with_cpu_attention(block)
     model = swap_output_layer(_gpt_model(cfg, block, tie), "nccl")
     assert isinstance(model.output_layer, FluxColumnParallelLinear)
     assert sorted(n for n, _ in model.named_parameters()) == sorted(full_params)
@@ -209,10 +208,7 @@ def _flux_tp2(rank, world, tie, full_params, recompute="none", main_grad=False, 
                 plain.add(n)
                 p.main_grad += p.grad
                 p.grad = None
-    chunk = torch.nn.Module()  # finalize_model_grads' all-reduce of the norms' gradients
-    chunk.module = model
-    chunk.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)
-    _allreduce_layernorm_grads([chunk], cfg, parallel_state.get_tensor_model_parallel_group())
+    allreduce_sp_grads(model, cfg)
     grads = {n: p.main_grad if main_grad else p.grad for n, p in model.named_parameters()}
     return loss, grads, (fused, plain)
 
@@ -277,7 +273,7 @@ def _flux_tp2_pp2(rank, world, full_params, num_layers, microbatches, virtual=1)
     _stub_cuda_only_helpers()
     _stub_pipeline_cuda_calls()
     from megatron.core import parallel_state
-    from megatron.core.distributed.finalize_model_grads import _allreduce_layernorm_grads
+    from test_specs import allreduce_sp_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -297,7 +293,7 @@ def _flux_tp2_pp2(rank, world, full_params, num_layers, microbatches, virtual=1)
         for vp in range(virtual):
             block = specs.get_gpt_decoder_block_flux_spec(cfg, backend="nccl", pp_rank=pp_rank,
                                                           vp_stage=vp if vpp else None)
-            block = dataclasses.replace(block, layer_specs=[_with_cpu_attention(s) for s in block.layer_specs])
+            block = _with_cpu_attention(block)
             first = pp_rank == 0 and vp == 0
             last = pp_rank == 1 and vp == virtual - 1
             torch.manual_seed(0)
@@ -336,10 +332,7 @@ def _flux_tp2_pp2(rank, world, full_params, num_layers, microbatches, virtual=1)
             forward_only=False)
         grads = {}
         for chunk, offset in zip(chunks, offsets):
-            wrapper = torch.nn.Module()
-            wrapper.module = chunk
-            wrapper.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)
-            _allreduce_layernorm_grads([wrapper], cfg, parallel_state.get_tensor_model_parallel_group())
+            allreduce_sp_grads(chunk, cfg)
             grads.update({global_name(n, offset): p.grad for n, p in chunk.named_parameters()})
         losses = [r["loss"] for r in reduced]  # the last stage's; empty on the first
         return pp_rank, tp_rank, losses, grads
@@ -409,7 +402,7 @@ def _sharded_state_dicts(rank, world, moe):
     flux_block = specs.get_gpt_decoder_block_flux_spec(cfg, backend="nccl")
     layouts = []
     for block, convert in ((stock_block, False), (flux_block, True)):
-        block = dataclasses.replace(block, layer_specs=[_with_cpu_attention(s) for s in block.layer_specs])
+        block = _with_cpu_attention(block)
         model = _gpt_model(cfg, block, tie=False)
         if convert:
             swap_output_layer(model, "nccl")

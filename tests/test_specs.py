@@ -431,6 +431,18 @@ class CpuCoreAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(sq, b, nq * d)
 
 
+def allreduce_sp_grads(module, config):
+    """Megatron's ``finalize_model_grads`` step for ``sequence_parallel``-tagged parameters
+    (norms, routers): their gradients summed over the TP group, on a DDP-like chunk."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed.finalize_model_grads import _allreduce_layernorm_grads
+
+    chunk = torch.nn.Module()
+    chunk.module = module
+    chunk.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)
+    _allreduce_layernorm_grads([chunk], config, parallel_state.get_tensor_model_parallel_group())
+
+
 def with_cpu_attention(spec):
     attn = spec.submodules.self_attention
     attn = dataclasses.replace(
@@ -553,9 +565,6 @@ def shard_llama_param(name, full, rank, tp=TP):
 
 def _tp2_sp_llama_layer(rank, world_size, full_params, x_full, dy_full):
     """For keep_gathered_input False and True: this rank's output, input grad, param grads."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed.finalize_model_grads import _allreduce_layernorm_grads
-
     results = {}
     for keep_gathered_input in (False, True):
         cfg = llama_config(tensor_model_parallel_size=TP, sequence_parallel=True)
@@ -569,11 +578,7 @@ def _tp2_sp_llama_layer(rank, world_size, full_params, x_full, dy_full):
         out, _ = layer(x, attention_mask=None)
         out.backward(dy_full.chunk(TP, dim=0)[rank])
 
-        # Megatron's finalize_model_grads step for SP-tagged params (norms), on a DDP-like chunk.
-        chunk = torch.nn.Module()
-        chunk.module = layer
-        chunk.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)
-        _allreduce_layernorm_grads([chunk], cfg, parallel_state.get_tensor_model_parallel_group())
+        allreduce_sp_grads(layer, cfg)
         results[keep_gathered_input] = {
             "out": out.detach(),
             "x_grad": x.grad,
