@@ -12,7 +12,6 @@ The model and the stubs of megatron-core's CUDA-only helpers (which move no data
 """
 
 import collections
-import importlib.util
 import os
 import sys
 
@@ -23,15 +22,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_harness import run_distributed  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import e2e_comm  # noqa: E402
+
 TP = 2
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _e2e_comm():
-    spec = importlib.util.spec_from_file_location("e2e_comm", os.path.join(ROOT, "benchmarks", "e2e_comm.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class _CountCollectives(TorchDispatchMode):
@@ -69,7 +63,6 @@ def _count_gpt_model_collectives(rank, world, layers, keep_gathered_input):
 
 @pytest.mark.slow
 def test_collective_count_matches_a_gpt_model():
-    e2e_comm = _e2e_comm()
     cases = [(1, False), (2, False), (2, True)]
     for layers, keep in cases:
         counts = run_distributed(_count_gpt_model_collectives, TP, layers, keep,
@@ -86,6 +79,5 @@ def test_collective_count_matches_a_gpt_model():
 
 
 def test_collectives_per_microbatch():
-    e2e_comm = _e2e_comm()
     assert e2e_comm.collectives_per_microbatch(16) == {"all_gather": 66, "reduce_scatter": 66}
     assert e2e_comm.collectives_per_microbatch(16, 0) == {"all_gather": 64, "reduce_scatter": 64}
