@@ -136,6 +136,15 @@ def test_ag_gemm_compiles_with_one_row_per_rank(world):
         _compile(ag_gemm_kernel, constexprs, ones=("m_local", "chunk_rows"))
 
 
+def _gluon_desc(*block):
+    """The type of a host-encoded bf16 TMA descriptor argument of a Gluon kernel with a
+    ``block`` box, in the NVMMA shared layout the kernels' buffers use."""
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+    return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
+
+
 def _compile_gluon(fn, cfg, constexprs, ptr_types, dtype):
     """A warp-specialized Gluon kernel compiled for sm_90 (no GPU needed) with ``cfg``'s launch
     options: its pointer arguments are ``dtype`` unless ``ptr_types`` names them, every other
@@ -225,12 +234,7 @@ def test_gluon_kernels_compile_with_host_descriptors(world):
 
     if RS.gemm_rs_ws_kernel is None:
         pytest.skip(RS.GLUON_ERROR)
-    from triton.experimental.gluon import language as gl
-
-    def desc(*block):
-        layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-        return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
-
+    desc = _gluon_desc
     for tile, b_kn, merged in ((_PINGPONG5, False, False), (_COOP, True, False),
                                (_PINGPONG64, False, True)):
         cfg = GemmConfig(*tile, rs_warp_specialized=True, rs_merge_rows=merged,

@@ -21,7 +21,8 @@ import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from test_kernels_compile import _COOP, _PINGPONG5, _SMALL, _compile, _compile_gluon  # noqa: E402
+from test_kernels_compile import _COOP, _PINGPONG5, _SMALL, _compile, _compile_gluon, \
+    _gluon_desc  # noqa: E402
 
 from megatron_flux.kernels.ag_gemm import ag_gemm_kernel  # noqa: E402
 from megatron_flux.kernels.config import unroll_steps  # noqa: E402
@@ -37,13 +38,6 @@ def fingerprint(ptx: str) -> str:
 
 def desc(*block):
     return f"tensordesc<bf16[{','.join(map(str, block))}]>"
-
-
-def gluon_desc(*block):
-    from triton.experimental.gluon import language as gl
-
-    layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-    return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
 
 
 def gluon_kernels(world):
@@ -63,11 +57,11 @@ def gluon_kernels(world):
                     cfg = GemmConfig(*tile, rs_warp_specialized=True, rs_merge_rows=merged,
                                      rs_spread_reduce=merged, rs_tma_push=not merged)
                     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-                    b = gluon_desc(bk, bn) if b_kn else gluon_desc(bn, bk)
+                    b = _gluon_desc(bk, bn) if b_kn else _gluon_desc(bn, bk)
                     types = {"data_ptrs": "*i64", "flag_ptrs": "*i64", "err_ptr": "*i32"}
                     if host:
-                        types.update(a_hd=gluon_desc(bm, bk), b_hd=b, out_hd=gluon_desc(bm, bn),
-                                     slots_hd=gluon_desc(bm, bn))
+                        types.update(a_hd=_gluon_desc(bm, bk), b_hd=b, out_hd=_gluon_desc(bm, bn),
+                                     slots_hd=_gluon_desc(bm, bn))
                     k = _compile_gluon(RS.gemm_rs_ws_kernel, cfg, dict(
                         WORLD=world, B_KN=b_kn, HAS_BIAS=True, CE_PUSH=False,
                         CONSUMER_REGS=RS.CONSUMER_REGS, MERGE_ROWS=merged, HOST_DESC=host),
@@ -78,9 +72,9 @@ def gluon_kernels(world):
                 bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
                 types = {"flags_ptr": "*i32", "err_ptr": "*i32"}
                 if host:
-                    types.update(x_hd=gluon_desc(bm, bk), ag_hd=gluon_desc(bm, bk),
-                                 b_hd=gluon_desc(bk, bn) if b_kn else gluon_desc(bn, bk),
-                                 c_hd=gluon_desc(bm, bn))
+                    types.update(x_hd=_gluon_desc(bm, bk), ag_hd=_gluon_desc(bm, bk),
+                                 b_hd=_gluon_desc(bk, bn) if b_kn else _gluon_desc(bn, bk),
+                                 c_hd=_gluon_desc(bm, bn))
                 k = _compile_gluon(AG.ag_gemm_ws_kernel, cfg, dict(
                     WORLD=world, B_KN=b_kn, CONSUMER_REGS=AG.CONSUMER_REGS, HOST_DESC=host),
                     types, "bf16")
