@@ -191,11 +191,26 @@ def _check_gather_beside_rs(flux, group, rank, world, gen, rounds=10):
     return rounds + 1
 
 
+def _stage(rank, t0, name):
+    """Rank 0 prints which check section starts, with the seconds since the worker began, to
+    stderr (unbuffered under ``pytest -s``): a section that compiles or waits long shows
+    where a run that hit its time limit stood."""
+    if rank == 0:
+        import time
+
+        print(f"[test_flux_gpu rank 0 +{time.perf_counter() - t0:.1f}s] {name}", file=sys.stderr,
+              flush=True)
+
+
 @nccl_worker
 def _worker(rank, world, port, env):
+    import time
+
+    t0 = time.perf_counter()
     init_rank(rank, world, port, env)
     from megatron_flux.backends.flux import FluxBackend
 
+    _stage(rank, t0, "both dtypes and layouts")
     group = torch.distributed.group.WORLD
     flux = FluxBackend()
     gen = torch.Generator(device="cuda")
@@ -208,6 +223,7 @@ def _worker(rank, world, port, env):
                 _check_rs(flux, group, rank, world, m_local, k, n, dtype, layout, tol, gen,
                           with_bias=(m_local % 2 == 0))
                 n_checks += 2
+    _stage(rank, t0, "60 calls with changing shapes")
     # many back-to-back calls with changing shapes: epochs, parity, workspace growth
     for i in range(60):
         m_local, k, n = SHAPES[i % len(SHAPES)]
@@ -226,6 +242,7 @@ def _worker(rank, world, port, env):
         return GemmConfig(block_m=128, block_n=128, num_stages=3, num_warps=8, chunk_rows=128,
                           epilogue_split=1)
 
+    _stage(rank, t0, "back to back: alternating layouts")
     flux_alt = FluxBackend(config_provider=alternating)
     n_checks += _check_back_to_back(flux_alt, group, rank, world, gen)
     flux_alt.check_errors()
@@ -254,6 +271,7 @@ def _worker(rank, world, port, env):
         flux_alt_ws = FluxBackend(config_provider=provider)
         n_checks += _check_back_to_back(flux_alt_ws, group, rank, world, gen)
         flux_alt_ws.check_errors()
+    _stage(rank, t0, "gather beside GEMM+RS, column dgrad modes")
     n_checks += _check_gather_beside_rs(flux, group, rank, world, gen)
     for column_dgrad in ("copy_engine", "fused", "nccl"):
         n_checks += _check_rs_start_every_shape(FluxBackend(column_dgrad=column_dgrad), group,
@@ -261,6 +279,7 @@ def _worker(rank, world, port, env):
     flux_ce = _default_with(rs_copy_engine=True)
     n_checks += _check_gather_beside_rs(flux_ce, group, rank, world, gen)
     flux_ce.check_errors()
+    _stage(rank, t0, "pulling AllGather")
     # the pulling AllGather over every shape and layout
     n_checks += _check_ag_every_shape(_default_with(ag_pull=True, chunk_rows=64), group, rank,
                                       world, gen)
@@ -278,6 +297,7 @@ def _worker(rank, world, port, env):
                    dict(rs_copy_engine=True, rs_ce_bands=True),
                    dict(rs_copy_engine=True, rs_ce_bands=True, group_m=1, block_m=64),
                    dict(rs_copy_engine=True, rs_ce_bands=True, rs_spread_reduce=True)]
+    _stage(rank, t0, "GEMM+RS schedule knobs")
     for variant in rs_variants:
         flux_rs = _default_with(**variant)
         for (m_local, k, n) in SHAPES:
@@ -289,6 +309,7 @@ def _worker(rank, world, port, env):
     # pushes, both layouts and dtypes, with and without a bias; shapes whose rows per rank
     # are not a multiple of block_m (or too short a K) run the Triton kernel instead, except
     # with merged rows (every rank's rows in one tile space: tiles span owners there)
+    _stage(rank, t0, "Gluon GEMM+RS")
     ws = dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
               epilogue_split=1, rs_warp_specialized=True)
     coop = dict(ws, block_n=256, num_stages=3, num_warps=8)  # the cooperative form
@@ -306,6 +327,7 @@ def _worker(rank, world, port, env):
     # the warp-specialized Gluon AG+GEMM (kernels/ag_gemm_ws.py), pushing and pulling, over
     # every shape and layout (shapes whose rows per rank are not a multiple of block_m run
     # the Triton kernel instead)
+    _stage(rank, t0, "Gluon AG+GEMM")
     ag_ws = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4,
                  epilogue_split=1, ag_warp_specialized=True)
     ag_coop = dict(ag_ws, block_n=256, num_stages=3, num_warps=8)  # the cooperative form
@@ -317,6 +339,7 @@ def _worker(rank, world, port, env):
         flux_ag_ws.check_errors()
     # AG+GEMM's stream-K tail (default tiles, and 128x256 with warp specialization) over
     # every shape and layout, and bitwise repeatable on a shape whose tail it splits
+    _stage(rank, t0, "AG+GEMM stream-K")
     sk_variants = [dict(stream_k=1),
                    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8,
                         epilogue_split=1, warp_specialize=True, stream_k=1)]
@@ -335,6 +358,7 @@ def _worker(rank, world, port, env):
     # the workspace before the kernel), pushing and pulling, leads of 0 (the gathered rows
     # as one operand, tiles spanning segments: small m's default) and 1 waves, and the
     # 128x128 warp-specialized tile of the llama3-8b TP 2 table entries
+    _stage(rank, t0, "AG+GEMM merged local rows")
     merge_variants = [dict(ag_merge_local=True),
                       dict(ag_merge_local=True, ag_merge_lead=0, chunk_rows=64),
                       dict(ag_merge_local=True, ag_pull=True, chunk_rows=64),
@@ -342,6 +366,7 @@ def _worker(rank, world, port, env):
                            epilogue_split=1, warp_specialize=True, ag_merge_local=True)]
     for variant in merge_variants:
         n_checks += _check_ag_every_shape(_default_with(**variant), group, rank, world, gen)
+    _stage(rank, t0, "AG+GEMM determinism")
     # bitwise determinism of AG+GEMM
     x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
     b = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16, generator=gen)
