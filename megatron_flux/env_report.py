@@ -25,19 +25,24 @@ import platform
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-#: environment variables that change what the plugin, NCCL or torch symmetric memory do
-ENV_VARS = (
-    "CUDA_DEVICE_MAX_CONNECTIONS",
-    "NCCL_NVLS_ENABLE",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-    "NVSHMEM_DISABLE_NVLS",
+#: the plugin's own environment variables that change which tables, backends or launch paths
+#: run (also recorded with every benchmark run, :mod:`megatron_flux.bench.report`)
+PLUGIN_ENV_VARS = (
     "MEGATRON_FLUX_CONFIG",
+    "MEGATRON_FLUX_SHIPPED_TABLES",
     "MEGATRON_FLUX_AUTO_MARGIN",
     "MEGATRON_FLUX_COLUMN_DGRAD",
     "MEGATRON_FLUX_HOST_DESCRIPTORS",
     "MEGATRON_FLUX_DIRECT_LAUNCH",
     "MEGATRON_FLUX_RESERVED_SMS",
 )
+#: environment variables that change what the plugin, NCCL or torch symmetric memory do
+ENV_VARS = (
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "NCCL_NVLS_ENABLE",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+    "NVSHMEM_DISABLE_NVLS",
+) + PLUGIN_ENV_VARS
 
 
 def _version(*distributions: str) -> Optional[str]:

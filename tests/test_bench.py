@@ -236,6 +236,29 @@ def test_flux_variant_needs_valid_fields_and_changes_only_them():
     M._VARIANT.clear()
 
 
+def test_a_bad_user_table_fails_before_any_timing(tmp_path, monkeypatch):
+    """$MEGATRON_FLUX_CONFIG naming a missing or malformed file stops a run that would look
+    the tables up (flux, flux_variant, auto) at argument time, naming the file; runs without
+    those methods do not read the tables."""
+    from megatron_flux.tuning.schema import TuningFileError
+
+    missing = tmp_path / "no-such-table.json"
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"format": "megatron-flux-tuning"}')
+    for path in (missing, broken):
+        monkeypatch.setenv("MEGATRON_FLUX_CONFIG", str(path))
+        for methods in (["flux"], ["auto"], ["nccl", "flux_variant"]):
+            extra = ["--flux-variant", '{"rs_copy_engine": true}'] if "flux_variant" in methods else []
+            with pytest.raises(TuningFileError, match=path.name):
+                resolve_args(build_parser().parse_args(["--methods", *methods, *extra]), tp=2)
+        M._VARIANT.clear()
+        args = resolve_args(build_parser().parse_args(["--methods", "nccl", "flux_default"]), tp=2)
+        assert args.method_list == ["nccl", "flux_default"]
+    # and the plugin's settings are recorded with the results
+    assert {"MEGATRON_FLUX_CONFIG", "MEGATRON_FLUX_SHIPPED_TABLES",
+            "MEGATRON_FLUX_HOST_DESCRIPTORS"} <= set(R.ENV_VARS)
+
+
 def test_describe_command_reconstructs_the_launcher(monkeypatch):
     main_py = str(REPO / "megatron_flux" / "bench" / "__main__.py")
     monkeypatch.setattr(sys, "argv", [main_py, "--ms", "64"])

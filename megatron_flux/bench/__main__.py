@@ -41,6 +41,21 @@ DEFAULT_METHODS = ("cublas_gemm", "comm", "nccl", "torch_async_tp", "flux")
 OP_ALIASES = {"ag+gemm": G.AG_GEMM, "ag": G.AG_GEMM, "gemm+rs": G.GEMM_RS, "rs": G.GEMM_RS}
 
 
+#: methods whose kernel settings (and, for auto, backend choice) come from the tuning tables
+TABLE_METHODS = ("flux", "flux_variant", "auto")
+
+
+def _validate_user_tables() -> None:
+    """Read every user-given table (``$MEGATRON_FLUX_CONFIG``) now: a missing or malformed file
+    fails the run before any rank times anything, instead of turning every table method's row
+    into an error."""
+    from megatron_flux.tuning.registry import user_table_files
+    from megatron_flux.tuning.schema import load_table
+
+    for path in user_table_files():
+        load_table(path)  # TuningFileError (a ValueError) names the file and field
+
+
 def _split(values: Optional[Sequence[str]]) -> List[str]:
     """``["a,b", "c"]`` → ``["a", "b", "c"]``: lists may be given space- or comma-separated."""
     return [p for v in values or () for p in v.split(",") if p]
@@ -129,6 +144,8 @@ def resolve_args(args: argparse.Namespace, tp: int) -> argparse.Namespace:
         M.set_flux_variant(args.flux_variant)
     elif args.flux_variant is not None:
         raise ValueError("--flux-variant is only used by method flux_variant")
+    if any(m in methods for m in TABLE_METHODS):
+        _validate_user_tables()
     if args.trials < 1 or args.iters < 1 or args.warmup < 0 or args.sample_warmup < 0:
         raise ValueError("--trials and --iters must be >= 1, --warmup and --sample-warmup >= 0")
     args.op_list = list(dict.fromkeys(ops))

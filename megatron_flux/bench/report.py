@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megatron_flux.bench.grid import OPS
 from megatron_flux.bench.methods import COMPUTES_OP, METHODS, OVERLAPPING
+from megatron_flux.env_report import PLUGIN_ENV_VARS
 
 STATUSES = ("ok", "skipped", "error")
 #: m at or above which a case belongs to the main grid of the summary (FLUX's Fig. 11–13 range)
@@ -46,7 +47,7 @@ ENV_VARS = (
     "NCCL_ALGO",
     "NCCL_PROTO",
     "CUDA_VISIBLE_DEVICES",
-)
+) + PLUGIN_ENV_VARS  # which tables and launch paths the flux methods ran with
 
 
 # ---------------------------------------------------------------------------------- metrics
