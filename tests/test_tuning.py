@@ -616,7 +616,7 @@ def test_confirm_keeps_the_times_less_favourable_to_fused(tmp_path):
 
     t = T.load_table(write(tmp_path, table_obj()))
     # table_obj: ag n=512 k=256 m=64 flux 2.0 nccl 1.0; m=1024 flux 1.0 nccl 2.0
-    bench = {"tp": 2, "rows": [
+    bench = {"tp": 2, "gpu": "NVIDIA Test GPU", "rows": [
         {"op": "AG+GEMM", "m": 64, "n": 1024, "k": 256, "method": "flux", "status": "ok", "check": "ok", "median_ms": 1.0},
         {"op": "AG+GEMM", "m": 64, "n": 1024, "k": 256, "method": "nccl", "status": "ok", "check": "ok", "median_ms": 1.0},
         {"op": "AG+GEMM", "m": 1024, "n": 1024, "k": 256, "method": "flux", "status": "ok", "check": "ok", "median_ms": 3.0},
@@ -632,6 +632,10 @@ def test_confirm_keeps_the_times_less_favourable_to_fused(tmp_path):
     assert by_m[("rs", 256)].notes["confirmed"] is False  # no times, no bench row: kept as is
     with pytest.raises(T.TuningFileError, match="tp"):
         confirm_table(t, {**bench, "tp": 4}, "b.json")
+    with pytest.raises(T.TuningFileError, match="gpu"):  # times from other cards
+        confirm_table(t, {**bench, "gpu": "NVIDIA H100 80GB HBM3"}, "b.json")
+    with pytest.raises(T.TuningFileError, match="dtype"):
+        confirm_table(t, {**bench, "dtype": "fp16"}, "b.json")
 
 
 def test_confirm_keeps_earlier_confirmations_the_bench_did_not_rerun(tmp_path):
@@ -641,10 +645,10 @@ def test_confirm_keeps_earlier_confirmations_the_bench_did_not_rerun(tmp_path):
     t = T.load_table(write(tmp_path, table_obj()))
     row = lambda m, meth, ms: {"op": "AG+GEMM", "m": m, "n": 1024, "k": 256, "method": meth,  # noqa: E731
                                "status": "ok", "check": "ok", "median_ms": ms}
-    first = confirm_table(t, {"tp": 2, "rows": [row(64, "flux", 1.0), row(64, "nccl", 1.0),
+    first = confirm_table(t, {"tp": 2, "gpu": "NVIDIA Test GPU", "rows": [row(64, "flux", 1.0), row(64, "nccl", 1.0),
                                                 row(1024, "flux", 3.0), row(1024, "nccl", 2.0)]}, "b1.json")
     # the kernel improved: a second benchmark of m=1024 only, fused now 0.5x
-    second = confirm_table(first, {"tp": 2, "rows": [row(1024, "flux", 1.0), row(1024, "nccl", 2.0)]}, "b2.json")
+    second = confirm_table(first, {"tp": 2, "gpu": "NVIDIA Test GPU", "rows": [row(1024, "flux", 1.0), row(1024, "nccl", 2.0)]}, "b2.json")
     by_m = {(e.op, e.m): e for e in second.entries}
     m64, m1024 = by_m[("ag", 64)], by_m[("ag", 1024)]
     assert m64.notes["confirmed"] and m64.notes["bench_source"] == "b1.json"   # kept as confirmed by b1
@@ -657,14 +661,16 @@ def test_confirm_keeps_earlier_confirmations_the_bench_did_not_rerun(tmp_path):
     assert (cb["bench"], cb["entries"], cb["kept_from_earlier"], cb["earlier_benches"]) == ("b2.json", 1, 1, ["b1.json"])
 
 
-def _ab_bench(tp, rows, variant=None):
-    """A benchmark JSON with flux / flux_variant / nccl medians per (op, m, n, k)."""
+def _ab_bench(tp, rows, variant=None, gpu="NVIDIA H200"):
+    """A benchmark JSON with flux / flux_variant / nccl medians per (op, m, n, k), run on ``gpu``
+    (132 SMs)."""
     out = []
     for (op, m, n, k), times in rows.items():
         for method, ms in zip(("flux", "flux_variant", "nccl"), times):
             out.append({"op": op, "model": "x", "m": m, "n": n, "k": k, "method": method,
                         "median_ms": ms, "status": "ok", "check": "ok"})
-    return {"tp": tp, "rows": out, "flux_variant": variant or {"rs_copy_engine": True}}
+    return {"tp": tp, "gpu": gpu, "env": {"gpus": [gpu] * tp, "sms": 132}, "rows": out,
+            "flux_variant": variant or {"rs_copy_engine": True}}
 
 
 def test_adopt_takes_a_variant_only_where_every_ab_run_timed_it_faster(tmp_path):
@@ -696,4 +702,12 @@ def test_adopt_takes_a_variant_only_where_every_ab_run_timed_it_faster(tmp_path)
     with pytest.raises(T.TuningFileError, match="tp"):
         adopt_variant(table, [(_ab_bench(4, {}), "d.json")])
     with pytest.raises(T.TuningFileError, match="flux_variant"):
-        adopt_variant(table, [({"tp": 2, "rows": []}, "e.json")])
+        adopt_variant(table, [({"tp": 2, "gpu": "NVIDIA H200", "rows": []}, "e.json")])
+    # an A/B run on other cards never changes the table (session 26 asked for two H200s and got
+    # two H100s, on which the Gluon ping-pong loses where it wins on the H200)
+    with pytest.raises(T.TuningFileError, match="H100"):
+        adopt_variant(table, [(run1, "a.json"), (_ab_bench(2, {}, gpu="NVIDIA H100 80GB HBM3"), "h.json")])
+    other_sms = _ab_bench(2, {})
+    other_sms["env"]["sms"] = 114
+    with pytest.raises(T.TuningFileError, match="sms"):
+        adopt_variant(table, [(other_sms, "p.json")])

@@ -7,7 +7,8 @@ of them gets the variant's fields **where every run that ran the case timed the 
 (medians); its times (``flux_ms``, ``nccl_ms``) become the variant's and NCCL's from the run
 less favourable to fused (larger variant/nccl), the A/B is kept in ``notes["adopted"]``. Entries
 no run covered, or where a run timed the variant no faster, are left as they are. Every run must
-carry the same ``flux_variant`` fields and the table's TP.
+carry the same ``flux_variant`` fields and have run on the table's machine (TP, GPU model, SM
+count, dtype: :func:`~megatron_flux.tuning.from_bench.check_same_machine`).
 
 ``python -m megatron_flux.tuning.adopt TABLE.json AB_BENCH.json [AB_BENCH2.json ...] OUT.json``
 (applied after ``megatron_flux.tuning.confirm``; an adopted entry's ``tune_*`` times in its notes
@@ -20,7 +21,7 @@ import dataclasses
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megatron_flux.tuning.from_bench import local_times, table_benches_out
+from megatron_flux.tuning.from_bench import check_same_machine, local_times, table_benches_out
 from megatron_flux.tuning.schema import Entry, Table, TuningFileError, load_table, write_table
 
 
@@ -32,8 +33,7 @@ def adopt_variant(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> T
     fields = None
     timed: List[Tuple[str, Dict[tuple, Dict[str, float]]]] = []
     for bench, source in runs:
-        if int(bench.get("tp", -1)) != table.tp:
-            raise TuningFileError(source, "tp", f"{bench.get('tp')} != the table's {table.tp}")
+        check_same_machine(bench, table, source)
         variant = bench.get("flux_variant")
         if not isinstance(variant, dict) or not variant:
             raise TuningFileError(source, "flux_variant", "not an A/B run (no flux_variant fields)")

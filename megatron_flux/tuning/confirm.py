@@ -6,7 +6,9 @@ say "fused wins" where it does not. This takes a tuned table and a benchmark JSO
 table* (``MEGATRON_FLUX_CONFIG=table.json megatron-flux bench ...``, method ``flux``) and keeps,
 per entry, the pair of times (``flux_ms``, ``nccl_ms``) from whichever run is **less favourable
 to the fused kernel** (larger flux/nccl ratio). ``auto`` then takes fused only where it won in
-both runs. Configs are not touched; both runs' times are kept in the entry's ``notes``.
+both runs. Configs are not touched; both runs' times are kept in the entry's ``notes``. The
+benchmark must have run on the table's machine (TP, GPU model, SM count, dtype), else it is
+refused (:func:`~megatron_flux.tuning.from_bench.check_same_machine`).
 
 Tables grow by partial retunes (``tune --no-merge`` on some shapes, merged into the shipped
 table), each confirmed by a benchmark of the shapes it touched. So:
@@ -27,14 +29,13 @@ import dataclasses
 import sys
 from typing import Any, Dict, Optional, Sequence
 
-from megatron_flux.tuning.from_bench import local_times, table_benches_out
+from megatron_flux.tuning.from_bench import check_same_machine, local_times, table_benches_out
 from megatron_flux.tuning.schema import Entry, Table, TuningFileError, load_table, write_table
 
 
 def confirm_table(table: Table, bench: Dict[str, Any], bench_source: str) -> Table:
     """``table`` with each entry's times taken from the run less favourable to fused."""
-    if int(bench.get("tp", -1)) != table.tp:
-        raise TuningFileError(bench_source, "tp", f"{bench.get('tp')} != the table's {table.tp}")
+    check_same_machine(bench, table, bench_source)
     times = local_times(bench, bench_source)
     entries = []
     confirmed = kept = 0

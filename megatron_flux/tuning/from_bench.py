@@ -58,6 +58,25 @@ def local_times(bench: Dict[str, Any], source: str, methods: Sequence[str] = ("f
     return out
 
 
+def check_same_machine(bench: Dict[str, Any], table: Table, source: str) -> None:
+    """Raise :class:`TuningFileError` unless the benchmark ran where ``table`` applies: the same
+    TP, GPU model (normalised name), SM count (where the benchmark recorded it) and dtype. Times
+    from another GPU must never confirm or change a table (the lender may serve an H200 request
+    with H100s, and the H100 ranks configs differently)."""
+    if int(bench.get("tp", -1)) != table.tp:
+        raise TuningFileError(source, "tp", f"{bench.get('tp')} != the table's {table.tp}")
+    gpus = set((bench.get("env") or {}).get("gpus") or [bench.get("gpu")])
+    names = {normalize_gpu_name(g) for g in gpus if isinstance(g, str) and g.strip()}
+    if names != {table.gpu}:
+        raise TuningFileError(source, "gpu", f"{sorted(gpus)} is not the table's GPU "
+                                             f"{table.gpu_name!r}")
+    sms = (bench.get("env") or {}).get("sms")
+    if sms is not None and int(sms) != table.sms:
+        raise TuningFileError(source, "env.sms", f"{sms} != the table's {table.sms}")
+    if bench.get("dtype", table.dtype) != table.dtype:
+        raise TuningFileError(source, "dtype", f"{bench.get('dtype')} != the table's {table.dtype}")
+
+
 def table_from_bench(bench: Dict[str, Any], source: str) -> Table:
     from megatron_flux.kernels.config import default_config
 
