@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 26, two GPUs (kind nvidia-h200-x2, lent again for the first time since session 18).
+# Session 26, two GPUs (kind nvidia-h200-x2, lent again for the first time since session 18; every
+# call of the session ran on two H100s: results/raw/s26/README.md).
 # Every stage runs at TP = the visible GPUs; KEEP (default /root/keep, outside the copied tree,
 # so it survives between calls while the machine stays warm) holds the A/B runs and the adopted
 # table from one call to the next.
@@ -52,7 +53,14 @@ for what in "$@"; do
   case "${what}" in
     tests2)
       python3 -m megatron_flux.cli check --tp 2 --json > "${OUT}/check-tp2.json"; echo "   check exit $?"
-      gpu_tests "${TESTS_TIMEOUT:-540}" tests-2gpu tests/test_flux_gpu.py tests/test_layers_gpu.py || exit 2 ;;
+      # -v -s: each test's name and test_flux_gpu's per-section lines reach the log as they
+      # happen, so a run cut off by its limit still shows where it stood (call 1 ran -q: a cold
+      # Triton cache took the whole 540 s and the log stayed empty)
+      install_carried_wheels || exit 2
+      PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout "${TESTS_TIMEOUT:-540}" python3 benchmarks/record_pytest.py \
+          "${OUT}/tests-2gpu.json" tests/test_flux_gpu.py tests/test_layers_gpu.py -v -s -m gpu \
+          -p no:cacheprovider > "${OUT}/tests-2gpu.log" 2>&1
+      echo "tests exit $?"; grep -E "PASSED|FAILED|ERROR|[0-9]+ (passed|failed)" "${OUT}/tests-2gpu.log" | tail -15 ;;
     abpp)
       conn_env 1
       bench "ab-pp-conn1-${RUN_NAME:-1}" "${AB_TIMEOUT:-420}" --m-set large \
