@@ -15,6 +15,7 @@ tail and its merged local rows (``ag_merge_local``) run over every shape. Runs u
 import dataclasses
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -196,16 +197,12 @@ def _stage(rank, t0, name):
     stderr (unbuffered under ``pytest -s``): a section that compiles or waits long shows
     where a run that hit its time limit stood."""
     if rank == 0:
-        import time
-
         print(f"[test_flux_gpu rank 0 +{time.perf_counter() - t0:.1f}s] {name}", file=sys.stderr,
               flush=True)
 
 
 @nccl_worker
 def _worker(rank, world, port, env):
-    import time
-
     t0 = time.perf_counter()
     init_rank(rank, world, port, env)
     from megatron_flux.backends.flux import FluxBackend

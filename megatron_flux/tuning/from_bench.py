@@ -58,6 +58,11 @@ def local_times(bench: Dict[str, Any], source: str, methods: Sequence[str] = ("f
     return out
 
 
+def bench_gpus(bench: Dict[str, Any]) -> set:
+    """The GPU model names a benchmark ran on: every rank's (``env.gpus``), else its ``gpu``."""
+    return set((bench.get("env") or {}).get("gpus") or [bench.get("gpu")])
+
+
 def check_same_machine(bench: Dict[str, Any], table: Table, source: str) -> None:
     """Raise :class:`TuningFileError` unless the benchmark ran where ``table`` applies: the same
     TP, GPU model (normalised name), SM count (where the benchmark recorded it) and dtype. Times
@@ -65,7 +70,7 @@ def check_same_machine(bench: Dict[str, Any], table: Table, source: str) -> None
     with H100s, and the H100 ranks configs differently)."""
     if int(bench.get("tp", -1)) != table.tp:
         raise TuningFileError(source, "tp", f"{bench.get('tp')} != the table's {table.tp}")
-    gpus = set((bench.get("env") or {}).get("gpus") or [bench.get("gpu")])
+    gpus = bench_gpus(bench)
     names = {normalize_gpu_name(g) for g in gpus if isinstance(g, str) and g.strip()}
     if names != {table.gpu}:
         raise TuningFileError(source, "gpu", f"{sorted(gpus)} is not the table's GPU "
@@ -85,7 +90,7 @@ def table_from_bench(bench: Dict[str, Any], source: str) -> Table:
             raise TuningFileError(source, fld, "missing from the benchmark JSON")
     tp = int(bench["tp"])
     env = bench["env"]
-    gpus = set(env.get("gpus") or [bench["gpu"]])
+    gpus = bench_gpus(bench)
     if len(gpus) != 1:
         raise TuningFileError(source, "env.gpus", f"mixed GPU models {sorted(gpus)}")
     sms = env.get("sms")
