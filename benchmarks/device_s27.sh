@@ -13,6 +13,8 @@
 #   h100tune   (H100) the small-m grid tuned and merged into session 26's m >= 1024 H100 table
 #              (raw/s26/call6/table-h100-tp2.json), then the whole grid benchmarked with it
 #              (flux = table, flux_default, auto)         -> $OUT/table-h100-tp2.json, bench-h100-*.*
+#   h100fill   (H100) call 7's table completed (FILL_ARGS: the entries its tune had no time for),
+#              then the whole grid benchmarked with it twice -> $OUT/table-h100-tp2.json, bench-h100-all-{2,3}.*
 #   h100bench  (H100) the whole grid again with raw/s27/table-h100-tp2.json -> bench-h100-all-<RUN_NAME>.*
 #   cachepack  the Triton cache as one archive, if it fits what comes back -> $OUT/triton-cache.tgz
 # Usage: OUT=/somewhere bash benchmarks/device_s27.sh pick cachepack
@@ -59,6 +61,17 @@ for what in "$@"; do
           --trials 3 --iters 10 --no-progress --out "${OUT}/table-h100-tp2.json" > "${OUT}/tune-small.log" 2>&1
       echo "   tune exit $? (${SECONDS}s)"; grep -E "^(ag|rs) n=" "${OUT}/tune-small.log" | tail -30
       h100_bench bench-h100-all-1 "${OUT}/table-h100-tp2.json" $(( ${DEADLINE:-585} - SECONDS )) ;;
+    h100fill)
+      # call 7's tune ran out of time 21 entries into the 24 small-m ones: tune the rest
+      # (FILL_ARGS) into a copy of its table, then benchmark the whole grid with it twice
+      cp benchmarks/results/raw/s27/call7/table-h100-tp2.json "${OUT}/table-h100-tp2.json"
+      # shellcheck disable=SC2086
+      CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONPATH="${PWD}" timeout "${TUNE_TIMEOUT:-150}" "${RUN[@]}" \
+          -m megatron_flux.tune ${FILL_ARGS:---ops rs --shapes rs:4096:14336 --ms 128 256 512} \
+          --max-candidates 12 --top 2 --screen-iters 5 --trials 3 --iters 10 --no-progress \
+          --out "${OUT}/table-h100-tp2.json" > "${OUT}/tune-fill.log" 2>&1
+      echo "   tune exit $? (${SECONDS}s)"; grep -E "^(ag|rs) n=" "${OUT}/tune-fill.log" | tail -5
+      for run in 2 3; do h100_bench "bench-h100-all-${run}" "${OUT}/table-h100-tp2.json" 200; done ;;
     h100bench)
       h100_bench "bench-h100-all-${RUN_NAME:-2}" benchmarks/results/raw/s27/table-h100-tp2.json \
           "${BENCH_TIMEOUT:-400}" ;;

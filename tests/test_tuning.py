@@ -17,12 +17,12 @@ H200 = ("NVIDIA H200", 132)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks", "results", "bench-h200x2-2026-11-22.json")
 # shipped table -> (TP, the tuning run, the benchmarks that confirmed it, in order), all committed
-#: Each shipped table, regenerated from its committed runs: (TP, the tuning run, the steps
+#: Each shipped table, regenerated from its committed runs: (GPU, TP, the tuning run, the steps
 #: applied to it in order: ("confirm", bench) = tuning.confirm with a benchmark made with the
 #: table; ("adopt", [A/B runs]) = tuning.adopt of an interleaved flux vs flux_variant A/B)
 R = "benchmarks/results/"
 SHIPPED = {
-    "h200-sm132-tp2-bf16.json": (2, R + "raw/tune-h200x2-s8/table.json", [
+    "h200-sm132-tp2-bf16.json": ("h200", 2, R + "raw/tune-h200x2-s8/table.json", [
         ("confirm", R + "bench-h200x2-2026-11-23.json"),
         ("confirm", R + "bench-small-h200x2-2026-11-23.json"),
         ("adopt", [R + f"ab-rs-copy-engine-h200x2-2026-11-24-{run}.json"
@@ -33,8 +33,14 @@ SHIPPED = {
         ("confirm", R + "bench-h200x2-2026-11-26-s27-conn1-run2.json"),
         ("confirm", R + "bench-small-h200x2-2026-11-26-s27-conn1.json"),
     ]),
-    "h200-sm132-tp4-bf16.json": (4, R + "raw/tune-h200x4-2026-11-22.json", [
+    "h200-sm132-tp4-bf16.json": ("h200", 4, R + "raw/tune-h200x4-2026-11-22.json", [
         ("confirm", R + "bench-h200x4-2026-11-22.json"),
+    ]),
+    # sessions 26-27 on 2xH100: the m >= 1024 grid tuned in session 26, the small m merged in
+    # (two calls: the first ran out of time three entries short), then two benchmarks with it
+    "h100-80gb-hbm3-sm132-tp2-bf16.json": ("h100-80gb-hbm3", 2, R + "raw/s27/call8/table-h100-tp2.json", [
+        ("confirm", R + "bench-h100x2-2026-11-26-s27-all-run1.json"),
+        ("confirm", R + "bench-h100x2-2026-11-26-s27-all-run2.json"),
     ]),
 }
 
@@ -288,21 +294,22 @@ def test_prefer_fused_from_table(tmp_path):
     assert T.prefer_fused("rs", 256, 999, 256, torch.bfloat16, 2, TEST_GPU) is None   # unknown n
 
 
-def test_shipped_h200_table_decisions_follow_its_times_and_the_margin():
-    files = T.shipped_table_files()
-    t = T.load_table(files[0])
+@pytest.mark.parametrize("name,device", [("h200-sm132-tp2-bf16.json", H200),
+                                         ("h100-80gb-hbm3-sm132-tp2-bf16.json", ("NVIDIA H100 80GB HBM3", 132))])
+def test_shipped_tp2_table_decisions_follow_its_times_and_the_margin(name, device):
+    t = T.load_table(os.path.join(registry.SHIPPED_DIR, name))
     assert T.provider.auto_margin() == T.provider.DEFAULT_AUTO_MARGIN == 0.02
     fused = 0
     for e in t.entries:
         want = e.flux_ms <= 0.98 * e.nccl_ms
-        assert T.prefer_fused(e.op, e.m, e.n, e.k, torch.bfloat16, 2, H200) is want, e
+        assert T.prefer_fused(e.op, e.m, e.n, e.k, torch.bfloat16, 2, device) is want, e
         fused += want
     assert 0 < fused < len(t.entries)
     # a confirmed entry takes fused only where its tuning run and the benchmark both measured it
-    # faster by the margin (small m included: GEMM+RS llama3-8b m=64 and llama3-70b m=512 qualify)
+    # faster by the margin (small m included: H200 GEMM+RS llama3-70b m=512 qualifies)
     for e in t.entries:
         nt = e.notes
-        if nt.get("confirmed") and T.prefer_fused(e.op, e.m, e.n, e.k, torch.bfloat16, 2, H200):
+        if nt.get("confirmed") and T.prefer_fused(e.op, e.m, e.n, e.k, torch.bfloat16, 2, device):
             assert nt["tune_flux_ms"] <= 0.98 * nt["tune_nccl_ms"], e
             assert nt["bench_flux_ms"] <= 0.98 * nt["bench_nccl_ms"], e
 
@@ -331,11 +338,11 @@ def test_shipped_tables_are_the_committed_runs():
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
-    tp, tune_rel, steps = SHIPPED[name]
+    gpu, tp, tune_rel, steps = SHIPPED[name]
     confirms = [rel for step, rel in steps if step == "confirm"]
     t = T.load_table(os.path.join(registry.SHIPPED_DIR, name))
     assert t.source.startswith("megatron-flux tune ")
-    assert t.tp == tp and t.sms == 132 and t.gpu == "h200" and t.dtype == "bf16"
+    assert t.tp == tp and t.sms == 132 and t.gpu == gpu and t.dtype == "bf16"
     assert all(e.tuned for e in t.entries)
     # the benchmark grid (3 models x 2 ops x 8 m-buckets) is confirmed; entries the benchmarks
     # did not run (a training config's own shapes) keep the tune's times and say so
