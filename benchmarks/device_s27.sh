@@ -16,6 +16,8 @@
 #   h100fill   (H100) call 7's table completed (FILL_ARGS: the entries its tune had no time for),
 #              then the whole grid benchmarked with it twice -> $OUT/table-h100-tp2.json, bench-h100-all-{2,3}.*
 #   h100bench  (H100) the whole grid again with raw/s27/table-h100-tp2.json -> bench-h100-all-<RUN_NAME>.*
+#   abctl      the abpp A/B plus flux_control (same configs as flux, second backend object)
+#                                                           -> $OUT/ab-ctl-<RUN_NAME>.*
 #   cachepack  the Triton cache as one archive, if it fits what comes back -> $OUT/triton-cache.tgz
 # Usage: OUT=/somewhere bash benchmarks/device_s27.sh pick cachepack
 set -uo pipefail
@@ -47,6 +49,15 @@ for what in "$@"; do
         *H100*) bash "$0" h100tune ;;
         *) echo "no plan for ${GPU_NAME}"; exit 2 ;;
       esac ;;
+    abctl)
+      # the ping-pong A/B with a same-config control (flux_control: the table's configs in a
+      # second backend object), which tuning.adopt then requires the variant to beat
+      CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONPATH="${PWD}" timeout "${AB_TIMEOUT:-420}" "${RUN[@]}" \
+          -m megatron_flux.bench --m-set large --methods cublas_gemm nccl flux flux_variant \
+          flux_control --flux-variant "$(cat benchmarks/variants/gluon-pingpong.json)" \
+          --trials 5 --iters 20 --out-json "${OUT}/ab-ctl-${RUN_NAME:-1}.json" \
+          --out-png "${OUT}/ab-ctl-${RUN_NAME:-1}.png" > "${OUT}/ab-ctl-${RUN_NAME:-1}.log" 2>&1
+      echo "   ab-ctl exit $? (${SECONDS}s)"; grep -A8 "^summary" "${OUT}/ab-ctl-${RUN_NAME:-1}.log" | head -9 ;;
     abpp|final|small)
       bash benchmarks/device_s26.sh "${what}" ;;
     adopt)

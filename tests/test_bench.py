@@ -238,7 +238,7 @@ def test_flux_variant_needs_valid_fields_and_changes_only_them():
 
 def test_a_bad_user_table_fails_before_any_timing(tmp_path, monkeypatch):
     """$MEGATRON_FLUX_CONFIG naming a missing or malformed file stops a run that would look
-    the tables up (flux, flux_variant, auto) at argument time, naming the file; runs without
+    the tables up (flux, flux_variant, flux_control, auto) at argument time, naming the file; runs without
     those methods do not read the tables."""
     from megatron_flux.tuning.schema import TuningFileError
 
@@ -247,7 +247,7 @@ def test_a_bad_user_table_fails_before_any_timing(tmp_path, monkeypatch):
     broken.write_text('{"format": "megatron-flux-tuning"}')
     for path in (missing, broken):
         monkeypatch.setenv("MEGATRON_FLUX_CONFIG", str(path))
-        for methods in (["flux"], ["auto"], ["nccl", "flux_variant"]):
+        for methods in (["flux"], ["auto"], ["nccl", "flux_variant"], ["flux_control"]):
             extra = ["--flux-variant", '{"rs_copy_engine": true}'] if "flux_variant" in methods else []
             with pytest.raises(TuningFileError, match=path.name):
                 resolve_args(build_parser().parse_args(["--methods", *methods, *extra]), tp=2)
@@ -734,6 +734,31 @@ def test_model_args_fall_back_to_the_tools_default_only_without_model_shapes():
     assert list(model_shapes(args, "rs")) == [("l8proj", 4096, 2048)]
     args = p.parse_args(["--model-shapes", "l8proj:4096:4096:4096", "--models", "llama3-8b", "l8proj"])
     assert [x[0] for x in model_shapes(args, "ag")] == ["llama3-8b", "l8proj"]
+
+
+def test_flux_control_is_a_second_backend_built_like_the_registered_one():
+    """``flux_control`` times the tables' configs in another backend object, built with no
+    arguments as the registry builds ``flux`` (so the same table provider), once per process;
+    it computes the op, overlaps, and comes after flux_variant in the canonical order."""
+    from megatron_flux.bench import methods
+
+    built = []
+
+    class Backend:
+        def __init__(self, **kwargs):
+            built.append(kwargs)
+
+    methods._CONTROL_BACKEND.clear()
+    try:
+        first = methods._control_backend(Backend)
+        assert methods._control_backend(Backend) is first and built == [{}]
+    finally:
+        methods._CONTROL_BACKEND.clear()
+    assert "flux_control" in methods.COMPUTES_OP and "flux_control" in methods.OVERLAPPING
+    args = resolve_args(build_parser().parse_args(
+        ["--methods", "flux_control", "flux", "flux_variant", "--flux-variant", '{"stream_k": 0}']), tp=2)
+    assert args.method_list == ["flux", "flux_variant", "flux_control"]
+    M._VARIANT.clear()
 
 
 def test_flux_default_method_takes_the_default_at_the_groups_tp():

@@ -681,11 +681,11 @@ def test_confirm_keeps_earlier_confirmations_the_bench_did_not_rerun(tmp_path):
 
 
 def _ab_bench(tp, rows, variant=None, gpu="NVIDIA H200"):
-    """A benchmark JSON with flux / flux_variant / nccl medians per (op, m, n, k), run on ``gpu``
-    (132 SMs)."""
+    """A benchmark JSON with flux / flux_variant / nccl (/ flux_control, if given a fourth time)
+    medians per (op, m, n, k), run on ``gpu`` (132 SMs)."""
     out = []
     for (op, m, n, k), times in rows.items():
-        for method, ms in zip(("flux", "flux_variant", "nccl"), times):
+        for method, ms in zip(("flux", "flux_variant", "nccl", "flux_control"), times):
             out.append({"op": op, "model": "x", "m": m, "n": n, "k": k, "method": method,
                         "median_ms": ms, "status": "ok", "check": "ok"})
     return {"tp": tp, "gpu": gpu, "env": {"gpus": [gpu] * tp, "sms": 132}, "rows": out,
@@ -730,3 +730,29 @@ def test_adopt_takes_a_variant_only_where_every_ab_run_timed_it_faster(tmp_path)
     other_sms["env"]["sms"] = 114
     with pytest.raises(T.TuningFileError, match="sms"):
         adopt_variant(table, [(other_sms, "p.json")])
+
+
+def test_adopt_needs_the_variant_to_beat_the_same_config_control():
+    """Where a run also timed flux_control (the table config in a second backend object), the
+    variant must be faster than flux by more than |control/flux - 1| in that run; the control's
+    times are kept in the notes (None for a run without one). Runs without a control keep the
+    plain rule, and their adoptions carry no control_ms key."""
+    from megatron_flux.kernels.config import GemmConfig
+    from megatron_flux.tuning.adopt import adopt_variant
+    from megatron_flux.tuning.schema import Entry, Table
+
+    entries = [Entry(op="rs", n=4096, k=7168, m=m, config=GemmConfig(), tuned=True, flux_ms=1.0,
+                     nccl_ms=1.1, notes={}) for m in (1024, 2048, 4096)]
+    table = Table(path="t.json", gpu_name="NVIDIA H200", gpu="h200", sms=132, tp=2,
+                  dtype="bf16", source="megatron-flux tune", entries=entries, extra={})
+    run1 = _ab_bench(2, {("GEMM+RS", 1024, 4096, 14336): (1.0, 0.95, 1.2, 1.02),  # 5 % > 2 %
+                         ("GEMM+RS", 2048, 4096, 14336): (1.0, 0.95, 1.2, 0.94),  # 5 % < 6 %
+                         ("GEMM+RS", 4096, 4096, 14336): (1.0, 0.95, 1.2)})       # no control
+    run2 = _ab_bench(2, {("GEMM+RS", 1024, 4096, 14336): (1.0, 0.97, 1.2)})
+    by_m = {e.m: e for e in adopt_variant(table, [(run1, "a.json"), (run2, "b.json")]).entries}
+    assert by_m[1024].config.rs_copy_engine is True
+    assert by_m[1024].notes["adopted"]["control_ms"] == [1.02, None]
+    assert "flux_control" in by_m[1024].notes["adopted"]["rule"]
+    assert by_m[2048].config.rs_copy_engine is False and "adopted" not in by_m[2048].notes
+    assert by_m[4096].config.rs_copy_engine is True
+    assert "control_ms" not in by_m[4096].notes["adopted"]

@@ -42,7 +42,7 @@ OP_ALIASES = {"ag+gemm": G.AG_GEMM, "ag": G.AG_GEMM, "gemm+rs": G.GEMM_RS, "rs":
 
 
 #: methods whose kernel settings (and, for auto, backend choice) come from the tuning tables
-TABLE_METHODS = ("flux", "flux_variant", "auto")
+TABLE_METHODS = ("flux", "flux_variant", "flux_control", "auto")
 
 
 def _validate_user_tables() -> None:

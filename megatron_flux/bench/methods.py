@@ -20,6 +20,11 @@ them alike:
 * ``flux_variant``   the fused backend with the tables' settings changed by ``--flux-variant``
                      (a JSON object of ``GemmConfig`` fields, e.g. ``{"rs_copy_engine": true}``):
                      a knob's A/B inside the same interleaved trials as ``flux``.
+* ``flux_control``   a second fused backend built as ``flux`` is (the tables' settings), with
+                     its own symmetric workspaces, streams and config cache, as ``flux_default``'s
+                     and ``flux_variant``'s are: ``flux_control`` ÷ ``flux`` is what two backend
+                     objects with identical configs measure apart in the same trials, the floor
+                     under any A/B of ``flux`` against one of those (``tuning.adopt`` uses it).
 * ``auto``           whatever ``resolve_backend("auto", ...)`` picks for these operands.
 
 A method that cannot run here raises :class:`MethodSkipped` with the reason at build time; the
@@ -40,12 +45,13 @@ import torch.distributed as dist
 from megatron_flux.bench.grid import AG_GEMM, GEMM_RS, Case
 
 METHODS: Tuple[str, ...] = ("cublas_gemm", "comm", "nccl", "torch_async_tp", "flux",
-                            "flux_default", "flux_variant", "auto")
+                            "flux_default", "flux_variant", "flux_control", "auto")
 #: methods whose output is the op's result (checked against the fp32 reference, get metrics)
 COMPUTES_OP: Tuple[str, ...] = ("nccl", "torch_async_tp", "flux", "flux_default", "flux_variant",
-                                 "auto")
+                                 "flux_control", "auto")
 #: methods that overlap communication with the GEMM (the ones overlap efficiency is about)
-OVERLAPPING: Tuple[str, ...] = ("torch_async_tp", "flux", "flux_default", "flux_variant", "auto")
+OVERLAPPING: Tuple[str, ...] = ("torch_async_tp", "flux", "flux_default", "flux_variant",
+                                "flux_control", "auto")
 
 #: ``b_layout`` choices: ``weight_t`` passes ``weight.t()`` of a row-major ``[n, k]`` weight (what
 #: Megatron's forward does), ``row_major`` a contiguous ``[k, n]`` matrix.
@@ -158,6 +164,7 @@ def _backend_fn(backend, inp: CaseInputs, group, out: torch.Tensor) -> Callable[
 
 
 _DEFAULT_CONFIG_BACKEND = []
+_CONTROL_BACKEND = []
 _VARIANT = {}  # the --flux-variant fields, and its backend once built
 
 
@@ -187,6 +194,14 @@ def _variant_backend(backend_cls):
     return _VARIANT["backend"]
 
 
+def _control_backend(backend_cls):
+    """One more FluxBackend per process, built as the registered ``flux`` one is (no arguments:
+    the tables' configs), so it differs from ``flux`` only in being another object."""
+    if not _CONTROL_BACKEND:
+        _CONTROL_BACKEND.append(backend_cls())
+    return _CONTROL_BACKEND[0]
+
+
 def _default_config_backend(backend_cls, default_config):
     """One FluxBackend per process that always uses ``default_config`` at the group's TP (its
     workspaces are reused across cases, like the registered backend's)."""
@@ -213,7 +228,7 @@ def build_method(
     shapes = case.local_shapes(inp.tp)
     dev, dt = a.device, a.dtype
     out = None
-    if name in ("cublas_gemm", "nccl", "flux", "flux_default", "flux_variant", "auto"):
+    if name in ("cublas_gemm", "nccl", "flux", "flux_default", "flux_variant", "flux_control", "auto"):
         out_shape = (inp.gemm_a.shape[0], b.shape[1]) if name == "cublas_gemm" else shapes["out"]
         out = torch.empty(out_shape, device=dev, dtype=dt)
 
@@ -237,7 +252,7 @@ def build_method(
         if case.op == AG_GEMM:
             return (lambda: ops.fused_all_gather_matmul(a, [b], gather_dim=0, group_name=gname)[1][0]), {}
         return (lambda: ops.fused_matmul_reduce_scatter(a, b, "sum", scatter_dim=0, group_name=gname)), {}
-    if name in ("flux", "flux_default", "flux_variant"):
+    if name in ("flux", "flux_default", "flux_variant", "flux_control"):
         reason = backends.fused_unavailable_reason(dev)
         if reason is not None:
             raise MethodSkipped(reason)
@@ -248,6 +263,7 @@ def build_method(
             from megatron_flux.kernels.config import default_config
 
             backend = (_variant_backend(FluxBackend) if name == "flux_variant"
+                       else _control_backend(FluxBackend) if name == "flux_control"
                        else _default_config_backend(FluxBackend, default_config))
         reason = backend.unsupported_reason(a, b, group)
         if reason is not None:

@@ -339,7 +339,7 @@ def plot_png(path: str, rows: Sequence[dict], summary: Dict[str, dict], title: s
     ops = [op for op in OPS if any(r["op"] == op for r in rows)]
     if not ops:
         return "no rows to plot"
-    colors = {"nccl": "#7f7f7f", "torch_async_tp": "#1f77b4", "flux": "#d62728", "flux_default": "#e377c2", "flux_variant": "#2ca02c", "auto": "#ff7f0e"}
+    colors = {"nccl": "#7f7f7f", "torch_async_tp": "#1f77b4", "flux": "#d62728", "flux_default": "#e377c2", "flux_variant": "#2ca02c", "flux_control": "#8c564b", "auto": "#ff7f0e"}
     fig = plt.figure(figsize=(16, 4.8 * len(ops) + 3.5))
     grid = fig.add_gridspec(len(ops) + 1, 2, height_ratios=[4.8] * len(ops) + [3.0])
     for i, op in enumerate(ops):

@@ -10,6 +10,13 @@ no run covered, or where a run timed the variant no faster, are left as they are
 carry the same ``flux_variant`` fields and have run on the table's machine (TP, GPU model, SM
 count, dtype: :func:`~megatron_flux.tuning.from_bench.check_same_machine`).
 
+``flux_variant`` runs in a second backend object (its own workspaces and streams), and two such
+objects with *identical* configs have measured up to 9 % apart, with a stable sign, on 2×H100
+(``benchmarks/NOTES.md``, session 27). A run that also timed ``flux_control`` (a second backend
+with the table's own configs) sizes that floor per case: there the variant must beat the table
+config by more than ``|flux_control / flux - 1|``, and the control's times go into the notes.
+Runs without it keep the plain rule (variant faster at all).
+
 ``python -m megatron_flux.tuning.adopt TABLE.json AB_BENCH.json [AB_BENCH2.json ...] OUT.json``
 (applied after ``megatron_flux.tuning.confirm``; an adopted entry's ``tune_*`` times in its notes
 become the A/B's, so a later confirmation compares against its new config's times).
@@ -23,6 +30,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron_flux.tuning.from_bench import check_same_machine, local_times, table_benches_out
 from megatron_flux.tuning.schema import Entry, Table, TuningFileError, load_table, write_table
+
+
+def _variant_wins(t: Dict[str, float], control: Optional[Dict[str, float]]) -> bool:
+    """One run's verdict: the variant beat the table config, by more than the same-config
+    control's distance from it where the run timed one."""
+    floor = abs(control["flux_control"] / control["flux"] - 1.0) if control else 0.0
+    return t["flux_variant"] < t["flux"] * (1.0 - floor)
 
 
 def adopt_variant(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> Table:
@@ -40,26 +54,31 @@ def adopt_variant(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> T
         if fields is not None and variant != fields:
             raise TuningFileError(source, "flux_variant", f"{variant} != the first run's {fields}")
         fields = variant
-        timed.append((source, local_times(bench, source, ("flux", "flux_variant", "nccl"))))
+        timed.append((source, local_times(bench, source, ("flux", "flux_variant", "nccl")),
+                      local_times(bench, source, ("flux", "flux_control"))))
     entries, adopted = [], 0
     for e in table.entries:
         key = (e.op, e.n, e.k, e.m)
-        hits = [(src, t[key]) for src, t in timed if key in t]
-        if not hits or any(t["flux_variant"] >= t["flux"] for _, t in hits):
+        hits = [(src, t[key], control.get(key)) for src, t, control in timed if key in t]
+        if not hits or not all(_variant_wins(t, c) for _, t, c in hits):
             entries.append(e)
             continue
-        src, worst = max(hits, key=lambda h: h[1]["flux_variant"] / h[1]["nccl"])
+        src, worst, _ = max(hits, key=lambda h: h[1]["flux_variant"] / h[1]["nccl"])
         notes = dict(e.notes or {})
         # a later confirmation compares a benchmark with these times, not the former config's
         notes.update(tune_flux_ms=worst["flux_variant"], tune_nccl_ms=worst["nccl"],
                      times_from="adopted")
         notes["adopted"] = {
-            "fields": dict(fields), "sources": [s for s, _ in hits],
-            "table_config_ms": [t["flux"] for _, t in hits],
-            "variant_ms": [t["flux_variant"] for _, t in hits],
-            "nccl_ms": [t["nccl"] for _, t in hits], "times_from": src,
+            "fields": dict(fields), "sources": [s for s, _, _ in hits],
+            "table_config_ms": [t["flux"] for _, t, _ in hits],
+            "variant_ms": [t["flux_variant"] for _, t, _ in hits],
+            "nccl_ms": [t["nccl"] for _, t, _ in hits], "times_from": src,
             "rule": "variant faster than the table config in every A/B run that ran the case "
                     "(same interleaved trials); times of the run less favourable to fused"}
+        if any(c is not None for _, _, c in hits):
+            notes["adopted"]["control_ms"] = [c["flux_control"] if c else None for _, _, c in hits]
+            notes["adopted"]["rule"] += ("; where a run timed flux_control (the table config in a "
+                                         "second backend), faster by more than |control/flux - 1|")
         entries.append(Entry(op=e.op, n=e.n, k=e.k, m=e.m,
                              config=dataclasses.replace(e.config, **fields), tuned=e.tuned,
                              flux_ms=worst["flux_variant"], nccl_ms=worst["nccl"], notes=notes))
