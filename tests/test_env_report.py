@@ -90,7 +90,11 @@ def test_notes_for_what_runs_but_may_not_be_meant():
 
 def test_the_shipped_tables_are_found_for_their_machine():
     assert any("h200-sm132-tp2-bf16.json" in t for t in _tables([H200], 2))
-    assert _tables([dict(H200, name="NVIDIA H100 80GB HBM3")], 2) == []
+    h100 = dict(H200, name="NVIDIA H100 80GB HBM3")
+    found = _tables([h100], 2)
+    assert len(found) == 1 and "h100-80gb-hbm3-sm132-tp2-bf16.json" in found[0]
+    assert _tables([h100], 4) == []  # no H100 table at TP 4
+    assert _tables([dict(H200, name="NVIDIA A100-SXM4-80GB")], 2) == []
     assert _tables([], 2) == []
 
 
