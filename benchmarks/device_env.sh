@@ -1,4 +1,5 @@
-# Sourced by the device scripts (benchmarks/device_*.sh, e2e_device.sh) from the repo root:
+# Sourced by the device scripts (benchmarks/device_*.sh, benchmarks/sessions/*.sh, e2e_device.sh)
+# from the repo root:
 # the GPU box's environment (never NVLink multicast), TP = every local GPU unless NGPUS says
 # otherwise, install_carried_wheels (megatron-core from the carried .whl/ folder, into /tmp/site),
 # and the helpers below.

@@ -12,7 +12,7 @@
 # committed). Kept as the record of what ran: its pin of table entries to rs_tile_signals=True
 # is now an unknown-field error, so the script does not run on later trees as it stands.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/rs_step}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

@@ -4,9 +4,9 @@
 #      table / stream-K / vector-reduction configs): AG+GEMM then GEMM+RS on GPU 0, and the same
 #      on GPU 1 at the same time as a replicate   -> $OUT/kvc-{ag,rs}-gpu{0,1}.json
 #   2. the fused backend's GPU tests (tests/test_flux_gpu.py)  -> $OUT/tests-gpu.json, .log
-# Usage: OUT=/somewhere bash benchmarks/device_kvc_tests.sh
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_kvc_tests.sh
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/kvc_tests}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

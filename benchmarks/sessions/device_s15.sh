@@ -1,39 +1,39 @@
 #!/usr/bin/env bash
 # Session 15 device calls (2 GPUs, each < 10 minutes):
-#   OUT=... bash benchmarks/device_s15.sh control   session 14's trace2c (GEMM+RS stamps, both
+#   OUT=... bash benchmarks/sessions/device_s15.sh control   session 14's trace2c (GEMM+RS stamps, both
 #                                                   GPUs, communication off/on/off/on, nvidia-smi
 #                                                   sampling), then GEMM+RS with communication on,
 #                                                   TMA pushes vs vector-store pushes (A B A B)
 #                                                                  -> $OUT/trace2c-*.json, smi.csv,
 #                                                                     push-*.json
 #                                                   (CONTROL_PUSH=0: the first part only)
-#   OUT=... bash benchmarks/device_s15.sh bench3    runs 2 and 3 of the m >= 1024 grid
+#   OUT=... bash benchmarks/sessions/device_s15.sh bench3    runs 2 and 3 of the m >= 1024 grid
 #                                                   (run 1: device_s14.sh bench) -> $OUT/bench-run*.json
-#   OUT=... bash benchmarks/device_s15.sh link      cuBLAS beside no / 64 KiB / ReduceScatter-sized
+#   OUT=... bash benchmarks/sessions/device_s15.sh link      cuBLAS beside no / 64 KiB / ReduceScatter-sized
 #                                                   NVLink copies (experiments/link_power.py)
 #                                                                  -> $OUT/link-power.json, smi-link.csv
-#   OUT=... bash benchmarks/device_s15.sh epi       GEMM+RS, table configs vs the same with
+#   OUT=... bash benchmarks/sessions/device_s15.sh epi       GEMM+RS, table configs vs the same with
 #                                                   epilogue_split 1, comm on then off, A B A B
 #                                                                  -> $OUT/epi-rs-*.json
-#   OUT=... bash benchmarks/device_s15.sh trickle   GEMM+RS comm off, comm off beside a 64 KiB
+#   OUT=... bash benchmarks/sessions/device_s15.sh trickle   GEMM+RS comm off, comm off beside a 64 KiB
 #                                                   NVLink copy per call, comm on (A B C A B C)
 #                                                                  -> $OUT/trickle-rs-*.json
-#   OUT=... bash benchmarks/device_s15.sh gate      one GPU: copy-engine work gated on a flag the
+#   OUT=... bash benchmarks/sessions/device_s15.sh gate      one GPU: copy-engine work gated on a flag the
 #                                                   running kernel raises (stream wait-value), under
 #                                                   CUDA_DEVICE_MAX_CONNECTIONS=1 and the default
 #                                                                  -> $OUT/gate-*.json
-#   OUT=... bash benchmarks/device_s15.sh bench1conn  (not run yet) the m >= 1024 grid under
+#   OUT=... bash benchmarks/sessions/device_s15.sh bench1conn  (not run yet) the m >= 1024 grid under
 #                                                   CUDA_DEVICE_MAX_CONNECTIONS=1, then unset
 #                                                                  -> $OUT/bench-conn-*.json
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s15}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
 RUN=(python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}")
 case "${1:-}" in
 control)
-    OUT="${OUT}" bash benchmarks/device_s14.sh trace2c
+    OUT="${OUT}" bash benchmarks/sessions/device_s14.sh trace2c
     [ "${CONTROL_PUSH:-1}" = 1 ] || exit 0
     export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments"
     for run in tma1 vec1 tma2 vec2; do

@@ -30,9 +30,9 @@
 #          the loud timeout) with the reduction paths and two ranks  -> $OUT/tests-ws.json
 #   tests  (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
-# Usage: OUT=/somewhere bash benchmarks/device_s22.sh splitsweep
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s22.sh splitsweep
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s22}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

@@ -19,9 +19,9 @@
 #   abctl      the abpp A/B plus flux_control (same configs as flux, second backend object)
 #                                                           -> $OUT/ab-ctl-<RUN_NAME>.*
 #   cachepack  the Triton cache as one archive, if it fits what comes back -> $OUT/triton-cache.tgz
-# Usage: OUT=/somewhere bash benchmarks/device_s27.sh pick cachepack
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s27.sh pick cachepack
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s27}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
@@ -45,7 +45,7 @@ for what in "$@"; do
   case "${what}" in
     pick)
       case "${GPU_NAME}" in
-        *H200*) RUN_NAME="${RUN_NAME:-1}" bash benchmarks/device_s26.sh abpp ;;
+        *H200*) RUN_NAME="${RUN_NAME:-1}" bash benchmarks/sessions/device_s26.sh abpp ;;
         *H100*) bash "$0" h100tune ;;
         *) echo "no plan for ${GPU_NAME}"; exit 2 ;;
       esac ;;
@@ -59,7 +59,7 @@ for what in "$@"; do
           --out-png "${OUT}/ab-ctl-${RUN_NAME:-1}.png" > "${OUT}/ab-ctl-${RUN_NAME:-1}.log" 2>&1
       echo "   ab-ctl exit $? (${SECONDS}s)"; grep -A8 "^summary" "${OUT}/ab-ctl-${RUN_NAME:-1}.log" | head -9 ;;
     abpp|final|small)
-      bash benchmarks/device_s26.sh "${what}" ;;
+      bash benchmarks/sessions/device_s26.sh "${what}" ;;
     adopt)
       ls ${AB_GLOB:-benchmarks/results/raw/s27/ab-pp-*.json} || exit 2
       python3 -m megatron_flux.tuning.adopt megatron_flux/tuning/tables/h200-sm132-tp2-bf16.json \

@@ -22,9 +22,9 @@
 #                                                  -> $OUT/bench-conn<CONN>-<RUN>.{json,log,png}
 #   small    the small-m grid (m = 64-512), with auto           -> $OUT/bench-small-conn<CONN>.{json,log,png}
 # nvidia-smi logs SM clock, power and temperature per GPU every 200 ms -> $OUT/smi.csv
-# Usage: OUT=/somewhere bash benchmarks/device_s26.sh tests2
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s26.sh tests2
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s26}"
 KEEP="${KEEP:-/root/keep}"
 mkdir -p "${OUT}" "${KEEP}"

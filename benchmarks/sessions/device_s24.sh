@@ -42,9 +42,9 @@
 #                                      -> $OUT/tests-kernels.json, $OUT/agdefault-run{1,2}.json
 #   tests    (carry .whl) every GPU-marked test on this one GPU -> $OUT/tests-1gpu.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
-# Usage: OUT=/somewhere bash benchmarks/device_s24.sh tworanks tests
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s24.sh tworanks tests
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s24}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

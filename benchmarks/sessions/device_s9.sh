@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Session 9 device calls (2 GPUs, each < 10 minutes), after the unrolled step loops:
-#   OUT=... bash benchmarks/device_s9.sh tests   the whole suite (CPU + GPU-marked, megatron-core
+#   OUT=... bash benchmarks/sessions/device_s9.sh tests   the whole suite (CPU + GPU-marked, megatron-core
 #                                                0.19.2)                        -> $OUT/tests-gpu.json
 #                                                then comm-off vs cuBLAS, table config, GPU 0
 #                                                                               -> $OUT/kvc.json
-#   OUT=... bash benchmarks/device_s9.sh bench   the m >= 1024 grid            -> $OUT/bench.json
+#   OUT=... bash benchmarks/sessions/device_s9.sh bench   the m >= 1024 grid            -> $OUT/bench.json
 #                                                then GEMM+RS comm-off vs cuBLAS (its wiring fixed
 #                                                after the 'tests' call)        -> $OUT/kvc-rs.json
 # (carry .whl)
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s9}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

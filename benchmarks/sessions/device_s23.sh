@@ -37,9 +37,9 @@
 #            device descriptors for the ping-pong on the m >= 1024 grid
 #            -> $OUT/tests-wshostdesc.json, $OUT/host-desc-ab-ws.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
-# Usage: OUT=/somewhere bash benchmarks/device_s23.sh mutants wgrad
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s23.sh mutants wgrad
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s23}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

@@ -2,9 +2,9 @@
 # One device call (2 GPUs, < 10 minutes), session 8, on the retuned table:
 #   1. GEMM+RS phases with communication off, GPU 0 (bench/rs_phases.py)  -> $OUT/rs-phases.json
 #   2. the whole test suite (CPU + GPU-marked), megatron-core 0.19.2       -> $OUT/tests-gpu.json
-# Usage: OUT=/somewhere bash benchmarks/device_s8.sh   (carry .whl)
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s8.sh   (carry .whl)
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s8}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

@@ -8,9 +8,9 @@
 # and AG+GEMM llama3-8b m = 1024..8192 (1.04-1.20x cuBLAS in session 6) against the yardstick
 # with the default's and the table's tile (bench/kernel_vs_cublas.py --configs ... plain)
 #                                                                         -> $OUT/yardstick-ag-8b.json
-# Usage: OUT=/somewhere bash benchmarks/device_yardstick.sh
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_yardstick.sh
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/yardstick}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

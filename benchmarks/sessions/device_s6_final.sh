@@ -7,9 +7,9 @@
 #   2. the fused backend's GPU tests (tests/test_flux_gpu.py)  -> $OUT/tests-gpu.json, .log
 #   3. the FLUX-metric benchmark, m >= 1024, every method, `flux` = the shipped table's configs,
 #      `flux_default` = the heuristic (stream-K) -> $OUT/bench.json, .png, .log
-# Usage: OUT=/somewhere bash benchmarks/device_s6_final.sh
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s6_final.sh
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s6_final}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

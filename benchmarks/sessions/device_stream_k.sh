@@ -6,9 +6,9 @@
 #                                                        -> $OUT/kvc-ag.json, $OUT/kvc-rs.json
 #   2. unless SKIP_IL=1: the interleaved micro-batch-1 training job with the direct kernel
 #      launch off (the same job with it on ran in the session's first call)  -> $OUT/il-off/
-# Usage: OUT=/somewhere bash benchmarks/device_stream_k.sh   (carry .whl for step 2)
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_stream_k.sh   (carry .whl for step 2)
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/stream_k}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

@@ -9,9 +9,9 @@
 #   3. benchmark m >= 1024, flux = that table         -> $OUT/bench.json, .png, .log
 # Then (on this machine): python -m megatron_flux.tuning.confirm $OUT/table.json $OUT/bench.json
 #   megatron_flux/tuning/tables/h200-sm132-tp2-bf16.json
-# Usage: OUT=/somewhere bash benchmarks/device_s7.sh
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s7.sh
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s7}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

@@ -1,29 +1,29 @@
 #!/usr/bin/env bash
 # Session 16 device calls:
-#   OUT=... bash benchmarks/device_s16.sh gate2   one GPU: copy-engine work on a side stream gated by
+#   OUT=... bash benchmarks/sessions/device_s16.sh gate2   one GPU: copy-engine work on a side stream gated by
 #                                                 an *event* after a first launch, queued behind a
 #                                                 second, spinning launch (the two-launch GEMM+RS
 #                                                 pattern), and the other gates, under
 #                                                 CUDA_DEVICE_MAX_CONNECTIONS=1 and the default
 #                                                                -> $OUT/gate-*.json
-#   OUT=... bash benchmarks/device_s16.sh ceab    the 2-GPU fused-op tests under CUDA_DEVICE_MAX_CONNECTIONS=1
+#   OUT=... bash benchmarks/sessions/device_s16.sh ceab    the 2-GPU fused-op tests under CUDA_DEVICE_MAX_CONNECTIONS=1
 #                                                 (with the copy-engine GEMM+RS variants), then
 #                                                 GEMM+RS comm on, table configs vs the same with
 #                                                 rs_copy_engine, A B A B, under the same setting
 #                                                                -> $OUT/tests-conn1.json, ceab-*.json
-#   OUT=... bash benchmarks/device_s16.sh cebench GEMM+RS grid (m >= 1024, then small m) with flux and
+#   OUT=... bash benchmarks/sessions/device_s16.sh cebench GEMM+RS grid (m >= 1024, then small m) with flux and
 #                                                 flux_variant = rs_copy_engine in the same
 #                                                 interleaved trials, under CUDA_DEVICE_MAX_CONNECTIONS=1
 #                                                 and the default; then the fused-op tests under
 #                                                 the default       -> $OUT/cebench-*.json, tests-default.json
-#   OUT=... bash benchmarks/device_s16.sh shipped  GEMM+RS on the llama3_8b_16l training shapes (flux vs
+#   OUT=... bash benchmarks/sessions/device_s16.sh shipped  GEMM+RS on the llama3_8b_16l training shapes (flux vs
 #                                                 flux_variant = rs_copy_engine), then the m >= 1024
 #                                                 grid, both ops, shipped table, all under
 #                                                 CUDA_DEVICE_MAX_CONNECTIONS=1  -> $OUT/train-rs.json,
 #                                                 bench-shipped-conn1.{json,png} (at most 8 files come back)
-# (session 16's first call ran benchmarks/device_s15.sh bench1conn)
+# (session 16's first call ran benchmarks/sessions/device_s15.sh bench1conn)
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s16}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

@@ -60,9 +60,9 @@
 #          To ship: python -m megatron_flux.tuning.confirm TABLE-SMALL BENCH-SMALL OUT, then merge
 #          into megatron_flux/tuning/tables/h200-sm132-tp2-bf16.json (and test_tuning.py's chain).
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
-# Usage: OUT=/somewhere bash benchmarks/device_s21.sh serp grid
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s21.sh serp grid
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s21}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

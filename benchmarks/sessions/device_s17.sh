@@ -1,28 +1,28 @@
 #!/usr/bin/env bash
 # Session 17 device calls (2 GPUs; carry .whl):
-#   OUT=... bash benchmarks/device_s17.sh profile   the Llama-3-8B-16l job at micro-batch 2, backends
+#   OUT=... bash benchmarks/sessions/device_s17.sh profile   the Llama-3-8B-16l job at micro-batch 2, backends
 #                                                   megatron/nccl/flux rotated every 4 iterations, 56
 #                                                   iterations, torch profiler on 37..48 on both ranks
 #                                                   -> $OUT/interleave.json, trace-r{0,1}.json, rank-0.json.gz
-#   OUT=... bash benchmarks/device_s17.sh tests     the 2-GPU fused-op and layer tests (flux vs NCCL)
+#   OUT=... bash benchmarks/sessions/device_s17.sh tests     the 2-GPU fused-op and layer tests (flux vs NCCL)
 #                                                   (both connection settings)  -> $OUT/tests.json
-#   OUT=... bash benchmarks/device_s17.sh tune8k    the training config's own GEMMs at m = 8192 (its
+#   OUT=... bash benchmarks/sessions/device_s17.sh tune8k    the training config's own GEMMs at m = 8192 (its
 #                                                   tokens per micro-batch at micro-batch 2)
 #                                                   -> $OUT/tune-8k.json
-#   OUT=... bash benchmarks/device_s17.sh ceab      the fused-op tests under CUDA_DEVICE_MAX_CONNECTIONS=1
+#   OUT=... bash benchmarks/sessions/device_s17.sh ceab      the fused-op tests under CUDA_DEVICE_MAX_CONNECTIONS=1
 #                                                   (with the banded copy-engine GEMM+RS variants),
 #                                                   then GEMM+RS on the llama3_8b_16l training shapes at
 #                                                   m = 8192 and 4096, table configs (flux) against
 #                                                   rs_copy_engine + rs_ce_bands (flux_variant), twice
 #                                                   -> $OUT/tests-conn1.json, ab-bands-{1,2}.json
-#   OUT=... bash benchmarks/device_s17.sh dgradab   two Llama-3-8B-16l jobs at micro-batch 2, backends
+#   OUT=... bash benchmarks/sessions/device_s17.sh dgradab   two Llama-3-8B-16l jobs at micro-batch 2, backends
 #                                                   megatron/flux rotated every 4 iterations, 110
 #                                                   iterations: MEGATRON_FLUX_COLUMN_DGRAD=nccl, then
 #                                                   =fused (DGRAD_MODES="nccl fused copy_engine" to add
 #                                                   one)  -> $OUT/dgrad-<mode>/interleave.json
 # Stages run in the order given: device_s17.sh tests profile
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s17}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

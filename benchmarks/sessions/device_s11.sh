@@ -15,9 +15,9 @@
 #         GEMM+RS with one grid barrier after all producer steps against the per-step signals
 #         (experiments/kernel_ab.py) at TP 2, 4 and 8, comm off  -> $OUT/rs-barrier-ab-tp*.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
-# Usage: OUT=/somewhere bash benchmarks/device_s11.sh pps|rs|ws ...
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s11.sh pps|rs|ws ...
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s11}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

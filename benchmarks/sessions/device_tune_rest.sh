@@ -6,7 +6,7 @@
 #   2. the Llama training config's own GEMMs at m = 4096 (merged, unconfirmed);
 #   3. the benchmark with the merged table -> $OUT/bench.json (what tuning/confirm.py reads).
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/tune_rest}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

@@ -16,9 +16,9 @@
 #             qkv-dgrad, AG+GEMM qkv and fc2-dgrad (training shapes, m = 8192, default configs)
 #                                                          -> $OUT/trace-{rs,ag}-train.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
-# Usage: OUT=/somewhere bash benchmarks/device_s18.sh kvctrain tests
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s18.sh kvctrain tests
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s18}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

@@ -41,10 +41,10 @@
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
 # The variant kernels are HEAD's kernels/gemm_rs.py (617e2d5) with the patches kept in
 # results/raw/s19/; make them (in the ignored .device/, carried to the box) with
-#   bash benchmarks/device_s19.sh variants        (on this machine, no GPU)
-# Usage: OUT=/somewhere bash benchmarks/device_s19.sh rsflat pps2
+#   bash benchmarks/sessions/device_s19.sh variants        (on this machine, no GPU)
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s19.sh rsflat pps2
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s19}"
 mkdir -p "${OUT}"
 if [ "${1:-}" = variants ]; then

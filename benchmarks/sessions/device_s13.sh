@@ -39,9 +39,9 @@
 #          (ag_peer_group 2 / 8, kernel_ab's "new+" runner) at TP 4 and 8
 #                                                       -> $OUT/peergroup-ag-tp*-g*.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
-# Usage: OUT=/somewhere bash benchmarks/device_s13.sh tests trace ...
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s13.sh tests trace ...
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s13}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

@@ -29,9 +29,9 @@
 #            adopt where every run wins (a second run makes "every" mean something):
 #            python -m megatron_flux.tuning.adopt TABLE AB.json [AB2.json] OUT_TABLE
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
-# Usage: OUT=/somewhere bash benchmarks/device_s20.sh coop names
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s20.sh coop names
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s20}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

@@ -29,9 +29,9 @@
 #         so the spread consumers did not wait for their own grid): TP 8 (spread by default;
 #         "new+" = epilogue reduction) and TP 4 ("new+" = spread)  -> $OUT/spread2-rs-tp*.json
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
-# Usage: OUT=/somewhere bash benchmarks/device_s12.sh serp ...
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s12.sh serp ...
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s12}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

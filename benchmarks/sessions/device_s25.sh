@@ -19,9 +19,9 @@
 #            python -m megatron_flux.tuning.adopt TABLE ab-pp-{ag,rs}-1.json ab-pp-{ag,rs}-2.json OUT
 #                                                  -> $OUT/ab-pp-{ag,rs}-<run>.{json,log}
 # nvidia-smi logs SM clock, power and temperature every 200 ms -> $OUT/smi.csv
-# Usage: OUT=/somewhere bash benchmarks/device_s25.sh layers report-ag
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s25.sh layers report-ag
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s25}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

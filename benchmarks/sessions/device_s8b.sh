@@ -5,9 +5,9 @@
 #                                                                   -> $OUT/rs-phases-128x128.json
 #   2. interleaved Llama-3-8B-shaped training on the retuned table: megatron, nccl, flux, auto
 #      every 4 iterations, 150 iterations, no profiler              -> $OUT/il/interleave.json
-# Usage: OUT=/somewhere bash benchmarks/device_s8b.sh   (carry .whl)
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s8b.sh   (carry .whl)
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s8b}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

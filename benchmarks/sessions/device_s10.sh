@@ -8,12 +8,12 @@
 #   ws   experiments/gluon_ws_gemm.py: a warp-specialized Gluon GEMM (two MMA warpgroups taking
 #        turns, one TMA warp) against cuBLAS and the plain yardstick      -> $OUT/gluon-ws.json
 #        (never run before: under a timeout, in case a barrier phase is wrong and it hangs)
-# Usage: OUT=/somewhere bash benchmarks/device_s10.sh rs occ-ag     (one call, < 10 minutes)
-#        OUT=/somewhere bash benchmarks/device_s10.sh ws occ-rs     (a second call)
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s10.sh rs occ-ag     (one call, < 10 minutes)
+#        OUT=/somewhere bash benchmarks/sessions/device_s10.sh ws occ-rs     (a second call)
 # Every grid size is a constexpr (NUM_SMS), so each config x programs-per-SM compiles anew; the
 # Triton cache sits in the ignored .device/ folder, kept while the machine stays warm.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s10}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

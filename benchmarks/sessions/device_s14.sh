@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
 # Session 14 device calls (2 GPUs, each < 10 minutes). The whole suite no longer fits one call
 # (the interpreter and compile-only tests alone take minutes; CI runs them), so:
-#   OUT=... bash benchmarks/device_s14.sh tests   GPU-marked tests first (2-GPU fused ops, layers,
+#   OUT=... bash benchmarks/sessions/device_s14.sh tests   GPU-marked tests first (2-GPU fused ops, layers,
 #                                                 one-GPU kernels, phase stamps)  -> $OUT/tests-gpu.json
 #                                                 then every other test except the interpreter and
 #                                                 compile-only files, megatron-core 0.19.2
 #                                                                                  -> $OUT/tests-rest.json
-#   OUT=... bash benchmarks/device_s14.sh bench   the m >= 1024 grid, then the small-m grid
+#   OUT=... bash benchmarks/sessions/device_s14.sh bench   the m >= 1024 grid, then the small-m grid
 #                                                                                  -> $OUT/bench*.json
-#   OUT=... bash benchmarks/device_s14.sh trace2  phase stamps with communication on, both ranks
+#   OUT=... bash benchmarks/sessions/device_s14.sh trace2  phase stamps with communication on, both ranks
 #                                                 (experiments/phase_trace_tp.py), then the same
 #                                                 GEMM+RS shapes with it off on GPU 0 (TRACE2_OFF=0:
 #                                                 not)                             -> $OUT/trace2-*.json
-#   OUT=... bash benchmarks/device_s14.sh trace2c the control session 14 lacked: GEMM+RS phase
+#   OUT=... bash benchmarks/sessions/device_s14.sh trace2c the control session 14 lacked: GEMM+RS phase
 #                                                 stamps on both GPUs at once with communication
 #                                                 off, on, off, on (ABAB), nvidia-smi sampling SM
 #                                                 clocks and power        -> $OUT/trace2c-*.json, smi.csv
-#   OUT=... bash benchmarks/device_s14.sh merge   ag_merge_local (written in session 14, never run
+#   OUT=... bash benchmarks/sessions/device_s14.sh merge   ag_merge_local (written in session 14, never run
 #                                                 on a GPU): its 2-GPU and one-GPU tests, then
 #                                                 AG+GEMM comm on, table configs with and without
 #                                                 it (A B A B, phase_trace_tp.py), then comm off
@@ -27,7 +27,7 @@
 #                                                                                  -> $OUT/merge-*.json
 # (carry .whl)
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s14}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh

@@ -9,9 +9,9 @@
 #   3. if time is left: the interleaved micro-batch-1 training job with it on
 #      (compare with results/e2e-interleaved-mbs1-h200x2-2026-11-22.json, or better, run it
 #      off and on in two calls of their own: benchmarks/device_interleave.sh).
-# Usage: OUT=/somewhere bash benchmarks/device_next.sh   (carry .whl for step 3)
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_next.sh   (carry .whl for step 3)
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/next}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
