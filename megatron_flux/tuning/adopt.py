@@ -10,8 +10,9 @@ no run covered, or where a run timed the variant no faster, are left as they are
 carry the same ``flux_variant`` fields and have run on the table's machine (TP, GPU model, SM
 count, dtype: :func:`~megatron_flux.tuning.from_bench.check_same_machine`).
 
-``flux_variant`` runs in a second backend object (its own workspaces and streams), and two such
-objects with *identical* configs have measured up to 9 % apart, with a stable sign, on 2×H100
+``flux_variant`` runs in a second backend object (its own workspaces and streams). On 2×H100,
+``flux`` and ``flux_default`` with *identical* configs measured up to 9 % apart with the same
+sign run after run, and a same-config control 0.88-1.02× ``flux`` in one run
 (``benchmarks/NOTES.md``, session 27). A run that also timed ``flux_control`` (a second backend
 with the table's own configs) sizes that floor per case: there the variant must beat the table
 config by more than ``|flux_control / flux - 1|``, and the control's times go into the notes.
