@@ -37,10 +37,12 @@ SHIPPED = {
         ("confirm", R + "bench-h200x4-2026-11-22.json"),
     ]),
     # sessions 26-27 on 2xH100: the m >= 1024 grid tuned in session 26, the small m merged in
-    # (two calls: the first ran out of time three entries short), then two benchmarks with it
+    # (two calls: the first ran out of time three entries short), then three benchmarks with it
+    # taken jointly (a list: tuning.confirm.confirm_repeats)
     "h100-80gb-hbm3-sm132-tp2-bf16.json": ("h100-80gb-hbm3", 2, R + "raw/s27/call8/table-h100-tp2.json", [
-        ("confirm", R + "bench-h100x2-2026-11-26-s27-all-run1.json"),
-        ("confirm", R + "bench-h100x2-2026-11-26-s27-all-run2.json"),
+        ("confirm", [R + "bench-h100x2-2026-11-26-s27-all-run1.json",
+                     R + "bench-h100x2-2026-11-26-s27-all-run2.json",
+                     R + "bench-h100x2-2026-11-26-s27-conn1.json"]),
     ]),
 }
 
@@ -339,7 +341,7 @@ def test_shipped_tables_are_the_committed_runs():
 @pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
     gpu, tp, tune_rel, steps = SHIPPED[name]
-    confirms = [rel for step, rel in steps if step == "confirm"]
+    confirms = [r for step, rel in steps if step == "confirm" for r in ([rel] if isinstance(rel, str) else rel)]
     t = T.load_table(os.path.join(registry.SHIPPED_DIR, name))
     assert t.source.startswith("megatron-flux tune ")
     assert t.tp == tp and t.sms == 132 and t.gpu == gpu and t.dtype == "bf16"
@@ -355,15 +357,17 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
     assert any(e.config != default_config(e.op, e.m, e.n, e.k) for e in t.entries)
     # regenerating from the committed tuning run, benchmarks and A/B runs gives the same file
     from megatron_flux.tuning.adopt import adopt_variant
-    from megatron_flux.tuning.confirm import confirm_table
+    from megatron_flux.tuning.confirm import confirm_repeats, confirm_table
 
     def load(rel):
         return json.load(open(os.path.join(REPO, rel)))
 
     again = T.load_table(os.path.join(REPO, tune_rel))
     for step, rel in steps:
-        if step == "confirm":
+        if step == "confirm" and isinstance(rel, str):
             again = confirm_table(again, load(rel), rel)
+        elif step == "confirm":
+            again = confirm_repeats(again, [(load(r), r) for r in rel])
         else:
             again = adopt_variant(again, [(load(r), r) for r in rel])
     assert schema.table_to_dict(again) == schema.table_to_dict(t)
@@ -678,6 +682,41 @@ def test_confirm_keeps_earlier_confirmations_the_bench_did_not_rerun(tmp_path):
     assert by_m[("rs", 256)].notes["confirmed"] is False
     cb = second.extra["search"]["confirmed_by"]
     assert (cb["bench"], cb["entries"], cb["kept_from_earlier"], cb["earlier_benches"]) == ("b2.json", 1, 1, ["b1.json"])
+
+
+def test_confirm_repeats_keeps_the_least_favourable_of_every_run(tmp_path):
+    """Repeated benchmarks of one table are taken jointly: an entry keeps the times of whichever
+    run (or its tuning run) was least favourable to fused, names every run that ran it, and the
+    latest run alone cannot overturn the earlier ones. For runs of disjoint shapes it is one
+    confirmation after the other."""
+    from megatron_flux.tuning.confirm import confirm_repeats, confirm_table
+
+    t = T.load_table(write(tmp_path, table_obj()))
+    row = lambda m, meth, ms: {"op": "AG+GEMM", "m": m, "n": 1024, "k": 256, "method": meth,  # noqa: E731
+                               "status": "ok", "check": "ok", "median_ms": ms}
+    bench = lambda *rows: {"tp": 2, "gpu": "NVIDIA Test GPU", "rows": list(rows)}  # noqa: E731
+    # table_obj's m=1024 entry: tune flux 1.0, nccl 2.0. Run 1 says fused loses, run 2 wins.
+    b1 = bench(row(1024, "flux", 2.2), row(1024, "nccl", 2.0))
+    b2 = bench(row(1024, "flux", 1.0), row(1024, "nccl", 2.0), row(64, "flux", 1.0), row(64, "nccl", 1.0))
+    joint = confirm_repeats(t, [(b1, "b1.json"), (b2, "b2.json")])
+    m1024 = {(e.op, e.m): e for e in joint.entries}[("ag", 1024)]
+    assert (m1024.flux_ms, m1024.nccl_ms) == (2.2, 2.0) and m1024.notes["bench_source"] == "b1.json"
+    assert m1024.notes["bench_runs"] == ["b1.json", "b2.json"]
+    assert m1024.notes["times_from"] == "bench"
+    # one after the other, the later run would have won it back for fused
+    seq = confirm_table(confirm_table(t, b1, "b1.json"), b2, "b2.json")
+    assert {(e.op, e.m): e for e in seq.entries}[("ag", 1024)].flux_ms == 1.0
+    cb = joint.extra["search"]["confirmed_by"]
+    assert cb["benches"] == ["b1.json", "b2.json"] and cb["bench"] == "b2.json" and cb["entries"] == 2
+    # disjoint shapes: the same entries as confirming one run after the other
+    small, large = bench(row(64, "flux", 1.0), row(64, "nccl", 1.0)), bench(row(1024, "flux", 3.0), row(1024, "nccl", 2.0))
+    a = confirm_repeats(t, [(small, "s.json"), (large, "l.json")])
+    b = confirm_table(confirm_table(t, small, "s.json"), large, "l.json")
+    assert [(e.flux_ms, e.nccl_ms, e.notes) for e in a.entries] == [(e.flux_ms, e.nccl_ms, e.notes) for e in b.entries]
+    with pytest.raises(T.TuningFileError, match="gpu"):
+        confirm_repeats(t, [(b1, "b1.json"), ({**b2, "gpu": "NVIDIA H100 80GB HBM3"}, "h.json")])
+    with pytest.raises(ValueError):
+        confirm_repeats(t, [])
 
 
 def _ab_bench(tp, rows, variant=None, gpu="NVIDIA H200"):
