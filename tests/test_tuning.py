@@ -28,10 +28,12 @@ SHIPPED = {
         ("adopt", [R + f"ab-rs-copy-engine-h200x2-2026-11-24-{run}.json"
                    for run in ("large-conn1", "large-conndefault", "small-conn1", "train-shapes-conn1")]),
         # session 27: the Gluon ping-pong where both A/B runs timed it faster, then the issue's
-        # benchmark (connections 1) and the small-m grid made with the adopted configs
+        # benchmark (three runs, both connection settings) and the small-m grid made with the
+        # adopted configs, taken jointly
         ("adopt", [R + f"ab-gluon-pingpong-h200x2-2026-11-26-conn1-run{run}.json" for run in (1, 2)]),
-        ("confirm", R + "bench-h200x2-2026-11-26-s27-conn1-run2.json"),
-        ("confirm", R + "bench-small-h200x2-2026-11-26-s27-conn1.json"),
+        ("confirm", [R + f"bench-h200x2-2026-11-26-s27-{run}.json" for run in ("conn1-run1", "conndefault",
+                                                                            "conn1-run2")]
+         + [R + "bench-small-h200x2-2026-11-26-s27-conn1.json"]),
     ]),
     "h200-sm132-tp4-bf16.json": ("h200", 4, R + "raw/tune-h200x4-2026-11-22.json", [
         ("confirm", R + "bench-h200x4-2026-11-22.json"),
