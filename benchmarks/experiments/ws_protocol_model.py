@@ -9,7 +9,10 @@ stale read (an MMA step sees another position's data in its slot), an overwrite 
 in a slot an in-flight MMA still reads) or no progress (deadlock).
 
 Without the handoff barriers most runs read stale data (partition 1 waits on tile 1's first
-slot two phases early); with them none of the runs fails:
+slot two phases early); with them none of the runs fails, also when the work items have uneven
+lengths, some shorter than the ring (session 28's stream-K parts run first, the patch
+``benchmarks/results/raw/s28/stream_k_first_ws.patch``; in this model items shorter than the
+ring broke nothing either, though the kernels' launchers still require ``k_tiles >= STAGES``):
 
     python benchmarks/experiments/ws_protocol_model.py
 """
@@ -26,7 +29,11 @@ class Bar:
     def passes(s, parity): return (s.phase & 1) != parity  # phase with that parity completed
 
 def run(ntiles, k_tiles, S, seed, handoff=True):
+    """``k_tiles``: K-steps per tile, or a list of each work item's K-steps (stream-K parts
+    are shorter than a tile, possibly shorter than ``S``)."""
     rng = random.Random(seed)
+    lens = k_tiles if isinstance(k_tiles, (list, tuple)) else [k_tiles] * ntiles
+    starts = [sum(lens[:j]) for j in range(ntiles)]
     ready=[Bar() for _ in range(S)]; empty=[Bar() for _ in range(S)]; hand=[Bar(), Bar()]
     slot=[None]*S; reading={}  # slot -> position being read by an in-flight MMA
     inflight=[]  # pending load completions (s, pos)
@@ -34,7 +41,7 @@ def run(ntiles, k_tiles, S, seed, handoff=True):
     def loader():
         pos=0
         for j in range(ntiles):
-            for kk in range(k_tiles):
+            for kk in range(lens[j]):
                 s=pos%S
                 while not empty[s].passes(((pos//S)&1)^1): yield
                 ready[s].tx += 1; ready[s].arrive()  # arrive.expect_tx; completes when tx done
@@ -44,11 +51,11 @@ def run(ntiles, k_tiles, S, seed, handoff=True):
             if handoff and j>0:
                 while not hand[C].passes(((j-2+C)//2)&1): yield
             prev=None; pending=[]
-            for kk in range(k_tiles):
-                pos=j*k_tiles+kk; s=pos%S
+            for kk in range(lens[j]):
+                pos=starts[j]+kk; s=pos%S
                 while not ready[s].passes((pos//S)&1): yield
                 if slot[s]!=pos: errors.append(f"stale: mma{C} tile {j} pos {pos} slot {s} holds {slot[s]}"); return
-                if handoff and kk==k_tiles-1: hand[1-C].arrive()
+                if handoff and kk==lens[j]-1: hand[1-C].arrive()
                 reading[s]=pos; pending.append(s)
                 yield
                 # wait(1): all but the newest done
@@ -84,4 +91,12 @@ for handoff in (False, True):
             if e: fails+=1; 
             if e and handoff: print(handoff, ntiles,k_tiles,S,seed,e[:2]); bad+=1
     print("handoff" if handoff else "no handoff", "failing runs:", fails)
+# stream-K parts first (stream_k=2): work items of uneven length, some shorter than the ring
+fails=0
+for seed in range(300):
+    for lens,S in (([3,1,6,6,6],5),([1,2,5,5,5,5],5),([4,6,6,6],5),([2],3),([1,1,4,4,4],4),
+                   ([5,1,3,3],3),([1,4,4,4,4,4,4],5)):
+        e=run(len(lens),lens,S,seed,True)
+        if e: fails+=1; bad+=1; print("stream-K", lens, S, seed, e[:2])
+print("stream-K items, handoff: failing runs:", fails)
 sys.exit(1 if bad else 0)
