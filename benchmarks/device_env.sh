@@ -43,6 +43,15 @@ every_gpu_session() {  # every_gpu_session: every local GPU, experiments importa
     sample_gpus "${OUT}/smi.csv" 200
 }
 
+unpack_triton_cache() {  # unpack_triton_cache: the carried Triton cache archive
+    # (.device/triton-cache.tgz, a device_s27.sh `cachepack`) into $TRITON_CACHE_DIR, when it
+    # was carried and the cache is not there yet, so a fresh machine skips the compiles
+    if [ -f .device/triton-cache.tgz ] && [ ! -d "${TRITON_CACHE_DIR}" ]; then
+        mkdir -p "${TRITON_CACHE_DIR}" && tar -xzf .device/triton-cache.tgz -C "${TRITON_CACHE_DIR}" \
+            && echo "triton cache unpacked: $(find "${TRITON_CACHE_DIR}" -type f | wc -l) files"
+    fi
+}
+
 gpu_tests() {  # gpu_tests TIMEOUT NAME [PATH...]: every GPU-marked test under PATH (default:
     # tests/) on the visible GPUs (those that need more skip), megatron-core from the carried
     # wheel -> $OUT/NAME.json and .log

@@ -29,10 +29,7 @@ every_gpu_session
 RUN=(python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}")
 GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 echo "cards: ${NGPUS} x ${GPU_NAME}"
-if [ -f .device/triton-cache.tgz ] && [ ! -d "${TRITON_CACHE_DIR}" ]; then
-  mkdir -p "${TRITON_CACHE_DIR}" && tar -xzf .device/triton-cache.tgz -C "${TRITON_CACHE_DIR}" \
-    && echo "triton cache unpacked: $(find "${TRITON_CACHE_DIR}" -type f | wc -l) files"
-fi
+unpack_triton_cache
 h100_bench() {  # h100_bench NAME TABLE TIMEOUT: the whole grid, connections 1, with TABLE
   MEGATRON_FLUX_CONFIG="$2" CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONPATH="${PWD}" timeout "$3" \
       "${RUN[@]}" -m megatron_flux.bench --m-set all \

@@ -23,13 +23,9 @@ OUT="${OUT:-/tmp/s28}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
 every_gpu_session
-RUN=(python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}")
 GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 echo "cards: ${NGPUS} x ${GPU_NAME}"
-if [ -f .device/triton-cache.tgz ] && [ ! -d "${TRITON_CACHE_DIR}" ]; then
-  mkdir -p "${TRITON_CACHE_DIR}" && tar -xzf .device/triton-cache.tgz -C "${TRITON_CACHE_DIR}" \
-    && echo "triton cache unpacked: $(find "${TRITON_CACHE_DIR}" -type f | wc -l) files"
-fi
+unpack_triton_cache
 TIMING=(--trials 7 --iters 20 --warmup 10 --shuffle-seed 0 --queue-ahead-ms 5)
 KVC=megatron_flux/bench/kernel_vs_cublas.py
 PP='{"ag_warp_specialized": true, "block_m": 128, "block_n": 128, "block_k": 64, "num_stages": 5, "num_warps": 4, "epilogue_split": 1, "stream_k": 0}'
