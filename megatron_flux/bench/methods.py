@@ -44,14 +44,14 @@ import torch.distributed as dist
 
 from megatron_flux.bench.grid import AG_GEMM, GEMM_RS, Case
 
-METHODS: Tuple[str, ...] = ("cublas_gemm", "comm", "nccl", "torch_async_tp", "flux",
-                            "flux_default", "flux_variant", "flux_control", "auto")
+#: the methods that run a FluxBackend (the registered one, or a second object of its own)
+FUSED_METHODS: Tuple[str, ...] = ("flux", "flux_default", "flux_variant", "flux_control")
+METHODS: Tuple[str, ...] = (("cublas_gemm", "comm", "nccl", "torch_async_tp") + FUSED_METHODS
+                            + ("auto",))
 #: methods whose output is the op's result (checked against the fp32 reference, get metrics)
-COMPUTES_OP: Tuple[str, ...] = ("nccl", "torch_async_tp", "flux", "flux_default", "flux_variant",
-                                 "flux_control", "auto")
+COMPUTES_OP: Tuple[str, ...] = ("nccl", "torch_async_tp") + FUSED_METHODS + ("auto",)
 #: methods that overlap communication with the GEMM (the ones overlap efficiency is about)
-OVERLAPPING: Tuple[str, ...] = ("torch_async_tp", "flux", "flux_default", "flux_variant",
-                                "flux_control", "auto")
+OVERLAPPING: Tuple[str, ...] = ("torch_async_tp",) + FUSED_METHODS + ("auto",)
 
 #: ``b_layout`` choices: ``weight_t`` passes ``weight.t()`` of a row-major ``[n, k]`` weight (what
 #: Megatron's forward does), ``row_major`` a contiguous ``[k, n]`` matrix.
@@ -228,7 +228,7 @@ def build_method(
     shapes = case.local_shapes(inp.tp)
     dev, dt = a.device, a.dtype
     out = None
-    if name in ("cublas_gemm", "nccl", "flux", "flux_default", "flux_variant", "flux_control", "auto"):
+    if name in ("cublas_gemm", "nccl") + FUSED_METHODS + ("auto",):
         out_shape = (inp.gemm_a.shape[0], b.shape[1]) if name == "cublas_gemm" else shapes["out"]
         out = torch.empty(out_shape, device=dev, dtype=dt)
 
@@ -252,7 +252,7 @@ def build_method(
         if case.op == AG_GEMM:
             return (lambda: ops.fused_all_gather_matmul(a, [b], gather_dim=0, group_name=gname)[1][0]), {}
         return (lambda: ops.fused_matmul_reduce_scatter(a, b, "sum", scatter_dim=0, group_name=gname)), {}
-    if name in ("flux", "flux_default", "flux_variant", "flux_control"):
+    if name in FUSED_METHODS:
         reason = backends.fused_unavailable_reason(dev)
         if reason is not None:
             raise MethodSkipped(reason)
