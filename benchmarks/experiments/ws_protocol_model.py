@@ -82,21 +82,18 @@ def run(ntiles, k_tiles, S, seed, handoff=True):
     # flush
     return errors
 
+#: (work items, K-steps per item or each item's list, ring slots): whole tiles, then the
+#: stream-K parts first (stream_k=2) as items of uneven length, some shorter than the ring
+CASES = ((5,4,4),(7,6,3),(4,8,4),(9,5,5),(3,4,4),(2,4,4),(1,5,3)) + tuple(
+    (len(lens), lens, S) for lens, S in (([3,1,6,6,6],5),([1,2,5,5,5,5],5),([4,6,6,6],5),([2],3),
+                                        ([1,1,4,4,4],4),([5,1,3,3],3),([1,4,4,4,4,4,4],5)))
 bad=0
 for handoff in (False, True):
     fails=0
     for seed in range(300):
-        for ntiles,k_tiles,S in ((5,4,4),(7,6,3),(4,8,4),(9,5,5),(3,4,4),(2,4,4),(1,5,3)):
+        for ntiles,k_tiles,S in CASES:
             e=run(ntiles,k_tiles,S,seed,handoff)
             if e: fails+=1; 
             if e and handoff: print(handoff, ntiles,k_tiles,S,seed,e[:2]); bad+=1
     print("handoff" if handoff else "no handoff", "failing runs:", fails)
-# stream-K parts first (stream_k=2): work items of uneven length, some shorter than the ring
-fails=0
-for seed in range(300):
-    for lens,S in (([3,1,6,6,6],5),([1,2,5,5,5,5],5),([4,6,6,6],5),([2],3),([1,1,4,4,4],4),
-                   ([5,1,3,3],3),([1,4,4,4,4,4,4],5)):
-        e=run(len(lens),lens,S,seed,True)
-        if e: fails+=1; bad+=1; print("stream-K", lens, S, seed, e[:2])
-print("stream-K items, handoff: failing runs:", fails)
 sys.exit(1 if bad else 0)
