@@ -372,26 +372,30 @@ def _worker(rank, world, port, env):
         assert torch.equal(first, flux.all_gather_matmul(x, b, group)[0]), "AG+GEMM not deterministic"
     torch.cuda.synchronize()
     flux.check_errors()
-    if os.environ.get("MEGATRON_FLUX_DIRECT_LAUNCH") == "1":  # the direct path really ran
-        from megatron_flux.kernels import ag_gemm, gemm_rs, ready_barrier
+    if os.environ.get("MEGATRON_FLUX_DIRECT_LAUNCH", "1") == "1":  # the direct path really ran
+        from megatron_flux.kernels import ag_gemm, ag_gemm_ws, gemm_rs, gemm_rs_ws, ready_barrier
 
         for mod in (ag_gemm, gemm_rs, ready_barrier):
             assert mod._LAUNCH.direct_calls > 0, f"{mod.__name__}: no direct launch happened"
+        for mod in (ag_gemm_ws, gemm_rs_ws):  # the warp-specialized kernels, where they ran
+            if mod._LAUNCH is not None and mod._LAUNCH._compiled:
+                assert mod._LAUNCH.direct_calls > 0, f"{mod.__name__}: no direct launch happened"
     torch.distributed.barrier()
     return n_checks
 
 
 @_NEEDS_2_GPUS
-@pytest.mark.parametrize("max_connections", ["1", "default", "1-direct-launch"])
+@pytest.mark.parametrize("max_connections", ["1", "default", "1-triton-launch"])
 def test_fused_ops_match_nccl(max_connections):
     """Every check, under Megatron's CUDA_DEVICE_MAX_CONNECTIONS=1 and the driver default, and
-    once more with the opt-in direct kernel launch (megatron_flux.kernels.launch)."""
+    once more with every kernel launched through Triton's own launcher (the direct launch of
+    megatron_flux.kernels.launch off)."""
     world = torch.cuda.device_count()
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
            "MEGATRON_FLUX_MAX_SPINS": str(1 << 24)}
-    if max_connections.endswith("-direct-launch"):
-        env["MEGATRON_FLUX_DIRECT_LAUNCH"] = "1"
-        max_connections = max_connections[: -len("-direct-launch")]
+    if max_connections.endswith("-triton-launch"):
+        env["MEGATRON_FLUX_DIRECT_LAUNCH"] = "0"
+        max_connections = max_connections[: -len("-triton-launch")]
     if max_connections != "default":
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = max_connections
     else:

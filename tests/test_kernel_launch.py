@@ -1,4 +1,4 @@
-"""megatron_flux.kernels.launch: the opt-in direct launch's specialisation key and call shape,
+"""megatron_flux.kernels.launch: the direct launch's specialisation key and call shape,
 with a stand-in for Triton's JIT function (the real launch is exercised by the GPU tests)."""
 
 import inspect
@@ -23,8 +23,21 @@ def test_key_refines_tritons_specialisation():
     assert k(base.float(), 16) != k(base, 16)                          # dtype
     assert L.specialization_key((base,), (("C", 1),), (4, 3)) != L.specialization_key((base,), (("C", 2),), (4, 3))
     assert L.specialization_key((base,), (), (4, 3)) != L.specialization_key((base,), (), (8, 3))
+    assert k(base, True) != k(base, 1) and k(base, True) != k(base, False)  # bools are not ints
+    assert k(base, 16, base) != k(base, 16, 16)                       # kinds told apart by position
     with pytest.raises(TypeError, match="unsupported argument type"):
         k(base, 1.5)
+
+
+def test_key_tells_descriptors_apart():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    k = lambda *args: L.specialization_key(args, (), (4, 3))  # noqa: E731
+    t = torch.zeros(64, 64, dtype=torch.float16)
+    d = lambda block, tt=t: TensorDescriptor(tt, [64, 64], [64, 1], block)  # noqa: E731
+    assert k(d([16, 16])) == k(d([16, 16], torch.zeros(64, 64, dtype=torch.float16)))
+    assert k(d([16, 16])) != k(d([16, 32]))
+    assert k(d([16, 16])) != k(d([16, 16], t.float()))
 
 
 class _Param:
@@ -56,17 +69,19 @@ class _FakeJit:
         return run
 
 
-def test_direct_launch_is_opt_in_and_reuses_the_compiled_kernel(monkeypatch):
+def test_direct_launch_is_the_default_and_reuses_the_compiled_kernel(monkeypatch):
     jit = _FakeJit()
     launcher = L.KernelLauncher(jit)
     x = torch.zeros(8, dtype=torch.float16)
-    monkeypatch.delenv(L.ENV_DIRECT_LAUNCH, raising=False)
+    monkeypatch.setenv(L.ENV_DIRECT_LAUNCH, "0")
     for _ in range(2):
         launcher(3, (x, 16), {"A": 2}, num_warps=4)
     assert len(jit.launches) == 2 and not jit.compiled.runs  # off: Triton every time
     assert jit.launches[0] == ((3,), (x, 16), {"A": 2, "num_warps": 4, "num_stages": 3})
 
-    monkeypatch.setenv(L.ENV_DIRECT_LAUNCH, "1")
+    monkeypatch.delenv(L.ENV_DIRECT_LAUNCH)  # unset: on
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    monkeypatch.setattr(L, "_capturing", lambda: False)
     monkeypatch.setattr(L.torch._C, "_cuda_getCurrentRawStream", lambda device: 99, raising=False)
     launcher(5, (x, 32), {"A": 2}, num_warps=4)   # new key: through Triton, compiled kept
     launcher(5, (x, 48), {"A": 2}, num_warps=4)   # same key: direct
@@ -76,6 +91,19 @@ def test_direct_launch_is_opt_in_and_reuses_the_compiled_kernel(monkeypatch):
     launcher(5, (x, 1), {"A": 2}, num_warps=4)    # 1 is its own specialisation: Triton again
     assert len(jit.launches) == 4
     assert len(launcher._compiled) == 2
+    # Gluon's form: no num_stages, a further option; both reach Triton and key the entry
+    launcher(5, (x, 48), {"A": 2}, num_warps=4, num_stages=None, maxnreg=128)
+    assert jit.launches[-1] == ((5,), (x, 48), {"A": 2, "num_warps": 4, "maxnreg": 128})
+    launcher(5, (x, 48), {"A": 2}, num_warps=4, num_stages=None, maxnreg=128)
+    assert len(jit.launches) == 5 and launcher.direct_calls == 2
+    with pytest.raises(TypeError, match="3 runtime arguments, the kernel takes 2"):
+        launcher(5, (x, 48, 3), {"A": 2}, num_warps=4)
+
+
+def test_direct_launch_setting_is_checked(monkeypatch):
+    monkeypatch.setenv(L.ENV_DIRECT_LAUNCH, "yes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        L.direct_launch_enabled()
 
 
 def test_direct_launch_steps_aside_for_hooks_and_odd_signatures(monkeypatch):

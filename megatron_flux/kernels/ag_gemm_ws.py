@@ -46,6 +46,7 @@ from typing import Optional
 
 from megatron_flux.kernels import gluon_ws
 from megatron_flux.kernels.config import interpreting
+from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, aggregate,
                                             fence_async_shared, gl, gluon, tma)
 from megatron_flux.kernels.signals import OP_AG_GEMM, fence_async_proxy, wait_signal
@@ -270,9 +271,13 @@ def launch_ag_gemm_ws(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num
     descs = (_host_descriptors(x, ag, b, out, world, m_local, n, k, ldb, b_kn, cfg)
              if host_desc else (err, err, err, err))  # unused without HOST_DESC
     ensure_descriptor_allocator()
-    ag_gemm_ws_kernel[(grid,)](
-        x, ag, b, out, flags, err, *descs, m_local, n, k, ldb, rank, epoch,
-        cfg.chunk_rows, max_spins, HOST_DESC=host_desc, WORLD=world, B_KN=b_kn, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg), CONSUMER_REGS=CONSUMER_REGS,
-        **gluon_ws.launch_options(cfg))
+    _LAUNCH(grid, (x, ag, b, out, flags, err, *descs, m_local, n, k, ldb, rank, epoch,
+                   cfg.chunk_rows, max_spins),
+            dict(HOST_DESC=host_desc, WORLD=world, B_KN=b_kn, BLOCK_M=cfg.block_m,
+                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                 STAGES=cfg.num_stages, NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg),
+                 CONSUMER_REGS=CONSUMER_REGS),
+            num_stages=None, **gluon_ws.launch_options(cfg))
+
+
+_LAUNCH = KernelLauncher(ag_gemm_ws_kernel) if ag_gemm_ws_kernel is not None else None

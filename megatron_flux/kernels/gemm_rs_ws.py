@@ -73,6 +73,7 @@ from typing import Optional
 
 from megatron_flux.kernels import gluon_ws
 from megatron_flux.kernels.config import interpreting
+from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, aggregate,
                                             fence_async_shared, gl, gluon, mbarrier, tma)
 from megatron_flux.kernels.signals import OP_GEMM_RS, fence_async_proxy, wait_signal
@@ -504,10 +505,14 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
     descs = (_host_descriptors(a, b, out, data, world, m_local, n, k, ldb, b_kn, cfg)
              if host_desc else (err, err, err, err))  # unused without HOST_DESC
     ensure_descriptor_allocator()
-    gemm_rs_ws_kernel[(grid,)](
-        a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err, *descs,
-        m_local, n, k, ldb, rank, epoch, max_spins, HOST_DESC=host_desc,
-        WORLD=world, B_KN=b_kn, HAS_BIAS=bias is not None, CE_PUSH=cfg.rs_copy_engine,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg),
-        CONSUMER_REGS=CONSUMER_REGS, MERGE_ROWS=cfg.rs_merge_rows, **gluon_ws.launch_options(cfg))
+    _LAUNCH(grid, (a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
+                   *descs, m_local, n, k, ldb, rank, epoch, max_spins),
+            dict(HOST_DESC=host_desc, WORLD=world, B_KN=b_kn, HAS_BIAS=bias is not None,
+                 CE_PUSH=cfg.rs_copy_engine, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                 BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+                 NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg),
+                 CONSUMER_REGS=CONSUMER_REGS, MERGE_ROWS=cfg.rs_merge_rows),
+            num_stages=None, **gluon_ws.launch_options(cfg))
+
+
+_LAUNCH = KernelLauncher(gemm_rs_ws_kernel) if gemm_rs_ws_kernel is not None else None

@@ -1,38 +1,47 @@
-"""Launching the fused kernels with less host time than Triton's ``JITFunction.run`` (opt-in).
+"""Launching the fused kernels with less host time than Triton's ``JITFunction.run``.
 
-Triton binds and specialises every argument on every launch, then looks the compiled kernel up:
-about 25 µs per launch of these kernels on the 2×H200 box, 2–3 launches per fused op, hundreds
-of ops per training step, in steps that are host-bound at micro-batch 1
-(``benchmarks/NOTES.md``, session 5).
+Triton binds and specialises every argument on every launch, then looks the compiled kernel up.
+On a slow host that is a good part of a fused op's host time: on the 2xH100 box of session 29,
+``JITFunction.run`` took 75-90 µs a launch, two launches a layer call, in training steps that are
+host-bound at micro-batch 1 (``benchmarks/NOTES.md``, sessions 28-29).
 
-With ``MEGATRON_FLUX_DIRECT_LAUNCH=1`` a :class:`KernelLauncher` sends the first launch of each
-specialisation through Triton, keeps the compiled kernel Triton returns, and later calls it
-directly. Its key refines Triton's own specialisation (so two launches Triton would compile
-differently never share an entry):
+So a :class:`KernelLauncher` sends the first launch of each specialisation through Triton, keeps
+the compiled kernel Triton returns, and later calls its launcher directly. Its key refines
+Triton's own specialisation (so two launches Triton would compile differently never share an
+entry):
 
 * every tensor: dtype, and whether its address is 16-byte aligned;
-* every host TMA descriptor: its tensor's dtype, block shape, rank and padding;
+* every host TMA descriptor (Triton's or Gluon's): its tensor's dtype, block shape, rank,
+  padding and (Gluon) shared-memory layout;
 * every int: whether it is 1, whether it is divisible by 16, and whether it fits in int32 (also
   for ``do_not_specialize`` ints, which Triton still types by width);
-* every constexpr, ``num_warps`` and ``num_stages``.
+* every constexpr, the current device, and the launch options (``num_warps``, ``num_stages``,
+  Gluon's ``maxnreg``).
 
-Launches with a Triton launch hook installed (profilers), under the interpreter, or with the
-variable unset go through Triton as before; without an active hook the direct call passes no
-hooks and no launch metadata, as Triton itself does then.
+Launches with a Triton launch hook installed (profilers), under the interpreter, or with
+``MEGATRON_FLUX_DIRECT_LAUNCH=0`` go through Triton as before; without an active hook the direct
+call passes no hooks and no launch metadata, as Triton itself does then.
 
-Status (session 6, 2×H200): ``tests/test_flux_gpu.py`` passes with it on (its
-``1-direct-launch`` case asserts the direct path ran). It saved 0.01–0.03 ms of host time per
-fc1/fc2 layer call (fwd+bwd), within the trials' spread, and the training step did not move
-measurably (``benchmarks/NOTES.md``, session 6). So it stays opt-in.
+Launches under CUDA graph capture also go through Triton (the fused backend refuses capture;
+this keeps any other caller's capture as Triton makes it).
+
+History: opt-in from session 6, when it saved 0.01-0.03 ms of host time per fc1/fc2 layer call
+on the 2xH200 box (within the spread). On by default from session 29: on the 2xH100 box, in one
+process alternating with Triton's launch over 15 trials, it saved a median 60 µs per fc1 layer
+call (forward + backward, lower in 11 of 15 paired trials) and 74 µs per fc2 call (9 of 15),
+of about 1.1 and 0.8 ms (``benchmarks/experiments/host_launch_ab.py``,
+``benchmarks/results/host-launch-ab-h100x2-2026-11-26-s29-run1.json``; a second run, 21 trials:
+93 and 74 µs, in 17 and 15 of 21). Calling one level below
+``CompiledKernel.run`` (Triton's C launcher with the descriptors expanded once) saved nothing
+measurable on top and was not kept.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megatron_flux.kernels.config import interpreting
 
@@ -41,24 +50,84 @@ _INT32 = (-(2**31), 2**31)
 
 
 def direct_launch_enabled() -> bool:
-    return os.environ.get(ENV_DIRECT_LAUNCH, "0") == "1"
+    """On unless ``$MEGATRON_FLUX_DIRECT_LAUNCH`` is ``0``; any other value than ``0``/``1``
+    raises, so a typo does not silently pick a path."""
+    value = os.environ.get(ENV_DIRECT_LAUNCH, "1")
+    if value == "1":
+        return True
+    if value == "0":
+        return False
+    raise ValueError(f"${ENV_DIRECT_LAUNCH} must be 0 or 1, got {value!r}")
+
+
+# argument kinds of specialization_key, per Python type (filled on first sight of a type)
+_TENSOR, _INT, _BOOL, _DESC = range(4)
+_KINDS: Dict[type, int] = {}
+
+
+def _descriptor_types() -> tuple:
+    """Triton's host TMA descriptor class, and Gluon's where this Triton has one."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    types = [TensorDescriptor]
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    except ImportError:  # pragma: no cover - a Triton without Gluon
+        pass
+    else:
+        types.append(GluonDescriptor)
+    return tuple(types)
+
+
+def _kind(t: type) -> int:
+    kind = _KINDS.get(t)
+    if kind is not None:
+        return kind
+    if issubclass(t, torch.Tensor):
+        kind = _TENSOR
+    elif issubclass(t, bool):
+        kind = _BOOL
+    elif issubclass(t, int):
+        kind = _INT
+    elif issubclass(t, _descriptor_types()):
+        kind = _DESC
+    else:
+        raise TypeError(f"direct launch: unsupported argument type {t.__name__}")
+    _KINDS[t] = kind
+    return kind
 
 
 def specialization_key(args: Sequence[Any], constexprs: Tuple, options: Tuple) -> tuple:
-    """The key described in the module docstring (runtime ``args`` in kernel order)."""
+    """The key described in the module docstring (runtime ``args`` in kernel order). Flat: a
+    tensor adds its dtype and alignment, an int one small code, a bool and a descriptor one
+    tuple each, so the kinds can be told apart position by position."""
     key = []
+    add = key.append
     for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.data_ptr() & 15 == 0))
-        elif isinstance(a, TensorDescriptor):  # Triton types it by dtype and block shape
-            key.append(("desc", a.base.dtype, tuple(a.block_shape), len(a.shape), a.padding))
-        elif isinstance(a, bool):
-            key.append(("b", a))
-        elif isinstance(a, int):
-            key.append((a == 1, a & 15 == 0, _INT32[0] <= a < _INT32[1]))
+        kind = _KINDS.get(type(a))
+        if kind is None:
+            kind = _kind(type(a))
+        if kind == _TENSOR:
+            add(a.dtype)
+            add(a.data_ptr() & 15 == 0)
+        elif kind == _INT:
+            add((a == 1) | (a & 15 == 0) << 1 | (_INT32[0] <= a < _INT32[1]) << 2)
+        elif kind == _BOOL:
+            add(("b", a))
         else:
-            raise TypeError(f"direct launch: unsupported argument type {type(a).__name__}")
+            add(("desc", a.base.dtype, tuple(a.block_shape), len(a.shape), a.padding,
+                 getattr(a, "layout", None)))
     return (tuple(key), constexprs, options)
+
+
+def _capturing() -> bool:
+    """A CUDA graph is being captured on the current stream: launch through Triton, as
+    before the direct launch existed (the fused backend itself refuses capture)."""
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()
 
 
 def _hook_active(hook) -> bool:
@@ -92,9 +161,12 @@ def _launch_hooks():
 
 
 class KernelLauncher:
-    """``launcher(grid, args, constexprs, num_warps=, num_stages=)`` launches ``jit_fn`` on the
-    current stream: ``args`` are the runtime arguments in the kernel's order, ``constexprs`` a
-    dict of the constexpr arguments (all of them, in any order)."""
+    """``launcher(grid, args, constexprs, num_warps=, num_stages=, **options)`` launches
+    ``jit_fn`` (a Triton or Gluon kernel) on the current stream: ``args`` are the runtime
+    arguments in the kernel's order, ``constexprs`` a dict of the constexpr arguments (any
+    subset, in any order, the same order at one call site: the key keeps it), ``num_stages``
+    ``None`` for kernels that take none (Gluon), ``options`` further compile options
+    (``maxnreg``)."""
 
     def __init__(self, jit_fn):
         import inspect
@@ -130,27 +202,33 @@ class KernelLauncher:
             fit = self._occupancy[key] = compiled_occupancy(compiled)
         return fit
 
+    def _through_triton(self, grid, args, constexprs, num_warps, num_stages, options):
+        if num_stages is not None:
+            options = dict(options, num_stages=num_stages)
+        return self.jit_fn[(grid,)](*args, **constexprs, num_warps=num_warps, **options)
+
     def __call__(self, grid: int, args: Sequence[Any], constexprs: Dict[str, Any], *, num_warps: int,
-                 num_stages: int = 3) -> None:
+                 num_stages: Optional[int] = 3, **options) -> None:
         if (not self._direct_ok or not direct_launch_enabled() or interpreting()
-                or any(_hook_active(h) for h in _launch_hooks())):
-            self.jit_fn[(grid,)](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
-            return
-        cvals = tuple(sorted(constexprs.items()))
-        key = specialization_key(args, cvals, (num_warps, num_stages))
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self.jit_fn[(grid,)](*args, **constexprs, num_warps=num_warps,
-                                            num_stages=num_stages)
-            self._compiled[key] = compiled
+                or any(_hook_active(h) for h in _launch_hooks()) or _capturing()):
+            self._through_triton(grid, args, constexprs, num_warps, num_stages, options)
             return
         if len(args) != self._n_runtime:
             name = getattr(self.jit_fn, "__name__", "kernel")
             raise TypeError(f"{name}: {len(args)} runtime arguments, the kernel takes "
                             f"{self._n_runtime}")
-        values = list(args) + [constexprs.get(name, default) for name, default in self._constexpr_params]
-        device = next(a for a in args if isinstance(a, torch.Tensor)).get_device()
-        stream = torch._C._cuda_getCurrentRawStream(device)
+        device = _current_device()
+        key = specialization_key(args, tuple(constexprs.items()),
+                                 (device, num_warps, num_stages, tuple(options.items())))
+        entry = self._compiled.get(key)
+        if entry is None:
+            compiled = self._through_triton(grid, args, constexprs, num_warps, num_stages, options)
+            cvalues = tuple(constexprs.get(name, default) for name, default in self._constexpr_params)
+            # after Triton's launch the handles are loaded: keep what the direct call passes
+            self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata,
+                                   cvalues)
+            return
+        run, function, metadata, cvalues = entry
         self.direct_calls += 1
-        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None,
-                     None, None, *values)
+        run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(device), function, metadata, None,
+            None, None, *args, *cvalues)
