@@ -44,12 +44,28 @@ every_gpu_session() {  # every_gpu_session: every local GPU, experiments importa
 }
 
 unpack_triton_cache() {  # unpack_triton_cache: the carried Triton cache archive
-    # (.device/triton-cache.tgz, a device_s27.sh `cachepack`) into $TRITON_CACHE_DIR, when it
-    # was carried and the cache is not there yet, so a fresh machine skips the compiles
-    if [ -f .device/triton-cache.tgz ] && [ ! -d "${TRITON_CACHE_DIR}" ]; then
-        mkdir -p "${TRITON_CACHE_DIR}" && tar -xzf .device/triton-cache.tgz -C "${TRITON_CACHE_DIR}" \
-            && echo "triton cache unpacked: $(find "${TRITON_CACHE_DIR}" -type f | wc -l) files"
+    # (.device/triton-cache.tgz, or its pieces .device/triton-cache.tgz.part-*, from a
+    # `cachepack` stage) into $TRITON_CACHE_DIR, when it was carried and the cache is not there
+    # yet, so a fresh machine skips the compiles
+    [ -d "${TRITON_CACHE_DIR}" ] && return 0
+    if [ -f .device/triton-cache.tgz ]; then
+        mkdir -p "${TRITON_CACHE_DIR}" && tar -xzf .device/triton-cache.tgz -C "${TRITON_CACHE_DIR}"
+    elif compgen -G ".device/triton-cache.tgz.part-*" > /dev/null; then
+        mkdir -p "${TRITON_CACHE_DIR}" && cat .device/triton-cache.tgz.part-* | tar -xz -C "${TRITON_CACHE_DIR}"
+    else
+        return 0
     fi
+    echo "triton cache unpacked: $(find "${TRITON_CACHE_DIR}" -type f | wc -l) files"
+}
+
+pack_triton_cache() {  # pack_triton_cache: $TRITON_CACHE_DIR as $OUT/triton-cache.tgz.part-*,
+    # pieces of 15 MB (what comes back from a call: files of at most 16 MiB); carry them back
+    # in .device/ for unpack_triton_cache. Only what a cache hit loads goes in: each kernel's
+    # metadata (.json), binary (.cubin) and the launchers (.so); the IR texts (.llir alone 388
+    # of 498 MB in session 29) stay behind, and Triton's cache takes a group without them
+    tar -czf - -C "${TRITON_CACHE_DIR}" --exclude='*.llir' --exclude='*.ptx' --exclude='*.ttir' \
+        --exclude='*.ttgir' --exclude='*.source' . | split -b 15000000 - "${OUT}/triton-cache.tgz.part-"
+    ls -la "${OUT}"/triton-cache.tgz.part-*
 }
 
 gpu_tests() {  # gpu_tests TIMEOUT NAME [PATH...]: every GPU-marked test under PATH (default:
