@@ -1,0 +1,147 @@
+"""Host time per layer call of the launch paths, A/B in one process, trials interleaved.
+
+Session 29 timed the launch paths in separate processes and the same path moved by 30 % from
+one process to the next (``raw/s29``), more than the effect. Here one process holds every
+variant and alternates them trial by trial (order shuffled per trial, seeded):
+
+* ``nccl``: the reference backend (NCCL + cuBLAS);
+* ``flux run``: the fused backend, kernels launched directly through ``CompiledKernel.run``
+  (:mod:`megatron_flux.kernels.launch`, the default);
+* ``flux triton``: launched through Triton's ``JITFunction.run``
+  (``MEGATRON_FLUX_DIRECT_LAUNCH=0``).
+
+(Session 29's run also had ``flux raw``, a launch one level below ``CompiledKernel.run``, which
+saved nothing and is kept only in ``benchmarks/results/raw/s29/raw_launch.patch``.)
+
+Per variant and op (column fc1 / row fc2 layer call, forward + backward, m = 4096 by
+default): the host issue time per call of a loop of ``--iters`` back-to-back calls (no sync
+inside), median and quartiles over ``--trials``; and the GPU time of the same loops.
+
+``torchrun --nproc-per-node 2 benchmarks/experiments/host_launch_ab.py --out ab.json``
+"""
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_flux.kernels import launch as L
+
+VARIANTS = {  # label: (backend, $MEGATRON_FLUX_DIRECT_LAUNCH)
+    "nccl": ("nccl", "1"),
+    "flux run": ("flux", "1"),
+    "flux triton": ("flux", "0"),
+}
+
+
+def _ops(backend, group, world, m, h, fc1, ffn, dt, gen):
+    from megatron_flux.ops import column_parallel_linear, row_parallel_linear
+
+    def t(*shape, grad=False):
+        return torch.randn(*shape, device="cuda", dtype=dt, generator=gen).requires_grad_(grad)
+
+    x, w1, g1 = t(m // world, 1, h, grad=True), t(fc1 // world, h, grad=True), t(m, 1, fc1 // world)
+    a, w2, g2 = t(m, 1, ffn // world, grad=True), t(h, ffn // world, grad=True), t(m // world, 1, h)
+
+    def column():
+        column_parallel_linear(x, w1, group=group, backend=backend).backward(g1)
+        x.grad = w1.grad = None
+
+    def row():
+        row_parallel_linear(a, w2, group=group, backend=backend).backward(g2)
+        a.grad = w2.grad = None
+
+    return {"column fwd+bwd": column, "row fwd+bwd": row}
+
+
+def _loop(fn, iters):
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter_ns()
+    for _ in range(iters):
+        fn()
+    host = (time.perf_counter_ns() - t0) / iters / 1e3
+    end.record()
+    end.synchronize()
+    return host, start.elapsed_time(end) / iters * 1e3
+
+
+def _quartiles(xs):
+    q = statistics.quantiles(xs, n=4)
+    return q[0], q[2]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ms", dest="m", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--ffn", type=int, default=14336)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--trials", type=int, default=15)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    group = dist.group.WORLD
+    dt, h = torch.bfloat16, args.hidden
+    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    ops = {v: _ops(VARIANTS[v][0], group, world, args.m, h, 2 * args.ffn, args.ffn, dt, gen)
+           for v in args.variants}
+
+    def select(variant):
+        os.environ[L.ENV_DIRECT_LAUNCH] = VARIANTS[variant][1]
+
+    for v in args.variants:  # compile and warm every path
+        select(v)
+        for fn in ops[v].values():
+            for _ in range(5):
+                fn()
+    torch.cuda.synchronize()
+    order_rng = random.Random(args.seed)  # the same order on every rank
+    samples = {(v, op): [] for v in args.variants for op in ops[args.variants[0]]}
+    for _ in range(args.trials):
+        order = list(args.variants)
+        order_rng.shuffle(order)
+        for v in order:
+            select(v)
+            for op, fn in ops[v].items():
+                samples[(v, op)].append(_loop(fn, args.iters))
+    rows = []
+    for (v, op), got in samples.items():
+        host, gpu = [h_ for h_, _ in got], [g for _, g in got]
+        lo, hi = _quartiles(host)
+        rows.append({"variant": v, "op": op, "m": args.m, "host_us": statistics.median(host),
+                     "host_q1_us": lo, "host_q3_us": hi, "gpu_us": statistics.median(gpu),
+                     "host_trials_us": host, "gpu_trials_us": gpu})
+        if rank == 0:
+            print(f"{v:12s} {op:15s} host {statistics.median(host):7.0f} us (IQR {lo:.0f}-{hi:.0f})"
+                  f"  gpu {statistics.median(gpu):7.0f} us", flush=True)
+    if rank == 0:
+        import triton
+
+        record = {"command": "torchrun --nproc-per-node %d benchmarks/experiments/host_launch_ab.py %s" % (
+                      world, " ".join(sys.argv[1:])),
+                  "gpu": torch.cuda.get_device_name(), "tp": world, "torch": torch.__version__,
+                  "triton": triton.__version__,
+                  "env_vars": {k: os.environ.get(k) for k in ("CUDA_DEVICE_MAX_CONNECTIONS",)},
+                  "definition": __doc__, "rows": rows}
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
