@@ -17,12 +17,13 @@ host descriptors at m >= 1024 and 2-8 % at m <= 512 (``benchmarks/NOTES.md``, se
 """
 
 import os
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime import _allocation
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 #: ``"0"`` builds every descriptor on the device, ``"1"`` (the default) encodes A's and B's on
 #: the host
@@ -39,12 +40,42 @@ def host_descriptors_enabled(explicit: Optional[bool] = None) -> bool:
     return value == "1"
 
 
+#: validated descriptor fields per (class, dtype, shape, strides, block shape, layout); bounded
+_TEMPLATES: Dict[tuple, dict] = {}
+_MAX_TEMPLATES = 4096
+
+
+def bind_descriptor(cls, t: torch.Tensor, shape: Sequence[int], strides: Sequence[int],
+                    block_shape: Sequence[int], layout=None):
+    """``cls(t, shape, strides, block_shape[, layout])`` (Triton's or Gluon's host
+    ``TensorDescriptor``), validated by its constructor once per geometry.
+
+    A launch builds up to four descriptors, and the constructor's checks (ranks, alignment of the
+    strides, power-of-two blocks, the layout) cost 1-2.5 µs each on this repo's CPU machine,
+    several times that on the GPU boxes' hosts. All but one depend on the geometry alone, so
+    later descriptors of the same geometry copy the checked fields and test only what changes
+    with the tensor: its 16-byte alignment (and its dtype is part of the key)."""
+    if t.data_ptr() % 16:
+        raise ValueError(f"TMA descriptor base {t.data_ptr():#x} is not 16-byte aligned")
+    key = (cls, t.dtype, tuple(shape), tuple(strides), tuple(block_shape), layout)
+    fields = _TEMPLATES.get(key)
+    if fields is None:
+        args = (t, list(shape), list(strides), list(block_shape)) + ((layout,) if layout is not None else ())
+        desc = cls(*args)  # the constructor's own checks, with this tensor
+        if len(_TEMPLATES) >= _MAX_TEMPLATES:
+            _TEMPLATES.clear()
+        fields = _TEMPLATES[key] = {k: v for k, v in vars(desc).items() if k != "base"}
+        return desc
+    desc = object.__new__(cls)
+    desc.__dict__.update(fields)
+    desc.base = t
+    return desc
+
+
 def host_descriptor(t: torch.Tensor, shape: Sequence[int], strides: Sequence[int],
                     block_shape: Sequence[int]):
     """A host TMA descriptor of ``t``'s memory seen as ``shape`` / ``strides`` (elements)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(t, list(shape), list(strides), list(block_shape))
+    return bind_descriptor(TensorDescriptor, t, shape, strides, block_shape)
 
 
 @triton.jit

@@ -30,14 +30,16 @@ try:  # Gluon: Triton >= 3.5
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                    warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
     from triton.language.core import _aggregate as aggregate
     GLUON_ERROR: Optional[str] = None
 except ImportError as exc:  # pragma: no cover - depends on the installed Triton
     gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
-    aggregate = None
+    aggregate = GluonTensorDescriptor = None
     GLUON_ERROR = f"this Triton has no Gluon ({exc})"
 
 from megatron_flux.kernels.config import interpreting
+from megatron_flux.kernels.descriptors import bind_descriptor
 
 #: registers per thread of the whole CTA (65536 / 384 threads, a multiple of 8). Triton pads a
 #: warp-specialized CTA to whole warpgroups, so both forms launch 12 warps (4 + 4 + 1, or 8 + 1,
@@ -202,10 +204,8 @@ def host_descriptor(t, shape, strides, block_shape):
     """A host-encoded Gluon TMA descriptor of ``t``'s memory seen as ``shape`` / ``strides``,
     with the shared-memory layout the kernels use for that box
     (``NVMMASharedLayout.get_default_for``), so it matches their buffers."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     layout = _shared_layout(tuple(block_shape), t.dtype)
-    return TensorDescriptor(t, list(shape), list(strides), list(block_shape), layout)
+    return bind_descriptor(GluonTensorDescriptor, t, shape, strides, block_shape, layout)
 
 
 def b_host_descriptor(b, n, k, ldb, b_kn, cfg):
