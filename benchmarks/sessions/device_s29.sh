@@ -20,6 +20,13 @@
 #              output checked against NCCL through the default launch path -> $OUT/grid-check.*
 #   tests1     tests2's first case only (the fused ops against NCCL, connections 1)
 #   cachepack  the Triton cache in 15 MB pieces -> $OUT/triton-cache.tgz.part-*
+# Prepared, not run this session (no device time left): the soft start barrier in the Gluon
+# AG+GEMM, from benchmarks/results/raw/s29/start_barrier.patch (applied first):
+#   sbtest     the Gluon AG+GEMM's one-GPU tests, the barrier's cases included, on GPU 0
+#                                                    -> $OUT/tests-sb.{json,log}
+#   sbkvc      communication off, launches alternating with cuBLAS, AG+GEMM m >= 1024 on GPU 0:
+#              the table's config, the ping-pong 128x128x64/5, and the same with
+#              start_barrier_spins 256 and 4096     -> $OUT/kvc-sb-ag.json
 # Usage: OUT=/somewhere bash benchmarks/sessions/device_s29.sh sections
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -77,6 +84,21 @@ for what in "$@"; do
           -p no:cacheprovider > "${OUT}/tests-2gpu.log" 2>&1
       echo "   tests exit $?"; grep -E "PASSED|FAILED|ERROR|rank 0 \+|[0-9]+ (passed|failed)" "${OUT}/tests-2gpu.log" | tail -15 ;;
     cachepack) pack_triton_cache ;;
+    sbtest|sbkvc)
+      [ -f .sb-applied ] || { git apply benchmarks/results/raw/s29/start_barrier.patch && touch .sb-applied; } || exit 2
+      if [ "${what}" = sbtest ]; then
+        CUDA_VISIBLE_DEVICES=0 timeout "${TEST_TIMEOUT:-300}" python3 benchmarks/record_pytest.py \
+            "${OUT}/tests-sb.json" tests/test_kernels_one_gpu.py -q -p no:cacheprovider \
+            -k "ag_gemm_ws" > "${OUT}/tests-sb.log" 2>&1
+        echo "   tests exit $?"; tail -3 "${OUT}/tests-sb.log"
+      else
+        PP='{"ag_warp_specialized": true, "block_m": 128, "block_n": 128, "block_k": 64, "num_stages": 5, "num_warps": 4, "epilogue_split": 1, "stream_k": 0'
+        CUDA_VISIBLE_DEVICES=0 timeout "${KVC_TIMEOUT:-300}" python3 megatron_flux/bench/kernel_vs_cublas.py \
+            --tp 2 --ops AG+GEMM --m 1024 2048 4096 8192 --configs table \
+            --extra "[${PP}}, ${PP}, \"start_barrier_spins\": 256}, ${PP}, \"start_barrier_spins\": 4096}]" \
+            --alternate --trials 7 --iters 20 --warmup 10 --shuffle-seed 0 --queue-ahead-ms 5 \
+            --json "${OUT}/kvc-sb-ag.json" 2>&1 | grep -v Warning
+      fi ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
 done
