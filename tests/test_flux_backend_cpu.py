@@ -162,3 +162,18 @@ def test_auto_dispatch_starts_the_dgrad_on_the_backend_it_chose_for_rs():
     fused, nccl = _Be("fused"), _Be("nccl")
     assert AutoDispatch(fused, nccl, True, False).matmul_reduce_scatter_start(None, None, None) == "nccl"
     assert AutoDispatch(fused, nccl, False, True).matmul_reduce_scatter_start(None, None, None) == "fused"
+
+
+def test_every_helper_the_fused_calls_use_resolves():
+    """The fused calls reach the comm and kernel helpers through ``flux._deps()`` (imported
+    once, not per call). Many of those paths run only on GPUs, some only with rare configs
+    (copy-engine GEMM+RS bands), so a misspelt helper would surface there first: every
+    ``d.<name>`` / ``_deps().<name>`` in the module must be in the namespace, and nothing in the
+    namespace may go unused."""
+    import re
+
+    from megatron_flux.backends import flux
+
+    used = set(re.findall(r"\b(?:d|_deps\(\))\.([A-Za-z_]+)", open(flux.__file__).read()))
+    provided = set(vars(flux._deps()))
+    assert used and used == provided, (sorted(used - provided), sorted(provided - used))

@@ -100,6 +100,38 @@ def reserved_sms(total: int) -> int:
     return value
 
 
+_DEPS = None
+
+
+def _deps():
+    """The comm and kernel helpers the fused calls use, imported on first use, not with this
+    module (which must import without Triton: ``flux_backend_factory_or_reason`` reports why
+    the backend is unavailable). An import statement inside a function costs about 0.9 µs a
+    call on this repo's CPU machine, more on the GPU boxes' hosts, where the fused path's host
+    time decides host-bound training steps; the hot paths made a dozen per layer call.
+    Whoever wraps one of these (``benchmarks/experiments/phase_trace_tp.py`` wraps
+    ``ag_gemm.launch_ag_gemm``) must do so before the first fused call of the process."""
+    global _DEPS
+    if _DEPS is None:
+        from types import SimpleNamespace
+
+        from megatron_flux.comm.ag_copies import ag_copy_plan, materialize
+        from megatron_flux.comm.errors import DeviceErrorWord
+        from megatron_flux.comm.rs_copies import rs_copy_plan
+        from megatron_flux.comm.signals import wait_signal_on_stream, write_signal
+        from megatron_flux.comm.streams import StreamOrder, on_stream
+        from megatron_flux.comm.workspace import SymmetricWorkspace
+        from megatron_flux.kernels.ag_gemm import launch_ag_gemm
+        from megatron_flux.kernels.config import rs_band_words, rs_bands, rs_signal_count
+        from megatron_flux.kernels.gemm_rs import launch_gemm_rs, rs_staging_table
+        from megatron_flux.kernels.ready_barrier import launch_ready_barrier
+        from megatron_flux.kernels.rs_reduce import launch_rs_reduce
+        from megatron_flux.kernels.signals import OP_GATHER, OP_GEMM_RS
+
+        _DEPS = SimpleNamespace(**{k: v for k, v in locals().items() if k != "SimpleNamespace"})
+    return _DEPS
+
+
 def _signal_and_wait(backend, ws, err, signals, *, rank, world, parity, epoch, current, side,
                      done: str, op_code: int) -> None:
     """The end of a copy-engine collective: on ``side``, each ``(uint32 flags, index)`` of
@@ -107,17 +139,14 @@ def _signal_and_wait(backend, ws, err, signals, *, rank, world, parity, epoch, c
     ``side`` (hand-off ``done``); then a one-warp bounded wait on ``current`` for every peer's
     signal ``[peer]`` of this rank (``op_code`` names the op in a timeout). Queued from the
     handles' ``wait()``, so with one hardware queue the writes sit behind the caller's kernel."""
-    from megatron_flux.comm.signals import write_signal
-    from megatron_flux.comm.streams import on_stream
-    from megatron_flux.kernels.ready_barrier import launch_ready_barrier
-
+    d = _deps()
     caller = torch.cuda.current_stream(current.device)
-    with on_stream(side, caller):
+    with d.on_stream(side, caller):
         for flags, index in signals:
-            write_signal(flags, index, epoch)  # after its copy, on the same stream
+            d.write_signal(flags, index, epoch)  # after its copy, on the same stream
     backend._order(current.device, done)(current, side)
-    with on_stream(current, caller):
-        launch_ready_barrier(ws.flag_ptrs(parity), err.device_word, rank=rank, world=world,
+    with d.on_stream(current, caller):
+        d.launch_ready_barrier(ws.flag_ptrs(parity), err.device_word, rank=rank, world=world,
                              base=0, epoch=epoch, max_spins=backend.max_spins, signal=False,
                              wait=True, op_code=op_code)
     err.after_launch()
@@ -137,15 +166,13 @@ class _CopyEngineGather:
     def wait(self) -> torch.Tensor:
         if self._result is not None:
             return self._result
-        from megatron_flux.kernels.signals import OP_GATHER
-
         # "done": the pushes finished (the shard is free for reuse), on the stream that started
         # the gather
         _signal_and_wait(self._backend, self._ws, self._err,
                          [(flags, index) for _, _, flags, index in self._copies],
                          rank=self._rank, world=self._world, parity=self._parity,
                          epoch=self._epoch, current=self._current, side=self._side, done="done",
-                         op_code=OP_GATHER)
+                         op_code=_deps().OP_GATHER)
         self._copies = None
         if self._out is not None:
             self._out.copy_(self._gathered)
@@ -173,21 +200,18 @@ class _CopyEngineReduceScatter:
     def wait(self) -> torch.Tensor:
         if self._result is not None:
             return self._result
-        from megatron_flux.comm.streams import on_stream
-        from megatron_flux.kernels.rs_reduce import launch_rs_reduce
-        from megatron_flux.kernels.signals import OP_GEMM_RS
-
+        d = _deps()
         m_local, n, rank, world = self._m_local, self._n, self._rank, self._world
         _signal_and_wait(self._backend, self._ws, self._err,
                          [(flags, rank) for _, _, flags in self._copies], rank=rank,
                          world=world, parity=self._parity, epoch=self._epoch,
                          current=self._current, side=self._side, done="rs-dgrad-done",
-                         op_code=OP_GEMM_RS)
+                         op_code=d.OP_GEMM_RS)
         out = torch.empty((m_local, n), dtype=self._partial.dtype, device=self._current.device)
         own = self._partial[rank * m_local:(rank + 1) * m_local]
         slots = self._ws.data(rank, self._parity, world * m_local * n)
-        with on_stream(self._current, torch.cuda.current_stream(self._current.device)):
-            launch_rs_reduce(own, slots, out, self._bias, rank=rank, world=world)
+        with d.on_stream(self._current, torch.cuda.current_stream(self._current.device)):
+            d.launch_rs_reduce(own, slots, out, self._bias, rank=rank, world=world)
         self._copies = self._partial = None
         self._result = out
         return out
@@ -313,22 +337,18 @@ class FluxBackend(TPOverlapBackend):
         return self._nccl
 
     def _workspace(self, op: str, group, device, dtype):
-        from megatron_flux.comm.workspace import SymmetricWorkspace
-
         key = (op, group.group_name, device.index, dtype)
         ws = self._workspaces.get(key)
         if ws is None:
-            ws = self._workspaces[key] = SymmetricWorkspace(op, group, device, dtype)
+            ws = self._workspaces[key] = _deps().SymmetricWorkspace(op, group, device, dtype)
         return ws
 
     def _error_word(self, op: str, device):
-        from megatron_flux.comm.errors import DeviceErrorWord
-
         key = (op, device.index)
         word = self._errors.get(key)
         if word is None:
             interval = int(os.environ.get("MEGATRON_FLUX_ERROR_CHECK_INTERVAL", 16))
-            word = self._errors[key] = DeviceErrorWord(device, interval)
+            word = self._errors[key] = _deps().DeviceErrorWord(device, interval)
         word.check_if_due()
         return word
 
@@ -387,11 +407,7 @@ class FluxBackend(TPOverlapBackend):
 
     # ---------------------------------------------------------------- AG + GEMM
     def all_gather_matmul(self, a_shard, b, group, *, out=None, return_gathered=False, gathered_out=None):
-        from megatron_flux.comm.ag_copies import materialize
-        from megatron_flux.comm.signals import write_signal
-        from megatron_flux.comm.streams import on_stream
-        from megatron_flux.kernels.ag_gemm import launch_ag_gemm
-
+        d = _deps()
         self._check("AG+GEMM", a_shard, b, group)
         a_shard, b = self._aligned(a_shard), self._aligned(b)
         world, rank = group.size(), group.rank()
@@ -427,21 +443,19 @@ class FluxBackend(TPOverlapBackend):
         if pull:
             # the barrier runs before the GEMM on this stream, so it never waits beside a
             # persistent grid holding the SMs
-            from megatron_flux.kernels.ready_barrier import launch_ready_barrier
-
-            launch_ready_barrier(ws.flag_ptrs(parity), err.device_word, rank=rank, world=world,
+            d.launch_ready_barrier(ws.flag_ptrs(parity), err.device_word, rank=rank, world=world,
                                  base=ready_base, epoch=epoch, max_spins=self.max_spins)
         self._order(device, "ready")(side, current)  # the shard is ready (before the GEMM)
-        launch_ag_gemm(
+        d.launch_ag_gemm(
             a_shard, gathered, b, out, flags, err.device_word,
             rank=rank, world=world, epoch=epoch, cfg=cfg, num_sms=self._sms(device),
             max_spins=self.max_spins,
         )
         err.after_launch()
-        with on_stream(side, current):
-            for dst, src, peer_flags, index in materialize(plan, a_shard):
+        with d.on_stream(side, current):
+            for dst, src, peer_flags, index in d.materialize(plan, a_shard):
                 dst.copy_(src)
-                write_signal(peer_flags, index, epoch)
+                d.write_signal(peer_flags, index, epoch)
             if return_gathered and not pull and not merge:  # else filled up front
                 own_rows.copy_(a_shard)
         self._order(device, "done")(current, side)
@@ -455,12 +469,10 @@ class FluxBackend(TPOverlapBackend):
     @staticmethod
     def _ag_views(ws, rank, world, parity, m_local, k, chunk, pull):
         """``(gathered [m, k], own rows, this rank's int32 signals, copy plan)`` of one shape."""
-        from megatron_flux.comm.ag_copies import ag_copy_plan
-
         m = world * m_local
         gathered = ws.data(rank, parity, m * k).view(m, k)
         own_rows = gathered[rank * m_local:(rank + 1) * m_local]
-        plan = ag_copy_plan(ws, m_local, k, rank=rank, world=world, parity=parity, chunk=chunk,
+        plan = _deps().ag_copy_plan(ws, m_local, k, rank=rank, world=world, parity=parity, chunk=chunk,
                             pull=pull)
         return gathered, own_rows, ws.flags(rank, parity), plan
 
@@ -469,9 +481,7 @@ class FluxBackend(TPOverlapBackend):
         key = (device.index, which)
         order = self._orders.get(key)
         if order is None:
-            from megatron_flux.comm.streams import StreamOrder
-
-            order = self._orders[key] = StreamOrder()
+            order = self._orders[key] = _deps().StreamOrder()
         return order
 
     # ---------------------------------------------------------------- GEMM + RS
@@ -487,18 +497,14 @@ class FluxBackend(TPOverlapBackend):
     def _rs_call(self, group, device, dtype, m_local: int, n: int):
         """``(workspace, error word, epoch, parity)`` of one GEMM+RS call, in either form (the
         fused kernel or the copy-engine dgrad share slots, signals and epochs)."""
-        from megatron_flux.kernels.config import rs_signal_count
-
         world = group.size()
         ws = self._workspace("rs", group, device, dtype)
-        ws.reserve(world * m_local * n, rs_signal_count(world))
+        ws.reserve(world * m_local * n, _deps().rs_signal_count(world))
         err = self._error_word("rs", device)
         epoch = ws.next_epoch()
         return ws, err, epoch, epoch & 1
 
     def matmul_reduce_scatter(self, a, b, group, *, out=None, bias=None):
-        from megatron_flux.kernels.gemm_rs import launch_gemm_rs
-
         self._check("GEMM+RS", a, b, group)
         a, b = self._aligned(a), self._aligned(b)
         world, rank = group.size(), group.rank()
@@ -514,7 +520,7 @@ class FluxBackend(TPOverlapBackend):
             return self._rs_copy_engine(a, b, out, bias, ws, err, data, cfg, rank=rank,
                                         world=world, m_local=m_local, n=n, epoch=epoch,
                                         parity=parity)
-        launch_gemm_rs(
+        _deps().launch_gemm_rs(
             a, b, out, data, ws.data_ptrs(parity), ws.flag_ptrs(parity), bias, err.device_word,
             rank=rank, world=world, epoch=epoch, cfg=cfg, num_sms=self._sms(device),
             max_spins=self.max_spins,
@@ -536,20 +542,18 @@ class FluxBackend(TPOverlapBackend):
     def _reduce_scatter_copy_engine_start(self, a, b, group, bias):
         """cuBLAS's partial, its peers' rows moved by the copy engine (side stream, queued after
         the GEMM); :meth:`_CopyEngineReduceScatter.wait` finishes the call."""
-        from megatron_flux.comm.rs_copies import rs_copy_plan
-        from megatron_flux.comm.streams import on_stream
-
+        d = _deps()
         world, rank = group.size(), group.rank()
         n, device = b.shape[1], a.device
         m_local = self._rs_rows(a.shape[0], n, world, bias)
         ws, err, epoch, parity = self._rs_call(group, device, a.dtype, m_local, n)
         partial = torch.matmul(a, b).contiguous()
         copies = ws.memo(("rs-ce-dgrad", rank, world, parity, m_local, n),
-                         lambda: rs_copy_plan(ws, m_local, n, rank=rank, world=world, parity=parity))
+                         lambda: d.rs_copy_plan(ws, m_local, n, rank=rank, world=world, parity=parity))
         current = torch.cuda.current_stream(device)
         side = self._side_stream(device, -1, "rs-dgrad")
         self._order(device, "rs-dgrad-ready")(side, current)  # the partial is computed
-        with on_stream(side, current):
+        with d.on_stream(side, current):
             for peer, dst, _ in copies:
                 dst.copy_(partial[peer * m_local:(peer + 1) * m_local].view(-1))
         partial.record_stream(side)
@@ -559,37 +563,33 @@ class FluxBackend(TPOverlapBackend):
     def _rs_copy_engine(self, a, b, out, bias, ws, err, data, cfg, *, rank, world, m_local, n,
                         epoch, parity):
         """GEMM+RS with the copy engine delivering the partials (see the module docstring)."""
-        from megatron_flux.comm.signals import wait_signal_on_stream, write_signal
-        from megatron_flux.comm.streams import on_stream
-        from megatron_flux.kernels.config import rs_bands
-        from megatron_flux.kernels.gemm_rs import launch_gemm_rs
-
+        d = _deps()
         device = a.device
         seg_elems = m_local * n
         side = self._side_stream(device, -1, "rs")
         staging = self._rs_staging(device, a.dtype, (world - 1) * seg_elems, side)
-        bands = rs_bands(m_local, cfg.block_m, cfg.group_m) if cfg.rs_ce_bands else None
+        bands = d.rs_bands(m_local, cfg.block_m, cfg.group_m) if cfg.rs_ce_bands else None
         table, copies, my_flags = ws.memo(
             ("rs-ce", rank, world, parity, m_local, n, staging.data_ptr(), bands,
              cfg.block_m if bands else 0),
             lambda: self._rs_ce_plan(ws, staging, data, rank, world, parity, m_local, n, bands,
                                      cfg.block_m))
         current = torch.cuda.current_stream(device)
-        launch_gemm_rs(
+        d.launch_gemm_rs(
             a, b, out, data, table, ws.flag_ptrs(parity), bias, err.device_word,
             rank=rank, world=world, epoch=epoch, cfg=cfg, num_sms=self._sms(device),
             max_spins=self.max_spins,
         )
         err.after_launch()
-        with on_stream(side, current):
+        with d.on_stream(side, current):
             if bands is None:
-                wait_signal_on_stream(my_flags, world + 1, epoch, side)  # this rank's grid produced
+                d.wait_signal_on_stream(my_flags, world + 1, epoch, side)  # this rank's grid produced
             for dst, src, owner_flags, produced, last in copies:
                 if produced is not None:  # this band's tiles are all staged
-                    wait_signal_on_stream(my_flags, produced, epoch, side)
+                    d.wait_signal_on_stream(my_flags, produced, epoch, side)
                 dst.copy_(src)
                 if last:
-                    write_signal(owner_flags, rank, epoch)
+                    d.write_signal(owner_flags, rank, epoch)
         self._order(device, "rs-done")(current, side)  # the next call may refill the staging
         return out
 
@@ -628,11 +628,9 @@ class FluxBackend(TPOverlapBackend):
         word to wait for first or None, whether the owner's signal follows)`` in queue order:
         per producer step its whole partial, or with ``bands`` (:func:`rs_bands`) band by band
         in the order the step's tiles run (odd steps backwards)."""
-        from megatron_flux.kernels.config import rs_band_words
-        from megatron_flux.kernels.gemm_rs import rs_staging_table
-
+        d = _deps()
         seg_elems = m_local * n
-        addrs = rs_staging_table(staging.data_ptr(), data.data_ptr(), rank=rank, world=world,
+        addrs = d.rs_staging_table(staging.data_ptr(), data.data_ptr(), rank=rank, world=world,
                                  m_local=m_local, n=n, elt=staging.element_size())
         table = torch.tensor(addrs, dtype=torch.int64, device=staging.device)
         band_rows, count = (m_local, 1) if bands is None else (bands[0] * block_m, bands[1])
@@ -644,7 +642,7 @@ class FluxBackend(TPOverlapBackend):
             order = list(range(count)) if step % 2 == 0 else list(reversed(range(count)))
             for j, band in enumerate(order):
                 lo, hi = band * band_rows * n, min(m_local, (band + 1) * band_rows) * n
-                produced = None if bands is None else rs_band_words(world, step, band)[1]
+                produced = None if bands is None else d.rs_band_words(world, step, band)[1]
                 copies.append((slot[lo:hi], part[lo:hi], ws.flags(owner, parity, torch.uint32),
                                produced, j == count - 1))
         return table, copies, ws.flags(rank, parity, torch.uint32)
@@ -661,9 +659,7 @@ class FluxBackend(TPOverlapBackend):
         reason = self._gather_unsupported_reason(x, group)
         if reason is not None:
             return self._nccl_backend().all_gather_start(x, group, out=out)
-        from megatron_flux.comm.ag_copies import materialize
-        from megatron_flux.comm.streams import on_stream
-
+        d = _deps()
         x = x.contiguous()
         rows = x.view(x.shape[0], -1)
         world, rank = group.size(), group.rank()
@@ -684,8 +680,8 @@ class FluxBackend(TPOverlapBackend):
         current = torch.cuda.current_stream(device)
         side = self._side_stream(device)
         self._order(device, "ready")(side, current)  # this rank's rows are ready
-        copies = materialize(plan, rows)
-        with on_stream(side, current):
+        copies = d.materialize(plan, rows)
+        with d.on_stream(side, current):
             for dst, src, _, _ in copies:
                 dst.copy_(src)
         # The own rows go on the caller's stream: behind the pushes on the side stream, this
