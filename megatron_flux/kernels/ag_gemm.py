@@ -49,6 +49,7 @@ from triton.runtime.errors import OutOfResources
 from megatron_flux.kernels.config import interpreting, launch_geometry, unroll_steps
 from megatron_flux.kernels.descriptors import b_descriptor, ensure_descriptor_allocator, \
     host_descriptor, host_descriptors_enabled, segments_descriptor
+from megatron_flux.kernels import ag_gemm_ws
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import split_columns, tile_mainloop, tile_mainloop_k
 from megatron_flux.kernels.phase_trace import stamp
@@ -493,8 +494,6 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     m_local, k = x.shape
     n = b.shape[1]
     if cfg.ag_warp_specialized:
-        from megatron_flux.kernels import ag_gemm_ws
-
         reason = ag_gemm_ws.unsupported_reason(x, cfg, trace=trace)
         if reason is None:
             return ag_gemm_ws.launch_ag_gemm_ws(x, ag, b, out, flags, err, rank=rank, world=world,

@@ -46,6 +46,7 @@ from typing import Optional
 
 from megatron_flux.kernels import gluon_ws
 from megatron_flux.kernels.config import interpreting
+from megatron_flux.kernels.descriptors import ensure_descriptor_allocator, host_descriptors_enabled
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, aggregate,
                                             fence_async_shared, gl, gluon, tma)
@@ -262,9 +263,6 @@ def launch_ag_gemm_ws(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num
     num_stages, group_m and chunk_rows, and its num_warps the form (4: ping-pong, 8:
     cooperative; :func:`.gluon_ws.launch_options`). ``host_descriptors``: as
     :func:`.ag_gemm.launch_ag_gemm`."""
-    from megatron_flux.kernels.descriptors import ensure_descriptor_allocator, \
-        host_descriptors_enabled
-
     m_local, k = x.shape
     n, b_kn, ldb, grid = gluon_ws.launch_geometry(b, m_local, world, cfg, num_sms)
     host_desc = host_descriptors_enabled(host_descriptors)

@@ -72,6 +72,7 @@ import triton.language as tl
 from megatron_flux.kernels.config import MAX_RS_BANDS, interpreting, launch_geometry, unroll_steps
 from megatron_flux.kernels.descriptors import b_descriptor, ensure_descriptor_allocator, \
     host_descriptor, host_descriptors_enabled, segments_descriptor
+from megatron_flux.kernels import gemm_rs_ws
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import segment_tile, split_columns, tile_mainloop, \
     tile_mainloop_slice
@@ -606,8 +607,6 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
     m_local = m // world
     n = b.shape[1]
     if cfg.rs_warp_specialized:
-        from megatron_flux.kernels import gemm_rs_ws
-
         reason = gemm_rs_ws.unsupported_reason(a, m_local, cfg, trace=trace, produce=produce,
                                                consume=consume)
         if reason is None:

@@ -73,6 +73,7 @@ from typing import Optional
 
 from megatron_flux.kernels import gluon_ws
 from megatron_flux.kernels.config import interpreting
+from megatron_flux.kernels.descriptors import ensure_descriptor_allocator, host_descriptors_enabled
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, aggregate,
                                             fence_async_shared, gl, gluon, mbarrier, tma)
@@ -495,9 +496,6 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
     num_stages, group_m and rs_copy_engine, and its num_warps the form (4: ping-pong, 8:
     cooperative; :func:`.gluon_ws.launch_options`). ``host_descriptors``: as
     :func:`.gemm_rs.launch_gemm_rs`."""
-    from megatron_flux.kernels.descriptors import ensure_descriptor_allocator, \
-        host_descriptors_enabled
-
     m, k = a.shape
     m_local = m // world
     n, b_kn, ldb, grid = gluon_ws.launch_geometry(b, m_local, world, cfg, num_sms)
