@@ -57,7 +57,8 @@ def bind_descriptor(cls, t: torch.Tensor, shape: Sequence[int], strides: Sequenc
     with the tensor: its 16-byte alignment (and its dtype is part of the key)."""
     if t.data_ptr() % 16:
         raise ValueError(f"TMA descriptor base {t.data_ptr():#x} is not 16-byte aligned")
-    key = (cls, t.dtype, tuple(shape), tuple(strides), tuple(block_shape), layout)
+    # a layout by identity: the template keeps it alive, and hashing it costs more than a call
+    key = (cls, t.dtype, tuple(shape), tuple(strides), tuple(block_shape), id(layout))
     fields = _TEMPLATES.get(key)
     if fields is None:
         args = (t, list(shape), list(strides), list(block_shape)) + ((layout,) if layout is not None else ())

@@ -186,7 +186,7 @@ def launch_geometry(b, m_local: int, world: int, cfg, num_sms: int):
     whose tiles span segments, as merged GEMM+RS rows)."""
     n = b.shape[1]
     b_kn = b.stride(1) == 1
-    grid = min(num_sms, triton.cdiv(world * m_local, cfg.block_m) * triton.cdiv(n, cfg.block_n))
+    grid = min(num_sms, -(-world * m_local // cfg.block_m) * -(-n // cfg.block_n))
     return n, b_kn, b.stride(0) if b_kn else b.stride(1), grid
 
 
@@ -238,7 +238,7 @@ def unsupported_reason(a, m_local: Optional[int], cfg) -> Optional[str]:
         return f"dtype {a.dtype} (bf16 or fp16 only)"
     if m_local is not None and m_local % cfg.block_m:
         return f"{m_local} rows per rank are not a multiple of block_m={cfg.block_m}"
-    if triton.cdiv(a.shape[1], cfg.block_k) < cfg.num_stages:
+    if -(-a.shape[1] // cfg.block_k) < cfg.num_stages:  # (triton.cdiv is slow on the host)
         return (f"K={a.shape[1]} has fewer than num_stages={cfg.num_stages} steps of "
                 f"block_k={cfg.block_k}")
     if smem_bytes(cfg, a.element_size()) > SMEM_LIMIT:

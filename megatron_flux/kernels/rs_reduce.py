@@ -48,7 +48,7 @@ def launch_rs_reduce(own, slots, out, bias, *, rank: int, world: int, block_m: i
     partial, for ``rank``; slot ``src`` of ``slots``, this rank's ``[world, m_local, n]`` slot
     region, for the others), plus ``bias`` ``[n]`` if given."""
     m_local, n = out.shape
-    grid = triton.cdiv(m_local, block_m) * triton.cdiv(n, block_n)
+    grid = -(-m_local // block_m) * -(-n // block_n)  # (triton.cdiv is slow on the host)
     _LAUNCH(grid, (own, slots, bias if bias is not None else out, out, m_local, n, rank),
             dict(WORLD=world, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n),
             num_warps=4, num_stages=1)
