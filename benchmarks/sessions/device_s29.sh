@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # Session 29: the fused path's host time per layer call, which decides host-bound training steps
 # (session 28: 1.0-1.6 ms per fc1/fc2 layer call against NCCL's 0.9-1.1 ms on 2xH100).
-# The machine goes back 30 s after a call, so each call carries what it needs
-# (.device/triton-cache.tgz: the fused kernels' compiles).
+# The machine goes back 30 s after a call, so each call carries what it needs: `.device`
+# (the Triton cache in pieces, .device/triton-cache.tgz.part-*, from `cachepack`) and, for the
+# tests, `.whl` (megatron-core).
 #   sections   benchmarks/experiments/host_sections.py on every GPU: per layer call (fc1 column,
 #              fc2 row, fwd+bwd, m = 4096), the inclusive host time of the functions the path
-#              is made of, for nccl and flux; then the same for flux with the direct launch
-#              (MEGATRON_FLUX_DIRECT_LAUNCH=1)     -> $OUT/sections{,-direct}.json, .log
-#              (SEC_VARIANTS: the flux runs after the first, as ENV=VALUE sets, default the
-#              direct launch off; call 2 also ran MEGATRON_FLUX_RAW_LAUNCH=0, see raw/s29)
+#              is made of, for nccl and flux -> $OUT/sections.{json,log}; then flux again once
+#              per ENV=VALUE in SEC_VARIANTS (default MEGATRON_FLUX_DIRECT_LAUNCH=0)
+#                                                   -> $OUT/sections-v<i>.{json,log}
+#              (call 1 ran an earlier form: flux with MEGATRON_FLUX_DIRECT_LAUNCH=1, then
+#              opt-in, as sections-direct.log; call 2 also ran MEGATRON_FLUX_RAW_LAUNCH=0,
+#              see raw/s29)
 #   layers     benchmarks/host_overhead.py --layers --ms 4096, backends in LAYER_BACKENDS
 #              (default: nccl flux)                 -> $OUT/host-layers.json, .log
-#   tests2     (carry .whl) the multi-GPU tests, the fused ops against NCCL (direct launch, the
-#              default now, and Triton's own launch) and the layers -> $OUT/tests-2gpu.{json,log}
+#   tests2     the multi-GPU tests, the fused ops against NCCL (direct launch, the default now,
+#              and Triton's own launch) and the layers -> $OUT/tests-2gpu.{json,log}
 #   ws1        the warp-specialized kernels' one-GPU tests on GPU 0 -> $OUT/tests-ws1.{json,log}
 #   ab         benchmarks/experiments/host_launch_ab.py: host time per layer call of nccl and the
-#              fused path's three launch paths, alternating in one process -> $OUT/host-ab.json
+#              fused path's launch paths, alternating in one process (AB_ARGS) -> $OUT/host-ab.json
 #   grid       the issue's m >= 1024 grid, nccl and flux only, 3 trials, --strict: every fused
 #              output checked against NCCL through the default launch path -> $OUT/grid-check.*
 #   tests1     tests2's first case only (the fused ops against NCCL, connections 1)
