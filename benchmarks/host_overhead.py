@@ -57,16 +57,17 @@ def _time_loop(fn, iters: int):
     return cpu, start.elapsed_time(end) / iters
 
 
-def _layer_ops(name, group, world, m, h, fc1, ffn, dt):
-    """fwd+bwd closures of the column (fc1) and row (fc2) ops with backend ``name``."""
+def layer_ops(name, group, world, m, h, fc1, ffn, dt, generator=None):
+    """fwd+bwd closures of the column (fc1) and row (fc2) ops with backend ``name``, as
+    ``(op, n, k, fn)``; random operands from ``generator`` (default: the global one). Also used
+    by ``benchmarks/experiments/host_sections.py`` and ``host_launch_ab.py``."""
     from megatron_flux.ops import column_parallel_linear, row_parallel_linear
 
-    x = torch.randn(m // world, 1, h, device="cuda", dtype=dt, requires_grad=True)
-    w1 = torch.randn(fc1 // world, h, device="cuda", dtype=dt, requires_grad=True)
-    g1 = torch.randn(m, 1, fc1 // world, device="cuda", dtype=dt)
-    a = torch.randn(m, 1, ffn // world, device="cuda", dtype=dt, requires_grad=True)
-    w2 = torch.randn(h, ffn // world, device="cuda", dtype=dt, requires_grad=True)
-    g2 = torch.randn(m // world, 1, h, device="cuda", dtype=dt)
+    def t(*shape, grad=False):
+        return torch.randn(*shape, device="cuda", dtype=dt, generator=generator).requires_grad_(grad)
+
+    x, w1, g1 = t(m // world, 1, h, grad=True), t(fc1 // world, h, grad=True), t(m, 1, fc1 // world)
+    a, w2, g2 = t(m, 1, ffn // world, grad=True), t(h, ffn // world, grad=True), t(m // world, 1, h)
 
     def column():
         column_parallel_linear(x, w1, group=group, backend=name).backward(g1)
@@ -77,6 +78,17 @@ def _layer_ops(name, group, world, m, h, fc1, ffn, dt):
         a.grad = w2.grad = None
 
     return (("column fwd+bwd", fc1, h, column), ("row fwd+bwd", h, ffn, row))
+
+
+def run_record(script, world, definition, rows, env_keys, **extra):
+    """The JSON record of a torchrun host-time run of ``script`` (this command line, GPU,
+    versions, the ``env_keys`` environment variables, ``definition``, ``rows``, ``extra``)."""
+    import triton
+
+    return {"command": "torchrun --nproc-per-node %d %s %s" % (world, script, " ".join(sys.argv[1:])),
+            "gpu": torch.cuda.get_device_name(), "tp": world, "torch": torch.__version__,
+            "triton": triton.__version__, "env_vars": {k: os.environ.get(k) for k in env_keys},
+            "definition": definition, "rows": rows, **extra}
 
 
 def main():
@@ -112,7 +124,7 @@ def main():
             a = torch.randn(m, ffn // world, device="cuda", dtype=dt)
             w2 = torch.randn(h, ffn // world, device="cuda", dtype=dt)
             if args.layers:
-                ops = _layer_ops(name, group, world, m, h, fc1, ffn, dt)
+                ops = layer_ops(name, group, world, m, h, fc1, ffn, dt)
             else:
                 ops = (("AG+GEMM", fc1, h, lambda: be.all_gather_matmul(x, w1.t(), group)),
                        ("GEMM+RS", h, ffn, lambda: be.matmul_reduce_scatter(a, w2.t(), group)))
@@ -140,15 +152,9 @@ def main():
                     print(f"{name:5s} {op:8s} m={m:5d}  cpu issue {row['cpu_issue_ms']:.3f} ms/call  "
                           f"gpu {row['gpu_ms']:.3f} ms/call", flush=True)
     if rank == 0:
-        import triton
-
-        record = {"command": "torchrun --nproc-per-node %d benchmarks/host_overhead.py %s" % (
-                      world, " ".join(sys.argv[1:])),
-                  "gpu": torch.cuda.get_device_name(), "tp": world, "torch": torch.__version__,
-                  "triton": triton.__version__,
-                  "env_vars": {k: os.environ.get(k) for k in ("CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_NVLS_ENABLE",
-                                                                "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
-                  "definition": __doc__, "rows": rows}
+        record = run_record("benchmarks/host_overhead.py", world, __doc__, rows,
+                            ("CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_NVLS_ENABLE",
+                             "TORCH_SYMM_MEM_DISABLE_MULTICAST"))
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
         buf = io.StringIO()

@@ -33,31 +33,14 @@ import torch.distributed as dist
 
 from megatron_flux.kernels import launch as L
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+from host_overhead import layer_ops, run_record  # noqa: E402
+
 VARIANTS = {  # label: (backend, $MEGATRON_FLUX_DIRECT_LAUNCH)
     "nccl": ("nccl", "1"),
     "flux run": ("flux", "1"),
     "flux triton": ("flux", "0"),
 }
-
-
-def _ops(backend, group, world, m, h, fc1, ffn, dt, gen):
-    from megatron_flux.ops import column_parallel_linear, row_parallel_linear
-
-    def t(*shape, grad=False):
-        return torch.randn(*shape, device="cuda", dtype=dt, generator=gen).requires_grad_(grad)
-
-    x, w1, g1 = t(m // world, 1, h, grad=True), t(fc1 // world, h, grad=True), t(m, 1, fc1 // world)
-    a, w2, g2 = t(m, 1, ffn // world, grad=True), t(h, ffn // world, grad=True), t(m // world, 1, h)
-
-    def column():
-        column_parallel_linear(x, w1, group=group, backend=backend).backward(g1)
-        x.grad = w1.grad = None
-
-    def row():
-        row_parallel_linear(a, w2, group=group, backend=backend).backward(g2)
-        a.grad = w2.grad = None
-
-    return {"column fwd+bwd": column, "row fwd+bwd": row}
 
 
 def _loop(fn, iters):
@@ -98,7 +81,8 @@ def main():
     group = dist.group.WORLD
     dt, h = torch.bfloat16, args.hidden
     gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
-    ops = {v: _ops(VARIANTS[v][0], group, world, args.m, h, 2 * args.ffn, args.ffn, dt, gen)
+    ops = {v: {op: fn for op, _, _, fn in layer_ops(VARIANTS[v][0], group, world, args.m, h,
+                                                    2 * args.ffn, args.ffn, dt, generator=gen)}
            for v in args.variants}
 
     def select(variant):
@@ -130,14 +114,8 @@ def main():
             print(f"{v:12s} {op:15s} host {statistics.median(host):7.0f} us (IQR {lo:.0f}-{hi:.0f})"
                   f"  gpu {statistics.median(gpu):7.0f} us", flush=True)
     if rank == 0:
-        import triton
-
-        record = {"command": "torchrun --nproc-per-node %d benchmarks/experiments/host_launch_ab.py %s" % (
-                      world, " ".join(sys.argv[1:])),
-                  "gpu": torch.cuda.get_device_name(), "tp": world, "torch": torch.__version__,
-                  "triton": triton.__version__,
-                  "env_vars": {k: os.environ.get(k) for k in ("CUDA_DEVICE_MAX_CONNECTIONS",)},
-                  "definition": __doc__, "rows": rows}
+        record = run_record("benchmarks/experiments/host_launch_ab.py", world, __doc__, rows,
+                            ("CUDA_DEVICE_MAX_CONNECTIONS",))
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
     dist.destroy_process_group()

@@ -27,6 +27,9 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+from host_overhead import layer_ops, run_record  # noqa: E402
+
 _SUMS = defaultdict(int)
 _CALLS = defaultdict(int)
 
@@ -96,27 +99,6 @@ def _targets():
         if hasattr(mod, "_host_descriptors"):
             t.append((mod, "_host_descriptors", f"{mod.__name__.rsplit('.', 1)[1]}._host_descriptors"))
     return t
-
-
-def _layer_ops(name, group, world, m, h, fc1, ffn, dt):
-    from megatron_flux.ops import column_parallel_linear, row_parallel_linear
-
-    x = torch.randn(m // world, 1, h, device="cuda", dtype=dt, requires_grad=True)
-    w1 = torch.randn(fc1 // world, h, device="cuda", dtype=dt, requires_grad=True)
-    g1 = torch.randn(m, 1, fc1 // world, device="cuda", dtype=dt)
-    a = torch.randn(m, 1, ffn // world, device="cuda", dtype=dt, requires_grad=True)
-    w2 = torch.randn(h, ffn // world, device="cuda", dtype=dt, requires_grad=True)
-    g2 = torch.randn(m // world, 1, h, device="cuda", dtype=dt)
-
-    def column():
-        column_parallel_linear(x, w1, group=group, backend=name).backward(g1)
-        x.grad = w1.grad = None
-
-    def row():
-        row_parallel_linear(a, w2, group=group, backend=name).backward(g2)
-        a.grad = w2.grad = None
-
-    return (("column fwd+bwd", column), ("row fwd+bwd", row))
 
 
 def _loop(fn, iters):
@@ -209,7 +191,7 @@ def main():
     dt = torch.bfloat16
     rows = []
     for name in args.backends:
-        for op, fn in _layer_ops(name, group, world, args.m, h, fc1, ffn, dt):
+        for op, _, _, fn in layer_ops(name, group, world, args.m, h, fc1, ffn, dt):
             for _ in range(5):
                 fn()
             plain, wrapped, sums = [], [], []
@@ -241,14 +223,9 @@ def main():
     if rank == 0:
         for k, v in prims.items():
             print(f"  primitive {k}: {v:.1f} us")
-        record = {"command": "torchrun --nproc-per-node %d benchmarks/experiments/host_sections.py %s" % (
-                      world, " ".join(sys.argv[1:])),
-                  "gpu": torch.cuda.get_device_name(), "tp": world, "torch": torch.__version__,
-                  "triton": triton.__version__,
-                  "env_vars": {k: os.environ.get(k) for k in (
-                      "CUDA_DEVICE_MAX_CONNECTIONS", "MEGATRON_FLUX_DIRECT_LAUNCH",
-                      "MEGATRON_FLUX_HOST_DESCRIPTORS")},
-                  "definition": __doc__, "rows": rows, "primitives_us": prims}
+        record = run_record("benchmarks/experiments/host_sections.py", world, __doc__, rows,
+                            ("CUDA_DEVICE_MAX_CONNECTIONS", "MEGATRON_FLUX_DIRECT_LAUNCH",
+                             "MEGATRON_FLUX_HOST_DESCRIPTORS"), primitives_us=prims)
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
     dist.destroy_process_group()
