@@ -105,3 +105,15 @@ def test_templates_do_not_keep_tensors_alive():
     del t
     gc.collect()
     assert ref() is None and D._TEMPLATES  # the geometry stays, the activation does not
+
+
+@pytest.mark.skipif(gluon_ws.GLUON_ERROR is not None, reason="this Triton has no Gluon")
+def test_a_geometry_with_another_layout_is_another_template():
+    from triton.experimental.gluon import language as gl
+
+    t = torch.empty(256, 64, dtype=torch.bfloat16)
+    geometry = ([256, 64], [64, 1], [128, 64])
+    for swizzle in (128, 64, 128):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=2)
+        desc = D.bind_descriptor(gluon_ws.GluonTensorDescriptor, t, *geometry, layout)
+        assert desc.layout == layout

@@ -24,6 +24,7 @@ def test_key_refines_tritons_specialisation():
     assert L.specialization_key((base,), (("C", 1),), (4, 3)) != L.specialization_key((base,), (("C", 2),), (4, 3))
     assert L.specialization_key((base,), (), (4, 3)) != L.specialization_key((base,), (), (8, 3))
     assert k(base, True) != k(base, 1) and k(base, True) != k(base, False)  # bools are not ints
+    assert k(base, False) != k(base, 2**31 + 5)  # ... nor equal to an int's code (0 here)
     assert k(base, 16, base) != k(base, 16, 16)                       # kinds told apart by position
     with pytest.raises(TypeError, match="unsupported argument type"):
         k(base, 1.5)
@@ -96,6 +97,10 @@ def test_direct_launch_is_the_default_and_reuses_the_compiled_kernel(monkeypatch
     assert jit.launches[-1] == ((5,), (x, 48), {"A": 2, "num_warps": 4, "maxnreg": 128})
     launcher(5, (x, 48), {"A": 2}, num_warps=4, num_stages=None, maxnreg=128)
     assert len(jit.launches) == 5 and launcher.direct_calls == 2
+    launcher(5, (x, 48), {"A": 2}, num_warps=4, num_stages=None, maxnreg=64)  # another option
+    assert len(jit.launches) == 6 and jit.launches[-1][2]["maxnreg"] == 64
+    launcher(5, (x, 48), {"A": 2}, num_warps=4, num_stages=5)  # stages reach Triton as given
+    assert len(jit.launches) == 7 and jit.launches[-1][2]["num_stages"] == 5
     with pytest.raises(TypeError, match="3 runtime arguments, the kernel takes 2"):
         launcher(5, (x, 48, 3), {"A": 2}, num_warps=4)
 
@@ -121,6 +126,14 @@ def test_direct_launch_steps_aside_for_hooks_and_odd_signatures(monkeypatch):
     for _ in range(2):
         launcher2(1, (x, 16), {"A": 1}, num_warps=1)
     assert len(jit2.launches) == 2 and not jit2.compiled.runs
+    jit3 = _FakeJit()  # no hook, but a CUDA graph being captured
+    launcher3 = L.KernelLauncher(jit3)
+    monkeypatch.setattr(L, "_launch_hooks", lambda: (None, None))
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    monkeypatch.setattr(L, "_capturing", lambda: True)
+    for _ in range(2):
+        launcher3(1, (x, 16), {"A": 1}, num_warps=1)
+    assert len(jit3.launches) == 2 and not jit3.compiled.runs
 
 
 def test_empty_hook_chains_are_inactive():
