@@ -62,7 +62,8 @@ pack_triton_cache() {  # pack_triton_cache: $TRITON_CACHE_DIR as $OUT/triton-cac
     # pieces of 15 MB (what comes back from a call: files of at most 16 MiB); carry them back
     # in .device/ for unpack_triton_cache. Only what a cache hit loads goes in: each kernel's
     # metadata (.json), binary (.cubin) and the launchers (.so); the IR texts (.llir alone 388
-    # of 498 MB in session 29) stay behind, and Triton's cache takes a group without them
+    # of 498 MB in session 29) stay behind: Triton 3.6's cache takes a group without them
+    # (3.9 compiles again; benchmarks/host_micro_cpu.py)
     tar -czf - -C "${TRITON_CACHE_DIR}" --exclude='*.llir' --exclude='*.ptx' --exclude='*.ttir' \
         --exclude='*.ttgir' --exclude='*.source' . | split -b 15000000 - "${OUT}/triton-cache.tgz.part-"
     ls -la "${OUT}"/triton-cache.tgz.part-*

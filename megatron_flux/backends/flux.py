@@ -106,7 +106,7 @@ _DEPS = None
 def _deps():
     """The comm and kernel helpers the fused calls use, imported on first use, not with this
     module (which must import without Triton: ``flux_backend_factory_or_reason`` reports why
-    the backend is unavailable). An import statement inside a function costs about 0.9 µs a
+    the backend is unavailable). An import statement inside a function costs 0.5-0.9 µs a
     call on this repo's CPU machine, more on the GPU boxes' hosts, where the fused path's host
     time decides host-bound training steps; the hot paths made a dozen per layer call.
     Whoever wraps one of these (``benchmarks/experiments/phase_trace_tp.py`` wraps

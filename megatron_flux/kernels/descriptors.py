@@ -51,7 +51,7 @@ def bind_descriptor(cls, t: torch.Tensor, shape: Sequence[int], strides: Sequenc
     ``TensorDescriptor``), validated by its constructor once per geometry.
 
     A launch builds up to four descriptors, and the constructor's checks (ranks, alignment of the
-    strides, power-of-two blocks, the layout) cost 1-2.5 µs each on this repo's CPU machine,
+    strides, power-of-two blocks, the layout) cost 1.2-1.6 µs each on this repo's CPU machine,
     several times that on the GPU boxes' hosts. All but one depend on the geometry alone, so
     later descriptors of the same geometry copy the checked fields and test only what changes
     with the tensor: its 16-byte alignment (and its dtype is part of the key)."""
