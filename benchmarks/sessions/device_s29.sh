@@ -29,7 +29,7 @@
 #                                                    -> $OUT/tests-sb.{json,log}
 #   sbkvc      communication off, launches alternating with cuBLAS, AG+GEMM m >= 1024 on GPU 0:
 #              the table's config, the ping-pong 128x128x64/5, and the same with
-#              start_barrier_spins 256 and 4096     -> $OUT/kvc-sb-ag.json
+#              start_barrier_spins 256 and 4096 (shuffle seed KVC_SEED, default 0) -> $OUT/kvc-sb-ag.json
 # Usage: OUT=/somewhere bash benchmarks/sessions/device_s29.sh sections
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -99,7 +99,7 @@ for what in "$@"; do
         CUDA_VISIBLE_DEVICES=0 timeout "${KVC_TIMEOUT:-300}" python3 megatron_flux/bench/kernel_vs_cublas.py \
             --tp 2 --ops AG+GEMM --m 1024 2048 4096 8192 --configs table \
             --extra "[${PP}}, ${PP}, \"start_barrier_spins\": 256}, ${PP}, \"start_barrier_spins\": 4096}]" \
-            --alternate --trials 7 --iters 20 --warmup 10 --shuffle-seed 0 --queue-ahead-ms 5 \
+            --alternate --trials 7 --iters 20 --warmup 10 --shuffle-seed "${KVC_SEED:-0}" --queue-ahead-ms 5 \
             --json "${OUT}/kvc-sb-ag.json" 2>&1 | grep -v Warning
       fi ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
