@@ -8,9 +8,7 @@ variant and alternates them trial by trial (order shuffled per trial, seeded):
 * ``flux run``: the fused backend, kernels launched directly through ``CompiledKernel.run``
   (:mod:`megatron_flux.kernels.launch`, the default);
 * ``flux triton``: launched through Triton's ``JITFunction.run``
-  (``MEGATRON_FLUX_DIRECT_LAUNCH=0``);
-* ``flux drvcopy`` (not in the default set): the direct launch, and the copy-engine copies
-  issued to the CUDA driver (``MEGATRON_FLUX_DRIVER_COPY=1``, :mod:`megatron_flux.comm.driver_copy`).
+  (``MEGATRON_FLUX_DIRECT_LAUNCH=0``).
 
 (Session 29's run also had ``flux raw``, a launch one level below ``CompiledKernel.run``, which
 saved nothing and is kept only in ``benchmarks/results/raw/s29/raw_launch.patch``.)
@@ -33,19 +31,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_flux.comm.driver_copy import ENV_DRIVER_COPY
 from megatron_flux.kernels import launch as L
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from host_overhead import layer_ops, run_record  # noqa: E402
 
-VARIANTS = {  # label: (backend, ($MEGATRON_FLUX_DIRECT_LAUNCH, $MEGATRON_FLUX_DRIVER_COPY))
-    "nccl": ("nccl", ("1", "0")),
-    "flux run": ("flux", ("1", "0")),
-    "flux triton": ("flux", ("0", "0")),
-    "flux drvcopy": ("flux", ("1", "1")),
+VARIANTS = {  # label: (backend, $MEGATRON_FLUX_DIRECT_LAUNCH)
+    "nccl": ("nccl", "1"),
+    "flux run": ("flux", "1"),
+    "flux triton": ("flux", "0"),
 }
-DEFAULT_VARIANTS = ["nccl", "flux run", "flux triton"]
 
 
 def _loop(fn, iters):
@@ -73,7 +68,7 @@ def main():
     ap.add_argument("--ms", dest="m", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--ffn", type=int, default=14336)
-    ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--trials", type=int, default=15)
     ap.add_argument("--seed", type=int, default=0)
@@ -91,7 +86,7 @@ def main():
            for v in args.variants}
 
     def select(variant):
-        os.environ[L.ENV_DIRECT_LAUNCH], os.environ[ENV_DRIVER_COPY] = VARIANTS[variant][1]
+        os.environ[L.ENV_DIRECT_LAUNCH] = VARIANTS[variant][1]
 
     for v in args.variants:  # compile and warm every path
         select(v)

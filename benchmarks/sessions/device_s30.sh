@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Session 30: the copy-engine collectives' copies issued to the CUDA driver
 # (megatron_flux/comm/driver_copy.py, opt-in MEGATRON_FLUX_DRIVER_COPY=1): correct, and cheaper
-# on the host than Tensor.copy_? Carry `.device` (the Triton cache in pieces; kernels unchanged
-# since its pack in session 30's call 3, so the tests load them).
+# on the host than Tensor.copy_? It was correct and saved nothing (call 7), so it left the tree;
+# these stages apply benchmarks/results/raw/s30/driver_copy.patch first, as the code they ran
+# (commit 0413570). Carry `.device` (the Triton cache in pieces; kernels unchanged since its
+# pack in session 30's call 3, so the tests load them).
 #   dctest   the fused ops against NCCL with the driver's copies (connections 1), and the
 #            one-GPU driver-copy test                   -> $OUT/tests-dc.{json,log}
 #   micro    benchmarks/experiments/copy_issue_micro.py: host issue time of one copy, the ways
@@ -20,6 +22,7 @@ GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 echo "cards: ${NGPUS} x ${GPU_NAME}"
 unpack_triton_cache
 TR=(torchrun --nproc-per-node "${NGPUS}")
+[ -f megatron_flux/comm/driver_copy.py ] || git apply benchmarks/results/raw/s30/driver_copy.patch || exit 2
 for what in "$@"; do
   echo "== ${what} ($(date +%T), ${SECONDS}s)"
   case "${what}" in

@@ -116,7 +116,6 @@ def _deps():
         from types import SimpleNamespace
 
         from megatron_flux.comm.ag_copies import ag_copy_plan, materialize
-        from megatron_flux.comm.driver_copy import copy_on_stream, driver_copy_enabled
         from megatron_flux.comm.errors import DeviceErrorWord
         from megatron_flux.comm.rs_copies import rs_copy_plan
         from megatron_flux.comm.signals import wait_signal_on_stream, write_signal
@@ -439,9 +438,8 @@ class FluxBackend(TPOverlapBackend):
 
         current = torch.cuda.current_stream(device)
         side = self._side_stream(device, cfg.comm_priority)
-        drv = d.driver_copy_enabled()
         if pull or merge:  # peers pull from there / the merged GEMM reads it after its lead
-            d.copy_on_stream(own_rows, a_shard, current, drv)
+            own_rows.copy_(a_shard)
         if pull:
             # the barrier runs before the GEMM on this stream, so it never waits beside a
             # persistent grid holding the SMs
@@ -456,15 +454,15 @@ class FluxBackend(TPOverlapBackend):
         err.after_launch()
         with d.on_stream(side, current):
             for dst, src, peer_flags, index in d.materialize(plan, a_shard):
-                d.copy_on_stream(dst, src, side, drv)
+                dst.copy_(src)
                 d.write_signal(peer_flags, index, epoch)
             if return_gathered and not pull and not merge:  # else filled up front
-                d.copy_on_stream(own_rows, a_shard, side, drv)
+                own_rows.copy_(a_shard)
         self._order(device, "done")(current, side)
         if not return_gathered:
             return out, None
         if gathered_out is not None:
-            d.copy_on_stream(gathered_out, gathered, current, drv)
+            gathered_out.copy_(gathered)
             return out, gathered_out
         return out, gathered
 
@@ -555,11 +553,9 @@ class FluxBackend(TPOverlapBackend):
         current = torch.cuda.current_stream(device)
         side = self._side_stream(device, -1, "rs-dgrad")
         self._order(device, "rs-dgrad-ready")(side, current)  # the partial is computed
-        drv = d.driver_copy_enabled()
         with d.on_stream(side, current):
             for peer, dst, _ in copies:
-                d.copy_on_stream(dst, partial[peer * m_local:(peer + 1) * m_local].view(-1), side,
-                                 drv)
+                dst.copy_(partial[peer * m_local:(peer + 1) * m_local].view(-1))
         partial.record_stream(side)
         return _CopyEngineReduceScatter(self, ws, err, copies, partial, bias, rank, world, parity,
                                         epoch, m_local, n, current, side)
@@ -585,14 +581,13 @@ class FluxBackend(TPOverlapBackend):
             max_spins=self.max_spins,
         )
         err.after_launch()
-        drv = d.driver_copy_enabled()
         with d.on_stream(side, current):
             if bands is None:
                 d.wait_signal_on_stream(my_flags, world + 1, epoch, side)  # this rank's grid produced
             for dst, src, owner_flags, produced, last in copies:
                 if produced is not None:  # this band's tiles are all staged
                     d.wait_signal_on_stream(my_flags, produced, epoch, side)
-                d.copy_on_stream(dst, src, side, drv)
+                dst.copy_(src)
                 if last:
                     d.write_signal(owner_flags, rank, epoch)
         self._order(device, "rs-done")(current, side)  # the next call may refill the staging
@@ -686,15 +681,14 @@ class FluxBackend(TPOverlapBackend):
         side = self._side_stream(device)
         self._order(device, "ready")(side, current)  # this rank's rows are ready
         copies = d.materialize(plan, rows)
-        drv = d.driver_copy_enabled()
         with d.on_stream(side, current):
             for dst, src, _, _ in copies:
-                d.copy_on_stream(dst, src, side, drv)
+                dst.copy_(src)
         # The own rows go on the caller's stream: behind the pushes on the side stream, this
         # same-GPU copy would wait for them, and with one hardware queue
         # (CUDA_DEVICE_MAX_CONNECTIONS=1) so would the GEMM+RS the caller queues next (session
         # 17's training profile: ~110 us exposed per call).
-        d.copy_on_stream(own_rows, rows, current, drv)
+        own_rows.copy_(rows)
         return _CopyEngineGather(self, ws, err, copies, gathered.view(shape), out, rank, world,
                                  parity, epoch, current, side)
 
