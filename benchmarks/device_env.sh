@@ -56,6 +56,11 @@ unpack_triton_cache() {  # unpack_triton_cache: the carried Triton cache archive
         return 0
     fi
     echo "triton cache unpacked: $(find "${TRITON_CACHE_DIR}" -type f | wc -l) files"
+    # Triton keys a kernel by its source and starting line: say if this tree's kernels moved
+    # since the pack (benchmarks/kernel_manifest.py; packs before session 30 have no manifest)
+    if [ -f "${TRITON_CACHE_DIR}/kernel-manifest.json" ]; then
+        python3 benchmarks/kernel_manifest.py --check "${TRITON_CACHE_DIR}/kernel-manifest.json" | tail -4
+    fi
 }
 
 pack_triton_cache() {  # pack_triton_cache: $TRITON_CACHE_DIR as $OUT/triton-cache.tgz.part-*,
@@ -63,7 +68,10 @@ pack_triton_cache() {  # pack_triton_cache: $TRITON_CACHE_DIR as $OUT/triton-cac
     # in .device/ for unpack_triton_cache. Only what a cache hit loads goes in: each kernel's
     # metadata (.json), binary (.cubin) and the launchers (.so); the IR texts (.llir alone 388
     # of 498 MB in session 29) stay behind: Triton 3.6's cache takes a group without them
-    # (3.9 compiles again; benchmarks/host_micro_cpu.py)
+    # (3.9 compiles again; benchmarks/host_micro_cpu.py). With it goes this tree's kernel
+    # manifest (benchmarks/kernel_manifest.py), which unpack_triton_cache and
+    # `kernel_manifest.py --check .device/` compare with the tree the cache next travels with
+    python3 benchmarks/kernel_manifest.py --write "${TRITON_CACHE_DIR}/kernel-manifest.json"
     tar -czf - -C "${TRITON_CACHE_DIR}" --exclude='*.llir' --exclude='*.ptx' --exclude='*.ttir' \
         --exclude='*.ttgir' --exclude='*.source' . | split -b 15000000 - "${OUT}/triton-cache.tgz.part-"
     ls -la "${OUT}"/triton-cache.tgz.part-*
