@@ -80,6 +80,25 @@ def layer_ops(name, group, world, m, h, fc1, ffn, dt, generator=None):
     return (("column fwd+bwd", fc1, h, column), ("row fwd+bwd", h, ffn, row))
 
 
+def paired_summary(variant_trials, reference_trials, seed=0, resamples=2000):
+    """``variant - reference`` per trial, for trials that alternated in one process: the median
+    difference, in how many trials the variant was lower, and a 90 % bootstrap interval of the
+    median (``resamples`` draws of the trials with replacement, seeded). Host times swing by
+    tens of percent between processes and trials (session 29), so differences between variants
+    are read only this way."""
+    import random
+
+    if len(variant_trials) != len(reference_trials) or not variant_trials:
+        raise ValueError(f"paired_summary: {len(variant_trials)} against {len(reference_trials)} "
+                         f"trials; they must pair one to one")
+    diffs = [v - r for v, r in zip(variant_trials, reference_trials)]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(resamples))
+    return {"median_us": statistics.median(diffs), "lower_in": sum(d < 0 for d in diffs),
+            "trials": len(diffs),
+            "ci90_us": [medians[int(0.05 * (resamples - 1))], medians[int(0.95 * (resamples - 1))]]}
+
+
 def run_record(script, world, definition, rows, env_keys, **extra):
     """The JSON record of a torchrun host-time run of ``script`` (this command line, GPU,
     versions, the ``env_keys`` environment variables, ``definition``, ``rows``, ``extra``)."""

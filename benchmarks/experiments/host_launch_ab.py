@@ -15,7 +15,10 @@ saved nothing and is kept only in ``benchmarks/results/raw/s29/raw_launch.patch`
 
 Per variant and op (column fc1 / row fc2 layer call, forward + backward, m = 4096 by
 default): the host issue time per call of a loop of ``--iters`` back-to-back calls (no sync
-inside), median and quartiles over ``--trials``; and the GPU time of the same loops.
+inside), median and quartiles over ``--trials``; and the GPU time of the same loops. Then,
+paired trial by trial, each variant against ``nccl`` and each other fused variant against
+``flux run``: the median difference, how often it was lower, and a 90 % bootstrap interval
+(``paired`` in the JSON).
 
 ``torchrun --nproc-per-node 2 benchmarks/experiments/host_launch_ab.py --out ab.json``
 """
@@ -34,7 +37,7 @@ import torch.distributed as dist
 from megatron_flux.kernels import launch as L
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-from host_overhead import layer_ops, run_record  # noqa: E402
+from host_overhead import layer_ops, paired_summary, run_record  # noqa: E402
 
 VARIANTS = {  # label: (backend, $MEGATRON_FLUX_DIRECT_LAUNCH)
     "nccl": ("nccl", "1"),
@@ -61,6 +64,24 @@ def _loop(fn, iters):
 def _quartiles(xs):
     q = statistics.quantiles(xs, n=4)
     return q[0], q[2]
+
+
+def paired_rows(samples, variants):
+    """Per op, every variant's host time against ``nccl`` and, for the other fused variants,
+    against ``flux run`` (:func:`host_overhead.paired_summary`: trial-by-trial differences)."""
+    ops = sorted({op for _, op in samples})
+    out = []
+    for ref in ("nccl", "flux run"):
+        if ref not in variants:
+            continue
+        for v in variants:
+            if v == ref or (ref == "flux run" and v == "nccl"):
+                continue
+            for op in ops:
+                var = [h for h, _ in samples[(v, op)]]
+                base = [h for h, _ in samples[(ref, op)]]
+                out.append({"variant": v, "reference": ref, "op": op, **paired_summary(var, base)})
+    return out
 
 
 def main():
@@ -113,9 +134,14 @@ def main():
         if rank == 0:
             print(f"{v:12s} {op:15s} host {statistics.median(host):7.0f} us (IQR {lo:.0f}-{hi:.0f})"
                   f"  gpu {statistics.median(gpu):7.0f} us", flush=True)
+    paired = paired_rows(samples, args.variants)
     if rank == 0:
+        for p in paired:
+            lo, hi = p["ci90_us"]
+            print(f"paired {p['variant']} - {p['reference']:9s} {p['op']:15s} {p['median_us']:+6.0f} us "
+                  f"(90% CI {lo:+.0f}..{hi:+.0f}), lower in {p['lower_in']}/{p['trials']}", flush=True)
         record = run_record("benchmarks/experiments/host_launch_ab.py", world, __doc__, rows,
-                            ("CUDA_DEVICE_MAX_CONNECTIONS",))
+                            ("CUDA_DEVICE_MAX_CONNECTIONS",), paired=paired)
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
     dist.destroy_process_group()
