@@ -57,6 +57,15 @@ def _time_loop(fn, iters: int):
     return cpu, start.elapsed_time(end) / iters
 
 
+def init_tp():
+    """The torchrun process group (NCCL) with this rank on its own GPU: ``(rank, world,
+    group)``, the group being every rank (TP = world size)."""
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    return rank, world, dist.group.WORLD
+
+
 def layer_ops(name, group, world, m, h, fc1, ffn, dt, generator=None):
     """fwd+bwd closures of the column (fc1) and row (fc2) ops with backend ``name``, as
     ``(op, n, k, fn)``; random operands from ``generator`` (default: the global one). Also used
@@ -128,10 +137,7 @@ def main():
 
     from megatron_flux.backends import get_backend
 
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    group = dist.group.WORLD
+    rank, world, group = init_tp()
     h, fc1, ffn = args.hidden, 2 * args.ffn, args.ffn
     dt = torch.bfloat16
     rows = []

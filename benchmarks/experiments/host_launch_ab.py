@@ -37,7 +37,7 @@ import torch.distributed as dist
 from megatron_flux.kernels import launch as L
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-from host_overhead import layer_ops, paired_summary, run_record  # noqa: E402
+from host_overhead import init_tp, layer_ops, paired_summary, run_record  # noqa: E402
 
 VARIANTS = {  # label: (backend, $MEGATRON_FLUX_DIRECT_LAUNCH)
     "nccl": ("nccl", "1"),
@@ -96,10 +96,7 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    group = dist.group.WORLD
+    rank, world, group = init_tp()
     dt, h = torch.bfloat16, args.hidden
     gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
     ops = {v: {op: fn for op, _, _, fn in layer_ops(VARIANTS[v][0], group, world, args.m, h,

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-from host_overhead import layer_ops, run_record  # noqa: E402
+from host_overhead import init_tp, layer_ops, run_record  # noqa: E402
 
 _SUMS = defaultdict(int)
 _CALLS = defaultdict(int)
@@ -101,21 +101,13 @@ def _targets():
     return t
 
 
-def _loop(fn, iters):
-    """Host µs per call of ``iters`` back-to-back calls (no sync inside)."""
+def _loop(fn, iters, across_ranks=True):
+    """Host µs per call of ``iters`` back-to-back calls (no sync inside); with
+    ``across_ranks`` the ranks start together (a barrier), else this rank alone."""
     torch.cuda.synchronize()
-    dist.barrier()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter_ns()
-    for _ in range(iters):
-        fn()
-    host = (time.perf_counter_ns() - t0) / iters / 1e3
-    torch.cuda.synchronize()
-    return host
-
-
-def _local_loop(fn, iters):
-    torch.cuda.synchronize()
+    if across_ranks:
+        dist.barrier()
+        torch.cuda.synchronize()
     t0 = time.perf_counter_ns()
     for _ in range(iters):
         fn()
@@ -168,7 +160,7 @@ def _primitives(iters, trials):
     for name, fn in cases.items():
         for _ in range(20):
             fn()
-        out[name] = statistics.median(_local_loop(fn, iters) for _ in range(trials))
+        out[name] = statistics.median(_loop(fn, iters, across_ranks=False) for _ in range(trials))
     return out
 
 
@@ -183,10 +175,7 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    group = dist.group.WORLD
+    rank, world, group = init_tp()
     h, fc1, ffn = args.hidden, 2 * args.ffn, args.ffn
     dt = torch.bfloat16
     rows = []
