@@ -2,7 +2,6 @@
 benchmarks/experiments/host_launch_ab.paired_rows): differences trial by trial, on known data
 and on a committed run whose paired medians the session-30 notes quote."""
 
-import json
 import os
 import sys
 
@@ -42,13 +41,11 @@ def test_session30_run1_as_quoted():
     """NOTES, session 30: flux run - nccl, +186 us per column call (lower in 3 of 21) and +69 us
     per row call (8 of 21), from this file."""
     pytest.importorskip("triton")  # host_launch_ab imports the kernels' launch module
-    from host_launch_ab import paired_rows
+    from host_launch_ab import paired_from_runs
 
     path = os.path.join(ROOT, "benchmarks", "results", "host-launch-ab-h100x2-2026-11-26-s30-run1.json")
-    rows = json.load(open(path))["rows"]
-    samples = {(r["variant"], r["op"]): [(h, 0.0) for h in r["host_trials_us"]] for r in rows}
-    got = {(p["variant"], p["reference"], p["op"]): p
-           for p in paired_rows(samples, ["nccl", "flux run", "flux triton"])}
+    (run,) = paired_from_runs([path])
+    got = {(p["variant"], p["reference"], p["op"]): p for p in run["paired"]}
     column = got[("flux run", "nccl", "column fwd+bwd")]
     row = got[("flux run", "nccl", "row fwd+bwd")]
     assert round(column["median_us"]) == 186 and column["lower_in"] == 3

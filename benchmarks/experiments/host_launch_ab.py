@@ -18,7 +18,8 @@ default): the host issue time per call of a loop of ``--iters`` back-to-back cal
 inside), median and quartiles over ``--trials``; and the GPU time of the same loops. Then,
 paired trial by trial, each variant against ``nccl`` and each other fused variant against
 ``flux run``: the median difference, how often it was lower, and a 90 % bootstrap interval
-(``paired`` in the JSON).
+(``paired`` in the JSON). ``--from-json RUN... --out F`` prints and records the same for
+saved runs, without a GPU.
 
 ``torchrun --nproc-per-node 2 benchmarks/experiments/host_launch_ab.py --out ab.json``
 """
@@ -84,7 +85,39 @@ def paired_rows(samples, variants):
     return out
 
 
+def _print_paired(paired):
+    for p in paired:
+        lo, hi = p["ci90_us"]
+        print(f"paired {p['variant']} - {p['reference']:9s} {p['op']:15s} {p['median_us']:+6.0f} us "
+              f"(90% CI {lo:+.0f}..{hi:+.0f}), lower in {p['lower_in']}/{p['trials']}", flush=True)
+
+
+def paired_from_runs(paths):
+    """The paired rows of saved runs (their JSON), as a run prints them; no GPU needed."""
+    out = []
+    for path in paths:
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+        variants = list(dict.fromkeys(r["variant"] for r in rows))
+        samples = {(r["variant"], r["op"]): [(h, None) for h in r["host_trials_us"]] for r in rows}
+        out.append({"run": path, "paired": paired_rows(samples, variants)})
+    return out
+
+
 def main():
+    if "--from-json" in sys.argv:  # no torchrun: the paired reading of earlier runs
+        ap = argparse.ArgumentParser(description="paired differences of saved host_launch_ab runs")
+        ap.add_argument("--from-json", nargs="+", required=True, metavar="RUN")
+        ap.add_argument("--out", required=True)
+        args = ap.parse_args()
+        runs = paired_from_runs(args.from_json)
+        for run in runs:
+            print(run["run"])
+            _print_paired(run["paired"])
+        with open(args.out, "w") as f:
+            json.dump({"command": "python benchmarks/experiments/host_launch_ab.py "
+                       + " ".join(sys.argv[1:]), "runs": runs}, f, indent=1)
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ms", dest="m", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=4096)
@@ -133,10 +166,7 @@ def main():
                   f"  gpu {statistics.median(gpu):7.0f} us", flush=True)
     paired = paired_rows(samples, args.variants)
     if rank == 0:
-        for p in paired:
-            lo, hi = p["ci90_us"]
-            print(f"paired {p['variant']} - {p['reference']:9s} {p['op']:15s} {p['median_us']:+6.0f} us "
-                  f"(90% CI {lo:+.0f}..{hi:+.0f}), lower in {p['lower_in']}/{p['trials']}", flush=True)
+        _print_paired(paired)
         record = run_record("benchmarks/experiments/host_launch_ab.py", world, __doc__, rows,
                             ("CUDA_DEVICE_MAX_CONNECTIONS",), paired=paired)
         with open(args.out, "w") as f:
