@@ -30,7 +30,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 MODEL_CONFIG_FLAG = "--model-config"
 
@@ -264,6 +264,10 @@ class BackendInterleaver:
     unless the block changed, and then logs ``[flux-interleave] iteration <i + 1>: backend <name>``
     (Megatron's 1-based iteration numbers, as in its ``iteration N/ T`` lines). A micro-batch's
     backward uses the backend its forward used (the ops keep it on the autograd context).
+
+    A name ending in ``+keep`` (``flux+keep``) runs that backend with the column layers'
+    ``flux_keep_gathered_input`` on (no re-gather in backward); every other block runs with the
+    value the job configured. So one job times the re-gather against keeping the gathered input.
     """
 
     def __init__(self, backends: Sequence[str], steps: int):
@@ -273,10 +277,14 @@ class BackendInterleaver:
             raise ValueError("--flux-interleave-backends: name at least one backend")
         if steps < 1:
             raise ValueError(f"--flux-interleave-steps {steps}: must be >= 1")
-        self.backends = [validate_backend_name(b) for b in backends]
+        for name in backends:
+            validate_backend_name(_split_block_name(name)[0])
+        self.backends = list(backends)
         self.steps = int(steps)
         self.current: Optional[str] = None
         self._layers: Dict[int, List[Any]] = {}
+        self._configured_keep: Dict[int, bool] = {}  # id(column layer) -> the job's own value
+        self._applied: Dict[int, str] = {}  # id(model) -> the block name its layers are set to
 
     def backend_for(self, iteration: int) -> str:
         return self.backends[(iteration // self.steps) % len(self.backends)]
@@ -297,14 +305,30 @@ class BackendInterleaver:
 
     def switch(self, model: Any, iteration: int, log: Callable[[str], None] = print) -> str:
         name = self.backend_for(iteration)
+        backend, keep = _split_block_name(name)
         layers = self._flux_layers(model)
-        if layers[0].flux_backend != name:
+        if self._applied.get(id(model)) != name:
             for layer in layers:
-                layer.flux_backend = name
+                layer.flux_backend = backend
+                if hasattr(layer, "flux_keep_gathered_input"):  # column layers only
+                    configured = self._configured_keep.setdefault(
+                        id(layer), layer.flux_keep_gathered_input)
+                    layer.flux_keep_gathered_input = True if keep else configured
+            self._applied[id(model)] = name
         if name != self.current:
             self.current = name
             log(f"{INTERLEAVE_TAG} iteration {iteration + 1}: backend {name}")
         return name
+
+
+_KEEP_SUFFIX = "+keep"
+
+
+def _split_block_name(name: str) -> Tuple[str, bool]:
+    """``"flux+keep"`` -> ``("flux", True)``; ``"nccl"`` -> ``("nccl", False)``."""
+    if isinstance(name, str) and name.endswith(_KEEP_SUFFIX):
+        return name[: -len(_KEEP_SUFFIX)], True
+    return name, False
 
 
 def backend_interleaver(args: Any) -> Optional[BackendInterleaver]:

@@ -482,6 +482,41 @@ def test_interleaver_rotates_backends_in_blocks(monkeypatch):
                       for k, b in ((1, "megatron"), (3, "nccl"), (5, "flux"), (7, "megatron"))]
 
 
+def test_interleaver_keep_blocks_set_keep_gathered_input_on_column_layers_only():
+    """``flux+keep`` runs ``flux`` with the column layers keeping the gathered input; the
+    blocks after it get the job's own value back."""
+    import megatron_flux.layers.linear as L
+
+    class FakeCol(_FakeLinear, L.FluxColumnParallelLinear):
+        def __init__(self, keep):
+            _FakeLinear.__init__(self)
+            self.flux_keep_gathered_input = keep
+
+    class FakeRow(_FakeLinear, L.FluxRowParallelLinear):
+        def __init__(self):
+            _FakeLinear.__init__(self)
+
+    cols, row = [FakeCol(False), FakeCol(True)], FakeRow()
+
+    class Model:
+        def modules(self):
+            return iter(cols + [row])
+
+    inter = ps.BackendInterleaver(["flux", "flux+keep", "nccl"], steps=1)
+    model, logged = Model(), []
+    states = []
+    for i in range(4):
+        assert inter.switch(model, i, logged.append) == ["flux", "flux+keep", "nccl", "flux"][i]
+        states.append(([c.flux_backend for c in cols] + [row.flux_backend],
+                       [c.flux_keep_gathered_input for c in cols]))
+    assert states == [(["flux"] * 3, [False, True]), (["flux"] * 3, [True, True]),
+                      (["nccl"] * 3, [False, True]), (["flux"] * 3, [False, True])]
+    assert not hasattr(row, "flux_keep_gathered_input")
+    assert logged[1] == f"{ps.INTERLEAVE_TAG} iteration 2: backend flux+keep"
+    with pytest.raises(ValueError, match="unknown megatron-flux backend"):
+        ps.BackendInterleaver(["fast+keep"], steps=1)
+
+
 def test_interleaver_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="unknown megatron-flux backend"):
         ps.BackendInterleaver(["megatron", "fast"], steps=2)
