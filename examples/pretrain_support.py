@@ -265,9 +265,14 @@ class BackendInterleaver:
     (Megatron's 1-based iteration numbers, as in its ``iteration N/ T`` lines). A micro-batch's
     backward uses the backend its forward used (the ops keep it on the autograd context).
 
-    A name ending in ``+keep`` (``flux+keep``) runs that backend with the column layers'
-    ``flux_keep_gathered_input`` on (no re-gather in backward); every other block runs with the
-    value the job configured. So one job times the re-gather against keeping the gathered input.
+    A backend name may carry modifiers, ``+keep`` and ``+ncclgather`` (``flux+keep``):
+
+    * ``+keep``: the column layers' ``flux_keep_gathered_input`` on (no re-gather in backward);
+    * ``+ncclgather``: the fused backend's ``column_regather`` set to ``"nccl"`` (the re-gather
+      on NCCL's asynchronous all-gather instead of the copy engine).
+
+    Blocks without a modifier run with the values the job configured. So one job times the
+    backward re-gather's forms against each other under the same conditions.
     """
 
     def __init__(self, backends: Sequence[str], steps: int):
@@ -279,6 +284,8 @@ class BackendInterleaver:
             raise ValueError(f"--flux-interleave-steps {steps}: must be >= 1")
         for name in backends:
             validate_backend_name(_split_block_name(name)[0])
+        self._fused = None  # the fused backend, once a block names +ncclgather
+        self._configured_regather: Optional[str] = None
         self.backends = list(backends)
         self.steps = int(steps)
         self.current: Optional[str] = None
@@ -305,7 +312,7 @@ class BackendInterleaver:
 
     def switch(self, model: Any, iteration: int, log: Callable[[str], None] = print) -> str:
         name = self.backend_for(iteration)
-        backend, keep = _split_block_name(name)
+        backend, mods = _split_block_name(name)
         layers = self._flux_layers(model)
         if self._applied.get(id(model)) != name:
             for layer in layers:
@@ -313,7 +320,8 @@ class BackendInterleaver:
                 if hasattr(layer, "flux_keep_gathered_input"):  # column layers only
                     configured = self._configured_keep.setdefault(
                         id(layer), layer.flux_keep_gathered_input)
-                    layer.flux_keep_gathered_input = True if keep else configured
+                    layer.flux_keep_gathered_input = True if "keep" in mods else configured
+            self._set_regather("nccl" if "ncclgather" in mods else None)
             self._applied[id(model)] = name
         if name != self.current:
             self.current = name
@@ -321,14 +329,32 @@ class BackendInterleaver:
         return name
 
 
-_KEEP_SUFFIX = "+keep"
+    def _set_regather(self, value: Optional[str]) -> None:
+        """The fused backend's ``column_regather``: ``value``, or (``None``) the job's own."""
+        if self._fused is None:
+            if value is None:
+                return  # never changed
+            from megatron_flux.backends import get_backend
+
+            self._fused = get_backend("flux")
+            self._configured_regather = self._fused.column_regather
+        self._fused.column_regather = value or self._configured_regather
 
 
-def _split_block_name(name: str) -> Tuple[str, bool]:
-    """``"flux+keep"`` -> ``("flux", True)``; ``"nccl"`` -> ``("nccl", False)``."""
-    if isinstance(name, str) and name.endswith(_KEEP_SUFFIX):
-        return name[: -len(_KEEP_SUFFIX)], True
-    return name, False
+#: modifiers a block name may carry after its backend (``BackendInterleaver``)
+BLOCK_MODIFIERS = ("keep", "ncclgather")
+
+
+def _split_block_name(name: str) -> Tuple[str, frozenset]:
+    """``"flux+keep"`` -> ``("flux", {"keep"})``; ``"nccl"`` -> ``("nccl", {})``."""
+    if not isinstance(name, str) or "+" not in name:
+        return name, frozenset()
+    backend, *mods = name.split("+")
+    unknown = [m for m in mods if m not in BLOCK_MODIFIERS]
+    if unknown:
+        raise ValueError(f"--flux-interleave-backends {name!r}: unknown modifier(s) {unknown}; "
+                         f"choose from {list(BLOCK_MODIFIERS)}")
+    return backend, frozenset(mods)
 
 
 def backend_interleaver(args: Any) -> Optional[BackendInterleaver]:

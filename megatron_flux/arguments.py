@@ -15,7 +15,13 @@ import os
 import warnings
 from typing import Any, Callable, Optional
 
-from megatron_flux.backends import BACKEND_CHOICES, COLUMN_DGRAD_CHOICES, ENV_COLUMN_DGRAD
+from megatron_flux.backends import (
+    BACKEND_CHOICES,
+    COLUMN_DGRAD_CHOICES,
+    COLUMN_REGATHER_CHOICES,
+    ENV_COLUMN_DGRAD,
+    ENV_COLUMN_REGATHER,
+)
 
 __all__ = [
     "FluxArgumentError",
@@ -105,8 +111,18 @@ def add_flux_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "reduce-scatter megatron-core already overlaps with the weight-gradient GEMM: 'nccl' "
         "(the default: cuBLAS, then NCCL's reduce-scatter beside the wgrad, as megatron-core "
         "does), 'fused' (the GEMM+reduce-scatter kernel), 'copy_engine' (cuBLAS, the copy "
-        "engine moving the peers' rows beside the wgrad, then a reduction kernel; not yet "
-        "measured on GPUs). Sets $MEGATRON_FLUX_COLUMN_DGRAD for this process.",
+        "engine moving the peers' rows beside the wgrad, then a reduction kernel; checked on "
+        "GPUs, its speed not yet measured). Sets $MEGATRON_FLUX_COLUMN_DGRAD for this process.",
+    )
+    group.add_argument(
+        "--flux-column-regather",
+        choices=COLUMN_REGATHER_CHOICES,
+        default=None,
+        help="How the fused backend re-gathers a column-parallel layer's input for the weight "
+        "gradient (without --flux-keep-gathered-input): 'copy_engine' (the default: pushes "
+        "into the peers' symmetric buffers, no SMs taken from the dgrad GEMM) or 'nccl' "
+        "(NCCL's asynchronous all-gather, as megatron-core does: less host time per call, "
+        "for host-bound steps). Sets $MEGATRON_FLUX_COLUMN_REGATHER for this process.",
     )
     return parser
 
@@ -172,8 +188,9 @@ def _have_transformer_engine() -> bool:
 def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
     """Check ``--flux-*`` against Megatron's arguments; call after Megatron's validation.
 
-    * ``--flux-column-dgrad`` is exported as ``$MEGATRON_FLUX_COLUMN_DGRAD``, which the fused
-      backend reads when it is first built (the layers build it on their first call).
+    * ``--flux-column-dgrad`` is exported as ``$MEGATRON_FLUX_COLUMN_DGRAD`` and
+      ``--flux-column-regather`` as ``$MEGATRON_FLUX_COLUMN_REGATHER``, which the fused backend
+      reads when it is first built (the layers build it on their first call).
     * ``--flux-config`` must name an existing file holding a JSON object (checked even without
       ``--flux-tp-overlap``: a wrong path is a mistake either way). With ``--flux-tp-overlap``
       (at TP > 1) it must also be a valid tuning table (:mod:`megatron_flux.tuning.schema`;
@@ -210,6 +227,12 @@ def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
             raise FluxArgumentError(
                 f"--flux-column-dgrad {column_dgrad!r}: choose one of {list(COLUMN_DGRAD_CHOICES)}")
         os.environ[ENV_COLUMN_DGRAD] = column_dgrad  # read when the fused backend is built
+    column_regather = getattr(args, "flux_column_regather", None)
+    if column_regather is not None:
+        if column_regather not in COLUMN_REGATHER_CHOICES:
+            raise FluxArgumentError(f"--flux-column-regather {column_regather!r}: choose one of "
+                                    f"{list(COLUMN_REGATHER_CHOICES)}")
+        os.environ[ENV_COLUMN_REGATHER] = column_regather
     if getattr(args, "flux_backend", "auto") not in BACKEND_CHOICES:
         raise FluxArgumentError(
             f"--flux-backend {args.flux_backend!r}: choose one of {list(BACKEND_CHOICES)}"

@@ -90,7 +90,8 @@ def test_provider_returns_parser_and_adds_named_group():
     group = next(g for g in parser._action_groups if g.title == "megatron-flux")
     assert {a.dest for a in group._group_actions} == {
         "flux_tp_overlap", "flux_backend", "flux_config", "flux_keep_gathered_input",
-        "flux_column_dgrad", "flux_gradient_accumulation_fusion", "flux_output_layer",
+        "flux_column_dgrad", "flux_column_regather", "flux_gradient_accumulation_fusion",
+        "flux_output_layer",
     }
 
 
@@ -378,3 +379,18 @@ def test_column_dgrad_flag_is_exported_for_the_fused_backend(monkeypatch):
     assert __import__("os").environ[ENV_COLUMN_DGRAD] == "fused"
     with pytest.raises(SystemExit):
         parse(["--flux-column-dgrad", "cublas"])
+
+
+def test_column_regather_flag_is_exported_for_the_fused_backend(monkeypatch):
+    """``--flux-column-regather`` sets ``$MEGATRON_FLUX_COLUMN_REGATHER``; without it the
+    environment is left alone; a bad value is refused by argparse."""
+    from megatron_flux.backends import ENV_COLUMN_REGATHER
+
+    monkeypatch.delenv(ENV_COLUMN_REGATHER, raising=False)
+    assert parse([]).flux_column_regather is None
+    validate_flux_args(megatron_like_args())
+    assert ENV_COLUMN_REGATHER not in __import__("os").environ
+    validate_flux_args(megatron_like_args(["--flux-tp-overlap", "--flux-column-regather", "nccl"]))
+    assert __import__("os").environ[ENV_COLUMN_REGATHER] == "nccl"
+    with pytest.raises(SystemExit):
+        parse(["--flux-column-regather", "gloo"])

@@ -9,6 +9,7 @@ import inspect
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -515,6 +516,42 @@ def test_interleaver_keep_blocks_set_keep_gathered_input_on_column_layers_only()
     assert logged[1] == f"{ps.INTERLEAVE_TAG} iteration 2: backend flux+keep"
     with pytest.raises(ValueError, match="unknown megatron-flux backend"):
         ps.BackendInterleaver(["fast+keep"], steps=1)
+    with pytest.raises(ValueError, match=r"unknown modifier.*'kept'"):
+        ps.BackendInterleaver(["flux+kept"], steps=1)
+
+
+def test_interleaver_ncclgather_blocks_switch_the_fused_backends_regather(monkeypatch):
+    """``flux+ncclgather`` sets the fused backend's ``column_regather`` to ``"nccl"`` for its
+    block; the other blocks get the job's own value back; a job without the modifier never
+    builds the fused backend."""
+    import megatron_flux.backends as B
+    import megatron_flux.layers.linear as L
+
+    class FakeCol(_FakeLinear, L.FluxColumnParallelLinear):
+        def __init__(self):
+            _FakeLinear.__init__(self)
+            self.flux_keep_gathered_input = False
+
+    fused = types.SimpleNamespace(column_regather="copy_engine")
+    built = []
+    monkeypatch.setattr(B, "get_backend", lambda name: built.append(name) or fused)
+    col = FakeCol()
+
+    class Model:
+        def modules(self):
+            return iter([col])
+
+    plain = ps.BackendInterleaver(["nccl", "flux"], steps=1)
+    for i in range(3):
+        plain.switch(Model(), i, lambda _: None)
+    assert built == []
+    inter = ps.BackendInterleaver(["flux", "flux+ncclgather+keep", "nccl"], steps=1)
+    model, seen = Model(), []
+    for i in range(4):
+        inter.switch(model, i, lambda _: None)
+        seen.append((col.flux_backend, fused.column_regather, col.flux_keep_gathered_input))
+    assert seen == [("flux", "copy_engine", False), ("flux", "nccl", True),
+                    ("nccl", "copy_engine", False), ("flux", "copy_engine", False)]
 
 
 def test_interleaver_refuses_what_it_cannot_do():

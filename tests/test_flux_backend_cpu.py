@@ -18,6 +18,9 @@ class _Group:
     def size(self):
         return self._size
 
+    def rank(self):
+        return 0
+
 
 def test_cpu_tensors_are_refused_with_a_reason():
     a, b = torch.randn(8, 16), torch.randn(16, 8)
@@ -142,6 +145,49 @@ def test_column_dgrad_choice_from_argument_or_environment(monkeypatch):
     assert FluxBackend(column_dgrad="copy_engine").column_dgrad == "copy_engine"
     monkeypatch.setenv(ENV_COLUMN_DGRAD, "cublas")
     with pytest.raises(ValueError, match=r"MEGATRON_FLUX_COLUMN_DGRAD.*\('nccl', 'fused', 'copy_engine'\).*'cublas'"):
+        FluxBackend()
+
+
+def test_column_regather_choice_from_argument_or_environment(monkeypatch):
+    """``column_regather="nccl"`` sends the column backward's re-gather to NCCL's asynchronous
+    all-gather even where the copy-engine gather could run; ``"copy_engine"`` (the default)
+    takes the copy-engine path there. The environment sets the default; anything else is
+    refused by name."""
+    from megatron_flux.backends.base import PendingGather
+    from megatron_flux.backends.flux import ENV_COLUMN_REGATHER
+
+    calls = []
+
+    class _Nccl:
+        def all_gather_start(self, x, group, *, out=None):
+            calls.append(("nccl", tuple(x.shape)))
+            return PendingGather(torch.cat([x] * group.size()))
+
+    class _CopyEngineTaken(Exception):
+        pass
+
+    def copy_engine_workspace(*args, **kwargs):
+        raise _CopyEngineTaken
+
+    monkeypatch.delenv(ENV_COLUMN_REGATHER, raising=False)
+    x = torch.randn(4, 3)
+    for regather in (None, "copy_engine", "nccl"):
+        be = FluxBackend(column_regather=regather)
+        be._nccl = _Nccl()
+        monkeypatch.setattr(be, "_gather_unsupported_reason", lambda x, group: None)
+        monkeypatch.setattr(be, "_workspace", copy_engine_workspace)
+        if regather == "nccl":
+            assert torch.equal(be.all_gather_start(x, _Group(2)).wait(), torch.cat([x, x]))
+        else:
+            assert be.column_regather == "copy_engine"
+            with pytest.raises(_CopyEngineTaken):
+                be.all_gather_start(x, _Group(2))
+    assert calls == [("nccl", (4, 3))]
+    monkeypatch.setenv(ENV_COLUMN_REGATHER, "nccl")
+    assert FluxBackend().column_regather == "nccl"
+    assert FluxBackend(column_regather="copy_engine").column_regather == "copy_engine"
+    monkeypatch.setenv(ENV_COLUMN_REGATHER, "gloo")
+    with pytest.raises(ValueError, match=r"MEGATRON_FLUX_COLUMN_REGATHER.*'gloo'"):
         FluxBackend()
 
 

@@ -44,6 +44,11 @@ BACKEND_CHOICES = ("auto", "flux", "nccl", MEGATRON_PASSTHROUGH)
 COLUMN_DGRAD_CHOICES = ("nccl", "fused", "copy_engine")
 ENV_COLUMN_DGRAD = "MEGATRON_FLUX_COLUMN_DGRAD"
 
+#: how the fused backend re-gathers a column layer's input for its weight gradient
+#: (``FluxBackend``'s ``column_regather``, ``--flux-column-regather``), the first the default
+COLUMN_REGATHER_CHOICES = ("copy_engine", "nccl")
+ENV_COLUMN_REGATHER = "MEGATRON_FLUX_COLUMN_REGATHER"
+
 
 def register_backend(name: str, impl: BackendOrFactory, *, override: bool = False) -> None:
     """Register ``impl`` under ``name``. Re-registering a name needs ``override=True``."""

@@ -59,7 +59,12 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron_flux.backends import COLUMN_DGRAD_CHOICES, ENV_COLUMN_DGRAD
+from megatron_flux.backends import (
+    COLUMN_DGRAD_CHOICES,
+    COLUMN_REGATHER_CHOICES,
+    ENV_COLUMN_DGRAD,
+    ENV_COLUMN_REGATHER,
+)
 from megatron_flux.backends.base import TPOverlapBackend, output_like
 
 _DEFAULT_MAX_SPINS = 1 << 25
@@ -223,7 +228,8 @@ class FluxBackend(TPOverlapBackend):
     name = "flux"
     waits_across_ranks_on_sms = True  # persistent grids spin on peers' signals
 
-    def __init__(self, config_provider=None, column_dgrad: Optional[str] = None):
+    def __init__(self, config_provider=None, column_dgrad: Optional[str] = None,
+                 column_regather: Optional[str] = None):
         """``config_provider(op, m_total, n, k) -> GemmConfig``; default: the tuning tables
         (:class:`~megatron_flux.tuning.provider.TableConfigProvider`: table hit at the nearest
         m-bucket, else ``default_config``). A provider with ``accepts_context = True`` is also
@@ -235,10 +241,18 @@ class FluxBackend(TPOverlapBackend):
         GEMM, megatron-core's order (the weight-gradient re-gather stays on the copy engine);
         ``"fused"``, the GEMM+RS kernel; ``"copy_engine"``, cuBLAS, then the copy engine moves
         the peers' rows beside the weight-gradient GEMM (no SM taken from it, unlike NCCL's
-        kernel) and a reduction kernel sums them after it (not yet measured on GPUs). There
-        stock already hides the collective, so the fused kernel can only lose its margin to
-        cuBLAS: on the Llama-3-8B-16l job (TP 2, micro-batch 2) ``"nccl"`` ran 1.041× stock
-        against 1.027× for ``"fused"`` (benchmarks/NOTES.md, session 17)."""
+        kernel) and a reduction kernel sums them after it (checked against NCCL on GPUs, its
+        speed not yet measured). There stock already hides the collective, so the fused kernel
+        can only lose its margin to cuBLAS: on the Llama-3-8B-16l job (TP 2, micro-batch 2)
+        ``"nccl"`` ran 1.041× stock against 1.027× for ``"fused"`` (benchmarks/NOTES.md,
+        session 17).
+
+        ``column_regather`` (default ``$MEGATRON_FLUX_COLUMN_REGATHER``, else
+        ``"copy_engine"``): how :meth:`all_gather_start`, the column backward's re-gather of
+        the input for the weight gradient, runs: ``"copy_engine"``, pushes into the peers'
+        symmetric buffers (no SM taken from the dgrad GEMM beside it); ``"nccl"``, NCCL's
+        asynchronous all-gather, as megatron-core does, which costs less host time per call
+        (130 against about 290 µs on the 2×H100 box, benchmarks/NOTES.md, session 30)."""
         if config_provider is None:
             from megatron_flux.tuning.provider import TableConfigProvider
 
@@ -263,6 +277,12 @@ class FluxBackend(TPOverlapBackend):
             raise ValueError(f"megatron-flux: column_dgrad (${ENV_COLUMN_DGRAD}) must be one of "
                              f"{COLUMN_DGRAD_CHOICES}, got {column_dgrad!r}")
         self.column_dgrad = column_dgrad
+        if column_regather is None:
+            column_regather = os.environ.get(ENV_COLUMN_REGATHER, "") or COLUMN_REGATHER_CHOICES[0]
+        if column_regather not in COLUMN_REGATHER_CHOICES:
+            raise ValueError(f"megatron-flux: column_regather (${ENV_COLUMN_REGATHER}) must be one "
+                             f"of {COLUMN_REGATHER_CHOICES}, got {column_regather!r}")
+        self.column_regather = column_regather
 
     # ---------------------------------------------------------------- support
     def unsupported_reason(self, a, b, group) -> Optional[str]:
@@ -652,12 +672,12 @@ class FluxBackend(TPOverlapBackend):
         return self._nccl_backend().all_gather(x, group, out=out)
 
     def all_gather_start(self, x, group, *, out=None):
-        """The row all-gather on the copy engine (see the module docstring); falls back to
-        NCCL's asynchronous all-gather where the fused path cannot run (CPU, one rank, CUDA
-        graph capture, other dtypes). Without ``out`` the result is this backend's gather
+        """The row all-gather on the copy engine (see the module docstring); NCCL's
+        asynchronous all-gather with ``column_regather="nccl"`` and where the fused path cannot
+        run (CPU, one rank, CUDA graph capture, other dtypes). Without ``out`` the result is this backend's gather
         workspace, valid until its next ``all_gather_start`` on this group."""
         reason = self._gather_unsupported_reason(x, group)
-        if reason is not None:
+        if reason is not None or self.column_regather == "nccl":
             return self._nccl_backend().all_gather_start(x, group, out=out)
         d = _deps()
         x = x.contiguous()
