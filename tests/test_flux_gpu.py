@@ -270,6 +270,9 @@ def _worker(rank, world, port, env):
         flux_alt_ws.check_errors()
     _stage(rank, t0, "gather beside GEMM+RS, column dgrad modes")
     n_checks += _check_gather_beside_rs(flux, group, rank, world, gen)
+    # column_regather="nccl": NCCL's asynchronous all-gather beside the fused GEMM+RS grid
+    n_checks += _check_gather_beside_rs(FluxBackend(column_regather="nccl"), group, rank, world,
+                                        gen)
     for column_dgrad in ("copy_engine", "fused", "nccl"):
         n_checks += _check_rs_start_every_shape(FluxBackend(column_dgrad=column_dgrad), group,
                                                 rank, world, gen)
