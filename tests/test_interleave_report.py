@@ -116,3 +116,26 @@ def test_comm_alone_is_split_by_op(tmp_path):
     assert by_op == {"x": {"calls": 2, "ms": 0.02, "alone_ms": 0.011},
                      "y": {"calls": 1, "ms": 0.003, "alone_ms": 0.002}}
     assert list(by_op) == ["x", "y"], "largest alone time first"
+
+
+def test_runs_report_pairs_every_job_against_each_reference_it_ran(tmp_path):
+    """benchmarks/interleave_runs.py: a tgz'd job and a plain one; a reference a job did not run
+    is skipped for that job; the across-runs lists hold one median per job, in order."""
+    import tarfile
+
+    import interleave_runs as IR
+
+    one = write_log(tmp_path / "interleave.log")
+    tgz = tmp_path / "logs.tgz"
+    with tarfile.open(tgz, "w:gz") as tar:
+        tar.add(one, arcname="interleave.log")
+    two = write_log(tmp_path / "two.log", order=("nccl", "flux"))
+    out = tmp_path / "runs.json"
+    assert IR.main([str(tgz), two, "--references", "megatron", "nccl", "--warmup", "0",
+                    "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert [sorted(r["vs"]) for r in rep["runs"]] == [["megatron", "nccl"], ["nccl"]]
+    flux_vs_nccl = rep["across_runs"]["nccl"]["flux"]
+    assert len(flux_vs_nccl) == 2 and all(abs(m - 335.0 / 310.0) < 0.005 for m in flux_vs_nccl)
+    assert rep["across_runs"]["megatron"]["flux"] == [rep["runs"][0]["vs"]["megatron"]["flux"]["median"]]
+    assert rep["runs"][1]["step_time_ms"].keys() == {"nccl", "flux"}
