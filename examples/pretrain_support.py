@@ -241,7 +241,9 @@ def add_example_args(parser):
         help="Benchmarking: rotate the Flux linears' backend between these ('megatron' = "
         "megatron-core's own code in the same layers, 'nccl', 'flux', 'auto') every "
         "--flux-interleave-steps iterations, logging each switch. Step times of one job then "
-        "compare the backends under the same conditions. Needs --flux-tp-overlap.",
+        "compare the backends under the same conditions. A name may carry modifiers: "
+        "'flux+keep' (the column layers keep the gathered input), 'flux+ncclgather' (the "
+        "re-gather on NCCL). Needs --flux-tp-overlap.",
     )
     group.add_argument(
         "--flux-interleave-steps",
