@@ -330,7 +330,6 @@ class BackendInterleaver:
             log(f"{INTERLEAVE_TAG} iteration {iteration + 1}: backend {name}")
         return name
 
-
     def _set_regather(self, value: Optional[str]) -> None:
         """The fused backend's ``column_regather``: ``value``, or (``None``) the job's own."""
         if self._fused is None:
