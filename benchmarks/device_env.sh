@@ -63,6 +63,14 @@ unpack_triton_cache() {  # unpack_triton_cache: the carried Triton cache archive
     fi
 }
 
+gpu_session_start() {  # gpu_session_start: every_gpu_session, the cards' name in GPU_NAME
+    # (and printed), then the carried Triton cache unpacked: the start of a session script
+    every_gpu_session
+    GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+    echo "cards: ${NGPUS} x ${GPU_NAME}"
+    unpack_triton_cache
+}
+
 pack_triton_cache() {  # pack_triton_cache: $TRITON_CACHE_DIR as $OUT/triton-cache.tgz.part-*,
     # pieces of 15 MB (what comes back from a call: files of at most 16 MiB); carry them back
     # in .device/ for unpack_triton_cache. Only what a cache hit loads goes in: each kernel's

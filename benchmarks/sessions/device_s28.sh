@@ -22,10 +22,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s28}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
-every_gpu_session
-GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-echo "cards: ${NGPUS} x ${GPU_NAME}"
-unpack_triton_cache
+gpu_session_start
 TIMING=(--trials 7 --iters 20 --warmup 10 --shuffle-seed 0 --queue-ahead-ms 5)
 KVC=megatron_flux/bench/kernel_vs_cublas.py
 PP='{"ag_warp_specialized": true, "block_m": 128, "block_n": 128, "block_k": 64, "num_stages": 5, "num_warps": 4, "epilogue_split": 1, "stream_k": 0}'

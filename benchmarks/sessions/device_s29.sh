@@ -36,10 +36,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s29}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
-every_gpu_session
-GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-echo "cards: ${NGPUS} x ${GPU_NAME}"
-unpack_triton_cache
+gpu_session_start
 TR=(torchrun --nproc-per-node "${NGPUS}")
 for what in "$@"; do
   echo "== ${what} ($(date +%T), ${SECONDS}s)"

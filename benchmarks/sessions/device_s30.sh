@@ -17,10 +17,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s30}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
-every_gpu_session
-GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-echo "cards: ${NGPUS} x ${GPU_NAME}"
-unpack_triton_cache
+gpu_session_start
 TR=(torchrun --nproc-per-node "${NGPUS}")
 [ -f megatron_flux/comm/driver_copy.py ] || git apply benchmarks/results/raw/s30/driver_copy.patch || exit 2
 for what in "$@"; do

@@ -15,10 +15,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/s31}"
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh
-every_gpu_session
-GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-echo "cards: ${NGPUS} x ${GPU_NAME}"
-unpack_triton_cache
+gpu_session_start
 for what in "$@"; do
   echo "== ${what} ($(date +%T), ${SECONDS}s)"
   case "${what}" in
