@@ -185,6 +185,17 @@ def _have_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+def _export_choice(args: argparse.Namespace, dest: str, choices, env: str) -> None:
+    """``args.<dest>`` (when given) checked against ``choices`` and exported as ``$env``."""
+    value = getattr(args, dest, None)
+    if value is None:
+        return
+    if value not in choices:
+        flag = "--" + dest.replace("_", "-")
+        raise FluxArgumentError(f"{flag} {value!r}: choose one of {list(choices)}")
+    os.environ[env] = value
+
+
 def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
     """Check ``--flux-*`` against Megatron's arguments; call after Megatron's validation.
 
@@ -221,18 +232,9 @@ def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
     config_path = getattr(args, "flux_config", None)
     if config_path is not None:
         load_flux_config(config_path)
-    column_dgrad = getattr(args, "flux_column_dgrad", None)
-    if column_dgrad is not None:
-        if column_dgrad not in COLUMN_DGRAD_CHOICES:
-            raise FluxArgumentError(
-                f"--flux-column-dgrad {column_dgrad!r}: choose one of {list(COLUMN_DGRAD_CHOICES)}")
-        os.environ[ENV_COLUMN_DGRAD] = column_dgrad  # read when the fused backend is built
-    column_regather = getattr(args, "flux_column_regather", None)
-    if column_regather is not None:
-        if column_regather not in COLUMN_REGATHER_CHOICES:
-            raise FluxArgumentError(f"--flux-column-regather {column_regather!r}: choose one of "
-                                    f"{list(COLUMN_REGATHER_CHOICES)}")
-        os.environ[ENV_COLUMN_REGATHER] = column_regather
+    # read when the fused backend is built
+    _export_choice(args, "flux_column_dgrad", COLUMN_DGRAD_CHOICES, ENV_COLUMN_DGRAD)
+    _export_choice(args, "flux_column_regather", COLUMN_REGATHER_CHOICES, ENV_COLUMN_REGATHER)
     if getattr(args, "flux_backend", "auto") not in BACKEND_CHOICES:
         raise FluxArgumentError(
             f"--flux-backend {args.flux_backend!r}: choose one of {list(BACKEND_CHOICES)}"

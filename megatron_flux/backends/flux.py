@@ -222,6 +222,15 @@ class _CopyEngineReduceScatter:
         return out
 
 
+def _choice(name: str, value: Optional[str], env: str, choices: Tuple[str, ...]) -> str:
+    """``value``, else ``$env``, else ``choices[0]``; anything outside ``choices`` raises."""
+    if value is None:
+        value = os.environ.get(env, "") or choices[0]
+    if value not in choices:
+        raise ValueError(f"megatron-flux: {name} (${env}) must be one of {choices}, got {value!r}")
+    return value
+
+
 class FluxBackend(TPOverlapBackend):
     """Fused Triton kernels; see the module docstring for the schedule."""
 
@@ -271,18 +280,10 @@ class FluxBackend(TPOverlapBackend):
         self._stream_wait: Optional[bool] = None
         self.max_spins = int(os.environ.get("MEGATRON_FLUX_MAX_SPINS", _DEFAULT_MAX_SPINS))
         self._nccl = None
-        if column_dgrad is None:
-            column_dgrad = os.environ.get(ENV_COLUMN_DGRAD, "") or COLUMN_DGRAD_CHOICES[0]
-        if column_dgrad not in COLUMN_DGRAD_CHOICES:
-            raise ValueError(f"megatron-flux: column_dgrad (${ENV_COLUMN_DGRAD}) must be one of "
-                             f"{COLUMN_DGRAD_CHOICES}, got {column_dgrad!r}")
-        self.column_dgrad = column_dgrad
-        if column_regather is None:
-            column_regather = os.environ.get(ENV_COLUMN_REGATHER, "") or COLUMN_REGATHER_CHOICES[0]
-        if column_regather not in COLUMN_REGATHER_CHOICES:
-            raise ValueError(f"megatron-flux: column_regather (${ENV_COLUMN_REGATHER}) must be one "
-                             f"of {COLUMN_REGATHER_CHOICES}, got {column_regather!r}")
-        self.column_regather = column_regather
+        self.column_dgrad = _choice("column_dgrad", column_dgrad, ENV_COLUMN_DGRAD,
+                                    COLUMN_DGRAD_CHOICES)
+        self.column_regather = _choice("column_regather", column_regather, ENV_COLUMN_REGATHER,
+                                       COLUMN_REGATHER_CHOICES)
 
     # ---------------------------------------------------------------- support
     def unsupported_reason(self, a, b, group) -> Optional[str]:
