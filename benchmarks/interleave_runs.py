@@ -14,7 +14,6 @@ quartiles and block count, then, per (reference, backend), the list of job media
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import sys
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from interleave_report import summarize  # noqa: E402
 
 
-def _log_path(path: str, tmp: str) -> str:
+def _log_path(path: str, tmp: str, index: int) -> str:
     """``path`` itself, or the ``interleave.log`` inside a ``logs.tgz``, extracted to ``tmp``."""
     if not path.endswith((".tgz", ".tar.gz")):
         return path
@@ -33,9 +32,9 @@ def _log_path(path: str, tmp: str) -> str:
         member = tar.extractfile("interleave.log")
         if member is None:
             raise SystemExit(f"{path}: no interleave.log inside")
-        out = os.path.join(tmp, f"{abs(hash(path))}.log")
+        out = os.path.join(tmp, f"{index}.log")
         with open(out, "wb") as f:
-            f.write(io.BufferedReader(member).read())
+            f.write(member.read())
     return out
 
 
@@ -43,8 +42,8 @@ def runs_report(paths, references, *, warmup: int = 20, drop_first: int = 1,
                 tokens_per_step: int = 8192) -> dict:
     runs, across = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        for path in paths:
-            log = _log_path(path, tmp)
+        for index, path in enumerate(paths):
+            log = _log_path(path, tmp, index)
             run = {"log": path, "vs": {}}
             for ref in references:
                 report = summarize(log, warmup=warmup, drop_first=drop_first,
