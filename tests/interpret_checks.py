@@ -659,6 +659,69 @@ def _check_gemm_rs_merged_rows_split():
         assert all(int(s.counters.abs().sum()) == 0 for s in _SCRATCH.values()), label
 
 
+def check_gemm_rs_stream_k():
+    """GEMM+RS's stream-K tail (``stream_k=1``) at TP 2/4/8: the own segment's partial last
+    wave split along K over the grid (a tile over 1-7 programs, aligned and ragged m_local, both
+    B layouts, bias, host- and device-built descriptors) gives the right output on every rank,
+    bitwise the same when repeated, every tile counter back at zero; a consumer whose peers did
+    not produce this epoch times out on a peer's signal instead of reducing stale partials."""
+    import dataclasses
+
+    from megatron_flux.kernels import stream_k as SK
+
+    # (world, m_local, k, n, grid, b_kn, bias, host descriptors): tiles = world *
+    # cdiv(m_local, 16) * cdiv(n, 32), the tail (tiles % grid) at most 0.35 of the grid
+    cases = [(2, 64, 64, 64, 5, False, True, True), (2, 64, 64, 64, 7, True, False, True),
+             (4, 40, 32, 64, 11, False, True, False), (2, 48, 80, 32, 5, False, True, True),
+             (2, 25, 64, 64, 7, True, True, False), (8, 9, 32, 64, 5, False, False, True),
+             (2, 48, 112, 32, 5, False, False, False), (4, 16, 48, 64, 6, False, True, True)]
+    cfg = dataclasses.replace(CFG, stream_k=1)
+    for world, m_local, k, n, grid, b_kn, bias, host in cases:
+        label = f"{world=} {m_local=} {k=} {n=} {grid=}"
+        tps = triton.cdiv(m_local, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        _, sk = SK.stream_k_plan(world * tps, grid, 1, tps)
+        assert sk > 0, f"{label}: no stream-K tiles"
+        torch.manual_seed(world * 1000 + m_local + grid)
+        w = _rs_world(world, m_local, k, n, b_kn, bias, cfg=cfg)
+        full = sum(a.float() @ b.float() for a, b in zip(w["a"], w["b"]))
+        if bias:
+            full = full + w["bias"].float()
+        runs = []
+        for _ in range(2):
+            for o in w["outs"]:
+                o.fill_(float("nan"))
+            for phase in ("produce", "consume"):
+                for r in range(world):
+                    launch_gemm_rs(w["a"][r], w["b"][r], w["outs"][r], w["data"][r], w["dptr"],
+                                   w["fptr"], w["bias"], w["errs"][r], rank=r, world=world,
+                                   epoch=w["epoch"], cfg=cfg, num_sms=grid, max_spins=10,
+                                   produce=phase == "produce", consume=phase == "consume",
+                                   host_descriptors=host)
+            runs.append([o.clone() for o in w["outs"]])
+            w["epoch"] += 1
+            assert int(SK._SCRATCH[("cpu",)].counters.abs().sum()) == 0, f"{label}: counters"
+        for r in range(world):
+            assert w["errs"][r].tolist() == [0, 0, 0, 0], (label, r, w["errs"][r].tolist())
+            assert not torch.isnan(runs[0][r]).any(), f"{label}: unwritten output rank {r}"
+            e = _rel(runs[0][r], full[r * m_local:(r + 1) * m_local])
+            assert e < TOL, f"{label} rank {r}: rel err {e}"
+            assert torch.equal(runs[0][r], runs[1][r]), f"{label} rank {r}: not repeatable"
+    # Nobody produced this epoch: the stream-K tiles' reduction must wait for the peers, not
+    # reduce stale partials. TP 4, 2 tiles a segment, 6 programs: the own segment is all tail,
+    # so only the stream-K phase can wait (and time out).
+    world, m_local, k, n, grid = 4, 16, 48, 64, 6
+    w = _rs_world(world, m_local, k, n, False, False, cfg=cfg)
+    assert SK.stream_k_plan(world * 2, grid, 1, 2) == (grid, 2)
+    for r in range(world):
+        launch_gemm_rs(w["a"][r], w["b"][r], w["outs"][r], w["data"][r], w["dptr"], w["fptr"],
+                       None, w["errs"][r], rank=r, world=world, epoch=w["epoch"], cfg=cfg,
+                       num_sms=grid, max_spins=3, produce=False, consume=True)
+        op, rank, index, seen = w["errs"][r].tolist()
+        assert (op, rank, seen) == (2, r, 0) and index in set(range(world)) - {r}, \
+            w["errs"][r].tolist()
+    assert int(SK._SCRATCH[("cpu",)].counters.abs().sum()) == 0, "counters after a timeout"
+
+
 def check_gemm_rs_spread_waits_for_its_own_grid():
     """With the spread reduction a rank also reads its own slot, so its consumers wait for its
     own producers' barrier: every peer produced this epoch, the rank itself did not, and its
@@ -996,6 +1059,7 @@ CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_
           check_ag_merged_local, check_ag_merged_signals, check_ag_stream_k, check_ag_signal_indexing,
           check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout,
           check_gemm_rs_spread_waits_for_its_own_grid, check_gemm_rs_merged_rows,
+          check_gemm_rs_stream_k,
           check_gemm_rs_copy_engine,
           check_gemm_rs_copy_engine_bands, check_copy_engine_reduce_scatter,
           check_next_call_cannot_release_a_wait, check_ready_barrier, check_copy_engine_gather,

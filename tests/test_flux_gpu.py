@@ -296,13 +296,23 @@ def _worker(rank, world, port, env):
                    dict(rs_copy_engine=True, rs_spread_reduce=True),
                    dict(rs_copy_engine=True, rs_ce_bands=True),
                    dict(rs_copy_engine=True, rs_ce_bands=True, group_m=1, block_m=64),
-                   dict(rs_copy_engine=True, rs_ce_bands=True, rs_spread_reduce=True)]
+                   dict(rs_copy_engine=True, rs_ce_bands=True, rs_spread_reduce=True),
+                   dict(stream_k=1), dict(stream_k=1, rs_copy_engine=True)]
     _stage(rank, t0, "GEMM+RS schedule knobs")
     for variant in rs_variants:
         flux_rs = _default_with(**variant)
         for (m_local, k, n) in SHAPES:
             _check_rs(flux_rs, group, rank, world, m_local, k, n, torch.bfloat16, "nk", 2e-2, gen,
                       with_bias=(m_local % 2 == 0))
+            n_checks += 1
+        flux_rs.check_errors()
+    # GEMM+RS's stream-K tail with real peers, SM and copy-engine pushes, on a shape whose
+    # tail it splits: 8 x 9 own tiles of 128x256 per rank, 144 in all, 12 past 132 SMs
+    for variant in (dict(stream_k=1), dict(stream_k=1, rs_copy_engine=True)):
+        flux_rs = _default_with(**variant)
+        for with_bias in (False, True):
+            _check_rs(flux_rs, group, rank, world, 1024, 4096, 2304, torch.bfloat16, "nk", 2e-2,
+                      gen, with_bias=with_bias)
             n_checks += 1
         flux_rs.check_errors()
     # the warp-specialized Gluon GEMM+RS (kernels/gemm_rs_ws.py), SM and copy-engine

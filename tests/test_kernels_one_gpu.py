@@ -89,6 +89,63 @@ def test_gemm_rs_reduction_paths(shape, fields):
     assert torch.equal(out, first), "repeated GEMM+RS launches differ"
 
 
+#: GEMM+RS's stream-K tail: the table's 128x256 tiles (two epilogue halves, or one with
+#: Triton's warp specialization) and a 128x128 tile
+RS_SK_CONFIGS = [
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=2),
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=1,
+         warp_specialize=True),
+    dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4, epilogue_split=1),
+]
+
+
+@pytest.mark.parametrize("shape", [(2, 1024, 1280, 1024), (2, 700, 1000, 640), (4, 256, 2560, 512)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("fields", RS_SK_CONFIGS, ids=range(len(RS_SK_CONFIGS)))
+def test_gemm_rs_stream_k_tail(shape, fields):
+    """``stream_k=1`` on GEMM+RS: on a grid whose partial last wave it splits along K (a tile
+    over several programs), own rows = own partial + the peers' slots against fp32 math, the
+    same up to rounding as the data-parallel schedule, bitwise repeatable, every tile counter
+    back at zero."""
+    import dataclasses
+
+    from megatron_flux.bench.kernel_vs_cublas import rs_on_one_gpu
+    from megatron_flux.kernels import stream_k as SK
+    from megatron_flux.kernels.config import GemmConfig, tiles_per_segment
+
+    world, m_local, n, k = shape
+    cfg = GemmConfig(**fields, stream_k=1)
+    tps = tiles_per_segment(m_local, n, cfg)
+    grids = [g for g in range(8, 64) if SK.stream_k_plan(world * tps, g, 1, tps)[1] > 0
+             and (world * tps % g) * (k // cfg.block_k) > g]  # some tile spans programs
+    assert grids, (shape, fields)
+    sms = grids[len(grids) // 2]
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape))
+    a = torch.randn(world * m_local, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    launch, out, data = rs_on_one_gpu(a, w, world, err, num_sms=sms)
+    data.copy_(torch.randn(data.shape, device="cuda", generator=gen).to(data.dtype) * 8)
+    launch(dataclasses.replace(cfg, stream_k=0))
+    torch.cuda.synchronize()
+    dp = out.clone()
+    out.fill_(float("nan"))
+    launch(cfg)
+    torch.cuda.synchronize()
+    first = out.clone()
+    out.fill_(float("nan"))
+    launch(cfg)
+    torch.cuda.synchronize()
+    assert err.tolist() == [0, 0, 0, 0], err.tolist()
+    ref = (a.float() @ w.t().float())[:m_local] + data[1:].float().sum(0)
+    for got, label in ((first, "stream-K"), (dp, "data-parallel")):
+        rel = float((got.float() - ref).norm() / ref.norm())
+        assert rel < 1e-2, (label, sms, rel)
+    assert torch.equal(out, first), f"repeated stream-K GEMM+RS launches differ (grid {sms})"
+    assert float((first.float() - dp.float()).abs().max()) <= 0.05 * float(ref.abs().max())
+    assert all(int(s.counters.abs().sum()) == 0 for s in SK._SCRATCH.values())
+
+
 # (world, m_local, n, k): a few row tiles per segment (llama3-8b m = 1024 at TP 2, scaled
 # down), one ragged row tile per segment (small m), and TP 4
 AG_SHAPES = [(2, 512, 2048, 512), (2, 40, 1000, 512), (4, 256, 768, 1024)]

@@ -41,6 +41,12 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   tiles without waits. Epilogue = the *reduction*: the fp32 accumulator
   plus the peers' pushed partials in fixed rank order ``0..W-1``, bias once, TMA store to
   ``out``. The fixed order makes results bitwise identical run to run.
+* Stream-K tail (``GemmConfig.stream_k``, :mod:`.stream_k`): when the partial last wave is
+  small it lies in the own segment (the last step); its ``sk_tiles`` tiles leave the consumer
+  loop, and after it every program takes an equal share of their K-iterations. A tile's last
+  program to finish sums the fp32 parts in program order, waits (bounded) for the peers'
+  signals if it has not yet, and runs the reduction epilogue on the sum, so results stay
+  bitwise repeatable. Nobody waits for anybody's part.
 * Spread reduction (``rs_spread_reduce``): the own segment is a producer step too (step
   ``W-1``, pushed into the own slot, the own signal raised with the peers'), and after the
   grid barrier every program waits for all ``W`` signals and sums the ``W`` slots of a share of
@@ -66,8 +72,11 @@ yet; signals hold epochs and are never reset (the arrival counter is reset by it
 arrival).
 """
 
+import warnings
+
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from megatron_flux.kernels.config import MAX_RS_BANDS, interpreting, launch_geometry, unroll_steps
 from megatron_flux.kernels.descriptors import b_descriptor, ensure_descriptor_allocator, \
@@ -75,12 +84,13 @@ from megatron_flux.kernels.descriptors import b_descriptor, ensure_descriptor_al
 from megatron_flux.kernels import gemm_rs_ws
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import segment_tile, split_columns, tile_mainloop, \
-    tile_mainloop_slice
+    tile_mainloop_k, tile_mainloop_slice
 from megatron_flux.kernels.phase_trace import stamp
 from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import arrive_at_grid_barrier, drain_async_stores, \
     fence_async_proxy, release_fence, wait_signal
-from megatron_flux.kernels.stream_k import claim_tile, publish_part, stream_k_scratch
+from megatron_flux.kernels.stream_k import claim_tile, publish_part, sk_covering, sk_publish_part, \
+    sk_range, sk_sum_parts, stream_k_plan, stream_k_scratch
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step, \
     serpentine
 
@@ -291,7 +301,7 @@ def gemm_rs_kernel(
     a_ptr, b_ptr, out_ptr,
     data_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr, trace_ptr, parts_ptr, counters_ptr,
     out_hd, slots_hd,
-    m_local, N, K, ldb, rank, epoch, max_spins,
+    m_local, N, K, ldb, rank, epoch, max_spins, sk_tiles,
     WORLD: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr, HAS_BIAS: tl.constexpr,
     EPI_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -302,6 +312,7 @@ def gemm_rs_kernel(
     SPREAD_REDUCE: tl.constexpr = False, UNROLL_STEPS: tl.constexpr = True,
     CE_PUSH: tl.constexpr = False, CE_BANDS: tl.constexpr = False, TRACE: tl.constexpr = False,
     MERGE_ROWS: tl.constexpr = False, SPLIT: tl.constexpr = 1, HOST_DESC: tl.constexpr = False,
+    STREAM_K: tl.constexpr = False,
 ):
     """``data_ptr``: this rank's slot region (``[WORLD, m_local, N]``, output dtype) for this
     call's parity; ``data_ptrs``/``flag_ptrs``: int64 tables of every rank's slot region and
@@ -321,7 +332,10 @@ def gemm_rs_kernel(
     HOST_DESC: ``a_ptr`` and ``b_ptr`` are host-encoded TMA descriptors of the same views
     (:func:`_host_descriptors`) instead of pointers, and ``out_hd`` / ``slots_hd`` those of the
     own tiles' output and slot region (:mod:`.descriptors`); without it ``out_hd`` and
-    ``slots_hd`` are unused."""
+    ``slots_hd`` are unused.
+    STREAM_K: the last ``sk_tiles`` own tiles are split along K over the grid after the
+    consumer loop (:func:`_own_stream_k_tiles`); without it ``sk_tiles`` is 0 and the scratch
+    ``parts`` / ``counters`` is not touched (unless SPLIT > 1)."""
     stamp(trace_ptr, 0, TRACE)  # start
     a_desc = segments_descriptor(a_ptr, m_local, K, WORLD, BLOCK_M, BLOCK_K, RAGGED, HOST_DESC)
     b_desc = b_descriptor(b_ptr, N, K, ldb, B_KN, BLOCK_N, BLOCK_K, HOST_DESC)
@@ -393,8 +407,12 @@ def gemm_rs_kernel(
         # the peers' producer tiles); the rest of the loop has no synchronisation. Programs
         # without an own tile build no descriptor for it.
         own_start = (WORLD - 1) * tiles_per_seg
+        if STREAM_K:  # the partial last wave leaves the loop
+            dp_end = WORLD * tiles_per_seg - sk_tiles
+        else:
+            dp_end = WORLD * tiles_per_seg
         first = first_tile_at_or_after(pid, own_start, NUM_SMS)
-        if first < WORLD * tiles_per_seg:
+        if first < dp_end:
             if HOST_DESC:
                 out_desc = out_hd
                 slots_desc = slots_hd
@@ -408,14 +426,92 @@ def gemm_rs_kernel(
                           m_local, N, k_tiles, rank, WORLD, epoch, max_spins, num_pid_m,
                           num_pid_n, True, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N,
                           BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE, TRACE)
-            for t in tl.range(first + NUM_SMS, WORLD * tiles_per_seg, NUM_SMS,
-                              flatten=FLATTEN_CONSUME):
+            for t in tl.range(first + NUM_SMS, dp_end, NUM_SMS, flatten=FLATTEN_CONSUME):
                 _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
                               err_ptr, trace_ptr, serpentine(t, WORLD - 1, tiles_per_seg),
                               m_local, N, k_tiles, rank, WORLD, epoch, max_spins, num_pid_m,
                               num_pid_n, False, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M,
                               BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE, False)
+        if STREAM_K:
+            _own_stream_k_tiles(a_desc, b_desc, out_ptr, data_ptr, out_hd, slots_hd, bias_ptr,
+                                my_flags, err_ptr, parts_ptr, counters_ptr, pid, dp_end, sk_tiles,
+                                tiles_per_seg, k_tiles, m_local, N, num_pid_m, num_pid_n, rank,
+                                epoch, max_spins, WORLD, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT,
+                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, TMA_REDUCE,
+                                ASYNC_FENCE, HOST_DESC)
     stamp(trace_ptr, 7, TRACE)  # end
+
+
+@triton.jit
+def _own_stream_k_tiles(a_desc, b_desc, out_ptr, data_ptr, out_hd, slots_hd, bias_ptr, my_flags,
+                        err_ptr, parts_ptr, counters_ptr, pid, dp_end, sk_tiles, tiles_per_seg,
+                        k_tiles, m_local, N, num_pid_m, num_pid_n, rank, epoch, max_spins,
+                        WORLD: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                        NUM_SMS: tl.constexpr, TMA_REDUCE: tl.constexpr,
+                        ASYNC_FENCE: tl.constexpr, HOST_DESC: tl.constexpr):
+    """This program's share of the own segment's stream-K tiles (flat tiles ``dp_end ..``):
+    K-iterations ``[it, end)`` (:mod:`.stream_k`), one tile part at a time. A tile covered by
+    this program alone, or whose parts this program completes, is reduced here
+    (:func:`_reduce_stream_k_tile`); the two calls stay apart so the accumulator is never
+    merged with the summed tile (that made ptxas serialise every wgmma, C7515)."""
+    it, end, per = sk_range(pid, sk_tiles, k_tiles, NUM_SMS)
+    while it < end:
+        u = it // k_tiles
+        k_lo = it - u * k_tiles
+        k_hi = tl.minimum(end - u * k_tiles, k_tiles)
+        pid_m, pid_n = grouped_tile(serpentine(dp_end + u, WORLD - 1, tiles_per_seg), num_pid_m,
+                                    num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        if RAGGED:
+            row = off_m
+        else:
+            row = rank * m_local + off_m
+        acc = tile_mainloop_k(a_desc, b_desc, rank, row, off_n, k_lo, k_hi, RAGGED, B_KN,
+                              BLOCK_M, BLOCK_N, BLOCK_K)
+        first, last = sk_covering(u, per, k_tiles)
+        if first == last:
+            _reduce_stream_k_tile(acc, out_ptr, data_ptr, out_hd, slots_hd, bias_ptr, my_flags,
+                                  err_ptr, off_m, off_n, m_local, N, rank, epoch, max_spins, WORLD,
+                                  HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N, TMA_REDUCE, ASYNC_FENCE,
+                                  HOST_DESC)
+        elif sk_publish_part(acc, parts_ptr, counters_ptr, pid, u, per, k_tiles, first, last,
+                             BLOCK_M, BLOCK_N):
+            tile = sk_sum_parts(parts_ptr, counters_ptr, u, per, k_tiles, first, last, BLOCK_M,
+                                BLOCK_N)
+            _reduce_stream_k_tile(tile, out_ptr, data_ptr, out_hd, slots_hd, bias_ptr, my_flags,
+                                  err_ptr, off_m, off_n, m_local, N, rank, epoch, max_spins, WORLD,
+                                  HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N, TMA_REDUCE, ASYNC_FENCE,
+                                  HOST_DESC)
+        it = (u + 1) * k_tiles
+
+
+@triton.jit
+def _reduce_stream_k_tile(acc, out_ptr, data_ptr, out_hd, slots_hd, bias_ptr, my_flags, err_ptr,
+                          off_m, off_n, m_local, N, rank, epoch, max_spins, WORLD: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, TMA_REDUCE: tl.constexpr,
+                          ASYNC_FENCE: tl.constexpr, HOST_DESC: tl.constexpr):
+    """The reduction epilogue of a completed stream-K tile: wait (acquire, bounded) for every
+    peer's signal (one load each when this program already waited in the consumer loop), then
+    :func:`_reduce_tile`, through the host's descriptors or ones built here (a program may
+    have had no own tile in the loop, and then built none)."""
+    for src in range(0, WORLD):
+        if src != rank:
+            wait_signal(my_flags + src, epoch, max_spins, err_ptr, 2, rank, src)  # OP_GEMM_RS
+    fence_async_proxy(epoch, ASYNC_FENCE and TMA_REDUCE)
+    HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
+    if HOST_DESC:
+        out_desc = out_hd
+        slots_desc = slots_hd
+    else:
+        out_desc = tl.make_tensor_descriptor(out_ptr, [m_local, N], [N, 1], [BLOCK_M, HALF])
+        slots_desc = tl.make_tensor_descriptor(data_ptr, [WORLD, m_local, N], [m_local * N, N, 1],
+                                               [1, BLOCK_M, BLOCK_N])
+    _reduce_tile(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
+                 WORLD, TMA_REDUCE, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -619,12 +715,23 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
     merge_rows = cfg.rs_merge_rows  # GemmConfig: with the spread reduction, vector pushes
     split = cfg.rs_split_k if merge_rows and produce else 1
     host_desc = host_descriptors_enabled(host_descriptors)
+    # stream-K splits own tiles, which the spread reduction and merged rows do not have
+    sk_mode = 0 if (cfg in _STREAM_K_TOO_BIG or cfg.rs_spread_reduce or merge_rows
+                    or not consume) else cfg.stream_k
+    last_plan = {"sk_tiles": 0}  # of the kernel compiled or launched last
 
     def plan(per_sm):
         """(grid, runtime args, constexprs) with ``per_sm`` programs per SM."""
         geo = launch_geometry(m_local, n, b, world, cfg, num_sms * per_sm, merged=merge_rows)
-        grid = geo.grid
+        grid, sk_tiles = geo.grid, 0
+        if sk_mode:
+            grid, sk_tiles = stream_k_plan(geo.tiles, num_sms * per_sm, sk_mode,
+                                           geo.tiles_per_segment)
+        last_plan["sk_tiles"] = sk_tiles
         parts, counters = err, err  # never touched without a split
+        if sk_tiles:
+            scratch = stream_k_scratch(a.device, grid, cfg.block_m, cfg.block_n)
+            parts, counters = scratch.partials, scratch.counters
         if split > 1:  # a program per work item, up to the SMs
             grid = min(num_sms * per_sm, geo.tiles * split)
             scratch = stream_k_scratch(a.device, -(-geo.tiles * split // 2), cfg.block_m,
@@ -639,7 +746,7 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
             a_arg, b_arg, out_hd, slots_hd = a, b, out, data  # the last two unused
         args = (a_arg, b_arg, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data,
                 err, trace if trace is not None else err, parts, counters, out_hd, slots_hd,
-                m_local, n, k, geo.ldb, rank, epoch, max_spins)
+                m_local, n, k, geo.ldb, rank, epoch, max_spins, sk_tiles)
         constexprs = dict(
             WORLD=world, RAGGED=ragged, B_KN=geo.b_kn,
             HAS_BIAS=bias is not None,
@@ -650,14 +757,31 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
             CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce,
             UNROLL_STEPS=unroll_steps(world), CE_PUSH=cfg.rs_copy_engine,
             CE_BANDS=cfg.rs_copy_engine and cfg.rs_ce_bands, TRACE=trace is not None,
-            MERGE_ROWS=merge_rows, SPLIT=split, HOST_DESC=host_desc)
+            MERGE_ROWS=merge_rows, SPLIT=split, HOST_DESC=host_desc, STREAM_K=sk_tiles > 0)
         return grid, args, constexprs
 
     ensure_descriptor_allocator()
-    # every program must be resident: consumers wait on the peer's whole grid
-    per_sm = resident_programs_per_sm(cfg, num_sms, plan, _LAUNCH, "GEMM+RS")
-    grid, run_args, constexprs = plan(per_sm)
-    _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    try:
+        # every program must be resident: consumers wait on the peer's whole grid
+        per_sm = resident_programs_per_sm(cfg, num_sms, plan, _LAUNCH, "GEMM+RS")
+        grid, run_args, constexprs = plan(per_sm)
+        _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    except OutOfResources as exc:
+        # The stream-K loop's own pipeline buffers do not fit beside this config's (raised when
+        # the binary is loaded, before anything ran): this config runs without stream-K.
+        if not last_plan["sk_tiles"]:
+            raise
+        _STREAM_K_TOO_BIG.add(cfg)
+        warnings.warn(f"megatron-flux GEMM+RS: {cfg} needs more shared memory with stream_k="
+                      f"{cfg.stream_k} than this GPU has ({exc}); running it without stream-K")
+        launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, rank=rank, world=world,
+                       epoch=epoch, cfg=cfg, num_sms=num_sms, max_spins=max_spins,
+                       produce=produce, consume=consume, trace=trace,
+                       host_descriptors=host_desc)
+
+
+#: configs whose stream-K variant exceeded shared memory (they run data-parallel)
+_STREAM_K_TOO_BIG: set = set()
 
 
 _LAUNCH = KernelLauncher(gemm_rs_kernel)

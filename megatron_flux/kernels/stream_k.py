@@ -1,11 +1,11 @@
-"""Stream-K tail for the persistent AG+GEMM: the last, partial wave split along K.
+"""Stream-K tail for the persistent fused GEMMs: the last, partial wave split along K.
 
 A persistent grid of ``G`` programs over ``T`` equal output tiles runs ``ceil(T / G)`` rounds,
 the last one only ``(T % G) / G`` full. On H200 (``G = 132``) the 128x256 tiles of llama3-70b's
 fc1 at m = 4096 (TP=2) make 27.15 waves, run as 28: 3 % of the kernel's time with most SMs
 idle. With the fused op's whole margin over NCCL + cuBLAS at a few percent, that matters.
 
-Schedule (``GemmConfig.stream_k``, AG+GEMM only):
+Schedule (``GemmConfig.stream_k``; in GEMM+RS the tail's own tiles end in the reduction):
 
 * ``0``: off, every tile is one program's (the data-parallel schedule).
 * ``1``: when the partial last wave is small (``T % G <= MAX_TAIL_FRACTION * G``), its tiles
