@@ -668,7 +668,8 @@ def test_alternating_timing_cancels_clock_steps(monkeypatch):
 
 def test_kernel_vs_cublas_config_families(monkeypatch):
     """``--configs`` families per op: ``spread`` flips where GEMM+RS reduces (RS only), ``sk``
-    flips AG's stream-K tail (AG only); twins equal to a config already listed are dropped."""
+    flips the stream-K tail (not of a warp-specialized config, whose Gluon kernel has none);
+    twins equal to a config already listed are dropped."""
     import argparse
 
     from megatron_flux.bench import kernel_vs_cublas as K
@@ -682,10 +683,21 @@ def test_kernel_vs_cublas_config_families(monkeypatch):
         args = argparse.Namespace(configs=["default", "table", "spread", "sk"], tp=tp)
         cfgs, labels = K._configs("GEMM+RS", 4096, 4096, 14336 // tp, args)
         twin = "default+spread" if not spread_default else "default-spread"
-        assert labels == ["default", twin]  # the table's entry is the default here: dropped
-        assert [c.rs_spread_reduce for c in cfgs] == [spread_default, not spread_default]
+        sk_default = int(not spread_default)  # the spread reduction has no own tiles to split
+        # the table's entry is the default here: dropped, with its twins
+        assert labels == ["default", "default-sk" if sk_default else "default+sk", twin]
+        assert [c.rs_spread_reduce for c in cfgs] == [spread_default, spread_default,
+                                                      not spread_default]
+        assert [c.stream_k for c in cfgs] == [sk_default, 1 - sk_default, sk_default]
         cfgs, labels = K._configs("AG+GEMM", 4096, 14336 // tp, 4096, args)
         assert not any("spread" in lab for lab in labels) and any("sk" in lab for lab in labels)
+    # a warp-specialized table entry has no stream-K twin (the default, 128x256, has one)
+    monkeypatch.setattr(provider.TableConfigProvider, "__call__",
+                        lambda self, op, m, n, k, **kw: dataclasses.replace(
+                            default_config(op, m, n, k, tp=2), block_n=128, num_warps=4,
+                            rs_warp_specialized=True))
+    args = argparse.Namespace(configs=["table", "sk"], tp=2)
+    assert K._configs("GEMM+RS", 4096, 4096, 7168, args)[1] == ["table", "default-sk"]
     # --extra: the default with fields changed, fused or (runner "plain") the yardstick
     args = argparse.Namespace(configs=["default"], tp=2,
                               extra=[{"block_n": 256, "num_warps": 8},

@@ -379,7 +379,7 @@ def run(args) -> dict:
 def _configs(op, m, n, k, args):
     """``(configs, labels)`` to time for one shape, per ``--configs``: the heuristic ``default``,
     the shipped ``table``'s entry (the config the backend runs), their stream-K variants
-    (``sk``, AG+GEMM only), their vector-load reductions (``rsvec``, GEMM+RS only), their
+    (``sk``; not of a warp-specialized config, which has no stream-K), their vector-load reductions (``rsvec``, GEMM+RS only), their
     twins reducing the other way (``spread``: ``rs_spread_reduce`` flipped, GEMM+RS only), the
     fixed ``candidates`` lists, the table's config on :data:`PER_SM_TILES` (``pps2``) and the
     plain persistent GEMM with the default's and the table's
@@ -398,8 +398,11 @@ def _configs(op, m, n, k, args):
         out.append(("default", default))
     if "table" in args.configs:
         out.append(("table", table))
-    if "sk" in args.configs and op == "AG+GEMM":  # with and without stream-K
+    if "sk" in args.configs:  # with and without stream-K (the Gluon kernels have none)
+        ws = "ag_warp_specialized" if op == "AG+GEMM" else "rs_warp_specialized"
         for label, cfg in (("default", default), ("table", table)):
+            if getattr(cfg, ws):
+                continue
             twin = dataclasses.replace(cfg, stream_k=1 - cfg.stream_k)
             out.append((f"{label}{'+sk' if twin.stream_k else '-sk'}", twin))
     if "rsvec" in args.configs and op == "GEMM+RS":
