@@ -200,6 +200,34 @@ def test_small_m_defaults_merge_the_rows_but_old_table_entries_keep_their_schedu
     assert not cfg.ag_merge_local and cfg.stream_k == 1
 
 
+def test_rs_default_splits_its_tail_but_old_table_entries_keep_their_schedule():
+    """GEMM+RS's 128x256 default splits a small last wave along K (``stream_k=1``), except
+    with the spread reduction (TP >= 8: no own tiles); the small-m defaults do not. A table
+    entry that names no ``stream_k`` keeps 0: GEMM+RS had no stream-K when it was measured
+    (the shipped TP 4 table has such entries, on 128x256 tiles)."""
+    from megatron_flux.tuning import schema
+
+    assert default_config("rs", 8192, 12288, 24576, tp=2).stream_k == 1
+    assert default_config("rs", 8192, 12288, 24576).stream_k == 1
+    assert default_config("rs", 8192, 12288, 24576, tp=8).stream_k == 0  # spread reduction
+    for m in (64, 512):
+        assert default_config("rs", m, 12288, 24576, tp=2).stream_k == 0, m
+    obj = table_obj(tp=2)
+    entry = {"op": "rs", "n": 12288, "k": 24576, "m": 8192, "config": {"block_n": 256},
+             "tuned": False}
+    obj["entries"].append(entry)
+    cfg = next(e.config for e in schema.validate_table(obj, "mem").entries
+               if e.op == "rs" and e.m == 8192)
+    assert cfg.block_n == 256 and cfg.stream_k == 0
+    entry["config"] = {"block_n": 256, "stream_k": 1}
+    cfg = next(e.config for e in schema.validate_table(obj, "mem").entries
+               if e.op == "rs" and e.m == 8192)
+    assert cfg.stream_k == 1
+    shipped = schema.load_table(os.path.join(os.path.dirname(schema.__file__), "tables",
+                                             "h200-sm132-tp4-bf16.json"))
+    assert all(e.config.stream_k == 0 for e in shipped.entries if e.op == "rs")
+
+
 @pytest.mark.parametrize("change", [
     dict(dtype=torch.float16), dict(n=1024), dict(k=128), dict(op="rs"), "no-context",
 ])

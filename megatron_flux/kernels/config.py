@@ -27,8 +27,11 @@ class GemmConfig:
     ``ag_pull`` makes each AllGather rank pull its peers' shards with its own copy engine (after
     a cross-rank "shards ready" barrier) instead of pushing its shard into theirs; GEMM+RS
     ignores it.
-    ``stream_k`` (AG+GEMM only): 0 runs every output tile on one program; 1 splits the tiles of
-    a small partial last wave along K over the whole grid (:mod:`megatron_flux.kernels.stream_k`).
+    ``stream_k``: 0 runs every output tile on one program; 1 splits the tiles of a small
+    partial last wave along K over the whole grid (:mod:`megatron_flux.kernels.stream_k`). For
+    GEMM+RS those are own tiles, whose last program reduces the summed parts with the peers'
+    partials; the spread reduction and merged rows (no own tiles) and the Gluon kernels
+    ignore it.
 
     GEMM+RS knobs (AG+GEMM ignores them): ``rs_tma_push`` writes the partial tiles into the
     owner's buffer with TMA stores (else plain vector stores); ``rs_tma_reduce`` reads the
@@ -332,9 +335,11 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
     Measured on H200 with communication disabled (benchmarks/results/kernel-vs-cublas-*.json):
     AG+GEMM wants the flattened persistent loop with a split epilogue (0.94-1.04x cuBLAS on the
     grid). GEMM+RS has no synchronisation inside its loops and flattens both (its first
-    schedule, a release per tile inside the loop, ran 2.3-3.7x slower flattened). AG+GEMM
-    splits a small last wave along K (``stream_k=1``; 0.9-3.8 % faster where it applies, a no-op
-    elsewhere: :mod:`megatron_flux.kernels.stream_k`). GEMM+RS at TP >= 8 spreads its reduction
+    schedule, a release per tile inside the loop, ran 2.3-3.7x slower flattened). Both split a
+    small last wave along K (``stream_k=1``, a no-op elsewhere: :mod:`megatron_flux.kernels.stream_k`):
+    AG+GEMM 0.9-3.8 % faster where it applies; GEMM+RS on its 128x256 tiles 1.2 % at gpt3-175b
+    m = 8192, the grid's one shape with a tail that small (H100, communication off, two runs;
+    level with communication on; benchmarks/NOTES.md, session 32). GEMM+RS at TP >= 8 spreads its reduction
     over the grid (``rs_spread_reduce``): with communication off on one H200 it ran up to 14 %
     faster there (median 2.3 % over m = 1024-4096), level at TP 4 and 0.5-2.6 % slower at TP 2
     (benchmarks/NOTES.md, session 12).
@@ -373,7 +378,7 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
             return GemmConfig(64, 128, 128, 4, 4, 8, epilogue_split=1, flatten=True, flatten_consume=True,
                               rs_spread_reduce=spread)
         return GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=2, flatten=True, flatten_consume=True,
-                          rs_spread_reduce=spread)
+                          rs_spread_reduce=spread, stream_k=0 if spread else 1)
     split = 1 if m_total <= 1024 and n <= 16384 else 2
     if gather_small_m and tp is not None and tp >= 2 and m_total <= AG_GATHER_MAX_M:
         tile = gathered_ag_tile(m_total, n) if m_total <= 128 else (128, 256, 64, 3, 8)
