@@ -45,6 +45,10 @@ SHIPPED = {
         ("confirm", [R + "bench-h100x2-2026-11-26-s27-all-run1.json",
                      R + "bench-h100x2-2026-11-26-s27-all-run2.json",
                      R + "bench-h100x2-2026-11-26-s27-conn1.json"]),
+        # session 32: the Gluon ping-pong on llama3-8b where it beat the table config by more
+        # than the same-config control in all three A/B runs (AG m = 2048 / 4096, RS m = 2048)
+        ("adopt", [R + f"ab-gluon-pingpong-h100x2-2026-11-26-s32-llama8b-run{run}.json"
+                   for run in (1, 2, 3)]),
     ]),
 }
 
