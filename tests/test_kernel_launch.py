@@ -174,3 +174,36 @@ def test_both_launchers_unroll_the_step_loop_up_to_tp_4(monkeypatch, world):
                            torch.zeros(m_local, n), data, ptrs, ptrs, None, err, rank=0,
                            world=world, epoch=1, cfg=cfg, num_sms=4, max_spins=1)
     assert seen == {"ag": world <= 4, "rs": world <= 4}
+
+
+def test_stream_k_fallback_relaunches_only_a_split_that_did_not_fit(monkeypatch):
+    """Both fused launchers go through stream_k.launch_with_stream_k_fallback: an
+    OutOfResources from a launch that split a tail marks (op, config) as too big, warns once
+    and relaunches; from a launch without a split it propagates; other ops and configs keep
+    their split."""
+    from triton.runtime.errors import OutOfResources
+
+    from megatron_flux.kernels import stream_k as SK
+    from megatron_flux.kernels.config import GemmConfig
+
+    monkeypatch.setattr(SK, "_TOO_BIG", set())
+    cfg = GemmConfig(stream_k=1)
+    calls = []
+
+    def overflow():
+        calls.append("launch")
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    with pytest.raises(OutOfResources):  # no split planned: not ours to handle
+        SK.launch_with_stream_k_fallback("GEMM+RS", cfg, overflow, lambda: calls.append("again"),
+                                         lambda: False)
+    assert calls == ["launch"] and SK.stream_k_fits("GEMM+RS", cfg)
+    with pytest.warns(UserWarning, match="GEMM.RS.*without stream-K"):
+        SK.launch_with_stream_k_fallback("GEMM+RS", cfg, overflow, lambda: calls.append("again"),
+                                         lambda: True)
+    assert calls == ["launch", "launch", "again"]
+    assert not SK.stream_k_fits("GEMM+RS", cfg)
+    assert SK.stream_k_fits("AG+GEMM", cfg) and SK.stream_k_fits("GEMM+RS", GemmConfig())
+    SK.launch_with_stream_k_fallback("AG+GEMM", cfg, lambda: calls.append("fits"),
+                                     lambda: calls.append("again"), lambda: True)
+    assert calls[-1] == "fits"

@@ -110,7 +110,7 @@ def test_gemm_rs_stream_k_tail(shape, fields):
     import dataclasses
 
     from megatron_flux.bench.kernel_vs_cublas import rs_on_one_gpu
-    from megatron_flux.kernels import gemm_rs, stream_k as SK
+    from megatron_flux.kernels import stream_k as SK
     from megatron_flux.kernels.config import GemmConfig, tiles_per_segment
 
     world, m_local, n, k = shape
@@ -144,7 +144,7 @@ def test_gemm_rs_stream_k_tail(shape, fields):
     assert torch.equal(out, first), f"repeated stream-K GEMM+RS launches differ (grid {sms})"
     assert float((first.float() - dp.float()).abs().max()) <= 0.05 * float(ref.abs().max())
     assert all(int(s.counters.abs().sum()) == 0 for s in SK._SCRATCH.values())
-    assert cfg not in gemm_rs._STREAM_K_TOO_BIG, "ran without the split (shared memory)"
+    assert SK.stream_k_fits("GEMM+RS", cfg), "ran without the split (shared memory)"
 
 
 # (world, m_local, n, k): a few row tiles per segment (llama3-8b m = 1024 at TP 2, scaled

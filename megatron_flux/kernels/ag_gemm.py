@@ -40,11 +40,8 @@ the chunk copies and signal writes on a side stream *after* this kernel, so the 
 waits on work queued behind it, also with ``CUDA_DEVICE_MAX_CONNECTIONS=1``.
 """
 
-import warnings
-
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from megatron_flux.kernels.config import interpreting, launch_geometry, unroll_steps
 from megatron_flux.kernels.descriptors import b_descriptor, ensure_descriptor_allocator, \
@@ -55,8 +52,8 @@ from megatron_flux.kernels.mainloop import split_columns, tile_mainloop, tile_ma
 from megatron_flux.kernels.phase_trace import stamp
 from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import fence_async_proxy, wait_signal
-from megatron_flux.kernels.stream_k import sk_covering, sk_publish_part, sk_range, sk_sum_parts, \
-    stream_k_plan, stream_k_scratch
+from megatron_flux.kernels.stream_k import launch_with_stream_k_fallback, sk_covering, \
+    sk_publish_part, sk_range, sk_sum_parts, stream_k_fits, stream_k_plan, stream_k_scratch
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step, \
     step_tile
 
@@ -505,7 +502,7 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     merge = world > 1 and cfg.ag_merge_local  # the local rows are read from `ag` too
     gathered = merge and cfg.ag_merge_lead == 0  # ... as one operand with the peers' rows
     # stream-K's tiles follow the per-segment order: off when the segments are grouped
-    mode = 0 if cfg in _STREAM_K_TOO_BIG or peer_group > 1 or merge else cfg.stream_k
+    mode = 0 if not stream_k_fits("AG+GEMM", cfg) or peer_group > 1 or merge else cfg.stream_k
     host_desc = host_descriptors_enabled(host_descriptors)
     last_plan = {"sk_tiles": 0}  # of the kernel compiled or launched last
 
@@ -539,27 +536,19 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
             MERGE_LEAD=cfg.ag_merge_lead, GATHERED=gathered, HOST_DESC=host_desc)
         return grid, args, constexprs
 
-    ensure_descriptor_allocator()
-    try:
+    def launch():
         # stream-K programs wait on each other's partials: all must be resident
         per_sm = resident_programs_per_sm(cfg, num_sms, plan, _LAUNCH, "AG+GEMM")
         grid, run_args, constexprs = plan(per_sm)
         _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    except OutOfResources as exc:
-        # The stream-K loop's own pipeline buffers do not fit beside this config's (raised when
-        # the binary is loaded, before anything ran): this config runs without stream-K.
-        if not last_plan["sk_tiles"]:
-            raise
-        _STREAM_K_TOO_BIG.add(cfg)
-        warnings.warn(f"megatron-flux AG+GEMM: {cfg} needs more shared memory with stream_k="
-                      f"{cfg.stream_k} than this GPU has ({exc}); running it without stream-K")
-        launch_ag_gemm(x, ag, b, out, flags, err, rank=rank, world=world, epoch=epoch, cfg=cfg,
-                       num_sms=num_sms, max_spins=max_spins, trace=trace,
-                       host_descriptors=host_desc)
 
-
-#: configs whose stream-K variant exceeded shared memory (they run data-parallel)
-_STREAM_K_TOO_BIG: set = set()
+    ensure_descriptor_allocator()
+    launch_with_stream_k_fallback(
+        "AG+GEMM", cfg, launch,
+        lambda: launch_ag_gemm(x, ag, b, out, flags, err, rank=rank, world=world, epoch=epoch,
+                               cfg=cfg, num_sms=num_sms, max_spins=max_spins, trace=trace,
+                               host_descriptors=host_desc),
+        lambda: last_plan["sk_tiles"] > 0)
 
 
 _LAUNCH = KernelLauncher(ag_gemm_kernel)

@@ -72,11 +72,8 @@ yet; signals hold epochs and are never reset (the arrival counter is reset by it
 arrival).
 """
 
-import warnings
-
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from megatron_flux.kernels.config import MAX_RS_BANDS, interpreting, launch_geometry, unroll_steps
 from megatron_flux.kernels.descriptors import b_descriptor, ensure_descriptor_allocator, \
@@ -89,8 +86,9 @@ from megatron_flux.kernels.phase_trace import stamp
 from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import arrive_at_grid_barrier, drain_async_stores, \
     fence_async_proxy, release_fence, wait_signal
-from megatron_flux.kernels.stream_k import claim_tile, publish_part, sk_covering, sk_publish_part, \
-    sk_range, sk_sum_parts, stream_k_plan, stream_k_scratch
+from megatron_flux.kernels.stream_k import claim_tile, launch_with_stream_k_fallback, publish_part, \
+    sk_covering, sk_publish_part, sk_range, sk_sum_parts, stream_k_fits, stream_k_plan, \
+    stream_k_scratch
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step, \
     serpentine
 
@@ -716,7 +714,7 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
     split = cfg.rs_split_k if merge_rows and produce else 1
     host_desc = host_descriptors_enabled(host_descriptors)
     # stream-K splits own tiles, which the spread reduction and merged rows do not have
-    sk_mode = 0 if (cfg in _STREAM_K_TOO_BIG or cfg.rs_spread_reduce or merge_rows
+    sk_mode = 0 if (not stream_k_fits("GEMM+RS", cfg) or cfg.rs_spread_reduce or merge_rows
                     or not consume) else cfg.stream_k
     last_plan = {"sk_tiles": 0}  # of the kernel compiled or launched last
 
@@ -760,28 +758,20 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
             MERGE_ROWS=merge_rows, SPLIT=split, HOST_DESC=host_desc, STREAM_K=sk_tiles > 0)
         return grid, args, constexprs
 
-    ensure_descriptor_allocator()
-    try:
+    def launch():
         # every program must be resident: consumers wait on the peer's whole grid
         per_sm = resident_programs_per_sm(cfg, num_sms, plan, _LAUNCH, "GEMM+RS")
         grid, run_args, constexprs = plan(per_sm)
         _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    except OutOfResources as exc:
-        # The stream-K loop's own pipeline buffers do not fit beside this config's (raised when
-        # the binary is loaded, before anything ran): this config runs without stream-K.
-        if not last_plan["sk_tiles"]:
-            raise
-        _STREAM_K_TOO_BIG.add(cfg)
-        warnings.warn(f"megatron-flux GEMM+RS: {cfg} needs more shared memory with stream_k="
-                      f"{cfg.stream_k} than this GPU has ({exc}); running it without stream-K")
-        launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, rank=rank, world=world,
-                       epoch=epoch, cfg=cfg, num_sms=num_sms, max_spins=max_spins,
-                       produce=produce, consume=consume, trace=trace,
-                       host_descriptors=host_desc)
 
-
-#: configs whose stream-K variant exceeded shared memory (they run data-parallel)
-_STREAM_K_TOO_BIG: set = set()
+    ensure_descriptor_allocator()
+    launch_with_stream_k_fallback(
+        "GEMM+RS", cfg, launch,
+        lambda: launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, rank=rank,
+                               world=world, epoch=epoch, cfg=cfg, num_sms=num_sms,
+                               max_spins=max_spins, produce=produce, consume=consume,
+                               trace=trace, host_descriptors=host_desc),
+        lambda: last_plan["sk_tiles"] > 0)
 
 
 _LAUNCH = KernelLauncher(gemm_rs_kernel)

@@ -36,11 +36,13 @@ are back at zero when each launch ends.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+import warnings
+from typing import Callable, Dict, Tuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 STREAM_K_MODES = (0, 1)
 #: split the partial last wave only when it fills at most this share of the grid
@@ -99,6 +101,34 @@ def stream_k_scratch(device: torch.device, grid: int, block_m: int, block_n: int
             torch.empty(max(need, old_p), dtype=torch.float32, device=device),
             torch.zeros(max(counters, old_c), dtype=torch.int32, device=device))
     return s
+
+
+#: ``(op, config)`` pairs whose stream-K loop did not fit in shared memory beside the config's
+#: own pipeline (:func:`launch_with_stream_k_fallback`); their launches plan no split
+_TOO_BIG: set = set()
+
+
+def stream_k_fits(op: str, cfg) -> bool:
+    """False once ``cfg``'s stream-K variant of ``op`` ran out of shared memory."""
+    return (op, cfg) not in _TOO_BIG
+
+
+def launch_with_stream_k_fallback(op: str, cfg, launch: Callable[[], None],
+                                  relaunch: Callable[[], None], split: Callable[[], bool]) -> None:
+    """Run ``launch()``. If loading its binary raises OutOfResources (before anything ran) and
+    the launch split a tail (``split()``: the plan it compiled had stream-K tiles), the stream-K
+    loop's own pipeline buffers did not fit beside the config's: remember ``(op, cfg)``
+    (:func:`stream_k_fits`), warn, and ``relaunch()`` the same call, which then plans no split.
+    Any other OutOfResources propagates. The AG+GEMM and GEMM+RS launchers share it."""
+    try:
+        launch()
+    except OutOfResources as exc:
+        if not split():
+            raise
+        _TOO_BIG.add((op, cfg))
+        warnings.warn(f"megatron-flux {op}: {cfg} needs more shared memory with stream_k="
+                      f"{cfg.stream_k} than this GPU has ({exc}); running it without stream-K")
+        relaunch()
 
 
 @triton.jit
