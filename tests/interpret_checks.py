@@ -483,13 +483,14 @@ def _rs_world(world, m_local, k, n, b_kn, bias, epoch=3, cfg=CFG):
                 world=world, m_local=m_local, epoch=epoch)
 
 
-def _rs_run(w, phases=("produce", "consume"), max_spins=10):
+def _rs_run(w, phases=("produce", "consume"), max_spins=10, num_sms=NSMS, host_descriptors=None):
     for phase in phases:
         for r in range(w["world"]):
             launch_gemm_rs(w["a"][r], w["b"][r], w["outs"][r], w["data"][r], w["dptr"], w["fptr"],
                            w["bias"], w["errs"][r], rank=r, world=w["world"], epoch=w["epoch"],
-                           cfg=w["cfg"], num_sms=NSMS, max_spins=max_spins,
-                           produce=phase == "produce", consume=phase == "consume")
+                           cfg=w["cfg"], num_sms=num_sms, max_spins=max_spins,
+                           produce=phase == "produce", consume=phase == "consume",
+                           host_descriptors=host_descriptors)
 
 
 def check_gemm_rs_all_ranks():
@@ -690,13 +691,7 @@ def check_gemm_rs_stream_k():
         for _ in range(2):
             for o in w["outs"]:
                 o.fill_(float("nan"))
-            for phase in ("produce", "consume"):
-                for r in range(world):
-                    launch_gemm_rs(w["a"][r], w["b"][r], w["outs"][r], w["data"][r], w["dptr"],
-                                   w["fptr"], w["bias"], w["errs"][r], rank=r, world=world,
-                                   epoch=w["epoch"], cfg=cfg, num_sms=grid, max_spins=10,
-                                   produce=phase == "produce", consume=phase == "consume",
-                                   host_descriptors=host)
+            _rs_run(w, num_sms=grid, host_descriptors=host)
             runs.append([o.clone() for o in w["outs"]])
             w["epoch"] += 1
             assert int(SK._SCRATCH[("cpu",)].counters.abs().sum()) == 0, f"{label}: counters"
@@ -712,10 +707,8 @@ def check_gemm_rs_stream_k():
     world, m_local, k, n, grid = 4, 16, 48, 64, 6
     w = _rs_world(world, m_local, k, n, False, False, cfg=cfg)
     assert SK.stream_k_plan(world * 2, grid, 1, 2) == (grid, 2)
+    _rs_run(w, phases=("consume",), max_spins=3, num_sms=grid)
     for r in range(world):
-        launch_gemm_rs(w["a"][r], w["b"][r], w["outs"][r], w["data"][r], w["dptr"], w["fptr"],
-                       None, w["errs"][r], rank=r, world=world, epoch=w["epoch"], cfg=cfg,
-                       num_sms=grid, max_spins=3, produce=False, consume=True)
         op, rank, index, seen = w["errs"][r].tolist()
         assert (op, rank, seen) == (2, r, 0) and index in set(range(world)) - {r}, \
             w["errs"][r].tolist()
@@ -1041,13 +1034,7 @@ def check_host_and_device_descriptors_agree():
         for host in (True, False):
             torch.manual_seed(world + m_local)
             w = _rs_world(world, m_local, 32, 64, False, True, cfg=cfg)
-            for phase in ("produce", "consume"):
-                for r in range(world):
-                    launch_gemm_rs(w["a"][r], w["b"][r], w["outs"][r], w["data"][r], w["dptr"],
-                                   w["fptr"], w["bias"], w["errs"][r], rank=r, world=world,
-                                   epoch=w["epoch"], cfg=cfg, num_sms=NSMS, max_spins=10,
-                                   produce=phase == "produce", consume=phase == "consume",
-                                   host_descriptors=host)
+            _rs_run(w, host_descriptors=host)
             assert all(e.tolist() == [0, 0, 0, 0] for e in w["errs"]), (world, host)
             runs.append(w)
         for r in range(world):
