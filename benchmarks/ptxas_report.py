@@ -29,7 +29,8 @@ CONFIGS = [(128, 256, 64, 3, 8, 2, False), (128, 256, 64, 3, 8, 1, True), (128, 
 _TYPES = {"x_ptr": "*bf16", "ag_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "a_ptr": "*bf16",
           "out_ptr": "*bf16", "data_ptr": "*bf16", "bias_ptr": "*bf16", "data_ptrs": "*i64",
           "flag_ptrs": "*i64", "flags_ptr": "*i32", "err_ptr": "*i32", "sk_partials_ptr": "*fp32",
-          "sk_counters_ptr": "*i32", "trace_ptr": "*i64"}
+          "sk_counters_ptr": "*i32", "trace_ptr": "*i64", "parts_ptr": "*fp32",
+          "counters_ptr": "*i32"}
 
 
 def _compile(fn, constexprs, num_warps, num_stages, ptxas, ptx_version):
@@ -87,16 +88,17 @@ def main(argv=None):
             r = _compile(ag_gemm_kernel, dict(common, STREAM_K=sk, SK_LOCAL=False, ASYNC_FENCE=True),
                          warps, stages, args.ptxas, args.ptx_version)
             rows.append({"kernel": "ag_gemm", "config": cfg, "stream_k": sk, **r})
-        for push, reduce_, spread in ((True, True, False), (True, False, False),
-                                      (False, True, False), (True, True, True)):
+        for push, reduce_, spread, sk in ((True, True, False, False), (True, False, False, False),
+                                          (False, True, False, False), (True, True, True, False),
+                                          (True, True, False, True)):
             r = _compile(gemm_rs_kernel, dict(common, HAS_BIAS=False, FLATTEN_CONSUME=True,
                                               TMA_PUSH=push, ASYNC_FENCE=True, PRODUCE=True,
                                               CONSUME=True, TMA_REDUCE=reduce_,
-                                              SPREAD_REDUCE=spread),
+                                              SPREAD_REDUCE=spread, STREAM_K=sk),
                          warps, stages, args.ptxas, args.ptx_version)
             rows.append({"kernel": "gemm_rs", "config": cfg, "rs_tma_push": push,
-                         "rs_tma_reduce": reduce_, "rs_spread_reduce": spread, **r})
-        for row in rows[-6:]:
+                         "rs_tma_reduce": reduce_, "rs_spread_reduce": spread, "stream_k": sk, **r})
+        for row in rows[-7:]:
             print(json.dumps({k: v for k, v in row.items() if k != "config"}), cfg, flush=True)
     # the step loop unrolled or a runtime loop at TP 8 (config.unroll_steps): code size, 128x128
     bm, bn, bk, stages, warps, epi, ws = CONFIGS[2]
