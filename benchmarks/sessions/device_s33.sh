@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Session 33. The machine goes back 30 s after a call; carry `.device` (the Triton cache) and
+# `.whl` (megatron-core). Session 32's review moved the kernels' source lines, so 36 of the
+# pack's 85 jit functions compile again: end the first call with `cachepack`.
+#   tests2flux   tests/test_flux_gpu.py on both GPUs, each test named in the log as it ends
+#                                                                  -> $OUT/tests-2gpu-flux.*
+#   tests2layers tests/test_layers_gpu.py and the other multi-GPU files, likewise
+#                                                                  -> $OUT/tests-2gpu-layers.*
+#   tests1gpu    every GPU-marked test that needs one GPU (GPU 0)  -> $OUT/tests-1gpu.*
+#   splitn       GPU 0, communication off: benchmarks/experiments/split_n_gemm.py, a plain GEMM
+#                whose 128x224 tile is three dots, against cuBLAS and 128x256 / 128x128 tiles on
+#                the local AG+GEMM shapes of llama3-8b m = 1024 / 2048 and llama3-70b m = 1024
+#                                                                  -> $OUT/splitn.{json,log}
+#   kvcgrid      GPU 0, communication off: the m >= 1024 grid with the shipped table's configs
+#                (this GPU's table), AG+GEMM, then GEMM+RS with the stream-K twins, as session
+#                32's stage of that name                   -> $OUT/kvc-{ag,rs}-grid.{json,log}
+#   cachepack    the Triton cache in 15 MB pieces -> $OUT/triton-cache.tgz.part-*
+# Usage: OUT=/somewhere bash benchmarks/sessions/device_s33.sh tests2flux cachepack
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+OUT="${OUT:-/tmp/s33}"
+mkdir -p "${OUT}"
+source benchmarks/device_env.sh
+gpu_session_start
+export PYTEST_VERBOSITY=-v
+for what in "$@"; do
+  echo "== ${what} ($(date +%T), ${SECONDS}s)"
+  case "${what}" in
+    tests2flux)
+      gpu_tests "${TESTS_TIMEOUT:-480}" tests-2gpu-flux tests/test_flux_gpu.py ;;
+    tests2layers)
+      gpu_tests "${TESTS_TIMEOUT:-480}" tests-2gpu-layers tests/test_layers_gpu.py \
+          tests/test_grad_accumulation_gpu.py tests/test_residency_gpu.py tests/test_phase_trace_gpu.py ;;
+    tests1gpu)
+      CUDA_VISIBLE_DEVICES=0 gpu_tests "${TESTS_TIMEOUT:-400}" tests-1gpu tests ;;
+    splitn)
+      CUDA_VISIBLE_DEVICES=0 timeout "${SPLITN_TIMEOUT:-150}" python3 benchmarks/experiments/split_n_gemm.py \
+          --json "${OUT}/splitn.json" > "${OUT}/splitn.log" 2>&1
+      echo "   exit $? (${SECONDS}s)"; cat "${OUT}/splitn.log" | tail -8 ;;
+    kvcgrid)
+      OUT="${OUT}" bash benchmarks/sessions/device_s32.sh kvcgrid ;;
+    cachepack) pack_triton_cache ;;
+    *) echo "unknown stage ${what}"; exit 2 ;;
+  esac
+done
+echo "== done in ${SECONDS}s"
