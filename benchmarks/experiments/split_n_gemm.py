@@ -20,8 +20,10 @@ part ``[N_i, BLOCK_K]`` (B is ``[N, K]``); per tile one TMA store per part. No s
 
 Measured (session 33, H100, ``benchmarks/results/raw/s33/callA/splitn.json``): the 128x224 tile
 ran 1.45x cuBLAS at llama3-8b m = 1024 against 1.19x for 128x256 and 1.10x for 128x128, and
-1.45-1.52x on the other two shapes: its 64- and 32-column wgmmas read the same A block from
-shared memory again for a fraction of the work. Refuted.
+1.45-1.52x on the other two shapes. Refuted. The likely cause, predicted in session 28 and
+not measured here: its 64- and 32-column wgmmas read the same A block from shared memory again
+for a fraction of the work (128x256 as two 128-column dots cost only 0.3-3 % against one dot,
+both nested).
 """
 
 import argparse
@@ -149,7 +151,8 @@ def compile_only(ptxas, ptx_version):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", required=True)
     p.add_argument("--ptxas", help="compile only, for sm_90a, with this ptxas (no GPU needed)")
     p.add_argument("--ptx-version", default="8.7")
@@ -160,7 +163,8 @@ def main(argv=None):
         import subprocess
         version = subprocess.run([args.ptxas, "--version"], capture_output=True, text=True).stdout
         out = {"command": " ".join(sys.argv), "triton": triton.__version__, "target": "sm_90a",
-               "ptxas": version.strip().splitlines()[-1], "rows": compile_only(args.ptxas, args.ptx_version)}
+               "ptxas": version.strip().splitlines()[-1],
+               "rows": compile_only(args.ptxas, args.ptx_version)}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
         return
