@@ -22,7 +22,7 @@ Measured (session 33, H100, ``benchmarks/results/raw/s33/callA/splitn.json``): t
 ran 1.45x cuBLAS at llama3-8b m = 1024 against 1.19x for 128x256 and 1.10x for 128x128, and
 1.45-1.52x on the other two shapes. Refuted. The likely cause, predicted in session 28 and
 not measured here: its 64- and 32-column wgmmas read the same A block from shared memory again
-for a fraction of the work (128x256 as two 128-column dots cost only 0.3-3 % against one dot,
+for a fraction of the work (128x256 as two 128-column dots cost only 0.2-2.6 % against one dot,
 both nested).
 """
 
