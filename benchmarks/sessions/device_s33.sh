@@ -14,6 +14,9 @@
 #   kvcgrid      GPU 0, communication off: the m >= 1024 grid with the shipped table's configs
 #                (this GPU's table), AG+GEMM, then GEMM+RS with the stream-K twins, as session
 #                32's stage of that name                   -> $OUT/kvc-{ag,rs}-grid.{json,log}
+#   bench        both GPUs, connections 1: the issue's benchmark on the m >= 1024 grid with the
+#                shipped table (every method, and `auto`), as session 27's H100 run, now with
+#                session 32's adoptions                           -> $OUT/bench.{json,png,log}
 #   cachepack    the Triton cache in 15 MB pieces -> $OUT/triton-cache.tgz.part-*
 # Usage: OUT=/somewhere bash benchmarks/sessions/device_s33.sh tests2flux cachepack
 set -uo pipefail
@@ -39,6 +42,13 @@ for what in "$@"; do
       echo "   exit $? (${SECONDS}s)"; cat "${OUT}/splitn.log" | tail -8 ;;
     kvcgrid)
       OUT="${OUT}" bash benchmarks/sessions/device_s32.sh kvcgrid ;;
+    bench)
+      CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONPATH="${PWD}" timeout "${BENCH_TIMEOUT:-420}" \
+          python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}" \
+          -m megatron_flux.bench --m-set large \
+          --methods cublas_gemm comm nccl torch_async_tp flux auto --trials 5 --iters 20 \
+          --out-json "${OUT}/bench.json" --out-png "${OUT}/bench.png" > "${OUT}/bench.log" 2>&1
+      echo "   exit $? (${SECONDS}s)"; grep -A8 "^summary" "${OUT}/bench.log" | head -9 ;;
     cachepack) pack_triton_cache ;;
     *) echo "unknown stage ${what}"; exit 2 ;;
   esac
