@@ -14,6 +14,12 @@
 #   kvcgrid      GPU 0, communication off: the m >= 1024 grid with the shipped table's configs
 #                (this GPU's table), AG+GEMM, then GEMM+RS with the stream-K twins, as session
 #                32's stage of that name                   -> $OUT/kvc-{ag,rs}-grid.{json,log}
+#   kvcbest      GPU 0, communication off, llama3-8b m = 1024 / 2048 (the H200 table's comm-off
+#                gaps): each op's table and default configs, the plain persistent GEMM with
+#                their tiles (the yardstick: no segments, no reduction), the Gluon ping-pong
+#                (benchmarks/variants/gluon-pingpong.json) and its cooperative 128x256 form
+#                (`--extra`), GEMM+RS also reducing the other way (`spread`)
+#                                                        -> $OUT/kvc-best-{ag,rs}.{json,log}
 #   bench        both GPUs, connections 1: the issue's benchmark on the m >= 1024 grid with the
 #                shipped table (every method, and `auto`), as session 27's H100 run, now with
 #                session 32's adoptions                           -> $OUT/bench.{json,png,log}
@@ -26,6 +32,12 @@ mkdir -p "${OUT}"
 source benchmarks/device_env.sh
 gpu_session_start
 export PYTEST_VERBOSITY=-v
+summarize_kvc() {  # summarize_kvc JSON: per shape, each config's ratio to cuBLAS
+  python3 -c "
+import json, sys
+for r in json.load(open(sys.argv[1]))['rows']:
+    print(r['model'], r['m'], {c['label']: round(c['ratio'], 4) for c in r['configs'].values()})" "$1"
+}
 for what in "$@"; do
   echo "== ${what} ($(date +%T), ${SECONDS}s)"
   case "${what}" in
@@ -42,6 +54,18 @@ for what in "$@"; do
       echo "   exit $? (${SECONDS}s)"; cat "${OUT}/splitn.log" | tail -8 ;;
     kvcgrid)
       OUT="${OUT}" bash benchmarks/sessions/device_s32.sh kvcgrid ;;
+    kvcbest)
+      PP="$(python3 -c 'import json; print(json.dumps(json.load(open("benchmarks/variants/gluon-pingpong.json"))))')"
+      COOP="$(python3 -c "import json; d = json.loads('${PP}'); d.update(block_n=256, num_warps=8, num_stages=3); print(json.dumps(d))")"
+      KVC=(python3 megatron_flux/bench/kernel_vs_cublas.py --tp 2 --alternate --trials 7 --iters 20
+           --warmup 10 --shuffle-seed 0 --queue-ahead-ms 5 --models llama3-8b --m 1024 2048
+           --extra "[${PP}, ${COOP}]")
+      CUDA_VISIBLE_DEVICES=0 timeout "${KVC_TIMEOUT:-200}" "${KVC[@]}" --ops AG+GEMM \
+          --configs table default plain --json "${OUT}/kvc-best-ag.json" > "${OUT}/kvc-best-ag.log" 2>&1
+      echo "   exit $? (${SECONDS}s)"; summarize_kvc "${OUT}/kvc-best-ag.json"
+      CUDA_VISIBLE_DEVICES=0 timeout "${KVC_TIMEOUT:-200}" "${KVC[@]}" --ops GEMM+RS \
+          --configs table default plain spread --json "${OUT}/kvc-best-rs.json" > "${OUT}/kvc-best-rs.log" 2>&1
+      echo "   exit $? (${SECONDS}s)"; summarize_kvc "${OUT}/kvc-best-rs.json" ;;
     bench)
       CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONPATH="${PWD}" timeout "${BENCH_TIMEOUT:-420}" \
           python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}" \
