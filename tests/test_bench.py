@@ -667,9 +667,10 @@ def test_alternating_timing_cancels_clock_steps(monkeypatch):
 
 
 def test_kernel_vs_cublas_config_families(monkeypatch):
-    """``--configs`` families per op: ``spread`` flips where GEMM+RS reduces (RS only), ``sk``
-    flips the stream-K tail (not of a warp-specialized config, whose Gluon kernel has none);
-    twins equal to a config already listed are dropped."""
+    """``--configs`` families per op: ``spread`` flips where GEMM+RS reduces (RS only; not of a
+    warp-specialized config without merged rows), ``sk`` flips the stream-K tail (not of a
+    warp-specialized config, whose Gluon kernel has none); twins equal to a config already
+    listed are dropped."""
     import argparse
 
     from megatron_flux.bench import kernel_vs_cublas as K
@@ -698,6 +699,10 @@ def test_kernel_vs_cublas_config_families(monkeypatch):
                             rs_warp_specialized=True))
     args = argparse.Namespace(configs=["table", "sk"], tp=2)
     assert K._configs("GEMM+RS", 4096, 4096, 7168, args)[1] == ["table", "default-sk"]
+    # nor a spread twin: its Gluon kernel reduces spread only with merged rows (GemmConfig
+    # refuses the twin; session 33's run of `--configs spread` stopped there)
+    args = argparse.Namespace(configs=["table", "spread"], tp=2)
+    assert K._configs("GEMM+RS", 4096, 4096, 7168, args)[1] == ["table", "default+spread"]
     # --extra: the default with fields changed, fused or (runner "plain") the yardstick
     args = argparse.Namespace(configs=["default"], tp=2,
                               extra=[{"block_n": 256, "num_warps": 8},

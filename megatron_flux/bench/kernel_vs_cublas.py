@@ -380,7 +380,8 @@ def _configs(op, m, n, k, args):
     """``(configs, labels)`` to time for one shape, per ``--configs``: the heuristic ``default``,
     the shipped ``table``'s entry (the config the backend runs), their stream-K variants
     (``sk``; not of a warp-specialized config, which has no stream-K), their vector-load reductions (``rsvec``, GEMM+RS only), their
-    twins reducing the other way (``spread``: ``rs_spread_reduce`` flipped, GEMM+RS only), the
+    twins reducing the other way (``spread``: ``rs_spread_reduce`` flipped, GEMM+RS only; not
+    of a warp-specialized config without merged rows, which cannot reduce spread), the
     fixed ``candidates`` lists, the table's config on :data:`PER_SM_TILES` (``pps2``) and the
     plain persistent GEMM with the default's and the table's
     tile (``plain``, :mod:`.plain_gemm`: the yardstick for the fused tile loop); duplicates
@@ -410,6 +411,8 @@ def _configs(op, m, n, k, args):
         out.append(("table-vecreduce", dataclasses.replace(table, rs_tma_reduce=False)))
     if "spread" in args.configs and op == "GEMM+RS":  # the other place to reduce
         for label, cfg in (("default", default), ("table", table)):
+            if cfg.rs_warp_specialized and not cfg.rs_merge_rows:
+                continue  # its Gluon kernel reduces spread only with merged rows (GemmConfig)
             twin = dataclasses.replace(cfg, rs_spread_reduce=not cfg.rs_spread_reduce)
             out.append((f"{label}{'+spread' if twin.rs_spread_reduce else '-spread'}", twin))
     if "candidates" in args.configs:
