@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Session 33. The machine goes back 30 s after a call; carry `.device` (the Triton cache) and
-# `.whl` (megatron-core). Session 32's review moved the kernels' source lines, so 36 of the
-# pack's 85 jit functions compile again: end the first call with `cachepack`.
+# `.whl` (megatron-core), and check first that the copy fits (`python
+# benchmarks/device_copy_size.py .device .whl`: 64 MiB at most). The pack call B1 built holds
+# every jit function of this tree (`kernel_manifest.py --check .device/`).
 #   tests2flux   tests/test_flux_gpu.py on both GPUs, each test named in the log as it ends
 #                                                                  -> $OUT/tests-2gpu-flux.*
 #   tests2layers tests/test_layers_gpu.py and the other multi-GPU files, likewise
 #                                                                  -> $OUT/tests-2gpu-layers.*
-#   tests1gpu    every GPU-marked test that needs one GPU (GPU 0)  -> $OUT/tests-1gpu.*
+#   tests1gpu    every GPU-marked test on GPU 0 (those that need two skip; 374 s cold)
+#                                                                  -> $OUT/tests-1gpu.*
 #   splitn       GPU 0, communication off: benchmarks/experiments/split_n_gemm.py, a plain GEMM
 #                whose 128x224 tile is three dots, against cuBLAS and 128x256 / 128x128 tiles on
 #                the local AG+GEMM shapes of llama3-8b m = 1024 / 2048 and llama3-70b m = 1024
@@ -47,7 +49,7 @@ for what in "$@"; do
       gpu_tests "${TESTS_TIMEOUT:-480}" tests-2gpu-layers tests/test_layers_gpu.py \
           tests/test_grad_accumulation_gpu.py tests/test_residency_gpu.py tests/test_phase_trace_gpu.py ;;
     tests1gpu)
-      CUDA_VISIBLE_DEVICES=0 gpu_tests "${TESTS_TIMEOUT:-400}" tests-1gpu tests ;;
+      CUDA_VISIBLE_DEVICES=0 gpu_tests "${TESTS_TIMEOUT:-450}" tests-1gpu tests ;;
     splitn)
       CUDA_VISIBLE_DEVICES=0 timeout "${SPLITN_TIMEOUT:-150}" python3 benchmarks/experiments/split_n_gemm.py \
           --json "${OUT}/splitn.json" > "${OUT}/splitn.log" 2>&1
