@@ -110,7 +110,8 @@ CONFIGS = [
     ("128x128 one dot", 128, (128, 0, 0), 64, 8, 4, 4, True),
 ]
 
-#: (label, M, N, K): the local GEMMs of the grid's worst AG+GEMM shapes at TP 2
+#: (label, M, N, K): local AG+GEMM GEMMs at TP 2 whose N 224 divides: the gap (llama3-8b
+#: m = 1024) and two controls
 SHAPES = [
     ("AG llama3-8b m=1024", 1024, 14336, 4096),
     ("AG llama3-8b m=2048", 2048, 14336, 4096),
