@@ -14,11 +14,17 @@ Tile schedule: one flat tile space over ``[M, N]``, GROUP_M-grouped row tiles
 ``p, p + NUM_SMS, ...``; per K-step one TMA load of A ``[BLOCK_M, BLOCK_K]`` and one of each B
 part ``[N_i, BLOCK_K]`` (B is ``[N, K]``); per tile one TMA store per part. No signals.
 
-    PYTHONPATH=. python benchmarks/experiments/split_n_gemm.py --json out.json   (one GPU)
-    PYTHONPATH=.:benchmarks:<Triton 3.6> python benchmarks/experiments/split_n_gemm.py \
-        --json out.json --ptxas <Triton 3.6's ptxas> --ptx-version 8.7   (no GPU: compile only)
+    PYTHONPATH=.:benchmarks/experiments python benchmarks/experiments/split_n_gemm.py \
+        --trials 11 --iters 20 --warmup 10 --shuffle-seed 0 --json out.json      (one GPU)
+    PYTHONPATH=.:benchmarks:benchmarks/experiments:<Triton 3.6> python \
+        benchmarks/experiments/split_n_gemm.py --json out.json \
+        --ptxas <Triton 3.6's ptxas> --ptx-version 8.7                           (compile only)
 
-Measured (session 33, H100, ``benchmarks/results/raw/s33/callA/splitn.json``): the 128x224 tile
+Timing and checks are the experiments' shared ones (:mod:`common`: ``problem``,
+``time_and_check``, ``write_record``).
+
+Measured (session 33, H100, ``benchmarks/results/raw/s33/callA/splitn.json``, by this file's
+first version, commit ``158919c``, whose own loop timed 11 trials of 20 launches): the 128x224 tile
 ran 1.45x cuBLAS at llama3-8b m = 1024 against 1.19x for 128x256 and 1.10x for 128x128, and
 1.45-1.52x on the other two shapes. Refuted. The likely cause, predicted in session 28 and
 not measured here: its 64- and 32-column wgmmas read the same A block from shared memory again
@@ -34,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common import add_timing_args, problem, time_and_check, write_record
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.tile_order import grouped_tile
 
@@ -119,21 +126,6 @@ SHAPES = [
 ]
 
 
-def _time(fns, iters, trials):
-    """Median ms of each fn over ``trials`` interleaved rounds of ``iters`` launches."""
-    times = {name: [] for name in fns}
-    for _ in range(trials):
-        for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / iters)
-    return {name: sorted(v)[len(v) // 2] for name, v in times.items()}, times
-
-
 def compile_only(ptxas, ptx_version):
     """Each config (and its flattened twin) compiled for sm_90a: shared memory, registers,
     spills and ptxas's performance warnings (:mod:`ptxas_report`)."""
@@ -154,11 +146,9 @@ def compile_only(ptxas, ptx_version):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", required=True)
+    add_timing_args(p)
     p.add_argument("--ptxas", help="compile only, for sm_90a, with this ptxas (no GPU needed)")
     p.add_argument("--ptx-version", default="8.7")
-    p.add_argument("--trials", type=int, default=11)
-    p.add_argument("--iters", type=int, default=20)
     args = p.parse_args(argv)
     if args.ptxas:
         import subprocess
@@ -170,16 +160,11 @@ def main(argv=None):
             json.dump(out, f, indent=1)
         return
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    out = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(0),
-           "torch": torch.__version__, "triton": triton.__version__, "num_sms": num_sms,
-           "configs": [c[0] for c in CONFIGS], "rows": []}
     torch.manual_seed(0)
+    rows, failed = [], {}
     for label, m, n, k in SHAPES:
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        ref = (a.float() @ b.float().T)
-        fns = {"cublas": lambda a=a, b=b: torch.mm(a, b.T)}
-        errors = {}
+        a, b, ref = problem(m, n, k)
+        fns, outs = {"cublas": lambda a=a, b=b: torch.mm(a, b.T)}, {}
         for name, bm, parts, bk, gm, st, nw, flat in CONFIGS:
             c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             fn = (lambda a=a, b=b, c=c, bm=bm, parts=parts, bk=bk, gm=gm, st=st, nw=nw, flat=flat:
@@ -188,24 +173,13 @@ def main(argv=None):
                 fn()
                 torch.cuda.synchronize()
             except Exception as exc:  # recorded: a config that does not compile or fit
-                errors[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                failed[f"{label}: {name}"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 continue
-            err = ((c.float() - ref).abs().max() / ref.abs().max()).item()
-            errors[name] = None if err < 2e-2 else f"max rel error {err:.3g}"
-            if errors[name] is None:
-                fns[name] = fn
-        for fn in fns.values():  # warm up
-            fn()
-        torch.cuda.synchronize()
-        med, raw = _time(fns, args.iters, args.trials)
-        row = {"shape": label, "M": m, "N": n, "K": k, "median_ms": med,
-               "ratio_to_cublas": {nm: med[nm] / med["cublas"] for nm in med},
-               "trials_ms": raw, "errors": {k2: v for k2, v in errors.items() if v}}
-        out["rows"].append(row)
-        print(label, {nm: round(r, 4) for nm, r in row["ratio_to_cublas"].items()},
-              row["errors"] or "", flush=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+            fns[name] = fn
+            outs[name] = (c, lambda ref=ref: ref)
+        rows += time_and_check(fns, outs, args, label, {"shape": label, "M": m, "N": n, "K": k})
+    write_record(args.json, rows, num_sms=num_sms, configs=[c[0] for c in CONFIGS],
+                 failed=failed)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,9 @@ for what in "$@"; do
     tests1gpu)
       CUDA_VISIBLE_DEVICES=0 gpu_tests "${TESTS_TIMEOUT:-450}" tests-1gpu tests ;;
     splitn)
+      # (call A ran this file's first version, 158919c: its own loop, 11 x 20, no arguments)
       CUDA_VISIBLE_DEVICES=0 timeout "${SPLITN_TIMEOUT:-150}" python3 benchmarks/experiments/split_n_gemm.py \
+          --trials 11 --iters 20 --warmup 10 --shuffle-seed 0 \
           --json "${OUT}/splitn.json" > "${OUT}/splitn.log" 2>&1
       echo "   exit $? (${SECONDS}s)"; cat "${OUT}/splitn.log" | tail -8 ;;
     kvcgrid)
