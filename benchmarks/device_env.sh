@@ -85,6 +85,14 @@ pack_triton_cache() {  # pack_triton_cache: $TRITON_CACHE_DIR as $OUT/triton-cac
     ls -la "${OUT}"/triton-cache.tgz.part-*
 }
 
+summarize_kvc() {  # summarize_kvc JSON: per shape of a kernel_vs_cublas record, each config's
+    # ratio to cuBLAS
+    python3 -c "
+import json, sys
+for r in json.load(open(sys.argv[1]))['rows']:
+    print(r['model'], r['m'], {c['label']: round(c['ratio'], 4) for c in r['configs'].values()})" "$1"
+}
+
 gpu_tests() {  # gpu_tests TIMEOUT NAME [PATH...]: every GPU-marked test under PATH (default:
     # tests/) on the visible GPUs (those that need more skip), megatron-core from the carried
     # wheel -> $OUT/NAME.json and .log (PYTEST_VERBOSITY=-v names each test in the log as it

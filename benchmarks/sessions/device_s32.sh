@@ -33,12 +33,6 @@ gpu_session_start
 RUN=(python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}")
 KVC=(python3 megatron_flux/bench/kernel_vs_cublas.py --tp 2 --alternate --trials 7 --iters 20
      --warmup 10 --shuffle-seed 0 --queue-ahead-ms 5)
-summarize_kvc() {  # summarize_kvc JSON: per shape, each config's ratio to cuBLAS
-  python3 -c "
-import json, sys
-for r in json.load(open(sys.argv[1]))['rows']:
-    print(r['model'], r['m'], {c['label']: round(c['ratio'], 4) for c in r['configs'].values()})" "$1"
-}
 for what in "$@"; do
   echo "== ${what} ($(date +%T), ${SECONDS}s)"
   case "${what}" in

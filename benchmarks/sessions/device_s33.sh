@@ -34,12 +34,6 @@ mkdir -p "${OUT}"
 source benchmarks/device_env.sh
 gpu_session_start
 export PYTEST_VERBOSITY=-v
-summarize_kvc() {  # summarize_kvc JSON: per shape, each config's ratio to cuBLAS
-  python3 -c "
-import json, sys
-for r in json.load(open(sys.argv[1]))['rows']:
-    print(r['model'], r['m'], {c['label']: round(c['ratio'], 4) for c in r['configs'].values()})" "$1"
-}
 for what in "$@"; do
   echo "== ${what} ($(date +%T), ${SECONDS}s)"
   case "${what}" in
