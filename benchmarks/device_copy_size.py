@@ -36,7 +36,7 @@ def copy_parts(carried):
     untracked = _files(["ls-files", "--others", "--exclude-standard"])
     parts = {"tracked": _size(_files(["ls-files"])), "untracked, not ignored": _size(untracked)}
     for path in carried:
-        parts[f"carried {path}"] = _tree_size(path) if os.path.exists(path) else 0
+        parts[f"carried {path}"] = _tree_size(path)  # 0 when absent (os.walk yields nothing)
     return parts
 
 
