@@ -15,12 +15,13 @@ import os
 import warnings
 from typing import Any, Callable, Optional
 
-from megatron_flux.backends import (
-    BACKEND_CHOICES,
+from megatron_flux.backends.registry import BACKEND_CHOICES
+from megatron_flux.options import (
     COLUMN_DGRAD_CHOICES,
     COLUMN_REGATHER_CHOICES,
-    ENV_COLUMN_DGRAD,
-    ENV_COLUMN_REGATHER,
+    FluxOptions,
+    get_options,
+    set_options,
 )
 
 __all__ = [
@@ -64,6 +65,16 @@ def add_flux_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "'megatron' (megatron-core's own code inside the same layers: an A/B baseline).",
     )
     group.add_argument(
+        "--flux-step-auto",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="With --flux-backend auto (the default), time the candidate backends ('megatron': "
+        "megatron-core's own code; 'nccl'; 'auto': the fused kernels where the tuning tables "
+        "say they win) in the job's first iterations and keep the fastest for the rest of the "
+        "job (about 25 iterations; one log line says what was chosen and why). "
+        "--no-flux-step-auto keeps the per-op choice from the tables. Off under CUDA graphs.",
+    )
+    group.add_argument(
         "--flux-config",
         metavar="PATH",
         default=None,
@@ -76,12 +87,14 @@ def add_flux_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # see apply_flux_args_to_config).
     group.add_argument(
         "--flux-keep-gathered-input",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="Column-parallel layers keep the all-gathered input from forward for the weight "
-        "gradient instead of re-gathering it in backward (megatron's default). Saves one "
-        "all-gather per column layer in backward; costs, per column layer (QKV, FC1), the "
-        "full-sequence input instead of this rank's shard: (tp-1) x seq/tp x micro-batch x "
-        "hidden x bytes of extra activation memory, held until that layer's backward.",
+        "gradient (the default) instead of re-gathering it in backward as megatron-core does "
+        "(--no-flux-keep-gathered-input). Keeping it saves a collective and its host time per "
+        "column layer and backward; it costs, per column layer (QKV, FC1), the full-sequence "
+        "input instead of this rank's shard: (tp-1)/tp x seq x micro-batch x hidden x 2 bytes "
+        "of extra activation memory, held until that layer's backward.",
     )
     # Named after the layers' `flux_gradient_accumulation_fusion` (read from the config, see
     # apply_flux_args_to_config).
@@ -111,18 +124,18 @@ def add_flux_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "reduce-scatter megatron-core already overlaps with the weight-gradient GEMM: 'nccl' "
         "(the default: cuBLAS, then NCCL's reduce-scatter beside the wgrad, as megatron-core "
         "does), 'fused' (the GEMM+reduce-scatter kernel), 'copy_engine' (cuBLAS, the copy "
-        "engine moving the peers' rows beside the wgrad, then a reduction kernel; checked on "
-        "GPUs, its speed not yet measured). Sets $MEGATRON_FLUX_COLUMN_DGRAD for this process.",
+        "engine moving the peers' rows beside the wgrad, then a reduction kernel). Default: "
+        "$MEGATRON_FLUX_COLUMN_DGRAD, else 'nccl'.",
     )
     group.add_argument(
         "--flux-column-regather",
         choices=COLUMN_REGATHER_CHOICES,
         default=None,
         help="How the fused backend re-gathers a column-parallel layer's input for the weight "
-        "gradient (without --flux-keep-gathered-input): 'copy_engine' (the default: pushes "
-        "into the peers' symmetric buffers, no SMs taken from the dgrad GEMM) or 'nccl' "
-        "(NCCL's asynchronous all-gather, as megatron-core does: less host time per call, "
-        "for host-bound steps). Sets $MEGATRON_FLUX_COLUMN_REGATHER for this process.",
+        "gradient (with --no-flux-keep-gathered-input): 'nccl' (NCCL's asynchronous "
+        "all-gather, as megatron-core does) or 'copy_engine' (pushes into the peers' symmetric "
+        "buffers, no SMs taken from the dgrad, but a bounded wait on the compute stream). "
+        "Default: $MEGATRON_FLUX_COLUMN_REGATHER, else 'nccl'.",
     )
     return parser
 
@@ -185,23 +198,14 @@ def _have_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def _export_choice(args: argparse.Namespace, dest: str, choices, env: str) -> None:
-    """``args.<dest>`` (when given) checked against ``choices`` and exported as ``$env``."""
-    value = getattr(args, dest, None)
-    if value is None:
-        return
-    if value not in choices:
-        flag = "--" + dest.replace("_", "-")
-        raise FluxArgumentError(f"{flag} {value!r}: choose one of {list(choices)}")
-    os.environ[env] = value
-
-
 def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
     """Check ``--flux-*`` against Megatron's arguments; call after Megatron's validation.
 
-    * ``--flux-column-dgrad`` is exported as ``$MEGATRON_FLUX_COLUMN_DGRAD`` and
-      ``--flux-column-regather`` as ``$MEGATRON_FLUX_COLUMN_REGATHER``, which the fused backend
-      reads when it is first built (the layers build it on their first call).
+    * The process's :class:`~megatron_flux.options.FluxOptions` become
+      :meth:`FluxOptions.from_args(args) <megatron_flux.options.FluxOptions.from_args>`: the
+      ``MEGATRON_FLUX_*`` environment's defaults with ``--flux-column-dgrad`` and
+      ``--flux-column-regather`` over them (installed with
+      :func:`~megatron_flux.options.set_options`; nothing is written to the environment).
     * ``--flux-config`` must name an existing file holding a JSON object (checked even without
       ``--flux-tp-overlap``: a wrong path is a mistake either way). With ``--flux-tp-overlap``
       (at TP > 1) it must also be a valid tuning table (:mod:`megatron_flux.tuning.schema`;
@@ -216,8 +220,8 @@ def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
     * ``--flux-tp-overlap`` with ``--tp-comm-overlap`` is an error: two systems would both try
       to overlap the same communication (Transformer Engine userbuffers vs megatron-flux).
     * ``--flux-tp-overlap`` with ``--overlap-grad-reduce`` or ``--overlap-param-gather`` at
-      data-parallel size > 1 warns once unless ``$MEGATRON_FLUX_RESERVED_SMS`` reserves SMs for
-      the data-parallel NCCL kernels (untested: see the README's known limits).
+      data-parallel size > 1 warns once unless ``reserved_sms`` (``$MEGATRON_FLUX_RESERVED_SMS``)
+      reserves SMs for the data-parallel NCCL kernels (untested: see docs/design.md).
     * ``--flux-tp-overlap`` with ``--transformer-impl transformer_engine`` is an error:
       megatron-flux rewrites megatron-core's *local* spec (Transformer Engine's linears do their
       own communication), so pass ``--transformer-impl local``.
@@ -232,9 +236,16 @@ def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
     config_path = getattr(args, "flux_config", None)
     if config_path is not None:
         load_flux_config(config_path)
-    # read when the fused backend is built
-    _export_choice(args, "flux_column_dgrad", COLUMN_DGRAD_CHOICES, ENV_COLUMN_DGRAD)
-    _export_choice(args, "flux_column_regather", COLUMN_REGATHER_CHOICES, ENV_COLUMN_REGATHER)
+    for dest, choices in (("flux_column_dgrad", COLUMN_DGRAD_CHOICES),
+                          ("flux_column_regather", COLUMN_REGATHER_CHOICES)):
+        value = getattr(args, dest, None)
+        if value is not None and value not in choices:
+            flag = "--" + dest.replace("_", "-")
+            raise FluxArgumentError(f"{flag} {value!r}: choose one of {list(choices)}")
+    try:
+        set_options(FluxOptions.from_args(args))
+    except ValueError as exc:
+        raise FluxArgumentError(str(exc)) from None
     if getattr(args, "flux_backend", "auto") not in BACKEND_CHOICES:
         raise FluxArgumentError(
             f"--flux-backend {args.flux_backend!r}: choose one of {list(BACKEND_CHOICES)}"
@@ -302,21 +313,21 @@ def _warn_data_parallel_overlap(args: argparse.Namespace) -> None:
     (``--overlap-grad-reduce`` / ``--overlap-param-gather`` at data-parallel size > 1) and no SMs
     are reserved for them: untested, and a grid that cannot become fully resident stalls its
     peers until the bounded waits raise ``FusedOpTimeout``."""
-    from megatron_flux.backends.flux import ENV_RESERVED_SMS
+    from megatron_flux.options import ENV
 
     overlapped = [flag for flag, name in (("--overlap-grad-reduce", "overlap_grad_reduce"),
                                           ("--overlap-param-gather", "overlap_param_gather"))
                   if getattr(args, name, False)]
     if not overlapped or getattr(args, "data_parallel_size", 1) <= 1:
         return
-    if os.environ.get(ENV_RESERVED_SMS, "") not in ("", "0"):
+    if get_options().reserved_sms > 0:
         return
     warnings.warn(
         f"--flux-tp-overlap with {' and '.join(overlapped)} at data-parallel size "
         f"{args.data_parallel_size}: NCCL's data-parallel kernels can run beside the fused "
         "kernels' persistent grids, which wait on their tensor-parallel peers while holding "
         "every SM. This combination has not been tested; if a fused op raises FusedOpTimeout, "
-        f"set ${ENV_RESERVED_SMS} to at least NCCL's channel count (the grids then leave that "
+        f"set ${ENV['reserved_sms']} to at least NCCL's channel count (the grids then leave that "
         "many SMs free) or use --flux-backend nccl.",
         UserWarning,
         stacklevel=3,
@@ -332,7 +343,7 @@ def apply_flux_args_to_config(args: argparse.Namespace, config: Any) -> Any:
     when constructed; :func:`flux_spec_from_args` calls this when given the config. Returns
     ``config``.
     """
-    config.flux_keep_gathered_input = bool(getattr(args, "flux_keep_gathered_input", False))
+    config.flux_keep_gathered_input = bool(getattr(args, "flux_keep_gathered_input", True))
     config.flux_gradient_accumulation_fusion = bool(
         getattr(args, "flux_gradient_accumulation_fusion", False))
     return config
@@ -340,18 +351,46 @@ def apply_flux_args_to_config(args: argparse.Namespace, config: Any) -> Any:
 
 def flux_pre_wrap_hooks(args: argparse.Namespace) -> list:
     """Megatron pre-wrap hooks for these arguments (``GPTModelConfig.pre_wrap_hooks``, run on
-    the list of model chunks after they are built and before DDP wraps them): with
-    ``--flux-tp-overlap``, unless ``--no-flux-output-layer``, one that converts GPTModel's output
-    layer (:func:`megatron_flux.output_layer.swap_output_layer`, backend ``--flux-backend``).
+    the list of model chunks after they are built and before DDP wraps them), with
+    ``--flux-tp-overlap``:
+
+    * unless ``--no-flux-output-layer``, one that converts GPTModel's output layer
+      (:func:`megatron_flux.output_layer.swap_output_layer`, backend ``--flux-backend``);
+    * with ``--flux-backend auto`` and ``--flux-step-auto`` (the defaults), one that lets the
+      job's first iterations choose its backend (:func:`megatron_flux.step_auto.install_step_auto`),
+      unless the job rotates backends itself (``--flux-interleave-backends``).
+
     Empty otherwise, so ``model_cfg.pre_wrap_hooks.extend(flux_pre_wrap_hooks(args))`` is always
     safe."""
-    if not getattr(args, "flux_tp_overlap", False) or not getattr(args, "flux_output_layer", True):
+    if not getattr(args, "flux_tp_overlap", False):
         return []
     import functools
 
-    from megatron_flux.output_layer import swap_output_layer
+    hooks = []
+    backend = getattr(args, "flux_backend", "auto")
+    if getattr(args, "flux_output_layer", True):
+        from megatron_flux.output_layer import swap_output_layer
 
-    return [functools.partial(swap_output_layer, flux_backend=getattr(args, "flux_backend", "auto"))]
+        hooks.append(functools.partial(swap_output_layer, flux_backend=backend))
+    if (backend == "auto" and getattr(args, "flux_step_auto", True)
+            and not getattr(args, "flux_interleave_backends", None)):
+        hooks.append(_step_auto_hook)
+    return hooks
+
+
+def _step_auto_hook(model_chunks):
+    """A pre-wrap hook: :func:`megatron_flux.step_auto.install_step_auto` on the chunks, whose
+    log lines go to stdout on global rank 0."""
+    from megatron_flux.step_auto import install_step_auto
+
+    def log(msg: str) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(msg, flush=True)
+
+    install_step_auto(model_chunks, log=log)
+    return model_chunks
 
 
 def flux_spec_from_args(

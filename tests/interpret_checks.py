@@ -827,14 +827,14 @@ def check_gemm_rs_copy_engine():
 def check_gemm_rs_copy_engine_bands():
     """``rs_ce_bands`` at TP 2/4/8: after the producers, every peer step's band has its
     "produced" word raised and its tile counter back at zero, and no word past the last band is
-    raised. The copy engine's work is the backend's own plan (``FluxBackend._rs_ce_plan`` on
-    simulated symmetric workspaces): band by band, each copy behind its band's word, the owner's
+    raised. The copy engine's work is the backend's own plan (``megatron_flux.backends.flux.rs.copy_plan``
+    on simulated symmetric workspaces): band by band, each copy behind its band's word, the owner's
     signal after a step's last band, the bands tiling each step's rows in production order.
     Delivered that way, the consumers' outputs equal the SM-push kernel's bitwise. Cases: 7
     bands (more groups than MAX_RS_BANDS, merged), 2 bands, 1 band, spread reduction."""
     from fake_symm import FakeWorld
 
-    from megatron_flux.backends.flux import FluxBackend
+    from megatron_flux.backends.flux.rs import copy_plan as rs_copy_plan
     from megatron_flux.kernels.config import MAX_RS_BANDS, rs_band_words, rs_bands
 
     cases = [(2, 320, 1, False, 7), (4, 20, 1, False, 2), (8, 9, 2, False, 1), (4, 40, 1, True, 3)]
@@ -871,7 +871,7 @@ def check_gemm_rs_copy_engine_bands():
                 if src != r:
                     assert flags[src] == 0 and torch.isnan(w["data"][r][src]).all()
             flat = staging[r].view(-1)
-            _, copies, _ = FluxBackend._rs_ce_plan(fw.ws[r], flat, w["data"][r].view(-1), r, world,
+            _, copies, _ = rs_copy_plan(fw.ws[r], flat, w["data"][r].view(-1), r, world,
                                                    parity, m_local, n, bands, cfg.block_m)
             assert len(copies) == (world - 1) * bands[1]
             plans.append(copies)

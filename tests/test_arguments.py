@@ -62,7 +62,7 @@ def test_defaults():
     assert args.flux_tp_overlap is False
     assert args.flux_backend == "auto"
     assert args.flux_config is None
-    assert args.flux_keep_gathered_input is False
+    assert args.flux_keep_gathered_input is True
     assert args.flux_gradient_accumulation_fusion is False
     assert args.flux_output_layer is True
 
@@ -70,9 +70,9 @@ def test_defaults():
 def test_flags_parse():
     args = parse(
         ["--flux-tp-overlap", "--flux-backend", "nccl", "--flux-config", "t.json",
-         "--flux-keep-gathered-input"]
+         "--no-flux-keep-gathered-input"]
     )
-    assert args.flux_tp_overlap and args.flux_keep_gathered_input
+    assert args.flux_tp_overlap and not args.flux_keep_gathered_input
     assert args.flux_backend == "nccl" and args.flux_config == "t.json"
 
 
@@ -91,7 +91,7 @@ def test_provider_returns_parser_and_adds_named_group():
     assert {a.dest for a in group._group_actions} == {
         "flux_tp_overlap", "flux_backend", "flux_config", "flux_keep_gathered_input",
         "flux_column_dgrad", "flux_column_regather", "flux_gradient_accumulation_fusion",
-        "flux_output_layer",
+        "flux_output_layer", "flux_step_auto",
     }
 
 
@@ -313,7 +313,8 @@ def test_keep_gathered_input_reaches_the_column_layer(flux_linears, world_of_one
     col, _ = flux_linears
     cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
                             use_cpu_initialization=True)
-    for argv, expected in (([], False), (["--flux-keep-gathered-input"], True)):
+    for argv, expected in (([], True), (["--no-flux-keep-gathered-input"], False),
+                           (["--flux-keep-gathered-input"], True)):
         apply_flux_args_to_config(megatron_like_args(argv), cfg)
         layer = col(16, 32, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
                     gather_output=False, tp_group=world_of_one)
@@ -352,7 +353,7 @@ def test_output_layer_pre_wrap_hook(flux_linears, world_of_one):
 
     col, _ = flux_linears
     assert flux_pre_wrap_hooks(megatron_like_args()) == []
-    assert flux_pre_wrap_hooks(megatron_like_args(["--flux-tp-overlap",
+    assert flux_pre_wrap_hooks(megatron_like_args(["--flux-tp-overlap", "--flux-backend", "nccl",
                                                    "--no-flux-output-layer"])) == []
     hooks = flux_pre_wrap_hooks(megatron_like_args(["--flux-tp-overlap", "--flux-backend", "nccl"]))
     assert len(hooks) == 1
@@ -366,31 +367,50 @@ def test_output_layer_pre_wrap_hook(flux_linears, world_of_one):
     assert type(model.output_layer) is col.with_backend("nccl")
 
 
-def test_column_dgrad_flag_is_exported_for_the_fused_backend(monkeypatch):
-    """``--flux-column-dgrad`` sets ``$MEGATRON_FLUX_COLUMN_DGRAD`` (read when the fused backend
-    is built); without it the environment is left alone; a bad value is refused by argparse."""
-    from megatron_flux.backends import ENV_COLUMN_DGRAD
+def test_auto_adds_the_step_selection_hook_unless_told_not_to():
+    """``--flux-backend auto`` (the default) also installs the step-time selection
+    (megatron_flux.step_auto); not with --no-flux-step-auto, another backend, or when the job
+    rotates backends itself."""
+    from megatron_flux.arguments import _step_auto_hook
 
-    monkeypatch.delenv(ENV_COLUMN_DGRAD, raising=False)
-    assert parse([]).flux_column_dgrad is None
-    validate_flux_args(megatron_like_args())
-    assert ENV_COLUMN_DGRAD not in __import__("os").environ
-    validate_flux_args(megatron_like_args(["--flux-tp-overlap", "--flux-column-dgrad", "fused"]))
-    assert __import__("os").environ[ENV_COLUMN_DGRAD] == "fused"
-    with pytest.raises(SystemExit):
-        parse(["--flux-column-dgrad", "cublas"])
+    def hooks(argv, **extra):
+        args = megatron_like_args(["--flux-tp-overlap", "--no-flux-output-layer", *argv])
+        for k, v in extra.items():
+            setattr(args, k, v)
+        return flux_pre_wrap_hooks(args)
+
+    assert hooks([]) == [_step_auto_hook]
+    assert hooks(["--no-flux-step-auto"]) == []
+    assert hooks(["--flux-backend", "flux"]) == []
+    assert hooks([], flux_interleave_backends=["megatron", "flux"]) == []
 
 
-def test_column_regather_flag_is_exported_for_the_fused_backend(monkeypatch):
-    """``--flux-column-regather`` sets ``$MEGATRON_FLUX_COLUMN_REGATHER``; without it the
-    environment is left alone; a bad value is refused by argparse."""
-    from megatron_flux.backends import ENV_COLUMN_REGATHER
+@pytest.mark.parametrize("flag,field,value", [("--flux-column-dgrad", "column_dgrad", "fused"),
+                                               ("--flux-column-regather", "column_regather",
+                                                "copy_engine")])
+def test_backend_flags_become_the_process_options_not_environment(monkeypatch, flag, field,
+                                                                  value):
+    """``--flux-column-dgrad`` / ``--flux-column-regather`` reach the process's ``FluxOptions``
+    (what the fused backend runs with), over the environment's defaults, and nothing is written
+    to the environment; a bad value is refused by argparse."""
+    import os
 
-    monkeypatch.delenv(ENV_COLUMN_REGATHER, raising=False)
-    assert parse([]).flux_column_regather is None
-    validate_flux_args(megatron_like_args())
-    assert ENV_COLUMN_REGATHER not in __import__("os").environ
-    validate_flux_args(megatron_like_args(["--flux-tp-overlap", "--flux-column-regather", "nccl"]))
-    assert __import__("os").environ[ENV_COLUMN_REGATHER] == "nccl"
-    with pytest.raises(SystemExit):
-        parse(["--flux-column-regather", "gloo"])
+    from megatron_flux.options import ENV, get_options, set_options
+
+    monkeypatch.delenv(ENV[field], raising=False)
+    before = dict(os.environ)
+    try:
+        assert getattr(parse([]), flag[2:].replace("-", "_")) is None
+        validate_flux_args(megatron_like_args())
+        assert getattr(get_options(), field) == "nccl"
+        validate_flux_args(megatron_like_args(["--flux-tp-overlap", flag, value]))
+        assert getattr(get_options(), field) == value
+        monkeypatch.setenv(ENV[field], value)
+        validate_flux_args(megatron_like_args())  # the environment is the default
+        assert getattr(get_options(), field) == value
+        monkeypatch.delenv(ENV[field])
+        assert dict(os.environ) == before
+        with pytest.raises(SystemExit):
+            parse([flag, "cublas"])
+    finally:
+        set_options(None)

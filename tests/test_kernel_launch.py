@@ -74,13 +74,11 @@ def test_direct_launch_is_the_default_and_reuses_the_compiled_kernel(monkeypatch
     jit = _FakeJit()
     launcher = L.KernelLauncher(jit)
     x = torch.zeros(8, dtype=torch.float16)
-    monkeypatch.setenv(L.ENV_DIRECT_LAUNCH, "0")
     for _ in range(2):
-        launcher(3, (x, 16), {"A": 2}, num_warps=4)
+        launcher(3, (x, 16), {"A": 2}, num_warps=4, direct=False)
     assert len(jit.launches) == 2 and not jit.compiled.runs  # off: Triton every time
     assert jit.launches[0] == ((3,), (x, 16), {"A": 2, "num_warps": 4, "num_stages": 3})
 
-    monkeypatch.delenv(L.ENV_DIRECT_LAUNCH)  # unset: on
     monkeypatch.setattr(L, "_current_device", lambda: 0)
     monkeypatch.setattr(L, "_capturing", lambda: False)
     monkeypatch.setattr(L.torch._C, "_cuda_getCurrentRawStream", lambda device: 99, raising=False)
@@ -105,14 +103,7 @@ def test_direct_launch_is_the_default_and_reuses_the_compiled_kernel(monkeypatch
         launcher(5, (x, 48, 3), {"A": 2}, num_warps=4)
 
 
-def test_direct_launch_setting_is_checked(monkeypatch):
-    monkeypatch.setenv(L.ENV_DIRECT_LAUNCH, "yes")
-    with pytest.raises(ValueError, match="must be 0 or 1"):
-        L.direct_launch_enabled()
-
-
 def test_direct_launch_steps_aside_for_hooks_and_odd_signatures(monkeypatch):
-    monkeypatch.setenv(L.ENV_DIRECT_LAUNCH, "1")
     jit = _FakeJit()
     jit.params = [_Param("A", True), _Param("x", False)]  # a constexpr before a runtime argument
     launcher = L.KernelLauncher(jit)

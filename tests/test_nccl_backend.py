@@ -281,26 +281,33 @@ def test_megatron_is_a_layer_setting_not_a_backend():
         register_backend("megatron", NcclBackend())
 
 
-@pytest.mark.parametrize("what", ["register_backend", "provider", "auto", "registry.reset",
+@pytest.mark.parametrize("what", ["register_backend", "provider", "options", "registry.reset",
                                   "registry.use_table_files"])
 def test_resolution_cache_is_dropped_when_its_inputs_change(what):
-    """resolve_backend's cached answers die with whatever they were computed from: a newly
-    registered backend, the tables, or the decisions cached from them."""
-    from megatron_flux import backends as B
-    from megatron_flux.tuning import auto, provider, registry
+    """resolve_backend's cached answers (and auto's) die with whatever they were computed from: a
+    newly registered backend, the tables, the decisions cached from them, or the options (the
+    ``auto`` margin)."""
+    from megatron_flux.backends import auto
+    from megatron_flux.backends import registry as B
+    from megatron_flux.options import get_options, set_options
+    from megatron_flux.tuning import provider, registry
 
     B._RESOLVED[("sentinel",)] = NcclBackend()
+    auto._CACHE[("sentinel",)] = NcclBackend()
     if what == "register_backend":
         B.register_backend("nccl", NcclBackend, override=True)
     elif what == "provider":
         provider.clear_caches()
-    elif what == "auto":
-        auto.clear_cache()
+    elif what == "options":
+        set_options(get_options().replace(auto_margin=0.5))
+        set_options(None)
     elif what == "registry.reset":
         registry.reset()
     else:
         registry.use_table_files([], validate=False)
     assert ("sentinel",) not in B._RESOLVED
+    if what != "register_backend":
+        assert ("sentinel",) not in auto._CACHE
 
 
 def test_registry_resolves_nccl_on_cpu():

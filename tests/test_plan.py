@@ -47,11 +47,15 @@ def test_llama_at_tp2_on_h200_uses_the_table_where_it_has_the_shape(capsys):
 
 
 def test_the_margin_and_unknown_gpus(capsys, monkeypatch):
-    monkeypatch.setenv(provider.ENV_AUTO_MARGIN, "0.5")
-    rows = _rows(capsys, "--model-config", LLAMA, "--tp", "2", "--gpu", "NVIDIA H200", "--sms", "132")
+    from megatron_flux.options import FluxOptions, set_options
+
+    set_options(FluxOptions(auto_margin=0.5))
+    try:
+        rows = _rows(capsys, "--model-config", LLAMA, "--tp", "2", "--gpu", "NVIDIA H200", "--sms",
+                     "132")
+    finally:
+        set_options(None)
     assert all(r["auto"] == "nccl" for r in rows if "flux_ms" in r)  # no entry wins by 50 %
-    monkeypatch.delenv(provider.ENV_AUTO_MARGIN)
-    provider.clear_caches()
     rows = _rows(capsys, "--model-config", LLAMA, "--tp", "2", "--gpu", "NVIDIA A100-SXM4-80GB", "--sms", "108",
                  "--m", "512")
     assert all("flux_ms" not in r and r["auto"] == "nccl" for r in rows)  # unknown GPU, m < 1024

@@ -10,7 +10,8 @@ import torch
 
 from megatron_flux import tuning as T
 from megatron_flux.kernels.config import GemmConfig, default_config
-from megatron_flux.tuning import auto, registry, schema
+from megatron_flux.backends import auto
+from megatron_flux.tuning import registry, schema
 from megatron_flux.tuning.keys import dtype_key, nearest_bucket, normalize_gpu_name, normalize_op
 
 H200 = ("NVIDIA H200", 132)
@@ -350,22 +351,27 @@ def test_shipped_tp2_table_decisions_follow_its_times_and_the_margin(name, devic
             assert nt["bench_flux_ms"] <= 0.98 * nt["bench_nccl_ms"], e
 
 
-def test_auto_margin_from_the_environment(monkeypatch):
+def test_auto_margin_from_the_options():
+    from megatron_flux.options import FluxOptions, set_options
+
     # the shipped entry where fused wins by the least: the margin decides it
     e = min((e for e in _shipped_tp2_entries() if e.flux_ms < e.nccl_ms), key=lambda e: e.nccl_ms - e.flux_ms)
     gain = 1 - e.flux_ms / e.nccl_ms
     key = (e.op, e.m, e.n, e.k, torch.bfloat16, 2, H200)
     assert T.prefer_fused(*key) is (e.flux_ms <= 0.98 * e.nccl_ms)  # the default 2 % margin
-    monkeypatch.setenv(T.provider.ENV_AUTO_MARGIN, "0")
-    assert T.prefer_fused(*key) is True
-    monkeypatch.setenv(T.provider.ENV_AUTO_MARGIN, f"{gain + 0.005:.6f}")
-    assert T.prefer_fused(*key) is False
-    monkeypatch.setenv(T.provider.ENV_AUTO_MARGIN, "0.5")
-    assert T.prefer_fused("ag", 2048, 14336, 4096, torch.bfloat16, 2, H200) is False
+    try:
+        set_options(FluxOptions(auto_margin=0))
+        assert T.prefer_fused(*key) is True
+        set_options(FluxOptions.from_env({T.provider.ENV_AUTO_MARGIN: f"{gain + 0.005:.6f}"}))
+        assert T.prefer_fused(*key) is False
+        set_options(FluxOptions(auto_margin=0.5))
+        assert T.prefer_fused("ag", 2048, 14336, 4096, torch.bfloat16, 2, H200) is False
+    finally:
+        set_options(None)
+    assert T.prefer_fused(*key) is (e.flux_ms <= 0.98 * e.nccl_ms)
     for bad in ("x", "-0.1", "1"):
-        monkeypatch.setenv(T.provider.ENV_AUTO_MARGIN, bad)
         with pytest.raises(ValueError, match="MEGATRON_FLUX_AUTO_MARGIN"):
-            T.prefer_fused("ag", 2048, 14336, 4096, torch.bfloat16, 2, H200)
+            FluxOptions.from_env({T.provider.ENV_AUTO_MARGIN: bad})
 
 
 def test_shipped_tables_are_the_committed_runs():
@@ -452,7 +458,7 @@ class _Group:
 @pytest.fixture
 def fake_fused(monkeypatch):
     """'flux' registered as a fake that supports any operands; the device reads as an H200."""
-    import megatron_flux.backends as B
+    import megatron_flux.backends.registry as B
     from megatron_flux.tuning import device as D
 
     fused, nccl = _fake_backends()
@@ -530,8 +536,8 @@ def test_auto_decision_is_cached_per_shape(fake_fused, monkeypatch):
     from megatron_flux.backends import resolve_backend
 
     calls = []
-    real = auto.prefer_fused
-    monkeypatch.setattr(auto, "prefer_fused", lambda *a: calls.append(a) or real(*a))
+    real = T.provider.prefer_fused
+    monkeypatch.setattr(T.provider, "prefer_fused", lambda *a: calls.append(a) or real(*a))
     a, b = torch.empty(32, 4096, dtype=torch.bfloat16), torch.empty(4096, 14336, dtype=torch.bfloat16)
     for _ in range(5):
         resolve_backend("auto", a, b, _Group())

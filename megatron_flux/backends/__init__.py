@@ -1,213 +1,25 @@
-"""Backend registry.
+"""Backends: how one sequence-parallel op (AG+GEMM, GEMM+RS and their plain collectives) runs.
 
-``register_backend(name, impl)`` adds a backend (an instance of
-:class:`~megatron_flux.backends.base.TPOverlapBackend`, or a zero-argument factory returning
-one, so heavy imports stay lazy); ``get_backend(name)`` returns it. ``"auto"`` is not a
-backend but a policy, resolved per call by :func:`resolve_backend`.
+* :mod:`.base`     the contract (:class:`TPOverlapBackend`) the autograd ops call
+* :mod:`.registry` ``register_backend`` / ``get_backend`` / ``resolve_backend`` (the ``auto`` policy)
+* :mod:`.auto`     ``auto``'s per-shape choice between the fused backend and NCCL, from the tables
+* :mod:`.nccl`     the reference: ``torch.distributed`` collectives and ``torch.matmul``
+* :mod:`.flux`     the fused Triton kernels over torch symmetric memory
 """
 
-from __future__ import annotations
-
-import logging
-import os
-import threading
-from typing import Callable, Dict, Optional, Tuple, Union
-
-import torch
-import torch.distributed as dist
-
 from megatron_flux.backends.base import TPOverlapBackend
-
-logger = logging.getLogger("megatron_flux")
-
-BackendOrFactory = Union[TPOverlapBackend, Callable[[], TPOverlapBackend]]
-
-_REGISTRY: Dict[str, BackendOrFactory] = {}
-#: resolve_backend's answers per call signature (see there); cleared whenever a backend is
-#: registered or the tuning tables or their caches change (clear_resolution_cache)
-_RESOLVED: Dict[tuple, TPOverlapBackend] = {}
-_INSTANCES: Dict[str, TPOverlapBackend] = {}
-_LOCK = threading.Lock()
-_LOGGED: set = set()
-
-#: A layer setting, not a backend: the Flux linears run megatron-core's own sequence-parallel
-#: code (the parent class's NCCL-then-cuBLAS path, byte for byte), so one model can A/B the
-#: plugin against stock Megatron in the same process (``benchmarks/interleave_report.py``).
-MEGATRON_PASSTHROUGH = "megatron"
-
-#: names accepted by ``flux_backend=`` / ``--flux-backend``
-BACKEND_CHOICES = ("auto", "flux", "nccl", MEGATRON_PASSTHROUGH)
-
-#: how the fused backend runs the column backward's input gradient (``FluxBackend``'s
-#: ``column_dgrad``, ``--flux-column-dgrad``), the first being the default; here so that
-#: parsing the flags needs no Triton
-COLUMN_DGRAD_CHOICES = ("nccl", "fused", "copy_engine")
-ENV_COLUMN_DGRAD = "MEGATRON_FLUX_COLUMN_DGRAD"
-
-#: how the fused backend re-gathers a column layer's input for its weight gradient
-#: (``FluxBackend``'s ``column_regather``, ``--flux-column-regather``), the first the default
-COLUMN_REGATHER_CHOICES = ("copy_engine", "nccl")
-ENV_COLUMN_REGATHER = "MEGATRON_FLUX_COLUMN_REGATHER"
-
-
-def register_backend(name: str, impl: BackendOrFactory, *, override: bool = False) -> None:
-    """Register ``impl`` under ``name``. Re-registering a name needs ``override=True``."""
-    if not name or name in ("auto", MEGATRON_PASSTHROUGH):
-        raise ValueError(
-            f"invalid backend name {name!r}: 'auto' and {MEGATRON_PASSTHROUGH!r} are layer "
-            "settings, not backends"
-        )
-    with _LOCK:
-        if name in _REGISTRY and not override:
-            raise ValueError(f"backend {name!r} is already registered (pass override=True)")
-        _REGISTRY[name] = impl
-        _INSTANCES.pop(name, None)
-        _RESOLVED.clear()
-
-
-def available_backends() -> Tuple[str, ...]:
-    """Names of the registered backends (``"auto"`` excluded)."""
-    _ensure_builtin()
-    return tuple(sorted(_REGISTRY))
-
-
-def get_backend(name: str) -> TPOverlapBackend:
-    """The backend registered as ``name`` (instantiated on first use)."""
-    _ensure_builtin()
-    with _LOCK:
-        if name in _INSTANCES:
-            return _INSTANCES[name]
-        if name not in _REGISTRY:
-            raise KeyError(
-                f"unknown megatron-flux backend {name!r}; registered: {sorted(_REGISTRY)}"
-                + (" ('auto' is resolved with resolve_backend)" if name == "auto" else "")
-            )
-        impl = _REGISTRY[name]
-        inst = impl if isinstance(impl, TPOverlapBackend) else impl()
-        if not isinstance(inst, TPOverlapBackend):
-            raise TypeError(f"backend {name!r} factory returned {type(inst).__name__}")
-        _INSTANCES[name] = inst
-        return inst
-
-
-def validate_backend_name(name) -> str:
-    """``name`` if it is ``"auto"`` or a backend (built-in or registered), else a clear error."""
-    if not isinstance(name, str):
-        raise TypeError(f"flux_backend must be a str, got {type(name).__name__}")
-    if name in BACKEND_CHOICES or name in available_backends():
-        return name
-    raise ValueError(
-        f"unknown megatron-flux backend {name!r}; choose one of "
-        f"{sorted(set(BACKEND_CHOICES) | set(available_backends()))}"
-    )
-
-
-def log_once(key: str, msg: str, level: int = logging.WARNING) -> None:
-    """Log ``msg`` the first time ``key`` is seen in this process."""
-    if key in _LOGGED:
-        return
-    _LOGGED.add(key)
-    logger.log(level, msg)
-
-
-def fused_unavailable_reason(device: torch.device) -> Optional[str]:
-    """Why the fused backend cannot run on ``device`` at all, or ``None``."""
-    if device.type != "cuda":
-        return f"tensors are on {device.type}, the fused kernels need CUDA"
-    if "flux" not in available_backends():
-        return "the fused backend is not registered (triton or torch symmetric memory missing)"
-    return None
-
-
-def clear_resolution_cache() -> None:
-    """Forget :func:`resolve_backend`'s cached answers (new backends, tables or margins)."""
-    _RESOLVED.clear()
-
-
-def resolve_backend(
-    requested: str,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    group: dist.ProcessGroup,
-    op: Optional[str] = None,
-) -> TPOverlapBackend:
-    """Pick the backend for one call.
-
-    ``"nccl"`` and any explicitly named backend are returned as they are; a backend that cannot
-    run these operands raises. ``"auto"`` takes the fused backend when it is available and
-    supports the operands, else the ``nccl`` reference, logging the reason once per reason; and
-    where a tuning table measured the fused kernel slower than ``nccl`` for this GPU, TP size,
-    dtype and shape (nearest m-bucket), it takes ``nccl`` (:mod:`megatron_flux.tuning.auto`;
-    ``op`` = ``"ag"``/``"rs"`` when the caller knows which op follows, else both are looked up).
-    Every TP rank sees the same tables and shapes, so all ranks choose alike.
-
-    The answer depends only on the operands' shapes, strides, dtypes and devices, the group's
-    size, whether the stream is capturing a CUDA graph and the ``auto`` margin, so it is cached
-    per those: a training step asks the same few questions hundreds of times, and the layers'
-    host cost per call is what bounds small or host-heavy steps.
-    """
-    capturing = a.is_cuda and torch.cuda.is_current_stream_capturing()
-    key = (requested, op, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype,
-           b.device, group.size() if group is not None else 1, capturing,
-           os.environ.get("MEGATRON_FLUX_AUTO_MARGIN"))
-    hit = _RESOLVED.get(key)
-    if hit is not None:
-        return hit
-    backend = _resolve_uncached(requested, a, b, group, op)
-    _RESOLVED[key] = backend
-    return backend
-
-
-def _resolve_uncached(requested, a, b, group, op) -> TPOverlapBackend:
-    if requested == MEGATRON_PASSTHROUGH:
-        raise ValueError(
-            f"flux_backend={MEGATRON_PASSTHROUGH!r} is a layer setting (the Flux linears run "
-            "megatron-core's own code); megatron_flux.ops has no megatron path: pass 'auto', "
-            "'flux', 'nccl' or a registered backend"
-        )
-    if requested != "auto":
-        backend = get_backend(requested)
-        reason = backend.unsupported_reason(a, b, group)
-        if reason is not None:
-            raise RuntimeError(f"megatron-flux backend {requested!r} cannot run this op: {reason}")
-        return backend
-    reason = fused_unavailable_reason(a.device)
-    if reason is None:
-        fused = get_backend("flux")
-        reason = fused.unsupported_reason(a, b, group)
-        if reason is None:
-            global _choose_auto
-            if _choose_auto is None:
-                from megatron_flux.tuning.auto import choose_auto as _choose_auto
-            return _choose_auto(fused, get_backend("nccl"), a, b, group.size(), op)
-    log_once(f"auto:{reason}", f"megatron-flux: flux_backend='auto' uses 'nccl' because {reason}")
-    return get_backend("nccl")
-
-
-_BUILTIN_DONE = False
-_choose_auto = None  # megatron_flux.tuning.auto.choose_auto, imported on first "auto" fused call
-
-
-def _ensure_builtin() -> None:
-    """Register the built-in backends lazily (avoids import cycles and CUDA probing at import)."""
-    global _BUILTIN_DONE
-    if _BUILTIN_DONE:
-        return
-    _BUILTIN_DONE = True
-    from megatron_flux.backends.nccl import NcclBackend
-
-    _REGISTRY.setdefault("nccl", NcclBackend)
-    try:
-        from megatron_flux.backends.flux import flux_backend_factory_or_reason
-    except ImportError as exc:  # triton missing, or torch without symmetric memory
-        log_once("flux-import", f"megatron-flux: fused backend unavailable ({exc})", logging.INFO)
-        return
-    factory, reason = flux_backend_factory_or_reason()
-    if factory is not None:
-        _REGISTRY.setdefault("flux", factory)
-    else:
-        log_once("flux-unavailable", f"megatron-flux: fused backend unavailable ({reason})", logging.INFO)
-
+from megatron_flux.backends.registry import (
+    BACKEND_CHOICES,
+    MEGATRON_PASSTHROUGH,
+    available_backends,
+    clear_resolution_cache,
+    fused_unavailable_reason,
+    get_backend,
+    log_once,
+    register_backend,
+    resolve_backend,
+    validate_backend_name,
+)
 
 __all__ = [
     "BACKEND_CHOICES",
@@ -215,6 +27,7 @@ __all__ = [
     "TPOverlapBackend",
     "available_backends",
     "clear_resolution_cache",
+    "fused_unavailable_reason",
     "get_backend",
     "log_once",
     "register_backend",

@@ -84,6 +84,11 @@ class TPOverlapBackend(abc.ABC):
     #: fused backend's uses the copy engine): the column backward queues it beside the dgrad.
     waits_across_ranks_on_sms: bool = False
 
+    #: Whether a CUDA graph may capture this backend's calls and replay them. One that may not
+    #: (the fused backend: its signals carry per-call epochs that a replay would repeat) gives
+    #: way to ``nccl`` inside a capture (:func:`megatron_flux.backends.resolve_backend`).
+    capturable: bool = True
+
     def unsupported_reason(
         self, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup
     ) -> Optional[str]:

@@ -45,7 +45,7 @@ import triton.language as tl
 
 from megatron_flux.kernels.config import interpreting, launch_geometry, unroll_steps
 from megatron_flux.kernels.descriptors import b_descriptor, ensure_descriptor_allocator, \
-    host_descriptor, host_descriptors_enabled, segments_descriptor
+    host_descriptor, segments_descriptor
 from megatron_flux.kernels import ag_gemm_ws
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import split_columns, tile_mainloop, tile_mainloop_k
@@ -474,7 +474,7 @@ def _host_descriptors(x, ag, b, out, world, m_local, n, k, ldb, b_kn, ragged, cf
 
 
 def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sms, max_spins,
-                   trace=None, host_descriptors=None):
+                   trace=None, host_descriptors=True, direct=True):
     """Launch :func:`ag_gemm_kernel` on the current stream.
 
     ``x`` ``[m_local, K]`` this rank's rows; ``ag`` ``[world * m_local, K]`` the gathered
@@ -485,8 +485,8 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     ``trace``: an int64 ``[grid, TRACE_SLOTS]`` buffer to stamp :data:`AG_PHASES` into (a
     diagnostic build of the kernel; :mod:`.phase_trace`). With ``cfg.ag_warp_specialized`` a
     call the Gluon kernel can take runs there (:mod:`.ag_gemm_ws`). ``host_descriptors``: the
-    TMA descriptors encoded on the host (``None``:
-    :func:`~megatron_flux.kernels.descriptors.host_descriptors_enabled`).
+    TMA descriptors encoded on the host; ``direct``: past Triton's argument binding
+    (:mod:`.launch`).
     """
     m_local, k = x.shape
     n = b.shape[1]
@@ -496,14 +496,14 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
             return ag_gemm_ws.launch_ag_gemm_ws(x, ag, b, out, flags, err, rank=rank, world=world,
                                                 epoch=epoch, cfg=cfg, num_sms=num_sms,
                                                 max_spins=max_spins,
-                                                host_descriptors=host_descriptors)
+                                                host_descriptors=host_descriptors, direct=direct)
         ag_gemm_ws.warn_fallback(reason)
     peer_group = max(1, min(cfg.ag_peer_group, world - 1))
     merge = world > 1 and cfg.ag_merge_local  # the local rows are read from `ag` too
     gathered = merge and cfg.ag_merge_lead == 0  # ... as one operand with the peers' rows
     # stream-K's tiles follow the per-segment order: off when the segments are grouped
     mode = 0 if not stream_k_fits("AG+GEMM", cfg) or peer_group > 1 or merge else cfg.stream_k
-    host_desc = host_descriptors_enabled(host_descriptors)
+    host_desc = bool(host_descriptors)
     last_plan = {"sk_tiles": 0}  # of the kernel compiled or launched last
 
     def plan(per_sm):
@@ -540,14 +540,15 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
         # stream-K programs wait on each other's partials: all must be resident
         per_sm = resident_programs_per_sm(cfg, num_sms, plan, _LAUNCH, "AG+GEMM")
         grid, run_args, constexprs = plan(per_sm)
-        _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                direct=direct)
 
     ensure_descriptor_allocator()
     launch_with_stream_k_fallback(
         "AG+GEMM", cfg, launch,
         lambda: launch_ag_gemm(x, ag, b, out, flags, err, rank=rank, world=world, epoch=epoch,
                                cfg=cfg, num_sms=num_sms, max_spins=max_spins, trace=trace,
-                               host_descriptors=host_desc),
+                               host_descriptors=host_desc, direct=direct),
         lambda: last_plan["sk_tiles"] > 0)
 
 

@@ -46,7 +46,7 @@ from typing import Optional
 
 from megatron_flux.kernels import gluon_ws
 from megatron_flux.kernels.config import interpreting
-from megatron_flux.kernels.descriptors import ensure_descriptor_allocator, host_descriptors_enabled
+from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, aggregate,
                                             fence_async_shared, gl, gluon, tma)
@@ -257,15 +257,15 @@ def _host_descriptors(x, ag, b, out, world, m_local, n, k, ldb, b_kn, cfg):
 
 
 def launch_ag_gemm_ws(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sms, max_spins,
-                      host_descriptors=None):
+                      host_descriptors=True, direct=True):
     """:func:`ag_gemm_ws_kernel` on the current stream, with :func:`.ag_gemm.launch_ag_gemm`'s
     arguments (the caller has checked :func:`unsupported_reason`). ``cfg`` gives block_m/n/k,
     num_stages, group_m and chunk_rows, and its num_warps the form (4: ping-pong, 8:
-    cooperative; :func:`.gluon_ws.launch_options`). ``host_descriptors``: as
-    :func:`.ag_gemm.launch_ag_gemm`."""
+    cooperative; :func:`.gluon_ws.launch_options`). ``host_descriptors`` and
+    ``direct``: as :func:`.ag_gemm.launch_ag_gemm`."""
     m_local, k = x.shape
     n, b_kn, ldb, grid = gluon_ws.launch_geometry(b, m_local, world, cfg, num_sms)
-    host_desc = host_descriptors_enabled(host_descriptors)
+    host_desc = bool(host_descriptors)
     descs = (_host_descriptors(x, ag, b, out, world, m_local, n, k, ldb, b_kn, cfg)
              if host_desc else (err, err, err, err))  # unused without HOST_DESC
     ensure_descriptor_allocator()
@@ -275,7 +275,7 @@ def launch_ag_gemm_ws(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num
                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                  STAGES=cfg.num_stages, NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg),
                  CONSUMER_REGS=CONSUMER_REGS),
-            num_stages=None, **gluon_ws.launch_options(cfg))
+            num_stages=None, direct=direct, **gluon_ws.launch_options(cfg))
 
 
 _LAUNCH = KernelLauncher(ag_gemm_ws_kernel) if ag_gemm_ws_kernel is not None else None

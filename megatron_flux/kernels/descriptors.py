@@ -12,12 +12,11 @@ kernel arguments): Triton's launcher encodes each one on the host (``cuTensorMap
 and passes it as a kernel parameter. The kernels take A and B this way (AG+GEMM also its
 gathered rows and output, GEMM+RS its own tiles' output and slots; the Gluon kernels through
 :func:`megatron_flux.kernels.gluon_ws.host_descriptor`, with their buffers' layouts) when
-:func:`host_descriptors_enabled`; descriptors of peers' buffers stay device-built. With communication off on one H200, the plain yardstick ran 0.3-2 % faster with
+their ``host_descriptors`` argument is true (``FluxOptions.host_descriptors``); descriptors of peers' buffers stay device-built. With communication off on one H200, the plain yardstick ran 0.3-2 % faster with
 host descriptors at m >= 1024 and 2-8 % at m <= 512 (``benchmarks/NOTES.md``, session 23).
 """
 
-import os
-from typing import Dict, Optional, Sequence
+from typing import Dict, Sequence
 
 import torch
 import triton
@@ -25,19 +24,6 @@ import triton.language as tl
 from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-#: ``"0"`` builds every descriptor on the device, ``"1"`` (the default) encodes A's and B's on
-#: the host
-ENV_HOST_DESCRIPTORS = "MEGATRON_FLUX_HOST_DESCRIPTORS"
-
-
-def host_descriptors_enabled(explicit: Optional[bool] = None) -> bool:
-    """``explicit`` when given, else ``$MEGATRON_FLUX_HOST_DESCRIPTORS`` (default on)."""
-    if explicit is not None:
-        return bool(explicit)
-    value = os.environ.get(ENV_HOST_DESCRIPTORS, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"${ENV_HOST_DESCRIPTORS} must be 0 or 1, got {value!r}")
-    return value == "1"
 
 
 #: validated descriptor fields per (class, dtype, shape, strides, block shape, layout); bounded

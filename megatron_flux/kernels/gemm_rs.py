@@ -77,7 +77,7 @@ import triton.language as tl
 
 from megatron_flux.kernels.config import MAX_RS_BANDS, interpreting, launch_geometry, unroll_steps
 from megatron_flux.kernels.descriptors import b_descriptor, ensure_descriptor_allocator, \
-    host_descriptor, host_descriptors_enabled, segments_descriptor
+    host_descriptor, segments_descriptor
 from megatron_flux.kernels import gemm_rs_ws
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import segment_tile, split_columns, tile_mainloop, \
@@ -685,7 +685,7 @@ def _host_descriptors(a, b, out, data, world, m_local, n, k, ldb, b_kn, ragged, 
 
 def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, world, epoch, cfg,
                    num_sms, max_spins, produce=True, consume=True, trace=None,
-                   host_descriptors=None):
+                   host_descriptors=True, direct=True):
     """Launch :func:`gemm_rs_kernel` on the current stream.
 
     ``a`` ``[world * m_local, K]``; ``b`` ``[K, N]`` row-major or a transposed row-major
@@ -695,8 +695,8 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
     the kernel; :mod:`.phase_trace`). With ``cfg.rs_copy_engine`` the caller passes the
     staging table as ``data_ptrs`` (:func:`rs_staging_table`) and queues the copies. With
     ``cfg.rs_warp_specialized`` a call the Gluon kernel can take runs there
-    (:mod:`.gemm_rs_ws`). ``host_descriptors``: A's and B's TMA descriptors encoded on the host
-    (``None``: :func:`~megatron_flux.kernels.descriptors.host_descriptors_enabled`)."""
+    (:mod:`.gemm_rs_ws`). ``host_descriptors``: A's and B's TMA descriptors encoded on the host;
+    ``direct``: past Triton's argument binding (:mod:`.launch`)."""
     m, k = a.shape
     m_local = m // world
     n = b.shape[1]
@@ -707,12 +707,13 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
             return gemm_rs_ws.launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err,
                                                 rank=rank, world=world, epoch=epoch, cfg=cfg,
                                                 num_sms=num_sms, max_spins=max_spins,
-                                                host_descriptors=host_descriptors)
+                                                host_descriptors=host_descriptors,
+                                                direct=direct)
         gemm_rs_ws.warn_fallback(reason)
 
     merge_rows = cfg.rs_merge_rows  # GemmConfig: with the spread reduction, vector pushes
     split = cfg.rs_split_k if merge_rows and produce else 1
-    host_desc = host_descriptors_enabled(host_descriptors)
+    host_desc = bool(host_descriptors)
     # stream-K splits own tiles, which the spread reduction and merged rows do not have
     sk_mode = 0 if (not stream_k_fits("GEMM+RS", cfg) or cfg.rs_spread_reduce or merge_rows
                     or not consume) else cfg.stream_k
@@ -762,7 +763,8 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
         # every program must be resident: consumers wait on the peer's whole grid
         per_sm = resident_programs_per_sm(cfg, num_sms, plan, _LAUNCH, "GEMM+RS")
         grid, run_args, constexprs = plan(per_sm)
-        _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                direct=direct)
 
     ensure_descriptor_allocator()
     launch_with_stream_k_fallback(
@@ -770,7 +772,7 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
         lambda: launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, rank=rank,
                                world=world, epoch=epoch, cfg=cfg, num_sms=num_sms,
                                max_spins=max_spins, produce=produce, consume=consume,
-                               trace=trace, host_descriptors=host_desc),
+                               trace=trace, host_descriptors=host_desc, direct=direct),
         lambda: last_plan["sk_tiles"] > 0)
 
 

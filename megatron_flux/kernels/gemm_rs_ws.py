@@ -73,7 +73,7 @@ from typing import Optional
 
 from megatron_flux.kernels import gluon_ws
 from megatron_flux.kernels.config import interpreting
-from megatron_flux.kernels.descriptors import ensure_descriptor_allocator, host_descriptors_enabled
+from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, aggregate,
                                             fence_async_shared, gl, gluon, mbarrier, tma)
@@ -490,16 +490,16 @@ def _host_descriptors(a, b, out, data, world, m_local, n, k, ldb, b_kn, cfg):
 
 
 def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, world, epoch,
-                      cfg, num_sms, max_spins, host_descriptors=None):
+                      cfg, num_sms, max_spins, host_descriptors=True, direct=True):
     """:func:`gemm_rs_ws_kernel` on the current stream, with :func:`.gemm_rs.launch_gemm_rs`'s
     arguments (the caller has checked :func:`unsupported_reason`). ``cfg`` gives block_m/n/k,
     num_stages, group_m and rs_copy_engine, and its num_warps the form (4: ping-pong, 8:
-    cooperative; :func:`.gluon_ws.launch_options`). ``host_descriptors``: as
-    :func:`.gemm_rs.launch_gemm_rs`."""
+    cooperative; :func:`.gluon_ws.launch_options`). ``host_descriptors`` and
+    ``direct``: as :func:`.gemm_rs.launch_gemm_rs`."""
     m, k = a.shape
     m_local = m // world
     n, b_kn, ldb, grid = gluon_ws.launch_geometry(b, m_local, world, cfg, num_sms)
-    host_desc = host_descriptors_enabled(host_descriptors)
+    host_desc = bool(host_descriptors)
     descs = (_host_descriptors(a, b, out, data, world, m_local, n, k, ldb, b_kn, cfg)
              if host_desc else (err, err, err, err))  # unused without HOST_DESC
     ensure_descriptor_allocator()
@@ -510,7 +510,7 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
                  BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
                  NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg),
                  CONSUMER_REGS=CONSUMER_REGS, MERGE_ROWS=cfg.rs_merge_rows),
-            num_stages=None, **gluon_ws.launch_options(cfg))
+            num_stages=None, direct=direct, **gluon_ws.launch_options(cfg))
 
 
 _LAUNCH = KernelLauncher(gemm_rs_ws_kernel) if gemm_rs_ws_kernel is not None else None

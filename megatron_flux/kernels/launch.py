@@ -19,7 +19,7 @@ entry):
   Gluon's ``maxnreg``).
 
 Launches with a Triton launch hook installed (profilers), under the interpreter, or with
-``MEGATRON_FLUX_DIRECT_LAUNCH=0`` go through Triton as before; without an active hook the direct
+``direct=False`` (``FluxOptions.direct_launch``) go through Triton as before; without an active hook the direct
 call passes no hooks and no launch metadata, as Triton itself does then.
 
 Launches under CUDA graph capture also go through Triton (the fused backend refuses capture;
@@ -38,26 +38,13 @@ measurable on top and was not kept.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_flux.kernels.config import interpreting
 
-ENV_DIRECT_LAUNCH = "MEGATRON_FLUX_DIRECT_LAUNCH"
 _INT32 = (-(2**31), 2**31)
-
-
-def direct_launch_enabled() -> bool:
-    """On unless ``$MEGATRON_FLUX_DIRECT_LAUNCH`` is ``0``; any other value than ``0``/``1``
-    raises, so a typo does not silently pick a path."""
-    value = os.environ.get(ENV_DIRECT_LAUNCH, "1")
-    if value == "1":
-        return True
-    if value == "0":
-        return False
-    raise ValueError(f"${ENV_DIRECT_LAUNCH} must be 0 or 1, got {value!r}")
 
 
 # argument kinds of specialization_key, per Python type (filled on first sight of a type)
@@ -161,12 +148,12 @@ def _launch_hooks():
 
 
 class KernelLauncher:
-    """``launcher(grid, args, constexprs, num_warps=, num_stages=, **options)`` launches
+    """``launcher(grid, args, constexprs, num_warps=, num_stages=, direct=, **options)`` launches
     ``jit_fn`` (a Triton or Gluon kernel) on the current stream: ``args`` are the runtime
     arguments in the kernel's order, ``constexprs`` a dict of the constexpr arguments (any
     subset, in any order, the same order at one call site: the key keeps it), ``num_stages``
     ``None`` for kernels that take none (Gluon), ``options`` further compile options
-    (``maxnreg``)."""
+    (``maxnreg``), ``direct=False`` every launch through Triton."""
 
     def __init__(self, jit_fn):
         import inspect
@@ -208,8 +195,8 @@ class KernelLauncher:
         return self.jit_fn[(grid,)](*args, **constexprs, num_warps=num_warps, **options)
 
     def __call__(self, grid: int, args: Sequence[Any], constexprs: Dict[str, Any], *, num_warps: int,
-                 num_stages: Optional[int] = 3, **options) -> None:
-        if (not self._direct_ok or not direct_launch_enabled() or interpreting()
+                 num_stages: Optional[int] = 3, direct: bool = True, **options) -> None:
+        if (not direct or not self._direct_ok or interpreting()
                 or any(_hook_active(h) for h in _launch_hooks()) or _capturing()):
             self._through_triton(grid, args, constexprs, num_warps, num_stages, options)
             return

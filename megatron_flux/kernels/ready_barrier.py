@@ -40,13 +40,13 @@ def ready_barrier_kernel(flag_ptrs, err_ptr, rank, world, base, epoch, max_spins
 
 
 def launch_ready_barrier(flag_ptrs, err, *, rank, world, base, epoch, max_spins, signal=True, wait=True,
-                         op_code=OP_AG_READY):
+                         op_code=OP_AG_READY, direct=True):
     """Queue the barrier on the current stream. ``flag_ptrs``: int64 table of every rank's
     signal region (this call's parity); ``err``: the op's int32[4] error word. With
     ``signal=False`` it is a bounded wait for signals the peers raise otherwise (the
     copy-engine all-gather's stream memory writes); ``op_code`` names the op in a timeout."""
     _LAUNCH(1, (flag_ptrs, err, rank, world, base, epoch, max_spins),
-            dict(SIGNAL=signal, WAIT=wait, OP_CODE=op_code), num_warps=1)
+            dict(SIGNAL=signal, WAIT=wait, OP_CODE=op_code), num_warps=1, direct=direct)
 
 
 _LAUNCH = KernelLauncher(ready_barrier_kernel)

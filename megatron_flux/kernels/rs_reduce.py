@@ -42,7 +42,7 @@ def rs_reduce_kernel(own_ptr, slots_ptr, bias_ptr, out_ptr, m_local, N, rank, WO
 
 
 def launch_rs_reduce(own, slots, out, bias, *, rank: int, world: int, block_m: int = 32,
-                     block_n: int = 256):
+                     block_n: int = 256, direct: bool = True):
     """Queue the reduction on the current stream: ``out`` ``[m_local, n]`` (contiguous) = the
     ``world`` partials of these rows summed in rank order (``own``, this rank's rows of its
     partial, for ``rank``; slot ``src`` of ``slots``, this rank's ``[world, m_local, n]`` slot
@@ -51,7 +51,7 @@ def launch_rs_reduce(own, slots, out, bias, *, rank: int, world: int, block_m: i
     grid = -(-m_local // block_m) * -(-n // block_n)  # (triton.cdiv is slow on the host)
     _LAUNCH(grid, (own, slots, bias if bias is not None else out, out, m_local, n, rank),
             dict(WORLD=world, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n),
-            num_warps=4, num_stages=1)
+            num_warps=4, num_stages=1, direct=direct)
 
 
 _LAUNCH = KernelLauncher(rs_reduce_kernel)

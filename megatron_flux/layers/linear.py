@@ -24,10 +24,13 @@ Differences from stock, each deliberate:
 * The row layer adds its bias inside the backend's reduce-scatter (``RS(X Wᵀ) + b``, the same
   value as stock's ``RS(X Wᵀ)`` then ``+ b``).
 
+* The column layer keeps its all-gathered input for the weight gradient by default
+  (``flux_keep_gathered_input``), where stock gathers it a second time in backward.
+
 ``flux_backend="megatron"`` turns all of that off: the layer runs its parent's code, exactly as
-stock megatron-core would. ``flux_backend`` is a plain attribute read on every forward, so a
-benchmark can switch one model between ``megatron``, ``nccl``, ``flux`` and ``auto`` between
-iterations (``examples/pretrain_support.py``, ``--flux-interleave-backends``).
+stock megatron-core would. ``flux_backend`` is read on every forward (and checked when set), so
+a job can switch one model between ``megatron``, ``nccl``, ``flux`` and ``auto`` between
+iterations (:mod:`megatron_flux.step_auto`, ``--flux-interleave-backends``).
 """
 
 from __future__ import annotations
@@ -93,6 +96,17 @@ def _mark_activation_offloading(config, input_: torch.Tensor) -> None:
 
 class _FluxLinearMixin:
     """Construction, backend selection and the apex-free fallback shared by both layers."""
+
+    @property
+    def flux_backend(self) -> str:
+        """``"auto"``, ``"megatron"`` or a registered backend name; a misspelt one raises when
+        set. It decides only where this layer runs megatron-flux's sequence-parallel ops
+        (:meth:`_uses_flux_ops`); elsewhere the layer runs its parent's code whatever it says."""
+        return self._flux_backend
+
+    @flux_backend.setter
+    def flux_backend(self, name: str) -> None:
+        self._flux_backend = validate_backend_name(name)
 
     #: the megatron-core class this layer extends (set by the concrete classes)
     _megatron_parent: type = torch.nn.Module
@@ -234,9 +248,9 @@ class FluxColumnParallelLinear(_FluxLinearMixin, ColumnParallelLinear):
             ``nccl`` reference), a registered backend name, or ``"megatron"`` (the parent's
             own code, for A/B comparisons in one model).
         flux_keep_gathered_input: keep the forward's all-gathered input for the weight gradient
-            instead of re-gathering it in backward (megatron's behaviour, the default). Trades
-            ``tp - 1`` extra activation shards per layer for one collective. ``None`` reads
-            ``config.flux_keep_gathered_input`` (absent → ``False``).
+            instead of re-gathering it in backward as megatron does. Trades ``tp - 1`` extra
+            activation shards per layer for one collective and its host time. ``None`` reads
+            ``config.flux_keep_gathered_input`` (absent → ``True``).
     """
 
     _megatron_parent = ColumnParallelLinear
@@ -258,7 +272,7 @@ class FluxColumnParallelLinear(_FluxLinearMixin, ColumnParallelLinear):
                    flux_keep_gathered_input: Optional[bool] = None) -> None:
         super()._init_flux(gaf, backend)
         if flux_keep_gathered_input is None:
-            flux_keep_gathered_input = getattr(self.config, "flux_keep_gathered_input", False)
+            flux_keep_gathered_input = getattr(self.config, "flux_keep_gathered_input", True)
         self.flux_keep_gathered_input = bool(flux_keep_gathered_input)
 
     def _uses_flux_ops(self) -> bool:

@@ -5,7 +5,6 @@
 * :mod:`.registry` where tables come from (``--flux-config``, ``$MEGATRON_FLUX_CONFIG``, the
                    shipped ``megatron_flux/tuning/tables/*.json``) and lookup
 * :mod:`.provider` ``TableConfigProvider`` (``FluxBackend``'s default) and :func:`prefer_fused`
-* :mod:`.auto`     the table's part of ``resolve_backend("auto", ...)``
 * :mod:`.search`   the GPU tuner behind ``megatron-flux tune`` (candidates, timing, writing)
 * :mod:`.from_bench` a table from a benchmark JSON (untuned configs, measured times)
 """
@@ -37,7 +36,7 @@ def reset() -> None:
     """Forget installed tables and every cached lookup and decision (tests, a new config)."""
     from megatron_flux.tuning import registry
 
-    registry.reset()  # also drops provider's and auto's cached decisions
+    registry.reset()  # also drops the cached decisions
 
 
 __all__ = [

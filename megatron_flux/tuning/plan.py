@@ -28,7 +28,7 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 def plan_rows(config_path: str, tp: int, m: int, device, dtype) -> List[Dict[str, object]]:
     """One row per TP GEMM of the config (see the module docstring); ``device`` is a CUDA device
     or ``(gpu name, SM count)``."""
-    from megatron_flux.tuning.auto import UNKNOWN_MIN_FUSED_M, decide
+    from megatron_flux.tuning.provider import UNKNOWN_MIN_FUSED_M, decide
     from megatron_flux.tuning.provider import TableConfigProvider, auto_margin, lookup_entry
 
     provider = TableConfigProvider()

@@ -5,10 +5,10 @@ Both are cached per full key, so after the first call of a shape a lookup is one
 
 from __future__ import annotations
 
-import os
 import threading
-from typing import Dict, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
+from megatron_flux.options import ENV, FluxOptions, get_options, on_options_change
 from megatron_flux.tuning.device import device_identity
 from megatron_flux.tuning.keys import ShapeKey, dtype_key, normalize_gpu_name, normalize_op
 from megatron_flux.tuning.registry import get_index
@@ -21,23 +21,20 @@ _LOCK = threading.Lock()
 #: ``auto`` takes the fused kernel only where the table measured it at least this fraction
 #: faster than NCCL: the same NCCL+cuBLAS op measured up to 8 % apart between two runs on the
 #: 2xH200 box, so a smaller measured win is as likely noise as gain, and "never slower than
-#: NCCL" comes first. ``$MEGATRON_FLUX_AUTO_MARGIN`` overrides it (0 = any measured win).
-DEFAULT_AUTO_MARGIN = 0.02
-ENV_AUTO_MARGIN = "MEGATRON_FLUX_AUTO_MARGIN"
+#: NCCL" comes first. ``FluxOptions.auto_margin`` (``$MEGATRON_FLUX_AUTO_MARGIN``) sets it
+#: (0 = any measured win).
+DEFAULT_AUTO_MARGIN = FluxOptions.auto_margin
+ENV_AUTO_MARGIN = ENV["auto_margin"]
+
+#: ``auto`` without a table entry: fused from this many global rows (``m_total``) up.
+UNKNOWN_MIN_FUSED_M = 1024
+
+_listeners: List[Callable[[], None]] = []
 
 
 def auto_margin() -> float:
-    """The margin in effect (:data:`DEFAULT_AUTO_MARGIN` or ``$MEGATRON_FLUX_AUTO_MARGIN``)."""
-    raw = os.environ.get(ENV_AUTO_MARGIN)
-    if raw is None or raw == "":
-        return DEFAULT_AUTO_MARGIN
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"${ENV_AUTO_MARGIN}={raw!r}: expected a number in [0, 1)") from None
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"${ENV_AUTO_MARGIN}={raw!r}: expected a number in [0, 1)")
-    return value
+    """The margin in effect (the installed :class:`~megatron_flux.options.FluxOptions`)."""
+    return get_options().auto_margin
 
 
 def _identity(device: DeviceLike) -> Tuple[str, int]:
@@ -97,12 +94,33 @@ def _device_cache_key(device) -> tuple:
     return (t, getattr(device, "index", None)) if t is not None else (str(device),)
 
 
-def clear_caches() -> None:
-    from megatron_flux.backends import clear_resolution_cache
+def decide(op: str, m_total: int, n: int, k: int, dtype, tp: int, device) -> Tuple[bool, bool]:
+    """``(fused?, from the table?)`` for one op and global row count: the table entry (with the
+    margin) where one exists, else fused from :data:`UNKNOWN_MIN_FUSED_M` rows."""
+    d = prefer_fused(op, m_total, n, k, dtype, tp, device)
+    if d is None:
+        return m_total >= UNKNOWN_MIN_FUSED_M, False
+    return d, True
 
+
+def on_decisions_change(listener: Callable[[], None]) -> None:
+    """Call ``listener()`` whenever the cached decisions are dropped (new tables or margin), so
+    caches built on them (the backend registry's) are dropped too. The tables know nothing of
+    their users: this is how the dependency points from the backends to the tables."""
+    with _LOCK:
+        _listeners.append(listener)
+
+
+def clear_caches() -> None:
+    """Drop the cached decisions and tell :func:`on_decisions_change`'s listeners."""
     with _LOCK:
         _DECISIONS.clear()
-    clear_resolution_cache()
+        listeners = list(_listeners)
+    for listener in listeners:
+        listener()
+
+
+on_options_change(lambda _options: clear_caches())
 
 
 class TableConfigProvider:

@@ -136,10 +136,9 @@ def reset() -> None:
 
 def _forget_decisions() -> None:
     """Drop the fused-vs-NCCL decisions made from the previous tables."""
-    from megatron_flux.tuning import auto, provider
+    from megatron_flux.tuning import provider
 
     provider.clear_caches()
-    auto.clear_cache()
 
 
 def build_index() -> TableIndex:

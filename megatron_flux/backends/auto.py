@@ -1,54 +1,37 @@
-"""The table's part of ``resolve_backend("auto", ...)``.
+"""``auto``: the fused backend or the NCCL reference, per call shape, from the tuning tables.
 
 ``resolve_backend`` first checks that the fused backend can run the operands at all; then it
 asks :func:`choose_auto` which of ``fused`` and ``nccl`` to use. The call sites in
-``megatron_flux.ops`` do not say which op follows (they call ``all_gather_matmul`` or
-``matmul_reduce_scatter`` on what they get), so with ``op=None`` both readings of ``(a, b)``
-are looked up:
+``megatron_flux.ops`` name the op that follows (``op="ag"``/``"rs"``); without it both readings
+of ``(a, b)`` are looked up:
 
 * AG+GEMM: ``m_total = rows(a) * tp`` (``a`` is this rank's shard);
 * GEMM+RS: ``m_total = rows(a)``.
 
-An unknown reading (``None``: no table entry for this GPU/TP/dtype/shape) falls back to a size
-heuristic: fused from :data:`UNKNOWN_MIN_FUSED_M` global rows up, NCCL below, where per-call host
-cost outweighs the hidden communication (2xH200, tuned benchmark of 2026-11-22: the fused
-kernels lost to NCCL in 19 of 24 cases with m <= 512 and won in 22 of 24 with m >= 1024).
-Where both readings give the same backend (no entry at all, or both fused) it is returned as
-is. Otherwise an :class:`AutoDispatch` is returned that picks per method (``all_gather_matmul``
-is the AG reading, ``matmul_reduce_scatter`` the RS one), so the choice is exact; its ``name``
-says what it picked, e.g. ``auto(ag:nccl,rs:flux)``. Passing ``op`` skips the other reading.
-Cached per ``(op, rows, k, n, dtype, tp, device)``: after the first call of a shape, one dict
-lookup.
+Each reading is :func:`megatron_flux.tuning.provider.decide`: the table entry at the nearest
+m-bucket with the ``auto`` margin, or without one a size rule. Where both readings give the same
+backend it is returned as is; otherwise an :class:`AutoDispatch` picks per method
+(``all_gather_matmul`` is the AG reading, ``matmul_reduce_scatter`` the RS one); its ``name``
+says what it picked, e.g. ``auto(ag:nccl,rs:flux)``. Cached per ``(op, rows, k, n, dtype, tp,
+device)``: after the first call of a shape, one dict lookup.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 from megatron_flux.backends.base import TPOverlapBackend
-from megatron_flux.tuning.provider import prefer_fused
+from megatron_flux.tuning.provider import UNKNOWN_MIN_FUSED_M, decide, on_decisions_change
 
 _CACHE: Dict[tuple, object] = {}
-
-#: ``auto`` without a table entry: fused from this many global rows (``m_total``) up.
-UNKNOWN_MIN_FUSED_M = 1024
-
-
-def decide(op: str, m_total: int, n: int, k: int, dtype, tp: int, device) -> Tuple[bool, bool]:
-    """``(fused?, from the table?)`` for one op and global row count: the table entry (with the
-    margin) where one exists, else fused from :data:`UNKNOWN_MIN_FUSED_M` rows."""
-    d = prefer_fused(op, m_total, n, k, dtype, tp, device)
-    if d is None:
-        return m_total >= UNKNOWN_MIN_FUSED_M, False
-    return d, True
 
 
 def _decide(op, rows, k, n, dtype, tp, device) -> bool:
     m_total = rows * tp if op == "ag" else rows
     fused, from_table = decide(op, m_total, n, k, dtype, tp, device)
     if not fused:
-        from megatron_flux.backends import log_once
+        from megatron_flux.backends.registry import log_once
 
         if from_table:
             log_once(
@@ -127,7 +110,8 @@ def choose_auto(fused: TPOverlapBackend, nccl: TPOverlapBackend, a, b, tp: int, 
 
 
 def clear_cache() -> None:
-    from megatron_flux.backends import clear_resolution_cache
-
+    """Forget :func:`choose_auto`'s answers (called when the tables' decisions change)."""
     _CACHE.clear()
-    clear_resolution_cache()
+
+
+on_decisions_change(clear_cache)

@@ -1,0 +1,113 @@
+"""The fused AllGather+GEMM call, host side.
+
+Schedule of one call on rank ``r`` (``W`` ranks, epoch ``e``):
+
+1. the GEMM kernel is queued on the current stream first; it computes the local rows from the
+   caller's shard at once and spins on chunk signals before each remote tile;
+2. on a side stream (after an event marking the shard ready) the copy engine pushes the shard,
+   chunk by chunk, into every peer's gathered workspace (peers in the order they consume it),
+   each chunk followed by a stream memory write of ``e`` into that peer's signal word;
+3. the current stream waits for the side stream, so the shard and the workspace are safe to
+   reuse.
+
+With ``GemmConfig.ag_merge_local`` (the default at small m, with a lead of 0) the kernel reads
+its local rows from the gathered workspace after a lead of local tiles, so step 0 also copies
+the shard into this rank's own gathered rows, on the current stream before the GEMM. A copy
+queued on the side stream behind the kernel would overlap the lead, but the kernel would then
+spin on work queued behind it on its own device, which this schedule never does.
+
+With ``GemmConfig.ag_pull`` step 0 is: copy the shard into this rank's own symmetric slot and
+run a one-warp "shards ready" barrier (:mod:`megatron_flux.kernels.ready_barrier`) on the current
+stream, before the GEMM; step 2 then *pulls* each peer's shard from its slot into the local
+workspace (in the order the GEMM visits them), each chunk followed by a stream memory write into
+this rank's own signal word. The barrier finishes before the GEMM is queued behind it, so it
+never waits beside a persistent grid holding the SMs.
+
+Because the kernel is queued before the copies and the copies never wait on the kernel, the
+kernel never spins on work queued behind it, also with ``CUDA_DEVICE_MAX_CONNECTIONS=1``; and no
+wait needs an SM, so a grid that is only partly resident still drains.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_flux.backends.base import output_like
+from megatron_flux.backends.flux.resources import deps
+from megatron_flux.backends.flux.support import aligned
+
+
+def gathered_views(ws, rank, world, parity, m_local, k, chunk, pull):
+    """``(gathered [m, k], own rows, this rank's int32 signals, copy plan)`` of one shape and
+    parity, in ``ws``'s gather slot (memoized by the callers)."""
+    m = world * m_local
+    gathered = ws.data(rank, parity, m * k).view(m, k)
+    own_rows = gathered[rank * m_local:(rank + 1) * m_local]
+    plan = deps().ag_copy_plan(ws, m_local, k, rank=rank, world=world, parity=parity,
+                               chunk=chunk, pull=pull)
+    return gathered, own_rows, ws.flags(rank, parity), plan
+
+
+def all_gather_matmul(backend, a_shard, b, group, out, return_gathered, gathered_out):
+    """``FluxBackend.all_gather_matmul`` (see the module docstring)."""
+    d = deps()
+    res, opts = backend.resources, backend.options
+    backend.check("AG+GEMM", a_shard, b, group)
+    a_shard, b = aligned(a_shard), aligned(b)
+    world, rank = group.size(), group.rank()
+    m_local, k = a_shard.shape
+    n = b.shape[1]
+    m = world * m_local
+    device = a_shard.device
+    out = output_like(out, (m, n), a_shard, "megatron-flux AG+GEMM", contiguous=True)
+    cfg = backend.config("ag", m, n, k, dtype=a_shard.dtype, tp=world, device=device)
+    if cfg.chunk_rows < m_local:
+        chunk = cfg.chunk_rows
+    else:
+        chunk = m_local
+        cfg = backend.config_with_chunk(cfg, chunk)
+    chunks = -(-m_local // chunk)
+    ws = res.workspace("ag", group, device, a_shard.dtype)
+    # signals: [src * chunks + c] chunk arrivals, then (pull) [world * chunks + p] shard ready
+    ready_base = world * chunks
+    ws.reserve(m * k, ready_base + world)
+    err = res.error_word("ag", device)
+    epoch = ws.next_epoch()
+    parity = epoch & 1
+    pull = cfg.ag_pull
+    merge = cfg.ag_merge_local and world > 1  # the kernel reads its own rows from `gathered`
+    gathered, own_rows, flags, plan = ws.memo(
+        ("ag-call", rank, world, parity, m_local, k, chunk, pull),
+        lambda: gathered_views(ws, rank, world, parity, m_local, k, chunk, pull))
+
+    current = torch.cuda.current_stream(device)
+    side = res.side_stream(device, cfg.comm_priority)
+    if pull or merge:  # peers pull from there / the merged GEMM reads it after its lead
+        own_rows.copy_(a_shard)
+    if pull:
+        # the barrier runs before the GEMM on this stream, so it never waits beside a
+        # persistent grid holding the SMs
+        d.launch_ready_barrier(ws.flag_ptrs(parity), err.device_word, rank=rank, world=world,
+                               base=ready_base, epoch=epoch, max_spins=opts.max_spins,
+                               direct=opts.direct_launch)
+    res.order(device, "ready")(side, current)  # the shard is ready (before the GEMM)
+    d.launch_ag_gemm(
+        a_shard, gathered, b, out, flags, err.device_word,
+        rank=rank, world=world, epoch=epoch, cfg=cfg, num_sms=res.sms(device),
+        max_spins=opts.max_spins, host_descriptors=opts.host_descriptors,
+        direct=opts.direct_launch,
+    )
+    err.after_launch()
+    with d.on_stream(side, current):
+        for dst, src, peer_flags, index in d.materialize(plan, a_shard):
+            dst.copy_(src)
+            d.write_signal(peer_flags, index, epoch)
+        if return_gathered and not pull and not merge:  # else filled up front
+            own_rows.copy_(a_shard)
+    res.order(device, "done")(current, side)
+    if not return_gathered:
+        return out, None
+    if gathered_out is not None:
+        gathered_out.copy_(gathered)
+        return out, gathered_out
+    return out, gathered

@@ -1,0 +1,147 @@
+"""What the fused backend keeps per device and TP group, built on first use and reused: the
+symmetric workspaces, the device error words, the copy-engine side streams, the reusable
+cross-stream orderings, the copy-engine GEMM+RS staging buffers, and the device's SM count and
+compute capability."""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+from megatron_flux.options import FluxOptions
+
+
+def deps():
+    """The comm and kernel helpers the fused calls use, imported on first use, not with this
+    package (which must import without Triton: ``flux_backend_factory_or_reason`` reports why the
+    backend is unavailable). Importing inside a function on every call would cost about a
+    microsecond each; the hot paths would make a dozen per layer call."""
+    global _DEPS
+    if _DEPS is None:
+        from types import SimpleNamespace
+
+        from megatron_flux.comm.ag_copies import ag_copy_plan, materialize
+        from megatron_flux.comm.errors import DeviceErrorWord
+        from megatron_flux.comm.rs_copies import rs_copy_plan
+        from megatron_flux.comm.signals import (stream_wait_unavailable_reason,
+                                                wait_signal_on_stream, write_signal)
+        from megatron_flux.comm.streams import StreamOrder, on_stream
+        from megatron_flux.comm.workspace import SymmetricWorkspace
+        from megatron_flux.kernels.ag_gemm import launch_ag_gemm
+        from megatron_flux.kernels.config import rs_band_words, rs_bands, rs_signal_count
+        from megatron_flux.kernels.gemm_rs import launch_gemm_rs, rs_staging_table
+        from megatron_flux.kernels.ready_barrier import launch_ready_barrier
+        from megatron_flux.kernels.rs_reduce import launch_rs_reduce
+        from megatron_flux.kernels.signals import OP_GATHER, OP_GEMM_RS
+
+        _DEPS = SimpleNamespace(**{k: v for k, v in locals().items() if k != "SimpleNamespace"})
+    return _DEPS
+
+
+_DEPS = None
+
+
+def reserved_sms(total: int, options: FluxOptions) -> int:
+    """SMs the fused grids leave free (``options.reserved_sms``), checked against the device.
+
+    The persistent grids wait on their peers while holding SMs, so every CTA of every rank must
+    be resident. A kernel that runs beside them, such as an asynchronous data-parallel NCCL
+    collective under ``--overlap-grad-reduce``, takes SMs. Reserving at least as many SMs as
+    it uses (NCCL: up to its channel count) keeps the grids fully resident; correctness does
+    not depend on the grid size, only the speed does.
+    """
+    value = options.reserved_sms
+    if not 0 <= value < total:
+        raise ValueError(f"megatron-flux reserved_sms ($MEGATRON_FLUX_RESERVED_SMS) = {value}: must "
+                         f"be in [0, {total}) on a {total}-SM GPU")
+    return value
+
+
+class DeviceResources:
+    """Per-device (and per TP group) state of one fused backend; see the module docstring."""
+
+    def __init__(self, options: FluxOptions):
+        self.options = options
+        self._workspaces: Dict[Tuple, object] = {}
+        self._errors: Dict[Tuple, object] = {}
+        self._streams: Dict[Tuple, torch.cuda.Stream] = {}
+        self._orders: Dict[Tuple, object] = {}
+        self._staging: Dict[Tuple, torch.Tensor] = {}
+        self._num_sms: Dict[int, int] = {}
+        self._caps: Dict[int, Tuple[int, int]] = {}
+
+    def set_options(self, options: FluxOptions) -> None:
+        """New options: the SM budget is derived from them, the rest reads them per call."""
+        self.options = options
+        self._num_sms.clear()
+        for word in self._errors.values():
+            word.interval = max(1, options.error_check_interval)
+
+    def workspace(self, op: str, group, device, dtype):
+        """The symmetric workspace of ``op`` (``"ag"``, ``"rs"``, ``"gather"``) on ``group``."""
+        key = (op, group.group_name, device.index, dtype)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            ws = self._workspaces[key] = deps().SymmetricWorkspace(op, group, device, dtype)
+        return ws
+
+    def error_word(self, op: str, device):
+        """The device error word of ``op`` on ``device``; raises a timeout reported earlier."""
+        key = (op, device.index)
+        word = self._errors.get(key)
+        if word is None:
+            word = self._errors[key] = deps().DeviceErrorWord(device, self.options.error_check_interval)
+        word.check_if_due()
+        return word
+
+    def check_errors(self, sync: bool = True) -> None:
+        for word in self._errors.values():
+            word.check(sync=sync)
+
+    def capability(self, device) -> Tuple[int, int]:
+        cap = self._caps.get(device.index)
+        if cap is None:
+            cap = self._caps[device.index] = torch.cuda.get_device_capability(device)
+        return cap
+
+    def side_stream(self, device, priority: int = -1, use: str = "ag") -> torch.cuda.Stream:
+        """A copy-engine stream of this device at this CUDA priority, one per (use, priority):
+        the AllGathers' (``"ag"``), copy-engine GEMM+RS's (``"rs"``) and the copy-engine
+        dgrad's (``"rs-dgrad"``)."""
+        key = (device.index, priority, use)
+        s = self._streams.get(key)
+        if s is None:
+            s = self._streams[key] = torch.cuda.Stream(device=device, priority=priority)
+        return s
+
+    def order(self, device, which: str):
+        """The reusable cross-stream ordering of this device for the ``which`` hand-off."""
+        key = (device.index, which)
+        order = self._orders.get(key)
+        if order is None:
+            order = self._orders[key] = deps().StreamOrder()
+        return order
+
+    def sms(self, device) -> int:
+        """SMs the persistent grids may fill: the device's, less the reserved ones."""
+        n = self._num_sms.get(device.index)
+        if n is None:
+            total = torch.cuda.get_device_properties(device).multi_processor_count
+            n = self._num_sms[device.index] = total - reserved_sms(total, self.options)
+        return n
+
+    def staging(self, device, dtype, numel: int, side) -> torch.Tensor:
+        """This device's local staging buffer for copy-engine GEMM+RS (grown, never shrunk).
+        The side stream reads it, so the allocator reuses a replaced buffer only after that
+        stream's work (``record_stream``)."""
+        key = (device.index, dtype)
+        buf = self._staging.get(key)
+        if buf is None or buf.numel() < numel:
+            if buf is not None:  # the old buffer's copy plans hold views of it: drop them
+                numel = max(numel, buf.numel() * 3 // 2)
+                for ws in self._workspaces.values():
+                    ws.forget("rs-ce")
+            buf = self._staging[key] = torch.empty(numel, dtype=dtype, device=device)
+            buf.record_stream(side)
+        return buf

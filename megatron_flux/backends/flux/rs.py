@@ -1,0 +1,172 @@
+"""The fused GEMM+ReduceScatter call, host side, and the column backward's copy-engine
+ReduceScatter (``column_dgrad="copy_engine"``), which shares its slots, signals and epochs.
+
+GEMM+ReduceScatter needs no side stream: the kernel pushes remote tiles and reduces its own.
+With ``GemmConfig.rs_copy_engine`` the kernel writes the peers' partials into a local staging
+buffer instead and raises this rank's "produced" word; queued behind it, a side stream waits for
+that word (``cuStreamWaitValue32``), copies each partial into its owner's slot by the copy engine
+and writes the owner's signal word, while the kernel computes its own rows; the current stream
+then waits for the side stream (the staging buffer is reused by the next call). The kernel never
+waits for its own side stream, only for its peers'; each peer's copies wait only for that peer's
+producer phase, which waits for nothing. Peer-to-peer copies queued this way start while the
+kernel runs under both ``CUDA_DEVICE_MAX_CONNECTIONS`` settings
+(``benchmarks/experiments/stream_wait_overlap.py``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from megatron_flux.backends.base import output_like
+from megatron_flux.backends.flux.handles import CopyEngineReduceScatter
+from megatron_flux.backends.flux.resources import deps
+from megatron_flux.backends.flux.support import aligned
+
+
+def rs_rows(m: int, n: int, world: int, bias) -> int:
+    """This rank's output rows of a GEMM+RS of ``m`` rows (checked, as the bias is)."""
+    if m % world:
+        raise ValueError(f"megatron-flux GEMM+RS: {m} rows are not divisible by TP={world}")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"megatron-flux GEMM+RS: bias must be contiguous ({n},)")
+    return m // world
+
+
+def rs_call(res, group, device, dtype, m_local: int, n: int):
+    """``(workspace, error word, epoch, parity)`` of one GEMM+RS call, in either form (the fused
+    kernel or the copy-engine dgrad share slots, signals and epochs)."""
+    world = group.size()
+    ws = res.workspace("rs", group, device, dtype)
+    ws.reserve(world * m_local * n, deps().rs_signal_count(world))
+    err = res.error_word("rs", device)
+    epoch = ws.next_epoch()
+    return ws, err, epoch, epoch & 1
+
+
+def matmul_reduce_scatter(backend, a, b, group, out, bias):
+    """``FluxBackend.matmul_reduce_scatter`` (see the module docstring)."""
+    res, opts = backend.resources, backend.options
+    backend.check("GEMM+RS", a, b, group)
+    a, b = aligned(a), aligned(b)
+    world, rank = group.size(), group.rank()
+    m, k = a.shape
+    n = b.shape[1]
+    m_local = rs_rows(m, n, world, bias)
+    device = a.device
+    out = output_like(out, (m_local, n), a, "megatron-flux GEMM+RS", contiguous=True)
+    cfg = backend.config("rs", m, n, k, dtype=a.dtype, tp=world, device=device)
+    ws, err, epoch, parity = rs_call(res, group, device, a.dtype, m_local, n)
+    data = ws.data(rank, parity, world * m_local * n)
+    if cfg.rs_copy_engine and _stream_wait_ok(backend):
+        return _copy_engine_delivery(backend, a, b, out, bias, ws, err, data, cfg, rank=rank,
+                                     world=world, m_local=m_local, n=n, epoch=epoch,
+                                     parity=parity)
+    deps().launch_gemm_rs(
+        a, b, out, data, ws.data_ptrs(parity), ws.flag_ptrs(parity), bias, err.device_word,
+        rank=rank, world=world, epoch=epoch, cfg=cfg, num_sms=res.sms(device),
+        max_spins=opts.max_spins, host_descriptors=opts.host_descriptors,
+        direct=opts.direct_launch,
+    )
+    err.after_launch()
+    return out
+
+
+def _copy_engine_delivery(backend, a, b, out, bias, ws, err, data, cfg, *, rank, world, m_local,
+                          n, epoch, parity):
+    """GEMM+RS with the copy engine delivering the partials (see the module docstring)."""
+    d = deps()
+    res, opts = backend.resources, backend.options
+    device = a.device
+    seg_elems = m_local * n
+    side = res.side_stream(device, -1, "rs")
+    staging = res.staging(device, a.dtype, (world - 1) * seg_elems, side)
+    bands = d.rs_bands(m_local, cfg.block_m, cfg.group_m) if cfg.rs_ce_bands else None
+    table, copies, my_flags = ws.memo(
+        ("rs-ce", rank, world, parity, m_local, n, staging.data_ptr(), bands,
+         cfg.block_m if bands else 0),
+        lambda: copy_plan(ws, staging, data, rank, world, parity, m_local, n, bands,
+                           cfg.block_m))
+    current = torch.cuda.current_stream(device)
+    d.launch_gemm_rs(
+        a, b, out, data, table, ws.flag_ptrs(parity), bias, err.device_word,
+        rank=rank, world=world, epoch=epoch, cfg=cfg, num_sms=res.sms(device),
+        max_spins=opts.max_spins, host_descriptors=opts.host_descriptors,
+        direct=opts.direct_launch,
+    )
+    err.after_launch()
+    with d.on_stream(side, current):
+        if bands is None:
+            d.wait_signal_on_stream(my_flags, world + 1, epoch, side)  # this rank's grid produced
+        for dst, src, owner_flags, produced, last in copies:
+            if produced is not None:  # this band's tiles are all staged
+                d.wait_signal_on_stream(my_flags, produced, epoch, side)
+            dst.copy_(src)
+            if last:
+                d.write_signal(owner_flags, rank, epoch)
+    res.order(device, "rs-done")(current, side)  # the next call may refill the staging
+    return out
+
+
+def _stream_wait_ok(backend) -> bool:
+    """Whether the driver offers the stream wait copy-engine GEMM+RS needs; else (once) a
+    warning, and such configs push from the SMs."""
+    if backend._stream_wait is None:
+        reason = deps().stream_wait_unavailable_reason()
+        if reason is not None:
+            warnings.warn(f"megatron-flux GEMM+RS: rs_copy_engine configs push from the SMs "
+                          f"instead ({reason})", stacklevel=4)
+        backend._stream_wait = reason is None
+    return backend._stream_wait
+
+
+def copy_plan(ws, staging, data, rank, world, parity, m_local, n, bands=None, block_m=0):
+    """``(data_ptrs table, copies, this rank's uint32 signals)`` of one copy-engine GEMM+RS
+    shape. ``copies``: ``(owner's slot rows, staged rows, owner's uint32 signals, "produced" word
+    to wait for first or None, whether the owner's signal follows)`` in queue order: per producer
+    step its whole partial, or with ``bands`` (:func:`rs_bands`) band by band in the order the
+    step's tiles run (odd steps backwards)."""
+    d = deps()
+    seg_elems = m_local * n
+    addrs = d.rs_staging_table(staging.data_ptr(), data.data_ptr(), rank=rank, world=world,
+                               m_local=m_local, n=n, elt=staging.element_size())
+    table = torch.tensor(addrs, dtype=torch.int64, device=staging.device)
+    band_rows, count = (m_local, 1) if bands is None else (bands[0] * block_m, bands[1])
+    copies = []
+    for step in range(world - 1):
+        owner = (rank + 1 + step) % world
+        slot = ws.data(owner, parity, world * seg_elems)[rank * seg_elems:(rank + 1) * seg_elems]
+        part = staging[step * seg_elems:(step + 1) * seg_elems]
+        order = list(range(count)) if step % 2 == 0 else list(reversed(range(count)))
+        for j, band in enumerate(order):
+            lo, hi = band * band_rows * n, min(m_local, (band + 1) * band_rows) * n
+            produced = None if bands is None else d.rs_band_words(world, step, band)[1]
+            copies.append((slot[lo:hi], part[lo:hi], ws.flags(owner, parity, torch.uint32),
+                           produced, j == count - 1))
+    return table, copies, ws.flags(rank, parity, torch.uint32)
+
+
+def reduce_scatter_copy_engine_start(backend, a, b, group, bias):
+    """The column backward's dgrad with ``column_dgrad="copy_engine"``: cuBLAS's partial, its
+    peers' rows moved by the copy engine (side stream, queued after the GEMM);
+    :meth:`CopyEngineReduceScatter.wait` finishes the call."""
+    d = deps()
+    res = backend.resources
+    backend.check("GEMM+RS", a, b, group)
+    world, rank = group.size(), group.rank()
+    n, device = b.shape[1], a.device
+    m_local = rs_rows(a.shape[0], n, world, bias)
+    ws, err, epoch, parity = rs_call(res, group, device, a.dtype, m_local, n)
+    partial = torch.matmul(a, b).contiguous()
+    copies = ws.memo(("rs-ce-dgrad", rank, world, parity, m_local, n),
+                     lambda: d.rs_copy_plan(ws, m_local, n, rank=rank, world=world, parity=parity))
+    current = torch.cuda.current_stream(device)
+    side = res.side_stream(device, -1, "rs-dgrad")
+    res.order(device, "rs-dgrad-ready")(side, current)  # the partial is computed
+    with d.on_stream(side, current):
+        for peer, dst, _ in copies:
+            dst.copy_(partial[peer * m_local:(peer + 1) * m_local].view(-1))
+    partial.record_stream(side)
+    return CopyEngineReduceScatter(backend, ws, err, copies, partial, bias, rank, world, parity,
+                                   epoch, m_local, n, current, side)

@@ -1,0 +1,54 @@
+"""What the fused kernels can run: the operand checks behind ``FluxBackend.unsupported_reason``,
+and the alignment fix-up every call applies."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def signature_reason(a, b, group, capability) -> Optional[str]:
+    """Why the fused kernels cannot run ``a @ b`` over ``group``, from the operands' signature
+    alone (shapes, strides, dtypes, device), or ``None``. ``capability()`` gives the device's
+    compute capability (asked last: it is the only query that touches the driver)."""
+    world = group.size() if group is not None else 1
+    if world < 2:
+        return "tensor-parallel group has one rank"
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {a.dtype} (fused kernels take bfloat16/float16)"
+    if b.dtype != a.dtype:
+        return f"operand dtypes differ ({a.dtype} vs {b.dtype})"
+    if a.dim() != 2 or b.dim() != 2:
+        return "operands must be 2-D"
+    if not a.is_contiguous():
+        return "input is not contiguous"
+    if not (b.stride(1) == 1 or b.stride(0) == 1):
+        return f"weight strides {tuple(b.stride())} are neither row- nor column-major"
+    k, n = b.shape
+    if a.shape[1] != k:
+        return f"shapes {tuple(a.shape)} x {tuple(b.shape)} do not chain"
+    if k % 8 or n % 8:
+        return f"k={k} and n={n} must be multiples of 8 (16-byte TMA strides)"
+    lead = b.stride(0) if b.stride(1) == 1 else b.stride(1)
+    if lead % 8:
+        return f"weight leading stride {lead} is not a multiple of 8 (16-byte TMA strides)"
+    if capability()[0] < 9:
+        return "fused kernels need compute capability >= 9.0 (TMA)"
+    if a.shape[0] == 0:
+        return "empty input"
+    return None
+
+
+def aligned(t):
+    """``t``, or a copy when its address is not 16-byte aligned (TMA needs 16).
+
+    Alignment is not a reason to fall back: ``auto`` decides on each rank alone, and every other
+    input to that decision (shapes, dtypes, strides, device) is the same on all ranks of an SPMD
+    program, while addresses need not be; ranks choosing differently would pair a fused kernel
+    with an NCCL collective."""
+    if t.data_ptr() % 16 == 0:
+        return t
+    if t.stride(1) == 1:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.t().clone(memory_format=torch.contiguous_format).t()
