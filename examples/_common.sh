@@ -1,9 +1,11 @@
 # Shared by the launchers (sourced, not run). Sets REPO, PYTHON, NGPUS; checks the machine;
-# makes megatron-core 0.19 (with megatron.training) and megatron-flux importable.
+# checks that megatron-core 0.19 (with megatron.training) and megatron-flux import.
 #
 # Environment knobs:
 #   PYTHON        interpreter (default: python3); needs >= 3.12 (megatron.training)
-#   MCORE_SITE    where to install megatron-core if it is missing (default: /tmp/site)
+#   FLUX_DRY_RUN=1  print the environment the training command gets ("ENV NAME=VALUE" lines)
+#                   and its arguments, one per line, and run nothing (no GPU needed; NPROC
+#                   defaults to 2): what tests/test_launch_config.py checks
 #   NPROC         processes = GPUs = tensor-parallel size (default: all local GPUs)
 #   FLUX_BACKEND  backend of --flux-tp-overlap: auto (default), flux or nccl
 #   FLUX_TP_OVERLAP=0  run without the flag: megatron-core's own linears (the baseline)
@@ -11,7 +13,6 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
-MCORE_SITE="${MCORE_SITE:-/tmp/site}"
 
 die() { echo "error: $*" >&2; exit 2; }
 
@@ -25,6 +26,7 @@ count_gpus() {
 
 require_gpus() {  # require_gpus MIN
     local min="$1"
+    if [ "${FLUX_DRY_RUN:-0}" = 1 ]; then NPROC="${NPROC:-2}"; return 0; fi
     NGPUS="$(count_gpus)"
     if [ "${NGPUS}" -lt "${min}" ]; then
         die "this needs a machine with at least ${min} NVIDIA GPUs (found ${NGPUS}; nvidia-smi lists none or is missing).
@@ -36,33 +38,32 @@ require_gpus() {  # require_gpus MIN
 }
 
 require_python() {
+    [ "${FLUX_DRY_RUN:-0}" = 1 ] && return 0
     "${PYTHON}" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' \
         || die "${PYTHON} is Python $("${PYTHON}" -c 'import platform; print(platform.python_version())'); megatron.training (megatron-core 0.19) needs Python >= 3.12 (set PYTHON=...)"
     "${PYTHON}" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
         || die "${PYTHON}: PyTorch is missing or has no CUDA (install a CUDA build of torch >= 2.6)"
 }
 
-# megatron-core 0.19 with megatron.training: use the installed one, else install it into
-# ${MCORE_SITE}: from a carried wheel in ${REPO}/.whl (offline), else from the package index.
+# megatron-core 0.19 with megatron.training must be importable by ${PYTHON}, from the user's
+# environment (pip install 'megatron-flux[train]', or PYTHONPATH); nothing is installed here.
 # megatron-flux is used from this checkout (PYTHONPATH), nothing to build.
 ensure_megatron() {
     export PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}"
-    if [ -d "${MCORE_SITE}/megatron" ]; then
-        export PYTHONPATH="${MCORE_SITE}:${PYTHONPATH}"
+    [ "${FLUX_DRY_RUN:-0}" = 1 ] && return 0
+    local found
+    found="$("${PYTHON}" -c 'import megatron.core as m; print(m.__version__)' 2>/dev/null || true)"
+    if [ -z "${found}" ]; then
+        die "${PYTHON} cannot import megatron.core. Install megatron-core 0.19 (pip install 'megatron-flux[train]', or 'megatron-core>=0.19,<0.20'), or put it on PYTHONPATH."
     fi
-    if ! "${PYTHON}" -c 'import megatron.training, megatron.core as m; assert m.__version__.startswith("0.19")' >/dev/null 2>&1; then
-        local wheels=("${REPO}"/.whl/megatron_core-0.19*.whl)
-        if [ -e "${wheels[0]}" ]; then
-            echo "> installing ${wheels[0]##*/} into ${MCORE_SITE} (offline)"
-            "${PYTHON}" -m pip install -q --no-deps --no-index --target "${MCORE_SITE}" "${wheels[0]}"
-        else
-            echo "> installing megatron-core 0.19 into ${MCORE_SITE}"
-            "${PYTHON}" -m pip install -q --no-deps --target "${MCORE_SITE}" "megatron-core>=0.19,<0.20"
-        fi
-        export PYTHONPATH="${MCORE_SITE}:${PYTHONPATH}"
-    fi
-    "${PYTHON}" -c 'import megatron.training, megatron_flux' \
-        || die "cannot import megatron.training and megatron_flux with PYTHONPATH=${PYTHONPATH}"
+    case "${found}" in
+        0.19*) ;;
+        *) die "${PYTHON} imports megatron-core ${found}; the training launchers need 0.19 (megatron.training's pretrain API). pip install 'megatron-core>=0.19,<0.20'." ;;
+    esac
+    "${PYTHON}" -c 'import megatron.training' 2>/dev/null \
+        || die "megatron-core ${found} is importable but megatron.training is not (it needs Python >= 3.12 and the full wheel)."
+    "${PYTHON}" -c 'import megatron_flux' \
+        || die "cannot import megatron_flux with PYTHONPATH=${PYTHONPATH}"
 }
 
 # Arguments every launcher passes: TP over all local GPUs with sequence parallelism, the local
@@ -106,6 +107,11 @@ run_pretrain() {  # run_pretrain MODEL_CONFIG [extra megatron args...]
     export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
     common_megatron_args
     cd "${REPO}"
+    if [ "${FLUX_DRY_RUN:-0}" = 1 ]; then  # the environment it sets, then the arguments
+        printf 'ENV %s\n' "CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS}" "WORLD_SIZE=${NPROC}"
+        printf '%s\n' --model-config "${config}" "${COMMON_ARGS[@]}" "$@"
+        return 0
+    fi
     flux_preflight
     set -x
     "${PYTHON}" -m torch.distributed.run --standalone --nproc-per-node "${NPROC}" \

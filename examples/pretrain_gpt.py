@@ -37,7 +37,9 @@ import pretrain_support  # noqa: E402  (examples/pretrain_support.py)
 # Megatron parses sys.argv itself: expand --model-config before it does.
 sys.argv = [sys.argv[0]] + pretrain_support.expand_model_config_argv(sys.argv[1:])
 
-if sys.version_info < (3, 12):
+import typing  # noqa: E402
+
+if not hasattr(typing, "override"):
     sys.exit(
         "examples/pretrain_gpt.py needs Python >= 3.12: megatron.training (megatron-core 0.19) "
         f"imports typing.override; this is Python {sys.version.split()[0]}"
