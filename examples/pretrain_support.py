@@ -239,11 +239,13 @@ def add_example_args(parser):
         metavar="BACKEND",
         default=None,
         help="Benchmarking: rotate the Flux linears' backend between these ('megatron' = "
-        "megatron-core's own code in the same layers, 'nccl', 'flux', 'auto') every "
-        "--flux-interleave-steps iterations, logging each switch. Step times of one job then "
-        "compare the backends under the same conditions. A name may carry modifiers: "
-        "'flux+keep' (the column layers keep the gathered input), 'flux+ncclgather' (the "
-        "re-gather on NCCL). Needs --flux-tp-overlap.",
+        "megatron-core's own code in the same layers, 'nccl', 'flux', 'auto' = what the "
+        "default --flux-backend auto chose from this job's first steps, 'auto-op' = the "
+        "tables' per-op choice) every --flux-interleave-steps iterations, logging each switch. "
+        "Step times of one job then compare the backends under the same conditions. A name may "
+        "carry modifiers: '+keep' / '+nokeep' (the column layers keep the gathered input, or "
+        "gather it again in backward), '+ncclgather' / '+cegather' (that re-gather on NCCL or "
+        "the copy engine). Needs --flux-tp-overlap.",
     )
     group.add_argument(
         "--flux-interleave-steps",
@@ -257,6 +259,12 @@ def add_example_args(parser):
 
 INTERLEAVE_TAG = "[flux-interleave]"
 
+#: the block name that stands for what ``--flux-backend auto`` runs in a job: the backend its
+#: step-time selection (megatron_flux.step_auto) chose at the start of this job
+STEP_AUTO_BLOCK = "auto"
+#: the per-op ``auto`` (the tables' choice per GEMM), the layer setting
+PER_OP_AUTO_BLOCK = "auto-op"
+
 
 class BackendInterleaver:
     """Set ``flux_backend`` on every Flux linear of a model, in blocks of ``steps`` iterations.
@@ -267,17 +275,23 @@ class BackendInterleaver:
     (Megatron's 1-based iteration numbers, as in its ``iteration N/ T`` lines). A micro-batch's
     backward uses the backend its forward used (the ops keep it on the autograd context).
 
-    A backend name may carry modifiers, ``+keep`` and ``+ncclgather`` (``flux+keep``):
+    ``auto`` stands for what the default ``--flux-backend auto`` runs: when a block names it, the
+    job first runs the step-time selection of :mod:`megatron_flux.step_auto` (its iterations are
+    logged as backend ``selecting``), and the blocks start after it; each ``auto`` block then
+    runs the backend it chose. ``auto-op`` is the per-op choice from the tables.
 
-    * ``+keep``: the column layers' ``flux_keep_gathered_input`` on (no re-gather in backward);
-    * ``+ncclgather``: the fused backend's ``column_regather`` set to ``"nccl"`` (the re-gather
-      on NCCL's asynchronous all-gather instead of the copy engine).
+    A backend name may carry modifiers (``flux+keep``):
 
-    Blocks without a modifier run with the values the job configured. So one job times the
-    backward re-gather's forms against each other under the same conditions.
+    * ``+keep`` / ``+nokeep``: the column layers' ``flux_keep_gathered_input`` on / off (off:
+      the input is gathered again in backward, as megatron-core does);
+    * ``+ncclgather`` / ``+cegather``: the fused backend's ``column_regather`` set to ``"nccl"`` /
+      ``"copy_engine"`` (how that re-gather runs).
+
+    Blocks without a modifier run with the values the job configured. So one job times these
+    forms against each other under the same conditions.
     """
 
-    def __init__(self, backends: Sequence[str], steps: int):
+    def __init__(self, backends: Sequence[str], steps: int, selector_factory=None):
         from megatron_flux.backends import validate_backend_name
 
         if not backends:
@@ -285,8 +299,10 @@ class BackendInterleaver:
         if steps < 1:
             raise ValueError(f"--flux-interleave-steps {steps}: must be >= 1")
         for name in backends:
-            validate_backend_name(_split_block_name(name)[0])
-        self._fused = None  # the fused backend, once a block names +ncclgather
+            backend = _split_block_name(name)[0]
+            if backend not in (STEP_AUTO_BLOCK, PER_OP_AUTO_BLOCK):
+                validate_backend_name(backend)
+        self._fused = None  # the fused backend, once a block names a re-gather modifier
         self._configured_regather: Optional[str] = None
         self.backends = list(backends)
         self.steps = int(steps)
@@ -294,17 +310,20 @@ class BackendInterleaver:
         self._layers: Dict[int, List[Any]] = {}
         self._configured_keep: Dict[int, bool] = {}  # id(column layer) -> the job's own value
         self._applied: Dict[int, str] = {}  # id(model) -> the block name its layers are set to
+        self._wants_selector = any(_split_block_name(b)[0] == STEP_AUTO_BLOCK for b in backends)
+        self._selector_factory = selector_factory
+        self.selector = None
+        self._offset = 0  # the first iteration of the blocks (after the selection)
 
     def backend_for(self, iteration: int) -> str:
-        return self.backends[(iteration // self.steps) % len(self.backends)]
+        return self.backends[((iteration - self._offset) // self.steps) % len(self.backends)]
 
     def _flux_layers(self, model: Any) -> List[Any]:
-        from megatron_flux.layers.linear import FluxColumnParallelLinear, FluxRowParallelLinear
+        from megatron_flux.step_auto import flux_layers
 
         layers = self._layers.get(id(model))
         if layers is None:
-            flux = (FluxColumnParallelLinear, FluxRowParallelLinear)
-            layers = [m for m in model.modules() if isinstance(m, flux)]
+            layers = flux_layers(model)
             if not layers:
                 raise RuntimeError(
                     "--flux-interleave-backends: the model has no Flux linears (pass "
@@ -312,9 +331,35 @@ class BackendInterleaver:
             self._layers[id(model)] = layers
         return layers
 
+    def _select(self, model: Any, iteration: int, log: Callable[[str], None]) -> bool:
+        """Run the step-time selection at ``iteration``; whether it is still going."""
+        layers = self._flux_layers(model)
+        if self.selector is None:
+            from megatron_flux.step_auto import StepAutoSelector
+
+            for layer in layers:
+                layer.flux_backend = "auto"
+            make = self._selector_factory or (lambda ls, log: StepAutoSelector(
+                ls, group=getattr(ls[0], "tp_group", None), log=log))
+            self.selector = make(layers, log)
+            log(f"{INTERLEAVE_TAG} iteration {iteration + 1}: backend selecting")
+            self.current = "selecting"
+        if self.selector.step(iteration) is None:
+            return True
+        self._offset = iteration
+        self._applied.clear()
+        return False
+
     def switch(self, model: Any, iteration: int, log: Callable[[str], None] = print) -> str:
+        if self._wants_selector and (self.selector is None or self.selector.decided is None):
+            if self._select(model, iteration, log):
+                return "selecting"
         name = self.backend_for(iteration)
         backend, mods = _split_block_name(name)
+        if backend == STEP_AUTO_BLOCK:
+            backend = self.selector.decided
+        elif backend == PER_OP_AUTO_BLOCK:
+            backend = "auto"
         layers = self._flux_layers(model)
         if self._applied.get(id(model)) != name:
             for layer in layers:
@@ -322,8 +367,16 @@ class BackendInterleaver:
                 if hasattr(layer, "flux_keep_gathered_input"):  # column layers only
                     configured = self._configured_keep.setdefault(
                         id(layer), layer.flux_keep_gathered_input)
-                    layer.flux_keep_gathered_input = True if "keep" in mods else configured
-            self._set_regather("nccl" if "ncclgather" in mods else None)
+                    keep = configured
+                    if "keep" in mods or "nokeep" in mods:
+                        keep = "keep" in mods
+                    layer.flux_keep_gathered_input = keep
+            regather = None
+            if "ncclgather" in mods:
+                regather = "nccl"
+            elif "cegather" in mods:
+                regather = "copy_engine"
+            self._set_regather(regather)
             self._applied[id(model)] = name
         if name != self.current:
             self.current = name
@@ -343,7 +396,7 @@ class BackendInterleaver:
 
 
 #: modifiers a block name may carry after its backend (``BackendInterleaver``)
-BLOCK_MODIFIERS = ("keep", "ncclgather")
+BLOCK_MODIFIERS = ("keep", "nokeep", "ncclgather", "cegather")
 
 
 def _split_block_name(name: str) -> Tuple[str, frozenset]:
@@ -355,6 +408,8 @@ def _split_block_name(name: str) -> Tuple[str, frozenset]:
     if unknown:
         raise ValueError(f"--flux-interleave-backends {name!r}: unknown modifier(s) {unknown}; "
                          f"choose from {list(BLOCK_MODIFIERS)}")
+    if {"keep", "nokeep"} <= set(mods) or {"ncclgather", "cegather"} <= set(mods):
+        raise ValueError(f"--flux-interleave-backends {name!r}: contradictory modifiers")
     return backend, frozenset(mods)
 
 

@@ -554,6 +554,60 @@ def test_interleaver_ncclgather_blocks_switch_the_fused_backends_regather(monkey
                     ("nccl", "copy_engine", False), ("flux", "copy_engine", False)]
 
 
+def test_interleaver_auto_blocks_run_what_the_step_selection_chose():
+    """A block named ``auto`` runs what ``--flux-backend auto`` would: the job first runs the
+    step-time selection (logged as backend ``selecting``), then the blocks rotate from there, and
+    ``auto`` blocks run its choice; ``auto-op`` runs the per-op setting; ``+nokeep`` and
+    ``+cegather`` set the re-gather forms."""
+    import megatron_flux.backends as B
+    import megatron_flux.layers.linear as L
+
+    class FakeCol(_FakeLinear, L.FluxColumnParallelLinear):
+        def __init__(self):
+            _FakeLinear.__init__(self)
+            self.flux_keep_gathered_input = True
+
+    col = FakeCol()
+    fused = types.SimpleNamespace(column_regather="nccl")
+
+    class Model:
+        def modules(self):
+            return iter([col])
+
+    class Selector:
+        def __init__(self, layers, log):
+            self.layers, self.decided, self.steps = layers, None, []
+
+        def step(self, iteration):
+            self.steps.append(iteration)
+            if len(self.steps) == 3:
+                self.decided = "nccl"
+            return self.decided
+
+    import pytest as _pytest
+
+    mp = _pytest.MonkeyPatch()
+    mp.setattr(B, "get_backend", lambda name: fused)
+    try:
+        inter = ps.BackendInterleaver(["megatron", "auto", "auto-op", "flux+nokeep+cegather"],
+                                      steps=1, selector_factory=Selector)
+        model, logged, seen = Model(), [], []
+        for i in range(7):
+            seen.append((inter.switch(model, i, logged.append), col.flux_backend,
+                         col.flux_keep_gathered_input, fused.column_regather))
+    finally:
+        mp.undo()
+    assert inter.selector.steps == [0, 1, 2]
+    assert [s[0] for s in seen] == ["selecting", "selecting", "megatron", "auto", "auto-op",
+                                    "flux+nokeep+cegather", "megatron"]
+    assert seen[3][1] == "nccl" and seen[4][1] == "auto"
+    assert seen[5][1:] == ("flux", False, "copy_engine") and seen[6][2:] == (True, "nccl")
+    assert logged[0] == f"{ps.INTERLEAVE_TAG} iteration 1: backend selecting"
+    assert logged[1] == f"{ps.INTERLEAVE_TAG} iteration 3: backend megatron"
+    with pytest.raises(ValueError, match="contradictory"):
+        ps.BackendInterleaver(["flux+keep+nokeep"], steps=1)
+
+
 def test_interleaver_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="unknown megatron-flux backend"):
         ps.BackendInterleaver(["megatron", "fast"], steps=2)
