@@ -9,7 +9,7 @@ the prediction with the entry's measured times (fused counts only with the 2 % m
   log2 k);
 * ``nccl``: always NCCL.
 
-``python benchmarks/auto_rule_eval.py [--out JSON]`` prints accuracy and the geomean time vs NCCL
+``python benchmarks/experiments/auto_rule_eval.py [--out JSON]`` prints accuracy and the geomean time vs NCCL
 per table.
 """
 
@@ -19,7 +19,7 @@ import math
 import os
 
 MARGIN = 0.98
-TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "megatron_flux", "tuning", "tables")
+TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "megatron_flux", "tuning", "tables")
 
 
 def evaluate(path):
@@ -53,7 +53,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="also write the results as JSON")
     args = ap.parse_args(argv)
-    record = {"command": "python benchmarks/auto_rule_eval.py" + (f" --out {args.out}" if args.out else ""),
+    record = {"command": "python benchmarks/experiments/auto_rule_eval.py" + (f" --out {args.out}" if args.out else ""),
               "margin": MARGIN, "tables": {}}
     for path in sorted(glob.glob(os.path.join(TABLES, "*.json"))):
         tp, n, out, oracle = evaluate(path)

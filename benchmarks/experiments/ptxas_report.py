@@ -1,7 +1,7 @@
 """Shared memory, registers, spills and ptxas performance warnings of the fused kernels, compiled
-for sm_90a without a GPU (the numbers behind session 6's stream-K and TMA-reduction changes).
+for sm_90a without a GPU (e.g. whether a change makes ptxas serialize wgmma: warning C7515).
 
-    python benchmarks/ptxas_report.py --ptxas /usr/local/cuda/bin/ptxas --out report.json
+    python benchmarks/experiments/ptxas_report.py --ptxas /usr/local/cuda/bin/ptxas --out report.json
 
 Triton compiles each kernel variant to PTX for ``GPUTarget("cuda", 90, 32)``; the given ptxas
 (``-v``) assembles it. A ptxas older than the PTX Triton emits is handled by lowering the PTX

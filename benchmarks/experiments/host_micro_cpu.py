@@ -1,4 +1,4 @@
-"""The host-side costs behind session 29's launch-path trims, timed on the CPU (no GPU needed).
+"""Host-side costs of the fused launch path, timed on the CPU (no GPU needed).
 
 * building a host TMA descriptor: Triton's and Gluon's constructors, and
   ``descriptors.bind_descriptor`` once their template exists;
@@ -11,7 +11,7 @@
 
 Best of ``--repeats`` ``timeit`` loops, in µs per call.
 
-    PYTHONPATH=. python benchmarks/host_micro_cpu.py --json out.json
+    PYTHONPATH=. python benchmarks/experiments/host_micro_cpu.py --json out.json
 """
 
 import argparse
@@ -75,7 +75,7 @@ def main(argv=None):
     from megatron_flux.kernels import descriptors as D
     from megatron_flux.kernels import gluon_ws
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments"))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import host_sections
 
     t = torch.empty(2048, 4096, dtype=torch.bfloat16)

@@ -7,8 +7,8 @@ tuples. Shapes are llama3-8b fc1 (AG+GEMM) and fc2 (GEMM+RS) at m = 1024, TP = 2
 and, as ``*_ws``, the Gluon ping-pong (128x128x64, 5 stages). Best of ``--repeats`` loops of
 ``--calls`` calls, in µs per call.
 
-    PYTHONPATH=. python benchmarks/launcher_host_time.py          # this checkout
-    PYTHONPATH=/path/to/other/checkout python benchmarks/launcher_host_time.py --json out.json
+    PYTHONPATH=. python benchmarks/experiments/launcher_host_time.py          # this checkout
+    PYTHONPATH=/path/to/other/checkout python benchmarks/experiments/launcher_host_time.py --json out.json
 """
 
 import argparse
@@ -35,7 +35,7 @@ def main(argv=None):
 
     ag_gemm._LAUNCH = gemm_rs._LAUNCH = lambda *a, **k: None
     ag_gemm_ws._LAUNCH = gemm_rs_ws._LAUNCH = lambda *a, **k: None
-    if ag_gemm_ws.ag_gemm_ws_kernel is not None:  # checkouts before session 29 launched these so
+    if ag_gemm_ws.ag_gemm_ws_kernel is not None:  # older checkouts launched these so
         ag_gemm_ws.ag_gemm_ws_kernel, gemm_rs_ws.gemm_rs_ws_kernel = NoLaunch(), NoLaunch()
     ping_pong = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4,
                      epilogue_split=1)
