@@ -5,7 +5,7 @@
 #   PYTHON        interpreter (default: python3); needs >= 3.12 (megatron.training)
 #   MCORE_SITE    where to install megatron-core if it is missing (default: /tmp/site)
 #   NPROC         processes = GPUs = tensor-parallel size (default: all local GPUs)
-#   FLUX_BACKEND  backend of --flux-tp-overlap: auto (default), flux or nccl
+#   FLUX_BACKEND  backend of --flux-tp-overlap: auto (default), flux, nccl or megatron
 #   FLUX_TP_OVERLAP=0  run without the flag: megatron-core's own linears (the baseline)
 
 set -euo pipefail
