@@ -4,8 +4,8 @@
 
 A device call copies the tracked files, the untracked files git does not ignore, and the
 ignored paths named in ``carry``; above 64 MiB in all it is refused before a machine starts
-(session 33's first call: 64.6 MiB, with a 21.8 MB Triton cache pack). Prints each part and the
-room left; exits 1 when the copy would not fit.
+(e.g. a 43.5 MB tree beside a 21.8 MB Triton cache pack). Prints each part and the room left;
+exits 1 when the copy would not fit.
 """
 
 import os

@@ -1,8 +1,7 @@
-# Sourced by the device scripts (benchmarks/device_*.sh, benchmarks/sessions/*.sh, e2e_device.sh)
-# from the repo root:
-# the GPU box's environment (never NVLink multicast), TP = every local GPU unless NGPUS says
-# otherwise, install_carried_wheels (megatron-core from the carried .whl/ folder, into /tmp/site),
-# and the helpers below.
+# Sourced from the repository root by the device scripts (benchmarks/device.sh,
+# device_interleave.sh, e2e_device.sh): the GPU machine's environment (never NVLink multicast),
+# TP = every local GPU unless NGPUS says otherwise, install_carried_wheels (megatron-core from the
+# carried .whl/ folder, into /tmp/site), and the helpers below.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 NGPUS="${NGPUS:-$(nvidia-smi -L | grep -c '^GPU ')}"
 
@@ -17,22 +16,6 @@ sample_gpus() {  # sample_gpus CSV INTERVAL_MS [FIELDS]: nvidia-smi logs FIELDS 
         --format=csv,nounits -lms "$2" > "$1" &
     SMI_PID=$!
     trap 'kill ${SMI_PID} 2>/dev/null' EXIT
-}
-
-bench_large() {  # bench_large NAME TIMEOUT: session 14's m >= 1024 grid command (needs RUN, OUT)
-    # -> $OUT/NAME.{json,png,log}, and its summary on stdout
-    timeout "$2" "${RUN[@]}" -m megatron_flux.bench --m-set large \
-        --methods cublas_gemm comm nccl torch_async_tp flux --trials 5 --iters 20 \
-        --out-json "${OUT}/$1.json" --out-png "${OUT}/$1.png" > "${OUT}/$1.log" 2>&1
-    echo "   exit $? (${SECONDS}s)"; grep -A6 "^summary" "${OUT}/$1.log"
-}
-
-one_gpu_session() {  # one_gpu_session: GPU 0 only, experiments importable, Triton cache in the
-    # ignored .device/, and nvidia-smi logging SM clock, power and temperature every 200 ms
-    # to $OUT/smi.csv until the script exits
-    export PYTHONPATH="${PWD}:${PWD}/benchmarks/experiments" CUDA_VISIBLE_DEVICES=0
-    export TRITON_CACHE_DIR="${PWD}/.device/triton-cache"
-    sample_gpus "${OUT}/smi.csv" 200 timestamp,clocks.sm,power.draw,temperature.gpu
 }
 
 every_gpu_session() {  # every_gpu_session: every local GPU, experiments importable, Triton
@@ -57,14 +40,14 @@ unpack_triton_cache() {  # unpack_triton_cache: the carried Triton cache archive
     fi
     echo "triton cache unpacked: $(find "${TRITON_CACHE_DIR}" -type f | wc -l) files"
     # Triton keys a kernel by its source and starting line: say if this tree's kernels moved
-    # since the pack (benchmarks/kernel_manifest.py; packs before session 30 have no manifest)
+    # since the pack (benchmarks/kernel_manifest.py; a pack without a manifest is not checked)
     if [ -f "${TRITON_CACHE_DIR}/kernel-manifest.json" ]; then
         python3 benchmarks/kernel_manifest.py --check "${TRITON_CACHE_DIR}/kernel-manifest.json" | tail -4
     fi
 }
 
 gpu_session_start() {  # gpu_session_start: every_gpu_session, the cards' name in GPU_NAME
-    # (and printed), then the carried Triton cache unpacked: the start of a session script
+    # (and printed), then the carried Triton cache unpacked: the start of a device script
     every_gpu_session
     GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
     echo "cards: ${NGPUS} x ${GPU_NAME}"
@@ -74,11 +57,12 @@ gpu_session_start() {  # gpu_session_start: every_gpu_session, the cards' name i
 pack_triton_cache() {  # pack_triton_cache: $TRITON_CACHE_DIR as $OUT/triton-cache.tgz.part-*,
     # pieces of 15 MB (what comes back from a call: files of at most 16 MiB); carry them back
     # in .device/ for unpack_triton_cache. Only what a cache hit loads goes in: each kernel's
-    # metadata (.json), binary (.cubin) and the launchers (.so); the IR texts (.llir alone 388
-    # of 498 MB in session 29) stay behind: Triton 3.6's cache takes a group without them
-    # (3.9 compiles again; benchmarks/host_micro_cpu.py). With it goes this tree's kernel
-    # manifest (benchmarks/kernel_manifest.py), which unpack_triton_cache and
-    # `kernel_manifest.py --check .device/` compare with the tree the cache next travels with
+    # metadata (.json), binary (.cubin) and the launchers (.so); the IR texts (the .llir files
+    # alone were 388 of 498 MB of one cache) stay behind: Triton 3.6's cache takes a group
+    # without them (3.9 compiles again; benchmarks/experiments/host_micro_cpu.py). With it
+    # goes this tree's kernel manifest (benchmarks/kernel_manifest.py), which
+    # unpack_triton_cache and `kernel_manifest.py --check .device/` compare with the tree the
+    # cache next travels with
     python3 benchmarks/kernel_manifest.py --write "${TRITON_CACHE_DIR}/kernel-manifest.json"
     tar -czf - -C "${TRITON_CACHE_DIR}" --exclude='*.llir' --exclude='*.ptx' --exclude='*.ttir' \
         --exclude='*.ttgir' --exclude='*.source' . | split -b 15000000 - "${OUT}/triton-cache.tgz.part-"
@@ -102,8 +86,4 @@ gpu_tests() {  # gpu_tests TIMEOUT NAME [PATH...]: every GPU-marked test under P
     PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout "${timeout_s}" python3 benchmarks/record_pytest.py \
         "${OUT}/${name}.json" "${@:-tests}" ${PYTEST_VERBOSITY:--q} -m gpu -p no:cacheprovider > "${OUT}/${name}.log" 2>&1
     echo "tests exit $?"; tail -2 "${OUT}/${name}.log"
-}
-
-one_gpu_tests() {  # one_gpu_tests: gpu_tests on one GPU -> $OUT/tests-1gpu.json and .log
-    gpu_tests 200 tests-1gpu
 }

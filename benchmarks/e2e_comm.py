@@ -24,8 +24,8 @@ Outside the layers, per micro-batch, two more all-gathers and two more reduce-sc
 same size (``--model-collectives``, default 2 of each): the embedding's reduce-scatter into the
 sequence-parallel region (forward; with rotary positions, as in Llama: learned absolute
 positions make megatron-core all-reduce instead) and its all-gather (backward), and the output layer's
-all-gather (forward) and its input gradient's reduce-scatter (backward). Before session 24 they
-were not counted (``--model-collectives 0``).
+all-gather (forward) and its input gradient's reduce-scatter (backward). ``--model-collectives 0``
+leaves them out (results made before the output layer became a Flux linear did).
 
 The step's TP communication is ``microbatches x (4 x layers + model_collectives) x
 (t_all_gather + t_reduce_scatter)`` (:func:`collectives_per_microbatch`, checked against the

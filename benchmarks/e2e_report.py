@@ -14,8 +14,8 @@ GEMM kernels (Triton vs cuBLAS tile orders and rounding), so per-step losses are
 equal, and the difference grows wherever training is sensitive (loss spikes). The noise floor is
 measured in the same job: stock megatron-core linears and the plugin's ``nccl`` backend are both
 NCCL + cuBLAS, written differently (stock re-gathers the input for the weight gradient, the
-plugin keeps it; since session 23 the plugin's ops also accumulate the fp32 weight gradient into
-``main_grad``, where stock without apex adds its bf16 rounding), and differ by that same kind of
+plugin keeps it; the plugin's ops also accumulate the fp32 weight gradient into ``main_grad``
+directly, where stock without apex adds its bf16 rounding), and differ by that same kind of
 rounding. flux passes when
 
 1. while the loss is above 1 nat (before the mock data is memorised and the loss turns spiky),

@@ -93,8 +93,8 @@ def paired_summary(variant_trials, reference_trials, seed=0, resamples=2000):
     """``variant - reference`` per trial, for trials that alternated in one process: the median
     difference, in how many trials the variant was lower, and a 90 % bootstrap interval of the
     median (``resamples`` draws of the trials with replacement, seeded). Host times swing by
-    tens of percent between processes and trials (session 29), so differences between variants
-    are read only this way."""
+    tens of percent between processes and trials (30 % for the same path in two processes on
+    a 2xH100 host), so differences between variants are read only this way."""
     import random
 
     if len(variant_trials) != len(reference_trials) or not variant_trials:

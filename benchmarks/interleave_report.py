@@ -3,9 +3,9 @@
 ``examples/pretrain_gpt.py --flux-interleave-backends megatron nccl flux auto
 --flux-interleave-steps N`` switches every Flux linear's backend each ``N`` iterations and logs
 ``[flux-interleave] iteration K: backend NAME``; Megatron logs ``iteration K/ T | ... elapsed
-time per iteration (ms): X``. Separate jobs on the 2xH200 box differed by up to 20 ms per step
-for the same code (sessions 2 and 4); blocks of one job share the process, the GPUs' state and
-the host's load, so their differences are the backends'.
+time per iteration (ms): X``. Separate jobs on a 2xH200 machine differed by up to 20 ms per
+step for the same code; blocks of one job share the process, the GPUs' state and the host's
+load, so their differences are the backends'.
 
 Per backend this reports the median step time, its quartiles and p10/p90 over the kept
 iterations (after ``--warmup``, without the first ``--drop-first`` iterations of each block,

@@ -3,8 +3,8 @@
 Triton (3.6 on the GPU box) keys a compiled kernel by its source *and its starting line number*
 (``JITFunction.cache_key``; ``starting_line_number`` is the first line of
 ``inspect.getsourcelines``, the first decorator). So an edit that only moves a kernel in its file
-makes every cache entry of it, and of the kernels that call it, miss. In session 30 one- to
-four-line moves cost two device calls of cold compiles (``benchmarks/results/raw/s30/README.md``).
+makes every cache entry of it, and of the kernels that call it, miss: one- to four-line moves
+above five kernels once cost two ten-minute device calls of cold compiles.
 
 The manifest lists every ``@triton.jit`` / ``@gluon.jit`` function under ``megatron_flux/kernels``
 with that line and a hash of its source text, read with :mod:`ast` (no Triton import, so it runs

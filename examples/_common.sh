@@ -7,7 +7,7 @@
 #                   and its arguments, one per line, and run nothing (no GPU needed; NPROC
 #                   defaults to 2): what tests/test_launch_config.py checks
 #   NPROC         processes = GPUs = tensor-parallel size (default: all local GPUs)
-#   FLUX_BACKEND  backend of --flux-tp-overlap: auto (default), flux or nccl
+#   FLUX_BACKEND  backend of --flux-tp-overlap: auto (default), flux, nccl or megatron
 #   FLUX_TP_OVERLAP=0  run without the flag: megatron-core's own linears (the baseline)
 
 set -euo pipefail

@@ -3,7 +3,7 @@
 # TP = number of local GPUs, sequence parallel, mock data. Prints loss and throughput every
 # LOG_INTERVAL iterations.
 #
-#   bash examples/pretrain_llama.sh                        # flux, TRAIN_ITERS=30
+#   bash examples/pretrain_llama.sh                        # backend auto, TRAIN_ITERS=30
 #   FLUX_BACKEND=nccl bash examples/pretrain_llama.sh      # same model, reference backend
 #   FLUX_TP_OVERLAP=0 bash examples/pretrain_llama.sh      # megatron-core's own linears
 #   MODEL_CONFIG=configs/tiny_smoke.json bash examples/pretrain_llama.sh --train-iters 20

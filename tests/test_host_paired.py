@@ -1,7 +1,8 @@
 """The paired reading of host A/B runs (benchmarks/host_overhead.paired_summary and
 benchmarks/experiments/host_launch_ab.paired_rows): differences trial by trial, on known data
-and on a committed run whose paired medians the session-30 notes quote."""
+and on a saved run in host_launch_ab's own format."""
 
+import json
 import os
 import sys
 
@@ -37,18 +38,40 @@ def test_unpaired_input_is_refused():
         paired_summary([], [])
 
 
-def test_session30_run1_as_quoted():
-    """NOTES, session 30: flux run - nccl, +186 us per column call (lower in 3 of 21) and +69 us
-    per row call (8 of 21), from this file."""
+#: a saved host_launch_ab run: per variant and op, the host time per layer call of each trial (µs);
+#: trial i of every variant ran in the same round, so differences pair trial by trial
+_NCCL_COL = [700.0, 720.0, 740.0, 760.0, 780.0, 800.0, 820.0]
+_NCCL_ROW = [600.0, 610.0, 620.0, 630.0, 640.0, 650.0, 660.0]
+_RUN_COL = [n + d for n, d in zip(_NCCL_COL, [186, 150, 200, -10, 186, 300, -5])]  # median +186, 2 lower
+_RUN_ROW = [n + d for n, d in zip(_NCCL_ROW, [69, -3, 40, 100, 69, 80, -1])]  # median +69, 2 lower
+_TRITON_COL = [r + d for r, d in zip(_RUN_COL, [90, 80, 100, 70, 95, 85, 60])]  # +85 over flux run
+_TRITON_ROW = [r + d for r, d in zip(_RUN_ROW, [-10, 5, 20, 74, 74, 80, 90])]  # +74, 1 lower
+SAVED_RUN = {"rows": [
+    {"variant": v, "op": op, "host_trials_us": trials}
+    for v, col, row in (("nccl", _NCCL_COL, _NCCL_ROW), ("flux run", _RUN_COL, _RUN_ROW),
+                        ("flux triton", _TRITON_COL, _TRITON_ROW))
+    for op, trials in (("column fwd+bwd", col), ("row fwd+bwd", row))
+]}
+
+
+def test_saved_run_read_back_pairs_trial_by_trial(tmp_path):
+    """Every variant against ``nccl``, the other fused variants against ``flux run`` (never
+    ``nccl`` against ``flux run``), each a median of per-trial differences."""
     pytest.importorskip("triton")  # host_launch_ab imports the kernels' launch module
     from host_launch_ab import paired_from_runs
 
-    path = os.path.join(ROOT, "benchmarks", "results", "host-launch-ab-h100x2-2026-11-26-s30-run1.json")
-    (run,) = paired_from_runs([path])
+    path = tmp_path / "host-launch-ab.json"
+    path.write_text(json.dumps(SAVED_RUN))
+    (run,) = paired_from_runs([str(path)])
+    assert run["run"] == str(path)
     got = {(p["variant"], p["reference"], p["op"]): p for p in run["paired"]}
     column = got[("flux run", "nccl", "column fwd+bwd")]
     row = got[("flux run", "nccl", "row fwd+bwd")]
-    assert round(column["median_us"]) == 186 and column["lower_in"] == 3
-    assert round(row["median_us"]) == 69 and row["lower_in"] == 8
-    assert ("flux triton", "flux run", "row fwd+bwd") in got  # fused variants against flux run
+    assert column["median_us"] == 186 and column["lower_in"] == 2 and column["trials"] == 7
+    assert row["median_us"] == 69 and row["lower_in"] == 2
+    assert got[("flux triton", "flux run", "column fwd+bwd")]["median_us"] == 85
+    triton_row = got[("flux triton", "flux run", "row fwd+bwd")]
+    assert triton_row["median_us"] == 74 and triton_row["lower_in"] == 1
+    assert ("flux triton", "nccl", "row fwd+bwd") in got
     assert ("nccl", "flux run", "row fwd+bwd") not in got
+    assert len(got) == 6  # 2 variants x nccl + 1 variant x flux run, per op

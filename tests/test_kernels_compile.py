@@ -1,9 +1,9 @@
 """The fused kernels compile for Hopper (sm_90) on the CPU, with the integer specializations
 Triton applies at launch. Triton turns an integer argument equal to 1 into a compile-time
 constant: a decode-sized GEMM+RS call has ``m_local == 1``, and an expression that is a tensor
-for every other ``m_local`` becomes a Python int there (session 13: the spread reduction's
-``(src * m_local).to(...)`` failed to compile on the 2-GPU box, never under the interpreter,
-which does not specialize)."""
+for every other ``m_local`` becomes a Python int there (the spread reduction's
+``(src * m_local).to(...)`` once failed to compile on GPUs that way, never under the
+interpreter, which does not specialize)."""
 
 import inspect
 
@@ -316,9 +316,9 @@ def _table_kernels():
 def test_every_shipped_config_compiles_and_fits_hopper_shared_memory():
     """A kernel change must not break a tuned config or a default: every distinct kernel the
     shipped tables and the heuristic defaults select compiles for sm_90 and needs at most the
-    227 KiB of shared memory a Hopper block may have (session 13: a flattened reduction loop
-    would have needed 279 576 bytes for one table entry). Triton 3.6 (the GPU box's) and 3.9
-    report the same sizes for all of them (benchmarks/results/compile-s13-triton3.*.json)."""
+    227 KiB of shared memory a Hopper block may have (a flattened reduction loop would need
+    279 576 bytes for one table entry). Triton 3.6 and 3.9 report the same sizes for all of
+    them."""
     kernels = _table_kernels()
     assert len(kernels) >= 10
     too_big = []

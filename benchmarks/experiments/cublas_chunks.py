@@ -1,7 +1,7 @@
 """Experiment: what cuBLAS loses when a TP op's GEMM is cut into per-rank row chunks.
 
 Why: with communication off, the fused GEMM+RS runs 1.08-1.14x cuBLAS on the training step's
-short-K shapes (proj k = 2048, qkv dgrad k = 3072 per rank at m = 8192; session 19), and the
+short-K shapes (proj k = 2048, qkv dgrad k = 3072 per rank at m = 8192, one H200), and the
 loss is its structure (the plain Triton GEMM of the same tile runs 1.01-1.03x). A decomposed
 form keeps cuBLAS for the math: the peers' rows first, in ``c`` chunks per segment, each
 chunk's partial handed to the copy engine while the next computes; then the own rows, each

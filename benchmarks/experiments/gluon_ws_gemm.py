@@ -52,11 +52,10 @@ epilogue buffers (4 stages of 128x128x64: 192 KB). Registers: 12 warps (4 + 4 + 
 to warpgroups) under ``maxnreg`` 168; the worker MMA partition gets ``CONSUMER_REGS``, the
 default one what is left.
 
-Since session 19 the kernel is the package's ``megatron_flux/kernels/ag_gemm_ws.py`` (``ag_warp_specialized``,
+The kernel is the package's ``megatron_flux/kernels/ag_gemm_ws.py`` (``ag_warp_specialized``,
 with both B layouts and fp16; its K loop and ring are ``kernels/gluon_ws.py``); this script
 times it (at ``WORLD = 1`` as a plain GEMM, and in the AG+GEMM form) beside cuBLAS and the
-Triton kernels. The version sessions 10-19 ran is in git (``8b30896^``); ``--compile-only``
-went with it (``tests/test_kernels_compile.py`` now compiles the package's kernel).
+Triton kernels. ``tests/test_kernels_compile.py`` compiles the package's kernel.
 
     python benchmarks/experiments/gluon_ws_gemm.py --shapes 1024x14336x4096 [--json PATH]
 
@@ -69,8 +68,8 @@ import argparse
 
 from megatron_flux.kernels.config import GemmConfig
 
-#: (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMER_REGS), as sessions 10-19 named them; the
-#: package's kernel fixes CONSUMER_REGS at 232
+#: (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CONSUMER_REGS); the package's kernel fixes
+#: CONSUMER_REGS at 232
 CONFIGS = [(128, 128, 64, 4, 232), (128, 128, 64, 5, 232), (128, 128, 64, 3, 232)]
 
 

@@ -1,17 +1,14 @@
 """Host time per layer call of the launch paths, A/B in one process, trials interleaved.
 
-Session 29 timed the launch paths in separate processes and the same path moved by 30 % from
-one process to the next (``raw/s29``), more than the effect. Here one process holds every
-variant and alternates them trial by trial (order shuffled per trial, seeded):
+Timed in separate processes, the same launch path moved by 30 % from one process to the next
+on a 2xH100 host, more than the effect. Here one process holds every variant and alternates
+them trial by trial (order shuffled per trial, seeded):
 
 * ``nccl``: the reference backend (NCCL + cuBLAS);
 * ``flux run``: the fused backend, kernels launched directly through ``CompiledKernel.run``
   (:mod:`megatron_flux.kernels.launch`, the default);
 * ``flux triton``: launched through Triton's ``JITFunction.run``
   (``MEGATRON_FLUX_DIRECT_LAUNCH=0``).
-
-(Session 29's run also had ``flux raw``, a launch one level below ``CompiledKernel.run``, which
-saved nothing and is kept only in ``benchmarks/results/raw/s29/raw_launch.patch``.)
 
 Per variant and op (column fc1 / row fc2 layer call, forward + backward, m = 4096 by
 default): the host issue time per call of a loop of ``--iters`` back-to-back calls (no sync

@@ -6,7 +6,7 @@ copy of an earlier ``kernels/ag_gemm.py`` or ``kernels/gemm_rs.py``) and of the 
 both wired as rank 0 of ``--tp`` with every signal pre-set (``kernel_vs_cublas``'s wiring;
 GEMM+RS pushes into local slots and reduces them). Prints time / cuBLAS.
 
-    git show 487f747:megatron_flux/kernels/ag_gemm.py > /tmp/ag_gemm_prev.py  # session 9's A/B
+    git show <commit>:megatron_flux/kernels/ag_gemm.py > /tmp/ag_gemm_prev.py
     python benchmarks/experiments/kernel_ab.py --op ag --prev /tmp/ag_gemm_prev.py
     python benchmarks/experiments/kernel_ab.py --op rs --prev /tmp/gemm_rs_prev.py
     python benchmarks/experiments/kernel_ab.py --op rs --prev /tmp/gemm_rs_prev.py \

@@ -1,6 +1,6 @@
 """Experiment: does NVLink traffic beside a power-capped GEMM slow it, and by the bytes or at all?
 
-Session 15's control (``phase_trace_tp.py --comm off`` vs ``on``, both GPUs busy) found the
+On 2xH200, ``phase_trace_tp.py --comm off`` vs ``on`` (both GPUs busy) found the
 GEMM+RS kernel 2-14 % slower with communication on, including in phases where this rank moves
 no data, and nvidia-smi showed both GPUs at the 700 W cap with the SM clock 2-5 % lower in the
 runs with communication. This separates the bytes from the link being busy at all, with

@@ -5,7 +5,7 @@ Triton 3.6's persistent GEMM on Hopper is not warp-specialized: while a program 
 stores a tile, its SM's tensor cores idle. At short K (AG llama3-8b, K = 4096: 64 K-steps of
 a 128x128 tile) that idle time is a few per cent of the tile. A 128x128 tile with 4 warps and
 2 stages needs 80-96 KB of shared memory and 154-168 registers per thread (ptxas, sm_90a;
-``compile_s10.py``), so two programs fit on one SM; with a grid of 2 x SMs the hardware runs
+``ptxas_report.py``), so two programs fit on one SM; with a grid of 2 x SMs the hardware runs
 them side by side.
 
 Per shape, in one interleaved loop: cuBLAS, and for every ``--config`` and every programs-per-SM

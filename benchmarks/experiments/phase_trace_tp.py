@@ -15,7 +15,7 @@ calibrated between GPUs, so the skew is only indicative.
 wired to its own GPU alone (``kernel_vs_cublas``'s one-GPU wiring: peers' signals pre-set,
 pushes into local scratch). Both GPUs are then as busy as with communication on, but nothing
 crosses NVLink, so a difference between the two runs is the communication's, not the box's
-(session 14 compared against a one-GPU run and could not tell the two apart).
+(a one-GPU run as the control cannot tell the two apart).
 
     torchrun --nproc-per-node 2 benchmarks/experiments/phase_trace_tp.py --op rs \
         --models llama3-70b --ms 8192 --json rs-tp-trace.json
@@ -92,8 +92,8 @@ def make_call(op, comm, backend, launcher, group, m, n, k, cfg, dev):
 class Trickle:
     """``--trickle-kib``: beside every call a side stream copies that many KiB into the next
     rank's symmetric buffer by the copy engine, so the link is in use while the kernel runs
-    (with ``--comm off``: the kernel's own traffic stays local; session 15 found that any
-    NVLink traffic near cuBLAS costs it 1-3 % at the power cap, whatever the bytes)."""
+    (with ``--comm off``: the kernel's own traffic stays local; on a power-capped 2xH200 any
+    NVLink traffic near cuBLAS cost it 1-3 %, whatever the bytes, ``link_power.py``)."""
 
     def __init__(self, kib, group, dev):
         elems = kib * 1024 // 2

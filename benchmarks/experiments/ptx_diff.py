@@ -3,11 +3,11 @@
 Where ``ptx_fingerprint.py`` shows a refactor leaves the code alone (equal hashes), this shows
 what a change that adds a kernel parameter did to the variants that do not use it: each tree's
 kernel is compiled in its own process (no GPU; Triton 3.6 for the box's code), the debug lines
-dropped as ``ptx_fingerprint.fingerprint`` drops them, and the rest diffed. Session 32 ran it
-with the tree before the GEMM+RS stream-K tail and the tree with it (``STREAM_K=False``)::
+dropped as ``ptx_fingerprint.fingerprint`` drops them, and the rest diffed. For example the tree
+before the GEMM+RS stream-K tail against the tree with it (``STREAM_K=False``)::
 
-    git worktree add /tmp/before e044d28
-    PYTHONPATH=/work/t36 python benchmarks/experiments/ptx_diff.py /tmp/before . out.json
+    git worktree add /tmp/before <commit>
+    PYTHONPATH=<a Triton 3.6 install> python benchmarks/experiments/ptx_diff.py /tmp/before . out.json
 """
 
 import difflib

@@ -1,6 +1,6 @@
 """Experiment: does work on a second stream start late beside *any* spinning grid, or only
-beside the fused kernels? (session 20, one GPU; session 19 found a sleep kernel on a priority -1
-stream ending 0.8-2.6 s after a fused AG+GEMM grid started spinning, ``peer_stream_delay.py``)
+beside the fused kernels? (one GPU; a sleep kernel on a priority -1 stream once ended 0.8-2.6 s
+after a fused AG+GEMM grid started spinning: CUDA's lazy loading, see docs/design.md)
 
 A plain Triton grid of ``G`` programs spins (acquire loads, bounded) on one int32 flag; a second
 stream ("the releaser", priority 0 or -1) runs an optional 1 ms sleep kernel, then raises the

@@ -2,7 +2,7 @@
 powers of two, so a 224-wide tile is three accumulators (128 + 64 + 32 columns), three B boxes
 and three ``tl.dot`` per K-step on the same A block.
 
-Why (session 33): AG+GEMM llama3-8b m = 1024 at TP 2 is ``1024 x 14336 x 4096``. A 128x256 tile
+Why: AG+GEMM llama3-8b m = 1024 at TP 2 is ``1024 x 14336 x 4096``. A 128x256 tile
 gives 448 tiles, 3.39 waves on 132 SMs (the fourth wave 39 % full); 128x128 gives 6.79 waves
 but a smaller tile's lower efficiency; both end 7-16 % behind cuBLAS, which runs this shape at
 the same TFLOP/s as the largest ones (686 on H200). 14336 = 64 x 224, so a 128x224 tile gives
@@ -23,12 +23,11 @@ part ``[N_i, BLOCK_K]`` (B is ``[N, K]``); per tile one TMA store per part. No s
 Timing and checks are the experiments' shared ones (:mod:`common`: ``problem``,
 ``time_and_check``, ``write_record``).
 
-Measured (session 33, H100, ``benchmarks/results/raw/s33/callA/splitn.json``, by this file's
-first version, commit ``158919c``, whose own loop timed 11 trials of 20 launches): the 128x224 tile
-ran 1.45x cuBLAS at llama3-8b m = 1024 against 1.19x for 128x256 and 1.10x for 128x128, and
-1.45-1.52x on the other two shapes. Refuted. The likely cause, predicted in session 28 and
-not measured here: its 64- and 32-column wgmmas read the same A block from shared memory again
-for a fraction of the work (128x256 as two 128-column dots cost only 0.2-2.6 % against one dot,
+Measured (one H100, ``benchmarks/results/split-n-gemm-h100-2026-11-26.json``, 11 trials of 20
+launches): the 128x224 tile ran 1.55x cuBLAS at llama3-8b m = 1024 against 1.24x for 128x256
+and 1.14x for 128x128, and 1.43-1.47x on the other two shapes. Refuted. The likely cause, not
+measured here: its 64- and 32-column wgmmas read the same A block from shared memory again
+for a fraction of the work (128x256 as two 128-column dots cost only 0.2-0.7 % against one dot,
 both nested).
 """
 

@@ -14,7 +14,7 @@ One GPU: a grid of one program per SM raises flag A, then spins (bounded) until 
 A side stream, queued after the kernel: wait until A >= 1, copy ``--copy-mib`` MiB, write B = 1.
 Prints whether the kernel saw B, after how many polls, and the kernel's time.
 
-``--gate event`` is the two-launch alternative (session 16): a first kernel (a cuBLAS GEMM
+``--gate event`` is the two-launch alternative: a first kernel (a cuBLAS GEMM
 standing in for the producer launch), an event recorded after it, then the spinning kernel (the
 consumer launch) on the same stream; the side stream, queued after both, waits for the event
 (not for a flag), copies and writes B. ``--gate event-first`` queues the side stream's work

@@ -1,6 +1,6 @@
 """GEMM-class kernel time per role of a Llama layer, for one profiled training step.
 
-Session 17's attribution of the flux step's time: in one step of the Llama-3-8B-16l job
+In one step of the Llama-3-8B-16l job
 (micro-batch 2, two micro-batches, no pipeline parallelism) the GEMM-class kernels (cuBLAS,
 fused AG+GEMM, fused GEMM+RS) run in a fixed order per micro-batch: 16 layers x 4 forward
 (qkv, proj, fc1, fc2), 3 of the output layer (forward, dgrad, wgrad), then 16 layers x 8

@@ -10,9 +10,9 @@ in a slot an in-flight MMA still reads) or no progress (deadlock).
 
 Without the handoff barriers most runs read stale data (partition 1 waits on tile 1's first
 slot two phases early); with them none of the runs fails, also when the work items have uneven
-lengths, some shorter than the ring (session 28's stream-K parts run first, the patch
-``benchmarks/results/raw/s28/stream_k_first_ws.patch``; in this model items shorter than the
-ring broke nothing either, though the kernels' launchers still require ``k_tiles >= STAGES``):
+lengths, some shorter than the ring (as stream-K parts run first would make them; in this
+model items shorter than the ring broke nothing either, though the kernels' launchers still
+require ``k_tiles >= STAGES``):
 
     python benchmarks/experiments/ws_protocol_model.py
 """

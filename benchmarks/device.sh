@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Everything this repository measures on a GPU machine, as stages of one script:
+#
+#   OUT=/somewhere bash benchmarks/device.sh STAGE [STAGE...]
+#
+# Stages run in the order given; each writes under $OUT and prints a short summary.
+#   main        the README's main job exactly as written: bash examples/pretrain_llama.sh
+#               (TRAIN_ITERS, FLUX_BACKEND, MODEL_CONFIG pass through)      -> main.log
+#   tests       every GPU-marked test on the visible GPUs (TESTS_PATHS narrows it; tests that
+#               need more GPUs skip)                               -> tests-gpu.{json,log}
+#   bench       the op benchmark, m >= 1024 grid (BENCH_M_SET=small|all for others) with the
+#               table that matches the machine, CUDA_DEVICE_MAX_CONNECTIONS=1 (BENCH_CONNECTIONS
+#               overrides; "unset" leaves it unset)                 -> bench.{json,png,log}
+#   ab          an A/B of a config change against the table: AB_VARIANT=<JSON file> (e.g.
+#               benchmarks/variants/gluon-pingpong.json), with the same-config control that
+#               `python -m megatron_flux.tuning.adopt` needs           -> ab.{json,png,log}
+#   kvc         communication off, one GPU: the fused kernels with the table's configs (TP
+#               KVC_TP, default 2) against cuBLAS, launches alternating, m >= 1024
+#                                                                   -> kvc-{ag,rs}.{json,log}
+#   tune        megatron-flux tune over the grid (all m), then the grid benchmark with the new
+#               table                       -> tune/{table.json,tune.log,bench.json,bench.png}
+#   interleave  the training job with the backends rotated in one process
+#               (benchmarks/device_interleave.sh; IL_* variables pass through)  -> interleave/
+#   e2e         stock, nccl and flux as separate training runs, losses compared
+#               (benchmarks/e2e_device.sh; E2E_* variables pass through)          -> e2e/
+#   cachepack   the Triton cache as $OUT/triton-cache.tgz.part-* (15 MB pieces)
+#
+# TP is every local GPU (NGPUS overrides). A machine with no network needs megatron-core 0.19
+# as a wheel in .whl/ (main, tests, interleave, e2e install it into /tmp/site). A Triton cache
+# from an earlier `cachepack`, put back into .device/, is unpacked first and saves the compiles.
+# With a remote-device tool that copies this tree to the machine and returns $OUT: carry `.whl`
+# and `.device`, check first that the copy fits (`python benchmarks/device_copy_size.py .device
+# .whl`), and whether the carried cache still matches the kernels (`python
+# benchmarks/kernel_manifest.py --check .device/`); end a call that compiled new kernels with
+# `cachepack`. Per-stage time limits: MAIN_TIMEOUT, TESTS_TIMEOUT, BENCH_TIMEOUT, KVC_TIMEOUT,
+# TUNE_TIMEOUT (seconds).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-/tmp/megatron-flux-device}"
+mkdir -p "${OUT}"
+[ "$#" -gt 0 ] || { awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 2; }
+source benchmarks/device_env.sh
+gpu_session_start
+
+TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}")  # one process per GPU
+
+with_connections() {  # with_connections CMD...: CMD under BENCH_CONNECTIONS (default 1)
+    if [ "${BENCH_CONNECTIONS:-1}" = unset ]; then
+        env -u CUDA_DEVICE_MAX_CONNECTIONS "$@"
+    else
+        CUDA_DEVICE_MAX_CONNECTIONS="${BENCH_CONNECTIONS:-1}" "$@"
+    fi
+}
+
+for stage in "$@"; do
+    echo "== ${stage} ($(date +%T), ${SECONDS}s)"
+    case "${stage}" in
+    main)
+        if compgen -G ".whl/megatron_core-0.19*.whl" > /dev/null; then
+            install_carried_wheels ".whl/megatron_core-0.19*.whl" && export MCORE_SITE=/tmp/site
+        fi
+        timeout "${MAIN_TIMEOUT:-420}" bash examples/pretrain_llama.sh > "${OUT}/main.log" 2>&1
+        echo "   exit $? (${SECONDS}s)"
+        grep -E "megatron-flux check|iteration +[0-9]+/" "${OUT}/main.log" | cut -c1-300 | tail -8
+        grep -iE "^\S*(error|Traceback)|Error:" "${OUT}/main.log" | head -5 ;;
+    tests)
+        # shellcheck disable=SC2086
+        PYTEST_VERBOSITY="${PYTEST_VERBOSITY:--v}" gpu_tests "${TESTS_TIMEOUT:-480}" tests-gpu ${TESTS_PATHS:-} ;;
+    bench)
+        with_connections timeout "${BENCH_TIMEOUT:-420}" "${TORCHRUN[@]}" -m megatron_flux.cli bench \
+            --m-set "${BENCH_M_SET:-large}" \
+            --methods cublas_gemm comm nccl torch_async_tp flux auto --trials 5 --iters 20 \
+            --out-json "${OUT}/bench.json" --out-png "${OUT}/bench.png" > "${OUT}/bench.log" 2>&1
+        echo "   exit $? (${SECONDS}s)"; grep -A12 "^summary" "${OUT}/bench.log" | head -14 ;;
+    ab)
+        [ -f "${AB_VARIANT:-}" ] || { echo "ab: set AB_VARIANT to a JSON file of config fields"; exit 2; }
+        with_connections timeout "${BENCH_TIMEOUT:-420}" "${TORCHRUN[@]}" -m megatron_flux.cli bench \
+            --m-set "${BENCH_M_SET:-large}" --methods cublas_gemm nccl flux flux_variant flux_control \
+            --flux-variant "$(cat "${AB_VARIANT}")" --trials "${AB_TRIALS:-21}" --iters 20 \
+            --out-json "${OUT}/ab.json" --out-png "${OUT}/ab.png" > "${OUT}/ab.log" 2>&1
+        echo "   exit $? (${SECONDS}s)"; grep -A12 "^summary" "${OUT}/ab.log" | head -14 ;;
+    kvc)
+        for op in AG+GEMM GEMM+RS; do
+            name="kvc-$([ "${op}" = AG+GEMM ] && echo ag || echo rs)"
+            CUDA_VISIBLE_DEVICES=0 timeout "${KVC_TIMEOUT:-240}" python3 -m megatron_flux.bench.kernel_vs_cublas \
+                --tp "${KVC_TP:-2}" --ops "${op}" --m 1024 2048 4096 8192 --configs table --alternate --trials 7 \
+                --iters 20 --warmup 10 --shuffle-seed 0 --queue-ahead-ms 5 \
+                --json "${OUT}/${name}.json" > "${OUT}/${name}.log" 2>&1
+            echo "   ${op}: exit $? (${SECONDS}s)"; summarize_kvc "${OUT}/${name}.json"
+        done ;;
+    tune)
+        mkdir -p "${OUT}/tune"
+        timeout "${TUNE_TIMEOUT:-300}" "${TORCHRUN[@]}" -m megatron_flux.cli tune --m-set all \
+            --max-candidates 12 --top 2 --screen-iters 5 --trials 3 --iters 10 --no-progress \
+            --no-merge --out "${OUT}/tune/table.json" > "${OUT}/tune/tune.log" 2>&1
+        echo "   tune exit $? (${SECONDS}s)"; grep -E "^(ag|rs) n=" "${OUT}/tune/tune.log" | tail -20
+        MEGATRON_FLUX_CONFIG="${OUT}/tune/table.json" timeout "${BENCH_TIMEOUT:-420}" "${TORCHRUN[@]}" \
+            -m megatron_flux.cli bench --m-set all \
+            --methods cublas_gemm comm nccl torch_async_tp flux flux_default auto --trials 5 --iters 20 \
+            --out-json "${OUT}/tune/bench.json" --out-png "${OUT}/tune/bench.png" > "${OUT}/tune/bench.log" 2>&1
+        echo "   bench exit $? (${SECONDS}s)"; grep -A24 "^summary" "${OUT}/tune/bench.log" | head -26 ;;
+    interleave)
+        SKIP_TESTS="${SKIP_TESTS:-1}" OUT="${OUT}/interleave" bash benchmarks/device_interleave.sh ;;
+    e2e)
+        OUT="${OUT}/e2e" bash benchmarks/e2e_device.sh ;;
+    cachepack)
+        pack_triton_cache ;;
+    *)
+        echo "unknown stage ${stage}; stages: main tests bench ab kvc tune interleave e2e cachepack"
+        exit 2 ;;
+    esac
+done
+echo "== done in ${SECONDS}s"

@@ -1,0 +1,131 @@
+"""Shared memory, registers, spills and ptxas performance warnings of the fused kernels, compiled
+for sm_90a without a GPU (e.g. whether a change makes ptxas serialize wgmma: warning C7515).
+
+    python benchmarks/experiments/ptxas_report.py --ptxas /usr/local/cuda/bin/ptxas --out report.json
+
+Triton compiles each kernel variant to PTX for ``GPUTarget("cuda", 90, 32)``; the given ptxas
+(``-v``) assembles it. A ptxas older than the PTX Triton emits is handled by lowering the PTX
+``.version`` line to ``--ptx-version`` (9.0 for CUDA 13.0's ptxas; the kernels use nothing newer).
+Run it with the Triton the GPU box has (3.6) for numbers that match it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+#: (block_m, block_n, block_k, num_stages, num_warps, epilogue_split, warp_specialize)
+CONFIGS = [(128, 256, 64, 3, 8, 2, False), (128, 256, 64, 3, 8, 1, True), (128, 128, 64, 4, 4, 1, False),
+           (64, 256, 64, 4, 4, 1, False)]
+_TYPES = {"x_ptr": "*bf16", "ag_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "a_ptr": "*bf16",
+          "out_ptr": "*bf16", "data_ptr": "*bf16", "bias_ptr": "*bf16", "data_ptrs": "*i64",
+          "flag_ptrs": "*i64", "flags_ptr": "*i32", "err_ptr": "*i32", "sk_partials_ptr": "*fp32",
+          "sk_counters_ptr": "*i32", "trace_ptr": "*i64", "parts_ptr": "*fp32",
+          "counters_ptr": "*i32"}
+
+
+def _compile(fn, constexprs, num_warps, num_stages, ptxas, ptx_version):
+    # constexpr parameters left out take their defaults, as in a launch (compiled as runtime
+    # integers they would keep both sides of every branch on them)
+    constexprs = {**{p.name: p.default for p in fn.params
+                     if p.is_constexpr and p.default is not inspect.Parameter.empty}, **constexprs}
+    names = [p.name for p in fn.params]
+    sig = {n: "constexpr" if n in constexprs else _TYPES.get(n, "i32") for n in names}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    attrs={})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    info, _ = run_ptxas(kernel, ptxas, ptx_version)
+    return {**resources(kernel, info), "ptx_lines": len(kernel.asm["ptx"].splitlines()),
+            "performance_warnings": [ln.strip() for ln in info.splitlines() if "Performance" in ln]}
+
+
+def run_ptxas(kernel, ptxas, ptx_version):
+    """Assemble a compiled kernel's PTX for sm_90a with ``ptxas -v``: ``(its stderr, which
+    carries the resource lines, warnings and errors; exit code)``. The PTX ``.version`` is lowered to ``ptx_version`` (see the module docstring)."""
+    ptx = re.sub(r"^\.version \d+\.\d+", f".version {ptx_version}", kernel.asm["ptx"], flags=re.M)
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/k.ptx", "w") as f:
+            f.write(ptx)
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                              capture_output=True, text=True)
+    return done.stderr, done.returncode
+
+
+def resources(kernel, info):
+    """Shared memory (Triton's), registers and spill-store bytes (ptxas ``info``) of a kernel."""
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = re.search(r"(\d+) bytes spill stores", info)
+    return {"shared_bytes": kernel.metadata.shared, "registers": int(regs.group(1)) if regs else None,
+            "spill_store_bytes": int(spills.group(1)) if spills else None}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ptxas", required=True)
+    p.add_argument("--ptx-version", default="9.0")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    from megatron_flux.kernels.ag_gemm import ag_gemm_kernel
+    from megatron_flux.kernels.gemm_rs import gemm_rs_kernel
+
+    rows = []
+    for bm, bn, bk, stages, warps, epi, ws in CONFIGS:
+        cfg = dict(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps,
+                   epilogue_split=epi, warp_specialize=ws)
+        common = dict(RAGGED=False, B_KN=False, EPI_SPLIT=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                      GROUP_M=8, NUM_SMS=132, FLATTEN=True, WARP_SPECIALIZE=ws, WORLD=2)
+        for sk in (False, True):
+            r = _compile(ag_gemm_kernel, dict(common, STREAM_K=sk, SK_LOCAL=False, ASYNC_FENCE=True),
+                         warps, stages, args.ptxas, args.ptx_version)
+            rows.append({"kernel": "ag_gemm", "config": cfg, "stream_k": sk, **r})
+        for push, reduce_, spread, sk in ((True, True, False, False), (True, False, False, False),
+                                          (False, True, False, False), (True, True, True, False),
+                                          (True, True, False, True)):
+            r = _compile(gemm_rs_kernel, dict(common, HAS_BIAS=False, FLATTEN_CONSUME=True,
+                                              TMA_PUSH=push, ASYNC_FENCE=True, PRODUCE=True,
+                                              CONSUME=True, TMA_REDUCE=reduce_,
+                                              SPREAD_REDUCE=spread, STREAM_K=sk),
+                         warps, stages, args.ptxas, args.ptx_version)
+            rows.append({"kernel": "gemm_rs", "config": cfg, "rs_tma_push": push,
+                         "rs_tma_reduce": reduce_, "rs_spread_reduce": spread, "stream_k": sk, **r})
+        for row in rows[-7:]:
+            print(json.dumps({k: v for k, v in row.items() if k != "config"}), cfg, flush=True)
+    # the step loop unrolled or a runtime loop at TP 8 (config.unroll_steps): code size, 128x128
+    bm, bn, bk, stages, warps, epi, ws = CONFIGS[2]
+    cfg = dict(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps,
+               epilogue_split=epi, warp_specialize=ws)
+    for unroll in (True, False):
+        common = dict(RAGGED=False, B_KN=False, EPI_SPLIT=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                      GROUP_M=8, NUM_SMS=132, FLATTEN=True, WARP_SPECIALIZE=ws, WORLD=8,
+                      UNROLL_STEPS=unroll)
+        r = _compile(ag_gemm_kernel, dict(common, STREAM_K=False, SK_LOCAL=False, ASYNC_FENCE=True),
+                     warps, stages, args.ptxas, args.ptx_version)
+        rows.append({"kernel": "ag_gemm", "config": cfg, "world": 8, "unroll_steps": unroll, **r})
+        r = _compile(gemm_rs_kernel, dict(common, HAS_BIAS=False, FLATTEN_CONSUME=True,
+                                          TMA_PUSH=True, ASYNC_FENCE=True, PRODUCE=True,
+                                          CONSUME=True, TMA_REDUCE=True, SPREAD_REDUCE=False),
+                     warps, stages, args.ptxas, args.ptx_version)
+        rows.append({"kernel": "gemm_rs", "config": cfg, "world": 8, "unroll_steps": unroll, **r})
+        for row in rows[-2:]:
+            print(json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)
+    version = subprocess.run([args.ptxas, "--version"], capture_output=True, text=True).stdout
+    result = {"command": " ".join([sys.executable] + sys.argv), "triton": triton.__version__,
+              "ptxas": version.strip().splitlines()[-1], "target": "sm_90a", "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
