@@ -14,7 +14,7 @@ plain torch instead of raising, so megatron-flux layers work on any install. Int
 beta = 1, what apex's ``wgrad_gemm_accum_fp32`` does. On one H200 (torch 2.11, Llama-3-8B TP 2
 weight gradients, m = 8192) it ran 1.02-1.04x the bf16 GEMM alone, where the GEMM then
 ``main_grad.add_`` (what DDP does without the fusion) ran 1.15-1.19x; and it sums the fp32
-product, not its bf16 rounding (``benchmarks/NOTES.md``, session 23). A torch that refuses an
+product, not its bf16 rounding. A torch that refuses an
 fp32 ``self`` there gets the GEMM in the activation dtype and an ``add_``, with one warning.
 
 It also holds :class:`LinearWithMainGradAccumulation`, the non-sequence-parallel linear the
