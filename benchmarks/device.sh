@@ -19,6 +19,8 @@
 #                                                                   -> kvc-{ag,rs}.{json,log}
 #   tune        megatron-flux tune over the grid (all m), then the grid benchmark with the new
 #               table                       -> tune/{table.json,tune.log,bench.json,bench.png}
+#   matrix      the end-to-end matrix's cells MATRIX_CELLS (benchmarks/e2e_matrix.py; MATRIX_ARGS
+#               pass through)                              -> matrix/<cell>.json, matrix-meta.json
 #   interleave  the training job with the backends rotated in one process
 #               (benchmarks/device_interleave.sh; IL_* variables pass through)  -> interleave/
 #   e2e         stock, nccl and flux as separate training runs, losses compared
@@ -26,7 +28,7 @@
 #   cachepack   the Triton cache as $OUT/triton-cache.tgz.part-* (15 MB pieces)
 #
 # TP is every local GPU (NGPUS overrides). A machine with no network needs megatron-core 0.19
-# as a wheel in .whl/ (main, tests, interleave, e2e install it into /tmp/site). A Triton cache
+# as a wheel in .whl/ (main, tests, matrix, interleave, e2e install it into /tmp/site and put it on PYTHONPATH). A Triton cache
 # from an earlier `cachepack`, put back into .device/, is unpacked first and saves the compiles.
 # With a remote-device tool that copies this tree to the machine and returns $OUT: carry `.whl`
 # and `.device`, check first that the copy fits (`python benchmarks/device_copy_size.py .device
@@ -44,6 +46,12 @@ gpu_session_start
 
 TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}")  # one process per GPU
 
+use_carried_megatron() {  # megatron-core 0.19 from the carried wheel, on PYTHONPATH
+    if compgen -G ".whl/megatron_core-0.19*.whl" > /dev/null; then
+        install_carried_wheels ".whl/megatron_core-0.19*.whl" && export PYTHONPATH="/tmp/site:${PYTHONPATH}"
+    fi
+}
+
 with_connections() {  # with_connections CMD...: CMD under BENCH_CONNECTIONS (default 1)
     if [ "${BENCH_CONNECTIONS:-1}" = unset ]; then
         env -u CUDA_DEVICE_MAX_CONNECTIONS "$@"
@@ -56,9 +64,7 @@ for stage in "$@"; do
     echo "== ${stage} ($(date +%T), ${SECONDS}s)"
     case "${stage}" in
     main)
-        if compgen -G ".whl/megatron_core-0.19*.whl" > /dev/null; then
-            install_carried_wheels ".whl/megatron_core-0.19*.whl" && export MCORE_SITE=/tmp/site
-        fi
+        use_carried_megatron
         timeout "${MAIN_TIMEOUT:-420}" bash examples/pretrain_llama.sh > "${OUT}/main.log" 2>&1
         echo "   exit $? (${SECONDS}s)"
         grep -E "megatron-flux check|iteration +[0-9]+/" "${OUT}/main.log" | cut -c1-300 | tail -8
@@ -99,6 +105,13 @@ for stage in "$@"; do
             --methods cublas_gemm comm nccl torch_async_tp flux flux_default auto --trials 5 --iters 20 \
             --out-json "${OUT}/tune/bench.json" --out-png "${OUT}/tune/bench.png" > "${OUT}/tune/bench.log" 2>&1
         echo "   bench exit $? (${SECONDS}s)"; grep -A24 "^summary" "${OUT}/tune/bench.log" | head -26 ;;
+    matrix)
+        # the end-to-end matrix cells in MATRIX_CELLS (benchmarks/e2e_matrix.py; resumable)
+        use_carried_megatron
+        python3 -c 'import json, torch, triton, megatron.core as m; print(json.dumps({"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "versions": {"torch": torch.__version__, "triton": triton.__version__, "megatron_core": m.__version__}}))' > "${OUT}/matrix-meta.json"
+        # shellcheck disable=SC2086
+        timeout "${MATRIX_TIMEOUT:-560}" python3 benchmarks/e2e_matrix.py run ${MATRIX_CELLS:?set MATRIX_CELLS} \
+            --out "${OUT}/matrix" ${MATRIX_ARGS:-} 2>&1 | tee "${OUT}/matrix.log" | tail -20 ;;
     interleave)
         SKIP_TESTS="${SKIP_TESTS:-1}" OUT="${OUT}/interleave" bash benchmarks/device_interleave.sh ;;
     e2e)
@@ -106,7 +119,7 @@ for stage in "$@"; do
     cachepack)
         pack_triton_cache ;;
     *)
-        echo "unknown stage ${stage}; stages: main tests bench ab kvc tune interleave e2e cachepack"
+        echo "unknown stage ${stage}; stages: main tests bench ab kvc tune matrix interleave e2e cachepack"
         exit 2 ;;
     esac
 done

@@ -41,7 +41,7 @@ EXCLUDE="$((PROF_START - 1))-$((PROF_END + 2))"
 if [ "${PROFILE:-1}" = 0 ]; then PROFILE_ARGS=(); EXCLUDE="0-0"; fi
 echo "== interleaved job: ${IL_BACKENDS} every ${IL_STEPS} iterations, ${IL_ITERS} iterations ($(date +%T))"
 # shellcheck disable=SC2086
-MCORE_SITE=/tmp/site FLUX_BACKEND=auto TRAIN_ITERS="${IL_ITERS}" LOG_INTERVAL=1 \
+FLUX_BACKEND=auto TRAIN_ITERS="${IL_ITERS}" LOG_INTERVAL=1 \
     timeout "${IL_TIMEOUT:-240}" bash examples/pretrain_llama.sh \
     --flux-interleave-backends ${IL_BACKENDS} --flux-interleave-steps "${IL_STEPS}" \
     "${PROFILE_ARGS[@]}" ${IL_EXTRA:-} > "${OUT}/interleave.log" 2>&1

@@ -20,7 +20,7 @@ RUN_TIMEOUT="${E2E_RUN_TIMEOUT:-170}"
 CONFIG=configs/llama3_8b_16l.json
 mkdir -p "${OUT}"
 source benchmarks/device_env.sh  # TP = local GPUs (the launchers' rule)
-export MCORE_SITE=/tmp/site
+export PYTHONPATH="/tmp/site${PYTHONPATH:+:${PYTHONPATH}}"
 install_carried_wheels ".whl/megatron_core-0.19*.whl" || exit 2
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "${OUT}/gpus.csv"
 

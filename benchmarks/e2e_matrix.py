@@ -1,0 +1,292 @@
+"""The end-to-end matrix: training step time of megatron-core's own layers against megatron-flux.
+
+One cell is a model, a TP size, a micro-batch size and a CUDA-graph mode::
+
+    python benchmarks/e2e_matrix.py run CELL [CELL...] --out DIR    # on the GPU machine
+    python benchmarks/e2e_matrix.py merge DIR/*.json --out benchmarks/results/e2e-matrix-<gpu>x<n>-<date>.json --png ...
+
+``CELL`` is ``<config>:tp<N>:mbs<M>:<graphs>`` (``configs/<config>.json``; graphs ``eager``,
+``local`` or ``full_iteration``), e.g. ``llama3_8b_16l:tp2:mbs1:eager``. Every cell runs two
+micro-batches per step (global batch ``2 x M``, data-parallel size 1). ``run`` writes
+``DIR/<cell>.json`` per finished cell and skips cells whose file exists, so a matrix resumes
+across calls that each fit a time limit.
+
+* **eager**: one job whose Flux linears rotate between ``megatron`` (megatron-core's own code
+  in the same layers), ``nccl``, ``flux`` and ``auto`` every ``--block`` iterations
+  (``--flux-interleave-backends``; ``auto`` is what the default ``--flux-backend auto`` chose
+  from the job's first iterations, its step-time selection); step times per backend and the
+  *paired* speedup against ``megatron`` from ``interleave_report.py``.
+* **local / full_iteration**: graphed and eager steps cannot share one job, so each backend is a
+  separate job on the same machine, back to back, each run ``--repeats`` times: megatron-core's
+  own layers (the stock job, no flag) and ``--flux-tp-overlap`` with ``auto`` (and ``flux``);
+  the median step of iterations ``--skip + 1 ..``; not paired.
+
+``exposed_tp_comm_ms``: the TP collectives megatron-core leaves exposed per step, timed alone
+with NCCL (``e2e_comm.py``): per micro-batch and layer the forward all-gathers and
+reduce-scatters and the row layers' backward all-gathers (megatron-core overlaps the column
+layers' backward reduce-scatters with their weight gradients), plus the output layer's
+all-gather and the embedding's reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from interleave_report import summarize  # noqa: E402
+
+CELL_RE = re.compile(r"^(?P<model>[\w.-]+):tp(?P<tp>\d+):mbs(?P<mbs>\d+):(?P<graphs>eager|local|full_iteration)$")
+STEP_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*elapsed time per iteration \(ms\): ([0-9.]+)")
+AUTO_RE = re.compile(r"\[flux-auto\] flux_backend='(\w+)'")
+BACKENDS = ("megatron", "nccl", "flux", "auto")
+
+
+def parse_cell(cell: str) -> dict:
+    m = CELL_RE.match(cell)
+    if not m:
+        raise SystemExit(f"cell {cell!r}: expected <config>:tp<N>:mbs<M>:<eager|local|full_iteration>")
+    d = m.groupdict()
+    return {"model": d["model"], "tp": int(d["tp"]), "micro_batch": int(d["mbs"]),
+            "cuda_graphs": "none" if d["graphs"] == "eager" else d["graphs"]}
+
+
+def _config(model: str) -> dict:
+    with open(os.path.join(REPO, "configs", f"{model}.json")) as f:
+        return {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+
+
+def _launch(cell: dict, iters: int, env: Dict[str, str], extra: List[str], log: str,
+            timeout: int) -> int:
+    """One training job through the README's launcher; returns its exit code."""
+    mbs = cell["micro_batch"]
+    full = dict(os.environ, NPROC=str(cell["tp"]), TRAIN_ITERS=str(iters), LOG_INTERVAL="1",
+                MODEL_CONFIG=f"configs/{cell['model']}.json", **env)
+    argv = ["bash", "examples/pretrain_llama.sh", "--micro-batch-size", str(mbs),
+            "--global-batch-size", str(2 * mbs), *extra]
+    with open(log, "w") as f:
+        f.write("# " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(argv) + "\n")
+        f.flush()
+        try:
+            return subprocess.run(argv, cwd=REPO, env=full, stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return 124
+
+
+def _graph_args(mode: str) -> List[str]:
+    if mode == "local":
+        return ["--cuda-graph-impl", "local"]
+    return ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad"]
+
+
+def _median_step(log: str, skip: int) -> Optional[float]:
+    steps = {}
+    with open(log, errors="replace") as f:
+        for line in f:
+            m = STEP_RE.search(line)
+            if m:
+                steps[int(m.group(1))] = float(m.group(2))
+    kept = [ms for it, ms in steps.items() if it > skip]
+    return round(statistics.median(kept), 2) if kept else None
+
+
+def _exposed_comm(cell: dict, out_dir: str, timeout: int) -> Optional[float]:
+    """The TP collectives megatron-core leaves exposed per step, timed alone (see the module
+    docstring), in ms; ``None`` if the timing job failed."""
+    cfg = _config(cell["model"])
+    tokens = int(cfg["seq-length"]) * cell["micro_batch"]
+    path = os.path.join(out_dir, "comm.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(cell["tp"]), os.path.join(HERE, "e2e_comm.py"), "--tokens", str(tokens),
+           "--hidden", str(cfg["hidden-size"]), "--layers", str(cfg["num-layers"]),
+           "--microbatches", "2", "--out", path]
+    try:
+        subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=timeout)
+        with open(path) as f:
+            comm = json.load(f)
+    except (subprocess.SubprocessError, OSError, ValueError):
+        return None
+    ag, rs = comm["all_gather_ms"]["median"], comm["reduce_scatter_ms"]["median"]
+    layers = int(cfg["num-layers"])
+    # per micro-batch: 2 forward AGs + 2 forward RSs + 2 backward AGs per layer; the output
+    # layer's AG and the embedding's RS
+    return round(2 * (layers * (4 * ag + 2 * rs) + ag + rs), 2)
+
+
+def run_cell(cell_name: str, out: str, args) -> dict:
+    cell = parse_cell(cell_name)
+    work = os.path.join(out, cell_name.replace(":", "_"))
+    os.makedirs(work, exist_ok=True)
+    record = {**cell, "cell": cell_name, "jobs": []}
+    started = time.time()
+    if cell["cuda_graphs"] == "none":
+        log = os.path.join(work, "interleave.log")
+        rc = _launch(cell, args.iters, {"FLUX_BACKEND": "auto"},
+                     ["--flux-interleave-backends", *BACKENDS, "--flux-interleave-steps",
+                      str(args.block)], log, args.job_timeout)
+        record["jobs"].append({"kind": "interleaved", "log": os.path.basename(log), "exit": rc})
+        tokens = int(_config(cell["model"])["seq-length"]) * 2 * cell["micro_batch"]
+        rep = summarize(log, warmup=args.skip, drop_first=1, tokens_per_step=tokens,
+                        reference="megatron")
+        rows = rep["backends"]
+        record["step_ms"] = {b: rows[b]["median_ms"] for b in BACKENDS if b in rows}
+        record["speedup_vs_megatron"] = {
+            b: rep["paired_speedup_vs_reference"][b]["median"]
+            for b in BACKENDS[1:] if b in rep["paired_speedup_vs_reference"]}
+        record["paired"] = True
+        record["steps"] = {b: rows[b]["steps"] for b in rows if b in BACKENDS}
+        record["interleave_report"] = rep
+        with open(log, errors="replace") as f:
+            chosen = AUTO_RE.findall(f.read())
+        record["auto_choice"] = chosen[-1] if chosen else None
+    else:
+        jobs = [("megatron", {"FLUX_TP_OVERLAP": "0"}), ("auto", {"FLUX_BACKEND": "auto"}),
+                ("flux", {"FLUX_BACKEND": "flux"})][: args.graph_jobs]
+        times: Dict[str, List[Optional[float]]] = {}
+        for rep_i in range(args.repeats):
+            for name, env in jobs:
+                log = os.path.join(work, f"{name}-{rep_i}.log")
+                rc = _launch(cell, args.graph_iters, env, _graph_args(cell["cuda_graphs"]), log,
+                             args.job_timeout)
+                ms = _median_step(log, args.skip)
+                record["jobs"].append({"kind": name, "run": rep_i, "log": os.path.basename(log),
+                                       "exit": rc, "median_step_ms": ms})
+                times.setdefault(name, []).append(ms)
+        record["runs_step_ms"] = times
+        record["step_ms"] = {n: statistics.median(v) for n, v in times.items()
+                             if all(x is not None for x in v)}
+        base = record["step_ms"].get("megatron")
+        record["speedup_vs_megatron"] = ({n: round(base / v, 4) for n, v in record["step_ms"].items()
+                                          if n != "megatron"} if base else {})
+        record["paired"] = False
+        record["steps"] = args.graph_iters - args.skip
+    record["exposed_tp_comm_ms"] = _exposed_comm(cell, work, 300)
+    record["wall_s"] = round(time.time() - started, 1)
+    return record
+
+
+def cmd_run(args) -> int:
+    os.makedirs(args.out, exist_ok=True)
+    for cell in args.cells:
+        path = os.path.join(args.out, cell.replace(":", "_") + ".json")
+        if os.path.exists(path):
+            print(f"{cell}: done already ({path})")
+            continue
+        rec = run_cell(cell, args.out, args)
+        rec["command"] = "python benchmarks/e2e_matrix.py run " + " ".join(sys.argv[2:])
+        with open(path, "w") as f:
+            json.dump(rec, f, indent=1)
+        print(f"{cell}: step_ms {rec.get('step_ms')} speedup {rec.get('speedup_vs_megatron')} "
+              f"auto={rec.get('auto_choice')} exposed={rec.get('exposed_tp_comm_ms')} "
+              f"({rec['wall_s']} s)", flush=True)
+    return 0
+
+
+def cmd_merge(args) -> int:
+    cells = []
+    for path in args.cells:
+        with open(path) as f:
+            cells.append(json.load(f))
+    meta = {}
+    if args.meta:
+        with open(args.meta) as f:
+            meta = json.load(f)
+    keep = ("model", "tp", "micro_batch", "cuda_graphs", "steps", "step_ms",
+            "speedup_vs_megatron", "paired", "exposed_tp_comm_ms", "auto_choice", "runs_step_ms")
+    out = {
+        "command": args.command or " ; ".join(sorted({c.get("command", "") for c in cells})),
+        "gpu": meta.get("gpu", args.gpu),
+        "versions": meta.get("versions", {}),
+        "date": args.date or datetime.date.today().isoformat(),
+        "definitions": {
+            "step_ms": "median step time (ms) per backend; eager cells: one interleaved job, "
+                       "backends rotated in blocks, each block's first iteration dropped; "
+                       "graph cells: separate jobs, median over their runs",
+            "speedup_vs_megatron": "eager: paired (each block against the preceding megatron "
+                                   "block, median over blocks); graphs: ratio of job medians",
+            "auto": "what --flux-backend auto (the default) runs: the backend its step-time "
+                    "selection chose in that job (auto_choice); under CUDA graphs the per-op "
+                    "choice, with captured calls on NCCL",
+            "exposed_tp_comm_ms": "TP collectives megatron-core does not overlap, per step, "
+                                  "timed alone with NCCL",
+        },
+        "cells": [{k: c.get(k) for k in keep} for c in cells],
+    }
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    if args.png:
+        _plot(out, args.png)
+    for c in out["cells"]:
+        print(f"{c['model']} tp{c['tp']} mbs{c['micro_batch']} {c['cuda_graphs']}: "
+              f"{c['speedup_vs_megatron']} auto={c.get('auto_choice')}")
+    return 0
+
+
+def _plot(out: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = out["cells"]
+    names = [f"{c['model'].split('_')[0]}\ntp{c['tp']} mbs{c['micro_batch']}\n{c['cuda_graphs']}"
+             for c in cells]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cells)), 4))
+    width = 0.25
+    for i, b in enumerate(("nccl", "flux", "auto")):
+        ys = [c["speedup_vs_megatron"].get(b, float("nan")) for c in cells]
+        ax.bar([x + (i - 1) * width for x in range(len(cells))], ys, width, label=b)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(cells)), names, fontsize=8)
+    ax.set_ylabel("step speedup vs megatron-core")
+    ax.set_ylim(0.8, 1.15)
+    ax.legend()
+    ax.set_title(f"megatron-flux end to end, {out['gpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run cells on this machine (TP = the cell's)")
+    r.add_argument("cells", nargs="+")
+    r.add_argument("--out", required=True)
+    r.add_argument("--iters", type=int, default=120, help="iterations of an eager cell's job")
+    r.add_argument("--block", type=int, default=4, help="iterations per interleaved block")
+    r.add_argument("--skip", type=int, default=20, help="iterations not counted at the start")
+    r.add_argument("--graph-iters", type=int, default=60)
+    r.add_argument("--graph-jobs", type=int, default=2,
+                   help="graph cells: megatron and auto (2) or also flux (3)")
+    r.add_argument("--repeats", type=int, default=1, help="runs of each graph-cell job")
+    r.add_argument("--job-timeout", type=int, default=300)
+    r.set_defaults(fn=cmd_run)
+    m = sub.add_parser("merge", help="one matrix JSON (and plot) from cell files")
+    m.add_argument("cells", nargs="+")
+    m.add_argument("--out", required=True)
+    m.add_argument("--png")
+    m.add_argument("--meta", help="JSON with gpu and versions (the device run writes one)")
+    m.add_argument("--gpu", default="unknown")
+    m.add_argument("--command")
+    m.add_argument("--date")
+    m.set_defaults(fn=cmd_merge)
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
