@@ -292,3 +292,41 @@ def test_every_helper_the_fused_calls_use_resolves():
         used |= set(re.findall(r"\b(?:d|deps\(\))\.([A-Za-z_]+)", open(path).read()))
     provided = set(vars(resources.deps()))
     assert used and used == provided, (sorted(used - provided), sorted(provided - used))
+
+
+def test_groups_across_hosts_or_without_peer_access_are_refused_with_a_reason():
+    """``auto`` falls back to NCCL (and ``flux`` raises) where symmetric memory cannot map the
+    peers: a TP group over several hosts, or a GPU pair without P2P; asked once per group."""
+    from megatron_flux.backends.flux.support import group_reason
+
+    def gather_of(*ranks):
+        def gather(out, mine, group):
+            out[:] = list(ranks)
+        return gather
+
+    dev = torch.device("cuda", 0)
+    ok = group_reason(_Group(2), dev, gather=gather_of(("a", 0), ("a", 1)),
+                      peer_access=lambda i, j: True)
+    assert ok is None
+    hosts = group_reason(_Group(2), dev, gather=gather_of(("a", 0), ("b", 0)),
+                         peer_access=lambda i, j: True)
+    assert "spans 2 hosts (a, b)" in hosts
+    p2p = group_reason(_Group(2), dev, gather=gather_of(("a", 0), ("a", 1)),
+                       peer_access=lambda i, j: False)
+    assert "no peer access to GPU 1" in p2p
+
+    be = FluxBackend()
+    asked = []
+    import megatron_flux.backends.flux.backend as FB
+
+    real = FB.group_reason
+    FB.group_reason = lambda group, device: asked.append(group) or "no P2P"
+    real_sig = FB.signature_reason
+    FB.signature_reason = lambda a, b, group, capability: None
+    try:
+        group = _Group(2)
+        a, b = _CudaLike(4096, 512), _CudaLike(512, 1024)
+        assert be.unsupported_reason(a, b, group) == "no P2P"
+        assert be._group_reason(group, dev) == "no P2P" and len(asked) == 1
+    finally:
+        FB.group_reason, FB.signature_reason = real, real_sig

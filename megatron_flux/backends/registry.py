@@ -141,8 +141,8 @@ def resolve_backend(
     (``cublasCreate`` fails inside a capture; the fused kernels need no cuBLAS, so a thread that
     ran only them eagerly would otherwise meet cuBLAS for the first time in the capture).
 
-    The answer depends only on the operands' shapes, strides, dtypes and devices, the group's
-    size and whether the stream is capturing, so it is cached per those (and dropped when the
+    The answer depends only on the operands' shapes, strides, dtypes and devices, the group
+    and whether the stream is capturing, so it is cached per those (and dropped when the
     tables, the options or the registry change): a training step asks the same few questions
     hundreds of times, and the layers' host cost per call is what bounds host-heavy steps.
     """
@@ -152,11 +152,14 @@ def resolve_backend(
         if not capturing and not getattr(_TLS, "blas", False):
             _ensure_blas_handle(a.device)
     key = (requested, op, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype,
-           b.device, group.size() if group is not None else 1, capturing)
+           b.device, id(group), capturing)
     hit = _RESOLVED.get(key)
     if hit is not None:
         return hit
-    backend = _resolve_uncached(requested, a, b, group, op)
+    if capturing and requested in ("auto", "flux"):
+        backend = get_backend("flux") if "flux" in available_backends() else get_backend("nccl")
+    else:
+        backend = _resolve_uncached(requested, a, b, group, op)
     if capturing and not backend.capturable:
         log_once(f"capture:{backend.name}",
                  f"megatron-flux: {backend.name!r} is not captured into CUDA graphs; the calls "

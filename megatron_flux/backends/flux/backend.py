@@ -24,7 +24,7 @@ import torch
 from megatron_flux.backends.base import TPOverlapBackend
 from megatron_flux.backends.flux import ag, regather, rs
 from megatron_flux.backends.flux.resources import DeviceResources
-from megatron_flux.backends.flux.support import signature_reason
+from megatron_flux.backends.flux.support import group_reason, signature_reason
 from megatron_flux.options import FluxOptions, get_options
 
 
@@ -77,6 +77,7 @@ class FluxBackend(TPOverlapBackend):
         self.resources = DeviceResources(self._options)
         self._plans: Dict[Tuple, object] = {}
         self._reasons: Dict[Tuple, Optional[str]] = {}
+        self._group_reasons: Dict[int, Optional[str]] = {}
         self._stream_wait: Optional[bool] = None
         self._nccl = None
 
@@ -120,9 +121,18 @@ class FluxBackend(TPOverlapBackend):
         try:
             return self._reasons[key]
         except KeyError:
-            reason = self._reasons[key] = signature_reason(
-                a, b, group, lambda: self.resources.capability(a.device))
+            reason = signature_reason(a, b, group, lambda: self.resources.capability(a.device))
+            if reason is None:
+                reason = self._group_reason(group, a.device)
+            self._reasons[key] = reason
             return reason
+
+    def _group_reason(self, group, device) -> Optional[str]:
+        """:func:`~megatron_flux.backends.flux.support.group_reason`, once per group."""
+        key = id(group)
+        if key not in self._group_reasons:
+            self._group_reasons[key] = group_reason(group, device)
+        return self._group_reasons[key]
 
     def check(self, op: str, a, b, group) -> None:
         """Raise for operands the kernels cannot take, or inside a CUDA graph capture."""

@@ -3,9 +3,11 @@ and the alignment fix-up every call applies."""
 
 from __future__ import annotations
 
-from typing import Optional
+import socket
+from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 
 def signature_reason(a, b, group, capability) -> Optional[str]:
@@ -37,6 +39,25 @@ def signature_reason(a, b, group, capability) -> Optional[str]:
         return "fused kernels need compute capability >= 9.0 (TMA)"
     if a.shape[0] == 0:
         return "empty input"
+    return None
+
+
+def group_reason(group, device, *, gather: Callable = dist.all_gather_object,
+                 peer_access: Callable = torch.cuda.can_device_access_peer) -> Optional[str]:
+    """Why the fused kernels cannot span ``group`` from ``device``: its ranks on more than one
+    host (torch symmetric memory maps peers' memory within a host), or a peer's GPU without
+    peer access from this one; or ``None``. A collective over ``group``: its ranks ask at their
+    first fused call, which they make in the same order (the same shapes, in SPMD)."""
+    here = (socket.gethostname(), device.index)
+    ranks = [None] * group.size()
+    gather(ranks, here, group=group)
+    hosts = sorted({host for host, _ in ranks})
+    if len(hosts) > 1:
+        return (f"the tensor-parallel group spans {len(hosts)} hosts ({', '.join(hosts)}); "
+                "symmetric memory maps peers' memory within one host")
+    for _, index in ranks:
+        if index != device.index and not peer_access(device.index, index):
+            return f"GPU {device.index} has no peer access to GPU {index} (P2P)"
     return None
 
 
