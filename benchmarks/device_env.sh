@@ -21,7 +21,7 @@ sample_gpus() {  # sample_gpus CSV INTERVAL_MS [FIELDS]: nvidia-smi logs FIELDS 
 
 bench_large() {  # bench_large NAME TIMEOUT: session 14's m >= 1024 grid command (needs RUN, OUT)
     # -> $OUT/NAME.{json,png,log}, and its summary on stdout
-    timeout "$2" "${RUN[@]}" -m megatron_flux.bench --m-set large \
+    timeout "$2" "${RUN[@]}" -m megatron_flux.tools.bench --m-set large \
         --methods cublas_gemm comm nccl torch_async_tp flux --trials 5 --iters 20 \
         --out-json "${OUT}/$1.json" --out-png "${OUT}/$1.png" > "${OUT}/$1.log" 2>&1
     echo "   exit $? (${SECONDS}s)"; grep -A6 "^summary" "${OUT}/$1.log"

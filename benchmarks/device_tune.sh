@@ -17,7 +17,7 @@ DEADLINE="${DEADLINE:-590}"  # seconds this script may take in all (the benchmar
 
 echo "== tune ($(date +%T))"
 timeout "${TUNE_TIMEOUT}" python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}" \
-    -m megatron_flux.tune --m-set all --max-candidates 12 --top 2 --screen-iters 5 \
+    -m megatron_flux.tools.tune --m-set all --max-candidates 12 --top 2 --screen-iters 5 \
     --trials 3 --iters 10 --no-progress --no-merge --out "${OUT}/table.json" > "${OUT}/tune.log" 2>&1
 echo "   exit $? at $(date +%T) (${SECONDS}s)"
 grep -E "^(ag|rs) n=" "${OUT}/tune.log" | tail -60
@@ -28,7 +28,7 @@ if [ -n "${TUNE_MODEL_CONFIG-configs/llama3_8b_16l.json}" ]; then
     # tokens per micro-batch; merged into the same table (no bench rows: left unconfirmed)
     echo "== tune ${TUNE_MODEL_CONFIG-configs/llama3_8b_16l.json} ($(date +%T))"
     timeout "${TUNE_MODEL_TIMEOUT:-120}" python3 -m torch.distributed.run --standalone \
-        --nproc-per-node "${NGPUS}" -m megatron_flux.tune \
+        --nproc-per-node "${NGPUS}" -m megatron_flux.tools.tune \
         --model-config "${TUNE_MODEL_CONFIG-configs/llama3_8b_16l.json}" --ms 4096 --max-candidates 12 \
         --top 2 --screen-iters 5 --trials 3 --iters 10 --no-progress --out "${OUT}/table.json" \
         > "${OUT}/tune_model.log" 2>&1
@@ -38,7 +38,7 @@ fi
 
 echo "== bench, tuned table ($(date +%T))"
 MEGATRON_FLUX_CONFIG="${OUT}/table.json" timeout $((DEADLINE - SECONDS)) python3 -m torch.distributed.run \
-    --standalone --nproc-per-node "${NGPUS}" -m megatron_flux.bench --m-set all \
+    --standalone --nproc-per-node "${NGPUS}" -m megatron_flux.tools.bench --m-set all \
     --methods cublas_gemm comm nccl torch_async_tp flux flux_default auto --trials 5 --iters 20 \
     --out-json "${OUT}/bench.json" --out-png "${OUT}/bench.png" > "${OUT}/bench.log" 2>&1
 echo "   exit $? (${SECONDS}s)"

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from megatron_flux import cli
-from megatron_flux.env_report import _tables, collect, format_report, verdict
+from megatron_flux.tools import cli
+from megatron_flux.tools.check import _tables, collect, format_report, verdict
 
 H200 = {"index": 0, "name": "NVIDIA H200", "capability": [9, 0], "sms": 132, "memory_gib": 139.8}
 

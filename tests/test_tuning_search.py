@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from megatron_flux import cli
+from megatron_flux.tools import cli
 from megatron_flux.kernels.config import GemmConfig, default_config
-from megatron_flux.tuning import search as S
-from megatron_flux.tuning.model_shapes import tokens_per_microbatch, tp_gemms
-from megatron_flux.tuning.progress import NullProgress, SimpleProgress, progress
+from megatron_flux.tools.tune import search as S
+from megatron_flux.tools.model_shapes import tokens_per_microbatch, tp_gemms
+from megatron_flux.tools.tune.progress import NullProgress, SimpleProgress, progress
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -271,7 +271,7 @@ def test_spread_reduce_is_an_rs_knob_on_by_default_from_tp_8():
 
 
 def test_pick_winner_keeps_the_default_unless_beaten_by_the_margin():
-    from megatron_flux.tuning.search import pick_winner
+    from megatron_flux.tools.tune.search import pick_winner
 
     meds = {"c0": 1.000, "c1": 0.995, "c2": 1.02}
     assert pick_winner(meds, "c0", 0.01) == "c0"  # 0.5 % faster: noise, keep the default
@@ -283,7 +283,7 @@ def test_pick_winner_keeps_the_default_unless_beaten_by_the_margin():
 
 
 def test_min_gain_is_validated():
-    from megatron_flux.tuning.search import parse_args
+    from megatron_flux.tools.tune.search import parse_args
 
     assert parse_args([]).min_gain == 0.01
     assert parse_args(["--min-gain", "0"]).min_gain == 0.0

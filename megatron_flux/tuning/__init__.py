@@ -6,8 +6,10 @@
                    shipped ``megatron_flux/tuning/tables/*.json``) and lookup
 * :mod:`.provider` ``TableConfigProvider`` (``FluxBackend``'s default) and :func:`prefer_fused`
 * :mod:`.auto`     the table's part of ``resolve_backend("auto", ...)``
-* :mod:`.search`   the GPU tuner behind ``megatron-flux tune`` (candidates, timing, writing)
-* :mod:`.from_bench` a table from a benchmark JSON (untuned configs, measured times)
+* :mod:`.device`   a device's table identity (GPU name, SM count)
+
+This package only reads tables; the tools that write them (``megatron-flux tune``, confirm,
+adopt, from a benchmark) are :mod:`megatron_flux.tools.tune`.
 """
 
 from __future__ import annotations

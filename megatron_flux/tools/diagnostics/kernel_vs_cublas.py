@@ -1,6 +1,6 @@
 """GEMM quality of the fused kernels with communication disabled, against cuBLAS.
 
-``python -m megatron_flux.bench.kernel_vs_cublas [--tp 2] [--json PATH]`` on one GPU.
+``python -m megatron_flux.tools.diagnostics.kernel_vs_cublas [--tp 2] [--json PATH]`` on one GPU.
 
 The fused kernels run their exact production code path, but wired to this GPU alone: every
 signal is pre-set (no wait ever spins), AG+GEMM's "remote" rows are read from a local buffer and
@@ -292,7 +292,7 @@ def _rs_runner(m, n, k, tp, cfg, dtype):
 
 def _plain_runner(m, n, k, tp, cfg, dtype, host_descriptors=False):
     """The yardstick (:mod:`.plain_gemm`) on the whole ``[m, k] @ [k, n]`` with ``cfg``."""
-    from megatron_flux.bench.plain_gemm import launch_plain_gemm
+    from megatron_flux.tools.diagnostics.plain_gemm import launch_plain_gemm
 
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype)
@@ -457,7 +457,7 @@ def grid_shape(op: str, model: str, tp: int):
     """``(n, k)`` of ``op`` ("ag" or "rs") for ``model`` at TP size ``tp``, per rank: AG+GEMM
     n = fc1 width / tp, k = hidden; GEMM+RS n = hidden, k = fc1 width / tp (k as in the
     anchors file)."""
-    from megatron_flux.bench.grid import MODELS
+    from megatron_flux.tools.bench.grid import MODELS
 
     spec = MODELS[model]
     if op == "ag":
@@ -468,8 +468,8 @@ def grid_shape(op: str, model: str, tp: int):
 def model_shapes(args, op: str):
     """``(model, n, k)`` per model of ``args`` (:func:`add_model_args`) for ``op`` ("ag" /
     "AG+GEMM" or "rs" / "GEMM+RS"), ``n`` and ``k`` per rank at ``args.tp``, as the main
-    benchmark's grid defines them (:func:`megatron_flux.bench.grid.case_for`, ``--rs-k``)."""
-    from megatron_flux.bench import grid as G
+    benchmark's grid defines them (:func:`megatron_flux.tools.bench.grid.case_for`, ``--rs-k``)."""
+    from megatron_flux.tools.bench import grid as G
 
     custom = [G.parse_model_shape(s) for s in getattr(args, "model_shapes", None) or []]
     names = args.models or ([c.name for c in custom] if custom else

@@ -1,8 +1,8 @@
-"""``python -m megatron_flux.bench``: time AG+GEMM and GEMM+RS methods over a grid, FLUX-style.
+"""``python -m megatron_flux.tools.bench``: time AG+GEMM and GEMM+RS methods over a grid, FLUX-style.
 
 Launch one process per GPU of the tensor-parallel group, e.g.::
 
-    torchrun --nproc-per-node 2 -m megatron_flux.bench --out-json results/bench.json
+    torchrun --nproc-per-node 2 -m megatron_flux.tools.bench --out-json results/bench.json
     torchrun --nproc-per-node 2 --no-python megatron-flux bench --m-set large --methods nccl flux
 
 Each case (op × model × m) gets fresh random operands; every method is built, run once and
@@ -31,10 +31,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_flux.bench import grid as G
-from megatron_flux.bench import methods as M
-from megatron_flux.bench import report as R
-from megatron_flux.bench.timing import gather_failures, median, short_error, spread, time_interleaved
+from megatron_flux.tools.bench import grid as G
+from megatron_flux.tools.bench import methods as M
+from megatron_flux.tools.bench import report as R
+from megatron_flux.tools.bench.timing import gather_failures, median, short_error, spread, time_interleaved
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_METHODS = ("cublas_gemm", "comm", "nccl", "torch_async_tp", "flux")
@@ -63,7 +63,7 @@ def _split(values: Optional[Sequence[str]]) -> List[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m megatron_flux.bench",
+        prog="python -m megatron_flux.tools.bench",
         description="FLUX-style benchmark of TP communication/GEMM overlap (run under torchrun).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -164,8 +164,8 @@ def describe_command(argv: Sequence[str]) -> str:
     ``LOCAL_WORLD_SIZE``); the program part comes from ``sys.argv[0]``.
     """
     a0 = sys.argv[0] if sys.argv else ""
-    if a0.replace(os.sep, "/").endswith("megatron_flux/bench/__main__.py"):
-        prog, is_python = ["-m", "megatron_flux.bench"], True
+    if a0.replace(os.sep, "/").endswith("megatron_flux/tools/bench/__main__.py"):
+        prog, is_python = ["-m", "megatron_flux.tools.bench"], True
     elif os.path.basename(a0) == "megatron-flux":
         prog, is_python = ["megatron-flux", "bench"], False
     else:
@@ -348,8 +348,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         list_grid(args, tp)
         return 0
     if not launched:
-        print("megatron_flux.bench: run me under torchrun, one process per GPU of the TP group, e.g.\n"
-              "  torchrun --nproc-per-node 2 -m megatron_flux.bench", file=sys.stderr)
+        print("megatron_flux.tools.bench: run me under torchrun, one process per GPU of the TP group, e.g.\n"
+              "  torchrun --nproc-per-node 2 -m megatron_flux.tools.bench", file=sys.stderr)
         return 2
 
     group, rank, tp, device = init_distributed(args)
@@ -366,7 +366,7 @@ def _run(args, argv, group, rank, tp, device) -> int:
 
     env = R.collect_env(device, group)
     command = describe_command(argv)
-    say(f"megatron_flux.bench: {len(args.cases)} cases x {len(args.method_list)} methods, tp={tp}, "
+    say(f"megatron_flux.tools.bench: {len(args.cases)} cases x {len(args.method_list)} methods, tp={tp}, "
         f"{args.dtype}, {args.trials} trials x {args.iters} iters on {device.type}")
     rows: List[dict] = []
     for i, case in enumerate(args.cases, 1):

@@ -26,7 +26,7 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 #: the plugin's own environment variables that change which tables, backends or launch paths
-#: run (also recorded with every benchmark run, :mod:`megatron_flux.bench.report`)
+#: run (also recorded with every benchmark run, :mod:`megatron_flux.tools.bench.report`)
 PLUGIN_ENV_VARS = (
     "MEGATRON_FLUX_CONFIG",
     "MEGATRON_FLUX_SHIPPED_TABLES",

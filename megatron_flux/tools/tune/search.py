@@ -2,7 +2,7 @@
 
 Run under torchrun, one process per GPU of the TP group::
 
-    torchrun --nproc-per-node 2 -m megatron_flux.tune --models llama3-8b --m-set all
+    torchrun --nproc-per-node 2 -m megatron_flux.tools.tune --models llama3-8b --m-set all
     torchrun --nproc-per-node 2 --no-python megatron-flux tune --shapes ag:14336:4096 --m 4096
 
 For every ``(op, n, k)`` (from ``--models`` / ``--model-shapes`` / ``--model-config`` like the
@@ -16,7 +16,7 @@ benchmark, or ``--shapes OP:N:K`` in the per-rank form the table keys) and every
    a candidate that raises or misses ``--max-rel-err`` on any rank is dropped on all;
 3. **screen**: one short interleaved trial of all survivors;
 4. **final**: the best ``--top`` plus the default, and ``nccl``, timed in ``--trials``
-   interleaved trials (:func:`megatron_flux.bench.timing.time_interleaved`: max over ranks per
+   interleaved trials (:func:`megatron_flux.tools.bench.timing.time_interleaved`: max over ranks per
    trial, median over trials). The winner is the fastest median, but the default keeps its
    place unless that median is ``--min-gain`` (1 %) below the default's: the fastest of several
    noisy medians is biased low, and a config that won by less has lost in later benchmarks.
@@ -45,7 +45,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_flux.tuning.keys import OPS, dtype_key, normalize_op
-from megatron_flux.tuning.model_shapes import tp_gemms
+from megatron_flux.tools.model_shapes import tp_gemms
 
 #: knob -> values searched (GemmConfig fields); chunk_rows only for AG (RS ignores it)
 SEARCH_SPACE: Dict[str, Tuple] = {
@@ -363,7 +363,7 @@ def parse_shape(spec: str) -> Tuple[str, int, int]:
 
 def plan_shapes(args: argparse.Namespace, tp: int) -> List[Tuple[str, int, int, Optional[str]]]:
     """``(op, n, k, model)`` per-rank shapes to tune, deduplicated, in a stable order."""
-    from megatron_flux.bench import grid as G
+    from megatron_flux.tools.bench import grid as G
 
     out: List[Tuple[str, int, int, Optional[str]]] = []
     seen = set()
@@ -393,7 +393,7 @@ def plan_shapes(args: argparse.Namespace, tp: int) -> List[Tuple[str, int, int, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron_flux.bench import grid as G
+    from megatron_flux.tools.bench import grid as G
 
     p = argparse.ArgumentParser(
         prog="megatron-flux tune",
@@ -405,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-config", nargs="+", default=[], metavar="PATH",
                    help="model config files (configs/*.json, or JSON/YAML with hidden_size, "
                    "ffn_hidden_size, swiglu, num_attention_heads, ...): their QKV, proj, fc1 and fc2 "
-                   "GEMMs per rank, forward and data gradient (tuning/model_shapes.py)")
+                   "GEMMs per rank, forward and data gradient (megatron_flux/tools/model_shapes.py)")
     g.add_argument("--shapes", nargs="+", default=[], metavar="OP:N:K",
                    help="explicit per-rank weight shapes as the table keys them (ag: n=fc1/tp, k=hidden; "
                    "rs: n=hidden, k=fc2_in/tp)")
@@ -424,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--warmup", type=int, default=3)
     s.add_argument("--sample-warmup", type=int, default=3,
                    help="untimed calls of a candidate right before each timed block (screen and "
-                        "final): see megatron_flux.bench.timing")
+                        "final): see megatron_flux.tools.bench.timing")
     s.add_argument("--min-gain", type=float, default=0.01,
                    help="a finalist replaces the default config only when its median is at least this "
                    "fraction faster (the fastest of several noisy medians is biased low)")
@@ -441,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_ms(args: argparse.Namespace, tp: int) -> List[int]:
-    from megatron_flux.bench import grid as G
+    from megatron_flux.tools.bench import grid as G
 
     if args.m:
         return m_buckets(args.m, tp)
@@ -500,7 +500,7 @@ def pick_winner(medians: Dict[str, float], default: str, min_gain: float) -> str
 
 # --------------------------------------------------------------------------- GPU part
 def _global_case(op: str, n: int, k: int, m: int, tp: int, model: Optional[str]):
-    from megatron_flux.bench import grid as G
+    from megatron_flux.tools.bench import grid as G
 
     if op == "ag":
         return G.Case(G.AG_GEMM, model or "custom", m, n=n * tp, k=k)
@@ -512,8 +512,8 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     import torch
 
     from megatron_flux.backends import get_backend
-    from megatron_flux.bench import methods as M
-    from megatron_flux.bench.timing import agree_flags, median, time_interleaved
+    from megatron_flux.tools.bench import methods as M
+    from megatron_flux.tools.bench.timing import agree_flags, median, time_interleaved
 
     case = _global_case(op, n, k, m, tp, model)
     inp = M.make_inputs(case, tp, rank, dtype=dtype, device=device, seed=args.seed)
@@ -607,7 +607,7 @@ def _run(args, group, rank, tp, device) -> int:
     from megatron_flux.backends import available_backends
     from megatron_flux.backends.flux import FluxBackend
     from megatron_flux.tuning.device import device_identity
-    from megatron_flux.tuning.progress import progress
+    from megatron_flux.tools.tune.progress import progress
     from megatron_flux.tuning.schema import Table, default_filename, load_table, merge_tables, validate_table, write_table
 
     if "flux" not in available_backends():

@@ -30,9 +30,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_flux.bench.grid import OPS
-from megatron_flux.bench.methods import COMPUTES_OP, METHODS, OVERLAPPING
-from megatron_flux.env_report import PLUGIN_ENV_VARS
+from megatron_flux.tools.bench.grid import OPS
+from megatron_flux.tools.bench.methods import COMPUTES_OP, METHODS, OVERLAPPING
+from megatron_flux.tools.check import PLUGIN_ENV_VARS
 
 STATUSES = ("ok", "skipped", "error")
 #: m at or above which a case belongs to the main grid of the summary (FLUX's Fig. 11–13 range)

@@ -2,7 +2,7 @@
 
 For a model config (the pretrain scripts' ``configs/*.json``), a TP size and a GPU identity
 (the local GPU's by default, or ``--gpu NAME --sms N``), prints per GEMM, forward and data
-gradient (:mod:`megatron_flux.tuning.model_shapes`):
+gradient (:mod:`megatron_flux.tools.model_shapes`):
 
 * the table entry ``auto`` and the fused backend would use (nearest m-bucket), with its measured
   fused and NCCL times, or ``-`` when no table knows the shape;
@@ -20,7 +20,7 @@ import json
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from megatron_flux.tuning.model_shapes import tokens_per_microbatch, tp_gemms
+from megatron_flux.tools.model_shapes import tokens_per_microbatch, tp_gemms
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 

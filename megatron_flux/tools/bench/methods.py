@@ -42,7 +42,7 @@ from typing import Callable, Dict, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_flux.bench.grid import AG_GEMM, GEMM_RS, Case
+from megatron_flux.tools.bench.grid import AG_GEMM, GEMM_RS, Case
 
 #: the methods that run a FluxBackend (the registered one, or a second object of its own)
 FUSED_METHODS: Tuple[str, ...] = ("flux", "flux_default", "flux_variant", "flux_control")
