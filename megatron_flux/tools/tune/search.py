@@ -45,7 +45,9 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_flux.tuning.keys import OPS, dtype_key, normalize_op
-from megatron_flux.tools.model_shapes import tp_gemms
+from megatron_flux.tools.model_shapes import file_problem, load_settings, tp_gemms
+
+PROG = "megatron-flux tune"
 
 #: knob -> values searched (GemmConfig fields); chunk_rows only for AG (RS ignores it)
 SEARCH_SPACE: Dict[str, Tuple] = {
@@ -396,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_flux.tools.bench import grid as G
 
     p = argparse.ArgumentParser(
-        prog="megatron-flux tune",
+        prog=PROG,
         description="Search the fused kernels' settings per op and m-bucket on this machine's GPUs "
         "and TP size (run under torchrun); write a tuning table with the nccl time per entry.")
     g = p.add_argument_group("what to tune")
@@ -577,10 +579,32 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     return entry
 
 
+def config_error(args: argparse.Namespace) -> Optional[str]:
+    """The first ``--model-config`` that cannot be used, as one line, or ``None``: checked
+    before any GPU work so a typo or a malformed file fails at once on every rank."""
+    for path in args.model_config:
+        problem = file_problem(path)
+        if problem is not None:
+            return f"--model-config {path}: {problem}"
+        try:
+            load_settings(path)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    problem = config_error(args)
+    if problem is not None:
+        print(f"{PROG}: {problem}", file=sys.stderr)
+        return 2
     if args.dry_run:
-        return dry_run(args)
+        try:
+            return dry_run(args)
+        except ValueError as exc:  # a config whose widths do not split over the TP size
+            print(f"{PROG}: {exc}", file=sys.stderr)
+            return 2
     import torch
     import torch.distributed as dist
 
@@ -616,7 +640,11 @@ def _run(args, group, rank, tp, device) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     _, sms, gpu_name = device_identity(device)
     ms = resolve_ms(args, tp)
-    shapes = plan_shapes(args, tp)
+    try:
+        shapes = plan_shapes(args, tp)
+    except ValueError as exc:  # a config whose widths do not split over this TP size
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
     args.space, pinned = search_space_for(torch.cuda.get_device_capability(device))
     holder = [None]
     flux = FluxBackend(config_provider=lambda op, m, n, k: holder[0])
