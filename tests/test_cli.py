@@ -18,6 +18,18 @@ def test_top_level_help_lists_every_subcommand(capsys):
     assert cli.main(["nope"]) == 2 and "unknown subcommand 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cmd", SUBCOMMANDS)
+def test_each_subcommand_names_itself_as_typed(cmd, capsys):
+    """``--help`` and usage errors show the command people type (``megatron-flux bench``), not
+    the module that implements it."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main([cmd, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: megatron-flux {cmd} ")
+    assert "python -m" not in out.split("\n\n")[0]
+
+
 @pytest.mark.parametrize("cmd, extra", [("plan", ["--tp", "2"] + H200), ("tune", ["--dry-run"])])
 def test_a_missing_model_config_is_one_line_and_exit_2(cmd, extra, tmp_path, capsys):
     missing = str(tmp_path / "no-such.json")

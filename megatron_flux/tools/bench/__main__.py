@@ -36,6 +36,7 @@ from megatron_flux.tools.bench import methods as M
 from megatron_flux.tools.bench import report as R
 from megatron_flux.tools.bench.timing import gather_failures, median, short_error, spread, time_interleaved
 
+PROG = "megatron-flux bench"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_METHODS = ("cublas_gemm", "comm", "nccl", "torch_async_tp", "flux")
 OP_ALIASES = {"ag+gemm": G.AG_GEMM, "ag": G.AG_GEMM, "gemm+rs": G.GEMM_RS, "rs": G.GEMM_RS}
@@ -63,7 +64,7 @@ def _split(values: Optional[Sequence[str]]) -> List[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m megatron_flux.tools.bench",
+        prog=PROG,
         description="FLUX-style benchmark of TP communication/GEMM overlap (run under torchrun).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -348,8 +349,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         list_grid(args, tp)
         return 0
     if not launched:
-        print("megatron_flux.tools.bench: run me under torchrun, one process per GPU of the TP group, e.g.\n"
-              "  torchrun --nproc-per-node 2 -m megatron_flux.tools.bench", file=sys.stderr)
+        print(f"{PROG}: run me under torchrun, one process per GPU of the TP group, e.g.\n"
+              f"  torchrun --nproc-per-node 2 --no-python {PROG}", file=sys.stderr)
         return 2
 
     group, rank, tp, device = init_distributed(args)
@@ -366,7 +367,7 @@ def _run(args, argv, group, rank, tp, device) -> int:
 
     env = R.collect_env(device, group)
     command = describe_command(argv)
-    say(f"megatron_flux.tools.bench: {len(args.cases)} cases x {len(args.method_list)} methods, tp={tp}, "
+    say(f"{PROG}: {len(args.cases)} cases x {len(args.method_list)} methods, tp={tp}, "
         f"{args.dtype}, {args.trials} trials x {args.iters} iters on {device.type}")
     rows: List[dict] = []
     for i, case in enumerate(args.cases, 1):
