@@ -259,6 +259,17 @@ def test_a_bad_user_table_fails_before_any_timing(tmp_path, monkeypatch):
             "MEGATRON_FLUX_HOST_DESCRIPTORS"} <= set(R.ENV_VARS)
 
 
+def test_the_table_names_the_local_gemm_by_what_runs():
+    """``cublas_gemm`` is torch.mm: cuBLAS on CUDA only. Off CUDA the table prints what ran;
+    the JSON keeps the method name reports key on."""
+    assert M.method_label("cublas_gemm", "cuda") == "cublas_gemm"
+    assert M.method_label("cublas_gemm", "cpu") == "local_gemm (torch.mm, cpu)"
+    assert M.method_label("nccl", "cpu") == "nccl"
+    row = dict(_r(G.AG_GEMM, "x", 64, "cublas_gemm", 1.0), label=M.method_label("cublas_gemm", "cpu"))
+    table = R.format_table([row])
+    assert "local_gemm (torch.mm, cpu)" in table and "cublas" not in table
+
+
 def test_describe_command_reconstructs_the_launcher(monkeypatch):
     main_py = str(REPO / "megatron_flux" / "tools" / "bench" / "__main__.py")
     monkeypatch.setattr(sys, "argv", [main_py, "--ms", "64"])
@@ -506,6 +517,7 @@ def test_run_case_takes_the_same_decisions_on_every_rank(two_ranks):
     by = {r["method"]: r for r in rows0}
     assert by["cublas_gemm"]["status"] == by["comm"]["status"] == "ok"
     assert by["cublas_gemm"]["median_ms"] > 0 and len(by["comm"]["trials_ms"]) == 2
+    assert by["cublas_gemm"]["label"] == "local_gemm (torch.mm, cpu)" and "label" not in by["comm"]
     assert by["torch_async_tp"]["status"] == "error" and "rank 1" in by["torch_async_tp"]["reason"]
     assert "build boom" in by["torch_async_tp"]["reason"]
     assert by["flux"]["status"] == "skipped" and by["flux"]["reason"] == "rank 0: no flux on rank 0"
@@ -538,6 +550,7 @@ def test_torchrun_smoke_run_on_gloo(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "median_ms" in proc.stdout and "ECT_ms" in proc.stdout  # the table, printed once (rank 0)
+    assert "local_gemm (torch.mm, cpu)" in proc.stdout and "cublas" not in proc.stdout  # what ran
     assert proc.stdout.count("op  ") == 1
     doc = json.loads(out.read_text())
     R.validate_result(doc)

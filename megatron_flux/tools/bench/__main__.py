@@ -79,7 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "parser rejects --m as an ambiguous abbreviation of its options)")
     g.add_argument("--m-set", choices=("all", "large", "small"), default="all",
                    help=f"large = {G.LARGE_M}, small = {G.SMALL_M}, all = both")
-    g.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help=f"any of {', '.join(M.METHODS)}")
+    g.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
+                   help=f"any of {', '.join(M.METHODS)}. cublas_gemm is the local non-split GEMM "
+                   "alone (torch.mm): cuBLAS on CUDA; with --device cpu torch's CPU matmul runs "
+                   "and the table prints it as local_gemm (the JSON keeps the name cublas_gemm)")
     g.add_argument("--flux-variant", type=json.loads, default=None, metavar="JSON",
                    help="GemmConfig fields the flux_variant method changes in the tables' configs, "
                         "e.g. '{\"rs_copy_engine\": true}' (required by that method)")
@@ -232,6 +235,10 @@ def run_case(case: G.Case, args: argparse.Namespace, group, rank: int, tp: int, 
     methods and the recorded reason names the rank that failed.
     """
     rows: Dict[str, dict] = {name: _row(case, name) for name in args.method_list}
+    for name, row in rows.items():
+        label = M.method_label(name, device.type)
+        if label != name:  # what ran, where the method's name says otherwise (JSON and table)
+            row["label"] = label
 
     def drop(name: str, status: str, reason: str) -> None:
         rows[name].update(status=status, reason=reason)
@@ -374,7 +381,8 @@ def _run(args, argv, group, rank, tp, device) -> int:
         say(f"[{i}/{len(args.cases)}] {case.op} {case.model} m={case.m} n={case.n} k={case.k}")
         case_rows = run_case(case, args, group, rank, tp, device, say)
         say("  " + "  ".join(
-            f"{r['method']}={r['median_ms']:.4f}ms" if r["status"] == "ok" else f"{r['method']}={r['status']}"
+            f"{r.get('label', r['method'])}={r['median_ms']:.4f}ms" if r["status"] == "ok"
+            else f"{r.get('label', r['method'])}={r['status']}"
             for r in case_rows))
         rows.extend(case_rows)
     if rank != 0:
@@ -418,7 +426,8 @@ def _run(args, argv, group, rank, tp, device) -> int:
     table = R.format_table(rows)
     print(table)
     if summary:
-        print("\nsummary (overlap efficiency = 1 - ECT/ECT_nccl, ECT = T - T_cublas_gemm)")
+        gemm = M.method_label("cublas_gemm", device.type).split(" ")[0]
+        print(f"\nsummary (overlap efficiency = 1 - ECT/ECT_nccl, ECT = T - T_{gemm})")
         print(R.format_summary(summary))
     R.write_json(args.out_json, doc)
     print(f"\nwrote {args.out_json}")

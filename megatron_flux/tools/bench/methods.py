@@ -5,7 +5,11 @@ returns its output tensor, so the timing loop (:mod:`.timing`) and the correctne
 them alike:
 
 * ``cublas_gemm``    the non-split local GEMM alone (``torch.mm``) — FLUX's ``GEMM_non-split``;
-                     the floor every method is measured against (ECT = method − this).
+                     the floor every method is measured against (ECT = method − this). On
+                     CUDA ``torch.mm`` is cuBLAS; elsewhere (``--device cpu``) it is torch's CPU
+                     matmul, so the printed table calls it ``local_gemm (torch.mm, cpu)``
+                     (:func:`method_label`) while the JSON keeps the method name
+                     ``cublas_gemm`` that reports and tables key on.
 * ``comm``           the collective alone (all-gather of the row shard / reduce-scatter of the
                      partial product): how much communication there is to hide.
 * ``nccl``           the registered ``nccl`` backend: collective, then GEMM (or GEMM, then
@@ -56,6 +60,14 @@ OVERLAPPING: Tuple[str, ...] = ("torch_async_tp",) + FUSED_METHODS + ("auto",)
 #: ``b_layout`` choices: ``weight_t`` passes ``weight.t()`` of a row-major ``[n, k]`` weight (what
 #: Megatron's forward does), ``row_major`` a contiguous ``[k, n]`` matrix.
 B_LAYOUTS: Tuple[str, ...] = ("weight_t", "row_major")
+
+
+def method_label(name: str, device_type: str) -> str:
+    """What the terminal table calls method ``name`` on a ``device_type`` device: its name,
+    except ``cublas_gemm`` off CUDA, where ``torch.mm`` does not run cuBLAS."""
+    if name == "cublas_gemm" and device_type != "cuda":
+        return f"local_gemm (torch.mm, {device_type})"
+    return name
 
 
 class MethodSkipped(Exception):

@@ -175,7 +175,7 @@ def format_table(rows: Sequence[dict]) -> str:
         last = key
         eff, sp = r.get("overlap_eff"), r.get("speedup_vs_nccl")
         lines.append((
-            r["op"], r["model"], str(r["m"]), str(r["n"]), str(r["k"]), r["method"],
+            r["op"], r["model"], str(r["m"]), str(r["n"]), str(r["k"]), r.get("label", r["method"]),
             _fmt(r.get("median_ms"), ".4f"), _fmt(r.get("spread_ms"), ".4f"), _fmt(r.get("ect_ms"), "+.4f"),
             "-" if eff is None else f"{eff * 100:+.1f}%", "-" if sp is None else f"{sp:.3f}x",
             _fmt(r.get("max_rel_err"), ".1e"), _note(r, footnotes),
