@@ -13,7 +13,7 @@ and passes it as a kernel parameter. The kernels take A and B this way (AG+GEMM 
 gathered rows and output, GEMM+RS its own tiles' output and slots; the Gluon kernels through
 :func:`megatron_flux.kernels.gluon_ws.host_descriptor`, with their buffers' layouts) when
 :func:`host_descriptors_enabled`; descriptors of peers' buffers stay device-built. With communication off on one H200, the plain yardstick ran 0.3-2 % faster with
-host descriptors at m >= 1024 and 2-8 % at m <= 512 (``benchmarks/NOTES.md``, session 23).
+host descriptors at m >= 1024 and 2-8 % at m <= 512.
 """
 
 import os

@@ -50,8 +50,8 @@ RS_CANDIDATES = [
 ]
 
 #: tiles run two programs per SM (``programs_per_sm=2``): 128x128 tiles, 3 stages and a split
-#: epilogue need 64-112 KB of shared memory and fit twice on an H200 SM (benchmarks/NOTES.md,
-#: session 11); the shipped table's config lends them its communication knobs
+#: epilogue need 64-112 KB of shared memory and fit twice on an H200 SM; the shipped table's
+#: config lends them its communication knobs
 PER_SM_TILES = [
     dict(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=4, group_m=8,
          epilogue_split=2, flatten=True, warp_specialize=False, programs_per_sm=2),
@@ -68,7 +68,7 @@ def _time(fns: Dict[str, Callable], trials: int, iters: int, warmup: int = 0,
     methods interleaved inside every trial. ``warmup`` untimed calls of the same method run
     right before each sample: a GEMM's time depends on the clock the power limiter allows, and
     that follows the last few milliseconds of load, so without them a sample partly measures
-    the method before it (session 11: a 0.7 ms GEMM ran 5-10 % apart depending on its
+    the method before it (on one H200 a 0.7 ms GEMM ran 5-10 % apart depending on its
     neighbour). With ``shuffle_seed`` the order of the methods changes from trial to trial.
     ``queue_ahead_ms``: see :func:`mean_ms`."""
     import random
@@ -100,8 +100,7 @@ def _time_alternating(fns: Dict[str, Callable], trials: int, rounds: int, warmup
     trial is ``warmup`` untimed launches of each method, then ``rounds`` rounds, queued behind a
     sleep of ``queue_ahead_ms`` (:func:`mean_ms`). Why: on one H200 the SM clock steps by up
     to 25 % within tens of milliseconds under large GEMMs, for cuBLAS as for the fused kernels
-    (``benchmarks/NOTES.md``, session 23: per-launch times of gpt3-175b m = 1024 moved between
-    0.76 and 0.95 ms inside one block, each level held for many launches). Blocks of ``iters``
+    (per-launch times of gpt3-175b m = 1024 moved between 0.76 and 0.95 ms inside one block, each level held for many launches). Blocks of ``iters``
     launches per method then compare methods at different clocks; neighbours in one round
     share theirs."""
     import random
@@ -253,7 +252,7 @@ def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None, num_sms=None):
 
     # The kernel reaches the slots and signals only through the addresses in the pointer
     # tables, so ``launch`` must own them: a freed ``flags`` (reused by the next allocation)
-    # made every later call spin out its waits (session 9, ~240 ms a call).
+    # made every later call spin out its waits (~240 ms a call).
     launch.buffers = (out, data, pushed, flags, data_ptrs, flag_ptrs)
     return launch, out, data
 

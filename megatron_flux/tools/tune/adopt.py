@@ -12,8 +12,7 @@ count, dtype: :func:`~megatron_flux.tools.tune.from_bench.check_same_machine`).
 
 ``flux_variant`` runs in a second backend object (its own workspaces and streams). On 2×H100,
 ``flux`` and ``flux_default`` with *identical* configs measured up to 9 % apart with the same
-sign run after run, and a same-config control 0.88-1.02× ``flux`` in one run
-(``benchmarks/NOTES.md``, session 27). A run that also timed ``flux_control`` (a second backend
+sign run after run, and a same-config control 0.88-1.02× ``flux`` in one run. A run that also timed ``flux_control`` (a second backend
 with the table's own configs) sizes that floor per case: there the variant must beat the table
 config by more than ``|flux_control / flux - 1|``, and the control's times go into the notes.
 Runs without it keep the plain rule (variant faster at all).

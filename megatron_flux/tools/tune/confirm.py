@@ -22,7 +22,7 @@ table), each confirmed by a benchmark of the shapes it touched. So:
 Repeated benchmarks of the same table and kernels are one body of evidence, not a sequence:
 :func:`confirm_repeats` compares each entry's tuning run with **every** run that ran its shape
 and keeps the least favourable (its source in ``bench_source``, all of them in ``bench_runs``).
-On a box whose trials spread 10-25 % (the 2×H100 of session 27), the latest run alone flipped
+On a box whose trials spread 10-25 % (measured on 2×H100), the latest run alone flipped
 six of 48 ``auto`` choices against the two runs before it.
 
 ``python -m megatron_flux.tools.tune.confirm TABLE.json BENCH.json [BENCH2.json ...] OUT.json``

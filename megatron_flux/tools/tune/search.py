@@ -79,18 +79,17 @@ _VARIATION_ORDER = ("stream_k", "chunk_rows", "comm_priority", "ag_pull", "rs_co
 #: knobs the backend has but the search leaves alone (recorded in the table's search.not_searched)
 NOT_SEARCHED: Dict[str, str] = {
     "programs_per_sm": "not varied knob by knob: two programs per SM on 128x128 tiles beat no "
-                       "shipped config beyond noise on the grid (benchmarks/NOTES.md, session "
-                       "11); GEMM+RS at short K gets one seed with it (RS_SHORT_K_SEEDS)",
-    "ag_peer_group": "not measured yet (added in session 13 without a GPU to time it)",
+                       "shipped config beyond noise on the grid (one H200, communication "
+                       "off); GEMM+RS at short K gets one seed with it (RS_SHORT_K_SEEDS)",
+    "ag_peer_group": "not measured yet (no GPU run has timed a value above 1)",
     "ag_merge_local": "the default at m <= 512 (gathered first, lead 0), where the per-segment "
                       "default is tried as a seed; at m = 1024-2048 no faster with "
-                      "communication on, slower in 7 of 8 paired comm-off cases at TP 2 "
-                      "(benchmarks/NOTES.md, sessions 15 and 21)",
+                      "communication on, slower in 7 of 8 paired comm-off cases at TP 2",
     "ag_merge_lead": "only matters with ag_merge_local",
     "rs_merge_rows": "the default at m <= 256, where the per-segment default is tried as a "
-                     "seed (benchmarks/NOTES.md, session 21)",
+                     "seed",
     "rs_split_k": "only with merged rows, where it gets two seeds (RS_MERGED_SEEDS); counts "
-                  "that fill the SMs evenly did not win (benchmarks/NOTES.md, session 22)",
+                  "that fill the SMs evenly did not win (one H200, communication off)",
     "rs_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
                            "fixed forms); GEMM+RS at short K gets it as one seed "
                            "(RS_SHORT_K_SEEDS), and with merged rows up to m = 512 as another "
@@ -98,10 +97,10 @@ NOT_SEARCHED: Dict[str, str] = {
     "ag_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
                            "fixed forms); AG+GEMM gets both forms as seeds (AG_SEEDS)",
     "rs_ce_bands": "0.97x the table config on one training shape, 1.04x on another, mixed on "
-                   "the rest (benchmarks/NOTES.md, session 17)",
+                   "the rest (2×H200)",
     "flatten_consume": "compiles to the same GEMM+RS kernel either way (Triton does not flatten "
                        "the reduction loop); a kernel that did flatten it ran level "
-                       "(benchmarks/NOTES.md, session 13)",
+                       "(paired median 1.000 at TP 2, 1.001 at TP 4, communication off)",
 }
 #: knobs that compile to the same kernel below a compute capability: searching them there
 #: times one kernel twice and lets noise pick (knob -> (first capability where it matters, why))
@@ -150,8 +149,8 @@ SEED_CONFIGS: Tuple[Dict[str, object], ...] = (
 #: warp-specialized Gluon kernel (``rs_warp_specialized``, 5 stages) and two programs per SM on
 #: 128x128 tiles. With communication off on one H200 they ran 0.92x and 0.95-0.98x the TP 2
 #: table's config on the training step's proj and qkv-dgrad GEMM+RS (k = 2048 / 3072,
-#: m = 8192), where the epilogue's reads cost 6-7 % (benchmarks/NOTES.md, session 19); whether
-#: they also win with communication on is for the tune to measure.
+#: m = 8192), where the epilogue's reads cost 6-7 %; whether they also win with communication
+#: on is for the tune to measure.
 RS_SHORT_K = 4096
 RS_SHORT_K_SEEDS: Tuple[Dict[str, object], ...] = (
     dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
@@ -164,8 +163,8 @@ RS_SHORT_K_SEEDS: Tuple[Dict[str, object], ...] = (
 #: AG+GEMM also tries the warp-specialized Gluon kernel (``ag_warp_specialized``) in both its
 #: forms. Ping-pong (128x128, 5 stages): with communication off on one H200 it ran 0.95-0.99x
 #: the TP 2 table's config on the training step's AG+GEMMs and the grid's m <= 2048 shapes,
-#: 1.02-1.06x on the largest (benchmarks/NOTES.md, session 19). Cooperative (128x256, 3
-#: stages): 0.97-1.005x the table on those largest shapes, where ping-pong loses (session 20).
+#: 1.02-1.06x on the largest. Cooperative (128x256, 3 stages): 0.97-1.005x the table on those
+#: largest shapes, where ping-pong loses.
 AG_SEEDS: Tuple[Dict[str, object], ...] = (
     dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
          epilogue_split=1, warp_specialize=False, ag_warp_specialized=True,
@@ -178,14 +177,12 @@ AG_SEEDS: Tuple[Dict[str, object], ...] = (
 
 #: GEMM+RS whose default merges every rank's rows (small m) also tries 64x128 tiles split along
 #: K in 2 and 4 (``rs_split_k``): with communication off on one H200 they ran 0.87x the
-#: default on llama3-8b m = 128 and 0.94x on gpt3-175b m = 64, and lost elsewhere
-#: (benchmarks/NOTES.md, session 21).
+#: default on llama3-8b m = 128 and 0.94x on gpt3-175b m = 64, and lost elsewhere.
 #: And merged rows on the warp-specialized Gluon kernel, ping-pong 128x128x64 with 5 stages
 #: (``rs_warp_specialized``): communication off it ran 0.90-0.91x / 0.94-0.95x the default on
 #: gpt3-175b m = 128 and llama3-70b m = 256 in two runs on one H200 (0.96x / 0.93x on one
 #: H100), 0.91-0.92x the TP 2 table's per-segment config on gpt3-175b m = 512, and lost at
-#: m = 64 and at small n
-#: (benchmarks/NOTES.md, session 22). It names the merged-rows knobs, so it also applies where
+#: m = 64 and at small n. It names the merged-rows knobs, so it also applies where
 #: the default does not merge (up to :data:`RS_MERGED_SEED_MAX_M`); the split seeds need a
 #: merged default. These come before the generic seeds, so a short candidate list keeps them.
 RS_MERGED_SEEDS: Tuple[Dict[str, object], ...] = tuple(
@@ -489,7 +486,7 @@ def pick_winner(medians: Dict[str, float], default: str, min_gain: float) -> str
     """The finalist to ship: the fastest median, unless the default's median is within
     ``min_gain`` of it, then the default.
 
-    The minimum of several noisy medians is biased low (session 6: two GEMM+RS entries whose
+    The minimum of several noisy medians is biased low (on 2×H200, two GEMM+RS entries whose
     tuned 128x128 configs had won the tune ran 1.10-1.12x cuBLAS in the benchmark, against
     1.02-1.03x for the default), so a challenger must win clearly. Ties break by name."""
     if not medians:
