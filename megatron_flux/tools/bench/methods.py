@@ -28,7 +28,7 @@ them alike:
                      its own symmetric workspaces, streams and config cache, as ``flux_default``'s
                      and ``flux_variant``'s are: ``flux_control`` ÷ ``flux`` is what two backend
                      objects with identical configs measure apart in the same trials, the floor
-                     under any A/B of ``flux`` against one of those (``tuning.adopt`` uses it).
+                     under any A/B of ``flux`` against one of those (``tools.tune.adopt`` uses it).
 * ``auto``           whatever ``resolve_backend("auto", ...)`` picks for these operands.
 
 A method that cannot run here raises :class:`MethodSkipped` with the reason at build time; the
