@@ -86,6 +86,67 @@ def test_candidate_filters():
         S.generate_candidates("ag", 64, 128, 128, 2, space={"pull": (True, False)})
 
 
+def _brute_force_variations(op, m_total, n, k, tp, space, smem_limit=S.SMEM_BYTES):
+    """The candidates (no seeds) as the tuner first built them: every config of the product,
+    filtered, sorted by (distance, single knobs breadth-first, product index). The tuner now
+    builds them one distance at a time; this is the reference it must match."""
+    import itertools
+
+    base = default_config(op, m_total, n, k, tp=tp)
+    space = {f: ((getattr(base, f),) if any(f in knobs for o, knobs in S._OP_KNOBS.items() if o != op)
+                 else values) for f, values in space.items()}  # the other op's knobs stay
+    twins = ([default_config(op, m_total, n, k, tp=tp, gather_small_m=False)]
+             if base.ag_merge_local or base.rs_merge_rows else [])  # small m: per segment too
+    knobs = list(space)
+    m_local = m_total // tp
+    scored, seen = [], {base, *twins}
+    for i, values in enumerate(itertools.product(*(space[f] for f in knobs))):
+        changes = {f: v for f, v in zip(knobs, values) if getattr(base, f) != v}
+        if not changes:
+            continue
+        try:
+            cfg = dataclasses.replace(base, **changes)
+        except (ValueError, TypeError):
+            continue
+        spans = cfg.rs_merge_rows or (cfg.ag_merge_local and cfg.ag_merge_lead == 0)
+        bm_max = max(64, 1 << ((m_total if spans else m_local) - 1).bit_length())
+        if (cfg in seen or S.smem_bytes(cfg) > smem_limit or cfg.block_m > bm_max
+                or cfg.block_n > max(64, 1 << (n - 1).bit_length())
+                or cfg.block_k > max(32, 1 << (k - 1).bit_length())):
+            continue
+        if op == "ag" and "chunk_rows" in changes and cfg.chunk_rows >= m_local:
+            continue
+        seen.add(cfg)
+        scored.append((len(changes), i, cfg, changes))
+    per_knob, keyed = {}, []
+    for d, i, cfg, changes in sorted(scored, key=lambda t: (t[0], t[1])):
+        if d == 1:
+            (knob,) = changes
+            nth = per_knob[knob] = per_knob.get(knob, -1) + 1
+            order = (S._VARIATION_ORDER.index(knob) if knob in S._VARIATION_ORDER
+                     else len(S._VARIATION_ORDER))
+            keyed.append(((1, nth, order, i), cfg))
+        else:
+            keyed.append(((d, 0, 0, i), cfg))
+    return [base] + twins + [c for _, c in sorted(keyed, key=lambda t: t[0])]
+
+
+@pytest.mark.parametrize("op, m, n, k, tp", [("ag", 4096, 14336, 4096, 2), ("rs", 128, 4096, 14336, 2),
+                                             ("ag", 64, 14336, 4096, 8), ("rs", 8192, 12288, 24576, 8)])
+def test_variations_by_distance_match_sorting_the_whole_product(op, m, n, k, tp):
+    """Built one distance at a time and cut at ``max_candidates``, the list is the prefix of
+    the whole product sorted (a space small enough to enumerate here, with a repeated value, a
+    knob the default's value is missing from, and one that every config changes)."""
+    space = {"block_m": (64, 128), "block_n": (32, 64, 128, 256), "block_k": (64, 128),
+             "num_stages": (3, 3, 4), "epilogue_split": (1, 2), "chunk_rows": (256, 4096),
+             "flatten": (True, False), "group_m": (2, 4)}
+    full = _brute_force_variations(op, m, n, k, tp, space)
+    assert len(full) > 50
+    for cap in (1, 2, 5, 17, 40, len(full), 10**6):
+        assert S.generate_candidates(op, m, n, k, tp, max_candidates=cap, space=space,
+                                     seeds=()) == full[:cap], cap
+
+
 def test_m_buckets_and_shapes():
     assert S.m_buckets([4096, 64, 64, 1024], 2) == [64, 1024, 4096]
     with pytest.raises(ValueError, match="multiples of tp=4"):

@@ -268,16 +268,17 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     if unknown:
         raise ValueError(f"search space has knobs GemmConfig does not have: {sorted(unknown)}")
     seen = {base}
-    scored = []
 
-    def fits(cfg) -> bool:
-        # a row tile covers at most one segment's rows, or every rank's where the tile space
-        # spans segments (merged GEMM+RS rows, AG+GEMM gathered first)
-        spans = cfg.rs_merge_rows or (cfg.ag_merge_local and cfg.ag_merge_lead == 0)
+    def fits(v) -> bool:
+        """``v``: a config's fields by name. A row tile covers at most one segment's rows, or
+        every rank's where the tile space spans segments (merged GEMM+RS rows, AG+GEMM
+        gathered first)."""
+        bm, bn, bk = v["block_m"], v["block_n"], v["block_k"]
+        smem = (v["num_stages"] * (bm * bk + bk * bn) + bm * (bn // v["epilogue_split"])) * elem_bytes
+        spans = v["rs_merge_rows"] or (v["ag_merge_local"] and v["ag_merge_lead"] == 0)
         bm_max = max(64, _pow2_at_least(m_total if spans else m_local))
-        return (smem_bytes(cfg, elem_bytes) <= smem_limit and cfg.block_m <= bm_max
-                and cfg.block_n <= max(64, _pow2_at_least(n))
-                and cfg.block_k <= max(32, _pow2_at_least(k)))
+        return (smem <= smem_limit and bm <= bm_max and bn <= max(64, _pow2_at_least(n))
+                and bk <= max(32, _pow2_at_least(k)))
 
     seed_cfgs = []
     if op == "ag" and len(set(space.get("ag_pull", ()))) > 1:  # pull vs push on every entry
@@ -300,40 +301,94 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
             cfg = dataclasses.replace(base, **{f: pinned.get(f, v) for f, v in seed.items()})
         except (ValueError, TypeError):
             continue
-        if cfg not in seen and fits(cfg):
+        if cfg not in seen and fits(vars(cfg)):
             seen.add(cfg)
             seed_cfgs.append(cfg)
-    for i, values in enumerate(itertools.product(*(space[f] for f in knobs))):
-        changes = {f: v for f, v in zip(knobs, values) if getattr(base, f) != v}
-        if not changes:
-            continue
-        try:
-            cfg = dataclasses.replace(base, **changes)
-        except (ValueError, TypeError):
-            continue
-        if cfg in seen:
-            continue
-        if not fits(cfg):
-            continue
-        if op == "ag" and "chunk_rows" in changes and cfg.chunk_rows >= m_local:
-            continue
-        seen.add(cfg)
-        scored.append((len(changes), i, cfg, changes))
-    # single-knob variations breadth-first: one value of every knob (comm knobs first), then a
-    # second value of every knob, ...; a capped candidate list thus covers every knob
-    per_knob: Dict[str, int] = {}
-    keyed = []
-    for d, i, cfg, changes in sorted(scored, key=lambda t: (t[0], t[1])):
-        if d == 1:
-            (knob,) = changes
-            nth = per_knob[knob] = per_knob.get(knob, -1) + 1
-            keyed.append(((1, nth, _VARIATION_ORDER.index(knob) if knob in _VARIATION_ORDER
-                           else len(_VARIATION_ORDER), i), cfg))
-        else:
-            keyed.append(((d, 0, 0, i), cfg))
-    keyed.sort(key=lambda t: t[0])
-    out = [base] + seed_cfgs + [c for _, c in keyed]
+    wanted = max(1, max_candidates) - 1 - len(seed_cfgs)
+    variations = _variations(base, space, knobs, wanted, seen, fits, op, m_local) if wanted > 0 else []
+    out = [base] + seed_cfgs + variations
     return out[:max(1, max_candidates)]
+
+
+def _variations(base, space: Dict[str, Sequence], knobs: List[str], wanted: int, seen: set,
+                fits, op: str, m_local: int) -> List:
+    """The configs of ``itertools.product(*(space[f] for f in knobs))`` that differ from
+    ``base``, are valid, ``fits`` and are not in ``seen``, in :func:`generate_candidates`'s
+    order: by distance (knobs changed) from ``base``; the single-knob ones breadth-first (the
+    first value of every knob in :data:`_VARIATION_ORDER`, then the second, ...), the rest in
+    product order. Built one distance at a time, stopping at the first distance that brings
+    the list to ``wanted``: the order is the same as sorting the whole product (the key starts
+    with the distance), without building the tens of thousands of configs no caller gets."""
+    cls = type(base)
+    base_vals = {f.name: getattr(base, f.name) for f in dataclasses.fields(cls)}
+    # per knob: the index of its base value (None: every value changes it) and its other
+    # values with their indices (a repeated value only at its first index, as the product
+    # meets it first); strides turn per-knob indices into the product index
+    base_idx, others, strides = [], [], []
+    stride = 1
+    for f in reversed(knobs):
+        strides.append(stride)
+        stride *= len(space[f])
+    strides.reverse()
+    for f in knobs:
+        b, alt, met = None, [], []
+        for j, v in enumerate(space[f]):
+            if base_vals[f] == v:
+                b = j if b is None else b
+            elif not any(v == u for u in met):
+                met.append(v)
+                alt.append((j, v))
+        base_idx.append(b)
+        others.append(alt)
+    if stride == 0:  # a knob with no values: the product is empty
+        return []
+    forced = [x for x in range(len(knobs)) if base_idx[x] is None]
+    free = [x for x in range(len(knobs)) if base_idx[x] is not None and others[x]]
+    base_offset = sum(base_idx[x] * strides[x] for x in range(len(knobs)) if base_idx[x] is not None)
+    out: List = []
+    for d in range(max(1, len(forced)), len(forced) + len(free) + 1):
+        level = []
+        for combo in itertools.combinations(free, d - len(forced)):
+            changed = sorted(forced + list(combo))
+            offset = base_offset - sum(base_idx[x] * strides[x] for x in combo)
+            for choice in itertools.product(*(others[x] for x in changed)):
+                changes = {knobs[x]: v for x, (_, v) in zip(changed, choice)}
+                vals = {**base_vals, **changes}
+                try:
+                    ok = fits(vals)
+                except (TypeError, ValueError, ZeroDivisionError):
+                    ok = None  # not numbers a config takes: the constructor refuses it below
+                if ok is False:
+                    continue
+                if op == "ag" and "chunk_rows" in changes and vals["chunk_rows"] >= m_local:
+                    continue
+                try:
+                    cfg = cls(**vals)
+                except (ValueError, TypeError):
+                    continue
+                if cfg in seen or (ok is None and not fits(vals)):
+                    continue
+                seen.add(cfg)
+                i = offset + sum(j * strides[x] for x, (j, _) in zip(changed, choice))
+                level.append((i, cfg, changes))
+        level.sort(key=lambda t: t[0])
+        if d == 1:
+            # single-knob variations breadth-first: one value of every knob (comm knobs
+            # first), then a second value of every knob, ...; a capped list covers every knob
+            per_knob: Dict[str, int] = {}
+            keyed = []
+            for i, cfg, changes in level:
+                (knob,) = changes
+                nth = per_knob[knob] = per_knob.get(knob, -1) + 1
+                keyed.append(((nth, _VARIATION_ORDER.index(knob) if knob in _VARIATION_ORDER
+                               else len(_VARIATION_ORDER), i), cfg))
+            keyed.sort(key=lambda t: t[0])
+            out += [cfg for _, cfg in keyed]
+        else:
+            out += [cfg for _, cfg, _ in level]
+        if len(out) >= wanted:
+            break
+    return out
 
 
 def m_buckets(ms: Sequence[int], tp: int) -> List[int]:
