@@ -269,6 +269,9 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
         raise ValueError(f"search space has knobs GemmConfig does not have: {sorted(unknown)}")
     seen = {base}
 
+    bm_spans, bm_segment = max(64, _pow2_at_least(m_total)), max(64, _pow2_at_least(m_local))
+    bn_max, bk_max = max(64, _pow2_at_least(n)), max(32, _pow2_at_least(k))
+
     def fits(v) -> bool:
         """``v``: a config's fields by name. A row tile covers at most one segment's rows, or
         every rank's where the tile space spans segments (merged GEMM+RS rows, AG+GEMM
@@ -276,9 +279,8 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
         bm, bn, bk = v["block_m"], v["block_n"], v["block_k"]
         smem = (v["num_stages"] * (bm * bk + bk * bn) + bm * (bn // v["epilogue_split"])) * elem_bytes
         spans = v["rs_merge_rows"] or (v["ag_merge_local"] and v["ag_merge_lead"] == 0)
-        bm_max = max(64, _pow2_at_least(m_total if spans else m_local))
-        return (smem <= smem_limit and bm <= bm_max and bn <= max(64, _pow2_at_least(n))
-                and bk <= max(32, _pow2_at_least(k)))
+        return (smem <= smem_limit and bm <= (bm_spans if spans else bm_segment)
+                and bn <= bn_max and bk <= bk_max)
 
     seed_cfgs = []
     if op == "ag" and len(set(space.get("ag_pull", ()))) > 1:  # pull vs push on every entry
@@ -367,8 +369,7 @@ def _variations(base, space: Dict[str, Sequence], knobs: List[str], wanted: int,
                 except (ValueError, TypeError):
                     continue
                 if cfg in seen or (ok is None and not fits(vals)):
-                    continue
-                seen.add(cfg)
+                    continue  # (seen: the default and the seeds; the product has no repeats)
                 i = offset + sum(j * strides[x] for x, (j, _) in zip(changed, choice))
                 level.append((i, cfg, changes))
         level.sort(key=lambda t: t[0])
