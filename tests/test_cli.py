@@ -1,6 +1,7 @@
 """The ``megatron-flux`` command line: names, help and one-line errors for bad input files."""
 
 import json
+import sys
 
 import pytest
 
@@ -71,3 +72,19 @@ def test_a_config_whose_widths_do_not_split_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("megatron-flux tune: ") and "not divisible by TP = 2" in err
     assert len(err.splitlines()) == 1
+
+
+def test_without_pyyaml_a_yaml_config_says_so_and_other_names_get_the_json_error(
+        tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml raises ImportError
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text("hidden_size: 256\n")
+    assert cli.main(["plan", "--model-config", str(cfg), "--tp", "2", *H200]) == 2
+    assert capsys.readouterr().err == (f"megatron-flux plan: {cfg}: a YAML file, and PyYAML is "
+                                       "not installed (pip install pyyaml)\n")
+    cfg = tmp_path / "tiny.cfg"  # no telling extension: JSON, and its error
+    cfg.write_text("hidden_size: 256\n")
+    assert cli.main(["plan", "--model-config", str(cfg), "--tp", "2", *H200]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"megatron-flux plan: {cfg}: not valid JSON: Expecting value at line 1")
+    assert "YAML" not in err
