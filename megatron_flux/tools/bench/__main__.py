@@ -1,4 +1,4 @@
-"""``python -m megatron_flux.tools.bench``: time AG+GEMM and GEMM+RS methods over a grid, FLUX-style.
+"""``megatron-flux bench``: time AG+GEMM and GEMM+RS methods over a grid, FLUX-style.
 
 Launch one process per GPU of the tensor-parallel group, e.g.::
 
