@@ -13,7 +13,7 @@
 #               overrides; "unset" leaves it unset)                 -> bench.{json,png,log}
 #   ab          an A/B of a config change against the table: AB_VARIANT=<JSON file> (e.g.
 #               benchmarks/variants/gluon-pingpong.json), with the same-config control that
-#               `python -m megatron_flux.tuning.adopt` needs           -> ab.{json,png,log}
+#               `python -m megatron_flux.tools.tune.adopt` needs           -> ab.{json,png,log}
 #   kvc         communication off, one GPU: the fused kernels with the table's configs (TP
 #               KVC_TP, default 2) against cuBLAS, launches alternating, m >= 1024
 #                                                                   -> kvc-{ag,rs}.{json,log}
@@ -73,14 +73,14 @@ for stage in "$@"; do
         # shellcheck disable=SC2086
         PYTEST_VERBOSITY="${PYTEST_VERBOSITY:--v}" gpu_tests "${TESTS_TIMEOUT:-480}" tests-gpu ${TESTS_PATHS:-} ;;
     bench)
-        with_connections timeout "${BENCH_TIMEOUT:-420}" "${TORCHRUN[@]}" -m megatron_flux.cli bench \
+        with_connections timeout "${BENCH_TIMEOUT:-420}" "${TORCHRUN[@]}" -m megatron_flux.tools.cli bench \
             --m-set "${BENCH_M_SET:-large}" \
             --methods cublas_gemm comm nccl torch_async_tp flux auto --trials 5 --iters 20 \
             --out-json "${OUT}/bench.json" --out-png "${OUT}/bench.png" > "${OUT}/bench.log" 2>&1
         echo "   exit $? (${SECONDS}s)"; grep -A12 "^summary" "${OUT}/bench.log" | head -14 ;;
     ab)
         [ -f "${AB_VARIANT:-}" ] || { echo "ab: set AB_VARIANT to a JSON file of config fields"; exit 2; }
-        with_connections timeout "${BENCH_TIMEOUT:-420}" "${TORCHRUN[@]}" -m megatron_flux.cli bench \
+        with_connections timeout "${BENCH_TIMEOUT:-420}" "${TORCHRUN[@]}" -m megatron_flux.tools.cli bench \
             --m-set "${BENCH_M_SET:-large}" --methods cublas_gemm nccl flux flux_variant flux_control \
             --flux-variant "$(cat "${AB_VARIANT}")" --trials "${AB_TRIALS:-21}" --iters 20 \
             --out-json "${OUT}/ab.json" --out-png "${OUT}/ab.png" > "${OUT}/ab.log" 2>&1
@@ -88,7 +88,7 @@ for stage in "$@"; do
     kvc)
         for op in AG+GEMM GEMM+RS; do
             name="kvc-$([ "${op}" = AG+GEMM ] && echo ag || echo rs)"
-            CUDA_VISIBLE_DEVICES=0 timeout "${KVC_TIMEOUT:-240}" python3 -m megatron_flux.bench.kernel_vs_cublas \
+            CUDA_VISIBLE_DEVICES=0 timeout "${KVC_TIMEOUT:-240}" python3 -m megatron_flux.tools.diagnostics.kernel_vs_cublas \
                 --tp "${KVC_TP:-2}" --ops "${op}" --m 1024 2048 4096 8192 --configs table --alternate --trials 7 \
                 --iters 20 --warmup 10 --shuffle-seed 0 --queue-ahead-ms 5 \
                 --json "${OUT}/${name}.json" > "${OUT}/${name}.log" 2>&1
@@ -96,12 +96,12 @@ for stage in "$@"; do
         done ;;
     tune)
         mkdir -p "${OUT}/tune"
-        timeout "${TUNE_TIMEOUT:-300}" "${TORCHRUN[@]}" -m megatron_flux.cli tune --m-set all \
+        timeout "${TUNE_TIMEOUT:-300}" "${TORCHRUN[@]}" -m megatron_flux.tools.cli tune --m-set all \
             --max-candidates 12 --top 2 --screen-iters 5 --trials 3 --iters 10 --no-progress \
             --no-merge --out "${OUT}/tune/table.json" > "${OUT}/tune/tune.log" 2>&1
         echo "   tune exit $? (${SECONDS}s)"; grep -E "^(ag|rs) n=" "${OUT}/tune/tune.log" | tail -20
         MEGATRON_FLUX_CONFIG="${OUT}/tune/table.json" timeout "${BENCH_TIMEOUT:-420}" "${TORCHRUN[@]}" \
-            -m megatron_flux.cli bench --m-set all \
+            -m megatron_flux.tools.cli bench --m-set all \
             --methods cublas_gemm comm nccl torch_async_tp flux flux_default auto --trials 5 --iters 20 \
             --out-json "${OUT}/tune/bench.json" --out-png "${OUT}/tune/bench.png" > "${OUT}/tune/bench.log" 2>&1
         echo "   bench exit $? (${SECONDS}s)"; grep -A24 "^summary" "${OUT}/tune/bench.log" | head -26 ;;

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_flux.bench.timing import median, spread, time_interleaved  # noqa: E402
+from megatron_flux.tools.bench.timing import median, spread, time_interleaved  # noqa: E402
 
 
 def collectives_per_microbatch(layers: int, model_collectives: int = 2) -> dict:

@@ -98,7 +98,7 @@ flux_megatron_args() {
 # notes), so the log shows up front whether the fused backend can run here.
 flux_preflight() {
     [ "${#FLUX_ARGS[@]}" -gt 0 ] || return 0
-    "${PYTHON}" -m megatron_flux.cli check --tp "${NPROC}" 2>/dev/null \
+    "${PYTHON}" -m megatron_flux.tools.cli check --tp "${NPROC}" 2>/dev/null \
         | sed -n '/^fused backend/,$p' | sed 's/^/> megatron-flux check: /' || true
 }
 

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from megatron_flux.bench.plain_gemm import launch_plain_gemm  # noqa: E402
+from megatron_flux.tools.diagnostics.plain_gemm import launch_plain_gemm  # noqa: E402
 from megatron_flux.kernels.ag_gemm import launch_ag_gemm  # noqa: E402
 from megatron_flux.kernels.config import GemmConfig, rs_signal_count  # noqa: E402
 from megatron_flux.kernels.gemm_rs import launch_gemm_rs, rs_staging_table  # noqa: E402

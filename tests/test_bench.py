@@ -1,4 +1,4 @@
-"""CPU tests of ``megatron_flux.bench``: metric math, grid shapes, JSON schema, timing protocol,
+"""CPU tests of ``megatron_flux.tools.bench``: metric math, grid shapes, JSON schema, timing protocol,
 cross-rank failure agreement and an end-to-end torchrun smoke run on gloo.
 
 The distributed parts run two real processes (gloo over a FileStore) because what they guard —
@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_flux import cli
-from megatron_flux.bench import grid as G
-from megatron_flux.bench import methods as M
-from megatron_flux.bench import report as R
-from megatron_flux.bench import timing as T
-from megatron_flux.bench.__main__ import build_parser, describe_command, main as bench_main, resolve_args, run_case
+from megatron_flux.tools import cli
+from megatron_flux.tools.bench import grid as G
+from megatron_flux.tools.bench import methods as M
+from megatron_flux.tools.bench import report as R
+from megatron_flux.tools.bench import timing as T
+from megatron_flux.tools.bench.__main__ import build_parser, describe_command, main as bench_main, resolve_args, run_case
 
 REPO = Path(__file__).resolve().parents[1]
 # the (model, op, m, n, k) rows of the reference anchor measurement (2xH200, TP 2)
@@ -257,16 +257,27 @@ def test_a_bad_user_table_fails_before_any_timing(tmp_path, monkeypatch):
             "MEGATRON_FLUX_HOST_DESCRIPTORS"} <= set(R.ENV_VARS)
 
 
+def test_the_table_names_the_local_gemm_by_what_runs():
+    """``cublas_gemm`` is torch.mm: cuBLAS on CUDA only. Off CUDA the table prints what ran;
+    the JSON keeps the method name reports key on."""
+    assert M.method_label("cublas_gemm", "cuda") == "cublas_gemm"
+    assert M.method_label("cublas_gemm", "cpu") == "local_gemm (torch.mm, cpu)"
+    assert M.method_label("nccl", "cpu") == "nccl"
+    row = dict(_r(G.AG_GEMM, "x", 64, "cublas_gemm", 1.0), label=M.method_label("cublas_gemm", "cpu"))
+    table = R.format_table([row])
+    assert "local_gemm (torch.mm, cpu)" in table and "cublas" not in table
+
+
 def test_describe_command_reconstructs_the_launcher(monkeypatch):
-    main_py = str(REPO / "megatron_flux" / "bench" / "__main__.py")
+    main_py = str(REPO / "megatron_flux" / "tools" / "bench" / "__main__.py")
     monkeypatch.setattr(sys, "argv", [main_py, "--ms", "64"])
     for k in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
-    assert describe_command(["--ms", "64"]) == "python -m megatron_flux.bench --ms 64"
+    assert describe_command(["--ms", "64"]) == "python -m megatron_flux.tools.bench --ms 64"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert describe_command(["--ms", "64"]) == "torchrun --nproc-per-node=2 --nnodes=2 -m megatron_flux.bench --ms 64"
+    assert describe_command(["--ms", "64"]) == "torchrun --nproc-per-node=2 --nnodes=2 -m megatron_flux.tools.bench --ms 64"
     monkeypatch.setattr(sys, "argv", ["/usr/bin/megatron-flux", "bench", "--out-json", "a b.json"])
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert describe_command(["--out-json", "a b.json"]) == "torchrun --nproc-per-node=2 --no-python megatron-flux bench --out-json 'a b.json'"
@@ -280,7 +291,7 @@ def test_every_option_survives_torchruns_own_parser():
     torchrun = get_args_parser()
     for action in build_parser()._actions:
         opt = next(o for o in action.option_strings if o.startswith("--"))
-        ns = torchrun.parse_args(["--nproc-per-node", "2", "-m", "megatron_flux.bench", opt, "1"])
+        ns = torchrun.parse_args(["--nproc-per-node", "2", "-m", "megatron_flux.tools.bench", opt, "1"])
         assert ns.training_script_args == [opt, "1"], opt
 
 
@@ -504,6 +515,7 @@ def test_run_case_takes_the_same_decisions_on_every_rank(two_ranks):
     by = {r["method"]: r for r in rows0}
     assert by["cublas_gemm"]["status"] == by["comm"]["status"] == "ok"
     assert by["cublas_gemm"]["median_ms"] > 0 and len(by["comm"]["trials_ms"]) == 2
+    assert by["cublas_gemm"]["label"] == "local_gemm (torch.mm, cpu)" and "label" not in by["comm"]
     assert by["torch_async_tp"]["status"] == "error" and "rank 1" in by["torch_async_tp"]["reason"]
     assert "build boom" in by["torch_async_tp"]["reason"]
     assert by["flux"]["status"] == "skipped" and by["flux"]["reason"] == "rank 0: no flux on rank 0"
@@ -529,17 +541,18 @@ def test_wrong_outputs_are_flagged_loudly(two_ranks):
 def test_torchrun_smoke_run_on_gloo(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "megatron_flux.bench", "--device", "cpu", "--model-shapes", "tiny:64:256:128", "--ms", "64",
+           "-m", "megatron_flux.tools.bench", "--device", "cpu", "--model-shapes", "tiny:64:256:128", "--ms", "64",
            "--methods", "cublas_gemm", "comm", "nccl", "torch_async_tp", "flux", "auto",
            "--trials", "2", "--iters", "2", "--warmup", "1", "--timeout-s", "60", "--out-json", str(out)]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "median_ms" in proc.stdout and "ECT_ms" in proc.stdout  # the table, printed once (rank 0)
+    assert "local_gemm (torch.mm, cpu)" in proc.stdout and "cublas" not in proc.stdout  # what ran
     assert proc.stdout.count("op  ") == 1
     doc = json.loads(out.read_text())
     R.validate_result(doc)
-    assert doc["tp"] == 2 and doc["command"].startswith("torchrun --nproc-per-node=2 -m megatron_flux.bench")
+    assert doc["tp"] == 2 and doc["command"].startswith("torchrun --nproc-per-node=2 -m megatron_flux.tools.bench")
     assert set(doc["env"]["env_vars"]) >= {"NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                            "NVSHMEM_DISABLE_NVLS", "CUDA_DEVICE_MAX_CONNECTIONS"}
     rows = {(r["op"], r["method"]): r for r in doc["rows"]}
@@ -563,7 +576,7 @@ def test_timing_disables_gc_during_the_trials_and_restores_it():
 
     import torch
 
-    from megatron_flux.bench.timing import time_interleaved
+    from megatron_flux.tools.bench.timing import time_interleaved
 
     seen = []
     fns = {"a": lambda: seen.append(gc.isenabled()), "b": lambda: seen.append(gc.isenabled())}
@@ -583,7 +596,7 @@ def test_single_gpu_rs_wiring_owns_every_buffer_its_pointer_tables_name():
     out its waits). Every address must belong to a tensor the returned launcher holds."""
     import gc
 
-    from megatron_flux.bench.kernel_vs_cublas import rs_on_one_gpu
+    from megatron_flux.tools.diagnostics.kernel_vs_cublas import rs_on_one_gpu
 
     for world in (1, 2, 4):
         a, w = torch.randn(8 * world, 16), torch.randn(32, 16)
@@ -602,7 +615,7 @@ def test_single_gpu_rs_wiring_owns_every_buffer_its_pointer_tables_name():
 def test_sample_warmup_runs_before_every_timed_block():
     import itertools
 
-    from megatron_flux.bench.timing import time_interleaved
+    from megatron_flux.tools.bench.timing import time_interleaved
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from dist_harness import gloo_world_of_one
@@ -627,7 +640,7 @@ def test_alternating_timing_cancels_clock_steps(monkeypatch):
     launch takes its method's cost times the clock factor in force, which steps between 1 and
     1.25 every 37 launches; ``fused`` costs 1.04 cuBLAS. Block timing (``_time``) compares
     blocks at different clocks and misreports the ratio; the alternating one gives 1.04."""
-    from megatron_flux.bench import kernel_vs_cublas as K
+    from megatron_flux.tools.diagnostics import kernel_vs_cublas as K
 
     clock = {"now": 0.0, "launches": 0}
 
@@ -671,7 +684,7 @@ def test_kernel_vs_cublas_config_families(monkeypatch):
     listed are dropped."""
     import argparse
 
-    from megatron_flux.bench import kernel_vs_cublas as K
+    from megatron_flux.tools.diagnostics import kernel_vs_cublas as K
     from megatron_flux.kernels.config import default_config
     from megatron_flux.tuning import provider
 
@@ -718,7 +731,7 @@ def test_kernel_vs_cublas_grid_shapes():
     config's projections (llama3_8b_16l at TP 2: proj k = 2048, qkv-dgrad k = 3072 per rank)."""
     import argparse
 
-    from megatron_flux.bench import kernel_vs_cublas as K
+    from megatron_flux.tools.diagnostics import kernel_vs_cublas as K
 
     args = argparse.Namespace(models=None, model_shapes=[], rs_k="fc1", m=[1024], tp=2,
                               ops=["AG+GEMM", "GEMM+RS"])
@@ -739,7 +752,7 @@ def test_model_args_fall_back_to_the_tools_default_only_without_model_shapes():
     kernel_ab run given the training shapes timed the grid's models instead)."""
     import argparse
 
-    from megatron_flux.bench.kernel_vs_cublas import add_model_args, model_shapes
+    from megatron_flux.tools.diagnostics.kernel_vs_cublas import add_model_args, model_shapes
 
     p = argparse.ArgumentParser()
     p.add_argument("--tp", type=int, default=2)
@@ -755,7 +768,7 @@ def test_flux_control_is_a_second_backend_built_like_the_registered_one():
     """``flux_control`` times the tables' configs in another backend object, built with no
     arguments as the registry builds ``flux`` (so the same table provider), once per process;
     it computes the op, overlaps, and comes after flux_variant in the canonical order."""
-    from megatron_flux.bench import methods
+    from megatron_flux.tools.bench import methods
 
     built = []
 
@@ -780,7 +793,7 @@ def test_flux_default_method_takes_the_default_at_the_groups_tp():
     """``flux_default`` runs ``default_config`` at the group's TP (the backend passes it), so
     the small-m defaults that depend on TP (gathered AG rows, merged GEMM+RS rows) are what it
     times."""
-    from megatron_flux.bench import methods
+    from megatron_flux.tools.bench import methods
     from megatron_flux.kernels.config import default_config
 
     class Backend:

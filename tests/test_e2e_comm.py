@@ -61,12 +61,17 @@ def _count_gpt_model_collectives(rank, world, layers, keep_gathered_input):
     return dict(mode.counts)
 
 
+def _count_cases(rank, world, cases):
+    """Every case in one world: spawning one (importing torch and megatron-core in each
+    process) costs more than the tiny models' forward and backward."""
+    return [_count_gpt_model_collectives(rank, world, layers, keep) for layers, keep in cases]
+
+
 @pytest.mark.slow
 def test_collective_count_matches_a_gpt_model():
     cases = [(1, False), (2, False), (2, True)]
-    for layers, keep in cases:
-        counts = run_distributed(_count_gpt_model_collectives, TP, layers, keep,
-                                 tensor_model_parallel_size=TP, timeout=240)
+    per_rank = run_distributed(_count_cases, TP, cases, tensor_model_parallel_size=TP, timeout=240)
+    for (layers, keep), counts in zip(cases, zip(*per_rank)):
         assert counts[0] == counts[1], counts
         expected = e2e_comm.collectives_per_microbatch(layers)
         regathers = 0 if keep else 2 * layers + 1  # qkv and fc1 per layer, and the output layer

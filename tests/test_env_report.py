@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from megatron_flux import cli
-from megatron_flux.env_report import _tables, collect, format_report, verdict
+from megatron_flux.tools import cli
+from megatron_flux.tools.check import _tables, collect, format_report, verdict
 
 H200 = {"index": 0, "name": "NVIDIA H200", "capability": [9, 0], "sms": 132, "memory_gib": 139.8}
 
@@ -24,7 +24,7 @@ def _machine(**changes):
         "devices": [H200, dict(H200, index=1)],
         "tp": 2,
         "peer_access": {"0->1": True, "1->0": True},
-        "symmetric_memory": "available",
+        "symmetric_memory": "usable",
         "tables": ["h200-sm132-tp2-bf16.json"],
     }
     info.update(copy.deepcopy(changes))
@@ -40,6 +40,22 @@ def test_this_cpu_machine_is_reported_without_the_fused_backend():
         assert "UNAVAILABLE, 'auto' will use 'nccl'" in format_report(info)
 
 
+def test_symmetric_memory_is_reported_as_usable_here_or_not_and_why():
+    """Whether the module imports is not the question: symmetric memory is GPU memory, so on a
+    machine without CUDA it is not usable, and the report says so with the reason."""
+    import torch
+
+    info = collect(2)
+    if torch.cuda.is_available():
+        assert info["symmetric_memory"] == "usable" or info["symmetric_memory"].startswith("not usable: ")
+    else:
+        assert info["symmetric_memory"] == ("not usable: no CUDA device is visible (symmetric "
+                                            "memory is GPU memory)")
+        assert "symmetric memory: not usable: no CUDA device" in format_report(info)
+        # the verdict names the missing GPU once, not again as a symmetric-memory blocker
+        assert not any("symmetric memory" in w for w in info["fused_backend"]["why"])
+
+
 def test_a_good_node_passes_with_no_reasons():
     fb = verdict(_machine())
     assert fb == {"available": True, "why": [], "notes": []}
@@ -52,7 +68,8 @@ def test_a_good_node_passes_with_no_reasons():
     (dict(devices=[H200], tp=2, peer_access={}), "--tp 2 but only 1 GPU(s) visible"),
     (dict(tp=1), "tensor-parallel size 1"),
     (dict(cuda_available=False, devices=[], peer_access={}), "no CUDA device is visible"),
-    (dict(symmetric_memory="unavailable: No module named 'x'"), "torch symmetric memory unavailable"),
+    (dict(symmetric_memory="not usable: torch.distributed._symmetric_memory does not import (x)"),
+     "torch symmetric memory not usable"),
 ])
 def test_each_blocker_is_named(changes, reason):
     fb = verdict(_machine(**changes))

@@ -27,6 +27,7 @@ import dataclasses
 import os
 import re
 import sys
+import traceback
 import types
 
 import pytest
@@ -213,9 +214,86 @@ def _flux_tp2(rank, world, tie, full_params, recompute="none", main_grad=False, 
     return loss, grads, (fused, plain)
 
 
+# ---------------------------------------------------------------------- one world per kind
+# Spawning a world costs seconds (each process imports torch and megatron-core), more than a
+# tiny model's forward and backward. So the module spawns three: one process computes every
+# stock TP 1 reference, two TP 2 ranks run every whole-model case and the sharded state
+# dicts, four ranks run both pipeline schedules. Each case runs as it would alone (its own
+# config, model and seed); a case that raises is reported by its own test.
+
+#: the pipeline tests' reference: untied, 4 layers, 2 micro-batches, dense
+PP_REFERENCE = (False, 4, 2, False)
+PP_LAYERS, PP_MICROBATCHES = 4, 2
+
+
+def _reference_key(case):
+    """The stock TP 1 run a whole-model case compares with: (tie, layers, micro-batches, MoE)."""
+    tie, _, _, moe = CASES[case]
+    return (tie, 2, 0, moe)
+
+
+def _each(fn, items):
+    """``{item: ("ok", fn(item)) | ("error", traceback)}``: one item's failure does not stop
+    the rest (a rank that raises before a collective leaves the others blocked there, and the
+    world's timeout then stops every item)."""
+    out = {}
+    for item in items:
+        try:
+            out[item] = ("ok", fn(item))
+        except Exception:  # noqa: BLE001 - reported by the item's test
+            out[item] = ("error", traceback.format_exc())
+    return out
+
+
+def _stock_references(rank, world, keys):
+    return _each(lambda key: _stock_tp1(rank, world, *key), keys)
+
+
+def _tp2_world(rank, world, full_params, cases, moes):
+    flux = _each(lambda case: _flux_tp2(rank, world, CASES[case][0], full_params[_reference_key(case)],
+                                        *CASES[case][1:]), cases)
+    sharded = _each(lambda moe: _sharded_state_dicts(rank, world, moe), moes)
+    return flux, sharded
+
+
+def _pp_world(rank, world, full_params, virtuals):
+    return _each(lambda virtual: _flux_tp2_pp2(rank, world, full_params, PP_LAYERS, PP_MICROBATCHES,
+                                               virtual), virtuals)
+
+
+def _value(result, what):
+    status, value = result
+    if status != "ok":
+        pytest.fail(f"{what} raised:\n{value}")
+    return value
+
+
+@pytest.fixture(scope="module")
+def references():
+    """``{(tie, layers, micro-batches, moe): (loss, full params, grads)}`` of stock TP 1."""
+    keys = sorted({_reference_key(case) for case in CASES} | {PP_REFERENCE})
+    (refs,) = run_distributed(_stock_references, 1, keys, tensor_model_parallel_size=1, timeout=300)
+    return refs
+
+
+@pytest.fixture(scope="module")
+def tp2_world(references):
+    """Every rank's results of every whole-model case and of both sharded state dicts."""
+    full = {key: _value(references[key], f"stock TP 1 {key}")[1]
+            for key in {_reference_key(case) for case in CASES}}
+    return run_distributed(_tp2_world, TP, full, list(CASES), [False, True],
+                           tensor_model_parallel_size=TP, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def pp_world(references):
+    full = _value(references[PP_REFERENCE], "stock TP 1 pipeline reference")[1]
+    return run_distributed(_pp_world, 2 * TP, full, [1, 2], timeout=600)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
-def test_gpt_model_tp2_sp_through_the_plugin_matches_stock_tp1(case):
+def test_gpt_model_tp2_sp_through_the_plugin_matches_stock_tp1(case, references, tp2_world):
     """With activation recomputation the plugin's linears run their forward a second time
     inside backward; the reference never recomputes. With ``main_grad`` the linears'
     weight gradients are accumulated into megatron's ``main_grad`` buffers (the pretrain
@@ -223,10 +301,8 @@ def test_gpt_model_tp2_sp_through_the_plugin_matches_stock_tp1(case):
     With MoE the experts' linears are the plugin's too (no sequence-parallel communication of
     their own: the token dispatcher gathers the sequence)."""
     tie, recompute, main_grad, moe = CASES[case]
-    (ref_loss, full_params, ref_grads), = run_distributed(
-        _stock_tp1, 1, tie, 2, 0, moe, tensor_model_parallel_size=1, timeout=240)
-    per_rank = run_distributed(_flux_tp2, TP, tie, full_params, recompute, main_grad, moe,
-                               tensor_model_parallel_size=TP, timeout=240)
+    ref_loss, full_params, ref_grads = _value(references[_reference_key(case)], "stock TP 1")
+    per_rank = [_value(flux[case], f"rank {rank}") for rank, (flux, _) in enumerate(tp2_world)]
     output_weight = "embedding.word_embeddings.weight" if tie else "output_layer.weight"
     # (an expert's linears run without sequence parallelism, so on megatron-core's own path,
     # whose accumulation fusion needs apex: their gradients reach .grad, as in stock)
@@ -260,8 +336,11 @@ def _stub_pipeline_cuda_calls():
         cuda = device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda")
         return "cpu" if cuda else device
 
+    if getattr(zeros, "cpu_stub", False):  # stubbed already (an earlier schedule in this world)
+        return
     torch.zeros = lambda *a, device=None, **k: zeros(*a, device=cpu(device), **k)
     torch.tensor = lambda *a, device=None, **k: tensor(*a, device=cpu(device), **k)
+    torch.zeros.cpu_stub = torch.tensor.cpu_stub = True
     torch.cuda.synchronize = lambda *a, **k: None
 
 
@@ -342,15 +421,12 @@ def _flux_tp2_pp2(rank, world, full_params, num_layers, microbatches, virtual=1)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("virtual", [1, 2], ids=["1f1b", "interleaved"])
-def test_gpt_model_tp2_pp2_through_the_plugin_matches_stock_tp1(virtual):
+def test_gpt_model_tp2_pp2_through_the_plugin_matches_stock_tp1(virtual, references, pp_world):
     """Pipeline parallelism: two stages of two TP ranks, 1F1B over 2 micro-batches, or two
     virtual stages each (the interleaved schedule, one layer per model chunk); every stage's
     gradients and the last stage's per-micro-batch losses against stock TP 1."""
-    num_layers, microbatches = 4, 2
-    (ref_losses, full_params, ref_grads), = run_distributed(
-        _stock_tp1, 1, False, num_layers, microbatches, tensor_model_parallel_size=1, timeout=240)
-    per_rank = run_distributed(_flux_tp2_pp2, 2 * TP, full_params, num_layers, microbatches, virtual,
-                               timeout=300)
+    ref_losses, full_params, ref_grads = _value(references[PP_REFERENCE], "stock TP 1")
+    per_rank = [_value(results[virtual], f"rank {rank}") for rank, results in enumerate(pp_world)]
     tol = dict(rtol=1e-5, atol=1e-6)
     seen = set()
     for pp_rank, tp_rank, losses, grads in per_rank:
@@ -413,12 +489,12 @@ def _sharded_state_dicts(rank, world, moe):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_sharded_state_dict_is_megatron_cores(moe):
+def test_sharded_state_dict_is_megatron_cores(moe, tp2_world):
     """A distributed checkpoint of the plugin's model has exactly the keys, global shapes,
     offsets and replica ids of megatron-core's own linears at TP 2 (MoE experts included), so
     either loads the other's checkpoint and Megatron can reshard it."""
-    for rank, (stock, flux) in enumerate(run_distributed(_sharded_state_dicts, TP, moe,
-                                                         tensor_model_parallel_size=TP, timeout=240)):
+    for rank, (_, sharded) in enumerate(tp2_world):
+        stock, flux = _value(sharded[moe], f"rank {rank}")
         assert list(flux) == list(stock), rank
         for key in stock:
             assert flux[key] == stock[key], (rank, key)

@@ -266,8 +266,8 @@ def _shipped_configs():
     import json
     import pathlib
 
-    from megatron_flux.bench.grid import MODELS
-    from megatron_flux.bench.kernel_vs_cublas import grid_shape
+    from megatron_flux.tools.bench.grid import MODELS
+    from megatron_flux.tools.diagnostics.kernel_vs_cublas import grid_shape
     from megatron_flux.kernels.config import GemmConfig, default_config
 
     tables = pathlib.Path(__file__).resolve().parents[1] / "megatron_flux" / "tuning" / "tables"

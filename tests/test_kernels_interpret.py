@@ -28,15 +28,48 @@ NAMES = ["check_tile_order", "check_ag_gemm_all_ranks", "check_ag_peer_groups",
          "check_host_and_device_descriptors_agree"]
 
 
+#: rough seconds each check takes in the interpreter (2-core box), only to split the checks
+#: evenly over the worker processes; a check missing here counts as 1
+COST = {"check_gemm_rs_merged_rows": 32, "check_gemm_rs_all_ranks": 29, "check_gemm_rs_stream_k": 13,
+        "check_gemm_rs_copy_engine": 13, "check_gemm_rs_copy_engine_bands": 11,
+        "check_ag_peer_groups": 10, "check_ag_stream_k": 6, "check_ag_merged_local": 6,
+        "check_tile_order": 5, "check_gemm_rs_ownership": 4, "check_programs_per_sm": 4,
+        "check_ag_gemm_all_ranks": 3}
+
+
+def _split(names, workers):
+    """``names`` in ``workers`` groups of about equal :data:`COST` (longest first)."""
+    groups = [[] for _ in range(workers)]
+    load = [0.0] * workers
+    for name in sorted(names, key=lambda n: -COST.get(n, 1)):
+        i = load.index(min(load))
+        groups[i].append(name)
+        load[i] += COST.get(name, 1)
+    return [g for g in groups if g]
+
+
 @pytest.fixture(scope="module")
 def results():
+    """Every check's result. The interpreter runs one thread, so the checks are split over one
+    process per CPU (at most 4): on 2 cores the run takes half as long."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         [str(HERE.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    proc = subprocess.run([sys.executable, str(HERE / "interpret_checks.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
-    results = json.loads(lines[-1][len("RESULTS "):])
+    workers = max(1, min(4, os.cpu_count() or 1))
+    procs = [subprocess.Popen([sys.executable, str(HERE / "interpret_checks.py"), *group], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for group in _split(NAMES, workers)]
+    results = {}
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=600)
+            lines = [ln for ln in out.splitlines() if ln.startswith("RESULTS ")]
+            assert proc.returncode == 0 and lines, f"interpreter run failed:\n{out}\n{err}"
+            results.update(json.loads(lines[-1][len("RESULTS "):]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     if "__skipped__" in results:
         pytest.skip(results["__skipped__"])
     return results

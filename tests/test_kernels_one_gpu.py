@@ -65,7 +65,7 @@ RS_CONFIGS = [
 def test_gemm_rs_reduction_paths(shape, fields):
     """Own rows = own partial + the peers' slots, against fp32 math; a repeated launch is
     bitwise identical."""
-    from megatron_flux.bench.kernel_vs_cublas import rs_on_one_gpu
+    from megatron_flux.tools.diagnostics.kernel_vs_cublas import rs_on_one_gpu
     from megatron_flux.kernels.config import GemmConfig
 
     world, m_local, n, k = shape
@@ -114,7 +114,7 @@ def test_gemm_rs_stream_k_tail(shape, fields):
     back at zero."""
     import dataclasses
 
-    from megatron_flux.bench.kernel_vs_cublas import rs_on_one_gpu
+    from megatron_flux.tools.diagnostics.kernel_vs_cublas import rs_on_one_gpu
     from megatron_flux.kernels import stream_k as SK
     from megatron_flux.kernels.config import GemmConfig, tiles_per_segment
 
@@ -168,7 +168,7 @@ def test_ag_gemm_merged_local_rows(shape, fields):
     schedule with the same tile (same K order per tile) and to a repeated launch."""
     import dataclasses
 
-    from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu
+    from megatron_flux.tools.diagnostics.kernel_vs_cublas import ag_on_one_gpu
     from megatron_flux.kernels.config import GemmConfig
 
     world, m_local, n, k = shape

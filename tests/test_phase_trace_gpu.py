@@ -24,7 +24,7 @@ def _assert_schedule(trace, phases, order):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_rs_trace(world):
-    from megatron_flux.bench.kernel_vs_cublas import rs_on_one_gpu
+    from megatron_flux.tools.diagnostics.kernel_vs_cublas import rs_on_one_gpu
     from megatron_flux.kernels.config import GemmConfig
     from megatron_flux.kernels.gemm_rs import RS_PHASES
     from megatron_flux.kernels.phase_trace import new_trace
@@ -47,7 +47,7 @@ def test_rs_trace(world):
 
 
 def test_ag_trace():
-    from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu
+    from megatron_flux.tools.diagnostics.kernel_vs_cublas import ag_on_one_gpu
     from megatron_flux.kernels.ag_gemm import AG_PHASES
     from megatron_flux.kernels.config import GemmConfig
     from megatron_flux.kernels.phase_trace import new_trace

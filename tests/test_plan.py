@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from megatron_flux import cli
-from megatron_flux.tuning import plan as P
+from megatron_flux.tools import cli
+from megatron_flux.tools import plan as P
 from megatron_flux.tuning import provider
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu, rel_err, rs_on_one_gpu
+from megatron_flux.tools.diagnostics.kernel_vs_cublas import ag_on_one_gpu, rel_err, rs_on_one_gpu
 from megatron_flux.kernels import ag_gemm, gemm_rs, residency
 from megatron_flux.kernels.config import GemmConfig
 

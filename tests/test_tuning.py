@@ -405,8 +405,8 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
     # the configs differ from the defaults somewhere (the search found better ones)
     assert any(e.config != default_config(e.op, e.m, e.n, e.k) for e in t.entries)
     # regenerating from the committed tuning run, benchmarks and A/B runs gives the same file
-    from megatron_flux.tuning.adopt import adopt_variant
-    from megatron_flux.tuning.confirm import confirm_repeats, confirm_table
+    from megatron_flux.tools.tune.adopt import adopt_variant
+    from megatron_flux.tools.tune.confirm import confirm_repeats, confirm_table
 
     def load(rel):
         return json.load(open(os.path.join(REPO, rel)))
@@ -684,7 +684,7 @@ def test_flux_backend_default_provider_is_the_table(tmp_path):
 
 
 def test_confirm_keeps_the_times_less_favourable_to_fused(tmp_path):
-    from megatron_flux.tuning.confirm import confirm_table
+    from megatron_flux.tools.tune.confirm import confirm_table
 
     t = T.load_table(write(tmp_path, table_obj()))
     # table_obj: ag n=512 k=256 m=64 flux 2.0 nccl 1.0; m=1024 flux 1.0 nccl 2.0
@@ -712,7 +712,7 @@ def test_confirm_keeps_the_times_less_favourable_to_fused(tmp_path):
 
 def test_confirm_keeps_earlier_confirmations_the_bench_did_not_rerun(tmp_path):
     """A partial retune is confirmed by a benchmark of the shapes it touched; the rest stand."""
-    from megatron_flux.tuning.confirm import confirm_table
+    from megatron_flux.tools.tune.confirm import confirm_table
 
     t = T.load_table(write(tmp_path, table_obj()))
     row = lambda m, meth, ms: {"op": "AG+GEMM", "m": m, "n": 1024, "k": 256, "method": meth,  # noqa: E731
@@ -738,7 +738,7 @@ def test_confirm_repeats_keeps_the_least_favourable_of_every_run(tmp_path):
     run (or its tuning run) was least favourable to fused, names every run that ran it, and the
     latest run alone cannot overturn the earlier ones. For runs of disjoint shapes it is one
     confirmation after the other."""
-    from megatron_flux.tuning.confirm import confirm_repeats, confirm_table
+    from megatron_flux.tools.tune.confirm import confirm_repeats, confirm_table
 
     t = T.load_table(write(tmp_path, table_obj()))
     row = lambda m, meth, ms: {"op": "AG+GEMM", "m": m, "n": 1024, "k": 256, "method": meth,  # noqa: E731
@@ -782,7 +782,7 @@ def _ab_bench(tp, rows, variant=None, gpu="NVIDIA H200"):
 
 def test_adopt_takes_a_variant_only_where_every_ab_run_timed_it_faster(tmp_path):
     from megatron_flux.kernels.config import GemmConfig
-    from megatron_flux.tuning.adopt import adopt_variant
+    from megatron_flux.tools.tune.adopt import adopt_variant
     from megatron_flux.tuning.schema import Entry, Table
 
     cfg = GemmConfig()
@@ -826,7 +826,7 @@ def test_adopt_needs_the_variant_to_beat_the_same_config_control():
     times are kept in the notes (None for a run without one). Runs without a control keep the
     plain rule, and their adoptions carry no control_ms key."""
     from megatron_flux.kernels.config import GemmConfig
-    from megatron_flux.tuning.adopt import adopt_variant
+    from megatron_flux.tools.tune.adopt import adopt_variant
     from megatron_flux.tuning.schema import Entry, Table
 
     entries = [Entry(op="rs", n=4096, k=7168, m=m, config=GemmConfig(), tuned=True, flux_ms=1.0,

@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from megatron_flux import cli
+from megatron_flux.tools import cli
 from megatron_flux.kernels.config import GemmConfig, default_config
-from megatron_flux.tuning import search as S
-from megatron_flux.tuning.model_shapes import tokens_per_microbatch, tp_gemms
-from megatron_flux.tuning.progress import NullProgress, SimpleProgress, progress
+from megatron_flux.tools.tune import search as S
+from megatron_flux.tools.model_shapes import tokens_per_microbatch, tp_gemms
+from megatron_flux.tools.tune.progress import NullProgress, SimpleProgress, progress
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,6 +84,67 @@ def test_candidate_filters():
         S.generate_candidates("ag", 65, 128, 128, 2)
     with pytest.raises(ValueError, match="GemmConfig does not have"):
         S.generate_candidates("ag", 64, 128, 128, 2, space={"pull": (True, False)})
+
+
+def _brute_force_variations(op, m_total, n, k, tp, space, smem_limit=S.SMEM_BYTES):
+    """The candidates (no seeds) as the tuner first built them: every config of the product,
+    filtered, sorted by (distance, single knobs breadth-first, product index). The tuner now
+    builds them one distance at a time; this is the reference it must match."""
+    import itertools
+
+    base = default_config(op, m_total, n, k, tp=tp)
+    space = {f: ((getattr(base, f),) if any(f in knobs for o, knobs in S._OP_KNOBS.items() if o != op)
+                 else values) for f, values in space.items()}  # the other op's knobs stay
+    twins = ([default_config(op, m_total, n, k, tp=tp, gather_small_m=False)]
+             if base.ag_merge_local or base.rs_merge_rows else [])  # small m: per segment too
+    knobs = list(space)
+    m_local = m_total // tp
+    scored, seen = [], {base, *twins}
+    for i, values in enumerate(itertools.product(*(space[f] for f in knobs))):
+        changes = {f: v for f, v in zip(knobs, values) if getattr(base, f) != v}
+        if not changes:
+            continue
+        try:
+            cfg = dataclasses.replace(base, **changes)
+        except (ValueError, TypeError):
+            continue
+        spans = cfg.rs_merge_rows or (cfg.ag_merge_local and cfg.ag_merge_lead == 0)
+        bm_max = max(64, 1 << ((m_total if spans else m_local) - 1).bit_length())
+        if (cfg in seen or S.smem_bytes(cfg) > smem_limit or cfg.block_m > bm_max
+                or cfg.block_n > max(64, 1 << (n - 1).bit_length())
+                or cfg.block_k > max(32, 1 << (k - 1).bit_length())):
+            continue
+        if op == "ag" and "chunk_rows" in changes and cfg.chunk_rows >= m_local:
+            continue
+        seen.add(cfg)
+        scored.append((len(changes), i, cfg, changes))
+    per_knob, keyed = {}, []
+    for d, i, cfg, changes in sorted(scored, key=lambda t: (t[0], t[1])):
+        if d == 1:
+            (knob,) = changes
+            nth = per_knob[knob] = per_knob.get(knob, -1) + 1
+            order = (S._VARIATION_ORDER.index(knob) if knob in S._VARIATION_ORDER
+                     else len(S._VARIATION_ORDER))
+            keyed.append(((1, nth, order, i), cfg))
+        else:
+            keyed.append(((d, 0, 0, i), cfg))
+    return [base] + twins + [c for _, c in sorted(keyed, key=lambda t: t[0])]
+
+
+@pytest.mark.parametrize("op, m, n, k, tp", [("ag", 4096, 14336, 4096, 2), ("rs", 128, 4096, 14336, 2),
+                                             ("ag", 64, 14336, 4096, 8), ("rs", 8192, 12288, 24576, 8)])
+def test_variations_by_distance_match_sorting_the_whole_product(op, m, n, k, tp):
+    """Built one distance at a time and cut at ``max_candidates``, the list is the prefix of
+    the whole product sorted (a space small enough to enumerate here, with a repeated value, a
+    knob the default's value is missing from, and one that every config changes)."""
+    space = {"block_m": (64, 128), "block_n": (32, 64, 128, 256), "block_k": (64, 128),
+             "num_stages": (3, 3, 4), "epilogue_split": (1, 2), "chunk_rows": (256, 4096),
+             "flatten": (True, False), "group_m": (2, 4)}
+    full = _brute_force_variations(op, m, n, k, tp, space)
+    assert len(full) > 50
+    for cap in (1, 2, 5, 17, 40, len(full), 10**6):
+        assert S.generate_candidates(op, m, n, k, tp, max_candidates=cap, space=space,
+                                     seeds=()) == full[:cap], cap
 
 
 def test_m_buckets_and_shapes():
@@ -271,7 +332,7 @@ def test_spread_reduce_is_an_rs_knob_on_by_default_from_tp_8():
 
 
 def test_pick_winner_keeps_the_default_unless_beaten_by_the_margin():
-    from megatron_flux.tuning.search import pick_winner
+    from megatron_flux.tools.tune.search import pick_winner
 
     meds = {"c0": 1.000, "c1": 0.995, "c2": 1.02}
     assert pick_winner(meds, "c0", 0.01) == "c0"  # 0.5 % faster: noise, keep the default
@@ -283,7 +344,7 @@ def test_pick_winner_keeps_the_default_unless_beaten_by_the_margin():
 
 
 def test_min_gain_is_validated():
-    from megatron_flux.tuning.search import parse_args
+    from megatron_flux.tools.tune.search import parse_args
 
     assert parse_args([]).min_gain == 0.01
     assert parse_args(["--min-gain", "0"]).min_gain == 0.0

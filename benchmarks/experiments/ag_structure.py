@@ -16,8 +16,8 @@ import json
 import torch
 
 from common import add_timing_args, parse_shape, problem, time_and_check, write_record
-from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu
-from megatron_flux.bench.plain_gemm import launch_plain_gemm
+from megatron_flux.tools.diagnostics.kernel_vs_cublas import ag_on_one_gpu
+from megatron_flux.tools.diagnostics.plain_gemm import launch_plain_gemm
 from megatron_flux.kernels.config import GemmConfig, default_config
 
 

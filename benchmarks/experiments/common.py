@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from megatron_flux.bench.kernel_vs_cublas import _time, add_sample_args, rel_err
+from megatron_flux.tools.diagnostics.kernel_vs_cublas import _time, add_sample_args, rel_err
 
 
 def load_module(path, name):

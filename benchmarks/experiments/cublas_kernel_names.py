@@ -11,7 +11,7 @@ import json
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from megatron_flux.bench.kernel_vs_cublas import _grid, add_model_args
+from megatron_flux.tools.diagnostics.kernel_vs_cublas import _grid, add_model_args
 
 
 def main() -> None:

@@ -127,8 +127,8 @@ def main(argv=None):
     import torch
 
     from common import parse_shape, problem, time_and_check, write_record
-    from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu
-    from megatron_flux.bench.plain_gemm import launch_plain_gemm
+    from megatron_flux.tools.diagnostics.kernel_vs_cublas import ag_on_one_gpu
+    from megatron_flux.tools.diagnostics.plain_gemm import launch_plain_gemm
     from megatron_flux.kernels.config import GemmConfig, default_config
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -18,7 +18,7 @@ import time
 import torch
 
 from common import named_configs, write_record
-from megatron_flux.bench.kernel_vs_cublas import (
+from megatron_flux.tools.diagnostics.kernel_vs_cublas import (
     _sleep_cycles_per_ms,
     _time_alternating,
     ag_on_one_gpu,

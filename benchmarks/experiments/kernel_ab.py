@@ -25,8 +25,8 @@ import json
 import torch
 
 from common import add_timing_args, load_module, named_configs, problem, time_and_check, write_record
-from megatron_flux.bench.kernel_vs_cublas import add_model_args, ag_on_one_gpu, model_shapes, rs_on_one_gpu
-from megatron_flux.bench.plain_gemm import launch_plain_gemm
+from megatron_flux.tools.diagnostics.kernel_vs_cublas import add_model_args, ag_on_one_gpu, model_shapes, rs_on_one_gpu
+from megatron_flux.tools.diagnostics.plain_gemm import launch_plain_gemm
 from megatron_flux.tuning.provider import TableConfigProvider
 
 

@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from megatron_flux.bench.plain_gemm import plain_gemm_kernel
+from megatron_flux.tools.diagnostics.plain_gemm import plain_gemm_kernel
 
 
 def compile_ptx(num_ctas: int) -> str:

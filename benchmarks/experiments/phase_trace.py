@@ -23,9 +23,9 @@ import statistics
 import torch
 
 from common import load_module, named_configs, problem, write_record
-from megatron_flux.bench.kernel_vs_cublas import add_model_args, ag_on_one_gpu, mean_ms, model_shapes, \
+from megatron_flux.tools.diagnostics.kernel_vs_cublas import add_model_args, ag_on_one_gpu, mean_ms, model_shapes, \
     rs_on_one_gpu
-from megatron_flux.bench.plain_gemm import PLAIN_PHASES, launch_plain_gemm
+from megatron_flux.tools.diagnostics.plain_gemm import PLAIN_PHASES, launch_plain_gemm
 from megatron_flux.kernels.ag_gemm import AG_PHASES
 from megatron_flux.kernels.gemm_rs import RS_PHASES
 from megatron_flux.kernels.phase_trace import new_trace

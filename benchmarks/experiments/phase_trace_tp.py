@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from common import next_rank_buffer, write_record
-from megatron_flux.bench.kernel_vs_cublas import ag_on_one_gpu, grid_shape, mean_ms, rs_on_one_gpu
+from megatron_flux.tools.diagnostics.kernel_vs_cublas import ag_on_one_gpu, grid_shape, mean_ms, rs_on_one_gpu
 from megatron_flux.kernels import ag_gemm as ag_module
 from megatron_flux.kernels import gemm_rs as rs_module
 from megatron_flux.kernels.phase_trace import new_trace

@@ -24,7 +24,7 @@ import statistics
 import torch
 
 from common import add_timing_args, write_record
-from megatron_flux.bench.kernel_vs_cublas import _time
+from megatron_flux.tools.diagnostics.kernel_vs_cublas import _time
 
 # Llama-3-8B at TP 2 (per rank): name -> (n, k) of the weight [n, k]
 SHAPES = {"qkv": (3072, 4096), "proj": (4096, 2048), "fc1": (14336, 4096), "fc2": (4096, 7168),

@@ -20,7 +20,7 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   walks its ``g * tiles_per_seg`` tiles as one tile space whose row tiles are grouped
   ``GROUP_M`` at a time across the segments, so a segment with few row tiles no longer makes
   every step stream all of B. Groups alternate direction like steps. Stream-K is off then.
-* Merged local rows (``GemmConfig.ag_merge_local``, opt-in; no faster at TP 2, m >= 1024, session 15): after
+* Merged local rows (``GemmConfig.ag_merge_local``, opt-in; no faster at TP 2, m >= 1024): after
   ``ag_merge_lead`` waves of local tiles (whole columns, from the shard, no wait), the local
   segment joins the first peer group's tile space (:func:`_merged_local_group`), its rows read
   from the workspace, where the host copied them before the kernel. Later groups follow.

@@ -8,7 +8,7 @@ or one partition of two warpgroups takes every tile of up to 128x256 (cooperativ
 a peer's rows, so the MMA warps never spin on communication. With communication off on one H200 it ran 0.95-0.99x the shipped table's
 config on the training step's AG+GEMMs and on the grid's m <= 2048 shapes (llama3-8b
 m = 1024: 1.08x cuBLAS against 1.17x), and lost to the table's 128x256 tiles on the largest
-ones (``benchmarks/NOTES.md``, session 19). The kernel began as session 10's experiment
+ones. Its standalone model (the AllGather+GEMM form on one GPU, no communication) is
 ``benchmarks/experiments/gluon_ws_gemm.py``.
 
 Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):

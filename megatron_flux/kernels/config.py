@@ -20,117 +20,59 @@ def interpreting() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
-    """One kernel configuration. ``chunk_rows`` is the AllGather communication chunk (rows of
-    a rank's segment moved and signalled at once), independent of ``block_m``.
-    ``comm_priority`` is the CUDA priority of the AllGather's copy-engine side stream (lower is
-    higher; -1 above the default 0); GEMM+RS has no side stream and ignores it.
-    ``ag_pull`` makes each AllGather rank pull its peers' shards with its own copy engine (after
-    a cross-rank "shards ready" barrier) instead of pushing its shard into theirs; GEMM+RS
-    ignores it.
-    ``stream_k``: 0 runs every output tile on one program; 1 splits the tiles of a small
-    partial last wave along K over the whole grid (:mod:`megatron_flux.kernels.stream_k`). For
-    GEMM+RS those are own tiles, whose last program reduces the summed parts with the peers'
-    partials; the spread reduction and merged rows (no own tiles) and the Gluon kernels
-    ignore it.
+    """One fused-kernel configuration: :func:`default_config` picks one per shape, a tuning
+    table entry overrides it. One line per knob; "AG" / "RS" knobs only change AllGather+GEMM /
+    GEMM+RS, the other kernel ignores them. Measurements: one H200, communication off, unless
+    stated.
 
-    GEMM+RS knobs (AG+GEMM ignores them): ``rs_tma_push`` writes the partial tiles into the
-    owner's buffer with TMA stores (else plain vector stores); ``rs_tma_reduce`` reads the
-    peers' partials in the reduction by TMA (else masked vector loads); ``flatten_consume``
-    asks Triton to flatten the reduction loop, which it does not do (the loop over the peers in
-    the reduction epilogue is a second nested loop): both values compile to the same kernel.
-    A variant whose loop did flatten ran level with it (paired median 1.000 at TP 2, 1.001 at
-    TP 4, communication off; benchmarks/NOTES.md, session 13), so the kernel was left as is and
-    the tuner does not search the knob.
-    ``rs_spread_reduce`` pushes the own segment's partials into the own slot like the peers'
-    and then spreads the reduction over the whole grid (instead of
-    each own tile reducing in its epilogue): for shapes whose own segment has few tiles, where
-    a handful of programs would otherwise read every peer's partial while the rest idle.
+    Both kernels:
 
-    ``ag_peer_group`` (AG+GEMM only): how many consecutive peer segments share one tile loop
-    after one wait for all their chunks. A segment of ``m_local`` rows has few row tiles at
-    small m or high TP (one at TP 8, m = 1024), and tiles are grouped ``group_m`` rows at a
-    time inside a loop, so each step streams all of B again: the plain yardstick grouped 2
-    rows at a time ran 10 % slower than grouped 8 (benchmarks/NOTES.md, session 13). With
-    ``g > 1`` the peers' rows are grouped across segments. The local step stays on its own
-    (no wait), and stream-K is off for such configs. 1 (the default) is the per-segment
-    schedule; larger values are not measured yet, so nothing ships with them.
+    * ``block_m``, ``block_n``, ``block_k``: the output tile and the K step (powers of two >= 16).
+    * ``num_stages``: depth of the TMA load pipeline (A and B buffers in shared memory).
+    * ``num_warps``: warps per program; for the Gluon kernels 4 = ping-pong, 8 = cooperative.
+    * ``group_m``: row tiles walked together for L2 reuse of B (grouping 2 ran 10 % slower than 8).
+    * ``epilogue_split``: store the output tile in 1 or 2 column halves (less shared memory).
+    * ``flatten``: ask Triton to flatten the persistent tile loop into the K loop.
+    * ``warp_specialize``: Triton's automatic warp specialization (same PTX either way on sm_90a).
+    * ``stream_k``: 1 splits a small partial last wave along K over the grid
+      (:mod:`~megatron_flux.kernels.stream_k`; RS: own tiles only, not merged rows or Gluon).
+    * ``programs_per_sm``: persistent programs per SM (1-4), checked against the occupancy
+      calculator, else 1 with a warning (:mod:`~megatron_flux.kernels.residency`).
 
-    ``ag_merge_local`` (AG+GEMM only): the local segment joins the first peer group. The
-    kernel first computes ``ag_merge_lead`` waves of local tiles (whole columns of the local
-    rows, from the shard, no wait); then, after one wait for the group's peers, it walks the
-    rest as one tile space whose row tiles are grouped ``group_m`` at a time across the local
-    and the peers' rows, all read from the gathered workspace (the host copies the shard into
-    its own rows there before the kernel, in stream order, as pulling does). Aimed at TP 2
-    with segments of few row tiles (llama3-8b m = 1024: 4 per segment) and at small m, where
-    each segment is one row of tiles and the per-segment schedule streams B once per segment.
-    ``ag_merge_lead = 0`` waits for every peer before the first tile and then treats the
-    gathered rows as one operand, whatever ``ag_peer_group``: tiles span segments, so a row
-    tile is full even where ``m_local < block_m``
-    (:func:`megatron_flux.kernels.ag_gemm._gathered_tiles`). Stream-K is off. At m = 1024-2048
-    (TP 2, lead 1; benchmarks/NOTES.md, session 15) it was no faster with communication on
-    and 0.2-3 % slower in 7 of 8 paired comm-off cases; at small m, lead 0, it is the default
-    (:func:`default_config`; session 21).
+    AG:
 
-    ``rs_copy_engine`` (GEMM+RS only): the producer tiles go into a local staging buffer
-    instead of the owners' slots, and the copy engine moves each finished step to its owner
-    (queued on a side stream behind a stream wait for the kernel's "produced" signal, each copy
-    followed by a signal write into the owner's signal word) while the kernel computes its own
-    rows. No SM stores cross NVLink. The wait is a stream memory op on a copy-engine stream; a
-    peer-to-peer copy queued behind it starts while the kernel runs also with
-    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (measured on 2xH200, benchmarks/NOTES.md, session 16).
+    * ``chunk_rows``: rows of a rank's segment copied and signalled at once (not tied to block_m).
+    * ``comm_priority``: CUDA priority of the copy-engine side stream (-1 is above the default 0).
+    * ``ag_pull``: each rank pulls its peers' shards with its own copy engine, after a
+      "shards ready" barrier, instead of pushing its shard into theirs.
+    * ``ag_peer_group``: peer segments that share one tile loop after one wait (1 = per segment;
+      larger values are unmeasured and not shipped).
+    * ``ag_merge_local``: the local segment joins the first peer group's tile space (off above
+      m = 512: at m = 1024-2048 no faster with communication, 0.2-3 % slower without).
+    * ``ag_merge_lead``: waves of local tiles computed before the first wait; 0 waits for every
+      peer and treats the gathered rows as one operand (the default at m <= 512).
+    * ``ag_warp_specialized``: run the warp-specialized Gluon kernel
+      (:mod:`~megatron_flux.kernels.ag_gemm_ws`; per-segment schedule only).
 
-    ``rs_ce_bands`` (with ``rs_copy_engine``): the copy engine moves each step's partial band
-    by band (:func:`rs_bands`: whole ``group_m`` groups of row tiles, at most
-    :data:`MAX_RS_BANDS` per step) as soon as the band is produced, instead of the whole step
-    after the grid's last tile. Every producer tile counts itself in at its band's counter; the
-    last tile of a band raises the band's "produced" word, which the side stream waits for.
-    Without it the copy is a serial tail of the producer phase that the consumer's first own
-    tile must cover; at short K it does not (session 16: 10-12 % slower than SM pushes).
+    RS:
 
-    ``rs_merge_rows`` (GEMM+RS only; with ``rs_spread_reduce`` and vector-store pushes,
-    ``rs_tma_push=False``): every rank's rows in one tile space instead of one tile loop per
-    segment, so a row tile may span owners; its epilogue stores each owner's rows into that
-    owner's slot (masked vector stores), the own rows into the own slot, and the spread
-    reduction sums them. At small m a segment is one mostly empty row of tiles, so the
-    per-segment schedule runs W times the row tiles and reads B through each of them. The
-    default at small m (:func:`default_config`). ``rs_split_k`` = S > 1 splits each such tile
-    along K into S equal slices, each a work item of its own (its K loop pipelined as usual):
-    a slice writes its fp32 part to scratch and counts in at the tile's counter, and the last
-    of the S sums the parts in slice order (bitwise reproducible) and pushes the tile. For
-    small m at small n, where there are fewer tiles than SMs. Any S from 1 to 16; counts that
-    make tiles x S fill the SMs evenly did not beat the default (benchmarks/NOTES.md, session
-    22). With ``rs_warp_specialized`` the merged rows run on the Gluon kernel (no split).
-
-    ``rs_warp_specialized`` (GEMM+RS only): run the call on the warp-specialized Gluon kernel
-    (:mod:`megatron_flux.kernels.gemm_rs_ws`): two MMA warpgroups take alternate tiles, so the
-    own tiles' reduction epilogue runs beside the other warpgroup's MMAs. It takes block_m/n/k,
-    num_stages, group_m and rs_copy_engine from the config; ``num_warps`` picks its form
-    (:mod:`megatron_flux.kernels.gluon_ws`): 4 is the ping-pong (two MMA warpgroups on
-    alternate tiles of at most 128x128), 8 the cooperative one (one 8-warp MMA partition on
-    every tile, block_m = 128, block_n up to 256). Calls it cannot take (``m_local`` not a
-    multiple of block_m, fewer K-steps than stages, the interpreter) run the Triton kernel with
-    one warning. With communication off on one H200 the ping-pong ran 0.92x the table config
-    on the training step's short-K GEMM+RS (k = 2048-3072 per rank, m = 8192) and 1.02-1.08x it
-    at long K (benchmarks/NOTES.md, session 19); the cooperative 128x256 form ran 0.98-1.02x
-    the table at long K (session 20). With ``rs_merge_rows`` (and its spread reduction) every
-    rank's rows are one tile space there too, and ``m_local`` may be any count but 1: the
-    ping-pong 128x128 ran 0.90-0.95x the default on gpt3-175b m = 128 and llama3-70b m = 256
-    and 0.91x the table at gpt3-175b m = 512 (session 22). Not yet run with communication.
-
-    ``ag_warp_specialized`` (AG+GEMM only): the same for AllGather+GEMM
-    (:mod:`megatron_flux.kernels.ag_gemm_ws`): two MMA warpgroups on alternate tiles, one load
-    warp doing the TMA reads and the waits for the peers' chunks, in the same two forms
-    (``num_warps`` 4 or 8); per-segment schedule only (no ``ag_peer_group`` > 1, no
-    ``ag_merge_local``; ``stream_k`` is ignored). With communication off on one H200 the
-    ping-pong ran 0.95-0.99x the table config on the training step's AG+GEMMs and the grid's
-    m <= 2048 shapes and lost to 128x256 tiles on the largest (benchmarks/NOTES.md, session
-    19), where the cooperative 128x256 form ran 0.97-1.005x the table (session 20); not yet
-    run with communication.
-
-    ``programs_per_sm``: persistent programs per SM (grid = that times the SMs, capped at the
-    tiles). At 2, one program's epilogue runs beside the other's K loop; the launchers check
-    with CUDA's occupancy calculator that they all fit and otherwise run one per SM, with a
-    warning (:mod:`megatron_flux.kernels.residency`)."""
+    * ``rs_tma_push``: push partial tiles into the owner's slot by TMA stores (else vector stores).
+    * ``rs_tma_reduce``: read the peers' partials in the reduction by TMA (else masked loads).
+    * ``flatten_consume``: ask Triton to flatten the reduction loop; it does not, so both values
+      compile to the same kernel (not searched by the tuner).
+    * ``rs_spread_reduce``: push the own partials too and spread the reduction over the whole
+      grid (default at TP >= 8: up to 14 % faster; 0.5-2.6 % slower at TP 2).
+    * ``rs_copy_engine``: stage producer tiles locally; the copy engine moves each finished step
+      to its owner behind a stream wait (no SM stores cross NVLink).
+    * ``rs_ce_bands``: with ``rs_copy_engine``, copy each step band by band as it is produced
+      (:func:`rs_bands`) instead of after it (whole-step copies: 10-12 % slower, 2×H200, short K).
+    * ``rs_merge_rows``: every rank's rows in one tile space (with ``rs_spread_reduce`` and
+      ``rs_tma_push=False``); the default at m <= 256.
+    * ``rs_split_k``: with merged rows, split each tile along K into S work items (1-16), summed
+      in slice order (bitwise reproducible).
+    * ``rs_warp_specialized``: run the warp-specialized Gluon kernel
+      (:mod:`~megatron_flux.kernels.gemm_rs_ws`); calls it cannot take run the Triton kernel
+      with one warning."""
 
     block_m: int = 128
     block_n: int = 256
@@ -291,10 +233,9 @@ def rs_bands(m_local: int, block_m: int, group_m: int) -> Tuple[int, int]:
 
 
 #: Largest TP size whose step loops the fused kernels unroll at compile time. Comm off on one
-#: H200, unrolled step loops ran 1-3 % faster than a runtime loop at TP 2 (session 9) and
-#: level at TP 4. At TP 8 the runtime loop ran faster, by up to 9-11 % (AG+GEMM) and 2-3 %
-#: (GEMM+RS) in two runs: seven unrolled copies of a pipelined tile loop are four times the
-#: code (benchmarks/NOTES.md, session 12).
+#: H200, unrolled step loops ran 1-3 % faster than a runtime loop at TP 2 and level at TP 4.
+#: At TP 8 the runtime loop ran faster, by up to 9-11 % (AG+GEMM) and 2-3 % (GEMM+RS) in two
+#: runs: seven unrolled copies of a pipelined tile loop are four times the code.
 MAX_UNROLLED_WORLD = 4
 
 
@@ -313,7 +254,7 @@ def launch_geometry(m_local: int, n: int, b, world: int, cfg: GemmConfig, num_sm
     than one without them when the kernel streams B from memory: on one H200 the merged
     GEMM+RS at gpt3-175b m = 64 (96 tiles) ran 0.150 or 0.165-0.185 ms in a block of
     launches, by where the 96 working programs of 132 landed, and its plain yardstick, whose
-    grid is the 96 tiles, 0.149 every time (``benchmarks/NOTES.md``, session 23)."""
+    grid is the 96 tiles, 0.149 every time."""
     b_kn = b.stride(1) == 1
     tps = tiles_per_segment(m_local, n, cfg)
     tiles = (-(-world * m_local // cfg.block_m) * -(-n // cfg.block_n)) if merged else world * tps
@@ -339,26 +280,24 @@ def default_config(op: str, m_total: int, n: int, k: int, interpret: bool = Fals
     small last wave along K (``stream_k=1``, a no-op elsewhere: :mod:`megatron_flux.kernels.stream_k`):
     AG+GEMM 0.9-3.8 % faster where it applies; GEMM+RS on its 128x256 tiles 1.2 % at gpt3-175b
     m = 8192, the grid's one shape with a tail that small (H100, communication off, two runs;
-    level with communication on; benchmarks/NOTES.md, session 32). GEMM+RS at TP >= 8 spreads its reduction
-    over the grid (``rs_spread_reduce``): with communication off on one H200 it ran up to 14 %
-    faster there (median 2.3 % over m = 1024-4096), level at TP 4 and 0.5-2.6 % slower at TP 2
-    (benchmarks/NOTES.md, session 12).
+    level with communication on). GEMM+RS at TP >= 8 spreads its reduction over the grid
+    (``rs_spread_reduce``): with communication off on one H200 it ran up to 14 % faster there
+    (median 2.3 % over m = 1024-4096), level at TP 4 and 0.5-2.6 % slower at TP 2.
 
     GEMM+RS at small m (``m_total <= 256``, TP >= 2) likewise runs every rank's rows as one
     tile space (``rs_merge_rows``, with the spread reduction), on the tile that loads the
     busiest SM least (:func:`merged_rs_tile`: narrower at small n, where 32 tiles of 64x128
     would leave 100 SMs without B to stream). On the grid's m = 64-256 shapes it ran 0.98-1.35x
     cuBLAS's GPU time against 1.21-1.79x for the per-segment table configs (two runs, faster
-    on all 9); at m = 512 merged rows ran 1.30-1.37x against their 1.03-1.14x (one H200,
-    benchmarks/NOTES.md, session 21).
+    on all 9); at m = 512 merged rows ran 1.30-1.37x against their 1.03-1.14x (one H200).
 
     AG+GEMM at small m (``m_total <= 512``, TP >= 2) waits for every peer first and treats the
     gathered rows as one operand (``ag_merge_local`` with a lead of 0): each rank's segment is
     then at most 256 rows, and the per-segment schedule streams all of B once per segment,
     mostly through half-empty row tiles. With communication off (TP 2 wiring, GPU time alone)
     that took the grid's m = 64-512 shapes from 1.09-2.32x cuBLAS to 0.98-1.22x on one H200
-    (1.21-2.43x to 1.00-1.30x on one H100; benchmarks/NOTES.md, session 21). At m <= 128 its
-    tile is :func:`gathered_ag_tile`'s (64x128 or 64x256, session 24). The copies it
+    (1.21-2.43x to 1.00-1.30x on one H100). At m <= 128 its tile is :func:`gathered_ag_tile`'s
+    (64x128 or 64x256). The copies it
     then waits for are m_local x K (at most 6 MiB there). ``gather_small_m=False`` gives the
     earlier per-segment defaults of both ops there: what tuning-table entries that do not name
     these knobs were measured with (:mod:`megatron_flux.tuning.schema` fills missing fields
@@ -422,15 +361,15 @@ def least_streaming_tile(tiles: Tuple[Tuple[int, ...], ...], m_total: int, n: in
 def merged_rs_tile(m_total: int, n: int, sms: int = ASSUMED_SMS):
     """GEMM+RS's merged-rows tile: :func:`least_streaming_tile` of :data:`MERGED_RS_TILES`. On
     one H200 this picked what ran best among 64x128, 64x64 and 64x32 at m = 64-256
-    (benchmarks/NOTES.md, session 21: llama3-8b m = 64, 128 tiles of 64x32, 1.11x cuBLAS
-    against 1.47x for 32 tiles of 64x128)."""
+    (llama3-8b m = 64: 128 tiles of 64x32, 1.11x cuBLAS against 1.47x for 32 tiles of
+    64x128)."""
     return least_streaming_tile(MERGED_RS_TILES, m_total, n, sms)
 
 
 def gathered_ag_tile(m_total: int, n: int, sms: int = ASSUMED_SMS):
     """AG+GEMM's gathered-rows tile at m <= 128: :func:`least_streaming_tile` of
-    :data:`GATHERED_AG_TILES`. Communication off on one H200, three runs (benchmarks/NOTES.md,
-    session 24): 64x256 where it streams less, gpt3-175b m = 64 1.10-1.19x cuBLAS -> 1.015x,
+    :data:`GATHERED_AG_TILES`. Communication off on one H200, three runs: 64x256 where it
+    streams less, gpt3-175b m = 64 1.10-1.19x cuBLAS -> 1.015x,
     llama3-70b m = 64 1.02x -> 0.98x and m = 128 1.07x -> 1.03x; 64x128 kept where it wins
     (gpt3-175b m = 128, llama3-8b m = 64); llama3-8b m = 128 about 1 % slower (1.09-1.11x ->
     1.11x). With all four 64/128-row tiles the same rule picked 128x256 on gpt3-175b m = 128,

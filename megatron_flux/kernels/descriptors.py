@@ -12,8 +12,9 @@ kernel arguments): Triton's launcher encodes each one on the host (``cuTensorMap
 and passes it as a kernel parameter. The kernels take A and B this way (AG+GEMM also its
 gathered rows and output, GEMM+RS its own tiles' output and slots; the Gluon kernels through
 :func:`megatron_flux.kernels.gluon_ws.host_descriptor`, with their buffers' layouts) when
-their ``host_descriptors`` argument is true (``FluxOptions.host_descriptors``); descriptors of peers' buffers stay device-built. With communication off on one H200, the plain yardstick ran 0.3-2 % faster with
-host descriptors at m >= 1024 and 2-8 % at m <= 512 (``benchmarks/NOTES.md``, session 23).
+their ``host_descriptors`` argument is true (``FluxOptions.host_descriptors``); descriptors of
+peers' buffers stay device-built. With communication off on one H200, the plain yardstick ran
+0.3-2 % faster with host descriptors at m >= 1024 and 2-8 % at m <= 512.
 """
 
 from typing import Dict, Sequence

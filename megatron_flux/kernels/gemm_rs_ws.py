@@ -4,7 +4,7 @@ Same inputs, outputs, workspace, signals and tile order as :mod:`.gemm_rs`; what
 an SM runs its tiles. A Triton 3.6 persistent GEMM is not warp-specialized on Hopper, so while
 a program reads the peers' partials of an own tile, adds them and stores the sum, its tensor
 cores idle; at short K that epilogue is a large part of the tile (the partials' reads alone
-cost 6-7 % of the kernel at k = 2048-3072, m = 8192; ``benchmarks/NOTES.md``, session 19). Here
+cost 6-7 % of the kernel at k = 2048-3072, m = 8192, one H200). Here
 two MMA warpgroups take alternate tiles ("ping-pong", ``num_warps=4``), so one's epilogue runs
 beside the other's MMAs. The cooperative form (``num_warps=8``: one MMA partition of two
 warpgroups takes every tile, up to 128x256) is for long K, where tile size matters more than

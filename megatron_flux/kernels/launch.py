@@ -1,9 +1,9 @@
 """Launching the fused kernels with less host time than Triton's ``JITFunction.run``.
 
 Triton binds and specialises every argument on every launch, then looks the compiled kernel up.
-On a slow host that is a good part of a fused op's host time: on the 2xH100 box of session 29,
+On a slow host that is a good part of a fused op's host time: measured on 2xH100,
 ``JITFunction.run`` took 75-90 µs a launch, two launches a layer call, in training steps that are
-host-bound at micro-batch 1 (``benchmarks/NOTES.md``, sessions 28-29).
+host-bound at micro-batch 1.
 
 So a :class:`KernelLauncher` sends the first launch of each specialisation through Triton, keeps
 the compiled kernel Triton returns, and later calls its launcher directly. Its key refines
@@ -25,13 +25,11 @@ call passes no hooks and no launch metadata, as Triton itself does then.
 Launches under CUDA graph capture also go through Triton (the fused backend refuses capture;
 this keeps any other caller's capture as Triton makes it).
 
-History: opt-in from session 6, when it saved 0.01-0.03 ms of host time per fc1/fc2 layer call
-on the 2xH200 box (within the spread). On by default from session 29: on the 2xH100 box, in one
-process alternating with Triton's launch over 15 trials, it saved a median 60 µs per fc1 layer
-call (forward + backward, lower in 11 of 15 paired trials) and 74 µs per fc2 call (9 of 15),
-of about 1.1 and 0.8 ms (``benchmarks/experiments/host_launch_ab.py``,
-``benchmarks/results/host-launch-ab-h100x2-2026-11-26-s29-run1.json``; a second run, 21 trials:
-93 and 74 µs, in 17 and 15 of 21). Calling one level below
+On by default: on 2xH100, in one process alternating with Triton's launch over 15 trials, it
+saved a median 60 µs per fc1 layer call (forward + backward, lower in 11 of 15 paired trials)
+and 74 µs per fc2 call (9 of 15), of about 1.1 and 0.8 ms
+(``benchmarks/experiments/host_launch_ab.py``; a second run, 21 trials: 93 and 74 µs, in 17
+and 15 of 21). On 2xH200 it saved 0.01-0.03 ms per fc1/fc2 layer call, within the spread. Calling one level below
 ``CompiledKernel.run`` (Triton's C launcher with the descriptors expanded once) saved nothing
 measurable on top and was not kept.
 """

@@ -2,7 +2,7 @@
 
 Two programs per SM let one program's epilogue (rounding, stores, GEMM+RS's reduction reads)
 run beside the other's K loop, which one program of Triton's non-warp-specialized persistent
-loop cannot do. Measured on H200 with 128x128 tiles (``benchmarks/NOTES.md``, session 11), it
+loop cannot do. Measured on H200 with 128x128 tiles, it
 beat the shipped configs by no more than run-to-run noise, so every config ships with 1 and the
 tuner does not search it; the knob is there for other GPUs and shapes.
 

@@ -22,8 +22,8 @@ Schedule (``GemmConfig.stream_k``; in GEMM+RS the tail's own tiles end in the re
   last: repeated calls are bitwise identical. Nobody waits for anybody, so a program that is
   not resident yet (another kernel holding SMs) delays the tile but cannot deadlock it.
 
-Why the threshold (measured on H200 with communication disabled, two GPUs as replicates,
-``benchmarks/NOTES.md`` session 6): splitting saves ``1 - tail`` of a tile's time and costs the
+Why the threshold (measured on H200 with communication disabled, two GPUs as replicates):
+splitting saves ``1 - tail`` of a tile's time and costs the
 partials' round trip and a shorter, 2-stage K loop. With the tail at 0.15-0.30 of a wave it
 was 0.9-3.8 % faster than data-parallel (llama3-70b fc1 at m = 4096 and 8192, gpt3-175b at 4096,
 llama3-8b at 8192); at 0.55-0.82 it was 0.2-15 % slower. A variant that also split one full

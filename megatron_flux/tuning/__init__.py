@@ -5,8 +5,11 @@
 * :mod:`.registry` where tables come from (``--flux-config``, ``$MEGATRON_FLUX_CONFIG``, the
                    shipped ``megatron_flux/tuning/tables/*.json``) and lookup
 * :mod:`.provider` ``TableConfigProvider`` (``FluxBackend``'s default) and :func:`prefer_fused`
-* :mod:`.search`   the GPU tuner behind ``megatron-flux tune`` (candidates, timing, writing)
-* :mod:`.from_bench` a table from a benchmark JSON (untuned configs, measured times)
+* :mod:`.device`   a device's table identity (GPU name, SM count)
+
+This package only reads tables; the tools that write them (``megatron-flux tune``, confirm,
+adopt, from a benchmark) are :mod:`megatron_flux.tools.tune`. ``auto``'s use of the decisions is
+:mod:`megatron_flux.backends.auto`.
 """
 
 from __future__ import annotations

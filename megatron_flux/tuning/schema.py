@@ -132,7 +132,7 @@ def _config(path, fld, d, op, m, n, k, tp):
     # fields an entry does not name keep what it was measured with: entries written before
     # the small-m AG default gathered first ran the per-segment schedule
     base = default_config(op, m, n, k, tp=tp, gather_small_m=False).to_dict()
-    if op == "rs":  # GEMM+RS ignored stream_k before session 32: such entries ran without it
+    if op == "rs":  # entries written before GEMM+RS took stream_k ran without it
         base["stream_k"] = 0
     base.update(d)
     try:

@@ -8,18 +8,17 @@ of them gets the variant's fields **where every run that ran the case timed the 
 less favourable to fused (larger variant/nccl), the A/B is kept in ``notes["adopted"]``. Entries
 no run covered, or where a run timed the variant no faster, are left as they are. Every run must
 carry the same ``flux_variant`` fields and have run on the table's machine (TP, GPU model, SM
-count, dtype: :func:`~megatron_flux.tuning.from_bench.check_same_machine`).
+count, dtype: :func:`~megatron_flux.tools.tune.from_bench.check_same_machine`).
 
 ``flux_variant`` runs in a second backend object (its own workspaces and streams). On 2×H100,
 ``flux`` and ``flux_default`` with *identical* configs measured up to 9 % apart with the same
-sign run after run, and a same-config control 0.88-1.02× ``flux`` in one run
-(``benchmarks/NOTES.md``, session 27). A run that also timed ``flux_control`` (a second backend
+sign run after run, and a same-config control 0.88-1.02× ``flux`` in one run. A run that also timed ``flux_control`` (a second backend
 with the table's own configs) sizes that floor per case: there the variant must beat the table
 config by more than ``|flux_control / flux - 1|``, and the control's times go into the notes.
 Runs without it keep the plain rule (variant faster at all).
 
-``python -m megatron_flux.tuning.adopt TABLE.json AB_BENCH.json [AB_BENCH2.json ...] OUT.json``
-(applied after ``megatron_flux.tuning.confirm``; an adopted entry's ``tune_*`` times in its notes
+``python -m megatron_flux.tools.tune.adopt TABLE.json AB_BENCH.json [AB_BENCH2.json ...] OUT.json``
+(applied after ``megatron_flux.tools.tune.confirm``; an adopted entry's ``tune_*`` times in its notes
 become the A/B's, so a later confirmation compares against its new config's times).
 """
 
@@ -29,7 +28,7 @@ import dataclasses
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megatron_flux.tuning.from_bench import check_same_machine, local_times, table_benches_out
+from megatron_flux.tools.tune.from_bench import check_same_machine, local_times, table_benches_out
 from megatron_flux.tuning.schema import Entry, Table, TuningFileError, load_table, write_table
 
 

@@ -2,7 +2,7 @@
 
 For a model config (the pretrain scripts' ``configs/*.json``), a TP size and a GPU identity
 (the local GPU's by default, or ``--gpu NAME --sms N``), prints per GEMM, forward and data
-gradient (:mod:`megatron_flux.tuning.model_shapes`):
+gradient (:mod:`megatron_flux.tools.model_shapes`):
 
 * the table entry ``auto`` and the fused backend would use (nearest m-bucket), with its measured
   fused and NCCL times, or ``-`` when no table knows the shape;
@@ -20,7 +20,9 @@ import json
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from megatron_flux.tuning.model_shapes import tokens_per_microbatch, tp_gemms
+from megatron_flux.tools.model_shapes import file_problem, tokens_per_microbatch, tp_gemms
+
+PROG = "megatron-flux plan"
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
@@ -64,7 +66,7 @@ def _format(rows: Sequence[Dict[str, object]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-flux plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model-config", required=True, metavar="PATH")
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--m", type=int, default=None,
@@ -92,13 +94,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         p.error("no CUDA device here: name the GPU with --gpu NAME --sms N (e.g. --gpu 'NVIDIA H200' --sms 132)")
-    m = args.m or tokens_per_microbatch(args.model_config)
-    if not m:
-        p.error(f"{args.model_config} has no seq-length: give --m")
+    problem = file_problem(args.model_config)
+    if problem is not None:
+        print(f"{PROG}: --model-config {args.model_config}: {problem}", file=sys.stderr)
+        return 2
     try:
+        m = args.m or tokens_per_microbatch(args.model_config)
+        if not m:
+            p.error(f"{args.model_config} has no seq-length: give --m")
         rows = plan_rows(args.model_config, args.tp, m, device, getattr(torch, _DTYPES[args.dtype]))
-    except ValueError as exc:
-        print(f"megatron-flux plan: {exc}", file=sys.stderr)
+    except ValueError as exc:  # a malformed config or one whose widths do not split over --tp
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(rows, indent=1) if args.json else _format(rows))
     return 0

@@ -5,7 +5,11 @@ returns its output tensor, so the timing loop (:mod:`.timing`) and the correctne
 them alike:
 
 * ``cublas_gemm``    the non-split local GEMM alone (``torch.mm``) — FLUX's ``GEMM_non-split``;
-                     the floor every method is measured against (ECT = method − this).
+                     the floor every method is measured against (ECT = method − this). On
+                     CUDA ``torch.mm`` is cuBLAS; elsewhere (``--device cpu``) it is torch's CPU
+                     matmul, so the printed table calls it ``local_gemm (torch.mm, cpu)``
+                     (:func:`method_label`) while the JSON keeps the method name
+                     ``cublas_gemm`` that reports and tables key on.
 * ``comm``           the collective alone (all-gather of the row shard / reduce-scatter of the
                      partial product): how much communication there is to hide.
 * ``nccl``           the registered ``nccl`` backend: collective, then GEMM (or GEMM, then
@@ -24,7 +28,7 @@ them alike:
                      its own symmetric workspaces, streams and config cache, as ``flux_default``'s
                      and ``flux_variant``'s are: ``flux_control`` ÷ ``flux`` is what two backend
                      objects with identical configs measure apart in the same trials, the floor
-                     under any A/B of ``flux`` against one of those (``tuning.adopt`` uses it).
+                     under any A/B of ``flux`` against one of those (``tools.tune.adopt`` uses it).
 * ``auto``           whatever ``resolve_backend("auto", ...)`` picks for these operands.
 
 A method that cannot run here raises :class:`MethodSkipped` with the reason at build time; the
@@ -42,7 +46,7 @@ from typing import Callable, Dict, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_flux.bench.grid import AG_GEMM, GEMM_RS, Case
+from megatron_flux.tools.bench.grid import AG_GEMM, GEMM_RS, Case
 
 #: the methods that run a FluxBackend (the registered one, or a second object of its own)
 FUSED_METHODS: Tuple[str, ...] = ("flux", "flux_default", "flux_variant", "flux_control")
@@ -56,6 +60,14 @@ OVERLAPPING: Tuple[str, ...] = ("torch_async_tp",) + FUSED_METHODS + ("auto",)
 #: ``b_layout`` choices: ``weight_t`` passes ``weight.t()`` of a row-major ``[n, k]`` weight (what
 #: Megatron's forward does), ``row_major`` a contiguous ``[k, n]`` matrix.
 B_LAYOUTS: Tuple[str, ...] = ("weight_t", "row_major")
+
+
+def method_label(name: str, device_type: str) -> str:
+    """What the terminal table calls method ``name`` on a ``device_type`` device: its name,
+    except ``cublas_gemm`` off CUDA, where ``torch.mm`` does not run cuBLAS."""
+    if name == "cublas_gemm" and device_type != "cuda":
+        return f"local_gemm (torch.mm, {device_type})"
+    return name
 
 
 class MethodSkipped(Exception):

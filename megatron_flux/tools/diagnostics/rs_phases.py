@@ -1,6 +1,6 @@
 """Where GEMM+RS loses to cuBLAS with communication disabled: its two phases timed apart.
 
-``python -m megatron_flux.bench.rs_phases [--tp 2] [--json PATH]`` on one GPU.
+``python -m megatron_flux.tools.diagnostics.rs_phases [--tp 2] [--json PATH]`` on one GPU.
 
 The GEMM+RS kernel computes the peers' row segments first (producer: tiles pushed into the
 owner's slot) and then its own segment (consumer: tiles plus the reduction of the peers'
@@ -41,12 +41,12 @@ import sys
 
 import torch
 
-from megatron_flux.bench.kernel_vs_cublas import _ag_runner, _grid, _time, add_grid_args, rel_err, \
+from megatron_flux.tools.diagnostics.kernel_vs_cublas import _ag_runner, _grid, _time, add_grid_args, rel_err, \
     rs_on_one_gpu, write_json
 
 
 def _runners(m, n, k, tp, cfg, dtype):
-    from megatron_flux.bench.plain_gemm import launch_plain_gemm
+    from megatron_flux.tools.diagnostics.plain_gemm import launch_plain_gemm
 
     m_local = m // tp
     a = torch.randn(m, k, device="cuda", dtype=dtype)

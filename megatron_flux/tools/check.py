@@ -26,7 +26,7 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 #: the plugin's own environment variables that change which tables, backends or launch paths
-#: run (also recorded with every benchmark run, :mod:`megatron_flux.bench.report`)
+#: run (also recorded with every benchmark run, :mod:`megatron_flux.tools.bench.report`)
 PLUGIN_ENV_VARS = (
     "MEGATRON_FLUX_CONFIG",
     "MEGATRON_FLUX_SHIPPED_TABLES",
@@ -126,18 +126,29 @@ def collect(tp: Optional[int] = None) -> Dict[str, Any]:
     info["devices"] = devices
     info["tp"] = tp
     info["peer_access"] = _peer_access(torch, min(tp, len(devices))) if len(devices) > 1 else {}
-    try:
-        from torch.distributed import _symmetric_memory  # noqa: F401
-
-        info["symmetric_memory"] = "available"
-    except ImportError as exc:
-        info["symmetric_memory"] = f"unavailable: {exc}"
+    info["symmetric_memory"] = symmetric_memory_status(torch, devices)
     try:
         info["tables"] = _tables(devices, tp)
     except Exception as exc:  # noqa: BLE001 (a bad $MEGATRON_FLUX_CONFIG: the job would fail)
         info["tables"], info["tables_error"] = [], f"{type(exc).__name__}: {exc}"
     info["fused_backend"] = verdict(info)
     return info
+
+
+def symmetric_memory_status(torch, devices: List[Dict[str, Any]]) -> str:
+    """``"usable"``, or ``"not usable: <why>"``: whether torch symmetric memory can back the
+    fused kernels' workspaces on this machine. It lives in GPU memory, so importing the module
+    is not enough: it needs a torch built with distributed support and a visible CUDA device
+    (peer access between the GPUs is checked apart, per pair)."""
+    if not torch.distributed.is_available():
+        return "not usable: this torch is built without torch.distributed"
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError as exc:
+        return f"not usable: torch.distributed._symmetric_memory does not import ({exc})"
+    if not devices:
+        return "not usable: no CUDA device is visible (symmetric memory is GPU memory)"
+    return "usable"
 
 
 def _apex_wgrad() -> bool:
@@ -170,8 +181,9 @@ def verdict(info: Dict[str, Any]) -> Dict[str, Any]:
     missing = [pair for pair, ok in info["peer_access"].items() if not ok]
     if missing:
         why.append(f"no peer access between GPUs {', '.join(missing)} (symmetric memory needs P2P)")
-    if not str(info["symmetric_memory"]).startswith("available"):
-        why.append(f"torch symmetric memory {info['symmetric_memory']}")
+    symm = str(info["symmetric_memory"])
+    if symm != "usable" and info["cuda_available"]:  # without CUDA the reason is already listed
+        why.append(f"torch symmetric memory {symm}")
     if info.get("tables_error"):
         why.append(f"the tuning tables cannot be read ({info['tables_error']}); the layers' "
                    "first fused call would fail the same way")

@@ -1,6 +1,6 @@
 """GEMM quality of the fused kernels with communication disabled, against cuBLAS.
 
-``python -m megatron_flux.bench.kernel_vs_cublas [--tp 2] [--json PATH]`` on one GPU.
+``python -m megatron_flux.tools.diagnostics.kernel_vs_cublas [--tp 2] [--json PATH]`` on one GPU.
 
 The fused kernels run their exact production code path, but wired to this GPU alone: every
 signal is pre-set (no wait ever spins), AG+GEMM's "remote" rows are read from a local buffer and
@@ -50,8 +50,8 @@ RS_CANDIDATES = [
 ]
 
 #: tiles run two programs per SM (``programs_per_sm=2``): 128x128 tiles, 3 stages and a split
-#: epilogue need 64-112 KB of shared memory and fit twice on an H200 SM (benchmarks/NOTES.md,
-#: session 11); the shipped table's config lends them its communication knobs
+#: epilogue need 64-112 KB of shared memory and fit twice on an H200 SM; the shipped table's
+#: config lends them its communication knobs
 PER_SM_TILES = [
     dict(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=4, group_m=8,
          epilogue_split=2, flatten=True, warp_specialize=False, programs_per_sm=2),
@@ -68,7 +68,7 @@ def _time(fns: Dict[str, Callable], trials: int, iters: int, warmup: int = 0,
     methods interleaved inside every trial. ``warmup`` untimed calls of the same method run
     right before each sample: a GEMM's time depends on the clock the power limiter allows, and
     that follows the last few milliseconds of load, so without them a sample partly measures
-    the method before it (session 11: a 0.7 ms GEMM ran 5-10 % apart depending on its
+    the method before it (on one H200 a 0.7 ms GEMM ran 5-10 % apart depending on its
     neighbour). With ``shuffle_seed`` the order of the methods changes from trial to trial.
     ``queue_ahead_ms``: see :func:`mean_ms`."""
     import random
@@ -100,8 +100,7 @@ def _time_alternating(fns: Dict[str, Callable], trials: int, rounds: int, warmup
     trial is ``warmup`` untimed launches of each method, then ``rounds`` rounds, queued behind a
     sleep of ``queue_ahead_ms`` (:func:`mean_ms`). Why: on one H200 the SM clock steps by up
     to 25 % within tens of milliseconds under large GEMMs, for cuBLAS as for the fused kernels
-    (``benchmarks/NOTES.md``, session 23: per-launch times of gpt3-175b m = 1024 moved between
-    0.76 and 0.95 ms inside one block, each level held for many launches). Blocks of ``iters``
+    (per-launch times of gpt3-175b m = 1024 moved between 0.76 and 0.95 ms inside one block, each level held for many launches). Blocks of ``iters``
     launches per method then compare methods at different clocks; neighbours in one round
     share theirs."""
     import random
@@ -253,7 +252,7 @@ def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None, num_sms=None):
 
     # The kernel reaches the slots and signals only through the addresses in the pointer
     # tables, so ``launch`` must own them: a freed ``flags`` (reused by the next allocation)
-    # made every later call spin out its waits (session 9, ~240 ms a call).
+    # made every later call spin out its waits (~240 ms a call).
     launch.buffers = (out, data, pushed, flags, data_ptrs, flag_ptrs)
     return launch, out, data
 
@@ -292,7 +291,7 @@ def _rs_runner(m, n, k, tp, cfg, dtype):
 
 def _plain_runner(m, n, k, tp, cfg, dtype, host_descriptors=False):
     """The yardstick (:mod:`.plain_gemm`) on the whole ``[m, k] @ [k, n]`` with ``cfg``."""
-    from megatron_flux.bench.plain_gemm import launch_plain_gemm
+    from megatron_flux.tools.diagnostics.plain_gemm import launch_plain_gemm
 
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype)
@@ -457,7 +456,7 @@ def grid_shape(op: str, model: str, tp: int):
     """``(n, k)`` of ``op`` ("ag" or "rs") for ``model`` at TP size ``tp``, per rank: AG+GEMM
     n = fc1 width / tp, k = hidden; GEMM+RS n = hidden, k = fc1 width / tp (k as in the
     anchors file)."""
-    from megatron_flux.bench.grid import MODELS
+    from megatron_flux.tools.bench.grid import MODELS
 
     spec = MODELS[model]
     if op == "ag":
@@ -468,8 +467,8 @@ def grid_shape(op: str, model: str, tp: int):
 def model_shapes(args, op: str):
     """``(model, n, k)`` per model of ``args`` (:func:`add_model_args`) for ``op`` ("ag" /
     "AG+GEMM" or "rs" / "GEMM+RS"), ``n`` and ``k`` per rank at ``args.tp``, as the main
-    benchmark's grid defines them (:func:`megatron_flux.bench.grid.case_for`, ``--rs-k``)."""
-    from megatron_flux.bench import grid as G
+    benchmark's grid defines them (:func:`megatron_flux.tools.bench.grid.case_for`, ``--rs-k``)."""
+    from megatron_flux.tools.bench import grid as G
 
     custom = [G.parse_model_shape(s) for s in getattr(args, "model_shapes", None) or []]
     names = args.models or ([c.name for c in custom] if custom else

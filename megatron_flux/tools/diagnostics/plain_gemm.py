@@ -9,8 +9,8 @@ grouped GROUP_M row-tiles at a time for L2 reuse (:func:`~megatron_flux.kernels.
 grouped_tile`); program ``p`` of the persistent grid takes tiles ``p, p + NUM_SMS, ...`` in one
 ``tl.range`` loop (flattened with FLATTEN), K loop inside, TMA loads of A ``[BLOCK_M, BLOCK_K]``
 and B ``[BLOCK_N, BLOCK_K]``, one TMA store per tile. No signals, no waits. Two entry points:
-descriptors built on the device or encoded on the host (the fused Triton kernels' default since
-session 23).
+descriptors built on the device or encoded on the host (as the fused Triton kernels do by
+default).
 """
 
 import triton

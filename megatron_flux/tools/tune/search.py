@@ -2,7 +2,7 @@
 
 Run under torchrun, one process per GPU of the TP group::
 
-    torchrun --nproc-per-node 2 -m megatron_flux.tune --models llama3-8b --m-set all
+    torchrun --nproc-per-node 2 -m megatron_flux.tools.tune --models llama3-8b --m-set all
     torchrun --nproc-per-node 2 --no-python megatron-flux tune --shapes ag:14336:4096 --m 4096
 
 For every ``(op, n, k)`` (from ``--models`` / ``--model-shapes`` / ``--model-config`` like the
@@ -16,7 +16,7 @@ benchmark, or ``--shapes OP:N:K`` in the per-rank form the table keys) and every
    a candidate that raises or misses ``--max-rel-err`` on any rank is dropped on all;
 3. **screen**: one short interleaved trial of all survivors;
 4. **final**: the best ``--top`` plus the default, and ``nccl``, timed in ``--trials``
-   interleaved trials (:func:`megatron_flux.bench.timing.time_interleaved`: max over ranks per
+   interleaved trials (:func:`megatron_flux.tools.bench.timing.time_interleaved`: max over ranks per
    trial, median over trials). The winner is the fastest median, but the default keeps its
    place unless that median is ``--min-gain`` (1 %) below the default's: the fastest of several
    noisy medians is biased low, and a config that won by less has lost in later benchmarks.
@@ -45,7 +45,9 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_flux.tuning.keys import OPS, dtype_key, normalize_op
-from megatron_flux.tuning.model_shapes import tp_gemms
+from megatron_flux.tools.model_shapes import file_problem, load_settings, tp_gemms
+
+PROG = "megatron-flux tune"
 
 #: knob -> values searched (GemmConfig fields); chunk_rows only for AG (RS ignores it)
 SEARCH_SPACE: Dict[str, Tuple] = {
@@ -77,18 +79,17 @@ _VARIATION_ORDER = ("stream_k", "chunk_rows", "comm_priority", "ag_pull", "rs_co
 #: knobs the backend has but the search leaves alone (recorded in the table's search.not_searched)
 NOT_SEARCHED: Dict[str, str] = {
     "programs_per_sm": "not varied knob by knob: two programs per SM on 128x128 tiles beat no "
-                       "shipped config beyond noise on the grid (benchmarks/NOTES.md, session "
-                       "11); GEMM+RS at short K gets one seed with it (RS_SHORT_K_SEEDS)",
-    "ag_peer_group": "not measured yet (added in session 13 without a GPU to time it)",
+                       "shipped config beyond noise on the grid (one H200, communication "
+                       "off); GEMM+RS at short K gets one seed with it (RS_SHORT_K_SEEDS)",
+    "ag_peer_group": "not measured yet (no GPU run has timed a value above 1)",
     "ag_merge_local": "the default at m <= 512 (gathered first, lead 0), where the per-segment "
                       "default is tried as a seed; at m = 1024-2048 no faster with "
-                      "communication on, slower in 7 of 8 paired comm-off cases at TP 2 "
-                      "(benchmarks/NOTES.md, sessions 15 and 21)",
+                      "communication on, slower in 7 of 8 paired comm-off cases at TP 2",
     "ag_merge_lead": "only matters with ag_merge_local",
     "rs_merge_rows": "the default at m <= 256, where the per-segment default is tried as a "
-                     "seed (benchmarks/NOTES.md, session 21)",
+                     "seed",
     "rs_split_k": "only with merged rows, where it gets two seeds (RS_MERGED_SEEDS); counts "
-                  "that fill the SMs evenly did not win (benchmarks/NOTES.md, session 22)",
+                  "that fill the SMs evenly did not win (one H200, communication off)",
     "rs_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
                            "fixed forms); GEMM+RS at short K gets it as one seed "
                            "(RS_SHORT_K_SEEDS), and with merged rows up to m = 512 as another "
@@ -96,10 +97,10 @@ NOT_SEARCHED: Dict[str, str] = {
     "ag_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
                            "fixed forms); AG+GEMM gets both forms as seeds (AG_SEEDS)",
     "rs_ce_bands": "0.97x the table config on one training shape, 1.04x on another, mixed on "
-                   "the rest (benchmarks/NOTES.md, session 17)",
+                   "the rest (2×H200)",
     "flatten_consume": "compiles to the same GEMM+RS kernel either way (Triton does not flatten "
                        "the reduction loop); a kernel that did flatten it ran level "
-                       "(benchmarks/NOTES.md, session 13)",
+                       "(paired median 1.000 at TP 2, 1.001 at TP 4, communication off)",
 }
 #: knobs that compile to the same kernel below a compute capability: searching them there
 #: times one kernel twice and lets noise pick (knob -> (first capability where it matters, why))
@@ -148,8 +149,8 @@ SEED_CONFIGS: Tuple[Dict[str, object], ...] = (
 #: warp-specialized Gluon kernel (``rs_warp_specialized``, 5 stages) and two programs per SM on
 #: 128x128 tiles. With communication off on one H200 they ran 0.92x and 0.95-0.98x the TP 2
 #: table's config on the training step's proj and qkv-dgrad GEMM+RS (k = 2048 / 3072,
-#: m = 8192), where the epilogue's reads cost 6-7 % (benchmarks/NOTES.md, session 19); whether
-#: they also win with communication on is for the tune to measure.
+#: m = 8192), where the epilogue's reads cost 6-7 %; whether they also win with communication
+#: on is for the tune to measure.
 RS_SHORT_K = 4096
 RS_SHORT_K_SEEDS: Tuple[Dict[str, object], ...] = (
     dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
@@ -162,8 +163,8 @@ RS_SHORT_K_SEEDS: Tuple[Dict[str, object], ...] = (
 #: AG+GEMM also tries the warp-specialized Gluon kernel (``ag_warp_specialized``) in both its
 #: forms. Ping-pong (128x128, 5 stages): with communication off on one H200 it ran 0.95-0.99x
 #: the TP 2 table's config on the training step's AG+GEMMs and the grid's m <= 2048 shapes,
-#: 1.02-1.06x on the largest (benchmarks/NOTES.md, session 19). Cooperative (128x256, 3
-#: stages): 0.97-1.005x the table on those largest shapes, where ping-pong loses (session 20).
+#: 1.02-1.06x on the largest. Cooperative (128x256, 3 stages): 0.97-1.005x the table on those
+#: largest shapes, where ping-pong loses.
 AG_SEEDS: Tuple[Dict[str, object], ...] = (
     dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
          epilogue_split=1, warp_specialize=False, ag_warp_specialized=True,
@@ -176,14 +177,12 @@ AG_SEEDS: Tuple[Dict[str, object], ...] = (
 
 #: GEMM+RS whose default merges every rank's rows (small m) also tries 64x128 tiles split along
 #: K in 2 and 4 (``rs_split_k``): with communication off on one H200 they ran 0.87x the
-#: default on llama3-8b m = 128 and 0.94x on gpt3-175b m = 64, and lost elsewhere
-#: (benchmarks/NOTES.md, session 21).
+#: default on llama3-8b m = 128 and 0.94x on gpt3-175b m = 64, and lost elsewhere.
 #: And merged rows on the warp-specialized Gluon kernel, ping-pong 128x128x64 with 5 stages
 #: (``rs_warp_specialized``): communication off it ran 0.90-0.91x / 0.94-0.95x the default on
 #: gpt3-175b m = 128 and llama3-70b m = 256 in two runs on one H200 (0.96x / 0.93x on one
 #: H100), 0.91-0.92x the TP 2 table's per-segment config on gpt3-175b m = 512, and lost at
-#: m = 64 and at small n
-#: (benchmarks/NOTES.md, session 22). It names the merged-rows knobs, so it also applies where
+#: m = 64 and at small n. It names the merged-rows knobs, so it also applies where
 #: the default does not merge (up to :data:`RS_MERGED_SEED_MAX_M`); the split seeds need a
 #: merged default. These come before the generic seeds, so a short candidate list keeps them.
 RS_MERGED_SEEDS: Tuple[Dict[str, object], ...] = tuple(
@@ -269,16 +268,19 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     if unknown:
         raise ValueError(f"search space has knobs GemmConfig does not have: {sorted(unknown)}")
     seen = {base}
-    scored = []
 
-    def fits(cfg) -> bool:
-        # a row tile covers at most one segment's rows, or every rank's where the tile space
-        # spans segments (merged GEMM+RS rows, AG+GEMM gathered first)
-        spans = cfg.rs_merge_rows or (cfg.ag_merge_local and cfg.ag_merge_lead == 0)
-        bm_max = max(64, _pow2_at_least(m_total if spans else m_local))
-        return (smem_bytes(cfg, elem_bytes) <= smem_limit and cfg.block_m <= bm_max
-                and cfg.block_n <= max(64, _pow2_at_least(n))
-                and cfg.block_k <= max(32, _pow2_at_least(k)))
+    bm_spans, bm_segment = max(64, _pow2_at_least(m_total)), max(64, _pow2_at_least(m_local))
+    bn_max, bk_max = max(64, _pow2_at_least(n)), max(32, _pow2_at_least(k))
+
+    def fits(v) -> bool:
+        """``v``: a config's fields by name. A row tile covers at most one segment's rows, or
+        every rank's where the tile space spans segments (merged GEMM+RS rows, AG+GEMM
+        gathered first)."""
+        bm, bn, bk = v["block_m"], v["block_n"], v["block_k"]
+        smem = (v["num_stages"] * (bm * bk + bk * bn) + bm * (bn // v["epilogue_split"])) * elem_bytes
+        spans = v["rs_merge_rows"] or (v["ag_merge_local"] and v["ag_merge_lead"] == 0)
+        return (smem <= smem_limit and bm <= (bm_spans if spans else bm_segment)
+                and bn <= bn_max and bk <= bk_max)
 
     seed_cfgs = []
     if op == "ag" and len(set(space.get("ag_pull", ()))) > 1:  # pull vs push on every entry
@@ -301,40 +303,93 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
             cfg = dataclasses.replace(base, **{f: pinned.get(f, v) for f, v in seed.items()})
         except (ValueError, TypeError):
             continue
-        if cfg not in seen and fits(cfg):
+        if cfg not in seen and fits(vars(cfg)):
             seen.add(cfg)
             seed_cfgs.append(cfg)
-    for i, values in enumerate(itertools.product(*(space[f] for f in knobs))):
-        changes = {f: v for f, v in zip(knobs, values) if getattr(base, f) != v}
-        if not changes:
-            continue
-        try:
-            cfg = dataclasses.replace(base, **changes)
-        except (ValueError, TypeError):
-            continue
-        if cfg in seen:
-            continue
-        if not fits(cfg):
-            continue
-        if op == "ag" and "chunk_rows" in changes and cfg.chunk_rows >= m_local:
-            continue
-        seen.add(cfg)
-        scored.append((len(changes), i, cfg, changes))
-    # single-knob variations breadth-first: one value of every knob (comm knobs first), then a
-    # second value of every knob, ...; a capped candidate list thus covers every knob
-    per_knob: Dict[str, int] = {}
-    keyed = []
-    for d, i, cfg, changes in sorted(scored, key=lambda t: (t[0], t[1])):
-        if d == 1:
-            (knob,) = changes
-            nth = per_knob[knob] = per_knob.get(knob, -1) + 1
-            keyed.append(((1, nth, _VARIATION_ORDER.index(knob) if knob in _VARIATION_ORDER
-                           else len(_VARIATION_ORDER), i), cfg))
-        else:
-            keyed.append(((d, 0, 0, i), cfg))
-    keyed.sort(key=lambda t: t[0])
-    out = [base] + seed_cfgs + [c for _, c in keyed]
+    wanted = max(1, max_candidates) - 1 - len(seed_cfgs)
+    variations = _variations(base, space, knobs, wanted, seen, fits, op, m_local) if wanted > 0 else []
+    out = [base] + seed_cfgs + variations
     return out[:max(1, max_candidates)]
+
+
+def _variations(base, space: Dict[str, Sequence], knobs: List[str], wanted: int, seen: set,
+                fits, op: str, m_local: int) -> List:
+    """The configs of ``itertools.product(*(space[f] for f in knobs))`` that differ from
+    ``base``, are valid, ``fits`` and are not in ``seen``, in :func:`generate_candidates`'s
+    order: by distance (knobs changed) from ``base``; the single-knob ones breadth-first (the
+    first value of every knob in :data:`_VARIATION_ORDER`, then the second, ...), the rest in
+    product order. Built one distance at a time, stopping at the first distance that brings
+    the list to ``wanted``: the order is the same as sorting the whole product (the key starts
+    with the distance), without building the tens of thousands of configs no caller gets."""
+    cls = type(base)
+    base_vals = {f.name: getattr(base, f.name) for f in dataclasses.fields(cls)}
+    # per knob: the index of its base value (None: every value changes it) and its other
+    # values with their indices (a repeated value only at its first index, as the product
+    # meets it first); strides turn per-knob indices into the product index
+    base_idx, others, strides = [], [], []
+    stride = 1
+    for f in reversed(knobs):
+        strides.append(stride)
+        stride *= len(space[f])
+    strides.reverse()
+    for f in knobs:
+        b, alt, met = None, [], []
+        for j, v in enumerate(space[f]):
+            if base_vals[f] == v:
+                b = j if b is None else b
+            elif not any(v == u for u in met):
+                met.append(v)
+                alt.append((j, v))
+        base_idx.append(b)
+        others.append(alt)
+    if stride == 0:  # a knob with no values: the product is empty
+        return []
+    forced = [x for x in range(len(knobs)) if base_idx[x] is None]
+    free = [x for x in range(len(knobs)) if base_idx[x] is not None and others[x]]
+    base_offset = sum(base_idx[x] * strides[x] for x in range(len(knobs)) if base_idx[x] is not None)
+    out: List = []
+    for d in range(max(1, len(forced)), len(forced) + len(free) + 1):
+        level = []
+        for combo in itertools.combinations(free, d - len(forced)):
+            changed = sorted(forced + list(combo))
+            offset = base_offset - sum(base_idx[x] * strides[x] for x in combo)
+            for choice in itertools.product(*(others[x] for x in changed)):
+                changes = {knobs[x]: v for x, (_, v) in zip(changed, choice)}
+                vals = {**base_vals, **changes}
+                try:
+                    ok = fits(vals)
+                except (TypeError, ValueError, ZeroDivisionError):
+                    ok = None  # not numbers a config takes: the constructor refuses it below
+                if ok is False:
+                    continue
+                if op == "ag" and "chunk_rows" in changes and vals["chunk_rows"] >= m_local:
+                    continue
+                try:
+                    cfg = cls(**vals)
+                except (ValueError, TypeError):
+                    continue
+                if cfg in seen or (ok is None and not fits(vals)):
+                    continue  # (seen: the default and the seeds; the product has no repeats)
+                i = offset + sum(j * strides[x] for x, (j, _) in zip(changed, choice))
+                level.append((i, cfg, changes))
+        level.sort(key=lambda t: t[0])
+        if d == 1:
+            # single-knob variations breadth-first: one value of every knob (comm knobs
+            # first), then a second value of every knob, ...; a capped list covers every knob
+            per_knob: Dict[str, int] = {}
+            keyed = []
+            for i, cfg, changes in level:
+                (knob,) = changes
+                nth = per_knob[knob] = per_knob.get(knob, -1) + 1
+                keyed.append(((nth, _VARIATION_ORDER.index(knob) if knob in _VARIATION_ORDER
+                               else len(_VARIATION_ORDER), i), cfg))
+            keyed.sort(key=lambda t: t[0])
+            out += [cfg for _, cfg in keyed]
+        else:
+            out += [cfg for _, cfg, _ in level]
+        if len(out) >= wanted:
+            break
+    return out
 
 
 def m_buckets(ms: Sequence[int], tp: int) -> List[int]:
@@ -363,7 +418,7 @@ def parse_shape(spec: str) -> Tuple[str, int, int]:
 
 def plan_shapes(args: argparse.Namespace, tp: int) -> List[Tuple[str, int, int, Optional[str]]]:
     """``(op, n, k, model)`` per-rank shapes to tune, deduplicated, in a stable order."""
-    from megatron_flux.bench import grid as G
+    from megatron_flux.tools.bench import grid as G
 
     out: List[Tuple[str, int, int, Optional[str]]] = []
     seen = set()
@@ -393,10 +448,10 @@ def plan_shapes(args: argparse.Namespace, tp: int) -> List[Tuple[str, int, int, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron_flux.bench import grid as G
+    from megatron_flux.tools.bench import grid as G
 
     p = argparse.ArgumentParser(
-        prog="megatron-flux tune",
+        prog=PROG,
         description="Search the fused kernels' settings per op and m-bucket on this machine's GPUs "
         "and TP size (run under torchrun); write a tuning table with the nccl time per entry.")
     g = p.add_argument_group("what to tune")
@@ -405,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-config", nargs="+", default=[], metavar="PATH",
                    help="model config files (configs/*.json, or JSON/YAML with hidden_size, "
                    "ffn_hidden_size, swiglu, num_attention_heads, ...): their QKV, proj, fc1 and fc2 "
-                   "GEMMs per rank, forward and data gradient (tuning/model_shapes.py)")
+                   "GEMMs per rank, forward and data gradient (megatron_flux/tools/model_shapes.py)")
     g.add_argument("--shapes", nargs="+", default=[], metavar="OP:N:K",
                    help="explicit per-rank weight shapes as the table keys them (ag: n=fc1/tp, k=hidden; "
                    "rs: n=hidden, k=fc2_in/tp)")
@@ -424,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--warmup", type=int, default=3)
     s.add_argument("--sample-warmup", type=int, default=3,
                    help="untimed calls of a candidate right before each timed block (screen and "
-                        "final): see megatron_flux.bench.timing")
+                        "final): see megatron_flux.tools.bench.timing")
     s.add_argument("--min-gain", type=float, default=0.01,
                    help="a finalist replaces the default config only when its median is at least this "
                    "fraction faster (the fastest of several noisy medians is biased low)")
@@ -441,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_ms(args: argparse.Namespace, tp: int) -> List[int]:
-    from megatron_flux.bench import grid as G
+    from megatron_flux.tools.bench import grid as G
 
     if args.m:
         return m_buckets(args.m, tp)
@@ -487,7 +542,7 @@ def pick_winner(medians: Dict[str, float], default: str, min_gain: float) -> str
     """The finalist to ship: the fastest median, unless the default's median is within
     ``min_gain`` of it, then the default.
 
-    The minimum of several noisy medians is biased low (session 6: two GEMM+RS entries whose
+    The minimum of several noisy medians is biased low (on 2×H200, two GEMM+RS entries whose
     tuned 128x128 configs had won the tune ran 1.10-1.12x cuBLAS in the benchmark, against
     1.02-1.03x for the default), so a challenger must win clearly. Ties break by name."""
     if not medians:
@@ -500,7 +555,7 @@ def pick_winner(medians: Dict[str, float], default: str, min_gain: float) -> str
 
 # --------------------------------------------------------------------------- GPU part
 def _global_case(op: str, n: int, k: int, m: int, tp: int, model: Optional[str]):
-    from megatron_flux.bench import grid as G
+    from megatron_flux.tools.bench import grid as G
 
     if op == "ag":
         return G.Case(G.AG_GEMM, model or "custom", m, n=n * tp, k=k)
@@ -512,8 +567,8 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     import torch
 
     from megatron_flux.backends import get_backend
-    from megatron_flux.bench import methods as M
-    from megatron_flux.bench.timing import agree_flags, median, time_interleaved
+    from megatron_flux.tools.bench import methods as M
+    from megatron_flux.tools.bench.timing import agree_flags, median, time_interleaved
 
     case = _global_case(op, n, k, m, tp, model)
     inp = M.make_inputs(case, tp, rank, dtype=dtype, device=device, seed=args.seed)
@@ -577,10 +632,32 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     return entry
 
 
+def config_error(args: argparse.Namespace) -> Optional[str]:
+    """The first ``--model-config`` that cannot be used, as one line, or ``None``: checked
+    before any GPU work so a typo or a malformed file fails at once on every rank."""
+    for path in args.model_config:
+        problem = file_problem(path)
+        if problem is not None:
+            return f"--model-config {path}: {problem}"
+        try:
+            load_settings(path)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    problem = config_error(args)
+    if problem is not None:
+        print(f"{PROG}: {problem}", file=sys.stderr)
+        return 2
     if args.dry_run:
-        return dry_run(args)
+        try:
+            return dry_run(args)
+        except ValueError as exc:  # a config whose widths do not split over the TP size
+            print(f"{PROG}: {exc}", file=sys.stderr)
+            return 2
     import torch
     import torch.distributed as dist
 
@@ -607,7 +684,7 @@ def _run(args, group, rank, tp, device) -> int:
     from megatron_flux.backends import available_backends
     from megatron_flux.backends.flux import FluxBackend
     from megatron_flux.tuning.device import device_identity
-    from megatron_flux.tuning.progress import progress
+    from megatron_flux.tools.tune.progress import progress
     from megatron_flux.tuning.schema import Table, default_filename, load_table, merge_tables, validate_table, write_table
 
     if "flux" not in available_backends():
@@ -616,7 +693,11 @@ def _run(args, group, rank, tp, device) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     _, sms, gpu_name = device_identity(device)
     ms = resolve_ms(args, tp)
-    shapes = plan_shapes(args, tp)
+    try:
+        shapes = plan_shapes(args, tp)
+    except ValueError as exc:  # a config whose widths do not split over this TP size
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
     args.space, pinned = search_space_for(torch.cuda.get_device_capability(device))
     holder = [None]
     flux = FluxBackend(config_provider=lambda op, m, n, k: holder[0])

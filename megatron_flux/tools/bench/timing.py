@@ -12,7 +12,7 @@ One timed block = ``iters`` back-to-back calls of one method, bracketed by CUDA 
 current stream (``time.perf_counter`` on CPU, where the gloo collectives are synchronous),
 after ``sample_warmup`` untimed calls of the same method. Those matter on a power-limited GPU:
 the SM clock follows the last milliseconds of load (an H200 ran 1.98 GHz idle and ~1.5 GHz
-under sustained GEMMs, session 11), so a block that starts after the idle sync point, or after
+under sustained GEMMs), so a block that starts after the idle sync point, or after
 a lighter method, runs its first calls faster; on one GPU a 0.7 ms GEMM measured 5-10 % apart
 depending on its neighbour without them.
 Before each block all ranks meet at a sync point that also waits for their GPUs to go idle, so

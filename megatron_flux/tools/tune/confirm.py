@@ -8,7 +8,7 @@ per entry, the pair of times (``flux_ms``, ``nccl_ms``) from whichever run is **
 to the fused kernel** (larger flux/nccl ratio). ``auto`` then takes fused only where it won in
 both runs. Configs are not touched; both runs' times are kept in the entry's ``notes``. The
 benchmark must have run on the table's machine (TP, GPU model, SM count, dtype), else it is
-refused (:func:`~megatron_flux.tuning.from_bench.check_same_machine`).
+refused (:func:`~megatron_flux.tools.tune.from_bench.check_same_machine`).
 
 Tables grow by partial retunes (``tune --no-merge`` on some shapes, merged into the shipped
 table), each confirmed by a benchmark of the shapes it touched. So:
@@ -22,10 +22,10 @@ table), each confirmed by a benchmark of the shapes it touched. So:
 Repeated benchmarks of the same table and kernels are one body of evidence, not a sequence:
 :func:`confirm_repeats` compares each entry's tuning run with **every** run that ran its shape
 and keeps the least favourable (its source in ``bench_source``, all of them in ``bench_runs``).
-On a box whose trials spread 10-25 % (the 2×H100 of session 27), the latest run alone flipped
+On a box whose trials spread 10-25 % (measured on 2×H100), the latest run alone flipped
 six of 48 ``auto`` choices against the two runs before it.
 
-``python -m megatron_flux.tuning.confirm TABLE.json BENCH.json [BENCH2.json ...] OUT.json``
+``python -m megatron_flux.tools.tune.confirm TABLE.json BENCH.json [BENCH2.json ...] OUT.json``
 takes the benchmarks jointly (:func:`confirm_repeats`); for runs of disjoint shapes (the
 large- and the small-m grid) that is the same as one confirmation after the other.
 """
@@ -36,7 +36,7 @@ import dataclasses
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megatron_flux.tuning.from_bench import check_same_machine, local_times, table_benches_out
+from megatron_flux.tools.tune.from_bench import check_same_machine, local_times, table_benches_out
 from megatron_flux.tuning.schema import Entry, Table, TuningFileError, load_table, write_table
 
 

@@ -7,7 +7,7 @@ The benchmark runs ``flux`` with the configs the backend chose then, i.e. ``defa
 medians (communication on, max over ranks per trial). Only rows where both ``flux`` and
 ``nccl`` ran and passed the numerical check are used; nothing is interpolated.
 
-``python -m megatron_flux.tuning.from_bench BENCH.json [OUT.json]`` writes the table (default:
+``python -m megatron_flux.tools.tune.from_bench BENCH.json [OUT.json]`` writes the table (default:
 ``megatron_flux/tuning/tables/<gpu>-sm<sms>-tp<tp>-<dtype>.json``).
 """
 

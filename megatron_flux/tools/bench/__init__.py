@@ -1,4 +1,4 @@
-"""FLUX-style operation-level benchmark: ``python -m megatron_flux.bench`` under torchrun.
+"""FLUX-style operation-level benchmark: ``megatron-flux bench`` under torchrun.
 
 Compares, per op (AG+GEMM, GEMM+RS) × model × token count, the non-overlapped Megatron path
 (``nccl``), PyTorch's async-TP ops and the fused ``flux`` backend, reporting the FLUX paper's

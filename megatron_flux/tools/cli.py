@@ -32,19 +32,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
-        from megatron_flux.bench.__main__ import main as bench_main
+        from megatron_flux.tools.bench.__main__ import main as bench_main
 
         return bench_main(rest)
     if cmd == "tune":
-        from megatron_flux.tuning.search import main as tune_main
+        from megatron_flux.tools.tune.search import main as tune_main
 
         return tune_main(rest)
     if cmd == "plan":
-        from megatron_flux.tuning.plan import main as plan_main
+        from megatron_flux.tools.plan import main as plan_main
 
         return plan_main(rest)
     if cmd == "check":
-        from megatron_flux.env_report import main as check_main
+        from megatron_flux.tools.check import main as check_main
 
         return check_main(rest)
     print(f"megatron-flux: unknown subcommand {cmd!r}\n\n{USAGE}", file=sys.stderr, end="")

@@ -1,8 +1,8 @@
-"""``python -m megatron_flux.bench``: time AG+GEMM and GEMM+RS methods over a grid, FLUX-style.
+"""``megatron-flux bench``: time AG+GEMM and GEMM+RS methods over a grid, FLUX-style.
 
 Launch one process per GPU of the tensor-parallel group, e.g.::
 
-    torchrun --nproc-per-node 2 -m megatron_flux.bench --out-json results/bench.json
+    torchrun --nproc-per-node 2 -m megatron_flux.tools.bench --out-json results/bench.json
     torchrun --nproc-per-node 2 --no-python megatron-flux bench --m-set large --methods nccl flux
 
 Each case (op × model × m) gets fresh random operands; every method is built, run once and
@@ -31,11 +31,12 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_flux.bench import grid as G
-from megatron_flux.bench import methods as M
-from megatron_flux.bench import report as R
-from megatron_flux.bench.timing import gather_failures, median, short_error, spread, time_interleaved
+from megatron_flux.tools.bench import grid as G
+from megatron_flux.tools.bench import methods as M
+from megatron_flux.tools.bench import report as R
+from megatron_flux.tools.bench.timing import gather_failures, median, short_error, spread, time_interleaved
 
+PROG = "megatron-flux bench"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_METHODS = ("cublas_gemm", "comm", "nccl", "torch_async_tp", "flux")
 OP_ALIASES = {"ag+gemm": G.AG_GEMM, "ag": G.AG_GEMM, "gemm+rs": G.GEMM_RS, "rs": G.GEMM_RS}
@@ -63,7 +64,7 @@ def _split(values: Optional[Sequence[str]]) -> List[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m megatron_flux.bench",
+        prog=PROG,
         description="FLUX-style benchmark of TP communication/GEMM overlap (run under torchrun).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -78,7 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "parser rejects --m as an ambiguous abbreviation of its options)")
     g.add_argument("--m-set", choices=("all", "large", "small"), default="all",
                    help=f"large = {G.LARGE_M}, small = {G.SMALL_M}, all = both")
-    g.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help=f"any of {', '.join(M.METHODS)}")
+    g.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
+                   help=f"any of {', '.join(M.METHODS)}. cublas_gemm is the local non-split GEMM "
+                   "alone (torch.mm): cuBLAS on CUDA; with --device cpu torch's CPU matmul runs "
+                   "and the table prints it as local_gemm (the JSON keeps the name cublas_gemm)")
     g.add_argument("--flux-variant", type=json.loads, default=None, metavar="JSON",
                    help="GemmConfig fields the flux_variant method changes in the tables' configs, "
                         "e.g. '{\"rs_copy_engine\": true}' (required by that method)")
@@ -164,8 +168,8 @@ def describe_command(argv: Sequence[str]) -> str:
     ``LOCAL_WORLD_SIZE``); the program part comes from ``sys.argv[0]``.
     """
     a0 = sys.argv[0] if sys.argv else ""
-    if a0.replace(os.sep, "/").endswith("megatron_flux/bench/__main__.py"):
-        prog, is_python = ["-m", "megatron_flux.bench"], True
+    if a0.replace(os.sep, "/").endswith("megatron_flux/tools/bench/__main__.py"):
+        prog, is_python = ["-m", "megatron_flux.tools.bench"], True
     elif os.path.basename(a0) == "megatron-flux":
         prog, is_python = ["megatron-flux", "bench"], False
     else:
@@ -231,6 +235,10 @@ def run_case(case: G.Case, args: argparse.Namespace, group, rank: int, tp: int, 
     methods and the recorded reason names the rank that failed.
     """
     rows: Dict[str, dict] = {name: _row(case, name) for name in args.method_list}
+    for name, row in rows.items():
+        label = M.method_label(name, device.type)
+        if label != name:  # what ran, where the method's name says otherwise (JSON and table)
+            row["label"] = label
 
     def drop(name: str, status: str, reason: str) -> None:
         rows[name].update(status=status, reason=reason)
@@ -348,8 +356,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         list_grid(args, tp)
         return 0
     if not launched:
-        print("megatron_flux.bench: run me under torchrun, one process per GPU of the TP group, e.g.\n"
-              "  torchrun --nproc-per-node 2 -m megatron_flux.bench", file=sys.stderr)
+        print(f"{PROG}: run me under torchrun, one process per GPU of the TP group, e.g.\n"
+              f"  torchrun --nproc-per-node 2 --no-python {PROG}", file=sys.stderr)
         return 2
 
     group, rank, tp, device = init_distributed(args)
@@ -366,14 +374,15 @@ def _run(args, argv, group, rank, tp, device) -> int:
 
     env = R.collect_env(device, group)
     command = describe_command(argv)
-    say(f"megatron_flux.bench: {len(args.cases)} cases x {len(args.method_list)} methods, tp={tp}, "
+    say(f"{PROG}: {len(args.cases)} cases x {len(args.method_list)} methods, tp={tp}, "
         f"{args.dtype}, {args.trials} trials x {args.iters} iters on {device.type}")
     rows: List[dict] = []
     for i, case in enumerate(args.cases, 1):
         say(f"[{i}/{len(args.cases)}] {case.op} {case.model} m={case.m} n={case.n} k={case.k}")
         case_rows = run_case(case, args, group, rank, tp, device, say)
         say("  " + "  ".join(
-            f"{r['method']}={r['median_ms']:.4f}ms" if r["status"] == "ok" else f"{r['method']}={r['status']}"
+            f"{r.get('label', r['method'])}={r['median_ms']:.4f}ms" if r["status"] == "ok"
+            else f"{r.get('label', r['method'])}={r['status']}"
             for r in case_rows))
         rows.extend(case_rows)
     if rank != 0:
@@ -417,7 +426,8 @@ def _run(args, argv, group, rank, tp, device) -> int:
     table = R.format_table(rows)
     print(table)
     if summary:
-        print("\nsummary (overlap efficiency = 1 - ECT/ECT_nccl, ECT = T - T_cublas_gemm)")
+        gemm = M.method_label("cublas_gemm", device.type).split(" ")[0]
+        print(f"\nsummary (overlap efficiency = 1 - ECT/ECT_nccl, ECT = T - T_{gemm})")
         print(R.format_summary(summary))
     R.write_json(args.out_json, doc)
     print(f"\nwrote {args.out_json}")

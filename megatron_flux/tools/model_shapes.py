@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, NamedTuple
+from typing import Any, Dict, List, NamedTuple, Optional
 
 
 class TPGemm(NamedTuple):
@@ -41,18 +41,63 @@ class TPGemm(NamedTuple):
     label: str  # "<config name>:<linear>"
 
 
-def load_settings(path: str) -> Dict[str, Any]:
-    """The config at ``path`` with keys normalised to underscores; ``_``-prefixed keys dropped."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError:
+#: extensions read as YAML (needs PyYAML); ``.json`` is read as JSON only, anything else as JSON
+#: and then, where PyYAML is installed, as YAML
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def file_problem(path: str) -> Optional[str]:
+    """Why ``path`` cannot be read as a config file (``"no such file"``, ...), or ``None``: the
+    command lines check this first, so a typo is one line, not a traceback."""
+    if not os.path.exists(path):
+        return "no such file"
+    if os.path.isdir(path):
+        return "is a directory"
+    if not os.access(path, os.R_OK):
+        return "not readable"
+    return None
+
+
+def _parse(text: str, path: str) -> Any:
+    """``text`` as JSON, or as YAML for a ``.yaml`` / ``.yml`` file; a ``ValueError`` that says
+    where the text is malformed (JSON: line and column)."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in YAML_SUFFIXES:
         try:
             import yaml
         except ImportError:
-            raise ValueError(f"{path}: not JSON, and PyYAML is not installed to read YAML") from None
-        cfg = yaml.safe_load(text)
+            raise ValueError(f"{path}: a YAML file, and PyYAML is not installed "
+                             "(pip install pyyaml)") from None
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        json_error = ValueError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno}, "
+                                f"column {exc.colno}")
+    if suffix != ".json":  # no telling extension: YAML is the documented other format
+        try:
+            import yaml
+
+            cfg = yaml.safe_load(text)
+        except Exception:  # noqa: BLE001 (no PyYAML, or not YAML either: the JSON error says more)
+            cfg = None
+        if isinstance(cfg, dict):
+            return cfg
+    raise json_error
+
+
+def load_settings(path: str) -> Dict[str, Any]:
+    """The config at ``path`` with keys normalised to underscores; ``_``-prefixed keys dropped.
+
+    JSON, or YAML for ``.yaml`` / ``.yml`` files (and for other extensions that are not JSON
+    but parse as a YAML mapping); a malformed file is a ``ValueError`` naming the file and
+    where the parser stopped."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    cfg = _parse(text, path)
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: expected a mapping of model settings")
     cfg = _underscored(cfg)

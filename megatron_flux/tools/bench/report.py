@@ -30,9 +30,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_flux.bench.grid import OPS
-from megatron_flux.bench.methods import COMPUTES_OP, METHODS, OVERLAPPING
-from megatron_flux.env_report import PLUGIN_ENV_VARS
+from megatron_flux.tools.bench.grid import OPS
+from megatron_flux.tools.bench.methods import COMPUTES_OP, METHODS, OVERLAPPING
+from megatron_flux.tools.check import PLUGIN_ENV_VARS
 
 STATUSES = ("ok", "skipped", "error")
 #: m at or above which a case belongs to the main grid of the summary (FLUX's Fig. 11–13 range)
@@ -175,7 +175,7 @@ def format_table(rows: Sequence[dict]) -> str:
         last = key
         eff, sp = r.get("overlap_eff"), r.get("speedup_vs_nccl")
         lines.append((
-            r["op"], r["model"], str(r["m"]), str(r["n"]), str(r["k"]), r["method"],
+            r["op"], r["model"], str(r["m"]), str(r["n"]), str(r["k"]), r.get("label", r["method"]),
             _fmt(r.get("median_ms"), ".4f"), _fmt(r.get("spread_ms"), ".4f"), _fmt(r.get("ect_ms"), "+.4f"),
             "-" if eff is None else f"{eff * 100:+.1f}%", "-" if sp is None else f"{sp:.3f}x",
             _fmt(r.get("max_rel_err"), ".1e"), _note(r, footnotes),
