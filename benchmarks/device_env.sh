@@ -5,9 +5,11 @@
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 NGPUS="${NGPUS:-$(nvidia-smi -L | grep -c '^GPU ')}"
 
-install_carried_wheels() {  # install_carried_wheels [GLOB]   (default: every carried wheel)
+install_carried_wheels() {  # install_carried_wheels [GLOB]   (default: every carried wheel);
+    # once per machine: concurrent scripts (device_parallel.sh's lanes) find it done
+    [ -f /tmp/site/.megatron-flux-installed ] && return 0
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site ${1:-.whl/*.whl}
+        --target /tmp/site ${1:-.whl/*.whl} && touch /tmp/site/.megatron-flux-installed
 }
 
 sample_gpus() {  # sample_gpus CSV INTERVAL_MS [FIELDS]: nvidia-smi logs FIELDS (default: SM clock,
