@@ -8,7 +8,7 @@
 # and NGPUS = NPROC = the number of GPUs named (TP of that lane), writing under $OUT/lane<N>;
 # its other variables (MATRIX_CELLS, TESTS_PATHS, ...) are the caller's. The lanes share the
 # Triton cache, and megatron-core is installed once before they start. When all lanes end, their
-# files go into $OUT/lanes.tgz (a device tool returns few files), and `cachepack` as a last
+# files go into $OUT/results.tgz (a device tool returns few files), and `cachepack` as a last
 # argument packs the Triton cache next to it. Lanes share the host: timings taken in a lane are
 # compared only within that lane (paired), and the JSON says which lanes ran together.
 set -uo pipefail
@@ -39,6 +39,6 @@ for i in "${!pids[@]}"; do
     wait "${pids[$i]}"; echo "== lane ${i} (${lanes[$i]}): exit $? at ${SECONDS}s"
     tail -25 "${OUT}/lane${i}/device.log"
 done
-(cd "${OUT}" && tar czf lanes.tgz lanes.txt lane* && rm -rf lane*)
+(cd "${OUT}" && tar czf results.tgz lanes.txt lane[0-9]* && rm -rf lanes.txt lane[0-9]*)
 if [ "${pack}" = 1 ]; then pack_triton_cache; fi
 ls -la "${OUT}"

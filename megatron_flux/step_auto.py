@@ -5,16 +5,20 @@ between kernels and the extra host time of a fused call costs more than the comm
 hides; nor what a job runs beside the TP ops. So in Megatron training, ``--flux-backend auto``
 times the candidates in the job itself, in its first iterations, and keeps the fastest:
 
-1. the first ``start_after`` iterations run the per-op ``auto`` (start-up noise);
+1. the first ``start_after`` iterations run the per-op ``auto`` (Megatron's start-up: the first
+   iterations of a job run several times slower than the rest, allocator and compile included);
 2. a warm-up block runs each candidate for one iteration (compiles, workspaces), not timed;
 3. ``rounds`` rounds run each candidate for ``steps_per_block`` iterations, the order rotated
    every round so that drift hits every candidate alike; the first iteration of each block is
    dropped (the switch), the rest are timed between the starts of consecutive iterations, with
    the GPU synchronised at each start (only while selecting);
-4. each candidate's median decides. ``megatron`` (megatron-core's own code in the same layers,
-   the stock step) is kept unless another candidate's median is at least ``min_gain`` faster:
-   a choice inside the noise would only risk a slower job. TP rank 0's choice is broadcast to
-   its TP group (the fused ops need every rank of the group on the same path), and logged once.
+4. paired, as the benchmarks are: per round, the median of the ``megatron`` block over each
+   candidate's block median; over the rounds, the median of those ratios. ``megatron``
+   (megatron-core's own code in the same layers, the stock step) is kept unless another
+   candidate is at least ``min_gain`` faster that way: a choice inside the noise would only risk
+   a slower job. Without ``megatron`` among the candidates, the lowest median step wins. TP rank
+   0's choice is broadcast to its TP group (the fused ops need every rank of the group on the
+   same path), and logged once.
 
 The candidates are layer settings (``flux_backend``): by default ``megatron``, ``nccl``
 (megatron-flux's own path without fused kernels) and ``auto`` (the fused kernels where the
@@ -67,7 +71,7 @@ class StepAutoSelector:
     ``iteration`` is the job's iteration number."""
 
     def __init__(self, layers: Sequence[Any], *, candidates: Sequence[str] = DEFAULT_CANDIDATES,
-                 start_after: int = 2, steps_per_block: int = 3, rounds: int = 2,
+                 start_after: int = 6, steps_per_block: int = 3, rounds: int = 3,
                  min_gain: float = 0.005, group=None,
                  log: Callable[[str], None] = print, clock: Callable[[], float] = time.perf_counter,
                  synchronize: Optional[Callable[[], None]] = None):
@@ -89,16 +93,18 @@ class StepAutoSelector:
         self._sync = synchronize if synchronize is not None else _synchronize
         self.initial = self.layers[0].flux_backend if self.layers else "auto"
         # the plan: one entry per iteration from the first selecting one: (candidate, timed?)
-        plan = [(name, False) for name in self.candidates]  # warm-up block
+        # the plan: one (candidate, round or None if not timed) per iteration
+        plan = [(name, None) for name in self.candidates]  # warm-up block
         for r in range(rounds):
             order = self.candidates[r % len(self.candidates):] + self.candidates[:r % len(self.candidates)]
             for name in order:
-                plan += [(name, False)] + [(name, True)] * (steps_per_block - 1)
+                plan += [(name, None)] + [(name, r)] * (steps_per_block - 1)
         self._plan = plan
         self._start = start_after
         self._first: Optional[int] = None  # the first iteration seen
         self._last: Optional[tuple] = None  # (iteration, its planned entry, start time)
         self.samples: Dict[str, List[float]] = {name: [] for name in self.candidates}
+        self.rounds: List[Dict[str, List[float]]] = [{} for _ in range(rounds)]
         self.decided: Optional[str] = None
 
     @property
@@ -119,9 +125,10 @@ class StepAutoSelector:
         self._sync()
         now = self._clock()
         if self._last is not None:
-            last_iter, (name, timed), started = self._last
-            if timed and iteration == last_iter + 1:
+            last_iter, (name, rnd), started = self._last
+            if rnd is not None and iteration == last_iter + 1:
                 self.samples[name].append(now - started)
+                self.rounds[rnd].setdefault(name, []).append(now - started)
         if index >= len(self._plan):
             self._decide()
             return self.decided
@@ -131,22 +138,36 @@ class StepAutoSelector:
         self._last = (iteration, entry, now)
         return None
 
+    def paired_speedups(self) -> Dict[str, float]:
+        """Per candidate, the median over rounds of megatron's block median over its own (> 1:
+        faster than megatron); empty without ``megatron`` among the candidates."""
+        out = {}
+        for name in self.candidates:
+            ratios = [statistics.median(r["megatron"]) / statistics.median(r[name])
+                      for r in self.rounds if r.get("megatron") and r.get(name)]
+            if ratios and name != "megatron":
+                out[name] = statistics.median(ratios)
+        return out
+
     def _decide(self) -> None:
         medians = {name: statistics.median(s) for name, s in self.samples.items() if s}
-        baseline = "megatron" if "megatron" in medians else min(medians, key=medians.get)
-        best = min(medians, key=medians.get)
-        choice = baseline
-        if best != baseline and medians[best] <= (1.0 - self.min_gain) * medians[baseline]:
-            choice = best
+        choice = min(medians, key=medians.get)
+        speedups = self.paired_speedups()
+        if "megatron" in medians:
+            choice = "megatron"
+            best = max(speedups, key=speedups.get, default=None)
+            if best is not None and speedups[best] >= 1.0 + self.min_gain:
+                choice = best
         choice = self._agree(choice)
         self.decided = choice
         set_layers_backend(self.layers, choice)
-        times = ", ".join(f"{name} {medians[name] * 1e3:.1f} ms" for name in self.candidates
-                          if name in medians)
+        times = ", ".join(f"{name} {medians[name] * 1e3:.1f} ms"
+                          + (f" (x{speedups[name]:.3f})" if name in speedups else "")
+                          for name in self.candidates if name in medians)
         self._log(f"{TAG} flux_backend={choice!r} for this job, from its measured steps "
-                  f"(median step: {times}; {len(next(iter(self.samples.values())))} timed "
-                  f"iterations each; another backend must beat megatron by "
-                  f"{self.min_gain:.1%})")
+                  f"(median step, paired speedup vs megatron: {times}; "
+                  f"{len(next(iter(self.samples.values())))} timed iterations each; another "
+                  f"backend must beat megatron by {self.min_gain:.1%})")
 
     def _agree(self, choice: str) -> str:
         """TP rank 0's choice on every rank of the group (the fused ops need all of them)."""

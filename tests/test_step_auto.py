@@ -39,6 +39,7 @@ class _Job:
 
 def _selector(layers, job, **kw):
     logs = []
+    kw = {"start_after": 2, "rounds": 2, **kw}
     sel = StepAutoSelector(layers, clock=job.clock, synchronize=lambda: None, log=logs.append, **kw)
     return sel, logs
 
@@ -59,6 +60,27 @@ def test_the_fastest_candidate_wins_after_a_fixed_schedule():
     assert {k: len(v) for k, v in sel.samples.items()} == {"megatron": 4, "nccl": 4, "auto": 4}
     assert sel.samples["nccl"] == pytest.approx([0.345] * 4)
     assert len(logs) == 1 and "flux_backend='auto'" in logs[0] and "megatron 350.0 ms" in logs[0]
+    assert sel.paired_speedups()["auto"] == pytest.approx(350 / 330)
+
+
+def test_a_slow_round_does_not_decide_the_pairs_do():
+    """The first timed round runs slow for every candidate but megatron (the job's start-up
+    transient): per-round pairs, their median over three rounds, still find nccl faster; stock
+    is kept where the pairs say nothing beats it."""
+    layers = [_Layer()]
+    steps = {"megatron": 0.350, "nccl": 0.330, "auto": 0.345}
+    # defaults: 6 start-up iterations, a warm-up block of 3, then round 0 = offsets 9..17
+    noise = {i: 0.5 for i in range(12, 18)}  # round 0's nccl and auto blocks
+    job = _Job(steps, noise)
+    sel = StepAutoSelector(layers, clock=job.clock, synchronize=lambda: None, log=lambda m: None)
+    job.run(sel, layers, sel.iterations_needed)
+    assert job.ran[9:12] == ["megatron"] * 3
+    assert sel.paired_speedups()["nccl"] == pytest.approx(350 / 330)
+    assert sel.decided == "nccl"
+    job = _Job({"megatron": 0.330, "nccl": 0.330, "auto": 0.345}, noise)
+    sel = StepAutoSelector(layers, clock=job.clock, synchronize=lambda: None, log=lambda m: None)
+    job.run(sel, layers, sel.iterations_needed)
+    assert sel.decided == "megatron"
 
 
 def test_stock_is_kept_unless_another_candidate_beats_it_by_the_margin():
