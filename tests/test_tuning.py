@@ -19,7 +19,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Each shipped table, regenerated from its committed runs: (GPU, TP, the tuning run, the steps
 #: applied to it in order: ("confirm", bench) = tuning.confirm with a benchmark made with the
 #: table, a list = tuning.confirm.confirm_repeats of runs taken jointly; ("adopt", [A/B runs]) =
-#: tuning.adopt of an interleaved flux vs flux_variant A/B). docs/tuning.md lists the same files.
+#: tuning.adopt of an interleaved flux vs flux_variant A/B; ("kernel_version", v) = the table
+#: stamped with the kernel version its times were measured with, megatron_flux.kernels.version).
+#: docs/tuning.md lists the same files.
 R = "benchmarks/results/"
 SHIPPED = {
     "h200-sm132-tp2-bf16.json": ("h200", 2, R + "tune-h200x2-2026-11-23.json", [
@@ -34,6 +36,7 @@ SHIPPED = {
         ("confirm", [R + f"bench-h200x2-2026-11-26-s27-{run}.json" for run in ("conn1-run1", "conndefault",
                                                                             "conn1-run2")]
          + [R + "bench-small-h200x2-2026-11-26-s27-conn1.json"]),
+        ("kernel_version", 1),
     ]),
     "h200-sm132-tp4-bf16.json": ("h200", 4, R + "tune-h200x4-2026-11-22.json", [
         ("confirm", R + "bench-h200x4-2026-11-22.json"),
@@ -48,6 +51,7 @@ SHIPPED = {
         # same-config control in all three A/B runs (AG m = 2048 / 4096, RS m = 2048)
         ("adopt", [R + f"ab-gluon-pingpong-h100x2-2026-11-26-s32-llama8b-run{run}.json"
                    for run in (1, 2, 3)]),
+        ("kernel_version", 1),
     ]),
 }
 
@@ -417,6 +421,8 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
             again = confirm_table(again, load(rel), rel)
         elif step == "confirm":
             again = confirm_repeats(again, [(load(r), r) for r in rel])
+        elif step == "kernel_version":
+            again.extra["kernel_version"] = rel
         else:
             again = adopt_variant(again, [(load(r), r) for r in rel])
     assert _comparable(again) == _comparable(t)

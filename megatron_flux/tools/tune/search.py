@@ -44,6 +44,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_flux.kernels.version import KERNEL_VERSION
 from megatron_flux.tuning.keys import OPS, dtype_key, normalize_op
 from megatron_flux.tools.model_shapes import file_problem, load_settings, tp_gemms
 
@@ -707,6 +708,10 @@ def _run(args, group, rank, tp, device) -> int:
     bar = progress(total, "tune ", enabled=(rank == 0 and not args.no_progress))
     out = args.out or os.path.join(DEFAULT_OUT_DIR, default_filename(gpu_name, sms, tp, dtype_key(dtype)))
     previous = load_table(out) if rank == 0 and os.path.exists(out) and not args.no_merge else None
+    if previous is not None and previous.kernel_version != KERNEL_VERSION:  # stale times: replace
+        print(f"{PROG}: {out} was measured with kernel version {previous.kernel_version} "
+              f"(now {KERNEL_VERSION}); writing a new table over it instead of merging")
+        previous = None
     import triton
 
     def write(entries) -> Table:
@@ -714,6 +719,7 @@ def _run(args, group, rank, tp, device) -> int:
         after every entry, so an interrupted run keeps what it measured."""
         obj = {"format": "megatron-flux-tuning", "version": 1, "gpu": {"name": gpu_name, "sms": sms}, "tp": tp,
                "dtype": dtype_key(dtype), "source": "megatron-flux tune " + " ".join(sys.argv[1:]),
+               "kernel_version": KERNEL_VERSION,
                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "environment": {"torch": torch.__version__, "triton": triton.__version__},
                "search": {"searched": True, "max_candidates": args.max_candidates, "top": args.top,
