@@ -10,6 +10,7 @@ import torch
 
 from megatron_flux import tuning as T
 from megatron_flux.kernels.config import GemmConfig, default_config
+from megatron_flux.kernels.version import KERNEL_VERSION
 from megatron_flux.backends import auto
 from megatron_flux.tuning import registry, schema
 from megatron_flux.tuning.keys import dtype_key, nearest_bucket, normalize_gpu_name, normalize_op
@@ -81,6 +82,7 @@ def table_obj(**over):
     obj = {
         "format": "megatron-flux-tuning", "version": 1,
         "gpu": {"name": "NVIDIA Test GPU", "sms": 100}, "tp": 2, "dtype": "bf16", "source": "unit test",
+        "kernel_version": KERNEL_VERSION,
         "entries": [
             {"op": "ag", "n": 512, "k": 256, "m": 64, "config": dict(cfg, block_n=64), "tuned": True,
              "flux_ms": 2.0, "nccl_ms": 1.0},
@@ -505,8 +507,10 @@ def test_resolve_backend_auto_consults_the_table(fake_fused):
     small.all_gather_matmul(None, None, g)
     assert nccl.calls == ["ag"] and fused.calls == []
     large = resolve_backend("auto", torch.empty(2048, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf), g)
-    assert _picked(large, "ag") is fused      # m=4096: fused 0.911x nccl
-    assert _picked(large, "rs") is fused      # no RS entry, 2048 rows >= 1024: heuristic fused
+    assert _picked(large, "ag") is fused      # m=4096: fused 0.872x nccl
+    # no RS entry for (n, k) = (14336, 4096) and none within the estimate's reach: the size
+    # rule, which without an estimate keeps GEMM+RS on NCCL
+    assert _picked(large, "rs") is nccl
     # GEMM+RS gpt3-175b m=8192: [8192, 24576] @ [24576, 12288]: what the shipped entry says
     (e,) = [e for e in _shipped_tp2_entries() if (e.op, e.n, e.k, e.m) == ("rs", 12288, 24576, 8192)]
     want = fused if e.flux_ms <= 0.98 * e.nccl_ms else nccl
@@ -517,11 +521,12 @@ def test_resolve_backend_auto_consults_the_table(fake_fused):
                            g, op="rs") is want
     assert resolve_backend("auto", torch.empty(32, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf),
                            g, op="ag") is nccl
-    # a shape the table does not know: the size heuristic (nccl below 1024 global rows)
+    # a shape far from every entry: the size rule (AG+GEMM fused from 1024 rows per rank,
+    # GEMM+RS on NCCL)
     unk = resolve_backend("auto", torch.empty(64, 48, dtype=bf), torch.empty(48, 80, dtype=bf), g)
     assert unk is nccl
     unk = resolve_backend("auto", torch.empty(1024, 48, dtype=bf), torch.empty(48, 80, dtype=bf), g)
-    assert unk is fused  # AG reading 2048 rows, RS reading 1024
+    assert _picked(unk, "ag") is fused and _picked(unk, "rs") is nccl  # AG reading: 2048 rows
     # named backends ignore the table
     assert resolve_backend("flux", torch.empty(32, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf), g) is fused
 
@@ -551,8 +556,8 @@ def test_auto_decision_is_cached_per_shape(fake_fused, monkeypatch):
     from megatron_flux.backends import resolve_backend
 
     calls = []
-    real = T.provider.prefer_fused
-    monkeypatch.setattr(T.provider, "prefer_fused", lambda *a: calls.append(a) or real(*a))
+    real = T.provider._current_entry
+    monkeypatch.setattr(T.provider, "_current_entry", lambda *a: calls.append(a) or real(*a))
     a, b = torch.empty(32, 4096, dtype=torch.bfloat16), torch.empty(4096, 14336, dtype=torch.bfloat16)
     for _ in range(5):
         resolve_backend("auto", a, b, _Group())

@@ -6,9 +6,11 @@ gradient (:mod:`megatron_flux.tools.model_shapes`):
 
 * the table entry ``auto`` and the fused backend would use (nearest m-bucket), with its measured
   fused and NCCL times, or ``-`` when no table knows the shape;
-* ``auto``'s choice and why: the table (with the margin of ``$MEGATRON_FLUX_AUTO_MARGIN``), or
-  the size rule for shapes no table knows;
-* the fused kernel's settings for that shape (the table's or the heuristic default).
+* ``auto``'s choice and where it came from: the table (with the margin of
+  ``$MEGATRON_FLUX_AUTO_MARGIN``), the estimate from the nearest measured entries, or the size
+  rule (:func:`megatron_flux.tuning.provider.decide`);
+* the fused kernel's settings for that shape and where they came from (the table's, the
+  nearest entry's, or the heuristic default).
 
 ``megatron-flux plan --model-config configs/llama3_8b_16l.json --tp 2 --gpu "NVIDIA H200" --sms 132``
 """
@@ -30,23 +32,21 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 def plan_rows(config_path: str, tp: int, m: int, device, dtype) -> List[Dict[str, object]]:
     """One row per TP GEMM of the config (see the module docstring); ``device`` is a CUDA device
     or ``(gpu name, SM count)``."""
-    from megatron_flux.tuning.provider import UNKNOWN_MIN_FUSED_M, decide
-    from megatron_flux.tuning.provider import TableConfigProvider, auto_margin, lookup_entry
+    from megatron_flux.tuning.provider import decide, kernel_config, lookup_entry
 
-    provider = TableConfigProvider()
     rows = []
     for g in tp_gemms(config_path, tp, backward=True):
         hit = lookup_entry(g.op, m, g.n, g.k, dtype, tp, device)
-        auto, from_table = decide(g.op, m, g.n, g.k, dtype, tp, device)
-        why = (f"table, margin {auto_margin():.0%}" if from_table
-               else f"no table entry: fused from m={UNKNOWN_MIN_FUSED_M}")
+        d = decide(g.op, m, g.n, g.k, dtype, tp, device)
+        config, config_from = kernel_config(g.op, m, g.n, g.k, dtype, tp, device)
         row = {"gemm": g.label, "op": g.op, "m": m, "n": g.n, "k": g.k,
-               "auto": "fused" if auto else "nccl", "why": why,
-               "config": provider(g.op, m, g.n, g.k, dtype=dtype, tp=tp, device=device).to_dict()}
+               "auto": "fused" if d.fused else "nccl", "source": d.source, "why": d.why,
+               "config": config.to_dict(), "config_from": config_from}
         if hit is not None:
             entry, table = hit
             row.update(table_m=entry.m, flux_ms=entry.flux_ms, nccl_ms=entry.nccl_ms,
-                       table=getattr(table, "path", None) or getattr(table, "source", None))
+                       table=getattr(table, "path", None) or getattr(table, "source", None),
+                       stale=table.stale)
         rows.append(row)
     return rows
 
@@ -59,9 +59,11 @@ def _format(rows: Sequence[Dict[str, object]]) -> str:
             ratio = f"{r['flux_ms'] / r['nccl_ms']:.3f}"
         else:
             ratio = "-"
-        table_m = str(r.get("table_m", "-"))
+        table_m = str(r.get("table_m", "-")) + ("*" if r.get("stale") else "")
         lines.append(f"{r['gemm']:28s} {r['op']:3s} {r['n']:>6d} {r['k']:>6d} {r['m']:>6d} {table_m:>7s} "
                      f"{ratio:>9s}  {r['auto']:5s} {r['why']}")
+    if any(r.get("stale") for r in rows):
+        lines.append("* a stale table (measured with other kernels): its config runs, its times do not decide")
     return "\n".join(lines)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import glob
 import os
 import threading
+import warnings
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from megatron_flux.tuning.keys import ShapeKey, nearest_bucket
@@ -38,36 +39,77 @@ ENV_FILES = "MEGATRON_FLUX_CONFIG"
 ENV_SHIPPED = "MEGATRON_FLUX_SHIPPED_TABLES"
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tables")
 
+class StaleTableWarning(UserWarning):
+    """A table measured with other kernels than these (see :meth:`Table.stale`)."""
+
+
 _LOCK = threading.Lock()
 _user_files: List[str] = []
 _index: Optional["TableIndex"] = None
 
 
 class TableIndex:
-    """``ShapeKey -> {m: (Entry, Table)}`` built from tables in priority order."""
+    """``ShapeKey -> {m: (Entry, Table)}`` built from tables in priority order, twice: from
+    every table (configs) and from the current ones only (times; see :meth:`Table.stale`)."""
 
     def __init__(self, tables: Sequence[Table], user_tables: Sequence[Table] = ()):
         self.tables = list(tables)
         self.user_tables = list(user_tables)
         self._by_key: Dict[ShapeKey, Dict[int, Tuple[Entry, Table]]] = {}
+        self._current: Dict[ShapeKey, Dict[int, Tuple[Entry, Table]]] = {}
         self._machines = set()
         self._checked_machines = set()
+        self._warned_stale: set = set()
         for t in self.tables:  # highest priority first: first writer wins
             self._machines.add((t.gpu, t.sms, t.tp))
             for e in t.entries:
                 self._by_key.setdefault(t.shape_key(e), {}).setdefault(e.m, (e, t))
+                if not t.stale:
+                    self._current.setdefault(t.shape_key(e), {}).setdefault(e.m, (e, t))
         self._buckets = {key: sorted(v) for key, v in self._by_key.items()}
+        self._current_buckets = {key: sorted(v) for key, v in self._current.items()}
 
-    def lookup(self, key: ShapeKey, m: int) -> Optional[Tuple[Entry, Table]]:
-        """The entry for ``key`` at the bucket nearest ``m`` (see :mod:`.keys`), or ``None``."""
+    def lookup(self, key: ShapeKey, m: int, *, current: bool = False) -> Optional[Tuple[Entry, Table]]:
+        """The entry for ``key`` at the bucket nearest ``m`` (see :mod:`.keys`), or ``None``;
+        ``current``: among current tables' entries only (whose times may decide)."""
         self._check_user_tables(key)
-        buckets = self._buckets.get(key)
+        self._warn_stale(key)
+        by_key, all_buckets = (self._current, self._current_buckets) if current else (self._by_key, self._buckets)
+        buckets = all_buckets.get(key)
         if not buckets:
             return None
-        return self._by_key[key][nearest_bucket(m, buckets)]
+        return by_key[key][nearest_bucket(m, buckets)]
 
-    def buckets(self, key: ShapeKey) -> List[int]:
-        return list(self._buckets.get(key, ()))
+    def buckets(self, key: ShapeKey, *, current: bool = False) -> List[int]:
+        return list((self._current_buckets if current else self._buckets).get(key, ()))
+
+    def entries(self, key: ShapeKey, *, current: bool = False) -> List[Tuple[Entry, Table]]:
+        """Every entry of ``key``'s machine and op (``key.n``, ``key.k`` ignored), one per
+        ``(n, k, m)`` (the highest-priority table's): what :mod:`.estimate` searches."""
+        self._check_user_tables(key)
+        self._warn_stale(key)
+        src = self._current if current else self._by_key
+        return [hit for other, per_m in src.items() if other[:5] == key[:5] for hit in per_m.values()]
+
+    def stale_tables(self, key: ShapeKey) -> List[Table]:
+        """The stale tables of ``key``'s GPU, SM count, TP and dtype."""
+        return [t for t in self.tables if t.stale and (t.gpu, t.sms, t.tp, t.dtype) == tuple(key[:4])]
+
+    def _warn_stale(self, key: ShapeKey) -> None:
+        """One warning per stale table of this machine, the first time a lookup touches it."""
+        for t in self.stale_tables(key):
+            if t.path in self._warned_stale:
+                continue
+            self._warned_stale.add(t.path)
+            from megatron_flux.kernels.version import KERNEL_VERSION
+
+            warnings.warn(
+                f"megatron-flux: tuning table {t.path} ({t.describe()}) was measured with kernel "
+                f"version {t.kernel_version}; these kernels are version {KERNEL_VERSION}. Its "
+                "configs are still used, but its times no longer decide flux_backend='auto' "
+                "(those shapes are estimated from current tables, else the size rule). Refresh "
+                f"it on this machine: torchrun --nproc-per-node {t.tp} --no-python megatron-flux "
+                "tune --m-set all (docs/tuning.md)", StaleTableWarning, stacklevel=3)
 
     def _check_user_tables(self, key: ShapeKey) -> None:
         machine = (key.gpu, key.sms, key.tp)
