@@ -10,7 +10,9 @@ gradient (:mod:`megatron_flux.tools.model_shapes`):
   ``$MEGATRON_FLUX_AUTO_MARGIN``), the estimate from the nearest measured entries, or the size
   rule (:func:`megatron_flux.tuning.provider.decide`);
 * the fused kernel's settings for that shape and where they came from (the table's, the
-  nearest entry's, or the heuristic default).
+  nearest entry's, or the heuristic default);
+* how many of the GEMMs have a current table entry, and the ``megatron-flux tune`` command for
+  the rest (``--offer``: only that, one line, nothing when all have one).
 
 ``megatron-flux plan --model-config configs/llama3_8b_16l.json --tp 2 --gpu "NVIDIA H200" --sms 132``
 """
@@ -67,6 +69,28 @@ def _format(rows: Sequence[Dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def tune_offer(rows: Sequence[Dict[str, object]], config_path: str, tp: int, m: int, dtype: str = "bf16"
+               ) -> Optional[str]:
+    """The one command that tunes the GEMMs whose ``auto`` choice does not come from a current
+    table entry (None when every one does): the whole config when none does, else those shapes.
+    It writes the user cache, which later runs on this machine read."""
+    untuned = [r for r in rows if r["source"] != "table"]
+    if not untuned:
+        return None
+    if len(untuned) == len(rows):
+        what = f"--model-config {config_path}"
+    else:
+        shapes = dict.fromkeys(f"{r['op']}:{r['n']}:{r['k']}" for r in untuned)
+        what = "--shapes " + " ".join(shapes)
+    extra = f" --dtype {dtype}" if dtype != "bf16" else ""
+    return f"torchrun --nproc-per-node {tp} --no-python megatron-flux tune {what} --m {m}{extra}"
+
+
+def coverage(rows: Sequence[Dict[str, object]]) -> str:
+    tuned = sum(r["source"] == "table" for r in rows)
+    return f"{tuned} of {len(rows)} TP GEMMs have a current table entry"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model-config", required=True, metavar="PATH")
@@ -78,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sms", type=int, default=None, help="SM count (with --gpu)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--offer", action="store_true",
+                   help="print only one line: how many GEMMs have a current table entry and the "
+                   "command that tunes the rest (nothing when all do); what the launchers print")
     return p
 
 
@@ -108,7 +135,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:  # a malformed config or one whose widths do not split over --tp
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(rows, indent=1) if args.json else _format(rows))
+    offer = tune_offer(rows, args.model_config, args.tp, m, args.dtype)
+    if args.offer:
+        if offer is not None:
+            print(f"{coverage(rows)} at m={m}; to tune the rest on this machine (later runs "
+                  f"read the result; --time-budget-s S caps the time): {offer}")
+        return 0
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(_format(rows))
+    print(f"\n{coverage(rows)} at m={m}" + (
+        "." if offer is None else
+        f"; auto estimates the others or applies the size rule. To tune them on this machine "
+        f"(the table goes to the user cache, which later runs read; --time-budget-s S caps the "
+        f"time):\n  {offer}"))
     return 0
 
 
