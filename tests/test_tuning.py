@@ -501,8 +501,8 @@ def test_resolve_backend_auto_consults_the_table(fake_fused):
     g = _Group()
     # llama3-8b AG+GEMM: rank shard [m/2, 4096] @ [4096, 14336]
     small = resolve_backend("auto", torch.empty(32, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf), g)
-    # m=64: fused 2.4x slower; the RS reading (m=32, that (n, k) has no RS entry) is below the
-    # size heuristic's 1024 rows: nccl both ways
+    # m=64: fused 2.2x slower; the RS reading (m=32, that (n, k) has no RS entry, none near):
+    # the size rule, nccl both ways
     assert small is nccl
     small.all_gather_matmul(None, None, g)
     assert nccl.calls == ["ag"] and fused.calls == []

@@ -10,8 +10,8 @@ of ``(a, b)`` are looked up:
 
 Each reading is :func:`megatron_flux.tuning.provider.decide`: the table entry at the nearest
 m-bucket with the ``auto`` margin, else the estimate from the nearest measured entries, else a
-size rule; one log line per shape names which (except a table's fused choice). Where both readings give the same
-backend it is returned as is; otherwise an :class:`AutoDispatch` picks per method
+size rule; one log line per shape names which (except a table's fused choice). Where both
+readings give the same backend it is returned as is; otherwise an :class:`AutoDispatch` picks per method
 (``all_gather_matmul`` is the AG reading, ``matmul_reduce_scatter`` the RS one); its ``name``
 says what it picked, e.g. ``auto(ag:nccl,rs:flux)``. Cached per ``(op, rows, k, n, dtype, tp,
 device)``: after the first call of a shape, one dict lookup.

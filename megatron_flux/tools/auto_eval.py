@@ -14,8 +14,9 @@ where ``flux_ms <= (1 - margin) * nccl_ms``). Rules:
 
 Per rule: decisions right, *false fused* (fused chosen where NCCL was faster by the margin: the
 error that makes ``auto`` slower than NCCL), false NCCL, fused chosen where the fused kernel
-was slower than NCCL at all, and the geometric mean over the entries of the chosen backend's
-time over NCCL's (NCCL counts 1.0). ``oracle`` is that mean with every choice right.
+was slower than NCCL at all, and the geometric mean and the maximum over the entries of the
+chosen backend's time over NCCL's (NCCL counts 1.0). ``oracle`` is that mean with every choice
+right.
 
 ``python -m megatron_flux.tools.auto_eval [TABLE.json ...] [--margin 0.02] [--out JSON]``
 """
@@ -79,6 +80,7 @@ def score(records: Sequence[dict], rule: str, margin: float) -> dict:
         "false_nccl": sum(r["ratio"] <= limit for r in records if not r["choice"][rule]),
         "fused_slower_than_nccl": sum(r["ratio"] > 1.0 for r in fused),
         "geomean_vs_nccl": round(math.exp(sum(math.log(r["ratio"]) for r in fused) / n), 4) if n else None,
+        "worst_vs_nccl": max([1.0] + [r["ratio"] for r in fused]),
     }
 
 
@@ -137,7 +139,7 @@ def format_result(name: str, res: dict) -> str:
     for rule, s in res["rules"].items():
         lines.append(f"  {rule:10s} right {s['right']:2d}/{res['entries']}  false fused {s['false_fused']:2d}  "
                      f"false nccl {s['false_nccl']:2d}  slower than nccl {s['fused_slower_than_nccl']:2d}  "
-                     f"geomean {s['geomean_vs_nccl']:.3f}x")
+                     f"geomean {s['geomean_vs_nccl']:.3f}x  worst {s['worst_vs_nccl']:.3f}x")
     return "\n".join(lines)
 
 
