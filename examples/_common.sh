@@ -95,11 +95,17 @@ flux_megatron_args() {
 }
 
 # With the flag: what `megatron-flux check` says of this node at this TP size (its verdict and
-# notes), so the log shows up front whether the fused backend can run here.
-flux_preflight() {
+# notes), so the log shows up front whether the fused backend can run here; and, given the model
+# config, `megatron-flux plan --offer`'s one line when some of the model's TP GEMMs have no
+# current tuning-table entry on this GPU: how many, and the tune command for the rest (planned
+# on the CPU from the config; never fatal).
+flux_preflight() {  # flux_preflight [MODEL_CONFIG]
     [ "${#FLUX_ARGS[@]}" -gt 0 ] || return 0
     "${PYTHON}" -m megatron_flux.tools.cli check --tp "${NPROC}" 2>/dev/null \
         | sed -n '/^fused backend/,$p' | sed 's/^/> megatron-flux check: /' || true
+    [ -n "${1:-}" ] || return 0
+    "${PYTHON}" -W ignore -m megatron_flux.tools.cli plan --model-config "$1" --tp "${NPROC}" --offer \
+        2>/dev/null | sed 's/^/> megatron-flux plan: /' || true
 }
 
 run_pretrain() {  # run_pretrain MODEL_CONFIG [extra megatron args...]
@@ -112,7 +118,7 @@ run_pretrain() {  # run_pretrain MODEL_CONFIG [extra megatron args...]
         printf '%s\n' --model-config "${config}" "${COMMON_ARGS[@]}" "$@"
         return 0
     fi
-    flux_preflight
+    flux_preflight "${config}"
     set -x
     "${PYTHON}" -m torch.distributed.run --standalone --nproc-per-node "${NPROC}" \
         examples/pretrain_gpt.py --model-config "${config}" "${COMMON_ARGS[@]}" "$@"

@@ -100,13 +100,18 @@ def test_notes_for_what_runs_but_may_not_be_meant():
     assert fb["available"]
     text = " | ".join(fb["notes"])
     for expected in ("CUDA_DEVICE_MAX_CONNECTIONS is not 1", "NVLink multicast is not turned off",
-                     "Gluon unavailable", "no tuning table for NVIDIA H200 (132 SMs) at TP 2",
+                     "Gluon unavailable", "no current tuning table for NVIDIA H200 (132 SMs) at TP 2",
                      "apex's weight-gradient kernel is not installed"):
         assert expected in text, text
 
 
 def test_the_shipped_tables_are_found_for_their_machine():
     assert any("h200-sm132-tp2-bf16.json" in t for t in _tables([H200], 2))
+    # the TP 4 table predates the kernels: listed as stale, so the note says what auto does
+    (tp4,) = _tables([H200], 4)
+    assert tp4.endswith("; stale: kernel version 0)")
+    info = _machine(env={}, tables=[tp4])
+    assert any("no current tuning table" in note for note in verdict(info)["notes"])
     h100 = dict(H200, name="NVIDIA H100 80GB HBM3")
     found = _tables([h100], 2)
     assert len(found) == 1 and "h100-80gb-hbm3-sm132-tp2-bf16.json" in found[0]

@@ -34,16 +34,18 @@ def test_llama_at_tp2_on_h200_uses_the_table_where_it_has_the_shape(capsys):
     assert all(r["m"] == 4096 for r in rows)  # seq-length x micro-batch-size of the config
     # the shipped TP=2 table holds the layers' eight (fc1 and its dgrad from the benchmark grid,
     # the rest from `tune --model-config` on this very config); the output layer's two are not
-    # tuned yet: fused by the size rule
+    # tuned yet: estimated from the nearest entries, with the nearest entry's kernel config
     layers = [r for r in rows if ":output" not in r["gemm"]]
     assert len(layers) == 8 and all("flux_ms" in r for r in layers)
     for r in layers:
-        assert r["why"].startswith("table")
+        assert r["source"] == "table" and r["why"].startswith("table")
         assert (r["auto"] == "fused") == (r["flux_ms"] <= 0.98 * r["nccl_ms"])
+        assert r["config_from"] == "table (m=4096)"
     for r in rows:
         if ":output" in r["gemm"]:
-            assert "flux_ms" not in r and r["auto"] == "fused"
-            assert r["why"].startswith("no table entry")
+            assert "flux_ms" not in r and r["source"] == "estimate"
+            assert r["why"].startswith("estimate from 1 nearest at half the rows")
+            assert r["config_from"].startswith("nearest entry")
 
 
 def test_the_margin_and_unknown_gpus(capsys, monkeypatch):

@@ -10,6 +10,7 @@ import torch
 
 from megatron_flux import tuning as T
 from megatron_flux.kernels.config import GemmConfig, default_config
+from megatron_flux.kernels.version import KERNEL_VERSION
 from megatron_flux.backends import auto
 from megatron_flux.tuning import registry, schema
 from megatron_flux.tuning.keys import dtype_key, nearest_bucket, normalize_gpu_name, normalize_op
@@ -19,7 +20,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Each shipped table, regenerated from its committed runs: (GPU, TP, the tuning run, the steps
 #: applied to it in order: ("confirm", bench) = tuning.confirm with a benchmark made with the
 #: table, a list = tuning.confirm.confirm_repeats of runs taken jointly; ("adopt", [A/B runs]) =
-#: tuning.adopt of an interleaved flux vs flux_variant A/B). docs/tuning.md lists the same files.
+#: tuning.adopt of an interleaved flux vs flux_variant A/B; ("kernel_version", v) = the table
+#: stamped with the kernel version its times were measured with, megatron_flux.kernels.version).
+#: docs/tuning.md lists the same files.
 R = "benchmarks/results/"
 SHIPPED = {
     "h200-sm132-tp2-bf16.json": ("h200", 2, R + "tune-h200x2-2026-11-23.json", [
@@ -34,6 +37,7 @@ SHIPPED = {
         ("confirm", [R + f"bench-h200x2-2026-11-26-s27-{run}.json" for run in ("conn1-run1", "conndefault",
                                                                             "conn1-run2")]
          + [R + "bench-small-h200x2-2026-11-26-s27-conn1.json"]),
+        ("kernel_version", 1),
     ]),
     "h200-sm132-tp4-bf16.json": ("h200", 4, R + "tune-h200x4-2026-11-22.json", [
         ("confirm", R + "bench-h200x4-2026-11-22.json"),
@@ -48,6 +52,7 @@ SHIPPED = {
         # same-config control in all three A/B runs (AG m = 2048 / 4096, RS m = 2048)
         ("adopt", [R + f"ab-gluon-pingpong-h100x2-2026-11-26-s32-llama8b-run{run}.json"
                    for run in (1, 2, 3)]),
+        ("kernel_version", 1),
     ]),
 }
 
@@ -77,6 +82,7 @@ def table_obj(**over):
     obj = {
         "format": "megatron-flux-tuning", "version": 1,
         "gpu": {"name": "NVIDIA Test GPU", "sms": 100}, "tp": 2, "dtype": "bf16", "source": "unit test",
+        "kernel_version": KERNEL_VERSION,
         "entries": [
             {"op": "ag", "n": 512, "k": 256, "m": 64, "config": dict(cfg, block_n=64), "tuned": True,
              "flux_ms": 2.0, "nccl_ms": 1.0},
@@ -417,6 +423,8 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
             again = confirm_table(again, load(rel), rel)
         elif step == "confirm":
             again = confirm_repeats(again, [(load(r), r) for r in rel])
+        elif step == "kernel_version":
+            again.extra["kernel_version"] = rel
         else:
             again = adopt_variant(again, [(load(r), r) for r in rel])
     assert _comparable(again) == _comparable(t)
@@ -493,14 +501,16 @@ def test_resolve_backend_auto_consults_the_table(fake_fused):
     g = _Group()
     # llama3-8b AG+GEMM: rank shard [m/2, 4096] @ [4096, 14336]
     small = resolve_backend("auto", torch.empty(32, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf), g)
-    # m=64: fused 2.4x slower; the RS reading (m=32, that (n, k) has no RS entry) is below the
-    # size heuristic's 1024 rows: nccl both ways
+    # m=64: fused 2.2x slower; the RS reading (m=32, that (n, k) has no RS entry, none near):
+    # the size rule, nccl both ways
     assert small is nccl
     small.all_gather_matmul(None, None, g)
     assert nccl.calls == ["ag"] and fused.calls == []
     large = resolve_backend("auto", torch.empty(2048, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf), g)
-    assert _picked(large, "ag") is fused      # m=4096: fused 0.911x nccl
-    assert _picked(large, "rs") is fused      # no RS entry, 2048 rows >= 1024: heuristic fused
+    assert _picked(large, "ag") is fused      # m=4096: fused 0.872x nccl
+    # no RS entry for (n, k) = (14336, 4096) and none within the estimate's reach: the size
+    # rule, which without an estimate keeps GEMM+RS on NCCL
+    assert _picked(large, "rs") is nccl
     # GEMM+RS gpt3-175b m=8192: [8192, 24576] @ [24576, 12288]: what the shipped entry says
     (e,) = [e for e in _shipped_tp2_entries() if (e.op, e.n, e.k, e.m) == ("rs", 12288, 24576, 8192)]
     want = fused if e.flux_ms <= 0.98 * e.nccl_ms else nccl
@@ -511,11 +521,12 @@ def test_resolve_backend_auto_consults_the_table(fake_fused):
                            g, op="rs") is want
     assert resolve_backend("auto", torch.empty(32, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf),
                            g, op="ag") is nccl
-    # a shape the table does not know: the size heuristic (nccl below 1024 global rows)
+    # a shape far from every entry: the size rule (AG+GEMM fused from 1024 rows per rank,
+    # GEMM+RS on NCCL)
     unk = resolve_backend("auto", torch.empty(64, 48, dtype=bf), torch.empty(48, 80, dtype=bf), g)
     assert unk is nccl
     unk = resolve_backend("auto", torch.empty(1024, 48, dtype=bf), torch.empty(48, 80, dtype=bf), g)
-    assert unk is fused  # AG reading 2048 rows, RS reading 1024
+    assert _picked(unk, "ag") is fused and _picked(unk, "rs") is nccl  # AG reading: 2048 rows
     # named backends ignore the table
     assert resolve_backend("flux", torch.empty(32, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf), g) is fused
 
@@ -545,8 +556,8 @@ def test_auto_decision_is_cached_per_shape(fake_fused, monkeypatch):
     from megatron_flux.backends import resolve_backend
 
     calls = []
-    real = T.provider.prefer_fused
-    monkeypatch.setattr(T.provider, "prefer_fused", lambda *a: calls.append(a) or real(*a))
+    real = T.provider._current_entry
+    monkeypatch.setattr(T.provider, "_current_entry", lambda *a: calls.append(a) or real(*a))
     a, b = torch.empty(32, 4096, dtype=torch.bfloat16), torch.empty(4096, 14336, dtype=torch.bfloat16)
     for _ in range(5):
         resolve_backend("auto", a, b, _Group())

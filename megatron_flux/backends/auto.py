@@ -9,8 +9,9 @@ of ``(a, b)`` are looked up:
 * GEMM+RS: ``m_total = rows(a)``.
 
 Each reading is :func:`megatron_flux.tuning.provider.decide`: the table entry at the nearest
-m-bucket with the ``auto`` margin, or without one a size rule. Where both readings give the same
-backend it is returned as is; otherwise an :class:`AutoDispatch` picks per method
+m-bucket with the ``auto`` margin, else the estimate from the nearest measured entries, else a
+size rule; one log line per shape names which (except a table's fused choice). Where both
+readings give the same backend it is returned as is; otherwise an :class:`AutoDispatch` picks per method
 (``all_gather_matmul`` is the AG reading, ``matmul_reduce_scatter`` the RS one); its ``name``
 says what it picked, e.g. ``auto(ag:nccl,rs:flux)``. Cached per ``(op, rows, k, n, dtype, tp,
 device)``: after the first call of a shape, one dict lookup.
@@ -22,33 +23,24 @@ import logging
 from typing import Dict, Optional
 
 from megatron_flux.backends.base import TPOverlapBackend
-from megatron_flux.tuning.provider import UNKNOWN_MIN_FUSED_M, decide, on_decisions_change
+from megatron_flux.tuning.provider import decide, on_decisions_change
 
 _CACHE: Dict[tuple, object] = {}
 
 
 def _decide(op, rows, k, n, dtype, tp, device) -> bool:
     m_total = rows * tp if op == "ag" else rows
-    fused, from_table = decide(op, m_total, n, k, dtype, tp, device)
-    if not fused:
+    d = decide(op, m_total, n, k, dtype, tp, device)
+    if not d.fused or d.source != "table":  # a table's "fused" is the expected case: quiet
         from megatron_flux.backends.registry import log_once
 
-        if from_table:
-            log_once(
-                f"auto-table:{op}:{m_total}:{n}:{k}:{dtype}:{tp}",
-                f"megatron-flux: flux_backend='auto' uses 'nccl' for {op} m={m_total} n={n} k={k} "
-                "(the tuning table did not measure the fused kernel faster there by the margin)",
-                logging.INFO,
-            )
-        else:
-            log_once(
-                f"auto-small-m:{op}:{m_total}:{n}:{k}:{dtype}:{tp}",
-                f"megatron-flux: flux_backend='auto' uses 'nccl' for {op} m={m_total} n={n} k={k} "
-                f"(no tuning entry for this shape; below m={UNKNOWN_MIN_FUSED_M} the fused "
-                "kernel's host cost usually outweighs the hidden communication)",
-                logging.INFO,
-            )
-    return fused
+        log_once(
+            f"auto:{op}:{m_total}:{n}:{k}:{dtype}:{tp}",
+            f"megatron-flux: flux_backend='auto' uses '{'flux' if d.fused else 'nccl'}' for {op} "
+            f"m={m_total} n={n} k={k}: {d.why}",
+            logging.INFO,
+        )
+    return d.fused
 
 
 class AutoDispatch(TPOverlapBackend):

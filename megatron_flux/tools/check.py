@@ -84,8 +84,8 @@ def _peer_access(torch, n: int) -> Dict[str, bool]:
 
 
 def _tables(devices: List[Dict[str, Any]], tp: int) -> List[str]:
-    """The tuning tables (shipped, then ``$MEGATRON_FLUX_CONFIG``) whose GPU, SM count and TP
-    size match the first device at ``tp``."""
+    """The tuning tables (given, cached, shipped) whose GPU, SM count and TP size match the
+    first device at ``tp``; a stale one (measured with other kernels) says so."""
     from megatron_flux.tuning import registry
     from megatron_flux.tuning.keys import normalize_gpu_name
 
@@ -93,8 +93,8 @@ def _tables(devices: List[Dict[str, Any]], tp: int) -> List[str]:
     if not devices:
         return []
     gpu, sms = normalize_gpu_name(devices[0]["name"]), devices[0]["sms"]
-    return [f"{t.path} ({t.describe()})" for t in index.tables
-            if (t.gpu, t.sms, t.tp) == (gpu, sms, tp)]
+    return [f"{t.path} ({t.describe()}" + (f"; stale: kernel version {t.kernel_version})" if t.stale else ")")
+            for t in index.tables if (t.gpu, t.sms, t.tp) == (gpu, sms, tp)]
 
 
 def collect(tp: Optional[int] = None) -> Dict[str, Any]:
@@ -197,10 +197,11 @@ def verdict(info: Dict[str, Any]) -> Dict[str, Any]:
     if info["gluon"] != "available":
         notes.append(f"Gluon unavailable ({info['gluon']}): configs asking for the "
                      "warp-specialized kernels run the Triton ones, with one warning")
-    if not why and not info["tables"]:
-        notes.append(f"no tuning table for {devices[0]['name']} ({devices[0]['sms']} SMs) at TP "
-                     f"{tp}: 'auto' runs the fused kernels from m = 1024 global rows with default "
-                     "configs (tune with `megatron-flux tune` for better ones)")
+    if not why and not [t for t in info["tables"] if "; stale:" not in t]:
+        notes.append(f"no current tuning table for {devices[0]['name']} ({devices[0]['sms']} SMs) "
+                     f"at TP {tp}: 'auto' runs AG+GEMM fused from 1024 rows per rank and "
+                     "GEMM+RS on NCCL, with default configs (tune your model with `megatron-flux "
+                     "tune --model-config CONFIG`; `megatron-flux plan` shows what runs)")
     if not info["optional"]["apex_wgrad_kernel"]:
         notes.append("apex's weight-gradient kernel is not installed: megatron-flux's linears "
                      "accumulate into main_grad with torch (--flux-gradient-accumulation-fusion)")
@@ -234,7 +235,7 @@ def format_report(info: Dict[str, Any]) -> str:
     fb = info["fused_backend"]
     if fb["available"]:
         lines.append(f"fused backend: AVAILABLE at TP {info['tp']} ('auto' uses it where the "
-                     "table or the size rule says it wins)")
+                     "table, the estimate or the size rule says it wins)")
     else:
         lines.append("fused backend: UNAVAILABLE, 'auto' will use 'nccl':")
         lines += [f"  - {w}" for w in fb["why"]]

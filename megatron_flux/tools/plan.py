@@ -6,9 +6,13 @@ gradient (:mod:`megatron_flux.tools.model_shapes`):
 
 * the table entry ``auto`` and the fused backend would use (nearest m-bucket), with its measured
   fused and NCCL times, or ``-`` when no table knows the shape;
-* ``auto``'s choice and why: the table (with the margin of ``$MEGATRON_FLUX_AUTO_MARGIN``), or
-  the size rule for shapes no table knows;
-* the fused kernel's settings for that shape (the table's or the heuristic default).
+* ``auto``'s choice and where it came from: the table (with the margin of
+  ``$MEGATRON_FLUX_AUTO_MARGIN``), the estimate from the nearest measured entries, or the size
+  rule (:func:`megatron_flux.tuning.provider.decide`);
+* the fused kernel's settings for that shape and where they came from (the table's, the
+  nearest entry's, or the heuristic default);
+* how many of the GEMMs have a current table entry, and the ``megatron-flux tune`` command for
+  the rest (``--offer``: only that, one line, nothing when all have one).
 
 ``megatron-flux plan --model-config configs/llama3_8b_16l.json --tp 2 --gpu "NVIDIA H200" --sms 132``
 """
@@ -30,23 +34,21 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 def plan_rows(config_path: str, tp: int, m: int, device, dtype) -> List[Dict[str, object]]:
     """One row per TP GEMM of the config (see the module docstring); ``device`` is a CUDA device
     or ``(gpu name, SM count)``."""
-    from megatron_flux.tuning.provider import UNKNOWN_MIN_FUSED_M, decide
-    from megatron_flux.tuning.provider import TableConfigProvider, auto_margin, lookup_entry
+    from megatron_flux.tuning.provider import decide, kernel_config, lookup_entry
 
-    provider = TableConfigProvider()
     rows = []
     for g in tp_gemms(config_path, tp, backward=True):
         hit = lookup_entry(g.op, m, g.n, g.k, dtype, tp, device)
-        auto, from_table = decide(g.op, m, g.n, g.k, dtype, tp, device)
-        why = (f"table, margin {auto_margin():.0%}" if from_table
-               else f"no table entry: fused from m={UNKNOWN_MIN_FUSED_M}")
+        d = decide(g.op, m, g.n, g.k, dtype, tp, device)
+        config, config_from = kernel_config(g.op, m, g.n, g.k, dtype, tp, device)
         row = {"gemm": g.label, "op": g.op, "m": m, "n": g.n, "k": g.k,
-               "auto": "fused" if auto else "nccl", "why": why,
-               "config": provider(g.op, m, g.n, g.k, dtype=dtype, tp=tp, device=device).to_dict()}
+               "auto": "fused" if d.fused else "nccl", "source": d.source, "why": d.why,
+               "config": config.to_dict(), "config_from": config_from}
         if hit is not None:
             entry, table = hit
             row.update(table_m=entry.m, flux_ms=entry.flux_ms, nccl_ms=entry.nccl_ms,
-                       table=getattr(table, "path", None) or getattr(table, "source", None))
+                       table=getattr(table, "path", None) or getattr(table, "source", None),
+                       stale=table.stale)
         rows.append(row)
     return rows
 
@@ -59,10 +61,34 @@ def _format(rows: Sequence[Dict[str, object]]) -> str:
             ratio = f"{r['flux_ms'] / r['nccl_ms']:.3f}"
         else:
             ratio = "-"
-        table_m = str(r.get("table_m", "-"))
+        table_m = str(r.get("table_m", "-")) + ("*" if r.get("stale") else "")
         lines.append(f"{r['gemm']:28s} {r['op']:3s} {r['n']:>6d} {r['k']:>6d} {r['m']:>6d} {table_m:>7s} "
                      f"{ratio:>9s}  {r['auto']:5s} {r['why']}")
+    if any(r.get("stale") for r in rows):
+        lines.append("* a stale table (measured with other kernels): its config runs, its times do not decide")
     return "\n".join(lines)
+
+
+def tune_offer(rows: Sequence[Dict[str, object]], config_path: str, tp: int, m: int, dtype: str = "bf16"
+               ) -> Optional[str]:
+    """The one command that tunes the GEMMs whose ``auto`` choice does not come from a current
+    table entry (None when every one does): the whole config when none does, else those shapes.
+    It writes the user cache, which later runs on this machine read."""
+    untuned = [r for r in rows if r["source"] != "table"]
+    if not untuned:
+        return None
+    if len(untuned) == len(rows):
+        what = f"--model-config {config_path}"
+    else:
+        shapes = dict.fromkeys(f"{r['op']}:{r['n']}:{r['k']}" for r in untuned)
+        what = "--shapes " + " ".join(shapes)
+    extra = f" --dtype {dtype}" if dtype != "bf16" else ""
+    return f"torchrun --nproc-per-node {tp} --no-python megatron-flux tune {what} --m {m}{extra}"
+
+
+def coverage(rows: Sequence[Dict[str, object]]) -> str:
+    tuned = sum(r["source"] == "table" for r in rows)
+    return f"{tuned} of {len(rows)} TP GEMMs have a current table entry"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sms", type=int, default=None, help="SM count (with --gpu)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--offer", action="store_true",
+                   help="print only one line: how many GEMMs have a current table entry and the "
+                   "command that tunes the rest (nothing when all do); what the launchers print")
     return p
 
 
@@ -106,7 +135,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:  # a malformed config or one whose widths do not split over --tp
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(rows, indent=1) if args.json else _format(rows))
+    offer = tune_offer(rows, args.model_config, args.tp, m, args.dtype)
+    if args.offer:
+        if offer is not None:
+            print(f"{coverage(rows)} at m={m}; to tune the rest on this machine (later runs "
+                  f"read the result; --time-budget-s S caps the time): {offer}")
+        return 0
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(_format(rows))
+    print(f"\n{coverage(rows)} at m={m}" + (
+        "." if offer is None else
+        f"; auto estimates the others or applies the size rule. To tune them on this machine "
+        f"(the table goes to the user cache, which later runs read; --time-budget-s S caps the "
+        f"time):\n  {offer}"))
     return 0
 
 

@@ -3,8 +3,12 @@
 * :mod:`.keys`     key fields, GPU-name normalisation, the nearest-m-bucket rule (log2 space)
 * :mod:`.schema`   the versioned JSON format, validation (errors name file and field), I/O
 * :mod:`.registry` where tables come from (``--flux-config``, ``$MEGATRON_FLUX_CONFIG``, the
-                   shipped ``megatron_flux/tuning/tables/*.json``) and lookup
-* :mod:`.provider` ``TableConfigProvider`` (``FluxBackend``'s default) and :func:`prefer_fused`
+                   user cache, the shipped ``megatron_flux/tuning/tables/*.json``), lookup,
+                   stale tables (measured with other kernels)
+* :mod:`.provider` ``TableConfigProvider`` (``FluxBackend``'s default), ``decide`` (``auto``'s
+                   choice and where it came from) and :func:`prefer_fused`
+* :mod:`.estimate` shapes no table lists: the nearest entries' config and estimated choice,
+                   and the size rule
 * :mod:`.device`   a device's table identity (GPU name, SM count)
 
 This package only reads tables; the tools that write them (``megatron-flux tune``, confirm,

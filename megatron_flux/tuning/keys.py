@@ -20,8 +20,8 @@ uses the stored bucket nearest in ``log2`` space (``|log2 m - log2 bucket|`` sma
 cost and the comm/compute balance scale with the ratio of sizes, not their difference, so 3000
 maps to 4096 rather than 2048. Ties (m exactly at the geometric mean of two buckets, e.g. m=32
 between 16 and 64) go to the **smaller** bucket. m outside the
-stored range uses the closest end. ``n`` and ``k`` are never approximated: an (n, k) the table
-does not list is a miss (heuristic defaults; ``auto`` keeps its non-table policy).
+stored range uses the closest end. ``n`` and ``k`` are never approximated here: an (n, k) the
+table does not list is a miss, which :mod:`.estimate` answers from the nearest entries.
 """
 
 from __future__ import annotations

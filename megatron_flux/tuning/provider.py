@@ -1,21 +1,26 @@
 """Runtime answers from the tables: the kernel config for a shape, and fused-vs-NCCL.
 
 Both are cached per full key, so after the first call of a shape a lookup is one dict access.
+Shapes no table lists get both from :mod:`.estimate` (the nearest measured entries), else the
+heuristic default config and the size rule.
 """
 
 from __future__ import annotations
 
+import math
 import threading
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from megatron_flux.options import ENV, FluxOptions, get_options, on_options_change
+from megatron_flux.tuning import estimate
 from megatron_flux.tuning.device import device_identity
 from megatron_flux.tuning.keys import ShapeKey, dtype_key, normalize_gpu_name, normalize_op
 from megatron_flux.tuning.registry import get_index
 
 DeviceLike = Union[object, Tuple[str, int]]
 
-_DECISIONS: Dict[tuple, Optional[bool]] = {}
+_DECISIONS: Dict[tuple, object] = {}
+_ESTIMATORS: Dict[tuple, Tuple[estimate.Estimator, List[estimate.Point]]] = {}
 _LOCK = threading.Lock()
 
 #: ``auto`` takes the fused kernel only where the table measured it at least this fraction
@@ -26,10 +31,21 @@ _LOCK = threading.Lock()
 DEFAULT_AUTO_MARGIN = FluxOptions.auto_margin
 ENV_AUTO_MARGIN = ENV["auto_margin"]
 
-#: ``auto`` without a table entry: fused from this many global rows (``m_total``) up.
-UNKNOWN_MIN_FUSED_M = 1024
+#: A table entry decides a call whose m is at most this many octaves from the entry's bucket;
+#: farther (a table tuned at one m, a call at another), the estimate, which weighs that entry
+#: by its distance among the others, decides.
+TABLE_REACH_OCTAVES = 1.0
 
 _listeners: List[Callable[[], None]] = []
+
+
+class Decision(NamedTuple):
+    """``auto``'s choice for one call shape: ``fused``, where it came from (``source``: ``"table"``,
+    ``"estimate"`` or ``"size rule"``) and why, in words."""
+
+    fused: bool
+    source: str
+    why: str
 
 
 def auto_margin() -> float:
@@ -56,13 +72,14 @@ def lookup_entry(op: str, m: int, n: int, k: int, dtype, tp: int, device: Device
 
 
 def prefer_fused(op: str, m: int, n: int, k: int, dtype, tp: int, device: DeviceLike) -> Optional[bool]:
-    """Whether the table says the fused kernel beats NCCL for this call.
+    """Whether a current table says the fused kernel beats NCCL for this call.
 
     ``m`` is the global row count (``m_total``), ``n``/``k`` the per-rank weight shape (see
     :mod:`.keys`). ``True`` where the nearest bucket's measured ``flux_ms`` is at most
-    ``(1 - auto_margin()) * nccl_ms``; ``False`` where it is not; ``None`` when unknown (no entry for this GPU/TP/dtype/
-    op/n/k, or the entry lacks either time, or ``dtype`` is not one the tables know).
-    Cached per argument tuple.
+    ``(1 - auto_margin()) * nccl_ms``; ``False`` where it is not; ``None`` when unknown (no
+    entry of a current table for this GPU/TP/dtype/op/n/k, or the entry lacks either time, or
+    ``dtype`` is not one the tables know). Stale tables' times are never used. Cached per
+    argument tuple.
     """
     margin = auto_margin()
     ck = (op, m, n, k, str(dtype), tp, margin,
@@ -71,14 +88,7 @@ def prefer_fused(op: str, m: int, n: int, k: int, dtype, tp: int, device: Device
         return _DECISIONS[ck]
     except KeyError:
         pass
-    try:
-        hit = lookup_entry(op, m, n, k, dtype, tp, device)
-    except ValueError as exc:
-        from megatron_flux.tuning.schema import TuningFileError
-
-        if isinstance(exc, TuningFileError):
-            raise
-        hit = None  # a dtype the tables have no key for: unknown
+    hit = _current_entry(op, m, n, k, dtype, tp, device)
     decision = None
     if hit is not None:
         e = hit[0]
@@ -94,13 +104,98 @@ def _device_cache_key(device) -> tuple:
     return (t, getattr(device, "index", None)) if t is not None else (str(device),)
 
 
-def decide(op: str, m_total: int, n: int, k: int, dtype, tp: int, device) -> Tuple[bool, bool]:
-    """``(fused?, from the table?)`` for one op and global row count: the table entry (with the
-    margin) where one exists, else fused from :data:`UNKNOWN_MIN_FUSED_M` rows."""
-    d = prefer_fused(op, m_total, n, k, dtype, tp, device)
-    if d is None:
-        return m_total >= UNKNOWN_MIN_FUSED_M, False
-    return d, True
+def _current_entry(op, m, n, k, dtype, tp, device):
+    """``(Entry, Table)`` of a current table at the nearest bucket, or None (also for a dtype
+    the tables have no key for)."""
+    try:
+        return get_index().lookup(shape_key(op, n, k, dtype, tp, device), int(m), current=True)
+    except ValueError as exc:
+        from megatron_flux.tuning.schema import TuningFileError
+
+        if isinstance(exc, TuningFileError):
+            raise
+        return None
+
+
+def _points(key: ShapeKey, current: bool) -> List[estimate.Point]:
+    return [estimate.Point(e.m, e.n, e.k,
+                           e.flux_ms / e.nccl_ms if e.flux_ms and e.nccl_ms else None,
+                           e.config, t.path)
+            for e, t in get_index().entries(key, current=current)]
+
+
+def estimator(op: str, dtype, tp: int, device: DeviceLike) -> Tuple[estimate.Estimator, List[estimate.Point]]:
+    """``(Estimator of the current entries, every entry as a point)`` of this machine and op
+    (cached until the tables change)."""
+    key = shape_key(op, 1, 1, dtype, tp, device)
+    ck = tuple(key[:5])
+    hit = _ESTIMATORS.get(ck)
+    if hit is None:
+        hit = (estimate.Estimator(_points(key, current=True)), _points(key, current=False))
+        with _LOCK:
+            _ESTIMATORS[ck] = hit
+    return hit
+
+
+def decide(op: str, m_total: int, n: int, k: int, dtype, tp: int, device) -> Decision:
+    """``auto``'s :class:`Decision` for one op and global row count: a current table's entry
+    (with the margin) where one lies within :data:`TABLE_REACH_OCTAVES` of ``m_total``, else the
+    estimate from the nearest current entries (:mod:`.estimate`), else the size rule. Cached."""
+    margin = auto_margin()
+    op = normalize_op(op)
+    ck = ("decide", op, m_total, n, k, str(dtype), tp, margin,
+          device if isinstance(device, tuple) else _device_cache_key(device))
+    hit = _DECISIONS.get(ck)
+    if hit is not None:
+        return hit
+    out = None
+    entry = _current_entry(op, m_total, n, k, dtype, tp, device)
+    if entry is not None:
+        e = entry[0]
+        near = abs(math.log2(max(m_total, 1) / e.m)) <= TABLE_REACH_OCTAVES + 1e-9
+        if near and e.flux_ms is not None and e.nccl_ms is not None:
+            fused = e.flux_ms <= (1.0 - margin) * e.nccl_ms
+            out = Decision(fused, "table", f"table ({e.flux_ms / e.nccl_ms:.3f} at m={e.m}, "
+                                           f"margin {margin:.0%})")
+    if out is None:
+        try:
+            est = estimator(op, dtype, tp, device)[0].decide(m_total, n, k, margin)
+        except ValueError as exc:  # a dtype the tables have no key for
+            from megatron_flux.tuning.schema import TuningFileError
+
+            if isinstance(exc, TuningFileError):
+                raise
+            est = None
+        if est is not None:
+            out = Decision(est.fused, "estimate", est.why(1.0 - margin))
+    if out is None:
+        out = Decision(estimate.size_rule(op, m_total, tp), "size rule", estimate.size_rule_why(op, tp))
+    with _LOCK:
+        _DECISIONS[ck] = out
+    return out
+
+
+def kernel_config(op: str, m_total: int, n: int, k: int, dtype, tp: int, device):
+    """``(GemmConfig, where it came from)`` for one call: the table entry of this exact shape
+    (nearest bucket, stale tables included), else the nearest entry's that can run it
+    (:func:`.estimate.nearest_config`), else ``default_config``."""
+    from megatron_flux.kernels.config import default_config
+
+    op = normalize_op(op)
+    try:
+        hit = lookup_entry(op, m_total, n, k, dtype, tp, device)
+    except ValueError as exc:
+        from megatron_flux.tuning.schema import TuningFileError
+
+        if isinstance(exc, TuningFileError):
+            raise
+        return default_config(op, m_total, n, k, tp=tp), "default"
+    if hit is not None:
+        return hit[0].config, f"table (m={hit[0].m})"
+    p = estimate.nearest_config(op, estimator(op, dtype, tp, device)[1], m_total, n, k, tp)
+    if p is not None:
+        return p.config, f"nearest entry ({p.label()})"
+    return default_config(op, m_total, n, k, tp=tp), "default"
 
 
 def on_decisions_change(listener: Callable[[], None]) -> None:
@@ -115,6 +210,7 @@ def clear_caches() -> None:
     """Drop the cached decisions and tell :func:`on_decisions_change`'s listeners."""
     with _LOCK:
         _DECISIONS.clear()
+        _ESTIMATORS.clear()
         listeners = list(_listeners)
     for listener in listeners:
         listener()
@@ -124,8 +220,9 @@ on_options_change(lambda _options: clear_caches())
 
 
 class TableConfigProvider:
-    """``FluxBackend(config_provider=TableConfigProvider())``: the table's GemmConfig at the
-    nearest m-bucket, else :func:`~megatron_flux.kernels.config.default_config`.
+    """``FluxBackend(config_provider=TableConfigProvider())``: :func:`kernel_config`'s config (the
+    table's at the nearest m-bucket, else the nearest measured entry's that can run the shape,
+    else :func:`~megatron_flux.kernels.config.default_config`).
 
     ``FluxBackend.config`` caches the answer per shape, and passes ``dtype``, ``tp`` and
     ``device`` because this provider sets ``accepts_context``; a call without them (a caller that
@@ -138,14 +235,5 @@ class TableConfigProvider:
         from megatron_flux.kernels.config import default_config
 
         if dtype is not None and tp is not None and device is not None:
-            try:
-                hit = lookup_entry(op, m_total, n, k, dtype, tp, device)
-            except ValueError as exc:
-                from megatron_flux.tuning.schema import TuningFileError
-
-                if isinstance(exc, TuningFileError):
-                    raise
-                hit = None
-            if hit is not None:
-                return hit[0].config
+            return kernel_config(op, m_total, n, k, dtype, tp, device)[0]
         return default_config(op, m_total, n, k, tp=tp)

@@ -9,6 +9,7 @@ One file holds the measurements of one ``(GPU, SM count, TP, dtype)``::
       "tp": 2,
       "dtype": "bf16",
       "source": "what produced the numbers (a command, or the file they were read from)",
+      "kernel_version": 1,                              # optional; absent = 0 (see below)
       "created": "2026-11-22T05:22:18+00:00",          # optional
       "environment": {"torch": "...", "triton": "..."}, # optional, free-form
       "search": {...},                                  # optional, free-form (tuner settings)
@@ -26,6 +27,11 @@ a :class:`TuningFileError` whose message starts with the file and the field path
 (``h200.json: entries[3].config.block_m: ...``), and unknown fields are errors (a typo must
 not silently fall back to defaults). A newer ``version`` than this code reads is an error that
 says so.
+
+``kernel_version`` is the :data:`~megatron_flux.kernels.version.KERNEL_VERSION` of the kernels
+the times were measured with (absent: 0, before versions were recorded). A table of another
+version is *stale* (:meth:`Table.stale`): :mod:`.registry` still uses its configs but not its
+times.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from megatron_flux.tuning.keys import DTYPES, OPS, ShapeKey, normalize_gpu_name
 FORMAT = "megatron-flux-tuning"
 VERSION = 1
 _TOP_REQUIRED = ("format", "version", "gpu", "tp", "dtype", "source", "entries")
-_TOP_OPTIONAL = ("created", "environment", "search")
+_TOP_OPTIONAL = ("kernel_version", "created", "environment", "search")
 _ENTRY_REQUIRED = ("op", "n", "k", "m", "config", "tuned")
 _ENTRY_OPTIONAL = ("flux_ms", "nccl_ms", "notes")
 
@@ -81,13 +87,25 @@ class Table:
     dtype: str
     source: str
     entries: List[Entry]
-    extra: Dict[str, Any] = field(default_factory=dict)  # created / environment / search
+    extra: Dict[str, Any] = field(default_factory=dict)  # kernel_version / created / environment / search
 
     def shape_key(self, e: Entry) -> ShapeKey:
         return ShapeKey(self.gpu, self.sms, self.tp, self.dtype, e.op, e.n, e.k)
 
     def describe(self) -> str:
         return f"{self.gpu_name} ({self.sms} SMs), TP={self.tp}, {self.dtype}"
+
+    @property
+    def kernel_version(self) -> int:
+        """The kernel version its times were measured with (0: not recorded)."""
+        return int(self.extra.get("kernel_version", 0))
+
+    @property
+    def stale(self) -> bool:
+        """Measured with other kernels than this package's (its times no longer decide)."""
+        from megatron_flux.kernels.version import KERNEL_VERSION
+
+        return self.kernel_version != KERNEL_VERSION
 
 
 def _pos_int(path, fld, v) -> int:
@@ -173,6 +191,9 @@ def validate_table(obj: Any, path: str = "<table>") -> Table:
     for name in ("environment", "search"):
         if name in obj and not isinstance(obj[name], dict):
             raise TuningFileError(path, name, f"must be an object, got {type(obj[name]).__name__}")
+    kv = obj.get("kernel_version", 0)
+    if isinstance(kv, bool) or not isinstance(kv, int) or kv < 0:
+        raise TuningFileError(path, "kernel_version", f"must be a non-negative integer, got {kv!r}")
     if "created" in obj and not isinstance(obj["created"], str):
         raise TuningFileError(path, "created", f"must be a string, got {obj['created']!r}")
     raw = obj["entries"]
@@ -259,9 +280,11 @@ def write_table(t: Table, path: str) -> None:
 
 def merge_tables(old: Table, new: Table) -> Table:
     """``new``'s entries over ``old``'s for the same (op, n, k, m); both must be for the same
-    GPU, SM count, TP and dtype (else :class:`TuningFileError` naming the differing field)."""
+    GPU, SM count, TP, dtype and kernel version (else :class:`TuningFileError` naming the
+    differing field: one file holds times of one kernel version)."""
     for fld, a, b in (("gpu.name", old.gpu, new.gpu), ("gpu.sms", old.sms, new.sms),
-                      ("tp", old.tp, new.tp), ("dtype", old.dtype, new.dtype)):
+                      ("tp", old.tp, new.tp), ("dtype", old.dtype, new.dtype),
+                      ("kernel_version", old.kernel_version, new.kernel_version)):
         if a != b:
             raise TuningFileError(old.path, fld, f"cannot merge: existing file has {a!r}, new results have {b!r}")
     merged = {(e.op, e.n, e.k, e.m): e for e in old.entries}

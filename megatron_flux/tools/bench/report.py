@@ -30,6 +30,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_flux.kernels.version import KERNEL_VERSION
+
 from megatron_flux.tools.bench.grid import OPS
 from megatron_flux.tools.bench.methods import COMPUTES_OP, METHODS, OVERLAPPING
 from megatron_flux.tools.check import PLUGIN_ENV_VARS
@@ -290,6 +292,7 @@ def collect_env(device: torch.device, group: Optional[dist.ProcessGroup]) -> dic
         "torch_cuda": torch.version.cuda,
         "triton": triton_version,
         "nccl": nccl,
+        "kernel_version": KERNEL_VERSION,
         "dist_backend": dist.get_backend(group),
         "ranks": everyone,
         "gpus": [r.get("name") for r in everyone if r.get("name")],

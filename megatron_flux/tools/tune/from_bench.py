@@ -65,9 +65,10 @@ def bench_gpus(bench: Dict[str, Any]) -> set:
 
 def check_same_machine(bench: Dict[str, Any], table: Table, source: str) -> None:
     """Raise :class:`TuningFileError` unless the benchmark ran where ``table`` applies: the same
-    TP, GPU model (normalised name), SM count (where the benchmark recorded it) and dtype. Times
-    from another GPU must never confirm or change a table (the lender may serve an H200 request
-    with H100s, and the H100 ranks configs differently)."""
+    TP, GPU model (normalised name), SM count and kernel version (where the benchmark recorded
+    them) and dtype. Times from another GPU must never confirm or change a table (the lender
+    may serve an H200 request with H100s, and the H100 ranks configs differently), nor times of
+    other kernels."""
     if int(bench.get("tp", -1)) != table.tp:
         raise TuningFileError(source, "tp", f"{bench.get('tp')} != the table's {table.tp}")
     gpus = bench_gpus(bench)
@@ -78,6 +79,10 @@ def check_same_machine(bench: Dict[str, Any], table: Table, source: str) -> None
     sms = (bench.get("env") or {}).get("sms")
     if sms is not None and int(sms) != table.sms:
         raise TuningFileError(source, "env.sms", f"{sms} != the table's {table.sms}")
+    kv = (bench.get("env") or {}).get("kernel_version")
+    if kv is not None and int(kv) != table.kernel_version:  # (benchmarks record it since version 1)
+        raise TuningFileError(source, "env.kernel_version",
+                              f"{kv} != the table's {table.kernel_version}: times of other kernels")
     if bench.get("dtype", table.dtype) != table.dtype:
         raise TuningFileError(source, "dtype", f"{bench.get('dtype')} != the table's {table.dtype}")
 
@@ -111,6 +116,8 @@ def table_from_bench(bench: Dict[str, Any], source: str) -> Table:
              "search": {"searched": False, "b_layout": bench.get("b_layout"), "rs_k": bench.get("rs_k"),
                         "trials": bench.get("trials"), "iters": bench.get("iters"),
                         "note": "configs are default_config (not searched); times are the benchmark's medians"}}
+    if "kernel_version" in env:
+        extra["kernel_version"] = env["kernel_version"]
     if "date" in env:
         extra["created"] = env["date"]
     return Table(path=source, gpu_name=bench["gpu"], gpu=normalize_gpu_name(bench["gpu"]), sms=sms, tp=tp, dtype=bench["dtype"],

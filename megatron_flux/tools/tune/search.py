@@ -22,10 +22,13 @@ benchmark, or ``--shapes OP:N:K`` in the per-rank form the table keys) and every
    noisy medians is biased low, and a config that won by less has lost in later benchmarks.
 
 The table records the winner's config (``"tuned": true``), its ``flux_ms`` and the ``nccl_ms`` of
-the same trials, so ``auto`` can take ``nccl`` where even the best fused config loses. Results
-are merged into ``--out`` (default ``configs/tuning/<gpu>-sm<sms>-tp<tp>-<dtype>.json``); copy
-it to ``megatron_flux/tuning/tables/`` to ship it, or point ``--flux-config`` /
-``$MEGATRON_FLUX_CONFIG`` at it.
+the same trials, and the kernel version they were measured with, so ``auto`` can take ``nccl``
+where even the best fused config loses. Results are merged into ``--out`` (default: the user
+cache, ``~/.cache/megatron-flux/tables/<gpu>-sm<sms>-tp<tp>-<dtype>-kv<kernel version>.json``,
+which every later run on this machine reads: :mod:`megatron_flux.tuning.registry`); point
+``--flux-config`` / ``$MEGATRON_FLUX_CONFIG`` at another ``--out``, or copy it to
+``megatron_flux/tuning/tables/`` to ship it. ``--time-budget-s`` stops between entries once the
+next one would not fit, keeping what was measured; ``--skip-tuned`` continues such a run.
 
 The comm settings searched for AllGather are the chunk size (``chunk_rows``), the CUDA priority
 of the copy-engine side stream (``comm_priority``) and pull vs push (``ag_pull``). For AG the
@@ -44,6 +47,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_flux.kernels.version import KERNEL_VERSION
 from megatron_flux.tuning.keys import OPS, dtype_key, normalize_op
 from megatron_flux.tools.model_shapes import file_problem, load_settings, tp_gemms
 
@@ -207,7 +211,6 @@ def seeds_for(op: str, k: int) -> Tuple[Dict[str, object], ...]:
 
 #: Hopper: 227 KiB of shared memory per block
 SMEM_BYTES = 227 * 1024
-DEFAULT_OUT_DIR = os.path.join("configs", "tuning")
 
 
 def smem_bytes(cfg, elem_bytes: int = 2) -> int:
@@ -487,11 +490,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--timeout-s", type=float, default=900.0)
     o = p.add_argument_group("output")
-    o.add_argument("--out", default=None, help=f"table file (default: {DEFAULT_OUT_DIR}/<gpu>-sm<sms>-tp<tp>-<dtype>.json)")
+    o.add_argument("--out", default=None, help="table file (default: the user cache, "
+                   "$XDG_CACHE_HOME or ~/.cache, megatron-flux/tables/<gpu>-sm<sms>-tp<tp>-<dtype>-kv<kernel "
+                   "version>.json, which megatron-flux reads on this machine without any flag)")
     o.add_argument("--no-merge", action="store_true", help="overwrite --out instead of merging into it")
+    o.add_argument("--skip-tuned", action="store_true",
+                   help="skip the (op, n, k, m) that --out already holds (continue a run cut short "
+                   "by --time-budget-s)")
+    o.add_argument("--time-budget-s", type=float, default=None, metavar="S",
+                   help="stop before an entry that would end past S seconds from the start (by the "
+                   "slowest entry so far); what was measured is written")
     o.add_argument("--no-progress", action="store_true")
     o.add_argument("--dry-run", action="store_true", help="print the plan and candidate counts; no GPU needed")
-    o.add_argument("--tp", type=int, default=None, help="TP size for --dry-run (default: WORLD_SIZE or 2)")
+    o.add_argument("--tp", type=int, default=None, help="TP size for --dry-run (default: WORLD_SIZE or 2); "
+                   "under torchrun it must be the number of processes")
     return p
 
 
@@ -514,6 +526,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--warmup and --sample-warmup must be >= 0")
     if not 0.0 <= args.min_gain < 1.0:
         p.error("--min-gain must be in [0, 1)")
+    if args.time_budget_s is not None and not args.time_budget_s > 0:
+        p.error("--time-budget-s must be > 0")
+    if args.tp is not None and args.tp < 2:
+        p.error("--tp must be >= 2")
     try:
         for spec in args.shapes:
             parse_shape(spec)
@@ -668,6 +684,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) < 2:
         print("megatron-flux tune: run under torchrun with >= 2 processes (the TP group).", file=sys.stderr)
         return 2
+    if args.tp is not None and args.tp != int(os.environ["WORLD_SIZE"]):
+        print(f"{PROG}: --tp {args.tp} but torchrun started {os.environ['WORLD_SIZE']} processes "
+              f"(one per GPU of the TP group): run with --nproc-per-node {args.tp}", file=sys.stderr)
+        return 2
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
@@ -680,12 +700,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _run(args, group, rank, tp, device) -> int:
     import torch
+    import torch.distributed as dist
 
     from megatron_flux.backends import available_backends
     from megatron_flux.backends.flux import FluxBackend
     from megatron_flux.tuning.device import device_identity
     from megatron_flux.tools.tune.progress import progress
-    from megatron_flux.tuning.schema import Table, default_filename, load_table, merge_tables, validate_table, write_table
+    from megatron_flux.tuning.registry import cache_table_path
+    from megatron_flux.tuning.schema import Table, load_table, merge_tables, validate_table, write_table
 
     if "flux" not in available_backends():
         print("megatron-flux tune: the fused backend is unavailable (triton / symmetric memory)", file=sys.stderr)
@@ -701,12 +723,22 @@ def _run(args, group, rank, tp, device) -> int:
     args.space, pinned = search_space_for(torch.cuda.get_device_capability(device))
     holder = [None]
     flux = FluxBackend(config_provider=lambda op, m, n, k: holder[0])
-    total = sum(len(generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates,
-                                        space=args.space))
-                for op, n, k, _ in shapes for m in ms)
-    bar = progress(total, "tune ", enabled=(rank == 0 and not args.no_progress))
-    out = args.out or os.path.join(DEFAULT_OUT_DIR, default_filename(gpu_name, sms, tp, dtype_key(dtype)))
+    out = args.out or cache_table_path(gpu_name, sms, tp, dtype_key(dtype))
     previous = load_table(out) if rank == 0 and os.path.exists(out) and not args.no_merge else None
+    if previous is not None and previous.kernel_version != KERNEL_VERSION:  # stale times: replace
+        print(f"{PROG}: {out} was measured with kernel version {previous.kernel_version} "
+              f"(now {KERNEL_VERSION}); writing a new table over it instead of merging")
+        previous = None
+    held = [sorted((e.op, e.n, e.k, e.m) for e in previous.entries) if previous is not None else []]
+    dist.broadcast_object_list(held, src=dist.get_global_rank(group, 0), group=group)
+    skip = set(map(tuple, held[0])) if args.skip_tuned else set()
+    todo = [(op, n, k, m, model) for op, n, k, model in shapes for m in ms if (op, n, k, m) not in skip]
+    total = sum(len(generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates,
+                                        space=args.space)) for op, n, k, m, _ in todo)
+    bar = progress(total, "tune ", enabled=(rank == 0 and not args.no_progress))
+    if rank == 0:
+        print(f"{PROG}: {len(todo)} entries to tune ({len(shapes) * len(ms) - len(todo)} already in {out}), "
+              f"writing {out}" if skip else f"{PROG}: {len(todo)} entries to tune, writing {out}")
     import triton
 
     def write(entries) -> Table:
@@ -714,6 +746,7 @@ def _run(args, group, rank, tp, device) -> int:
         after every entry, so an interrupted run keeps what it measured."""
         obj = {"format": "megatron-flux-tuning", "version": 1, "gpu": {"name": gpu_name, "sms": sms}, "tp": tp,
                "dtype": dtype_key(dtype), "source": "megatron-flux tune " + " ".join(sys.argv[1:]),
+               "kernel_version": KERNEL_VERSION,
                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "environment": {"torch": torch.__version__, "triton": triton.__version__},
                "search": {"searched": True, "max_candidates": args.max_candidates, "top": args.top,
@@ -733,23 +766,57 @@ def _run(args, group, rank, tp, device) -> int:
         write_table(new, out)
         return new
 
-    entries = []
-    new = None
-    for op, n, k, model in shapes:
-        for m in ms:
-            bar.set_postfix_str(f"{op} n={n} k={k} m={m}")
-            e = tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, holder, bar)
-            entries.append(e)
-            bar.write(f"{op} n={n} k={k} m={m}: flux {e['flux_ms']:.4f} ms (default "
-                      f"{e['notes']['default_ms'] if e['notes']['default_ms'] is not None else float('nan'):.4f}), "
-                      f"nccl {e['nccl_ms'] if e['nccl_ms'] is not None else float('nan'):.4f} ms")
-            if rank == 0:
-                new = write(entries)
+    from megatron_flux.tools.bench.timing import agree_flags
+
+    written: List[Table] = []
+
+    def tune(item) -> dict:
+        op, n, k, m, model = item
+        bar.set_postfix_str(f"{op} n={n} k={k} m={m}")
+        e = tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, holder, bar)
+        bar.write(f"{op} n={n} k={k} m={m}: flux {e['flux_ms']:.4f} ms (default "
+                  f"{e['notes']['default_ms'] if e['notes']['default_ms'] is not None else float('nan'):.4f}), "
+                  f"nccl {e['nccl_ms'] if e['nccl_ms'] is not None else float('nan'):.4f} ms")
+        return e
+
+    def keep(entries) -> None:
+        if rank == 0:
+            written[:] = [write(entries)]
+
+    entries, left = tune_in_budget(todo, tune, keep, args.time_budget_s,
+                                   agree=lambda stop: agree_flags([stop], group, device)[0])
     bar.close()
     if rank != 0:
         return 0
-    print(f"wrote {out} ({len(new.entries)} entries)")
+    if left:
+        print(f"{PROG}: time budget of {args.time_budget_s:g} s reached: {len(entries)} of "
+              f"{len(todo)} entries tuned; to tune the other {len(left)}, run the same command "
+              "with --skip-tuned")
+    n_entries = len(written[0].entries) if written else (len(previous.entries) if previous else 0)
+    print(f"wrote {out} ({n_entries} entries)" if written else f"{out}: nothing new to write")
     return 0
+
+
+def tune_in_budget(todo: Sequence, tune, keep, budget_s: Optional[float], *, agree=lambda stop: stop,
+                   clock=None) -> Tuple[List[dict], List]:
+    """Tune ``todo`` in order (``tune(item) -> entry``), calling ``keep(entries so far)`` after
+    each, until the next item would end past ``budget_s`` seconds from the start (None: no
+    budget), judged by the slowest item so far. ``agree(stop) -> bool`` makes every rank take the
+    same decision (the OR over ranks). Returns ``(entries, items not tuned)``."""
+    import time
+
+    clock = time.monotonic if clock is None else clock
+    start = clock()
+    slowest = 0.0
+    entries: List[dict] = []
+    for i, item in enumerate(todo):
+        if budget_s is not None and agree(clock() - start + slowest > budget_s):
+            return entries, list(todo[i:])
+        t0 = clock()
+        entries.append(tune(item))
+        slowest = max(slowest, clock() - t0)
+        keep(entries)
+    return entries, []
 
 
 if __name__ == "__main__":

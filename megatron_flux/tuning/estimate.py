@@ -1,0 +1,227 @@
+"""Shapes no table lists: the kernel config and ``auto``'s choice from the nearest measured entries.
+
+**Shape space.** The entries of one ``(GPU, SM count, TP, dtype, op)`` are points ``(m, n, k)``
+(global rows, per-rank weight shape, as :mod:`.keys` defines them), compared in log2 with
+
+    d = sqrt((M_WEIGHT * dlog2 m)^2 + (dlog2 n)^2 + (dlog2 k)^2),   M_WEIGHT = 2.
+
+Rows weigh twice the weight's sides: in the shipped tables both the fused/NCCL time ratio and
+the tuned schedule change more from one m-bucket to the next (2x rows) than between the grid's
+models at one bucket (2xH200, AG+GEMM at m = 1024: 0.913-0.952 over the three models; one
+model over m = 64-8192: 0.811-2.231). Only entries within :data:`REACH` count (a factor of 2 in
+m alone, of 4 in n or k alone): farther, the tables say nothing about the shape.
+
+**Kernel config** (:func:`nearest_config`): that of the nearest entry (stale tables included:
+their configs run) whose config can run the shape (:func:`config_problem`: the Gluon
+warp-specialized kernels need the rows per rank to be a multiple of ``block_m`` and at least
+``num_stages`` K steps; no tile larger than the shape, as the tuner's candidates). None within
+reach: ``default_config``.
+
+**Fused or NCCL** (:class:`Estimator`): the predicted ratio for ``m`` rows is the geometric mean
+of ``flux_ms / nccl_ms`` of the ``K = 2`` entries nearest to ``(m / ROW_SHIFT, n, k)``
+(current tables only, ``ROW_SHIFT = 2``): the fused kernel must have won on the neighbours with
+half the rows. The row count from which it wins differs by up to that factor between
+neighbouring models in the tables (2xH100 AG+GEMM: llama3-8b from m = 2048, llama3-70b from
+1024, gpt3-175b from 512; 4xH200: 4096, 2048, 1024), and a smaller GEMM starts later. Fused
+only where
+
+    predicted * allowance < 1 - margin,
+
+``allowance`` (a factor >= 1) being the error of the same prediction measured on the tables
+themselves, leaving out one shape family (one per-rank ``(n, k)``, every m) at a time: the
+smallest that turns every such prediction that said fused where the entry measured NCCL faster
+(by the margin) into NCCL. It needs two families of the op; with fewer, or nothing within
+reach, the estimate abstains.
+
+**Size rule** (:func:`size_rule`, where the estimate abstains): fused from
+:data:`SIZE_RULE_ROWS_PER_RANK` rows per rank up, by op. ``megatron_flux.tools.auto_eval``
+measures the rules on the shipped tables (``docs/tuning.md``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+
+#: weight of log2 m against log2 n and log2 k in the distance
+M_WEIGHT = 2.0
+#: entries farther than this (in the distance above) are not neighbours
+REACH = 2.0
+#: neighbours whose ratios the prediction averages (geometric mean)
+K_NEAREST = 2
+#: the prediction for m rows comes from the neighbours of m / ROW_SHIFT rows
+ROW_SHIFT = 2.0
+#: Where the estimate abstains (no current table for the machine, nothing within reach), fused
+#: from this many rows per rank (``m_total / tp``) up; None: never. Derived from the shipped
+#: tables, stale ones included (the only TP 4 data), by
+#: :func:`megatron_flux.tools.auto_eval.derive_size_rule`: the smallest rows-per-rank bucket
+#: from which, on every table, the fused kernel wins on average by the margin (geometric mean
+#: of flux/nccl over the op's entries at and above it <= 0.98) and no entry is slower than NCCL
+#: by more than the 8 % the same NCCL op varied between two runs. AG+GEMM: 1024 (from 512,
+#: llama3-8b at m = 1024 ran 1.215x NCCL's time on 2xH100 and at m = 2048 1.312x on 4xH200).
+#: GEMM+RS: no bucket qualifies (from 512 rows per rank: 0.992 on 4xH200; from 4096: 0.999 on
+#: 2xH100), and at 512 rows per rank (m = 1024, TP 2) two models outside the grid ran
+#: 0.86-0.87x NCCL's speed on 2xH200 with the default config (2026-11-27): NCCL.
+SIZE_RULE_ROWS_PER_RANK: Dict[str, Optional[int]] = {"ag": 1024, "rs": None}
+
+
+class Point(NamedTuple):
+    """One measured entry: its shape, ``flux_ms / nccl_ms`` (None without both times), config
+    and the file it came from."""
+
+    m: int
+    n: int
+    k: int
+    ratio: Optional[float]
+    config: object
+    where: str = ""
+
+    @property
+    def family(self) -> Tuple[int, int]:
+        return (self.n, self.k)
+
+    def label(self) -> str:
+        r = f" {self.ratio:.3f}" if self.ratio is not None else ""
+        return f"n={self.n} k={self.k} m={self.m}{r}"
+
+
+def distance(m: float, n: int, k: int, p: Point) -> float:
+    """The distance of ``(m, n, k)`` from ``p`` (module docstring)."""
+    return math.sqrt((M_WEIGHT * math.log2(max(m, 1) / p.m)) ** 2 + math.log2(n / p.n) ** 2
+                     + math.log2(k / p.k) ** 2)
+
+
+def nearest(points: Iterable[Point], m: float, n: int, k: int, *, reach: Optional[float] = None
+            ) -> List[Tuple[float, Point]]:
+    """``(distance, point)`` of every point within ``reach`` (default :data:`REACH`), nearest
+    first (ties: smaller ``n``, ``k``, ``m``, so every rank orders them alike)."""
+    reach = REACH if reach is None else reach
+    out = []
+    for p in points:
+        d = distance(m, n, k, p)
+        if d <= reach + 1e-9:
+            out.append((d, p))
+    out.sort(key=lambda t: (round(t[0], 9), t[1].n, t[1].k, t[1].m))
+    return out
+
+
+class Estimate(NamedTuple):
+    """An estimated choice: ``fused``, the predicted ratio, the allowance (a factor, >= 1) and
+    the neighbours it came from."""
+
+    fused: bool
+    ratio: float
+    allowance: float
+    neighbours: Tuple[Point, ...]
+
+    def why(self, limit: float) -> str:
+        near = "; ".join(p.label() for p in self.neighbours)
+        cmp = "<" if self.fused else ">="
+        return (f"estimate from {len(self.neighbours)} nearest at half the rows ({near}): "
+                f"{self.ratio:.3f} x allowance {self.allowance:.3f} {cmp} {limit:.2f}")
+
+
+class Estimator:
+    """The prediction of one ``(GPU, SMs, TP, dtype, op)`` from its current entries with times."""
+
+    def __init__(self, points: Sequence[Point], k_nearest: Optional[int] = None):
+        self.points = [p for p in points if p.ratio is not None and p.ratio > 0]
+        self.k_nearest = K_NEAREST if k_nearest is None else k_nearest
+        self.families = sorted({p.family for p in self.points})
+        self._allowance: Dict[float, Optional[float]] = {}
+
+    def predict(self, m: int, n: int, k: int, exclude: Optional[Tuple[int, int]] = None
+                ) -> Optional[Tuple[float, Tuple[Point, ...]]]:
+        """``(predicted ratio, neighbours)`` for ``m`` rows (from the neighbours of
+        ``m / ROW_SHIFT``), or None with no entry within reach. ``exclude``: leave that family
+        out (the leave-out measurement)."""
+        pool = self.points if exclude is None else [p for p in self.points if p.family != exclude]
+        near = [p for _, p in nearest(pool, m / ROW_SHIFT, n, k)[:self.k_nearest]]
+        if not near:
+            return None
+        return math.exp(sum(math.log(p.ratio) for p in near) / len(near)), tuple(near)
+
+    def leave_out(self) -> List[Tuple[Point, Optional[float]]]:
+        """Every entry with the ratio predicted from the other families' entries (None: none
+        within reach)."""
+        out = []
+        for p in self.points:
+            pred = self.predict(p.m, p.n, p.k, exclude=p.family)
+            out.append((p, None if pred is None else pred[0]))
+        return out
+
+    def allowance(self, margin: float) -> Optional[float]:
+        """The allowance (a factor >= 1) at ``margin``; None with fewer than two families."""
+        if margin not in self._allowance:
+            self._allowance[margin] = self._measure_allowance(margin)
+        return self._allowance[margin]
+
+    def _measure_allowance(self, margin: float) -> Optional[float]:
+        if len(self.families) < 2:
+            return None
+        limit = 1.0 - margin
+        worst = 1.0
+        for p, pred in self.leave_out():
+            if pred is not None and pred < limit and p.ratio > limit:  # would be a false fused
+                worst = max(worst, limit / pred)
+        return worst
+
+    def decide(self, m: int, n: int, k: int, margin: float) -> Optional[Estimate]:
+        """The estimated choice for ``(m, n, k)``, or None where the estimate abstains."""
+        allow = self.allowance(margin)
+        if allow is None:
+            return None
+        pred = self.predict(m, n, k)
+        if pred is None:
+            return None
+        ratio, near = pred
+        return Estimate(ratio * allow < 1.0 - margin, ratio, allow, near)
+
+
+def size_rule(op: str, m_total: int, tp: int) -> bool:
+    """Fused from :data:`SIZE_RULE_ROWS_PER_RANK` rows per rank up (never where it is None)."""
+    rows = SIZE_RULE_ROWS_PER_RANK[op]
+    return rows is not None and m_total >= rows * max(1, tp)
+
+
+def size_rule_why(op: str, tp: int) -> str:
+    rows = SIZE_RULE_ROWS_PER_RANK[op]
+    if rows is None:
+        return "size rule: no estimate for this shape, and without one GEMM+RS runs NCCL"
+    return f"size rule: no estimate for this shape; fused from {rows} rows per rank (m >= {rows * max(1, tp)})"
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def config_problem(op: str, cfg, m_total: int, n: int, k: int, tp: int) -> Optional[str]:
+    """Why ``cfg`` (tuned for another shape) should not run ``op`` on ``(m_total, n, k)`` at TP
+    ``tp``: None where it can. The warp-specialized kernels' own limits (they would fall back to
+    the Triton kernel), and no tile larger than the shape (the tuner's candidate filter)."""
+    m_local = max(1, m_total // max(1, tp))
+    ws = cfg.ag_warp_specialized if op == "ag" else cfg.rs_warp_specialized
+    spans = (cfg.rs_merge_rows if op == "rs" else (cfg.ag_merge_local and cfg.ag_merge_lead == 0))
+    if ws:
+        if op == "rs" and cfg.rs_merge_rows and m_local == 1:
+            return "1 row per rank"
+        rows = None if (op == "rs" and cfg.rs_merge_rows) else m_local
+        if rows is not None and rows % cfg.block_m:
+            return f"{rows} rows per rank are not a multiple of block_m={cfg.block_m}"
+        if -(-k // cfg.block_k) < cfg.num_stages:
+            return f"K={k} has fewer than num_stages={cfg.num_stages} steps of block_k={cfg.block_k}"
+    rows_max = max(64, _pow2_at_least(m_total if spans else m_local))
+    if cfg.block_m > rows_max:
+        return f"block_m={cfg.block_m} is taller than the {m_local} rows per rank"
+    if cfg.block_n > max(64, _pow2_at_least(n)) or cfg.block_k > max(32, _pow2_at_least(k)):
+        return f"a {cfg.block_n}x{cfg.block_k} tile is larger than n={n}, k={k}"
+    return None
+
+
+def nearest_config(op: str, points: Iterable[Point], m_total: int, n: int, k: int, tp: int
+                   ) -> Optional[Point]:
+    """The nearest point within reach whose config can run the shape, or None."""
+    for _, p in nearest(points, m_total, n, k):
+        if config_problem(op, p.config, m_total, n, k, tp) is None:
+            return p
+    return None
