@@ -19,6 +19,8 @@
 #                                                                   -> kvc-{ag,rs}.{json,log}
 #   tune        megatron-flux tune over the grid (all m), then the grid benchmark with the new
 #               table                       -> tune/{table.json,tune.log,bench.json,bench.png}
+#   host        host time per layer call of nccl and flux (benchmarks/host_overhead.py --layers,
+#               m = 4096 and 8192), with a profile of flux's host path          -> host.{json,log}
 #   matrix      the end-to-end matrix's cells MATRIX_CELLS (benchmarks/e2e_matrix.py; MATRIX_ARGS
 #               pass through)                              -> matrix/<cell>.json, matrix-meta.json
 #   interleave  the training job with the backends rotated in one process
@@ -105,6 +107,11 @@ for stage in "$@"; do
             --methods cublas_gemm comm nccl torch_async_tp flux flux_default auto --trials 5 --iters 20 \
             --out-json "${OUT}/tune/bench.json" --out-png "${OUT}/tune/bench.png" > "${OUT}/tune/bench.log" 2>&1
         echo "   bench exit $? (${SECONDS}s)"; grep -A24 "^summary" "${OUT}/tune/bench.log" | head -26 ;;
+    host)
+        # host time per layer call (forward + backward) of nccl and flux, with a profile of flux's
+        timeout "${HOST_TIMEOUT:-150}" "${TORCHRUN[@]}" benchmarks/host_overhead.py --layers \
+            --ms 4096 8192 --backends nccl flux --out "${OUT}/host.json" > "${OUT}/host.log" 2>&1
+        echo "   exit $? (${SECONDS}s)"; grep -E "cpu issue" "${OUT}/host.log" | head -8 ;;
     matrix)
         # the end-to-end matrix cells in MATRIX_CELLS (benchmarks/e2e_matrix.py; resumable)
         use_carried_megatron
@@ -119,7 +126,7 @@ for stage in "$@"; do
     cachepack)
         pack_triton_cache ;;
     *)
-        echo "unknown stage ${stage}; stages: main tests bench ab kvc tune matrix interleave e2e cachepack"
+        echo "unknown stage ${stage}; stages: main tests bench ab kvc tune host matrix interleave e2e cachepack"
         exit 2 ;;
     esac
 done

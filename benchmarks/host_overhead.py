@@ -78,8 +78,9 @@ def layer_ops(name, group, world, m, h, fc1, ffn, dt, generator=None):
     x, w1, g1 = t(m // world, 1, h, grad=True), t(fc1 // world, h, grad=True), t(m, 1, fc1 // world)
     a, w2, g2 = t(m, 1, ffn // world, grad=True), t(h, ffn // world, grad=True), t(m // world, 1, h)
 
-    def column():
-        column_parallel_linear(x, w1, group=group, backend=name).backward(g1)
+    def column():  # keeping the gathered input, as the layers do by default
+        column_parallel_linear(x, w1, group=group, backend=name,
+                               keep_gathered_input=True).backward(g1)
         x.grad = w1.grad = None
 
     def row():
