@@ -154,7 +154,7 @@ def run_cell(cell_name: str, out: str, args) -> dict:
             chosen = AUTO_RE.findall(f.read())
         record["auto_choice"] = chosen[-1] if chosen else None
     else:
-        jobs = [("megatron", {"FLUX_TP_OVERLAP": "0"}), ("auto", {"FLUX_BACKEND": "auto"}),
+        jobs = [("auto", {"FLUX_BACKEND": "auto"}), ("megatron", {"FLUX_TP_OVERLAP": "0"}),
                 ("flux", {"FLUX_BACKEND": "flux"})][: args.graph_jobs]
         times: Dict[str, List[Optional[float]]] = {}
         for rep_i in range(args.repeats):

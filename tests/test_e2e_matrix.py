@@ -63,7 +63,7 @@ def test_a_matrix_from_fake_jobs_has_the_issues_schema_and_resumes(tmp_path, mon
     out = tmp_path / "cells"
     cells = ["llama3_8b_16l:tp2:mbs1:eager", "llama3_8b_16l:tp2:mbs1:local"]
     assert M.main(["run", *cells, "--out", str(out), "--iters", "120", "--graph-iters", "40"]) == 0
-    assert len(launches) == 3  # one interleaved job, two graph jobs (megatron, auto)
+    assert len(launches) == 3  # one interleaved job, two graph jobs (auto, megatron)
     assert M.main(["run", *cells, "--out", str(out)]) == 0
     assert len(launches) == 3, "finished cells are not run again"
     eager = json.loads((out / "llama3_8b_16l_tp2_mbs1_eager.json").read_text())
