@@ -93,8 +93,6 @@ class StepAutoSelector:
         self.group = group
         self._log, self._clock = log, clock
         self._sync = synchronize if synchronize is not None else _synchronize
-        self.initial = self.layers[0].flux_backend if self.layers else "auto"
-        # the plan: one entry per iteration from the first selecting one: (candidate, timed?)
         # the plan: one (candidate, round or None if not timed) per iteration
         plan = [(name, None) for name in self.candidates]  # warm-up block
         for r in range(rounds):
