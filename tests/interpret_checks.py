@@ -269,25 +269,25 @@ def check_ag_merged_local():
     (two ranks), aligned (two row tiles per segment) and ragged (one) m_local, leads of 0 waves
     (wait for every peer first, then the gathered rows as one operand: at ragged m_local its
     row tiles span segments), 1 (some columns local-only) and 2 (every column: nothing left after the wait
-    but the peers' rows), peer groups 1 and larger, pushed and (once) pulled. The own rows are
+    but the peers' rows), peer groups 1 and larger. The own rows are
     in the workspace (the host copies them before the kernel). With 5 column tiles and a
     5-program grid, lead 1 covers 3 columns at two row tiles per segment, 5 at one."""
     import dataclasses
 
-    cases = [  # world, m_local, ranks, (peer group, lead, pull)
-        (2, 32, (0, 1), ((1, 0, False), (1, 1, False), (1, 2, False), (1, 1, True))),
-        (2, 9, (0, 1), ((1, 0, False), (1, 1, False))),
-        (4, 20, (1, 3), ((1, 1, False), (3, 0, False), (3, 1, False))),
-        (8, 9, (5,), ((1, 1, False), (2, 1, False), (7, 0, False))),
+    cases = [  # world, m_local, ranks, (peer group, lead)
+        (2, 32, (0, 1), ((1, 0), (1, 1), (1, 2))),
+        (2, 9, (0, 1), ((1, 0), (1, 1))),
+        (4, 20, (1, 3), ((1, 1), (3, 0), (3, 1))),
+        (8, 9, (5,), ((1, 1), (2, 1), (7, 0))),
     ]
     for world, m_local, ranks, variants in cases:
         xs, b, ref = _ag_case(world, m_local, 32, 160, False)
         for rank in ranks:
             base = _ag_on_rank(xs, b, rank, CFG, f"{world=} {rank=} per-segment")
-            for group, lead, pull in variants:
+            for group, lead in variants:
                 cfg = dataclasses.replace(CFG, ag_merge_local=True, ag_merge_lead=lead,
-                                          ag_peer_group=group, ag_pull=pull)
-                label = f"{world=} {rank=} {m_local=} {group=} {lead=} {pull=}"
+                                          ag_peer_group=group)
+                label = f"{world=} {rank=} {m_local=} {group=} {lead=}"
                 out = _ag_on_rank(xs, b, rank, cfg, label)
                 e = _rel(out, ref)
                 assert e < TOL, f"{label}: rel err {e}"
@@ -387,7 +387,7 @@ def check_next_call_cannot_release_a_wait():
 
 
 def check_ready_barrier():
-    """The pulling AG's "shards ready" barrier at TP 2/4/8: every rank signals every peer at
+    """The ready barrier (signal and wait) at TP 2/4/8: every rank signals every peer at
     ``base + rank``, then waits for all peers; with one rank missing, every other rank reports
     that rank's word, and nobody writes its own."""
     from fake_symm import FakeWorld
@@ -442,7 +442,7 @@ def check_copy_engine_gather():
                 if r == missing:
                     continue
                 plan = ag_copy_plan(w.ws[r], m_local, k, rank=r, world=world, parity=parity,
-                                    chunk=m_local, pull=False)
+                                    chunk=m_local)
                 assert len(plan) == world - 1, "one push per peer"
                 for dst, src, flags, index in materialize(plan, shards[r]):
                     dst.copy_(src)

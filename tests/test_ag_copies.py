@@ -1,4 +1,4 @@
-"""The AllGather's copy-engine schedule (push and pull), executed on simulated ranks' CPU
+"""The AllGather's copy-engine schedule, executed on simulated ranks' CPU
 workspaces: after every rank's copies, every rank holds every peer's rows, every chunk signal
 it waits on carries the epoch, and nothing else was written."""
 
@@ -14,19 +14,16 @@ from fake_symm import FakeWorld  # noqa: E402
 from megatron_flux.comm.ag_copies import ag_chunk_copies  # noqa: E402
 
 
-def _exchange(world, m_local, k, chunk, pull, epoch=7):
+def _exchange(world, m_local, k, chunk, epoch=7):
     w = FakeWorld(world, "ag", torch.float16)
     chunks = -(-m_local // chunk)
-    w.reserve(world * m_local * k, world * chunks + world)
+    w.reserve(world * m_local * k, world * chunks)
     parity = epoch & 1
     shards = [torch.randn(m_local, k).half() for _ in range(world)]
     plans = []
     for r in range(world):
-        if pull:  # before the ready barrier: every rank's shard into its own slot
-            own = w.ws[r].data(r, parity, world * m_local * k).view(world * m_local, k)
-            own[r * m_local:(r + 1) * m_local] = shards[r]
         plans.append(ag_chunk_copies(w.ws[r], shards[r], rank=r, world=world, parity=parity,
-                                     chunk=chunk, pull=pull))
+                                     chunk=chunk))
     for plan in plans:  # each rank's copy engine, one after another
         for dst, src, flags, index in plan:
             dst.copy_(src)
@@ -34,18 +31,17 @@ def _exchange(world, m_local, k, chunk, pull, epoch=7):
     return w, shards, plans, chunks, parity
 
 
-@pytest.mark.parametrize("pull", [False, True])
 @pytest.mark.parametrize("world,m_local,chunk", [(2, 8, 8), (3, 10, 4), (4, 16, 5), (8, 3, 1)])
-def test_every_rank_gets_every_peers_rows_and_signals(world, m_local, chunk, pull):
+def test_every_rank_gets_every_peers_rows_and_signals(world, m_local, chunk):
     k = 6
-    w, shards, plans, chunks, parity = _exchange(world, m_local, k, chunk, pull)
+    w, shards, plans, chunks, parity = _exchange(world, m_local, k, chunk)
     for r, ws in enumerate(w.ws):
         gathered = ws.data(r, parity, world * m_local * k).view(world * m_local, k)
         for s in range(world):
             rows = gathered[s * m_local:(s + 1) * m_local]
             if s != r:
                 assert torch.equal(rows, shards[s]), (r, s)
-            elif not pull:  # push leaves the own slot alone (the GEMM reads the shard itself)
+            else:  # the own slot is left alone (the GEMM reads the shard itself)
                 assert not torch.equal(rows, shards[s])
         flags = ws.flags(r, parity)
         awaited = [s * chunks + c for s in range(world) if s != r for c in range(chunks)]
@@ -57,18 +53,15 @@ def test_every_rank_gets_every_peers_rows_and_signals(world, m_local, chunk, pul
         assert (other_slot.view(torch.uint8) == 0xAB).all(), "wrote the other parity's slot"
 
 
-@pytest.mark.parametrize("pull", [False, True])
-def test_copies_go_in_the_order_the_consumers_need_them(pull):
+def test_copies_go_in_the_order_the_consumers_need_them():
     world, m_local, chunk = 4, 8, 4
-    w, shards, plans, chunks, parity = _exchange(world, m_local, 2, chunk, pull)
+    w, shards, plans, chunks, parity = _exchange(world, m_local, 2, chunk)
     for r, plan in enumerate(plans):
         segs = [index // chunks for _, _, _, index in plan]
-        if pull:  # this rank's GEMM visits r+1, r+2, ...: pull in that order
-            assert segs == [s for step in range(1, world) for s in [(r + step) % world] * chunks]
-        else:     # peer r-1 reaches segment r first, then r-2, ...: every index is segment r
-            assert segs == [r] * ((world - 1) * chunks)
-            owners = [next(p for p in range(world)
-                           if w.ws[p].flags(p, parity).data_ptr() == flags.data_ptr())
-                      for _, _, flags, _ in plan]
-            assert owners == [(r - step) % world for step in range(1, world) for _ in range(chunks)]
+        # peer r-1 reaches segment r first, then r-2, ...: every index is segment r
+        assert segs == [r] * ((world - 1) * chunks)
+        owners = [next(p for p in range(world)
+                       if w.ws[p].flags(p, parity).data_ptr() == flags.data_ptr())
+                  for _, _, flags, _ in plan]
+        assert owners == [(r - step) % world for step in range(1, world) for _ in range(chunks)]
         assert len(plan) == (world - 1) * chunks

@@ -84,12 +84,12 @@ def test_reserved_sms_from_the_options():
 @pytest.mark.parametrize("word,expected", [
     ([1, 0, 5, 3], r"AG\+GEMM: rank 0 timed out waiting for signal 5 \(last value seen 3\)"),
     ([2, 1, 7, 0], r"GEMM\+RS: rank 1 timed out waiting for signal 7"),
-    ([3, 2, 1, 4], r"AG\+GEMM \(pull\): rank 2 timed out waiting for rank 1's shard to be ready"),
+    ([3, 2, 1, 4], r"ready barrier: rank 2 timed out waiting for rank 1's signal"),
     ([4, 0, 1, 6], r"all-gather \(copy engine\): rank 0 timed out waiting for rank 1's rows"),
 ])
 def test_a_timed_out_wait_names_the_op_the_rank_and_what_it_waited_for(word, expected):
     """The error word a kernel fills becomes an exception naming op, rank and signal (or, for
-    the pulling AllGather's ready barrier, the peer whose shard never came)."""
+    the ready barrier and the copy-engine all-gather's wait, the peer whose signal never came)."""
     from megatron_flux.comm.errors import DeviceErrorWord, FusedOpTimeout
 
     err = DeviceErrorWord.__new__(DeviceErrorWord)  # no pinned memory on a CPU-only build

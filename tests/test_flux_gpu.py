@@ -3,8 +3,8 @@
 Spawns one process per visible GPU (skipped below 2 GPUs). Each check draws fresh random
 inputs, poisons outputs with NaN first, and compares with the reference; repeated calls with
 changing shapes exercise signal/epoch reuse and the workspace parity; repeated identical calls
-must be bitwise identical; the pulling AllGather and GEMM+RS's schedule knobs run over every shape;
-fused calls queued back to back alternate signal layouts, pull/push and RS push modes (TMA,
+must be bitwise identical; AllGather's small chunks and GEMM+RS's schedule knobs run over every
+shape; fused calls queued back to back alternate signal layouts and RS push modes (TMA,
 vector stores, copy engine); the copy-engine all-gather runs beside GEMM+RS (SM and copy-engine
 pushes) in the column backward's order; AG+GEMM's stream-K
 tail and its merged local rows (``ag_merge_local``) run over every shape. Runs under both
@@ -232,10 +232,10 @@ def _worker(rank, world, port, env):
     # third rank (the workspace keeps the two calls' signals apart by parity)
     from megatron_flux.kernels.config import GemmConfig
 
-    def alternating(op, m_total, n, k):  # AG alternates pulling and pushing, RS TMA and
-        if n == 1024:                    # vector pushes
+    def alternating(op, m_total, n, k):  # AG alternates chunk layouts, RS TMA and vector
+        if n == 1024:                    # pushes
             return GemmConfig(block_m=64, block_n=128, num_stages=3, num_warps=4, chunk_rows=32,
-                              epilogue_split=1, ag_pull=True, rs_tma_push=False, flatten=False)
+                              epilogue_split=1, rs_tma_push=False, flatten=False)
         return GemmConfig(block_m=128, block_n=128, num_stages=3, num_warps=8, chunk_rows=128,
                           epilogue_split=1)
 
@@ -279,10 +279,9 @@ def _worker(rank, world, port, env):
     flux_ce = _default_with(rs_copy_engine=True)
     n_checks += _check_gather_beside_rs(flux_ce, group, rank, world, gen)
     flux_ce.check_errors()
-    _stage(rank, t0, "pulling AllGather")
-    # the pulling AllGather over every shape and layout
-    n_checks += _check_ag_every_shape(_default_with(ag_pull=True, chunk_rows=64), group, rank,
-                                      world, gen)
+    _stage(rank, t0, "AllGather in small chunks")
+    # the AllGather in 64-row chunks (many signals per segment) over every shape and layout
+    n_checks += _check_ag_every_shape(_default_with(chunk_rows=64), group, rank, world, gen)
     # GEMM+RS schedule knobs over every shape: vector-store pushes, unflattened loops,
     # vector-load reduction, the reduction spread over the grid, every rank's rows in one
     # tile space (rows tiles spanning owners where m_local is not a multiple of block_m)
@@ -334,16 +333,16 @@ def _worker(rank, world, port, env):
                               gen, with_bias=(m_local % 2 == 0))
                     n_checks += 1
         flux_ws.check_errors()
-    # the warp-specialized Gluon AG+GEMM (kernels/ag_gemm_ws.py), pushing and pulling, over
-    # every shape and layout (shapes whose rows per rank are not a multiple of block_m run
-    # the Triton kernel instead)
+    # the warp-specialized Gluon AG+GEMM (kernels/ag_gemm_ws.py), with the default and with
+    # small chunks, over every shape and layout (shapes whose rows per rank are not a
+    # multiple of block_m run the Triton kernel instead)
     _stage(rank, t0, "Gluon AG+GEMM")
     ag_ws = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4,
                  epilogue_split=1, ag_warp_specialized=True)
     ag_coop = dict(ag_ws, block_n=256, num_stages=3, num_warps=8)  # the cooperative form
-    for variant in (ag_ws, dict(ag_ws, ag_pull=True, chunk_rows=64),
+    for variant in (ag_ws, dict(ag_ws, chunk_rows=64),
                     dict(ag_ws, block_m=64, num_stages=4, chunk_rows=128),
-                    ag_coop, dict(ag_coop, ag_pull=True, chunk_rows=64)):
+                    ag_coop, dict(ag_coop, chunk_rows=64)):
         flux_ag_ws = _default_with(**variant)
         n_checks += _check_ag_every_shape(flux_ag_ws, group, rank, world, gen)
         flux_ag_ws.check_errors()
@@ -365,13 +364,13 @@ def _worker(rank, world, port, env):
                 f"AG+GEMM with {variant} not deterministic"
         flux_sk.check_errors()
     # AG+GEMM with the local rows merged into the first peer group (the shard copied into
-    # the workspace before the kernel), pushing and pulling, leads of 0 (the gathered rows
-    # as one operand, tiles spanning segments: small m's default) and 1 waves, and the
+    # the workspace before the kernel), leads of 0 (the gathered rows as one operand, tiles
+    # spanning segments: small m's default) and 1 waves, small chunks, and the
     # 128x128 warp-specialized tile of the llama3-8b TP 2 table entries
     _stage(rank, t0, "AG+GEMM merged local rows")
     merge_variants = [dict(ag_merge_local=True),
                       dict(ag_merge_local=True, ag_merge_lead=0, chunk_rows=64),
-                      dict(ag_merge_local=True, ag_pull=True, chunk_rows=64),
+                      dict(ag_merge_local=True, chunk_rows=64),
                       dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
                            epilogue_split=1, warp_specialize=True, ag_merge_local=True)]
     for variant in merge_variants:

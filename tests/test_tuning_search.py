@@ -49,13 +49,11 @@ def test_seed_configs_come_right_after_the_default_and_respect_the_filters():
             cfg = GemmConfig(**{**base.to_dict(), **seed})
             if cfg != base and cfg not in expected and cfg.block_m <= max(64, m // 2):
                 expected.append(cfg)
-        if base.rs_merge_rows:  # merged rows push from the SMs: no copy-engine twin
-            twin = [default_config(op, m, 14336, 4096, tp=2, gather_small_m=False)]
-        else:
-            twin = [dataclasses.replace(base, ag_pull=True) if op == "ag"
-                    else dataclasses.replace(base, rs_copy_engine=True)]
-        if base.ag_merge_local:  # small m gathers first; the per-segment default is a seed too
+        twin = []
+        if base.rs_merge_rows or base.ag_merge_local:  # small m: the per-segment default too
             twin.append(default_config(op, m, 14336, 4096, tp=2, gather_small_m=False))
+        if op == "rs" and not base.rs_merge_rows:  # (merged rows push from the SMs)
+            twin.append(dataclasses.replace(base, rs_copy_engine=True))
         assert c[0] == base and c[1:1 + len(twin) + len(expected)] == twin + expected, op
         assert len(c) == len(set(c))
     # the multi-knob seeds are there although they differ from the default in several knobs
@@ -64,7 +62,7 @@ def test_seed_configs_come_right_after_the_default_and_respect_the_filters():
     # m = 64 on 2 ranks: 32-row segments, no 128-row seed survives; the default gathers first
     c = S.generate_candidates("ag", 64, 14336, 4096, 2)
     assert c[0].ag_merge_local and c[0].ag_merge_lead == 0
-    assert all(x.block_m == 64 for x in c[3:])
+    assert all(x.block_m == 64 for x in c[2:])
 
 
 def test_candidate_filters():
@@ -73,13 +71,13 @@ def test_candidate_filters():
     assert {x.chunk_rows for x in rs} == {default_config("rs", 4096, 4096, 14336).chunk_rows}
     ag = S.generate_candidates("ag", 1024, 14336, 4096, 2, max_candidates=10**6)
     assert all(x.chunk_rows < 512 for x in ag[1:] if x.chunk_rows != ag[0].chunk_rows)
-    # small m: no block_m above the segment rows (rounded up, at least 64); the default, its
-    # pulling twin and the per-segment default are kept as they are
+    # small m: no block_m above the segment rows (rounded up, at least 64); the default and
+    # the per-segment default are kept as they are
     small = S.generate_candidates("ag", 64, 14336, 4096, 2, max_candidates=10**6)
-    assert max(x.block_m for x in small[3:]) == 64
+    assert max(x.block_m for x in small[2:]) == 64
     # a tight shared-memory budget removes the big pipelines
     tight = S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6, smem_limit=100 * 1024)
-    assert all(S.smem_bytes(x) <= 100 * 1024 for x in tight[2:])
+    assert all(S.smem_bytes(x) <= 100 * 1024 for x in tight[1:])
     with pytest.raises(ValueError, match="divisible"):
         S.generate_candidates("ag", 65, 128, 128, 2)
     with pytest.raises(ValueError, match="GemmConfig does not have"):
@@ -269,20 +267,6 @@ def test_simple_progress_bar():
     assert isinstance(progress(3, force_simple=True), SimpleProgress)
 
 
-def test_pull_vs_push_is_tried_on_every_ag_entry_and_never_for_rs():
-    for m in (64, 1024, 8192):
-        ag = S.generate_candidates("ag", m, 14336, 4096, 2, max_candidates=3)
-        assert ag[0].ag_pull is False and ag[1] == dataclasses.replace(ag[0], ag_pull=True)
-        rs = S.generate_candidates("rs", m, 4096, 14336, 2, max_candidates=10**6)
-        assert not any(c.ag_pull for c in rs)
-    assert "ag_pull" not in S.NOT_SEARCHED
-    with pytest.raises(ValueError, match="ag_pull"):
-        GemmConfig(ag_pull=1)
-    d = default_config("ag", 4096, 14336, 4096).to_dict()
-    d.pop("ag_pull")  # tables written before the knob existed load with push
-    assert GemmConfig.from_dict(d).ag_pull is False
-
-
 def test_a_capped_list_varies_the_comm_knobs_first():
     """Single-knob variations go breadth-first, comm knobs first: 12 candidates for a large AG
     entry try a smaller chunk and the other side-stream priority (with 8 and the earlier
@@ -292,7 +276,7 @@ def test_a_capped_list_varies_the_comm_knobs_first():
     singles = [f for x in c[1:] for f in S.SEARCH_SPACE
                if getattr(x, f) != getattr(base, f)
                and sum(getattr(x, g) != getattr(base, g) for g in S.SEARCH_SPACE) == 1]
-    assert {"chunk_rows", "comm_priority", "ag_pull"} <= set(singles)
+    assert {"chunk_rows", "comm_priority"} <= set(singles)
     assert len(singles) == len(set(singles))  # one value of each knob before a second one
 
 
@@ -394,7 +378,7 @@ def test_ag_gemm_tries_both_forms_of_its_warp_specialized_kernel():
         assert [(x.block_n, x.num_stages, x.num_warps) for x in ws] == [(128, 5, 4), (256, 3, 8)], (n, k)
         for x in ws:
             assert c.index(x) <= 3 + len(S.SEED_CONFIGS)
-            assert x.chunk_rows == c[0].chunk_rows and x.ag_pull == c[0].ag_pull
+            assert x.chunk_rows == c[0].chunk_rows and x.comm_priority == c[0].comm_priority
     for k in (2048, 14336):
         assert not any(x.ag_warp_specialized
                        for x in S.generate_candidates("rs", 8192, 4096, k, 2, max_candidates=10**6))

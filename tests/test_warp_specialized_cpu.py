@@ -146,9 +146,9 @@ def test_ag_warp_specialized_refuses_what_the_kernel_does_not_do(fields, match):
         GemmConfig(**{**AG_WS, **fields})
 
 
-def test_ag_warp_specialized_round_trips_and_takes_pulls_and_stream_k_flags():
+def test_ag_warp_specialized_round_trips_and_takes_stream_k_flags():
     assert GemmConfig().ag_warp_specialized is False
-    cfg = GemmConfig(**{**AG_WS, "ag_pull": True, "stream_k": 1})  # stream-K is ignored
+    cfg = GemmConfig(**{**AG_WS, "stream_k": 1})  # stream-K is ignored
     assert GemmConfig.from_dict(cfg.to_dict()) == cfg
 
 

@@ -9,6 +9,7 @@ and 8 warps wins on the large training shapes, 128x128x64 with 4 stages and 4 wa
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any, Dict, Optional, Tuple
 
@@ -43,8 +44,6 @@ class GemmConfig:
 
     * ``chunk_rows``: rows of a rank's segment copied and signalled at once (not tied to block_m).
     * ``comm_priority``: CUDA priority of the copy-engine side stream (-1 is above the default 0).
-    * ``ag_pull``: each rank pulls its peers' shards with its own copy engine, after a
-      "shards ready" barrier, instead of pushing its shard into theirs.
     * ``ag_peer_group``: peer segments that share one tile loop after one wait (1 = per segment;
       larger values are unmeasured and not shipped).
     * ``ag_merge_local``: the local segment joins the first peer group's tile space (off above
@@ -86,7 +85,6 @@ class GemmConfig:
     flatten_consume: bool = False
     warp_specialize: bool = False
     comm_priority: int = -1
-    ag_pull: bool = False
     rs_tma_push: bool = True
     rs_tma_reduce: bool = True
     rs_spread_reduce: bool = False
@@ -113,7 +111,7 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.epilogue_split must be 1 or 2 (block_n/split >= 16): {self}")
         if not isinstance(self.comm_priority, int) or not -5 <= self.comm_priority <= 0:
             raise ValueError(f"GemmConfig.comm_priority must be an int in [-5, 0]: {self}")
-        for name in ("flatten", "flatten_consume", "warp_specialize", "ag_pull", "rs_tma_push",
+        for name in ("flatten", "flatten_consume", "warp_specialize", "rs_tma_push",
                      "rs_tma_reduce", "rs_spread_reduce", "rs_copy_engine", "rs_ce_bands",
                      "ag_merge_local", "rs_warp_specialized", "ag_warp_specialized",
                      "rs_merge_rows"):
@@ -173,10 +171,36 @@ class GemmConfig:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "GemmConfig":
+        """The config of ``d``'s fields; a field of :data:`REMOVED_FIELDS` is dropped at the
+        value it always had and refused at any other."""
+        d = dict(d)
+        for name in sorted(set(d) & set(REMOVED_FIELDS)):
+            problem = removed_field_problem(name, d.pop(name))
+            if problem is not None:
+                raise ValueError(f"GemmConfig.{name}: {problem}")
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown GemmConfig fields {sorted(unknown)}")
         return cls(**d)
+
+
+#: Knobs GemmConfig no longer has, with the one value they always took: no shipped tuning table
+#: set another and no measurement supported one (docs/design.md, "Measured and rejected").
+#: Tables and configs written before their removal name them at that value, which
+#: :meth:`GemmConfig.from_dict` and :mod:`megatron_flux.tuning.schema` drop.
+REMOVED_FIELDS: Dict[str, Any] = {
+    "ag_pull": False,
+}
+
+
+def removed_field_problem(name: str, value: Any) -> Optional[str]:
+    """Why a config may not name the removed knob ``name`` at ``value``, or None where it is
+    the value the knob always had (then the field is dropped)."""
+    kept = REMOVED_FIELDS[name]
+    if type(value) is type(kept) and value == kept:
+        return None
+    return (f"knob {name} was removed; a config may name it only at {json.dumps(kept)}, the "
+            f"value it always had, not {json.dumps(value, default=repr)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,9 +27,8 @@ are merged into ``--out`` (default ``configs/tuning/<gpu>-sm<sms>-tp<tp>-<dtype>
 it to ``megatron_flux/tuning/tables/`` to ship it, or point ``--flux-config`` /
 ``$MEGATRON_FLUX_CONFIG`` at it.
 
-The comm settings searched for AllGather are the chunk size (``chunk_rows``), the CUDA priority
-of the copy-engine side stream (``comm_priority``) and pull vs push (``ag_pull``). For AG the
-default's pulling twin is tried right after the default, so every entry compares the two.
+The comm settings searched for AllGather are the chunk size (``chunk_rows``) and the CUDA
+priority of the copy-engine side stream (``comm_priority``).
 ``--dry-run`` prints the plan (shapes, buckets, candidate counts) without GPUs.
 """
 
@@ -62,7 +61,6 @@ SEARCH_SPACE: Dict[str, Tuple] = {
     "flatten": (True, False),
     "warp_specialize": (False, True),
     "comm_priority": (-1, 0),
-    "ag_pull": (False, True),
     "rs_tma_push": (True, False),
     "rs_tma_reduce": (True, False),
     "rs_spread_reduce": (False, True),
@@ -70,10 +68,10 @@ SEARCH_SPACE: Dict[str, Tuple] = {
     "stream_k": (0, 1),
 }
 #: knobs only one op has; the other op keeps its default's value
-_OP_KNOBS = {"ag": ("chunk_rows", "comm_priority", "ag_pull", "stream_k"),
+_OP_KNOBS = {"ag": ("chunk_rows", "comm_priority", "stream_k"),
              "rs": ("rs_tma_push", "rs_tma_reduce", "rs_spread_reduce", "rs_copy_engine")}
 #: order of the single-knob variations within each round (see generate_candidates)
-_VARIATION_ORDER = ("stream_k", "chunk_rows", "comm_priority", "ag_pull", "rs_copy_engine",
+_VARIATION_ORDER = ("stream_k", "chunk_rows", "comm_priority", "rs_copy_engine",
                     "rs_tma_push", "rs_tma_reduce", "rs_spread_reduce", "num_stages", "block_n", "block_m",
                     "block_k", "warp_specialize", "epilogue_split", "group_m", "num_warps", "flatten")
 #: knobs the backend has but the search leaves alone (recorded in the table's search.not_searched)
@@ -228,10 +226,10 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
                         space: Optional[Dict[str, Sequence]] = None, elem_bytes: int = 2,
                         smem_limit: int = SMEM_BYTES,
                         seeds: Optional[Sequence[Dict[str, object]]] = None) -> List:
-    """Configs to try for one shape: the default first, then the default pulling instead of
-    pushing (AG) or with the other ReduceScatter delivery (RS: copy engine vs SM pushes), and at
-    small m, where the default runs every rank's rows as one tile space, the per-segment
-    default (``default_config(..., gather_small_m=False)``), then
+    """Configs to try for one shape: the default first, then at small m, where the default runs
+    every rank's rows as one tile space, the per-segment default (``default_config(...,
+    gather_small_m=False)``), and for RS the default with the other ReduceScatter delivery
+    (copy engine vs SM pushes), then
     the multi-knob seeds (``seeds``; by default :data:`RS_MERGED_SEEDS` for GEMM+RS up to
     :data:`RS_MERGED_SEED_MAX_M` rows, then :func:`seeds_for` the op and ``k``), then
     variations by distance from the default; the
@@ -244,8 +242,8 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     rows where the tile space spans segments: merged GEMM+RS rows, AG+GEMM gathered first), ``block_n`` /
     ``block_k`` no larger than ``n`` / ``k`` rounded up, and for AG ``chunk_rows`` below the rows
     of a segment (a chunk that large is one chunk: the default already covers it). RS keeps the
-    default ``chunk_rows``, side-stream priority and ``ag_pull`` (it has no chunked copy); AG keeps
-    the default's RS knobs. ``flatten`` / ``warp_specialize`` are searched for both ops.
+    default ``chunk_rows`` and side-stream priority (it has no chunked copy); AG keeps the
+    default's RS knobs. ``flatten`` / ``warp_specialize`` are searched for both ops.
     """
     from megatron_flux.kernels.config import GemmConfig, default_config
 
@@ -283,10 +281,6 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
                 and bn <= bn_max and bk <= bk_max)
 
     seed_cfgs = []
-    if op == "ag" and len(set(space.get("ag_pull", ()))) > 1:  # pull vs push on every entry
-        twin = dataclasses.replace(base, ag_pull=not base.ag_pull)
-        seen.add(twin)
-        seed_cfgs.append(twin)
     if base.ag_merge_local or base.rs_merge_rows:  # small m: also the per-segment default
         twin = default_config(op, m_total, n, k, tp=tp, gather_small_m=False)
         seen.add(twin)
