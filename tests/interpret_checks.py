@@ -956,36 +956,6 @@ def check_copy_engine_reduce_scatter():
                 assert torch.equal(out, ref), f"TP {world} rank {r}: reduction differs"
 
 
-def check_programs_per_sm():
-    """``programs_per_sm=2`` doubles the persistent grid (the interpreter reports unbounded
-    occupancy): AG+GEMM (with and without stream-K) and GEMM+RS stay right at TP 2 and 4."""
-    import dataclasses
-
-    cfg = dataclasses.replace(CFG, programs_per_sm=2)
-    for world, m_local in ((2, 48), (4, 20)):
-        k, n = 32, 64
-        xs, b, ref = _ag_case(world, m_local, k, n, False)
-        chunks = triton.cdiv(m_local, cfg.chunk_rows)
-        for sk in (0, 1):
-            c = dataclasses.replace(cfg, stream_k=sk)
-            for rank in range(world):
-                flags = torch.full((world * chunks,), 7, dtype=torch.int32)
-                err = torch.zeros(4, dtype=torch.int32)
-                out = torch.full((world * m_local, n), float("nan")).to(DTYPE)
-                launch_ag_gemm(xs[rank], _gathered_by(rank, xs), b, out, flags, err, rank=rank,
-                               world=world, epoch=7, cfg=c, num_sms=NSMS, max_spins=10)
-                assert err.tolist() == [0, 0, 0, 0], err.tolist()
-                e = _rel(out, ref)
-                assert e < TOL, f"AG pps=2 sk={sk} world={world} rank={rank}: rel err {e}"
-        w = _rs_world(world, m_local, k, n, False, True, cfg=cfg)
-        _rs_run(w)
-        full = sum(a.float() @ b.float() for a, b in zip(w["a"], w["b"])) + w["bias"].float()
-        for r in range(world):
-            assert w["errs"][r].tolist() == [0, 0, 0, 0], w["errs"][r].tolist()
-            e = _rel(w["outs"][r], full[r * m_local:(r + 1) * m_local])
-            assert e < TOL, f"GEMM+RS pps=2 world={world} rank={r}: rel err {e}"
-
-
 def check_plain_gemm():
     """The benchmarks' plain persistent GEMM (the yardstick) on ragged shapes, every tile once."""
     for m, n, k in ((40, 72, 48), (16, 32, 16), (33, 104, 24)):
@@ -1050,7 +1020,7 @@ CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_
           check_gemm_rs_copy_engine,
           check_gemm_rs_copy_engine_bands, check_copy_engine_reduce_scatter,
           check_next_call_cannot_release_a_wait, check_ready_barrier, check_copy_engine_gather,
-          check_programs_per_sm, check_ws_configs_run_the_triton_kernels,
+          check_ws_configs_run_the_triton_kernels,
           check_host_and_device_descriptors_agree]
 
 

@@ -24,7 +24,7 @@ NAMES = ["check_tile_order", "check_ag_gemm_all_ranks", "check_ag_peer_groups",
          "check_copy_engine_reduce_scatter",
          "check_next_call_cannot_release_a_wait",
          "check_ready_barrier", "check_copy_engine_gather", "check_plain_gemm",
-         "check_programs_per_sm", "check_ws_configs_run_the_triton_kernels",
+         "check_ws_configs_run_the_triton_kernels",
          "check_host_and_device_descriptors_agree"]
 
 
@@ -33,7 +33,7 @@ NAMES = ["check_tile_order", "check_ag_gemm_all_ranks", "check_ag_peer_groups",
 COST = {"check_gemm_rs_merged_rows": 32, "check_gemm_rs_all_ranks": 29, "check_gemm_rs_stream_k": 13,
         "check_gemm_rs_copy_engine": 13, "check_gemm_rs_copy_engine_bands": 11,
         "check_ag_peer_groups": 10, "check_ag_stream_k": 6, "check_ag_merged_local": 6,
-        "check_tile_order": 5, "check_gemm_rs_ownership": 4, "check_programs_per_sm": 4,
+        "check_tile_order": 5, "check_gemm_rs_ownership": 4,
         "check_ag_gemm_all_ranks": 3}
 
 

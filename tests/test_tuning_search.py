@@ -342,27 +342,23 @@ def test_every_config_knob_is_searched_or_says_why_not():
     assert not set(S.SEARCH_SPACE) & set(S.NOT_SEARCHED)
     assert all(isinstance(why, str) and why for why in S.NOT_SEARCHED.values())
     for m in (1024, 8192):  # the candidates keep the default's value of an unsearched knob
-        for c in S.generate_candidates("rs", m, 4096, 14336, 2, max_candidates=64):
-            assert c.programs_per_sm == 1
+        cands = S.generate_candidates("rs", m, 4096, 14336, 2, max_candidates=64)
+        assert all(c.flatten_consume == cands[0].flatten_consume for c in cands)
 
 
-def test_short_k_gemm_rs_tries_the_overlapped_epilogues_once():
-    """GEMM+RS at per-rank k <= RS_SHORT_K gets the warp-specialized kernel and the
-    two-programs-per-SM seeds right after the common seeds (so a capped list keeps them);
-    AG+GEMM and long-K GEMM+RS never do."""
+def test_short_k_gemm_rs_tries_the_overlapped_epilogue_once():
+    """GEMM+RS at per-rank k <= RS_SHORT_K gets the warp-specialized kernel's seed right after
+    the common seeds (so a capped list keeps it); AG+GEMM and long-K GEMM+RS never do."""
     for k in (2048, 3072, S.RS_SHORT_K):
         c = S.generate_candidates("rs", 8192, 4096, k, 2, max_candidates=64)
-        two = [x for x in c if x.programs_per_sm == 2]
         ws = [x for x in c if x.rs_warp_specialized]
-        assert len(two) == 1 and len(ws) == 1, k
-        assert (two[0].block_m, two[0].block_n, two[0].num_warps) == (128, 128, 4)
+        assert len(ws) == 1, k
         assert (ws[0].block_m, ws[0].block_n, ws[0].num_stages) == (128, 128, 5)
-        for x in two + ws:
-            assert c.index(x) <= 3 + len(S.SEED_CONFIGS)
-            assert x.rs_copy_engine == c[0].rs_copy_engine  # only the seed's fields change
+        assert c.index(ws[0]) <= 3 + len(S.SEED_CONFIGS)
+        assert ws[0].rs_copy_engine == c[0].rs_copy_engine  # only the seed's fields change
     for op, k in (("rs", S.RS_SHORT_K + 1024), ("ag", 2048)):
         c = S.generate_candidates(op, 8192, 4096, k, 2, max_candidates=10**6)
-        assert all(x.programs_per_sm == 1 and not x.rs_warp_specialized for x in c), (op, k)
+        assert not any(x.rs_warp_specialized for x in c), (op, k)
     assert S.seeds_for("GEMM+RS", 2048) == S.SEED_CONFIGS + S.RS_SHORT_K_SEEDS
     assert S.seeds_for("GEMM+RS", 14336) == S.SEED_CONFIGS
 

@@ -36,7 +36,6 @@ def test_rs_warp_specialized_round_trips_and_defaults_off():
     (dict(num_warps=16), "num_warps=4 .ping-pong. or 8"),
     (dict(rs_spread_reduce=True), "rs_spread_reduce"),
     (dict(rs_copy_engine=True, rs_ce_bands=True), "rs_ce_bands"),
-    (dict(programs_per_sm=2), "one program per SM"),
     (dict(rs_warp_specialized=1), "must be a bool"),
 ])
 def test_rs_warp_specialized_refuses_what_the_kernel_does_not_do(fields, match):
@@ -138,7 +137,6 @@ AG_WS = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, ep
     (dict(num_warps=8, block_m=64), "block_m=128"),
     (dict(ag_peer_group=2), "per-segment schedule"),
     (dict(ag_merge_local=True), "per-segment schedule"),
-    (dict(programs_per_sm=2), "one program per SM"),
     (dict(ag_warp_specialized="yes"), "must be a bool"),
 ])
 def test_ag_warp_specialized_refuses_what_the_kernel_does_not_do(fields, match):

@@ -50,7 +50,6 @@ from megatron_flux.kernels import ag_gemm_ws
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import split_columns, tile_mainloop, tile_mainloop_k
 from megatron_flux.kernels.phase_trace import stamp
-from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import fence_async_proxy, wait_signal
 from megatron_flux.kernels.stream_k import launch_with_stream_k_fallback, sk_covering, \
     sk_publish_part, sk_range, sk_sum_parts, stream_k_fits, stream_k_plan, stream_k_scratch
@@ -506,10 +505,9 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
     host_desc = bool(host_descriptors)
     last_plan = {"sk_tiles": 0}  # of the kernel compiled or launched last
 
-    def plan(per_sm):
-        """(grid, runtime args, constexprs) with ``per_sm`` programs per SM."""
-        geo = launch_geometry(m_local, n, b, world, cfg, num_sms * per_sm, merged=gathered)
-        grid, sk_tiles = stream_k_plan(geo.tiles, num_sms * per_sm, mode, geo.tiles_per_segment)
+    def launch():
+        geo = launch_geometry(m_local, n, b, world, cfg, num_sms, merged=gathered)
+        grid, sk_tiles = stream_k_plan(geo.tiles, num_sms, mode, geo.tiles_per_segment)
         if sk_tiles:
             scratch = stream_k_scratch(x.device, grid, cfg.block_m, cfg.block_n)
             partials, counters = scratch.partials, scratch.counters
@@ -534,13 +532,7 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
             SK_LOCAL=sk_tiles > 0 and world == 1, UNROLL_STEPS=unroll_steps(world),
             TRACE=trace is not None, PEER_GROUP=peer_group, MERGE_LOCAL=merge,
             MERGE_LEAD=cfg.ag_merge_lead, GATHERED=gathered, HOST_DESC=host_desc)
-        return grid, args, constexprs
-
-    def launch():
-        # stream-K programs wait on each other's partials: all must be resident
-        per_sm = resident_programs_per_sm(cfg, num_sms, plan, _LAUNCH, "AG+GEMM")
-        grid, run_args, constexprs = plan(per_sm)
-        _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        _LAUNCH(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 direct=direct)
 
     ensure_descriptor_allocator()

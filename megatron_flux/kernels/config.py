@@ -37,8 +37,6 @@ class GemmConfig:
     * ``warp_specialize``: Triton's automatic warp specialization (same PTX either way on sm_90a).
     * ``stream_k``: 1 splits a small partial last wave along K over the grid
       (:mod:`~megatron_flux.kernels.stream_k`; RS: own tiles only, not merged rows or Gluon).
-    * ``programs_per_sm``: persistent programs per SM (1-4), checked against the occupancy
-      calculator, else 1 with a warning (:mod:`~megatron_flux.kernels.residency`).
 
     AG:
 
@@ -91,7 +89,6 @@ class GemmConfig:
     rs_copy_engine: bool = False
     rs_ce_bands: bool = False
     stream_k: int = 0
-    programs_per_sm: int = 1
     ag_peer_group: int = 1
     ag_merge_local: bool = False
     ag_merge_lead: int = 1
@@ -119,9 +116,6 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name} must be a bool: {self}")
         if self.stream_k not in (0, 1) or isinstance(self.stream_k, bool):
             raise ValueError(f"GemmConfig.stream_k must be 0 or 1: {self}")
-        if (isinstance(self.programs_per_sm, bool) or not isinstance(self.programs_per_sm, int)
-                or not 1 <= self.programs_per_sm <= 4):
-            raise ValueError(f"GemmConfig.programs_per_sm must be an int in [1, 4]: {self}")
         if (isinstance(self.ag_peer_group, bool) or not isinstance(self.ag_peer_group, int)
                 or not 1 <= self.ag_peer_group <= 64):
             raise ValueError(f"GemmConfig.ag_peer_group must be an int in [1, 64]: {self}")
@@ -143,8 +137,6 @@ class GemmConfig:
             else:
                 raise ValueError(f"GemmConfig.{knob} runs num_warps=4 (ping-pong) or 8 "
                                  f"(cooperative): {self}")
-            if self.programs_per_sm != 1:
-                raise ValueError(f"GemmConfig.{knob} runs one program per SM: {self}")
         if (isinstance(self.rs_split_k, bool) or not isinstance(self.rs_split_k, int)
                 or not 1 <= self.rs_split_k <= MAX_RS_SPLIT_K):
             raise ValueError(f"GemmConfig.rs_split_k must be an int in 1..{MAX_RS_SPLIT_K}: {self}")
@@ -190,6 +182,7 @@ class GemmConfig:
 #: :meth:`GemmConfig.from_dict` and :mod:`megatron_flux.tuning.schema` drop.
 REMOVED_FIELDS: Dict[str, Any] = {
     "ag_pull": False,
+    "programs_per_sm": 1,
 }
 
 

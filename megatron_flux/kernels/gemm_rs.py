@@ -83,7 +83,6 @@ from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import segment_tile, split_columns, tile_mainloop, \
     tile_mainloop_k, tile_mainloop_slice
 from megatron_flux.kernels.phase_trace import stamp
-from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import arrive_at_grid_barrier, drain_async_stores, \
     fence_async_proxy, release_fence, wait_signal
 from megatron_flux.kernels.stream_k import claim_tile, launch_with_stream_k_fallback, publish_part, \
@@ -719,20 +718,18 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
                     or not consume) else cfg.stream_k
     last_plan = {"sk_tiles": 0}  # of the kernel compiled or launched last
 
-    def plan(per_sm):
-        """(grid, runtime args, constexprs) with ``per_sm`` programs per SM."""
-        geo = launch_geometry(m_local, n, b, world, cfg, num_sms * per_sm, merged=merge_rows)
+    def launch():
+        geo = launch_geometry(m_local, n, b, world, cfg, num_sms, merged=merge_rows)
         grid, sk_tiles = geo.grid, 0
         if sk_mode:
-            grid, sk_tiles = stream_k_plan(geo.tiles, num_sms * per_sm, sk_mode,
-                                           geo.tiles_per_segment)
+            grid, sk_tiles = stream_k_plan(geo.tiles, num_sms, sk_mode, geo.tiles_per_segment)
         last_plan["sk_tiles"] = sk_tiles
         parts, counters = err, err  # never touched without a split
         if sk_tiles:
             scratch = stream_k_scratch(a.device, grid, cfg.block_m, cfg.block_n)
             parts, counters = scratch.partials, scratch.counters
         if split > 1:  # a program per work item, up to the SMs
-            grid = min(num_sms * per_sm, geo.tiles * split)
+            grid = min(num_sms, geo.tiles * split)
             scratch = stream_k_scratch(a.device, -(-geo.tiles * split // 2), cfg.block_m,
                                        cfg.block_n, tiles=geo.tiles)
             parts, counters = scratch.partials, scratch.counters
@@ -757,13 +754,7 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
             UNROLL_STEPS=unroll_steps(world), CE_PUSH=cfg.rs_copy_engine,
             CE_BANDS=cfg.rs_copy_engine and cfg.rs_ce_bands, TRACE=trace is not None,
             MERGE_ROWS=merge_rows, SPLIT=split, HOST_DESC=host_desc, STREAM_K=sk_tiles > 0)
-        return grid, args, constexprs
-
-    def launch():
-        # every program must be resident: consumers wait on the peer's whole grid
-        per_sm = resident_programs_per_sm(cfg, num_sms, plan, _LAUNCH, "GEMM+RS")
-        grid, run_args, constexprs = plan(per_sm)
-        _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        _LAUNCH(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 direct=direct)
 
     ensure_descriptor_allocator()

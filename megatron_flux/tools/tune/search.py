@@ -76,9 +76,6 @@ _VARIATION_ORDER = ("stream_k", "chunk_rows", "comm_priority", "rs_copy_engine",
                     "block_k", "warp_specialize", "epilogue_split", "group_m", "num_warps", "flatten")
 #: knobs the backend has but the search leaves alone (recorded in the table's search.not_searched)
 NOT_SEARCHED: Dict[str, str] = {
-    "programs_per_sm": "not varied knob by knob: two programs per SM on 128x128 tiles beat no "
-                       "shipped config beyond noise on the grid (one H200, communication "
-                       "off); GEMM+RS at short K gets one seed with it (RS_SHORT_K_SEEDS)",
     "ag_peer_group": "not measured yet (no GPU run has timed a value above 1)",
     "ag_merge_local": "the default at m <= 512 (gathered first, lead 0), where the per-segment "
                       "default is tried as a seed; at m = 1024-2048 no faster with "
@@ -141,20 +138,17 @@ SEED_CONFIGS: Tuple[Dict[str, object], ...] = (
     dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, group_m=8,
          epilogue_split=1),
 )
-#: GEMM+RS with a short contraction (per-rank ``k <= RS_SHORT_K``) also tries two ways of
-#: running one tile's reduction epilogue (the peers' partials read, added and stored) beside
-#: another tile's MMAs, where a plain persistent program idles its tensor cores: the
-#: warp-specialized Gluon kernel (``rs_warp_specialized``, 5 stages) and two programs per SM on
-#: 128x128 tiles. With communication off on one H200 they ran 0.92x and 0.95-0.98x the TP 2
-#: table's config on the training step's proj and qkv-dgrad GEMM+RS (k = 2048 / 3072,
-#: m = 8192), where the epilogue's reads cost 6-7 %; whether they also win with communication
-#: on is for the tune to measure.
+#: GEMM+RS with a short contraction (per-rank ``k <= RS_SHORT_K``) also tries running one
+#: tile's reduction epilogue (the peers' partials read, added and stored) beside another tile's
+#: MMAs, where a plain persistent program idles its tensor cores: the warp-specialized Gluon
+#: kernel (``rs_warp_specialized``, 5 stages). With communication off on one H200 it ran 0.92x
+#: the TP 2 table's config on the training step's proj and qkv-dgrad GEMM+RS (k = 2048 /
+#: 3072, m = 8192), where the epilogue's reads cost 6-7 %; whether it also wins with
+#: communication on is for the tune to measure.
 RS_SHORT_K = 4096
 RS_SHORT_K_SEEDS: Tuple[Dict[str, object], ...] = (
     dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
          epilogue_split=1, warp_specialize=False, rs_warp_specialized=True),
-    dict(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=4, group_m=8,
-         epilogue_split=2, warp_specialize=False, programs_per_sm=2),
 )
 
 
