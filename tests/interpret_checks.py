@@ -824,84 +824,6 @@ def check_gemm_rs_copy_engine():
     assert w["errs"][owner].tolist() == [2, owner, silent, 0], w["errs"][owner].tolist()
 
 
-def check_gemm_rs_copy_engine_bands():
-    """``rs_ce_bands`` at TP 2/4/8: after the producers, every peer step's band has its
-    "produced" word raised and its tile counter back at zero, and no word past the last band is
-    raised. The copy engine's work is the backend's own plan (``megatron_flux.backends.flux.rs.copy_plan``
-    on simulated symmetric workspaces): band by band, each copy behind its band's word, the owner's
-    signal after a step's last band, the bands tiling each step's rows in production order.
-    Delivered that way, the consumers' outputs equal the SM-push kernel's bitwise. Cases: 7
-    bands (more groups than MAX_RS_BANDS, merged), 2 bands, 1 band, spread reduction."""
-    from fake_symm import FakeWorld
-
-    from megatron_flux.backends.flux.rs import copy_plan as rs_copy_plan
-    from megatron_flux.kernels.config import MAX_RS_BANDS, rs_band_words, rs_bands
-
-    cases = [(2, 320, 1, False, 7), (4, 20, 1, False, 2), (8, 9, 2, False, 1), (4, 40, 1, True, 3)]
-    for world, m_local, group_m, spread, want_bands in cases:
-        k, n = 32, 64
-        base = GemmConfig(**{**CFG.to_dict(), "group_m": group_m, "rs_spread_reduce": spread})
-        cfg = GemmConfig(**{**base.to_dict(), "rs_copy_engine": True, "rs_ce_bands": True})
-        bands = rs_bands(m_local, cfg.block_m, cfg.group_m)
-        assert bands[1] == want_bands and bands[1] <= MAX_RS_BANDS, (world, m_local, bands)
-        torch.manual_seed(world + m_local)
-        w = _rs_world(world, m_local, k, n, False, True, cfg=cfg)
-        fw = FakeWorld(world, "rs", DTYPE)
-        fw.reserve(world * m_local * n, rs_signal_count(world))
-        parity = w["epoch"] & 1
-        for r in range(world):  # the kernel's slots and signals are the workspaces'
-            w["data"][r] = fw.ws[r].data(r, parity, world * m_local * n).view(world, m_local, n)
-            w["data"][r].fill_(float("nan"))
-            w["flags"][r] = fw.ws[r].flags(r, parity)
-            w["flags"][r].zero_()
-        w["dptr"] = torch.tensor([d.data_ptr() for d in w["data"]], dtype=torch.int64)
-        w["fptr"] = torch.tensor([f.data_ptr() for f in w["flags"]], dtype=torch.int64)
-        staging = _rs_ce_produce(w)
-        plans = []
-        for r in range(world):
-            assert w["errs"][r].tolist() == [0, 0, 0, 0], w["errs"][r].tolist()
-            flags = w["flags"][r]
-            for step in range(world - 1):
-                for band in range(MAX_RS_BANDS):
-                    counter, produced = rs_band_words(world, step, band)
-                    assert flags[counter] == 0, f"TP {world} rank {r} step {step} band {band}: counter"
-                    want = w["epoch"] if band < bands[1] else 0
-                    assert flags[produced] == want, f"TP {world} rank {r} step {step} band {band}: produced"
-            for src in range(world):
-                if src != r:
-                    assert flags[src] == 0 and torch.isnan(w["data"][r][src]).all()
-            flat = staging[r].view(-1)
-            _, copies, _ = rs_copy_plan(fw.ws[r], flat, w["data"][r].view(-1), r, world,
-                                                   parity, m_local, n, bands, cfg.block_m)
-            assert len(copies) == (world - 1) * bands[1]
-            plans.append(copies)
-            for step in range(world - 1):
-                mine = copies[step * bands[1]:(step + 1) * bands[1]]
-                order = range(bands[1]) if step % 2 == 0 else reversed(range(bands[1]))
-                assert [c[3] for c in mine] == [rs_band_words(world, step, b)[1] for b in order]
-                assert [c[4] for c in mine] == [False] * (bands[1] - 1) + [True]
-                spans = sorted((c[1].data_ptr(), c[1].numel()) for c in mine)
-                start = flat[step * m_local * n:].data_ptr()
-                assert spans[0][0] == start and sum(x for _, x in spans) == m_local * n
-                assert all(a + x * flat.element_size() == b for (a, x), (b, _) in zip(spans, spans[1:]))
-        for r in range(world):  # what the side stream does, each copy once its word is raised
-            for dst, src, owner_flags, produced, last in plans[r]:
-                assert w["flags"][r][produced] == w["epoch"]
-                dst.copy_(src)
-                if last:
-                    owner_flags.view(torch.int32)[r] = w["epoch"]
-        _rs_run(w, phases=("consume",))
-        got = [o.clone() for o in w["outs"]]
-        w_ref = _rs_world(world, m_local, k, n, False, True, epoch=w["epoch"] + 1, cfg=base)
-        w_ref.update(a=w["a"], b=w["b"], bias=w["bias"])
-        _rs_run(w_ref)
-        full = sum(a.float() @ b.float() for a, b in zip(w["a"], w["b"])) + w["bias"].float()
-        for r in range(world):
-            assert w["errs"][r].tolist() == [0, 0, 0, 0], w["errs"][r].tolist()
-            assert _rel(got[r], full[r * m_local:(r + 1) * m_local]) < TOL
-            assert torch.equal(got[r], w_ref["outs"][r]), f"TP {world} rank {r}: bands differ from SM push"
-
-
 def check_copy_engine_reduce_scatter():
     """``column_dgrad="copy_engine"`` at TP 2/4/8 on simulated symmetric workspaces: each
     rank's copy plan writes its partial's rows of segment ``p`` into peer ``p``'s slot (ring
@@ -1018,7 +940,7 @@ CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_
           check_gemm_rs_spread_waits_for_its_own_grid, check_gemm_rs_merged_rows,
           check_gemm_rs_stream_k,
           check_gemm_rs_copy_engine,
-          check_gemm_rs_copy_engine_bands, check_copy_engine_reduce_scatter,
+          check_copy_engine_reduce_scatter,
           check_next_call_cannot_release_a_wait, check_ready_barrier, check_copy_engine_gather,
           check_ws_configs_run_the_triton_kernels,
           check_host_and_device_descriptors_agree]

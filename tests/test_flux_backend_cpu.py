@@ -278,7 +278,7 @@ def test_auto_dispatch_starts_the_dgrad_on_the_backend_it_chose_for_rs():
 def test_every_helper_the_fused_calls_use_resolves():
     """The fused calls reach the comm and kernel helpers through ``resources.deps()`` (imported
     once, not per call). Many of those paths run only on GPUs, some only with rare configs
-    (copy-engine GEMM+RS bands), so a misspelt helper would surface there first: every
+    (copy-engine GEMM+RS), so a misspelt helper would surface there first: every
     ``d.<name>`` / ``deps().<name>`` in the package must be in the namespace, and nothing in the
     namespace may go unused."""
     import glob

@@ -244,10 +244,8 @@ def _worker(rank, world, port, env):
     n_checks += _check_back_to_back(flux_alt, group, rank, world, gen)
     flux_alt.check_errors()
 
-    def alternating_ce(op, m_total, n, k):  # RS alternates copy-engine (banded on some
-        # shapes) and SM pushes
-        return dataclasses.replace(alternating(op, m_total, n, k), rs_copy_engine=n == 1024,
-                                   rs_ce_bands=n == 1024 and m_total % 3 == 0)
+    def alternating_ce(op, m_total, n, k):  # RS alternates copy-engine and SM pushes
+        return dataclasses.replace(alternating(op, m_total, n, k), rs_copy_engine=n == 1024)
 
     flux_alt_ce = FluxBackend(config_provider=alternating_ce)
     n_checks += _check_back_to_back(flux_alt_ce, group, rank, world, gen)
@@ -293,9 +291,6 @@ def _worker(rank, world, port, env):
                    dict(rs_tma_reduce=False), dict(rs_spread_reduce=True),
                    dict(rs_copy_engine=True), dict(rs_copy_engine=True, rs_tma_push=False),
                    dict(rs_copy_engine=True, rs_spread_reduce=True),
-                   dict(rs_copy_engine=True, rs_ce_bands=True),
-                   dict(rs_copy_engine=True, rs_ce_bands=True, group_m=1, block_m=64),
-                   dict(rs_copy_engine=True, rs_ce_bands=True, rs_spread_reduce=True),
                    dict(stream_k=1), dict(stream_k=1, rs_copy_engine=True)]
     _stage(rank, t0, "GEMM+RS schedule knobs")
     for variant in rs_variants:

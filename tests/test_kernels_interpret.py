@@ -20,7 +20,7 @@ NAMES = ["check_tile_order", "check_ag_gemm_all_ranks", "check_ag_peer_groups",
          "check_gemm_rs_all_ranks", "check_gemm_rs_ownership",
          "check_gemm_rs_deterministic_and_timeout", "check_gemm_rs_spread_waits_for_its_own_grid",
          "check_gemm_rs_merged_rows", "check_gemm_rs_stream_k",
-         "check_gemm_rs_copy_engine", "check_gemm_rs_copy_engine_bands",
+         "check_gemm_rs_copy_engine",
          "check_copy_engine_reduce_scatter",
          "check_next_call_cannot_release_a_wait",
          "check_ready_barrier", "check_copy_engine_gather", "check_plain_gemm",
@@ -31,7 +31,7 @@ NAMES = ["check_tile_order", "check_ag_gemm_all_ranks", "check_ag_peer_groups",
 #: rough seconds each check takes in the interpreter (2-core box), only to split the checks
 #: evenly over the worker processes; a check missing here counts as 1
 COST = {"check_gemm_rs_merged_rows": 32, "check_gemm_rs_all_ranks": 29, "check_gemm_rs_stream_k": 13,
-        "check_gemm_rs_copy_engine": 13, "check_gemm_rs_copy_engine_bands": 11,
+        "check_gemm_rs_copy_engine": 13,
         "check_ag_peer_groups": 10, "check_ag_stream_k": 6, "check_ag_merged_local": 6,
         "check_tile_order": 5, "check_gemm_rs_ownership": 4,
         "check_ag_gemm_all_ranks": 3}

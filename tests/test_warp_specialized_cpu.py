@@ -35,7 +35,6 @@ def test_rs_warp_specialized_round_trips_and_defaults_off():
     (dict(num_warps=8, block_n=512), "block_n <= 256"),
     (dict(num_warps=16), "num_warps=4 .ping-pong. or 8"),
     (dict(rs_spread_reduce=True), "rs_spread_reduce"),
-    (dict(rs_copy_engine=True, rs_ce_bands=True), "rs_ce_bands"),
     (dict(rs_warp_specialized=1), "must be a bool"),
 ])
 def test_rs_warp_specialized_refuses_what_the_kernel_does_not_do(fields, match):

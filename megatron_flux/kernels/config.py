@@ -61,8 +61,6 @@ class GemmConfig:
       grid (default at TP >= 8: up to 14 % faster; 0.5-2.6 % slower at TP 2).
     * ``rs_copy_engine``: stage producer tiles locally; the copy engine moves each finished step
       to its owner behind a stream wait (no SM stores cross NVLink).
-    * ``rs_ce_bands``: with ``rs_copy_engine``, copy each step band by band as it is produced
-      (:func:`rs_bands`) instead of after it (whole-step copies: 10-12 % slower, 2×H200, short K).
     * ``rs_merge_rows``: every rank's rows in one tile space (with ``rs_spread_reduce`` and
       ``rs_tma_push=False``); the default at m <= 256.
     * ``rs_split_k``: with merged rows, split each tile along K into S work items (1-16), summed
@@ -87,7 +85,6 @@ class GemmConfig:
     rs_tma_reduce: bool = True
     rs_spread_reduce: bool = False
     rs_copy_engine: bool = False
-    rs_ce_bands: bool = False
     stream_k: int = 0
     ag_peer_group: int = 1
     ag_merge_local: bool = False
@@ -109,7 +106,7 @@ class GemmConfig:
         if not isinstance(self.comm_priority, int) or not -5 <= self.comm_priority <= 0:
             raise ValueError(f"GemmConfig.comm_priority must be an int in [-5, 0]: {self}")
         for name in ("flatten", "flatten_consume", "warp_specialize", "rs_tma_push",
-                     "rs_tma_reduce", "rs_spread_reduce", "rs_copy_engine", "rs_ce_bands",
+                     "rs_tma_reduce", "rs_spread_reduce", "rs_copy_engine",
                      "ag_merge_local", "rs_warp_specialized", "ag_warp_specialized",
                      "rs_merge_rows"):
             if not isinstance(getattr(self, name), bool):
@@ -147,11 +144,11 @@ class GemmConfig:
             raise ValueError("GemmConfig.rs_merge_rows reduces with rs_spread_reduce and pushes "
                              "with vector stores (rs_tma_push=False), on the SMs (no "
                              f"rs_copy_engine): {self}")
-        if self.rs_warp_specialized and (self.rs_ce_bands or self.rs_split_k > 1 or (
+        if self.rs_warp_specialized and (self.rs_split_k > 1 or (
                 self.rs_spread_reduce and not self.rs_merge_rows)):
-            raise ValueError("GemmConfig.rs_warp_specialized does not implement rs_ce_bands, "
-                             "rs_split_k or rs_spread_reduce without rs_merge_rows (its merged "
-                             f"rows reduce spread): {self}")
+            raise ValueError("GemmConfig.rs_warp_specialized does not implement rs_split_k or "
+                             "rs_spread_reduce without rs_merge_rows (its merged rows reduce "
+                             f"spread): {self}")
         if self.ag_warp_specialized and (self.ag_peer_group != 1 or self.ag_merge_local):
             raise ValueError("GemmConfig.ag_warp_specialized runs the per-segment schedule: no "
                              f"ag_peer_group > 1, no ag_merge_local: {self}")
@@ -183,6 +180,7 @@ class GemmConfig:
 REMOVED_FIELDS: Dict[str, Any] = {
     "ag_pull": False,
     "programs_per_sm": 1,
+    "rs_ce_bands": False,
 }
 
 
@@ -216,37 +214,15 @@ def tiles_per_segment(m_local: int, n: int, cfg: GemmConfig) -> int:
 #: Most K slices per merged GEMM+RS tile (``rs_split_k``)
 MAX_RS_SPLIT_K = 16
 
-#: Most bands per producer step of a banded copy-engine GEMM+RS (``rs_ce_bands``)
-MAX_RS_BANDS = 8
-
 
 def rs_signal_count(world: int) -> int:
     """Signal words one GEMM+RS call needs per rank and parity: ``[src]`` (raised by the peer
     ``src`` when its grid finished producing, or with ``rs_copy_engine`` by the copy engine
     after its partial landed), then ``[world]``, the arrival counter this rank's own programs
     count up and the last one resets, then ``[world + 1]``, this rank's "produced" word
-    (``rs_copy_engine``: raised by its own grid, awaited by its copy-engine stream), then per
-    producer step and band a tile counter and the band's "produced" word
-    (:func:`rs_band_words`, ``rs_ce_bands``). The layout does not depend on the shape or the
-    kernel config."""
-    return world + 2 + 2 * (world - 1) * MAX_RS_BANDS
-
-
-def rs_band_words(world: int, step: int, band: int) -> Tuple[int, int]:
-    """(tile counter, "produced" word) of producer step ``step``'s band ``band``: the indices
-    the kernel computes (``rs_ce_bands``)."""
-    base = world + 2 + 2 * (step * MAX_RS_BANDS + band)
-    return base, base + 1
-
-
-def rs_bands(m_local: int, block_m: int, group_m: int) -> Tuple[int, int]:
-    """``(row tiles per band, bands)`` of one producer step (``rs_ce_bands``): whole groups of
-    ``group_m`` row tiles, so a band's tiles are consecutive in the grouped tile order, and at
-    most :data:`MAX_RS_BANDS` bands. The kernel computes the same."""
-    pid_m = -(-m_local // block_m)
-    groups = -(-pid_m // group_m)
-    band_m = group_m * -(-groups // MAX_RS_BANDS)
-    return band_m, -(-pid_m // band_m)
+    (``rs_copy_engine``: raised by its own grid, awaited by its copy-engine stream). The layout
+    does not depend on the shape or the kernel config."""
+    return world + 2
 
 
 #: Largest TP size whose step loops the fused kernels unroll at compile time. Comm off on one

@@ -28,14 +28,6 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   into its owner's slot ``r`` and then writes ``flags[owner][r] = epoch``; the consumer below
   is unchanged. With the spread reduction the own step's partial stays local and the kernel
   raises the own signal itself.
-* Banded copy-engine push (``rs_ce_bands``, CE_BANDS): each step's rows are cut into bands of
-  whole ``GROUP_M`` groups of row tiles (at most ``MAX_RS_BANDS``;
-  :func:`~megatron_flux.kernels.config.rs_bands`), which the grouped tile order walks one after
-  another. After each producer tile's store has drained, its program counts the tile in at the
-  band's counter (acq_rel, system scope); the band's last tile resets the counter and raises
-  the band's "produced" word (:func:`~megatron_flux.kernels.config.rs_band_words`). The
-  copy-engine stream waits for each band's word in production order and copies that band, so
-  delivery runs beside the producer phase instead of after it.
 * Consumer, step ``W-1``: the own segment. Each program computes its first own tile's GEMM, then
   waits once (acquire, bounded) for every peer's ``flags[r][src]``, then runs the rest of its
   tiles without waits. Epilogue = the *reduction*: the fp32 accumulator
@@ -75,7 +67,7 @@ arrival).
 import triton
 import triton.language as tl
 
-from megatron_flux.kernels.config import MAX_RS_BANDS, interpreting, launch_geometry, unroll_steps
+from megatron_flux.kernels.config import interpreting, launch_geometry, unroll_steps
 from megatron_flux.kernels.descriptors import b_descriptor, ensure_descriptor_allocator, \
     host_descriptor, segments_descriptor
 from megatron_flux.kernels import gemm_rs_ws
@@ -83,16 +75,14 @@ from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import segment_tile, split_columns, tile_mainloop, \
     tile_mainloop_k, tile_mainloop_slice
 from megatron_flux.kernels.phase_trace import stamp
-from megatron_flux.kernels.signals import arrive_at_grid_barrier, drain_async_stores, \
-    fence_async_proxy, release_fence, wait_signal
+from megatron_flux.kernels.signals import arrive_at_grid_barrier, fence_async_proxy, \
+    release_fence, wait_signal
 from megatron_flux.kernels.stream_k import claim_tile, launch_with_stream_k_fallback, publish_part, \
     sk_covering, sk_publish_part, sk_range, sk_sum_parts, stream_k_fits, stream_k_plan, \
     stream_k_scratch
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step, \
     serpentine
 
-
-_MAX_BANDS = tl.constexpr(MAX_RS_BANDS)
 
 #: what ``trace[program, slot]`` holds with TRACE (:mod:`.phase_trace`); a program stamps
 #: "own_gemm" .. "first_reduced" only if it has an own tile (epilogue reduction), "waited" also
@@ -307,7 +297,7 @@ def gemm_rs_kernel(
     TMA_PUSH: tl.constexpr, ASYNC_FENCE: tl.constexpr,
     PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True, TMA_REDUCE: tl.constexpr = True,
     SPREAD_REDUCE: tl.constexpr = False, UNROLL_STEPS: tl.constexpr = True,
-    CE_PUSH: tl.constexpr = False, CE_BANDS: tl.constexpr = False, TRACE: tl.constexpr = False,
+    CE_PUSH: tl.constexpr = False, TRACE: tl.constexpr = False,
     MERGE_ROWS: tl.constexpr = False, SPLIT: tl.constexpr = 1, HOST_DESC: tl.constexpr = False,
     STREAM_K: tl.constexpr = False,
 ):
@@ -318,8 +308,8 @@ def gemm_rs_kernel(
     producers before their consumers). ASYNC_FENCE: drain TMA stores before the grid
     signal (off only under the interpreter). CE_PUSH: ``data_ptrs[seg] + rank * m_local * N``
     is this rank's local staging area for segment ``seg``, and the grid signals only its own
-    "produced" word (the copy engine delivers; see the module docstring); CE_BANDS (with
-    CE_PUSH) also a "produced" word per band. TMA descriptors are built on the device, or
+    "produced" word (the copy engine delivers; see the module docstring). TMA descriptors are
+    built on the device, or
     with HOST_DESC (below) come from the host; those of peers' slots are always device-built.
     TRACE: stamp the phases of :data:`RS_PHASES` into ``trace_ptr`` (:mod:`.phase_trace`).
     MERGE_ROWS (with SPREAD_REDUCE, vector-store pushes, RAGGED=False: A is one ``[WORLD *
@@ -349,8 +339,8 @@ def gemm_rs_kernel(
     if PRODUCE:
         # Up to TP 4 the step loop is unrolled (WORLD is a compile-time constant): every tile
         # loop at the top level of the kernel; nested in a runtime step loop, the AG kernel's
-        # ran 1-3 % slower at TP 2 (NOTES.md, s9). At TP 8 a runtime loop is up to 2-3 %
-        # faster: seven unrolled copies are four times the code (NOTES.md, s12).
+        # ran 1-3 % slower at TP 2. At TP 8 a runtime loop is up to 2-3 % faster: seven
+        # unrolled copies are four times the code (config.MAX_UNROLLED_WORLD).
         if MERGE_ROWS and SPLIT > 1:
             _merged_rows_split(a_desc, b_desc, data_ptr, data_ptrs, parts_ptr, counters_ptr, pid,
                                slot_base, m_local, N, k_tiles, num_pid_n, WORLD, SPLIT, B_KN,
@@ -361,18 +351,16 @@ def gemm_rs_kernel(
                                   BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE)
         elif UNROLL_STEPS:
             for step in tl.static_range(0, WORLD - 1 + SPREAD_REDUCE):  # + own when spread
-                _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, my_flags, pid, rank,
-                               slot_base, m_local, N, k_tiles, tiles_per_seg, num_pid_m,
-                               num_pid_n, epoch, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N,
-                               BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE, TMA_PUSH,
-                               CE_BANDS, ASYNC_FENCE)
+                _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, pid, rank, slot_base,
+                               m_local, N, k_tiles, tiles_per_seg, num_pid_m, num_pid_n, WORLD,
+                               RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                               NUM_SMS, FLATTEN, WARP_SPECIALIZE, TMA_PUSH)
         else:
             for step in range(0, WORLD - 1 + SPREAD_REDUCE):
-                _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, my_flags, pid, rank,
-                               slot_base, m_local, N, k_tiles, tiles_per_seg, num_pid_m,
-                               num_pid_n, epoch, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N,
-                               BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE, TMA_PUSH,
-                               CE_BANDS, ASYNC_FENCE)
+                _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, pid, rank, slot_base,
+                               m_local, N, k_tiles, tiles_per_seg, num_pid_m, num_pid_n, WORLD,
+                               RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                               NUM_SMS, FLATTEN, WARP_SPECIALIZE, TMA_PUSH)
         stamp(trace_ptr, 2, TRACE)  # produced
         # One grid barrier after every producer step, not one per step: each owner waits for
         # all its peers, and the peer that visits it last publishes it at the end of its
@@ -380,7 +368,7 @@ def gemm_rs_kernel(
         # they cost every program a store drain and a barrier per step (TP 8: seven).
         # The last arrival raises every owner's signal: one system-scope fence, then relaxed
         # writes (a release pattern each). A release write per owner fenced once per owner:
-        # at TP 8 the last program's eight fences took ~5 us (phase stamps, NOTES.md s13).
+        # at TP 8 the last program's eight fences took ~5 us (phase stamps, .phase_trace).
         if arrive_at_grid_barrier(my_flags + WORLD, NUM_SMS, ASYNC_FENCE and TMA_PUSH):
             release_fence(epoch, ASYNC_FENCE)
             if CE_PUSH:  # the copy engine delivers; the own spread partial is already home
@@ -522,18 +510,16 @@ def _raise(flag_ptr, epoch, FENCED: tl.constexpr):
 
 
 @triton.jit
-def _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, my_flags, pid, rank, slot_base,
-                   m_local, N, k_tiles, tiles_per_seg, num_pid_m, num_pid_n, epoch,
-                   WORLD: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr,
-                   EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
-                   FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, TMA_PUSH: tl.constexpr,
-                   BANDS: tl.constexpr, ASYNC_FENCE: tl.constexpr):
+def _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, pid, rank, slot_base, m_local, N,
+                   k_tiles, tiles_per_seg, num_pid_m, num_pid_n, WORLD: tl.constexpr,
+                   RAGGED: tl.constexpr, B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
+                   WARP_SPECIALIZE: tl.constexpr, TMA_PUSH: tl.constexpr):
     """One producer step: this program's tiles of the step's segment (backwards on odd
     steps), each pushed into the owner's slot ``rank``. A program builds the step's push
     descriptor only when it has a tile in the step (a device-side descriptor is a global write
-    and a proxy fence; at TP 8 and small m most programs have a tile in one step of seven).
-    BANDS: each tile counts itself in at its band (see the module docstring)."""
+    and a proxy fence; at TP 8 and small m most programs have a tile in one step of seven)."""
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
     first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
     if first < (step + 1) * tiles_per_seg:
@@ -541,44 +527,14 @@ def _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, my_flags, pid, ran
         dst = tl.load(data_ptrs + seg).to(tl.pointer_type(data_ptr.dtype.element_ty))
         dst_desc = tl.make_tensor_descriptor(dst + slot_base, [m_local, N], [N, 1],
                                              [BLOCK_M, HALF])
-        # row tiles per band, as config.rs_bands computes them
-        band_m = GROUP_M * tl.cdiv(tl.cdiv(num_pid_m, GROUP_M), _MAX_BANDS)
-        # BANDS: not flattened. Triton 3.6 software-pipelines a flattened tile loop only
-        # without the band count's atomics inside it (with them its K loop issued each load
-        # right before its MMA, sm_90 TTGIR); unflattened, each tile's K loop stays pipelined.
-        for t in tl.range(first, (step + 1) * tiles_per_seg, NUM_SMS,
-                          flatten=FLATTEN and not BANDS, warp_specialize=WARP_SPECIALIZE):
+        for t in tl.range(first, (step + 1) * tiles_per_seg, NUM_SMS, flatten=FLATTEN,
+                          warp_specialize=WARP_SPECIALIZE):
             t_in_seg = serpentine(t, step, tiles_per_seg)
             acc, off_m, off_n = segment_tile(a_desc, b_desc, t_in_seg, seg, m_local, k_tiles,
                                              num_pid_m, num_pid_n, RAGGED, B_KN, BLOCK_M,
                                              BLOCK_N, BLOCK_K, GROUP_M)
             _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH,
                        EPI_SPLIT, BLOCK_M, BLOCK_N)
-            if BANDS:
-                _count_band_tile(my_flags, step, off_m, band_m, num_pid_m, num_pid_n, epoch,
-                                 WORLD, BLOCK_M, TMA_PUSH and ASYNC_FENCE)
-
-
-@triton.jit
-def _count_band_tile(my_flags, step, off_m, band_m, num_pid_m, num_pid_n, epoch,
-                     WORLD: tl.constexpr, BLOCK_M: tl.constexpr, ASYNC_STORES: tl.constexpr):
-    """Count the tile at row ``off_m`` of producer step ``step`` in at its band; the band's last
-    tile resets the counter and raises the band's "produced" word (release, system scope). The
-    tile's stores drain first and the count is acq_rel, so that release covers every tile of
-    the band (as in :func:`~megatron_flux.kernels.signals.arrive_at_grid_barrier`). Predicated
-    atomics, no branch (Triton 3.6's loop flattening failed on the conditional version).
-    The spread reduction's own step (``step == WORLD - 1``) has no band words and counts
-    nothing."""
-    band = (off_m // BLOCK_M) // band_m
-    band_tiles = (tl.minimum((band + 1) * band_m, num_pid_m) - band * band_m) * num_pid_n
-    counter = my_flags + WORLD + 2 + 2 * (step * _MAX_BANDS + band)
-    staged = step < WORLD - 1
-    drain_async_stores(tl.program_id(0), ASYNC_STORES)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter, 1, mask=staged, sem="acq_rel", scope="sys")
-    last = staged & (arrived == band_tiles - 1)
-    tl.atomic_xchg(counter, 0, mask=last, sem="relaxed", scope="gpu")
-    tl.atomic_xchg(counter + 1, epoch, mask=last, sem="release", scope="sys")
 
 
 @triton.jit
@@ -751,8 +707,7 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
             FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
             TMA_PUSH=cfg.rs_tma_push, ASYNC_FENCE=not interpreting(), PRODUCE=produce,
             CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce,
-            UNROLL_STEPS=unroll_steps(world), CE_PUSH=cfg.rs_copy_engine,
-            CE_BANDS=cfg.rs_copy_engine and cfg.rs_ce_bands, TRACE=trace is not None,
+            UNROLL_STEPS=unroll_steps(world), CE_PUSH=cfg.rs_copy_engine, TRACE=trace is not None,
             MERGE_ROWS=merge_rows, SPLIT=split, HOST_DESC=host_desc, STREAM_K=sk_tiles > 0)
         _LAUNCH(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 direct=direct)

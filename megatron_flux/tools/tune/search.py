@@ -91,8 +91,6 @@ NOT_SEARCHED: Dict[str, str] = {
                            "(RS_MERGED_SEEDS)",
     "ag_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
                            "fixed forms); AG+GEMM gets both forms as seeds (AG_SEEDS)",
-    "rs_ce_bands": "0.97x the table config on one training shape, 1.04x on another, mixed on "
-                   "the rest (2×H200)",
     "flatten_consume": "compiles to the same GEMM+RS kernel either way (Triton does not flatten "
                        "the reduction loop); a kernel that did flatten it ran level "
                        "(paired median 1.000 at TP 2, 1.001 at TP 4, communication off)",
