@@ -45,12 +45,6 @@ RS_CONFIGS = [
          rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
     dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, epilogue_split=1,
          rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
-    # ... split along K (rs_split_k): slices meet in scratch, the last pushes
-    dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue_split=1,
-         rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True, rs_split_k=4),
-    # ... into a count that does not divide K's tiles (slices of unequal length)
-    dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, epilogue_split=1,
-         rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True, rs_split_k=3),
     # merged rows on the warp-specialized Gluon kernel: TMA pushes per owner (a tile spanning
     # two owners starts at a negative row of the second's slot), ping-pong and cooperative
     dict(block_m=64, block_n=128, block_k=64, num_stages=8, num_warps=4, epilogue_split=1,
@@ -447,9 +441,6 @@ _RS_PAIR = {
     "coop": dict(WS_FORMS["coop"], num_stages=3, epilogue_split=1, rs_warp_specialized=True),
     "merged": dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4,
                    epilogue_split=1, rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
-    "split": dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4,
-                  epilogue_split=1, rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True,
-                  rs_split_k=2),
     "wsmerged": dict(block_m=64, block_n=128, block_k=64, num_stages=8, num_warps=4,
                      epilogue_split=1, rs_spread_reduce=True, rs_tma_push=False,
                      rs_merge_rows=True, rs_warp_specialized=True),
@@ -463,7 +454,7 @@ _RS_PAIR = {
     (("coop", "coop"), "even"), (("coop", "ws"), "even"),
     (("ws", "ws"), "skewed"), (("coop", "coop"), "skewed"), (("triton", "triton"), "skewed"),
     (("merged", "merged"), "even"), (("merged", "triton"), "skewed"),
-    (("ws", "merged"), "skewed"), (("split", "split"), "even"), (("split", "triton"), "skewed"),
+    (("ws", "merged"), "skewed"),
     (("wsmerged", "wsmerged"), "even"), (("wsmerged", "merged"), "skewed"),
     (("coopmerged", "wsmerged"), "skewed"), (("coopmerged", "triton"), "even")],
     ids=lambda c: "-".join(c) if isinstance(c, tuple) else c)

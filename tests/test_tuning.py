@@ -183,14 +183,6 @@ def test_small_m_defaults_merge_the_rows_but_old_table_entries_keep_their_schedu
         assert cfg.num_warps == (8 if cfg.block_m == 128 else 4)
     with pytest.raises(ValueError, match="rs_merge_rows"):
         GemmConfig(rs_merge_rows=True)  # TMA pushes, no spread reduction
-    merged = dict(rs_merge_rows=True, rs_spread_reduce=True, rs_tma_push=False)
-    assert GemmConfig(rs_split_k=4, **merged).rs_split_k == 4
-    with pytest.raises(ValueError, match="rs_split_k > 1 splits merged rows"):
-        GemmConfig(rs_split_k=2)
-    assert GemmConfig(rs_split_k=3, **merged).rs_split_k == 3  # any count: it balances waves
-    for bad in (0, 17, True, 2.0):
-        with pytest.raises(ValueError, match="rs_split_k must be"):
-            GemmConfig(rs_split_k=bad, **merged)
 
     for m, tp, block_m in ((64, 2, 64), (128, 8, 64), (256, 2, 128), (512, 4, 128)):
         cfg = default_config("ag", m, 14336, 4096, tp=tp)

@@ -412,26 +412,23 @@ def test_tiles_spanning_segments_may_be_as_tall_as_every_ranks_rows():
         assert all(x.block_m == 64 for x, span in zip(c, spans) if not span and x != twin), op
 
 
-def test_small_m_gemm_rs_also_tries_its_split_along_k():
-    """Where the GEMM+RS default merges every rank's rows (small m), the default seeds include
-    64x128 tiles split along K in 2 and 4, and the candidates the per-segment default; not at
-    large m, nor when the caller gives the seeds."""
+def test_small_m_gemm_rs_also_tries_merged_rows_on_the_gluon_kernel():
+    """Where the GEMM+RS default merges every rank's rows (small m), the candidates include the
+    per-segment default and, first among the seeds, merged rows on the warp-specialized kernel
+    (up to m = 512, where the default no longer merges); not at larger m, nor when the caller
+    gives the seeds."""
     c = S.generate_candidates("rs", 128, 4096, 14336, 2, max_candidates=8)
     assert c[0].rs_merge_rows and not c[1].rs_merge_rows
-    assert {x.rs_split_k for x in c if (x.block_m, x.block_n) == (64, 128)} >= {2, 4}
-    # ... and the merged rows on the warp-specialized kernel: its 128-row tile spans both
-    # ranks' 64 rows (the per-segment bound, 64 rows, would drop it)
-    assert any(x.rs_warp_specialized and x.rs_merge_rows and x.block_m == 128 for x in c)
-    assert c[2:5] == [dataclasses.replace(c[0], **seed) for seed in S.RS_MERGED_SEEDS]
-    # at m = 512 the default runs per segment: the Gluon merged seed names its merged-rows
-    # knobs and still applies; the split seeds, which need a merged default, do not
+    assert c[2:3] == [dataclasses.replace(c[0], **seed) for seed in S.RS_MERGED_SEEDS]
+    # its 128-row tile spans both ranks' 64 rows (the per-segment bound, 64 rows, would drop it)
+    assert c[2].rs_warp_specialized and c[2].rs_merge_rows and c[2].block_m == 128
+    # at m = 512 the default runs per segment: the seed names its merged-rows knobs and still
+    # applies
     c = S.generate_candidates("rs", 512, 12288, 24576, 2, max_candidates=8)
     assert not c[0].rs_merge_rows
     assert any(x.rs_warp_specialized and x.rs_merge_rows and x.rs_spread_reduce for x in c)
-    assert all(x.rs_split_k == 1 for x in c)
     assert not any(x.rs_merge_rows
                    for x in S.generate_candidates("rs", 1024, 12288, 24576, 2, max_candidates=8))
-    assert all(x.rs_split_k == 1 for x in S.generate_candidates("rs", 4096, 4096, 14336, 2))
     # explicit seeds are the seeds: nothing is added to them
-    assert all(x.rs_split_k == 1
-               for x in S.generate_candidates("rs", 128, 4096, 14336, 2, seeds=()))
+    assert not any(x.rs_warp_specialized
+                   for x in S.generate_candidates("rs", 128, 4096, 14336, 2, seeds=()))

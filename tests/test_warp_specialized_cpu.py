@@ -52,11 +52,9 @@ MERGED = dict(rs_merge_rows=True, rs_spread_reduce=True, rs_tma_push=False)
 
 def test_merged_rows_run_on_it_with_the_spread_reduction_only():
     """Merged rows (every rank's rows in one tile space) reduce spread, on the SMs; the
-    kernel takes them, but not split along K."""
+    kernel takes them."""
     GemmConfig(**{**WS, **MERGED})
     GemmConfig(**{**WS, **MERGED, "num_warps": 8, "block_n": 256, "num_stages": 3})
-    with pytest.raises(ValueError, match="rs_split_k"):
-        GemmConfig(**{**WS, **MERGED, "rs_split_k": 2})
     with pytest.raises(ValueError, match="rs_copy_engine"):
         GemmConfig(**{**WS, **MERGED, "rs_copy_engine": True})
 

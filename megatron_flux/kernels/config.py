@@ -63,8 +63,6 @@ class GemmConfig:
       to its owner behind a stream wait (no SM stores cross NVLink).
     * ``rs_merge_rows``: every rank's rows in one tile space (with ``rs_spread_reduce`` and
       ``rs_tma_push=False``); the default at m <= 256.
-    * ``rs_split_k``: with merged rows, split each tile along K into S work items (1-16), summed
-      in slice order (bitwise reproducible).
     * ``rs_warp_specialized``: run the warp-specialized Gluon kernel
       (:mod:`~megatron_flux.kernels.gemm_rs_ws`); calls it cannot take run the Triton kernel
       with one warning."""
@@ -92,7 +90,6 @@ class GemmConfig:
     rs_warp_specialized: bool = False
     ag_warp_specialized: bool = False
     rs_merge_rows: bool = False
-    rs_split_k: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -134,21 +131,14 @@ class GemmConfig:
             else:
                 raise ValueError(f"GemmConfig.{knob} runs num_warps=4 (ping-pong) or 8 "
                                  f"(cooperative): {self}")
-        if (isinstance(self.rs_split_k, bool) or not isinstance(self.rs_split_k, int)
-                or not 1 <= self.rs_split_k <= MAX_RS_SPLIT_K):
-            raise ValueError(f"GemmConfig.rs_split_k must be an int in 1..{MAX_RS_SPLIT_K}: {self}")
-        if self.rs_split_k > 1 and not self.rs_merge_rows:
-            raise ValueError(f"GemmConfig.rs_split_k > 1 splits merged rows (rs_merge_rows): {self}")
         if self.rs_merge_rows and (not self.rs_spread_reduce or self.rs_tma_push
                                    or self.rs_copy_engine):
             raise ValueError("GemmConfig.rs_merge_rows reduces with rs_spread_reduce and pushes "
                              "with vector stores (rs_tma_push=False), on the SMs (no "
                              f"rs_copy_engine): {self}")
-        if self.rs_warp_specialized and (self.rs_split_k > 1 or (
-                self.rs_spread_reduce and not self.rs_merge_rows)):
-            raise ValueError("GemmConfig.rs_warp_specialized does not implement rs_split_k or "
-                             "rs_spread_reduce without rs_merge_rows (its merged rows reduce "
-                             f"spread): {self}")
+        if self.rs_warp_specialized and self.rs_spread_reduce and not self.rs_merge_rows:
+            raise ValueError("GemmConfig.rs_warp_specialized does not implement rs_spread_reduce "
+                             f"without rs_merge_rows (its merged rows reduce spread): {self}")
         if self.ag_warp_specialized and (self.ag_peer_group != 1 or self.ag_merge_local):
             raise ValueError("GemmConfig.ag_warp_specialized runs the per-segment schedule: no "
                              f"ag_peer_group > 1, no ag_merge_local: {self}")
@@ -181,6 +171,7 @@ REMOVED_FIELDS: Dict[str, Any] = {
     "ag_pull": False,
     "programs_per_sm": 1,
     "rs_ce_bands": False,
+    "rs_split_k": 1,
 }
 
 
@@ -210,9 +201,6 @@ class LaunchGeometry:
 def tiles_per_segment(m_local: int, n: int, cfg: GemmConfig) -> int:
     return -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
 
-
-#: Most K slices per merged GEMM+RS tile (``rs_split_k``)
-MAX_RS_SPLIT_K = 16
 
 
 def rs_signal_count(world: int) -> int:

@@ -73,13 +73,12 @@ from megatron_flux.kernels.descriptors import b_descriptor, ensure_descriptor_al
 from megatron_flux.kernels import gemm_rs_ws
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import segment_tile, split_columns, tile_mainloop, \
-    tile_mainloop_k, tile_mainloop_slice
+    tile_mainloop_k
 from megatron_flux.kernels.phase_trace import stamp
 from megatron_flux.kernels.signals import arrive_at_grid_barrier, fence_async_proxy, \
     release_fence, wait_signal
-from megatron_flux.kernels.stream_k import claim_tile, launch_with_stream_k_fallback, publish_part, \
-    sk_covering, sk_publish_part, sk_range, sk_sum_parts, stream_k_fits, stream_k_plan, \
-    stream_k_scratch
+from megatron_flux.kernels.stream_k import launch_with_stream_k_fallback, sk_covering, \
+    sk_publish_part, sk_range, sk_sum_parts, stream_k_fits, stream_k_plan, stream_k_scratch
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step, \
     serpentine
 
@@ -186,44 +185,6 @@ def _merged_rows_producer(a_desc, b_desc, data_ptr, data_ptrs, pid, slot_base, m
 
 
 @triton.jit
-def _merged_rows_split(a_desc, b_desc, data_ptr, data_ptrs, parts_ptr, counters_ptr, pid,
-                       slot_base, m_local, N, k_tiles, num_pid_n, WORLD: tl.constexpr,
-                       SPLIT: tl.constexpr, B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
-    """MERGE_ROWS with ``SPLIT`` > 1 (``rs_split_k``): work item ``u`` is slice ``u % SPLIT``
-    (K-tiles ``[s * per, s * per + per)``, ``per = cdiv(k_tiles, SPLIT)``) of tile ``u //
-    SPLIT``; program ``p`` takes items ``p, p + G, ...``. Each writes its fp32 part to scratch
-    slot ``u`` and counts in at the tile's counter (stream-K's protocol,
-    :func:`.stream_k.publish_part`); the last of the tile's ``SPLIT`` resets the counter, sums
-    the parts in slice order and pushes the tile by owner (:func:`_push_rows`). Nobody waits
-    for anybody. Not flattened: the count sits under a branch, which Triton 3.6 does not
-    flatten; each slice's K loop stays pipelined."""
-    num_pid_m = tl.cdiv(WORLD * m_local, BLOCK_M)
-    per = tl.cdiv(k_tiles, SPLIT)
-    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    for u in tl.range(pid, num_pid_m * num_pid_n * SPLIT, NUM_SMS, flatten=False):
-        tile = u // SPLIT
-        k_first = (u - tile * SPLIT) * per
-        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-        row0 = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tile_mainloop_slice(a_desc, b_desc, row0, off_n, k_first,
-                                  tl.maximum(tl.minimum(per, k_tiles - k_first), 0), B_KN,
-                                  BLOCK_M, BLOCK_N, BLOCK_K)
-        arrived = publish_part(acc, parts_ptr + tl.cast(u, tl.int64) * (BLOCK_M * BLOCK_N) + offs,
-                               counters_ptr + tile)
-        if arrived == SPLIT - 1:
-            claim_tile(counters_ptr + tile)
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(0, SPLIT):
-                total += tl.load(parts_ptr + tl.cast(tile * SPLIT + s, tl.int64) * (BLOCK_M * BLOCK_N)
-                                 + offs, cache_modifier=".cg")
-            _push_rows(total, data_ptr, data_ptrs, slot_base, row0, off_n, m_local, N, WORLD,
-                       EPI_SPLIT, BLOCK_M, BLOCK_N)
-
-
-@triton.jit
 def _add_bias(part, bias_ptr, off_n, N, WIDTH: tl.constexpr):
     cols = off_n + tl.arange(0, WIDTH)
     return part + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -298,7 +259,7 @@ def gemm_rs_kernel(
     PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True, TMA_REDUCE: tl.constexpr = True,
     SPREAD_REDUCE: tl.constexpr = False, UNROLL_STEPS: tl.constexpr = True,
     CE_PUSH: tl.constexpr = False, TRACE: tl.constexpr = False,
-    MERGE_ROWS: tl.constexpr = False, SPLIT: tl.constexpr = 1, HOST_DESC: tl.constexpr = False,
+    MERGE_ROWS: tl.constexpr = False, HOST_DESC: tl.constexpr = False,
     STREAM_K: tl.constexpr = False,
 ):
     """``data_ptr``: this rank's slot region (``[WORLD, m_local, N]``, output dtype) for this
@@ -309,20 +270,18 @@ def gemm_rs_kernel(
     signal (off only under the interpreter). CE_PUSH: ``data_ptrs[seg] + rank * m_local * N``
     is this rank's local staging area for segment ``seg``, and the grid signals only its own
     "produced" word (the copy engine delivers; see the module docstring). TMA descriptors are
-    built on the device, or
-    with HOST_DESC (below) come from the host; those of peers' slots are always device-built.
+    built on the device, or with HOST_DESC (below) come from the host; those of peers' slots
+    are always device-built.
     TRACE: stamp the phases of :data:`RS_PHASES` into ``trace_ptr`` (:mod:`.phase_trace`).
     MERGE_ROWS (with SPREAD_REDUCE, vector-store pushes, RAGGED=False: A is one ``[WORLD *
-    m_local, K]`` operand): one tile loop over every rank's rows (:func:`_merged_rows_producer`);
-    with SPLIT > 1 each tile split along K into SPLIT work items whose fp32 parts meet in the
-    scratch ``parts`` / ``counters`` (:func:`_merged_rows_split`).
+    m_local, K]`` operand): one tile loop over every rank's rows (:func:`_merged_rows_producer`).
     HOST_DESC: ``a_ptr`` and ``b_ptr`` are host-encoded TMA descriptors of the same views
     (:func:`_host_descriptors`) instead of pointers, and ``out_hd`` / ``slots_hd`` those of the
     own tiles' output and slot region (:mod:`.descriptors`); without it ``out_hd`` and
     ``slots_hd`` are unused.
     STREAM_K: the last ``sk_tiles`` own tiles are split along K over the grid after the
     consumer loop (:func:`_own_stream_k_tiles`); without it ``sk_tiles`` is 0 and the scratch
-    ``parts`` / ``counters`` is not touched (unless SPLIT > 1)."""
+    ``parts`` / ``counters`` is not touched."""
     stamp(trace_ptr, 0, TRACE)  # start
     a_desc = segments_descriptor(a_ptr, m_local, K, WORLD, BLOCK_M, BLOCK_K, RAGGED, HOST_DESC)
     b_desc = b_descriptor(b_ptr, N, K, ldb, B_KN, BLOCK_N, BLOCK_K, HOST_DESC)
@@ -341,11 +300,7 @@ def gemm_rs_kernel(
         # loop at the top level of the kernel; nested in a runtime step loop, the AG kernel's
         # ran 1-3 % slower at TP 2. At TP 8 a runtime loop is up to 2-3 % faster: seven
         # unrolled copies are four times the code (config.MAX_UNROLLED_WORLD).
-        if MERGE_ROWS and SPLIT > 1:
-            _merged_rows_split(a_desc, b_desc, data_ptr, data_ptrs, parts_ptr, counters_ptr, pid,
-                               slot_base, m_local, N, k_tiles, num_pid_n, WORLD, SPLIT, B_KN,
-                               EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS)
-        elif MERGE_ROWS:
+        if MERGE_ROWS:
             _merged_rows_producer(a_desc, b_desc, data_ptr, data_ptrs, pid, slot_base, m_local,
                                   N, k_tiles, num_pid_n, WORLD, B_KN, EPI_SPLIT, BLOCK_M,
                                   BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE)
@@ -667,7 +622,6 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
         gemm_rs_ws.warn_fallback(reason)
 
     merge_rows = cfg.rs_merge_rows  # GemmConfig: with the spread reduction, vector pushes
-    split = cfg.rs_split_k if merge_rows and produce else 1
     host_desc = bool(host_descriptors)
     # stream-K splits own tiles, which the spread reduction and merged rows do not have
     sk_mode = 0 if (not stream_k_fits("GEMM+RS", cfg) or cfg.rs_spread_reduce or merge_rows
@@ -680,14 +634,9 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
         if sk_mode:
             grid, sk_tiles = stream_k_plan(geo.tiles, num_sms, sk_mode, geo.tiles_per_segment)
         last_plan["sk_tiles"] = sk_tiles
-        parts, counters = err, err  # never touched without a split
+        parts, counters = err, err  # never touched without stream-K tiles
         if sk_tiles:
             scratch = stream_k_scratch(a.device, grid, cfg.block_m, cfg.block_n)
-            parts, counters = scratch.partials, scratch.counters
-        if split > 1:  # a program per work item, up to the SMs
-            grid = min(num_sms, geo.tiles * split)
-            scratch = stream_k_scratch(a.device, -(-geo.tiles * split // 2), cfg.block_m,
-                                       cfg.block_n, tiles=geo.tiles)
             parts, counters = scratch.partials, scratch.counters
         ragged = geo.ragged and not merge_rows
         if host_desc:
@@ -708,7 +657,7 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
             TMA_PUSH=cfg.rs_tma_push, ASYNC_FENCE=not interpreting(), PRODUCE=produce,
             CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce,
             UNROLL_STEPS=unroll_steps(world), CE_PUSH=cfg.rs_copy_engine, TRACE=trace is not None,
-            MERGE_ROWS=merge_rows, SPLIT=split, HOST_DESC=host_desc, STREAM_K=sk_tiles > 0)
+            MERGE_ROWS=merge_rows, HOST_DESC=host_desc, STREAM_K=sk_tiles > 0)
         _LAUNCH(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 direct=direct)
 

@@ -83,8 +83,6 @@ NOT_SEARCHED: Dict[str, str] = {
     "ag_merge_lead": "only matters with ag_merge_local",
     "rs_merge_rows": "the default at m <= 256, where the per-segment default is tried as a "
                      "seed",
-    "rs_split_k": "only with merged rows, where it gets two seeds (RS_MERGED_SEEDS); counts "
-                  "that fill the SMs evenly did not win (one H200, communication off)",
     "rs_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
                            "fixed forms); GEMM+RS at short K gets it as one seed "
                            "(RS_SHORT_K_SEEDS), and with merged rows up to m = 512 as another "
@@ -165,19 +163,14 @@ AG_SEEDS: Tuple[Dict[str, object], ...] = (
 )
 
 
-#: GEMM+RS whose default merges every rank's rows (small m) also tries 64x128 tiles split along
-#: K in 2 and 4 (``rs_split_k``): with communication off on one H200 they ran 0.87x the
-#: default on llama3-8b m = 128 and 0.94x on gpt3-175b m = 64, and lost elsewhere.
-#: And merged rows on the warp-specialized Gluon kernel, ping-pong 128x128x64 with 5 stages
-#: (``rs_warp_specialized``): communication off it ran 0.90-0.91x / 0.94-0.95x the default on
-#: gpt3-175b m = 128 and llama3-70b m = 256 in two runs on one H200 (0.96x / 0.93x on one
-#: H100), 0.91-0.92x the TP 2 table's per-segment config on gpt3-175b m = 512, and lost at
-#: m = 64 and at small n. It names the merged-rows knobs, so it also applies where
-#: the default does not merge (up to :data:`RS_MERGED_SEED_MAX_M`); the split seeds need a
-#: merged default. These come before the generic seeds, so a short candidate list keeps them.
-RS_MERGED_SEEDS: Tuple[Dict[str, object], ...] = tuple(
-    dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue_split=1,
-         rs_split_k=split) for split in (2, 4)) + (
+#: GEMM+RS at small m also tries merged rows on the warp-specialized Gluon kernel, ping-pong
+#: 128x128x64 with 5 stages (``rs_warp_specialized``): communication off it ran 0.90-0.91x /
+#: 0.94-0.95x the default on gpt3-175b m = 128 and llama3-70b m = 256 in two runs on one H200
+#: (0.96x / 0.93x on one H100), 0.91-0.92x the TP 2 table's per-segment config on gpt3-175b
+#: m = 512, and lost at m = 64 and at small n. It names the merged-rows knobs, so it also
+#: applies where the default does not merge (up to :data:`RS_MERGED_SEED_MAX_M`). It comes
+#: before the generic seeds, so a short candidate list keeps it.
+RS_MERGED_SEEDS: Tuple[Dict[str, object], ...] = (
     dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, epilogue_split=1,
          rs_warp_specialized=True, rs_merge_rows=True, rs_spread_reduce=True,
          rs_tma_push=False, rs_copy_engine=False),)
