@@ -30,12 +30,11 @@ from megatron_flux.kernels.tile_order import tile_order_probe_kernel  # noqa: E4
 
 CFG = GemmConfig(block_m=16, block_n=32, block_k=16, num_stages=1, num_warps=4, group_m=2,
                  chunk_rows=8, epilogue_split=2)
-#: GEMM+RS pushing with vector stores, one epilogue store per tile; reducing with vector loads;
-#: the spread reduction; every rank's rows in one tile space (small m's default)
+#: GEMM+RS pushing with vector stores, one epilogue store per tile; the spread reduction; every
+#: rank's rows in one tile space (small m's default)
 MERGED_RS = GemmConfig(**{**CFG.to_dict(), "rs_spread_reduce": True, "rs_tma_push": False,
                           "rs_merge_rows": True})
 RS_CFGS = (CFG, GemmConfig(**{**CFG.to_dict(), "rs_tma_push": False, "epilogue_split": 1}),
-           GemmConfig(**{**CFG.to_dict(), "rs_tma_reduce": False}),
            GemmConfig(**{**CFG.to_dict(), "rs_spread_reduce": True}), MERGED_RS)
 DTYPE = torch.float16
 TOL = 2e-3

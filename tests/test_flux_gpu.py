@@ -280,15 +280,15 @@ def _worker(rank, world, port, env):
     _stage(rank, t0, "AllGather in small chunks")
     # the AllGather in 64-row chunks (many signals per segment) over every shape and layout
     n_checks += _check_ag_every_shape(_default_with(chunk_rows=64), group, rank, world, gen)
-    # GEMM+RS schedule knobs over every shape: vector-store pushes, unflattened loops,
-    # vector-load reduction, the reduction spread over the grid, every rank's rows in one
-    # tile space (rows tiles spanning owners where m_local is not a multiple of block_m)
+    # GEMM+RS schedule knobs over every shape: vector-store pushes, unflattened loops, the
+    # reduction spread over the grid, every rank's rows in one tile space (rows tiles
+    # spanning owners where m_local is not a multiple of block_m)
     merged_rs = dict(rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True)
     rs_variants = [merged_rs, dict(merged_rs, block_m=64, block_n=128, block_k=128,
                                    num_stages=4, num_warps=4, epilogue_split=1),
                    dict(rs_tma_push=False), dict(rs_tma_push=False, flatten=False),
                    dict(flatten=False, flatten_consume=False, epilogue_split=1),
-                   dict(rs_tma_reduce=False), dict(rs_spread_reduce=True),
+                   dict(rs_spread_reduce=True),
                    dict(rs_copy_engine=True), dict(rs_copy_engine=True, rs_tma_push=False),
                    dict(rs_copy_engine=True, rs_spread_reduce=True),
                    dict(stream_k=1), dict(stream_k=1, rs_copy_engine=True)]

@@ -46,9 +46,9 @@ def test_gemm_rs_compiles_with_one_row_per_rank(world, spread, copy_engine):
     from megatron_flux.kernels.config import unroll_steps
     from megatron_flux.kernels.gemm_rs import gemm_rs_kernel
 
-    for tma_reduce, bias in ((True, True), (False, False)):
+    for bias in (True, False):
         _compile(gemm_rs_kernel, dict(_SMALL, WORLD=world, RAGGED=True, EPI_SPLIT=1,
-                                      HAS_BIAS=bias, TMA_PUSH=True, TMA_REDUCE=tma_reduce,
+                                      HAS_BIAS=bias, TMA_PUSH=True,
                                       SPREAD_REDUCE=spread, UNROLL_STEPS=unroll_steps(world),
                                       CE_PUSH=copy_engine),
                  ones=("m_local",))
@@ -90,7 +90,7 @@ def test_kernels_compile_with_host_descriptors(world):
         a = desc(1, 64, 64) if ragged else desc(64, 64)
         b = desc(64, 64)
         _compile(gemm_rs_kernel, dict(_SMALL, WORLD=world, RAGGED=ragged, B_KN=b_kn, EPI_SPLIT=1,
-                                      HAS_BIAS=True, TMA_PUSH=True, TMA_REDUCE=True,
+                                      HAS_BIAS=True, TMA_PUSH=True,
                                       UNROLL_STEPS=unroll_steps(world), HOST_DESC=True),
                  ones=(), types={"a_ptr": a, "b_ptr": b, "out_hd": desc(64, 64),
                                  "slots_hd": desc(1, 64, 64)})
@@ -300,7 +300,7 @@ def _table_kernels():
         if op == "rs":
             kernel = gemm_rs_kernel
             constexprs = dict(common, HAS_BIAS=False, TMA_PUSH=cfg.rs_tma_push,
-                              TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce,
+                              SPREAD_REDUCE=cfg.rs_spread_reduce,
                               FLATTEN_CONSUME=cfg.flatten_consume, CE_PUSH=cfg.rs_copy_engine)
         else:
             kernel = ag_gemm_kernel

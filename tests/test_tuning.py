@@ -379,6 +379,19 @@ def test_shipped_tables_are_the_committed_runs():
     assert sorted(os.path.basename(f) for f in T.shipped_table_files()) == sorted(SHIPPED)
 
 
+def _replayable_tune_run(path):
+    """A committed tuning run as a table, without the knobs removed since (config.REMOVED_FIELDS):
+    the H200 TP 2 run picked ``rs_tma_reduce=false`` for GEMM+RS n=4096 k=14336 m=2048, whose
+    config the adopted Gluon variant replaced in the shipped table, so no shipped config
+    depends on the dropped value."""
+    from megatron_flux.kernels.config import REMOVED_FIELDS
+
+    obj = json.load(open(path))
+    for e in obj["entries"]:
+        e["config"] = {k: v for k, v in e["config"].items() if k not in REMOVED_FIELDS}
+    return T.validate_table(obj, path)
+
+
 @pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
     gpu, tp, tune_rel, steps = SHIPPED[name]
@@ -403,7 +416,7 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
     def load(rel):
         return json.load(open(os.path.join(REPO, rel)))
 
-    again = T.load_table(os.path.join(REPO, tune_rel))
+    again = _replayable_tune_run(os.path.join(REPO, tune_rel))
     for step, rel in steps:
         if step == "confirm" and isinstance(rel, str):
             again = confirm_table(again, load(rel), rel)

@@ -95,7 +95,7 @@ def main(path):
                           "slots_hd": desc(1, 64, 64)} if host else {})
                 k = _compile(gemm_rs_kernel, dict(
                     _SMALL, WORLD=world, RAGGED=ragged, B_KN=b_kn, EPI_SPLIT=1, HAS_BIAS=True,
-                    TMA_PUSH=True, TMA_REDUCE=True, UNROLL_STEPS=unroll_steps(world),
+                    TMA_PUSH=True, UNROLL_STEPS=unroll_steps(world),
                     HOST_DESC=host), ones=(), types=types)
                 out["kernels"][f"rs host={host} ragged={ragged} b_kn={b_kn}"] = fingerprint(k.asm["ptx"])
                 c = desc(1, 64, 32) if ragged else desc(64, 32)

@@ -54,7 +54,6 @@ class GemmConfig:
     RS:
 
     * ``rs_tma_push``: push partial tiles into the owner's slot by TMA stores (else vector stores).
-    * ``rs_tma_reduce``: read the peers' partials in the reduction by TMA (else masked loads).
     * ``flatten_consume``: ask Triton to flatten the reduction loop; it does not, so both values
       compile to the same kernel (not searched by the tuner).
     * ``rs_spread_reduce``: push the own partials too and spread the reduction over the whole
@@ -80,7 +79,6 @@ class GemmConfig:
     warp_specialize: bool = False
     comm_priority: int = -1
     rs_tma_push: bool = True
-    rs_tma_reduce: bool = True
     rs_spread_reduce: bool = False
     rs_copy_engine: bool = False
     stream_k: int = 0
@@ -103,7 +101,7 @@ class GemmConfig:
         if not isinstance(self.comm_priority, int) or not -5 <= self.comm_priority <= 0:
             raise ValueError(f"GemmConfig.comm_priority must be an int in [-5, 0]: {self}")
         for name in ("flatten", "flatten_consume", "warp_specialize", "rs_tma_push",
-                     "rs_tma_reduce", "rs_spread_reduce", "rs_copy_engine",
+                     "rs_spread_reduce", "rs_copy_engine",
                      "ag_merge_local", "rs_warp_specialized", "ag_warp_specialized",
                      "rs_merge_rows"):
             if not isinstance(getattr(self, name), bool):
@@ -172,6 +170,7 @@ REMOVED_FIELDS: Dict[str, Any] = {
     "programs_per_sm": 1,
     "rs_ce_bands": False,
     "rs_split_k": 1,
+    "rs_tma_reduce": True,
 }
 
 

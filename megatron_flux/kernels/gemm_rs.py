@@ -114,25 +114,6 @@ def _push_part(part, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUS
 
 
 @triton.jit
-def _reduce_part(part, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank, world,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """``part`` (fp32, own partial) + peers' partials in rank order (+ bias) -> ``out``, the
-    peers' partials read by masked vector loads (``rs_tma_reduce=False``). (Not _tile_ptrs:
-    with its 32-bit in-tile offsets this path spilled more, 1204 bytes against 364, ptxas
-    sm_90a, 128x256 tiles; the TMA reads of :func:`_reduce_tile` spill none.)"""
-    for src in range(world):
-        if src != rank:
-            rows = off_m + tl.arange(0, BLOCK_M)
-            cols = off_n + tl.arange(0, WIDTH)
-            offs = (src * m_local).to(tl.int64) * N + rows.to(tl.int64)[:, None] * N + cols[None, :]
-            mask = (rows[:, None] < m_local) & (cols[None, :] < N)
-            part += tl.load(data_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        part = _add_bias(part, bias_ptr, off_n, N, WIDTH)
-    out_desc.store([off_m, off_n], part.to(out_desc.dtype))
-
-
-@triton.jit
 def _push_rows(acc, data_ptr, data_ptrs, slot_base, row0, off_n, m_local, N, WORLD: tl.constexpr,
                EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Store the fp32 tile at global rows ``row0 ..`` (MERGE_ROWS), rounded, into every owner's
@@ -205,43 +186,33 @@ def _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH
 
 
 @triton.jit
-def _reduce_tile(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
-                 world, TMA_REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _reduce_tile(acc, slots_desc, bias_ptr, out_desc, off_m, off_n, N, rank, world,
+                 HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
     """The reduction epilogue of one own tile: ``acc`` (fp32, own partial) + the peers'
     partials in rank order ``0..W-1`` (+ bias), stored to ``out`` (in two column halves with
     EPI_SPLIT=2).
 
-    TMA_REDUCE reads each peer's whole ``BLOCK_M x BLOCK_N`` partial with one TMA load through
-    ``slots_desc`` (``[world, m_local, N]``, rows past a segment's end read as zeros). Triton
-    waits for each TMA load before the next, so one load per peer instead of one per column
-    half takes one load latency off every own tile: the epilogue went from 4.5-5.9 to 3.8-4.0
-    us in the phase stamps, and the kernel ran 0.2 % faster (paired median; at most 1.3 %) on
-    the TP 2 grid with communication off (NOTES.md, session 13). It also needs fewer registers
-    (ptxas: 159 against 168, and 163 against 254 with a bias). Else masked vector loads, one
-    column half at a time (:func:`_reduce_part`)."""
+    Each peer's whole ``BLOCK_M x BLOCK_N`` partial is one TMA load through ``slots_desc``
+    (``[world, m_local, N]``, rows past a segment's end read as zeros). Triton waits for each
+    TMA load before the next, so one load per peer instead of one per column half takes one
+    load latency off every own tile: the epilogue went from 4.5-5.9 to 3.8-4.0 us in the phase
+    stamps, and the kernel ran 0.2 % faster (paired median; at most 1.3 %) on the TP 2 grid
+    with communication off. It also needs fewer registers (ptxas: 159 against 168, and 163
+    against 254 with a bias); masked vector loads spilled (docs/design.md, "Measured and
+    rejected")."""
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
-    if TMA_REDUCE:
-        for src in range(world):
-            if src != rank:
-                acc += slots_desc.load([src, off_m, off_n]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
-        if HAS_BIAS:
-            acc = _add_bias(acc, bias_ptr, off_n, N, BLOCK_N)
-        if EPI_SPLIT == 2:
-            acc0, acc1 = split_columns(acc, BLOCK_M, HALF)
-            out_desc.store([off_m, off_n], acc0.to(out_desc.dtype))
-            out_desc.store([off_m, off_n + HALF], acc1.to(out_desc.dtype))
-        else:
-            out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
-    elif EPI_SPLIT == 2:
+    for src in range(world):
+        if src != rank:
+            acc += slots_desc.load([src, off_m, off_n]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
+    if HAS_BIAS:
+        acc = _add_bias(acc, bias_ptr, off_n, N, BLOCK_N)
+    if EPI_SPLIT == 2:
         acc0, acc1 = split_columns(acc, BLOCK_M, HALF)
-        _reduce_part(acc0, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank, world,
-                     HAS_BIAS, BLOCK_M, HALF)
-        _reduce_part(acc1, data_ptr, bias_ptr, out_desc, off_m, off_n + HALF, m_local, N, rank,
-                     world, HAS_BIAS, BLOCK_M, HALF)
+        out_desc.store([off_m, off_n], acc0.to(out_desc.dtype))
+        out_desc.store([off_m, off_n + HALF], acc1.to(out_desc.dtype))
     else:
-        _reduce_part(acc, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank, world,
-                     HAS_BIAS, BLOCK_M, BLOCK_N)
+        out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
 
 
 @triton.jit(do_not_specialize=["rank", "epoch", "max_spins"])
@@ -256,7 +227,7 @@ def gemm_rs_kernel(
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     FLATTEN: tl.constexpr, FLATTEN_CONSUME: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     TMA_PUSH: tl.constexpr, ASYNC_FENCE: tl.constexpr,
-    PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True, TMA_REDUCE: tl.constexpr = True,
+    PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True,
     SPREAD_REDUCE: tl.constexpr = False, UNROLL_STEPS: tl.constexpr = True,
     CE_PUSH: tl.constexpr = False, TRACE: tl.constexpr = False,
     MERGE_ROWS: tl.constexpr = False, HOST_DESC: tl.constexpr = False,
@@ -361,24 +332,24 @@ def gemm_rs_kernel(
                                                      [BLOCK_M, HALF])
                 slots_desc = tl.make_tensor_descriptor(data_ptr, [WORLD, m_local, N],
                                                        [m_local * N, N, 1], [1, BLOCK_M, BLOCK_N])
-            _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
-                          err_ptr, trace_ptr, serpentine(first, WORLD - 1, tiles_per_seg),
-                          m_local, N, k_tiles, rank, WORLD, epoch, max_spins, num_pid_m,
-                          num_pid_n, True, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N,
-                          BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE, TRACE)
+            _consume_tile(a_desc, b_desc, out_desc, slots_desc, bias_ptr, my_flags, err_ptr,
+                          trace_ptr, serpentine(first, WORLD - 1, tiles_per_seg), m_local, N,
+                          k_tiles, rank, WORLD, epoch, max_spins, num_pid_m, num_pid_n, True,
+                          RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                          ASYNC_FENCE, TRACE)
             for t in tl.range(first + NUM_SMS, dp_end, NUM_SMS, flatten=FLATTEN_CONSUME):
-                _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
-                              err_ptr, trace_ptr, serpentine(t, WORLD - 1, tiles_per_seg),
-                              m_local, N, k_tiles, rank, WORLD, epoch, max_spins, num_pid_m,
-                              num_pid_n, False, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M,
-                              BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE, False)
+                _consume_tile(a_desc, b_desc, out_desc, slots_desc, bias_ptr, my_flags, err_ptr,
+                              trace_ptr, serpentine(t, WORLD - 1, tiles_per_seg), m_local, N,
+                              k_tiles, rank, WORLD, epoch, max_spins, num_pid_m, num_pid_n, False,
+                              RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
+                              GROUP_M, ASYNC_FENCE, False)
         if STREAM_K:
             _own_stream_k_tiles(a_desc, b_desc, out_ptr, data_ptr, out_hd, slots_hd, bias_ptr,
                                 my_flags, err_ptr, parts_ptr, counters_ptr, pid, dp_end, sk_tiles,
                                 tiles_per_seg, k_tiles, m_local, N, num_pid_m, num_pid_n, rank,
                                 epoch, max_spins, WORLD, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT,
-                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, TMA_REDUCE,
-                                ASYNC_FENCE, HOST_DESC)
+                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, ASYNC_FENCE,
+                                HOST_DESC)
     stamp(trace_ptr, 7, TRACE)  # end
 
 
@@ -389,8 +360,8 @@ def _own_stream_k_tiles(a_desc, b_desc, out_ptr, data_ptr, out_hd, slots_hd, bia
                         WORLD: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr,
                         HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                        NUM_SMS: tl.constexpr, TMA_REDUCE: tl.constexpr,
-                        ASYNC_FENCE: tl.constexpr, HOST_DESC: tl.constexpr):
+                        NUM_SMS: tl.constexpr, ASYNC_FENCE: tl.constexpr,
+                        HOST_DESC: tl.constexpr):
     """This program's share of the own segment's stream-K tiles (flat tiles ``dp_end ..``):
     K-iterations ``[it, end)`` (:mod:`.stream_k`), one tile part at a time. A tile covered by
     this program alone, or whose parts this program completes, is reduced here
@@ -415,16 +386,14 @@ def _own_stream_k_tiles(a_desc, b_desc, out_ptr, data_ptr, out_hd, slots_hd, bia
         if first == last:
             _reduce_stream_k_tile(acc, out_ptr, data_ptr, out_hd, slots_hd, bias_ptr, my_flags,
                                   err_ptr, off_m, off_n, m_local, N, rank, epoch, max_spins, WORLD,
-                                  HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N, TMA_REDUCE, ASYNC_FENCE,
-                                  HOST_DESC)
+                                  HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N, ASYNC_FENCE, HOST_DESC)
         elif sk_publish_part(acc, parts_ptr, counters_ptr, pid, u, per, k_tiles, first, last,
                              BLOCK_M, BLOCK_N):
             tile = sk_sum_parts(parts_ptr, counters_ptr, u, per, k_tiles, first, last, BLOCK_M,
                                 BLOCK_N)
             _reduce_stream_k_tile(tile, out_ptr, data_ptr, out_hd, slots_hd, bias_ptr, my_flags,
                                   err_ptr, off_m, off_n, m_local, N, rank, epoch, max_spins, WORLD,
-                                  HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N, TMA_REDUCE, ASYNC_FENCE,
-                                  HOST_DESC)
+                                  HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N, ASYNC_FENCE, HOST_DESC)
         it = (u + 1) * k_tiles
 
 
@@ -432,8 +401,8 @@ def _own_stream_k_tiles(a_desc, b_desc, out_ptr, data_ptr, out_hd, slots_hd, bia
 def _reduce_stream_k_tile(acc, out_ptr, data_ptr, out_hd, slots_hd, bias_ptr, my_flags, err_ptr,
                           off_m, off_n, m_local, N, rank, epoch, max_spins, WORLD: tl.constexpr,
                           HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, TMA_REDUCE: tl.constexpr,
-                          ASYNC_FENCE: tl.constexpr, HOST_DESC: tl.constexpr):
+                          BLOCK_N: tl.constexpr, ASYNC_FENCE: tl.constexpr,
+                          HOST_DESC: tl.constexpr):
     """The reduction epilogue of a completed stream-K tile: wait (acquire, bounded) for every
     peer's signal (one load each when this program already waited in the consumer loop), then
     :func:`_reduce_tile`, through the host's descriptors or ones built here (a program may
@@ -441,7 +410,7 @@ def _reduce_stream_k_tile(acc, out_ptr, data_ptr, out_hd, slots_hd, bias_ptr, my
     for src in range(0, WORLD):
         if src != rank:
             wait_signal(my_flags + src, epoch, max_spins, err_ptr, 2, rank, src)  # OP_GEMM_RS
-    fence_async_proxy(epoch, ASYNC_FENCE and TMA_REDUCE)
+    fence_async_proxy(epoch, ASYNC_FENCE)
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
     if HOST_DESC:
         out_desc = out_hd
@@ -450,8 +419,8 @@ def _reduce_stream_k_tile(acc, out_ptr, data_ptr, out_hd, slots_hd, bias_ptr, my
         out_desc = tl.make_tensor_descriptor(out_ptr, [m_local, N], [N, 1], [BLOCK_M, HALF])
         slots_desc = tl.make_tensor_descriptor(data_ptr, [WORLD, m_local, N], [m_local * N, N, 1],
                                                [1, BLOCK_M, BLOCK_N])
-    _reduce_tile(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
-                 WORLD, TMA_REDUCE, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N)
+    _reduce_tile(acc, slots_desc, bias_ptr, out_desc, off_m, off_n, N, rank, WORLD, HAS_BIAS,
+                 EPI_SPLIT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -493,13 +462,12 @@ def _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, pid, rank, slot_ba
 
 
 @triton.jit
-def _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags, err_ptr,
-                  trace_ptr, t_in_seg, m_local, N, k_tiles, rank, world, epoch, max_spins,
-                  num_pid_m, num_pid_n, WAIT: tl.constexpr, RAGGED: tl.constexpr,
-                  B_KN: tl.constexpr, HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, TMA_REDUCE: tl.constexpr, ASYNC_FENCE: tl.constexpr,
-                  TRACE: tl.constexpr):
+def _consume_tile(a_desc, b_desc, out_desc, slots_desc, bias_ptr, my_flags, err_ptr, trace_ptr,
+                  t_in_seg, m_local, N, k_tiles, rank, world, epoch, max_spins, num_pid_m,
+                  num_pid_n, WAIT: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  ASYNC_FENCE: tl.constexpr, TRACE: tl.constexpr):
     """One tile of the own segment: its GEMM, with WAIT the wait for every peer's step signal,
     then the reduction epilogue. After the wait (generic-proxy acquire), TMA reads of the
     partials are ordered behind it with a proxy fence. TRACE stamps the phases of the first
@@ -512,10 +480,10 @@ def _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_f
         for src in range(0, world):
             if src != rank:
                 wait_signal(my_flags + src, epoch, max_spins, err_ptr, 2, rank, src)  # OP_GEMM_RS
-        fence_async_proxy(epoch, ASYNC_FENCE and TMA_REDUCE)
+        fence_async_proxy(epoch, ASYNC_FENCE)
         stamp(trace_ptr, 5, TRACE)  # waited
-    _reduce_tile(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
-                 world, TMA_REDUCE, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N)
+    _reduce_tile(acc, slots_desc, bias_ptr, out_desc, off_m, off_n, N, rank, world, HAS_BIAS,
+                 EPI_SPLIT, BLOCK_M, BLOCK_N)
     if WAIT:
         stamp(trace_ptr, 6, TRACE)  # first_reduced
 
@@ -655,7 +623,7 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=grid, FLATTEN=cfg.flatten,
             FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
             TMA_PUSH=cfg.rs_tma_push, ASYNC_FENCE=not interpreting(), PRODUCE=produce,
-            CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce,
+            CONSUME=consume, SPREAD_REDUCE=cfg.rs_spread_reduce,
             UNROLL_STEPS=unroll_steps(world), CE_PUSH=cfg.rs_copy_engine, TRACE=trace is not None,
             MERGE_ROWS=merge_rows, HOST_DESC=host_desc, STREAM_K=sk_tiles > 0)
         _LAUNCH(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -366,7 +366,7 @@ def run(args) -> dict:
 def _configs(op, m, n, k, args):
     """``(configs, labels)`` to time for one shape, per ``--configs``: the heuristic ``default``,
     the shipped ``table``'s entry (the config the backend runs), their stream-K variants
-    (``sk``; not of a warp-specialized config, which has no stream-K), their vector-load reductions (``rsvec``, GEMM+RS only), their
+    (``sk``; not of a warp-specialized config, which has no stream-K), their
     twins reducing the other way (``spread``: ``rs_spread_reduce`` flipped, GEMM+RS only; not
     of a warp-specialized config without merged rows, which cannot reduce spread), the
     fixed ``candidates`` lists and the plain persistent GEMM with the default's and the table's
@@ -392,9 +392,6 @@ def _configs(op, m, n, k, args):
                 continue
             twin = dataclasses.replace(cfg, stream_k=1 - cfg.stream_k)
             out.append((f"{label}{'+sk' if twin.stream_k else '-sk'}", twin))
-    if "rsvec" in args.configs and op == "GEMM+RS":
-        out.append(("default-vecreduce", dataclasses.replace(default, rs_tma_reduce=False)))
-        out.append(("table-vecreduce", dataclasses.replace(table, rs_tma_reduce=False)))
     if "spread" in args.configs and op == "GEMM+RS":  # the other place to reduce
         for label, cfg in (("default", default), ("table", table)):
             if cfg.rs_warp_specialized and not cfg.rs_merge_rows:
@@ -524,8 +521,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_grid_args(p)
     p.add_argument("--ops", nargs="+", default=["AG+GEMM", "GEMM+RS"])
-    p.add_argument("--configs", nargs="+", default=["default", "table", "sk", "rsvec"],
-                   choices=["default", "table", "sk", "rsvec", "spread", "candidates", "plain"],
+    p.add_argument("--configs", nargs="+", default=["default", "table", "sk"],
+                   choices=["default", "table", "sk", "spread", "candidates", "plain"],
                    help="which configs to time per shape (see _configs)")
     p.add_argument("--default-only", action="store_true", help="same as --configs default")
     p.add_argument("--only-config", type=int, default=None,

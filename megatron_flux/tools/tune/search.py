@@ -62,17 +62,16 @@ SEARCH_SPACE: Dict[str, Tuple] = {
     "warp_specialize": (False, True),
     "comm_priority": (-1, 0),
     "rs_tma_push": (True, False),
-    "rs_tma_reduce": (True, False),
     "rs_spread_reduce": (False, True),
     "rs_copy_engine": (False, True),
     "stream_k": (0, 1),
 }
 #: knobs only one op has; the other op keeps its default's value
 _OP_KNOBS = {"ag": ("chunk_rows", "comm_priority", "stream_k"),
-             "rs": ("rs_tma_push", "rs_tma_reduce", "rs_spread_reduce", "rs_copy_engine")}
+             "rs": ("rs_tma_push", "rs_spread_reduce", "rs_copy_engine")}
 #: order of the single-knob variations within each round (see generate_candidates)
 _VARIATION_ORDER = ("stream_k", "chunk_rows", "comm_priority", "rs_copy_engine",
-                    "rs_tma_push", "rs_tma_reduce", "rs_spread_reduce", "num_stages", "block_n", "block_m",
+                    "rs_tma_push", "rs_spread_reduce", "num_stages", "block_n", "block_m",
                     "block_k", "warp_specialize", "epilogue_split", "group_m", "num_warps", "flatten")
 #: knobs the backend has but the search leaves alone (recorded in the table's search.not_searched)
 NOT_SEARCHED: Dict[str, str] = {
