@@ -163,27 +163,6 @@ def check_ag_gemm_all_ranks():
             assert e < TOL, f"world={world} rank={rank} m_local={m_local}: rel err {e}"
 
 
-def check_ag_peer_groups():
-    """AG+GEMM with the peers' segments grouped (``ag_peer_group``): the same product on every
-    rank of TP 3/4/8 for groups that divide the peers and groups that leave a short last group,
-    aligned and ragged m_local, and bitwise equal to the per-segment schedule (same K order per
-    tile). Its waits: :func:`check_ag_signal_indexing`."""
-    import dataclasses
-
-    for world, m_local, groups in ((4, 32, (2, 3)), (8, 9, (2, 3, 7, 64)), (3, 20, (2,))):
-        xs, b, ref = _ag_case(world, m_local, 32, 64, False)
-        for rank in range(world):
-            outs = []
-            for group in (1,) + groups:
-                label = f"{world=} {rank=} {group=}"
-                out = _ag_on_rank(xs, b, rank, dataclasses.replace(CFG, ag_peer_group=group),
-                                  label)
-                e = _rel(out, ref)
-                assert e < TOL, f"{label} {m_local=}: rel err {e}"
-                outs.append(out)
-            assert all(torch.equal(o, outs[0]) for o in outs), f"{world=} {rank=}: not bitwise"
-
-
 def check_ag_stream_k():
     """The stream-K tail at TP 1/2/4: same product as the data-parallel schedule on every rank
     (aligned and ragged m_local, tiles split over 2-4 programs), bitwise identical when
@@ -261,31 +240,31 @@ def _sk_slot_probe(partials_ptr, log_ptr, sk_tiles, k_tiles, NUM_SMS: tl.constex
 
 
 def check_ag_merged_local():
-    """AG+GEMM with the local segment merged into the first peer group (``ag_merge_local``):
-    the same product, bitwise equal to the per-segment schedule (up to rounding where the
-    interpreter's dot is not row-invariant: :func:`_assert_schedules_agree`), at TP 2 (every rank), 4 and 8
-    (two ranks), aligned (two row tiles per segment) and ragged (one) m_local, leads of 0 waves
-    (wait for every peer first, then the gathered rows as one operand: at ragged m_local its
-    row tiles span segments), 1 (some columns local-only) and 2 (every column: nothing left after the wait
-    but the peers' rows), peer groups 1 and larger. The own rows are
-    in the workspace (the host copies them before the kernel). With 5 column tiles and a
-    5-program grid, lead 1 covers 3 columns at two row tiles per segment, 5 at one."""
+    """AG+GEMM with the local segment merged with the first peer's (``ag_merge_local``): the
+    same product, bitwise equal to the per-segment schedule (up to rounding where the
+    interpreter's dot is not row-invariant: :func:`_assert_schedules_agree`), at TP 2 (every
+    rank), 4 and 8 (two ranks; the later peers' segments one at a time after the merged one,
+    unrolled and in a runtime loop), aligned (two row tiles per segment) and ragged (one)
+    m_local, leads of 0 waves (wait for every peer first, then the gathered rows as one
+    operand: at ragged m_local its row tiles span segments), 1 (some columns local-only) and 2
+    (every column: nothing left after the wait but the peer's rows). The own rows are in the
+    workspace (the host copies them before the kernel). With 5 column tiles and a 5-program
+    grid, lead 1 covers 3 columns at two row tiles per segment, 5 at one."""
     import dataclasses
 
-    cases = [  # world, m_local, ranks, (peer group, lead)
-        (2, 32, (0, 1), ((1, 0), (1, 1), (1, 2))),
-        (2, 9, (0, 1), ((1, 0), (1, 1))),
-        (4, 20, (1, 3), ((1, 1), (3, 0), (3, 1))),
-        (8, 9, (5,), ((1, 1), (2, 1), (7, 0))),
+    cases = [  # world, m_local, ranks, leads
+        (2, 32, (0, 1), (0, 1, 2)),
+        (2, 9, (0, 1), (0, 1)),
+        (4, 20, (1, 3), (1, 0)),
+        (8, 9, (5,), (1, 0)),
     ]
-    for world, m_local, ranks, variants in cases:
+    for world, m_local, ranks, leads in cases:
         xs, b, ref = _ag_case(world, m_local, 32, 160, False)
         for rank in ranks:
             base = _ag_on_rank(xs, b, rank, CFG, f"{world=} {rank=} per-segment")
-            for group, lead in variants:
-                cfg = dataclasses.replace(CFG, ag_merge_local=True, ag_merge_lead=lead,
-                                          ag_peer_group=group)
-                label = f"{world=} {rank=} {m_local=} {group=} {lead=}"
+            for lead in leads:
+                cfg = dataclasses.replace(CFG, ag_merge_local=True, ag_merge_lead=lead)
+                label = f"{world=} {rank=} {m_local=} {lead=}"
                 out = _ag_on_rank(xs, b, rank, cfg, label)
                 e = _rel(out, ref)
                 assert e < TOL, f"{label}: rel err {e}"
@@ -293,16 +272,17 @@ def check_ag_merged_local():
 
 
 def check_ag_merged_signals():
-    """Merged local rows: a missing or stale chunk signal of any peer in the merged group is
-    the one reported (index segment * chunks + c); the local segment's signals are never
-    waited for (its rows are copied into the workspace before the kernel, in stream order)."""
+    """Merged local rows: a missing or stale chunk signal of any peer (the merged one's or a
+    later one's) is the one reported (index segment * chunks + c); the local segment's signals
+    are never waited for (its rows are copied into the workspace before the kernel, in stream
+    order)."""
     import dataclasses
 
     world, m_local, k, n, rank = 4, 24, 16, 32, 1
     xs, b, _ = _ag_case(world, m_local, k, n, False)
     chunks = triton.cdiv(m_local, CFG.chunk_rows)
     for lead in (0, 1):
-        cfg = dataclasses.replace(CFG, ag_merge_local=True, ag_peer_group=3, ag_merge_lead=lead)
+        cfg = dataclasses.replace(CFG, ag_merge_local=True, ag_merge_lead=lead)
         for missing_seg in (2, 3, 0):
             for missing_chunk in range(chunks):
                 flags = torch.full((world * chunks,), 5, dtype=torch.int32)
@@ -327,27 +307,22 @@ def check_ag_merged_signals():
 
 def check_ag_signal_indexing():
     """A missing chunk signal is the one the kernel reports: index = segment * chunks + chunk,
-    the local segment needs no signal, a stale epoch does not count; per segment and with the
-    peers grouped (``ag_peer_group`` 3: one group, segments 2, 3, 0, one wait for all)."""
-    import dataclasses
-
+    the local segment needs no signal, a stale epoch does not count (per segment)."""
     world, m_local, k, n, rank = 4, 24, 16, 32, 1
     xs, b, _ = _ag_case(world, m_local, k, n, False)
     chunks = triton.cdiv(m_local, CFG.chunk_rows)
-    for cfg in (CFG, dataclasses.replace(CFG, ag_peer_group=3)):
-        for missing_seg in (0, 2, 3):
-            for missing_chunk in range(chunks):
-                flags = torch.full((world * chunks,), 5, dtype=torch.int32)
-                flags[rank * chunks:(rank + 1) * chunks] = 0  # own rows: never signalled or read
-                idx = missing_seg * chunks + missing_chunk
-                flags[idx] = 4  # previous epoch
-                err = torch.zeros(4, dtype=torch.int32)
-                ag = torch.randn(world * m_local, k).to(DTYPE)
-                out = torch.empty(world * m_local, n, dtype=DTYPE)
-                launch_ag_gemm(xs[rank], ag, b, out, flags, err, rank=rank, world=world,
-                               epoch=5, cfg=cfg, num_sms=NSMS, max_spins=3)
-                assert err.tolist() == [1, rank, idx, 4], (cfg.ag_peer_group, missing_seg,
-                                                           missing_chunk, err.tolist())
+    for missing_seg in (0, 2, 3):
+        for missing_chunk in range(chunks):
+            flags = torch.full((world * chunks,), 5, dtype=torch.int32)
+            flags[rank * chunks:(rank + 1) * chunks] = 0  # own rows: never signalled or read
+            idx = missing_seg * chunks + missing_chunk
+            flags[idx] = 4  # previous epoch
+            err = torch.zeros(4, dtype=torch.int32)
+            ag = torch.randn(world * m_local, k).to(DTYPE)
+            out = torch.empty(world * m_local, n, dtype=DTYPE)
+            launch_ag_gemm(xs[rank], ag, b, out, flags, err, rank=rank, world=world,
+                           epoch=5, cfg=CFG, num_sms=NSMS, max_spins=3)
+            assert err.tolist() == [1, rank, idx, 4], (missing_seg, missing_chunk, err.tolist())
 
 
 def check_next_call_cannot_release_a_wait():
@@ -901,8 +876,7 @@ def check_host_and_device_descriptors_agree():
                 f"GEMM+RS {world=} {m_local=} rank {r}: host != device"
 
 
-CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_peer_groups,
-          check_ag_merged_local, check_ag_merged_signals, check_ag_stream_k, check_ag_signal_indexing,
+CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_merged_local, check_ag_merged_signals, check_ag_stream_k, check_ag_signal_indexing,
           check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout,
           check_gemm_rs_spread_waits_for_its_own_grid, check_gemm_rs_merged_rows,
           check_gemm_rs_stream_k,

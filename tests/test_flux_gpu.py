@@ -358,7 +358,7 @@ def _worker(rank, world, port, env):
             assert torch.equal(first, flux_sk.all_gather_matmul(x, b, group)[0]), \
                 f"AG+GEMM with {variant} not deterministic"
         flux_sk.check_errors()
-    # AG+GEMM with the local rows merged into the first peer group (the shard copied into
+    # AG+GEMM with the local rows merged with the first peer's (the shard copied into
     # the workspace before the kernel), leads of 0 (the gathered rows as one operand, tiles
     # spanning segments: small m's default) and 1 waves, small chunks, and the
     # 128x128 warp-specialized tile of the llama3-8b TP 2 table entries

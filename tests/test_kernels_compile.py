@@ -114,16 +114,14 @@ def test_kernels_compile_with_host_descriptors(world):
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_ag_gemm_compiles_with_one_row_per_rank(world):
-    """Every step schedule: per segment (with and without stream-K), peers grouped
-    (``ag_peer_group``, unrolled at TP 4, a runtime loop at TP 8) and the local rows merged
-    into the first group (``ag_merge_local`` with a lead of 1, with later groups above TP 2), or
-    with a lead of 0 the gathered rows as one operand (``GATHERED``, 2-D descriptors)."""
+    """Every step schedule: per segment (with and without stream-K) and the local rows merged
+    with the first peer's (``ag_merge_local`` with a lead of 1, the later peers after it above
+    TP 2: unrolled at TP 4, a runtime loop at TP 8), or with a lead of 0 the gathered rows as
+    one operand (``GATHERED``, 2-D descriptors)."""
     from megatron_flux.kernels.ag_gemm import ag_gemm_kernel
     from megatron_flux.kernels.config import unroll_steps
 
     variants = [dict(STREAM_K=False), dict(STREAM_K=True)]
-    if world > 2:
-        variants.append(dict(STREAM_K=False, PEER_GROUP=world // 2))
     variants.append(dict(STREAM_K=False, MERGE_LOCAL=True, MERGE_LEAD=1))
     variants.append(dict(STREAM_K=False, MERGE_LOCAL=True, MERGE_LEAD=0, GATHERED=True,
                          RAGGED=False))
@@ -304,8 +302,7 @@ def _table_kernels():
                               FLATTEN_CONSUME=cfg.flatten_consume, CE_PUSH=cfg.rs_copy_engine)
         else:
             kernel = ag_gemm_kernel
-            constexprs = dict(common, STREAM_K=bool(cfg.stream_k), SK_LOCAL=False,
-                              PEER_GROUP=max(1, min(cfg.ag_peer_group, tp - 1)))
+            constexprs = dict(common, STREAM_K=bool(cfg.stream_k), SK_LOCAL=False)
         key = (op, tuple(sorted(constexprs.items())), cfg.num_warps, cfg.num_stages)
         seen.setdefault(key, (label, kernel, constexprs, cfg.num_warps, cfg.num_stages))
     return list(seen.values())

@@ -14,8 +14,7 @@ pytest.importorskip("triton")
 
 HERE = Path(__file__).resolve().parent
 # not imported here: importing it would switch this process's kernels to the interpreter
-NAMES = ["check_tile_order", "check_ag_gemm_all_ranks", "check_ag_peer_groups",
-         "check_ag_merged_local", "check_ag_merged_signals",
+NAMES = ["check_tile_order", "check_ag_gemm_all_ranks", "check_ag_merged_local", "check_ag_merged_signals",
          "check_ag_stream_k", "check_ag_signal_indexing",
          "check_gemm_rs_all_ranks", "check_gemm_rs_ownership",
          "check_gemm_rs_deterministic_and_timeout", "check_gemm_rs_spread_waits_for_its_own_grid",
@@ -31,10 +30,8 @@ NAMES = ["check_tile_order", "check_ag_gemm_all_ranks", "check_ag_peer_groups",
 #: rough seconds each check takes in the interpreter (2-core box), only to split the checks
 #: evenly over the worker processes; a check missing here counts as 1
 COST = {"check_gemm_rs_merged_rows": 32, "check_gemm_rs_all_ranks": 29, "check_gemm_rs_stream_k": 13,
-        "check_gemm_rs_copy_engine": 13,
-        "check_ag_peer_groups": 10, "check_ag_stream_k": 6, "check_ag_merged_local": 6,
-        "check_tile_order": 5, "check_gemm_rs_ownership": 4,
-        "check_ag_gemm_all_ranks": 3}
+        "check_gemm_rs_copy_engine": 13, "check_ag_stream_k": 6, "check_ag_merged_local": 6,
+        "check_tile_order": 5, "check_gemm_rs_ownership": 4, "check_ag_gemm_all_ranks": 3}
 
 
 def _split(names, workers):

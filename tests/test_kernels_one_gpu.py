@@ -148,7 +148,6 @@ AG_MERGED = [
     # the llama3-8b TP 2 table tile: 128x128, warp-specialized
     dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4, epilogue_split=1,
          warp_specialize=True, ag_merge_local=True),
-    dict(ag_merge_local=True, ag_peer_group=3),
     # the wide gathered-rows tile of the small-m default (config.gathered_ag_tile)
     dict(block_n=256, num_stages=4, ag_merge_local=True, ag_merge_lead=0),
 ]
@@ -157,7 +156,7 @@ AG_MERGED = [
 @pytest.mark.parametrize("shape", AG_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("fields", AG_MERGED, ids=range(len(AG_MERGED)))
 def test_ag_gemm_merged_local_rows(shape, fields):
-    """AG+GEMM with the local rows merged into the first peer group (``ag_merge_local``),
+    """AG+GEMM with the local rows merged with the first peer's (``ag_merge_local``),
     compiled: against fp32 math, every element written, bitwise equal to the per-segment
     schedule with the same tile (same K order per tile) and to a repeated launch."""
     import dataclasses
@@ -172,7 +171,7 @@ def test_ag_gemm_merged_local_rows(shape, fields):
     err = torch.zeros(4, dtype=torch.int32, device="cuda")
     cfg = GemmConfig(**{"block_m": 64, "block_n": 128, "block_k": 64, "num_stages": 3,
                         "num_warps": 4, "epilogue_split": 1, **fields})
-    plain = dataclasses.replace(cfg, ag_merge_local=False, ag_peer_group=1, stream_k=0)
+    plain = dataclasses.replace(cfg, ag_merge_local=False, stream_k=0)
     launch_plain, out_plain = ag_on_one_gpu(a, w, world, plain, err, num_sms=24)
     launch_plain()
     torch.cuda.synchronize()

@@ -132,7 +132,6 @@ AG_WS = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, ep
 @pytest.mark.parametrize("fields, match", [
     (dict(block_n=256), "at most 128x128"),
     (dict(num_warps=8, block_m=64), "block_m=128"),
-    (dict(ag_peer_group=2), "per-segment schedule"),
     (dict(ag_merge_local=True), "per-segment schedule"),
     (dict(ag_warp_specialized="yes"), "must be a bool"),
 ])

@@ -23,48 +23,37 @@ def interpreting() -> bool:
 class GemmConfig:
     """One fused-kernel configuration: :func:`default_config` picks one per shape, a tuning
     table entry overrides it. One line per knob; "AG" / "RS" knobs only change AllGather+GEMM /
-    GEMM+RS, the other kernel ignores them. Measurements: one H200, communication off, unless
-    stated.
+    GEMM+RS, the other kernel ignores them. The measurements behind the defaults are in
+    :func:`default_config`, those behind what was rejected in docs/design.md.
 
     Both kernels:
 
     * ``block_m``, ``block_n``, ``block_k``: the output tile and the K step (powers of two >= 16).
     * ``num_stages``: depth of the TMA load pipeline (A and B buffers in shared memory).
     * ``num_warps``: warps per program; for the Gluon kernels 4 = ping-pong, 8 = cooperative.
-    * ``group_m``: row tiles walked together for L2 reuse of B (grouping 2 ran 10 % slower than 8).
+    * ``group_m``: row tiles walked together for L2 reuse of B (2 ran 10 % slower than 8).
     * ``epilogue_split``: store the output tile in 1 or 2 column halves (less shared memory).
     * ``flatten``: ask Triton to flatten the persistent tile loop into the K loop.
     * ``warp_specialize``: Triton's automatic warp specialization (same PTX either way on sm_90a).
-    * ``stream_k``: 1 splits a small partial last wave along K over the grid
-      (:mod:`~megatron_flux.kernels.stream_k`; RS: own tiles only, not merged rows or Gluon).
+    * ``stream_k``: 1 splits a small partial last wave along K over the grid (:mod:`.stream_k`).
 
     AG:
 
     * ``chunk_rows``: rows of a rank's segment copied and signalled at once (not tied to block_m).
     * ``comm_priority``: CUDA priority of the copy-engine side stream (-1 is above the default 0).
-    * ``ag_peer_group``: peer segments that share one tile loop after one wait (1 = per segment;
-      larger values are unmeasured and not shipped).
-    * ``ag_merge_local``: the local segment joins the first peer group's tile space (off above
-      m = 512: at m = 1024-2048 no faster with communication, 0.2-3 % slower without).
-    * ``ag_merge_lead``: waves of local tiles computed before the first wait; 0 waits for every
-      peer and treats the gathered rows as one operand (the default at m <= 512).
-    * ``ag_warp_specialized``: run the warp-specialized Gluon kernel
-      (:mod:`~megatron_flux.kernels.ag_gemm_ws`; per-segment schedule only).
+    * ``ag_merge_local``: the local segment and the first peer's share one tile loop.
+    * ``ag_merge_lead``: waves of local tiles before the first wait; 0: the gathered rows at once.
+    * ``ag_warp_specialized``: run the warp-specialized Gluon kernel (:mod:`.ag_gemm_ws`).
 
     RS:
 
     * ``rs_tma_push``: push partial tiles into the owner's slot by TMA stores (else vector stores).
-    * ``flatten_consume``: ask Triton to flatten the reduction loop; it does not, so both values
-      compile to the same kernel (not searched by the tuner).
-    * ``rs_spread_reduce``: push the own partials too and spread the reduction over the whole
-      grid (default at TP >= 8: up to 14 % faster; 0.5-2.6 % slower at TP 2).
-    * ``rs_copy_engine``: stage producer tiles locally; the copy engine moves each finished step
-      to its owner behind a stream wait (no SM stores cross NVLink).
-    * ``rs_merge_rows``: every rank's rows in one tile space (with ``rs_spread_reduce`` and
-      ``rs_tma_push=False``); the default at m <= 256.
-    * ``rs_warp_specialized``: run the warp-specialized Gluon kernel
-      (:mod:`~megatron_flux.kernels.gemm_rs_ws`); calls it cannot take run the Triton kernel
-      with one warning."""
+    * ``flatten_consume``: ask Triton to flatten the reduction loop (the same kernel either way).
+    * ``rs_spread_reduce``: push the own partials too and spread the reduction over the grid.
+    * ``rs_copy_engine``: stage the peers' partials locally; the copy engine delivers them.
+    * ``rs_merge_rows``: every rank's rows in one tile space (spread reduction, vector pushes).
+    * ``rs_warp_specialized``: run the warp-specialized Gluon kernel (:mod:`.gemm_rs_ws`).
+    """
 
     block_m: int = 128
     block_n: int = 256
@@ -82,7 +71,6 @@ class GemmConfig:
     rs_spread_reduce: bool = False
     rs_copy_engine: bool = False
     stream_k: int = 0
-    ag_peer_group: int = 1
     ag_merge_local: bool = False
     ag_merge_lead: int = 1
     rs_warp_specialized: bool = False
@@ -108,9 +96,6 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name} must be a bool: {self}")
         if self.stream_k not in (0, 1) or isinstance(self.stream_k, bool):
             raise ValueError(f"GemmConfig.stream_k must be 0 or 1: {self}")
-        if (isinstance(self.ag_peer_group, bool) or not isinstance(self.ag_peer_group, int)
-                or not 1 <= self.ag_peer_group <= 64):
-            raise ValueError(f"GemmConfig.ag_peer_group must be an int in [1, 64]: {self}")
         if (isinstance(self.ag_merge_lead, bool) or not isinstance(self.ag_merge_lead, int)
                 or not 0 <= self.ag_merge_lead <= 8):
             raise ValueError(f"GemmConfig.ag_merge_lead must be an int in [0, 8]: {self}")
@@ -137,9 +122,9 @@ class GemmConfig:
         if self.rs_warp_specialized and self.rs_spread_reduce and not self.rs_merge_rows:
             raise ValueError("GemmConfig.rs_warp_specialized does not implement rs_spread_reduce "
                              f"without rs_merge_rows (its merged rows reduce spread): {self}")
-        if self.ag_warp_specialized and (self.ag_peer_group != 1 or self.ag_merge_local):
+        if self.ag_warp_specialized and self.ag_merge_local:
             raise ValueError("GemmConfig.ag_warp_specialized runs the per-segment schedule: no "
-                             f"ag_peer_group > 1, no ag_merge_local: {self}")
+                             f"ag_merge_local: {self}")
         if self.group_m < 1 or self.chunk_rows < 1:
             raise ValueError(f"GemmConfig.group_m and chunk_rows must be >= 1: {self}")
 
@@ -161,11 +146,12 @@ class GemmConfig:
         return cls(**d)
 
 
-#: Knobs GemmConfig no longer has, with the one value they always took: no shipped tuning table
-#: set another and no measurement supported one (docs/design.md, "Measured and rejected").
-#: Tables and configs written before their removal name them at that value, which
-#: :meth:`GemmConfig.from_dict` and :mod:`megatron_flux.tuning.schema` drop.
+#: Knobs GemmConfig no longer has, with the one value they took in every shipped tuning table
+#: (what other values measured: docs/design.md, "Measured and rejected"). Tables and configs
+#: written before their removal name them at that value, which :meth:`GemmConfig.from_dict`
+#: and :mod:`megatron_flux.tuning.schema` drop.
 REMOVED_FIELDS: Dict[str, Any] = {
+    "ag_peer_group": 1,
     "ag_pull": False,
     "programs_per_sm": 1,
     "rs_ce_bands": False,

@@ -75,7 +75,6 @@ _VARIATION_ORDER = ("stream_k", "chunk_rows", "comm_priority", "rs_copy_engine",
                     "block_k", "warp_specialize", "epilogue_split", "group_m", "num_warps", "flatten")
 #: knobs the backend has but the search leaves alone (recorded in the table's search.not_searched)
 NOT_SEARCHED: Dict[str, str] = {
-    "ag_peer_group": "not measured yet (no GPU run has timed a value above 1)",
     "ag_merge_local": "the default at m <= 512 (gathered first, lead 0), where the per-segment "
                       "default is tried as a seed; at m = 1024-2048 no faster with "
                       "communication on, slower in 7 of 8 paired comm-off cases at TP 2",
