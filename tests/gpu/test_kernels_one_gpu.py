@@ -490,9 +490,9 @@ def test_gemm_rs_two_ranks_on_one_gpu(configs, split):
     ref = sum(x.float() @ y.t().float() for x, y in zip(a, w))
     # Load every rank's kernel binary before two grids run at once: with CUDA's lazy loading a
     # binary's first launch waits for the running grids, so a grid spinning on its peer would
-    # wait for a launch queued behind it (session 20). Session 23 met it when the test
-    # selection had not loaded a rank's kernel before (its wait timed out). Epoch 0: every wait
-    # passes at once (the signals start at 0); the outputs are not checked.
+    # wait for a launch queued behind it, and time out where the test selection had not loaded
+    # a rank's kernel before. Epoch 0: every wait passes at once (the signals start at 0); the
+    # outputs are not checked.
     for r in range(world):
         launch_gemm_rs(a[r], w[r].t(), outs[r], data[r], data_ptrs, flag_ptrs, None, errs[r],
                        rank=r, world=world, epoch=0, cfg=cfgs[r], num_sms=sms[r],
@@ -535,9 +535,9 @@ def test_ag_gemm_waits_for_chunks_that_land_while_it_runs(kernel, kernel_stream,
     shapes and offsets, so every kernel it launches is loaded. With CUDA's lazy loading (the
     default) the first launch of a kernel function waits for the context's running grids; a
     grid spinning on work queued behind such a launch then waits until its bounded polls run
-    out (``benchmarks/NOTES.md``, session 20: with ``CUDA_MODULE_LOADING=EAGER`` the same case
-    passed; session 19 had taken it for a stream-priority effect). The backend queues no kernel
-    behind its fused grids, only copies and stream memory operations."""
+    out (with ``CUDA_MODULE_LOADING=EAGER`` the same case passes; it is not a stream-priority
+    effect). The backend queues no kernel behind its fused grids, only copies and stream
+    memory operations."""
     from megatron_flux.kernels.ag_gemm import launch_ag_gemm
     from megatron_flux.kernels.config import GemmConfig
 

@@ -591,8 +591,8 @@ def test_timing_disables_gc_during_the_trials_and_restores_it():
 
 def test_single_gpu_rs_wiring_owns_every_buffer_its_pointer_tables_name():
     """``rs_on_one_gpu`` hands the kernel slots and signals as raw addresses; a buffer only the
-    pointer table names is freed on return and reused (session 9: every timed call then spun
-    out its waits). Every address must belong to a tensor the returned launcher holds."""
+    pointer table names is freed on return and reused (every timed call then spins out its
+    waits). Every address must belong to a tensor the returned launcher holds."""
     import gc
 
     from megatron_flux.tools.diagnostics.kernel_vs_cublas import rs_on_one_gpu
@@ -709,7 +709,7 @@ def test_kernel_vs_cublas_config_families(monkeypatch):
     args = argparse.Namespace(configs=["table", "sk"], tp=2)
     assert K._configs("GEMM+RS", 4096, 4096, 7168, args)[1] == ["table", "default-sk"]
     # nor a spread twin: its Gluon kernel reduces spread only with merged rows (GemmConfig
-    # refuses the twin; session 33's run of `--configs spread` stopped there)
+    # refuses the twin, which would stop a run of `--configs spread`)
     args = argparse.Namespace(configs=["table", "spread"], tp=2)
     assert K._configs("GEMM+RS", 4096, 4096, 7168, args)[1] == ["table", "default+spread"]
     # --extra: the default with fields changed, fused or (runner "plain") the yardstick
@@ -746,8 +746,8 @@ def test_kernel_vs_cublas_grid_shapes():
 
 
 def test_model_args_fall_back_to_the_tools_default_only_without_model_shapes():
-    """An experiment's own default models give way to ``--model-shapes`` (session 18: a
-    kernel_ab run given the training shapes timed the grid's models instead)."""
+    """An experiment's own default models give way to ``--model-shapes`` (else a kernel_ab run
+    given the training shapes times the grid's models instead)."""
     import argparse
 
     from megatron_flux.tools.diagnostics.kernel_vs_cublas import add_model_args, model_shapes

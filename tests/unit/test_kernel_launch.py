@@ -138,8 +138,9 @@ def test_empty_hook_chains_are_inactive():
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8, 16])
 def test_both_launchers_unroll_the_step_loop_up_to_tp_4(monkeypatch, world):
-    """The step loop is unrolled at compile time up to TP 4 and a runtime loop above (session
-    12: at TP 8 seven unrolled copies were slower); both launchers pass the same choice."""
+    """The step loop is unrolled at compile time up to TP 4 and a runtime loop above (at TP 8
+    seven unrolled copies were slower: config.MAX_UNROLLED_WORLD); both launchers pass the same
+    choice."""
     from megatron_flux.kernels import ag_gemm, gemm_rs
     from megatron_flux.kernels.config import GemmConfig, MAX_UNROLLED_WORLD, unroll_steps
 

@@ -817,8 +817,8 @@ def test_adopt_takes_a_variant_only_where_every_ab_run_timed_it_faster(tmp_path)
         adopt_variant(table, [(_ab_bench(4, {}), "d.json")])
     with pytest.raises(T.TuningFileError, match="flux_variant"):
         adopt_variant(table, [({"tp": 2, "gpu": "NVIDIA H200", "rows": []}, "e.json")])
-    # an A/B run on other cards never changes the table (session 26 asked for two H200s and got
-    # two H100s, on which the Gluon ping-pong loses where it wins on the H200)
+    # an A/B run on other cards never changes the table (on two H100s the Gluon ping-pong loses
+    # where it wins on two H200s)
     with pytest.raises(T.TuningFileError, match="H100"):
         adopt_variant(table, [(run1, "a.json"), (_ab_bench(2, {}, gpu="NVIDIA H100 80GB HBM3"), "h.json")])
     other_sms = _ab_bench(2, {})

@@ -299,7 +299,8 @@ def test_comm_priority_is_an_ag_knob_only():
 
 def test_spread_reduce_is_an_rs_knob_on_by_default_from_tp_8():
     """GEMM+RS spreads its reduction over the grid by default at TP >= 8 only (measured comm
-    off, session 12); the tuner tries both ways for RS entries and never for AG ones."""
+    off: config.default_config); the tuner tries both ways for RS entries and never for AG
+    ones."""
     assert default_config("rs", 1024, 4096, 3584, tp=8).rs_spread_reduce is True
     assert default_config("rs", 256, 4096, 3584, tp=16).rs_spread_reduce is True
     for tp in (None, 1, 2, 4):
@@ -383,9 +384,10 @@ def test_ag_gemm_tries_both_forms_of_its_warp_specialized_kernel():
 
 
 def test_hopper_search_pins_knobs_that_compile_to_the_same_kernel():
-    """On sm_90 ``warp_specialize`` changes no instruction (compile-s18), so the tuner's space
-    pins it: no candidate (seeds included) turns it on, and the seed that did becomes its
-    one-store twin instead of a duplicate timing. Blackwell and an unknown GPU keep it."""
+    """On sm_90 ``warp_specialize`` changes no instruction (``SAME_CODE_BELOW``), so the
+    tuner's space pins it: no candidate (seeds included) turns it on, and the seed that
+    did becomes its one-store twin instead of a duplicate timing. Blackwell and an unknown GPU
+    keep it."""
     space, pinned = S.search_space_for((9, 0))
     assert space["warp_specialize"] == (False,) and "warp_specialize" in pinned
     assert "sm_90" in pinned["warp_specialize"]
