@@ -27,7 +27,7 @@ export PYTHONPATH="${PWD}:/tmp/site"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "${OUT}/gpus.csv"
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-    timeout "${TEST_TIMEOUT:-330}" python3 benchmarks/record_pytest.py "${OUT}/tests-gpu.json" tests -v \
+    timeout "${TEST_TIMEOUT:-330}" python3 benchmarks/record_pytest.py "${OUT}/tests-gpu.json" tests/gpu -v \
         -p no:cacheprovider -m gpu > "${OUT}/tests-gpu.log" 2>&1
     echo "gpu tests exit $? (${SECONDS}s)"; tail -3 "${OUT}/tests-gpu.log"
     python3 -c "import json; d=json.load(open('${OUT}/tests-gpu.json')); [print(t['outcome'], t['test'], (t.get('message') or '')[:600]) for t in d['tests'] if t['outcome'] != 'passed']" 2>/dev/null

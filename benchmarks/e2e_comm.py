@@ -29,7 +29,7 @@ leaves them out (results made before the output layer became a Flux linear did).
 
 The step's TP communication is ``microbatches x (4 x layers + model_collectives) x
 (t_all_gather + t_reduce_scatter)`` (:func:`collectives_per_microbatch`, checked against the
-collectives of a real GPTModel by ``tests/test_e2e_comm.py``), each collective timed alone
+collectives of a real GPTModel by ``tests/unit/test_e2e_comm.py``), each collective timed alone
 (interleaved trials, medians, max over ranks). This is the time the
 plugin's ``nccl`` backend spends with the GPU doing nothing else; the end-to-end report divides the
 step time that ``flux`` saves by it.

@@ -5,7 +5,7 @@
 #   PYTHON        interpreter (default: python3); needs >= 3.12 (megatron.training)
 #   FLUX_DRY_RUN=1  print the environment the training command gets ("ENV NAME=VALUE" lines)
 #                   and its arguments, one per line, and run nothing (no GPU needed; NPROC
-#                   defaults to 2): what tests/test_launch_config.py checks
+#                   defaults to 2): what tests/unit/test_launch_config.py checks
 #   NPROC         processes = GPUs = tensor-parallel size (default: all local GPUs)
 #   FLUX_BACKEND  backend of --flux-tp-overlap: auto (default), flux, nccl or megatron
 #   FLUX_TP_OVERLAP=0  run without the flag: megatron-core's own linears (the baseline)

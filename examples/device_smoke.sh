@@ -33,8 +33,8 @@ print(f"python {sys.version.split()[0]}  torch {torch.__version__}  megatron-cor
       f"{megatron.core.__version__}  GPUs {torch.cuda.device_count()}")
 PY
 
-echo "== tests/test_examples.py tests/test_patch.py"
-"${PYTHON}" -m pytest -q "${REPO}/tests/test_examples.py" "${REPO}/tests/test_patch.py" \
+echo "== tests/unit/test_examples.py tests/unit/test_patch.py"
+"${PYTHON}" -m pytest -q "${REPO}/tests/unit/test_examples.py" "${REPO}/tests/unit/test_patch.py" \
     2>&1 | tee "${OUT}/pytest.log" | tail -15
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 

@@ -229,7 +229,7 @@ def validate_flux_args(args: argparse.Namespace) -> argparse.Namespace:
       that megatron-core checkpoints with ``CheckpointWithoutOutput`` (``layernorm``,
       ``moe_act``, ``mla_up_proj``) is an error without Transformer Engine: megatron-core's
       checkpoint then fails in the first forward with ``NameError``. ``full`` recomputation
-      and the ``mlp`` / ``core_attn`` modules work (tests/test_gpt_model_sp.py).
+      and the ``mlp`` / ``core_attn`` modules work (tests/unit/test_gpt_model_sp.py).
 
     Returns ``args`` (modified only as described for TP=1).
     """

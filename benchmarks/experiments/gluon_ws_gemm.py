@@ -55,7 +55,7 @@ default one what is left.
 The kernel is the package's ``megatron_flux/kernels/ag_gemm_ws.py`` (``ag_warp_specialized``,
 with both B layouts and fp16; its K loop and ring are ``kernels/gluon_ws.py``); this script
 times it (at ``WORLD = 1`` as a plain GEMM, and in the AG+GEMM form) beside cuBLAS and the
-Triton kernels. ``tests/test_kernels_compile.py`` compiles the package's kernel.
+Triton kernels. ``tests/unit/test_kernels_compile.py`` compiles the package's kernel.
 
     python benchmarks/experiments/gluon_ws_gemm.py --shapes 1024x14336x4096 [--json PATH]
 

@@ -21,7 +21,7 @@ AG = "megatron_flux/kernels/ag_gemm_ws.py"
 WS = "megatron_flux/kernels/gluon_ws.py"
 TRS = "megatron_flux/kernels/gemm_rs.py"
 TAG = "megatron_flux/kernels/ag_gemm.py"
-T = "tests/test_kernels_one_gpu.py"
+T = "tests/gpu/test_kernels_one_gpu.py"
 
 #: name -> (file, old text, new text, pytest -k expression)
 MUTANTS = {

@@ -124,7 +124,7 @@ def main(argv=None):
                     phases = RS_PHASES
                 record = {"module": args.module, "op": args.op, "model": model, "m": m, "n": n, "k": k, "tp": args.tp,
                           "label": label, "cfg": cfg.to_dict()}
-                rows_cap = sms * cfg.programs_per_sm  # the largest grid a launch can have
+                rows_cap = sms  # the largest grid a launch can have
                 record["fused"] = run_traced(fused, rows_cap, phases, args.launches, args.warmup,
                                              args.iters)
                 record["plain"] = run_traced(

@@ -158,7 +158,7 @@ def main(argv=None):
             call, keep = make_call(args.op, args.comm, backend, launcher, group, m, n, k, cfg, dev)
             if trickle is not None:
                 call = trickle.wrap(call)
-            grid_cap = sms * cfg.programs_per_sm
+            grid_cap = sms
             scratch = new_trace(grid_cap, dev)
             for _ in range(args.warmup):
                 call(None)

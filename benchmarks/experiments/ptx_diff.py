@@ -31,7 +31,7 @@ bm, bn, bk, stages, warps, epi = json.loads(sys.argv[1])
 cx = dict(RAGGED=False, B_KN=False, EPI_SPLIT=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
           NUM_SMS=132, FLATTEN=True, WARP_SPECIALIZE=False, WORLD=2, HAS_BIAS=False,
           FLATTEN_CONSUME=True, TMA_PUSH=True, ASYNC_FENCE=True, PRODUCE=True, CONSUME=True,
-          TMA_REDUCE=True, SPREAD_REDUCE=False)
+          SPREAD_REDUCE=False)
 cx = {**{p.name: p.default for p in fn.params if p.is_constexpr
          and p.default is not inspect.Parameter.empty}, **cx}
 ptrs = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "data_ptr": "*bf16",

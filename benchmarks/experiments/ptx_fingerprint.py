@@ -8,7 +8,7 @@ information (``.loc``/``.file`` lines, ``$L__tmp`` line labels, comments and the
 Gluon kernels (``gemm_rs_ws_kernel``, ``ag_gemm_ws_kernel``) at TP 2: descriptors host-encoded
 or device-built, both B layouts, ping-pong (two MMA partitions, 128x128 tiles) or cooperative
 (one, 128x256), and for GEMM+RS per-rank or merged rows, compiled as
-``tests/test_kernels_compile.py`` does (``_compile_gluon``). Run it before and after a change
+``tests/unit/test_kernels_compile.py`` does (``_compile_gluon``). Run it before and after a change
 and compare the JSON files::
 
     PYTHONPATH=/work/t36:. python benchmarks/experiments/ptx_fingerprint.py before.json
@@ -20,7 +20,7 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "unit"))
 from test_kernels_compile import _COOP, _PINGPONG5, _SMALL, _compile, _compile_gluon, \
     _gluon_desc  # noqa: E402
 
@@ -95,7 +95,7 @@ def main(path):
                           "slots_hd": desc(1, 64, 64)} if host else {})
                 k = _compile(gemm_rs_kernel, dict(
                     _SMALL, WORLD=world, RAGGED=ragged, B_KN=b_kn, EPI_SPLIT=1, HAS_BIAS=True,
-                    TMA_PUSH=True, TMA_REDUCE=True, UNROLL_STEPS=unroll_steps(world),
+                    TMA_PUSH=True, UNROLL_STEPS=unroll_steps(world),
                     HOST_DESC=host), ones=(), types=types)
                 out["kernels"][f"rs host={host} ragged={ragged} b_kn={b_kn}"] = fingerprint(k.asm["ptx"])
                 c = desc(1, 64, 32) if ragged else desc(64, 32)

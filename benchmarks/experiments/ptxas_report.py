@@ -88,17 +88,15 @@ def main(argv=None):
             r = _compile(ag_gemm_kernel, dict(common, STREAM_K=sk, SK_LOCAL=False, ASYNC_FENCE=True),
                          warps, stages, args.ptxas, args.ptx_version)
             rows.append({"kernel": "ag_gemm", "config": cfg, "stream_k": sk, **r})
-        for push, reduce_, spread, sk in ((True, True, False, False), (True, False, False, False),
-                                          (False, True, False, False), (True, True, True, False),
-                                          (True, True, False, True)):
+        for push, spread, sk in ((True, False, False), (False, False, False), (True, True, False),
+                                 (True, False, True)):
             r = _compile(gemm_rs_kernel, dict(common, HAS_BIAS=False, FLATTEN_CONSUME=True,
                                               TMA_PUSH=push, ASYNC_FENCE=True, PRODUCE=True,
-                                              CONSUME=True, TMA_REDUCE=reduce_,
-                                              SPREAD_REDUCE=spread, STREAM_K=sk),
+                                              CONSUME=True, SPREAD_REDUCE=spread, STREAM_K=sk),
                          warps, stages, args.ptxas, args.ptx_version)
             rows.append({"kernel": "gemm_rs", "config": cfg, "rs_tma_push": push,
-                         "rs_tma_reduce": reduce_, "rs_spread_reduce": spread, "stream_k": sk, **r})
-        for row in rows[-7:]:
+                         "rs_spread_reduce": spread, "stream_k": sk, **r})
+        for row in rows[-6:]:
             print(json.dumps({k: v for k, v in row.items() if k != "config"}), cfg, flush=True)
     # the step loop unrolled or a runtime loop at TP 8 (config.unroll_steps): code size, 128x128
     bm, bn, bk, stages, warps, epi, ws = CONFIGS[2]
@@ -113,7 +111,7 @@ def main(argv=None):
         rows.append({"kernel": "ag_gemm", "config": cfg, "world": 8, "unroll_steps": unroll, **r})
         r = _compile(gemm_rs_kernel, dict(common, HAS_BIAS=False, FLATTEN_CONSUME=True,
                                           TMA_PUSH=True, ASYNC_FENCE=True, PRODUCE=True,
-                                          CONSUME=True, TMA_REDUCE=True, SPREAD_REDUCE=False),
+                                          CONSUME=True, SPREAD_REDUCE=False),
                      warps, stages, args.ptxas, args.ptx_version)
         rows.append({"kernel": "gemm_rs", "config": cfg, "world": 8, "unroll_steps": unroll, **r})
         for row in rows[-2:]:

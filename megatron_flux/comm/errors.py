@@ -11,7 +11,7 @@ import torch
 
 from megatron_flux.kernels.signals import OP_AG_GEMM, OP_AG_READY, OP_GATHER, OP_GEMM_RS
 
-_OPS = {OP_AG_GEMM: "AG+GEMM", OP_GEMM_RS: "GEMM+RS", OP_AG_READY: "AG+GEMM",
+_OPS = {OP_AG_GEMM: "AG+GEMM", OP_GEMM_RS: "GEMM+RS", OP_AG_READY: "ready barrier",
         OP_GATHER: "all-gather (copy engine)"}
 
 
@@ -44,10 +44,10 @@ class DeviceErrorWord:
         op, rank, index, seen = (int(v) for v in self.host_word.tolist())
         if op == OP_AG_READY:
             raise FusedOpTimeout(
-                f"megatron-flux AG+GEMM (pull): rank {rank} timed out waiting for rank {index}'s "
-                f"shard to be ready (last value seen {seen}); that rank died, diverged (different "
-                f"shapes, configs or call order across the TP group) or is stalled. Outputs since "
-                f"then are invalid."
+                f"megatron-flux ready barrier: rank {rank} timed out waiting for rank {index}'s "
+                f"signal (last value seen {seen}); that rank died, diverged (different shapes, "
+                f"configs or call order across the TP group) or is stalled. Outputs since then "
+                f"are invalid."
             )
         if op == OP_GATHER:
             raise FusedOpTimeout(

@@ -15,15 +15,11 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   persistent tile loops so they stay flattened/pipelined. Up to TP 4 the step loop is
   unrolled at compile time (``WORLD`` is a constexpr), so each step's tile loop is a top-level
   loop; above, it is a runtime loop (:func:`~megatron_flux.kernels.config.unroll_steps`).
-* Grouped peers (``GemmConfig.ag_peer_group = g > 1``, opt-in, not timed yet): steps
-  ``1..W-1`` go ``g`` at a time. Each group waits once for every chunk of its segments, then
-  walks its ``g * tiles_per_seg`` tiles as one tile space whose row tiles are grouped
-  ``GROUP_M`` at a time across the segments, so a segment with few row tiles no longer makes
-  every step stream all of B. Groups alternate direction like steps. Stream-K is off then.
 * Merged local rows (``GemmConfig.ag_merge_local``, opt-in; no faster at TP 2, m >= 1024): after
   ``ag_merge_lead`` waves of local tiles (whole columns, from the shard, no wait), the local
-  segment joins the first peer group's tile space (:func:`_merged_local_group`), its rows read
-  from the workspace, where the host copied them before the kernel. Later groups follow.
+  segment and the first peer's share one tile space (:func:`_merged_local_group`), the local
+  rows read from the workspace, where the host copied them before the kernel. The other
+  peers' segments follow one at a time (:func:`_segment_after_merge`). Stream-K is off then.
   With a lead of 0 the kernel first waits for every peer's chunks, then walks the gathered
   rows ``[W * m_local, K]`` as one plain tile space (:func:`_gathered_tiles`): tiles may span
   segments, so at small m a B column tile is read once for every row instead of once per
@@ -50,7 +46,6 @@ from megatron_flux.kernels import ag_gemm_ws
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import split_columns, tile_mainloop, tile_mainloop_k
 from megatron_flux.kernels.phase_trace import stamp
-from megatron_flux.kernels.residency import resident_programs_per_sm
 from megatron_flux.kernels.signals import fence_async_proxy, wait_signal
 from megatron_flux.kernels.stream_k import launch_with_stream_k_fallback, sk_covering, \
     sk_publish_part, sk_range, sk_sum_parts, stream_k_fits, stream_k_plan, stream_k_scratch
@@ -106,8 +101,8 @@ def ag_gemm_kernel(
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, STREAM_K: tl.constexpr,
     ASYNC_FENCE: tl.constexpr = True, SK_LOCAL: tl.constexpr = False,
     UNROLL_STEPS: tl.constexpr = True, TRACE: tl.constexpr = False,
-    PEER_GROUP: tl.constexpr = 1, MERGE_LOCAL: tl.constexpr = False,
-    MERGE_LEAD: tl.constexpr = 1, GATHERED: tl.constexpr = False, HOST_DESC: tl.constexpr = False,
+    MERGE_LOCAL: tl.constexpr = False, MERGE_LEAD: tl.constexpr = 1, GATHERED: tl.constexpr = False,
+    HOST_DESC: tl.constexpr = False,
 ):
     """Pointers: ``x`` [m_local, K], ``ag`` / ``c`` [WORLD * m_local, K / N] contiguous; ``b``
     [K, N] (B_KN) or [N, K], row stride ``ldb``. TMA descriptors are built on the device, once
@@ -119,12 +114,10 @@ def ag_gemm_kernel(
     has no inline assembly). UNROLL_STEPS: the peer-step loop unrolled at compile time (up to
     TP 4, :func:`~megatron_flux.kernels.config.unroll_steps`) or a runtime loop.
     TRACE: stamp the phases of :data:`AG_PHASES` into ``trace_ptr`` (:mod:`.phase_trace`).
-    PEER_GROUP > 1: the peers' segments are walked ``PEER_GROUP`` at a time, each group in one
-    tile loop with its rows grouped across segments (``GemmConfig.ag_peer_group``; the
-    launcher turns stream-K off then, so ``sk_tiles`` is 0).
-    MERGE_LOCAL: the local segment joins the first peer group after MERGE_LEAD waves of local
-    tiles (``GemmConfig.ag_merge_local``, :func:`_merged_local_group`), its rows read from
-    ``ag``, where the caller copied them before the kernel. Stream-K is off then too.
+    MERGE_LOCAL (WORLD >= 2): the local segment and the first peer's share one tile loop after
+    MERGE_LEAD waves of local tiles (``GemmConfig.ag_merge_local``, :func:`_merged_local_group`),
+    the local rows read from ``ag``, where the caller copied them before the kernel; the
+    launcher turns stream-K off then, so ``sk_tiles`` is 0.
     GATHERED (MERGE_LOCAL with a lead of 0; the launcher passes RAGGED=False): one wait for
     every peer, then ``ag`` is one ``[WORLD * m_local, K]`` operand (:func:`_gathered_tiles`).
     HOST_DESC: ``x_ptr``, ``ag_ptr``, ``b_ptr`` and ``c_ptr`` are host-encoded TMA descriptors of
@@ -151,12 +144,12 @@ def ag_gemm_kernel(
                         BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE,
                         trace_ptr, TRACE)
     elif MERGE_LOCAL:
-        # The local segment and the first PEER_GROUP peers in one tile space, after a lead of
-        # local tiles; the remaining peer groups follow below.
+        # The local segment and the first peer's in one tile space, after a lead of local
+        # tiles; the other peers follow below.
         _merged_local_group(x_desc, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
                             epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, k_tiles,
-                            num_pid_m, num_pid_n, WORLD, PEER_GROUP, MERGE_LEAD, RAGGED, B_KN,
-                            EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
+                            num_pid_m, num_pid_n, WORLD, MERGE_LEAD, RAGGED, B_KN, EPI_SPLIT,
+                            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
                             WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
     else:
         # Step 0: local rows, read from the caller's shard (no wait).
@@ -169,11 +162,11 @@ def ag_gemm_kernel(
     # Steps 1..WORLD-1: peers' rows in ring order, from the gathered workspace. Up to TP 4 the
     # step loop is unrolled (WORLD is a compile-time constant), so every tile loop sits at the
     # top level of the kernel: nested in a runtime step loop they ran 1-3 % slower at TP 2 with
-    # communication disabled (NOTES.md, session 9). At TP 8 the seven unrolled copies quadruple
-    # the code, and a runtime loop ran up to 9-11 % faster (NOTES.md, session 12).
+    # communication disabled. At TP 8 the seven unrolled copies quadruple the code, and a
+    # runtime loop ran up to 9-11 % faster (config.MAX_UNROLLED_WORLD).
     if GATHERED:
         pass  # every row was walked above
-    elif PEER_GROUP == 1 and not MERGE_LOCAL:
+    elif not MERGE_LOCAL:
         if UNROLL_STEPS:
             for step in tl.static_range(1, WORLD):
                 _segment_step(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
@@ -189,23 +182,21 @@ def ag_gemm_kernel(
                               BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN,
                               WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
     else:
-        # peer groups; group 0 is the merged one when MERGE_LOCAL (already walked above)
-        NUM_GROUPS: tl.constexpr = (WORLD + PEER_GROUP - 2) // PEER_GROUP
-        FIRST_GROUP: tl.constexpr = 1 if MERGE_LOCAL else 0
+        # steps 2..WORLD-1 after the merged one (step 1, walked above), a segment at a time
         if UNROLL_STEPS:
-            for g in tl.static_range(FIRST_GROUP, NUM_GROUPS):
-                _peer_group_step(g, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
-                                 epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end,
-                                 k_tiles, num_pid_m, num_pid_n, WORLD, PEER_GROUP, MERGE_LOCAL,
-                                 RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                                 NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
+            for step in tl.static_range(2, WORLD):
+                _segment_after_merge(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
+                                     epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg,
+                                     dp_end, k_tiles, num_pid_m, num_pid_n, WORLD, RAGGED, B_KN,
+                                     EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS,
+                                     FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
         else:
-            for g in range(FIRST_GROUP, NUM_GROUPS):
-                _peer_group_step(g, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
-                                 epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end,
-                                 k_tiles, num_pid_m, num_pid_n, WORLD, PEER_GROUP, MERGE_LOCAL,
-                                 RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                                 NUM_SMS, FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
+            for step in range(2, WORLD):
+                _segment_after_merge(step, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank,
+                                     epoch, max_spins, m_local, tiles_per_seg, chunks_per_seg,
+                                     dp_end, k_tiles, num_pid_m, num_pid_n, WORLD, RAGGED, B_KN,
+                                     EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS,
+                                     FLATTEN, WARP_SPECIALIZE, ASYNC_FENCE, trace_ptr, TRACE)
 
     stamp(trace_ptr, 4, TRACE)  # peers_done
     if STREAM_K:
@@ -282,39 +273,31 @@ def _segment_step(step, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, e
 
 
 @triton.jit
-def _peer_group_step(g, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch, max_spins,
-                     m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles, num_pid_m,
-                     num_pid_n, WORLD: tl.constexpr, PEER_GROUP: tl.constexpr,
-                     FLIP: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr,
-                     EPI_SPLIT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
-                     WARP_SPECIALIZE: tl.constexpr, ASYNC_FENCE: tl.constexpr, trace_ptr,
-                     TRACE: tl.constexpr):
-    """Peer group ``g``: steps ``s0 = 1 + g * PEER_GROUP`` up to ``PEER_GROUP`` of them, in one
-    tile loop. First one wait (acquire, bounded) for every chunk of the group's segments and a
-    fence; then the group's flat tiles ``[s0 * tiles_per_seg, s1 * tiles_per_seg)`` walked as
-    one ``(s1 - s0) * num_pid_m`` by ``num_pid_n`` tile space, GROUP_M-grouped across the
-    segments (virtual row tile ``v`` is row tile ``v % num_pid_m`` of the segment of step
-    ``s0 + v // num_pid_m``). Even groups run backwards, as odd steps do in the per-segment
-    schedule, so each group starts on the B columns the previous loop ended on (odd groups
-    with FLIP, when group 0 is the merged one, which runs forwards)."""
-    s0 = 1 + g * PEER_GROUP
-    s1 = tl.minimum(s0 + PEER_GROUP, WORLD)
-    for step in range(s0, s1):
-        _wait_segment(segment_of_step(step, rank, WORLD, False), flags_ptr, err_ptr, rank, epoch,
-                      max_spins, chunks_per_seg)
+def _segment_after_merge(step, a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
+                         max_spins, m_local, tiles_per_seg, chunks_per_seg, dp_end, k_tiles,
+                         num_pid_m, num_pid_n, WORLD: tl.constexpr, RAGGED: tl.constexpr,
+                         B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                         NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
+                         WARP_SPECIALIZE: tl.constexpr, ASYNC_FENCE: tl.constexpr, trace_ptr,
+                         TRACE: tl.constexpr):
+    """Merged local rows, step ``step >= 2``: the segment of a peer after the merged one. First
+    one wait (acquire, bounded) for every chunk of the segment and a fence; then its flat tiles
+    ``[step * tiles_per_seg, (step + 1) * tiles_per_seg)``, GROUP_M-grouped, backwards on even
+    steps, so each step starts on the B columns the previous loop ended on (the merged loop of
+    steps 0 and 1 runs forwards)."""
+    _wait_segment(segment_of_step(step, rank, WORLD, False), flags_ptr, err_ptr, rank, epoch,
+                  max_spins, chunks_per_seg)
     fence_async_proxy(epoch, ASYNC_FENCE)  # the TMA reads below come after the acquires
     stamp(trace_ptr, 3, TRACE)  # last_wait
-    base = s0 * tiles_per_seg
-    group_tiles = (s1 - s0) * tiles_per_seg
+    base = step * tiles_per_seg
     first = first_tile_at_or_after(pid, base, NUM_SMS)
-    for t in tl.range(first, tl.minimum(base + group_tiles, dp_end), NUM_SMS, flatten=FLATTEN,
+    for t in tl.range(first, tl.minimum(base + tiles_per_seg, dp_end), NUM_SMS, flatten=FLATTEN,
                       warp_specialize=WARP_SPECIALIZE):
         q = t - base
-        q = tl.where((g + FLIP) % 2 == 0, group_tiles - 1 - q, q)
-        v, pid_n = grouped_tile(q, (s1 - s0) * num_pid_m, num_pid_n, GROUP_M)
-        _workspace_tile(v, s0, pid_n, a_desc, b_desc, c_desc, rank, m_local, k_tiles, num_pid_m,
+        q = tl.where(step % 2 == 0, tiles_per_seg - 1 - q, q)
+        v, pid_n = grouped_tile(q, num_pid_m, num_pid_n, GROUP_M)
+        _workspace_tile(v, step, pid_n, a_desc, b_desc, c_desc, rank, m_local, k_tiles, num_pid_m,
                         WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
@@ -351,30 +334,29 @@ def _gathered_tiles(a_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch
 @triton.jit
 def _merged_local_group(x_desc, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid, rank, epoch,
                         max_spins, m_local, tiles_per_seg, chunks_per_seg, k_tiles, num_pid_m,
-                        num_pid_n, WORLD: tl.constexpr, PEER_GROUP: tl.constexpr,
-                        MERGE_LEAD: tl.constexpr, RAGGED: tl.constexpr,
-                        B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                        num_pid_n, WORLD: tl.constexpr, MERGE_LEAD: tl.constexpr,
+                        RAGGED: tl.constexpr, B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                        BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
                         WARP_SPECIALIZE: tl.constexpr, ASYNC_FENCE: tl.constexpr, trace_ptr,
                         TRACE: tl.constexpr):
-    """Steps ``0..s1-1`` (the local segment and the first ``PEER_GROUP`` peers) as one tile
-    space of ``s1 * num_pid_m`` virtual row tiles (``v < num_pid_m``: local rows; then each
-    peer's, in ring order) by ``num_pid_n`` column tiles; flat tiles ``[0, s1 * tiles_per_seg)``
-    of the persistent walk, in three parts:
+    """Steps 0 and 1 (the local segment and the first peer's) as one tile space of
+    ``2 * num_pid_m`` virtual row tiles (``v < num_pid_m``: local rows; then the peer's) by
+    ``num_pid_n`` column tiles; flat tiles ``[0, 2 * tiles_per_seg)`` of the persistent walk,
+    in three parts:
 
     * lead: the local rows of the first ``lead_cols`` columns (``MERGE_LEAD`` waves of the
       grid), from the caller's shard, no wait;
-    * one wait (acquire, bounded) for every chunk of the group's peers, then a fence;
-    * the peers' rows of the lead columns, then every row of the remaining columns, row tiles
-      grouped ``GROUP_M`` at a time across the segments, all read from the workspace ``ag``
-      (the local rows: copied there by the host before the kernel, in stream order).
+    * one wait (acquire, bounded) for every chunk of the peer's segment, then a fence;
+    * the peer's rows of the lead columns, then every row of the remaining columns, row tiles
+      grouped ``GROUP_M`` at a time across the two segments, all read from the workspace
+      ``ag`` (the local rows: copied there by the host before the kernel, in stream order).
 
-    So where a segment has fewer row tiles than ``GROUP_M``, a B column tile is read for all
-    the group's rows at once instead of once per segment. Tiles run forwards; the next peer
-    group runs backwards (``FLIP``)."""
-    s1 = tl.minimum(1 + PEER_GROUP, WORLD)
-    rows = s1 * num_pid_m
+    So where a segment has fewer row tiles than ``GROUP_M``, a B column tile is read for both
+    segments' rows at once instead of once per segment. Tiles run forwards; the next step runs
+    backwards (:func:`_segment_after_merge`)."""
+    rows = 2 * num_pid_m
     lead_cols = tl.minimum(num_pid_n, tl.cdiv(MERGE_LEAD * NUM_SMS, num_pid_m))
     lead_tiles = num_pid_m * lead_cols
     for t in tl.range(pid, lead_tiles, NUM_SMS, flatten=FLATTEN,
@@ -389,17 +371,16 @@ def _merged_local_group(x_desc, ag_desc, b_desc, c_desc, flags_ptr, err_ptr, pid
                  RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     stamp(trace_ptr, 2, TRACE)  # local_done (the lead)
 
-    for step in range(1, s1):
-        _wait_segment(segment_of_step(step, rank, WORLD, False), flags_ptr, err_ptr, rank, epoch,
-                      max_spins, chunks_per_seg)
-    fence_async_proxy(epoch, ASYNC_FENCE)  # the TMA reads below come after the acquires
+    _wait_segment(segment_of_step(1, rank, WORLD, False), flags_ptr, err_ptr, rank, epoch,
+                  max_spins, chunks_per_seg)
+    fence_async_proxy(epoch, ASYNC_FENCE)  # the TMA reads below come after the acquire
     stamp(trace_ptr, 3, TRACE)  # last_wait
 
-    peer_rows = rows - num_pid_m
+    peer_rows = num_pid_m
     rest_cols = num_pid_n - lead_cols
     lead_peer_tiles = peer_rows * lead_cols
     first = first_tile_at_or_after(pid, lead_tiles, NUM_SMS)
-    for t in tl.range(first, s1 * tiles_per_seg, NUM_SMS, flatten=FLATTEN,
+    for t in tl.range(first, 2 * tiles_per_seg, NUM_SMS, flatten=FLATTEN,
                       warp_specialize=WARP_SPECIALIZE):
         u = t - lead_tiles
         in_lead = u < lead_peer_tiles
@@ -498,18 +479,16 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
                                                 max_spins=max_spins,
                                                 host_descriptors=host_descriptors, direct=direct)
         ag_gemm_ws.warn_fallback(reason)
-    peer_group = max(1, min(cfg.ag_peer_group, world - 1))
     merge = world > 1 and cfg.ag_merge_local  # the local rows are read from `ag` too
     gathered = merge and cfg.ag_merge_lead == 0  # ... as one operand with the peers' rows
-    # stream-K's tiles follow the per-segment order: off when the segments are grouped
-    mode = 0 if not stream_k_fits("AG+GEMM", cfg) or peer_group > 1 or merge else cfg.stream_k
+    # stream-K's tiles follow the per-segment order: off when the segments are merged
+    mode = 0 if not stream_k_fits("AG+GEMM", cfg) or merge else cfg.stream_k
     host_desc = bool(host_descriptors)
     last_plan = {"sk_tiles": 0}  # of the kernel compiled or launched last
 
-    def plan(per_sm):
-        """(grid, runtime args, constexprs) with ``per_sm`` programs per SM."""
-        geo = launch_geometry(m_local, n, b, world, cfg, num_sms * per_sm, merged=gathered)
-        grid, sk_tiles = stream_k_plan(geo.tiles, num_sms * per_sm, mode, geo.tiles_per_segment)
+    def launch():
+        geo = launch_geometry(m_local, n, b, world, cfg, num_sms, merged=gathered)
+        grid, sk_tiles = stream_k_plan(geo.tiles, num_sms, mode, geo.tiles_per_segment)
         if sk_tiles:
             scratch = stream_k_scratch(x.device, grid, cfg.block_m, cfg.block_n)
             partials, counters = scratch.partials, scratch.counters
@@ -532,15 +511,9 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
             NUM_SMS=grid, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             STREAM_K=sk_tiles > 0, ASYNC_FENCE=not interpreting(),
             SK_LOCAL=sk_tiles > 0 and world == 1, UNROLL_STEPS=unroll_steps(world),
-            TRACE=trace is not None, PEER_GROUP=peer_group, MERGE_LOCAL=merge,
+            TRACE=trace is not None, MERGE_LOCAL=merge,
             MERGE_LEAD=cfg.ag_merge_lead, GATHERED=gathered, HOST_DESC=host_desc)
-        return grid, args, constexprs
-
-    def launch():
-        # stream-K programs wait on each other's partials: all must be resident
-        per_sm = resident_programs_per_sm(cfg, num_sms, plan, _LAUNCH, "AG+GEMM")
-        grid, run_args, constexprs = plan(per_sm)
-        _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        _LAUNCH(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 direct=direct)
 
     ensure_descriptor_allocator()

@@ -34,9 +34,9 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
 
 Limits (the launcher runs :mod:`.ag_gemm` instead, with one warning naming why): ``m_local``
 a multiple of ``block_m``; at least ``num_stages`` K-steps; bf16 or fp16; a Triton with Gluon;
-not under the interpreter or phase traces. ``ag_peer_group``, ``ag_merge_local`` and stream-K
-are the Triton kernel's (stream-K is ignored here; ``GemmConfig`` refuses the other two with
-this kernel).
+not under the interpreter or phase traces. ``ag_merge_local`` and stream-K are the Triton
+kernel's (stream-K is ignored here; ``GemmConfig`` refuses ``ag_merge_local`` with this
+kernel).
 """
 
 from typing import Optional

@@ -9,6 +9,7 @@ and 8 warps wins on the large training shapes, 128x128x64 with 4 stages and 4 wa
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any, Dict, Optional, Tuple
 
@@ -22,57 +23,37 @@ def interpreting() -> bool:
 class GemmConfig:
     """One fused-kernel configuration: :func:`default_config` picks one per shape, a tuning
     table entry overrides it. One line per knob; "AG" / "RS" knobs only change AllGather+GEMM /
-    GEMM+RS, the other kernel ignores them. Measurements: one H200, communication off, unless
-    stated.
+    GEMM+RS, the other kernel ignores them. The measurements behind the defaults are in
+    :func:`default_config`, those behind what was rejected in docs/design.md.
 
     Both kernels:
 
     * ``block_m``, ``block_n``, ``block_k``: the output tile and the K step (powers of two >= 16).
     * ``num_stages``: depth of the TMA load pipeline (A and B buffers in shared memory).
     * ``num_warps``: warps per program; for the Gluon kernels 4 = ping-pong, 8 = cooperative.
-    * ``group_m``: row tiles walked together for L2 reuse of B (grouping 2 ran 10 % slower than 8).
+    * ``group_m``: row tiles walked together for L2 reuse of B (2 ran 10 % slower than 8).
     * ``epilogue_split``: store the output tile in 1 or 2 column halves (less shared memory).
     * ``flatten``: ask Triton to flatten the persistent tile loop into the K loop.
     * ``warp_specialize``: Triton's automatic warp specialization (same PTX either way on sm_90a).
-    * ``stream_k``: 1 splits a small partial last wave along K over the grid
-      (:mod:`~megatron_flux.kernels.stream_k`; RS: own tiles only, not merged rows or Gluon).
-    * ``programs_per_sm``: persistent programs per SM (1-4), checked against the occupancy
-      calculator, else 1 with a warning (:mod:`~megatron_flux.kernels.residency`).
+    * ``stream_k``: 1 splits a small partial last wave along K over the grid (:mod:`.stream_k`).
 
     AG:
 
     * ``chunk_rows``: rows of a rank's segment copied and signalled at once (not tied to block_m).
     * ``comm_priority``: CUDA priority of the copy-engine side stream (-1 is above the default 0).
-    * ``ag_pull``: each rank pulls its peers' shards with its own copy engine, after a
-      "shards ready" barrier, instead of pushing its shard into theirs.
-    * ``ag_peer_group``: peer segments that share one tile loop after one wait (1 = per segment;
-      larger values are unmeasured and not shipped).
-    * ``ag_merge_local``: the local segment joins the first peer group's tile space (off above
-      m = 512: at m = 1024-2048 no faster with communication, 0.2-3 % slower without).
-    * ``ag_merge_lead``: waves of local tiles computed before the first wait; 0 waits for every
-      peer and treats the gathered rows as one operand (the default at m <= 512).
-    * ``ag_warp_specialized``: run the warp-specialized Gluon kernel
-      (:mod:`~megatron_flux.kernels.ag_gemm_ws`; per-segment schedule only).
+    * ``ag_merge_local``: the local segment and the first peer's share one tile loop.
+    * ``ag_merge_lead``: waves of local tiles before the first wait; 0: the gathered rows at once.
+    * ``ag_warp_specialized``: run the warp-specialized Gluon kernel (:mod:`.ag_gemm_ws`).
 
     RS:
 
     * ``rs_tma_push``: push partial tiles into the owner's slot by TMA stores (else vector stores).
-    * ``rs_tma_reduce``: read the peers' partials in the reduction by TMA (else masked loads).
-    * ``flatten_consume``: ask Triton to flatten the reduction loop; it does not, so both values
-      compile to the same kernel (not searched by the tuner).
-    * ``rs_spread_reduce``: push the own partials too and spread the reduction over the whole
-      grid (default at TP >= 8: up to 14 % faster; 0.5-2.6 % slower at TP 2).
-    * ``rs_copy_engine``: stage producer tiles locally; the copy engine moves each finished step
-      to its owner behind a stream wait (no SM stores cross NVLink).
-    * ``rs_ce_bands``: with ``rs_copy_engine``, copy each step band by band as it is produced
-      (:func:`rs_bands`) instead of after it (whole-step copies: 10-12 % slower, 2×H200, short K).
-    * ``rs_merge_rows``: every rank's rows in one tile space (with ``rs_spread_reduce`` and
-      ``rs_tma_push=False``); the default at m <= 256.
-    * ``rs_split_k``: with merged rows, split each tile along K into S work items (1-16), summed
-      in slice order (bitwise reproducible).
-    * ``rs_warp_specialized``: run the warp-specialized Gluon kernel
-      (:mod:`~megatron_flux.kernels.gemm_rs_ws`); calls it cannot take run the Triton kernel
-      with one warning."""
+    * ``flatten_consume``: ask Triton to flatten the reduction loop (the same kernel either way).
+    * ``rs_spread_reduce``: push the own partials too and spread the reduction over the grid.
+    * ``rs_copy_engine``: stage the peers' partials locally; the copy engine delivers them.
+    * ``rs_merge_rows``: every rank's rows in one tile space (spread reduction, vector pushes).
+    * ``rs_warp_specialized``: run the warp-specialized Gluon kernel (:mod:`.gemm_rs_ws`).
+    """
 
     block_m: int = 128
     block_n: int = 256
@@ -86,21 +67,15 @@ class GemmConfig:
     flatten_consume: bool = False
     warp_specialize: bool = False
     comm_priority: int = -1
-    ag_pull: bool = False
     rs_tma_push: bool = True
-    rs_tma_reduce: bool = True
     rs_spread_reduce: bool = False
     rs_copy_engine: bool = False
-    rs_ce_bands: bool = False
     stream_k: int = 0
-    programs_per_sm: int = 1
-    ag_peer_group: int = 1
     ag_merge_local: bool = False
     ag_merge_lead: int = 1
     rs_warp_specialized: bool = False
     ag_warp_specialized: bool = False
     rs_merge_rows: bool = False
-    rs_split_k: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -113,20 +88,14 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.epilogue_split must be 1 or 2 (block_n/split >= 16): {self}")
         if not isinstance(self.comm_priority, int) or not -5 <= self.comm_priority <= 0:
             raise ValueError(f"GemmConfig.comm_priority must be an int in [-5, 0]: {self}")
-        for name in ("flatten", "flatten_consume", "warp_specialize", "ag_pull", "rs_tma_push",
-                     "rs_tma_reduce", "rs_spread_reduce", "rs_copy_engine", "rs_ce_bands",
+        for name in ("flatten", "flatten_consume", "warp_specialize", "rs_tma_push",
+                     "rs_spread_reduce", "rs_copy_engine",
                      "ag_merge_local", "rs_warp_specialized", "ag_warp_specialized",
                      "rs_merge_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemmConfig.{name} must be a bool: {self}")
         if self.stream_k not in (0, 1) or isinstance(self.stream_k, bool):
             raise ValueError(f"GemmConfig.stream_k must be 0 or 1: {self}")
-        if (isinstance(self.programs_per_sm, bool) or not isinstance(self.programs_per_sm, int)
-                or not 1 <= self.programs_per_sm <= 4):
-            raise ValueError(f"GemmConfig.programs_per_sm must be an int in [1, 4]: {self}")
-        if (isinstance(self.ag_peer_group, bool) or not isinstance(self.ag_peer_group, int)
-                or not 1 <= self.ag_peer_group <= 64):
-            raise ValueError(f"GemmConfig.ag_peer_group must be an int in [1, 64]: {self}")
         if (isinstance(self.ag_merge_lead, bool) or not isinstance(self.ag_merge_lead, int)
                 or not 0 <= self.ag_merge_lead <= 8):
             raise ValueError(f"GemmConfig.ag_merge_lead must be an int in [0, 8]: {self}")
@@ -145,26 +114,17 @@ class GemmConfig:
             else:
                 raise ValueError(f"GemmConfig.{knob} runs num_warps=4 (ping-pong) or 8 "
                                  f"(cooperative): {self}")
-            if self.programs_per_sm != 1:
-                raise ValueError(f"GemmConfig.{knob} runs one program per SM: {self}")
-        if (isinstance(self.rs_split_k, bool) or not isinstance(self.rs_split_k, int)
-                or not 1 <= self.rs_split_k <= MAX_RS_SPLIT_K):
-            raise ValueError(f"GemmConfig.rs_split_k must be an int in 1..{MAX_RS_SPLIT_K}: {self}")
-        if self.rs_split_k > 1 and not self.rs_merge_rows:
-            raise ValueError(f"GemmConfig.rs_split_k > 1 splits merged rows (rs_merge_rows): {self}")
         if self.rs_merge_rows and (not self.rs_spread_reduce or self.rs_tma_push
                                    or self.rs_copy_engine):
             raise ValueError("GemmConfig.rs_merge_rows reduces with rs_spread_reduce and pushes "
                              "with vector stores (rs_tma_push=False), on the SMs (no "
                              f"rs_copy_engine): {self}")
-        if self.rs_warp_specialized and (self.rs_ce_bands or self.rs_split_k > 1 or (
-                self.rs_spread_reduce and not self.rs_merge_rows)):
-            raise ValueError("GemmConfig.rs_warp_specialized does not implement rs_ce_bands, "
-                             "rs_split_k or rs_spread_reduce without rs_merge_rows (its merged "
-                             f"rows reduce spread): {self}")
-        if self.ag_warp_specialized and (self.ag_peer_group != 1 or self.ag_merge_local):
+        if self.rs_warp_specialized and self.rs_spread_reduce and not self.rs_merge_rows:
+            raise ValueError("GemmConfig.rs_warp_specialized does not implement rs_spread_reduce "
+                             f"without rs_merge_rows (its merged rows reduce spread): {self}")
+        if self.ag_warp_specialized and self.ag_merge_local:
             raise ValueError("GemmConfig.ag_warp_specialized runs the per-segment schedule: no "
-                             f"ag_peer_group > 1, no ag_merge_local: {self}")
+                             f"ag_merge_local: {self}")
         if self.group_m < 1 or self.chunk_rows < 1:
             raise ValueError(f"GemmConfig.group_m and chunk_rows must be >= 1: {self}")
 
@@ -173,10 +133,41 @@ class GemmConfig:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "GemmConfig":
+        """The config of ``d``'s fields; a field of :data:`REMOVED_FIELDS` is dropped at the
+        value it always had and refused at any other."""
+        d = dict(d)
+        for name in sorted(set(d) & set(REMOVED_FIELDS)):
+            problem = removed_field_problem(name, d.pop(name))
+            if problem is not None:
+                raise ValueError(f"GemmConfig.{name}: {problem}")
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown GemmConfig fields {sorted(unknown)}")
         return cls(**d)
+
+
+#: Knobs GemmConfig no longer has, with the one value they took in every shipped tuning table
+#: (what other values measured: docs/design.md, "Measured and rejected"). Tables and configs
+#: written before their removal name them at that value, which :meth:`GemmConfig.from_dict`
+#: and :mod:`megatron_flux.tuning.schema` drop.
+REMOVED_FIELDS: Dict[str, Any] = {
+    "ag_peer_group": 1,
+    "ag_pull": False,
+    "programs_per_sm": 1,
+    "rs_ce_bands": False,
+    "rs_split_k": 1,
+    "rs_tma_reduce": True,
+}
+
+
+def removed_field_problem(name: str, value: Any) -> Optional[str]:
+    """Why a config may not name the removed knob ``name`` at ``value``, or None where it is
+    the value the knob always had (then the field is dropped)."""
+    kept = REMOVED_FIELDS[name]
+    if type(value) is type(kept) and value == kept:
+        return None
+    return (f"knob {name} was removed; a config may name it only at {json.dumps(kept)}, the "
+            f"value it always had, not {json.dumps(value, default=repr)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,40 +187,15 @@ def tiles_per_segment(m_local: int, n: int, cfg: GemmConfig) -> int:
     return -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
 
 
-#: Most K slices per merged GEMM+RS tile (``rs_split_k``)
-MAX_RS_SPLIT_K = 16
-
-#: Most bands per producer step of a banded copy-engine GEMM+RS (``rs_ce_bands``)
-MAX_RS_BANDS = 8
-
 
 def rs_signal_count(world: int) -> int:
     """Signal words one GEMM+RS call needs per rank and parity: ``[src]`` (raised by the peer
     ``src`` when its grid finished producing, or with ``rs_copy_engine`` by the copy engine
     after its partial landed), then ``[world]``, the arrival counter this rank's own programs
     count up and the last one resets, then ``[world + 1]``, this rank's "produced" word
-    (``rs_copy_engine``: raised by its own grid, awaited by its copy-engine stream), then per
-    producer step and band a tile counter and the band's "produced" word
-    (:func:`rs_band_words`, ``rs_ce_bands``). The layout does not depend on the shape or the
-    kernel config."""
-    return world + 2 + 2 * (world - 1) * MAX_RS_BANDS
-
-
-def rs_band_words(world: int, step: int, band: int) -> Tuple[int, int]:
-    """(tile counter, "produced" word) of producer step ``step``'s band ``band``: the indices
-    the kernel computes (``rs_ce_bands``)."""
-    base = world + 2 + 2 * (step * MAX_RS_BANDS + band)
-    return base, base + 1
-
-
-def rs_bands(m_local: int, block_m: int, group_m: int) -> Tuple[int, int]:
-    """``(row tiles per band, bands)`` of one producer step (``rs_ce_bands``): whole groups of
-    ``group_m`` row tiles, so a band's tiles are consecutive in the grouped tile order, and at
-    most :data:`MAX_RS_BANDS` bands. The kernel computes the same."""
-    pid_m = -(-m_local // block_m)
-    groups = -(-pid_m // group_m)
-    band_m = group_m * -(-groups // MAX_RS_BANDS)
-    return band_m, -(-pid_m // band_m)
+    (``rs_copy_engine``: raised by its own grid, awaited by its copy-engine stream). The layout
+    does not depend on the shape or the kernel config."""
+    return world + 2
 
 
 #: Largest TP size whose step loops the fused kernels unroll at compile time. Comm off on one

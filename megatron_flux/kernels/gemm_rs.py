@@ -28,14 +28,6 @@ Tile and signal schedule (rank ``r`` of ``W``; see :mod:`.tile_order`):
   into its owner's slot ``r`` and then writes ``flags[owner][r] = epoch``; the consumer below
   is unchanged. With the spread reduction the own step's partial stays local and the kernel
   raises the own signal itself.
-* Banded copy-engine push (``rs_ce_bands``, CE_BANDS): each step's rows are cut into bands of
-  whole ``GROUP_M`` groups of row tiles (at most ``MAX_RS_BANDS``;
-  :func:`~megatron_flux.kernels.config.rs_bands`), which the grouped tile order walks one after
-  another. After each producer tile's store has drained, its program counts the tile in at the
-  band's counter (acq_rel, system scope); the band's last tile resets the counter and raises
-  the band's "produced" word (:func:`~megatron_flux.kernels.config.rs_band_words`). The
-  copy-engine stream waits for each band's word in production order and copies that band, so
-  delivery runs beside the producer phase instead of after it.
 * Consumer, step ``W-1``: the own segment. Each program computes its first own tile's GEMM, then
   waits once (acquire, bounded) for every peer's ``flags[r][src]``, then runs the rest of its
   tiles without waits. Epilogue = the *reduction*: the fp32 accumulator
@@ -75,25 +67,21 @@ arrival).
 import triton
 import triton.language as tl
 
-from megatron_flux.kernels.config import MAX_RS_BANDS, interpreting, launch_geometry, unroll_steps
+from megatron_flux.kernels.config import interpreting, launch_geometry, unroll_steps
 from megatron_flux.kernels.descriptors import b_descriptor, ensure_descriptor_allocator, \
     host_descriptor, segments_descriptor
 from megatron_flux.kernels import gemm_rs_ws
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.mainloop import segment_tile, split_columns, tile_mainloop, \
-    tile_mainloop_k, tile_mainloop_slice
+    tile_mainloop_k
 from megatron_flux.kernels.phase_trace import stamp
-from megatron_flux.kernels.residency import resident_programs_per_sm
-from megatron_flux.kernels.signals import arrive_at_grid_barrier, drain_async_stores, \
-    fence_async_proxy, release_fence, wait_signal
-from megatron_flux.kernels.stream_k import claim_tile, launch_with_stream_k_fallback, publish_part, \
-    sk_covering, sk_publish_part, sk_range, sk_sum_parts, stream_k_fits, stream_k_plan, \
-    stream_k_scratch
+from megatron_flux.kernels.signals import arrive_at_grid_barrier, fence_async_proxy, \
+    release_fence, wait_signal
+from megatron_flux.kernels.stream_k import launch_with_stream_k_fallback, sk_covering, \
+    sk_publish_part, sk_range, sk_sum_parts, stream_k_fits, stream_k_plan, stream_k_scratch
 from megatron_flux.kernels.tile_order import first_tile_at_or_after, grouped_tile, segment_of_step, \
     serpentine
 
-
-_MAX_BANDS = tl.constexpr(MAX_RS_BANDS)
 
 #: what ``trace[program, slot]`` holds with TRACE (:mod:`.phase_trace`); a program stamps
 #: "own_gemm" .. "first_reduced" only if it has an own tile (epilogue reduction), "waited" also
@@ -123,25 +111,6 @@ def _push_part(part, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUS
     else:
         ptrs, mask = _tile_ptrs(dst, slot_base, off_m, off_n, m_local, N, BLOCK_M, WIDTH)
         tl.store(ptrs, part.to(dst.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _reduce_part(part, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank, world,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """``part`` (fp32, own partial) + peers' partials in rank order (+ bias) -> ``out``, the
-    peers' partials read by masked vector loads (``rs_tma_reduce=False``). (Not _tile_ptrs:
-    with its 32-bit in-tile offsets this path spilled more, 1204 bytes against 364, ptxas
-    sm_90a, 128x256 tiles; the TMA reads of :func:`_reduce_tile` spill none.)"""
-    for src in range(world):
-        if src != rank:
-            rows = off_m + tl.arange(0, BLOCK_M)
-            cols = off_n + tl.arange(0, WIDTH)
-            offs = (src * m_local).to(tl.int64) * N + rows.to(tl.int64)[:, None] * N + cols[None, :]
-            mask = (rows[:, None] < m_local) & (cols[None, :] < N)
-            part += tl.load(data_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        part = _add_bias(part, bias_ptr, off_n, N, WIDTH)
-    out_desc.store([off_m, off_n], part.to(out_desc.dtype))
 
 
 @triton.jit
@@ -197,44 +166,6 @@ def _merged_rows_producer(a_desc, b_desc, data_ptr, data_ptrs, pid, slot_base, m
 
 
 @triton.jit
-def _merged_rows_split(a_desc, b_desc, data_ptr, data_ptrs, parts_ptr, counters_ptr, pid,
-                       slot_base, m_local, N, k_tiles, num_pid_n, WORLD: tl.constexpr,
-                       SPLIT: tl.constexpr, B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
-    """MERGE_ROWS with ``SPLIT`` > 1 (``rs_split_k``): work item ``u`` is slice ``u % SPLIT``
-    (K-tiles ``[s * per, s * per + per)``, ``per = cdiv(k_tiles, SPLIT)``) of tile ``u //
-    SPLIT``; program ``p`` takes items ``p, p + G, ...``. Each writes its fp32 part to scratch
-    slot ``u`` and counts in at the tile's counter (stream-K's protocol,
-    :func:`.stream_k.publish_part`); the last of the tile's ``SPLIT`` resets the counter, sums
-    the parts in slice order and pushes the tile by owner (:func:`_push_rows`). Nobody waits
-    for anybody. Not flattened: the count sits under a branch, which Triton 3.6 does not
-    flatten; each slice's K loop stays pipelined."""
-    num_pid_m = tl.cdiv(WORLD * m_local, BLOCK_M)
-    per = tl.cdiv(k_tiles, SPLIT)
-    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    for u in tl.range(pid, num_pid_m * num_pid_n * SPLIT, NUM_SMS, flatten=False):
-        tile = u // SPLIT
-        k_first = (u - tile * SPLIT) * per
-        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-        row0 = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tile_mainloop_slice(a_desc, b_desc, row0, off_n, k_first,
-                                  tl.maximum(tl.minimum(per, k_tiles - k_first), 0), B_KN,
-                                  BLOCK_M, BLOCK_N, BLOCK_K)
-        arrived = publish_part(acc, parts_ptr + tl.cast(u, tl.int64) * (BLOCK_M * BLOCK_N) + offs,
-                               counters_ptr + tile)
-        if arrived == SPLIT - 1:
-            claim_tile(counters_ptr + tile)
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(0, SPLIT):
-                total += tl.load(parts_ptr + tl.cast(tile * SPLIT + s, tl.int64) * (BLOCK_M * BLOCK_N)
-                                 + offs, cache_modifier=".cg")
-            _push_rows(total, data_ptr, data_ptrs, slot_base, row0, off_n, m_local, N, WORLD,
-                       EPI_SPLIT, BLOCK_M, BLOCK_N)
-
-
-@triton.jit
 def _add_bias(part, bias_ptr, off_n, N, WIDTH: tl.constexpr):
     cols = off_n + tl.arange(0, WIDTH)
     return part + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -255,43 +186,33 @@ def _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH
 
 
 @triton.jit
-def _reduce_tile(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
-                 world, TMA_REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _reduce_tile(acc, slots_desc, bias_ptr, out_desc, off_m, off_n, N, rank, world,
+                 HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
     """The reduction epilogue of one own tile: ``acc`` (fp32, own partial) + the peers'
     partials in rank order ``0..W-1`` (+ bias), stored to ``out`` (in two column halves with
     EPI_SPLIT=2).
 
-    TMA_REDUCE reads each peer's whole ``BLOCK_M x BLOCK_N`` partial with one TMA load through
-    ``slots_desc`` (``[world, m_local, N]``, rows past a segment's end read as zeros). Triton
-    waits for each TMA load before the next, so one load per peer instead of one per column
-    half takes one load latency off every own tile: the epilogue went from 4.5-5.9 to 3.8-4.0
-    us in the phase stamps, and the kernel ran 0.2 % faster (paired median; at most 1.3 %) on
-    the TP 2 grid with communication off (NOTES.md, session 13). It also needs fewer registers
-    (ptxas: 159 against 168, and 163 against 254 with a bias). Else masked vector loads, one
-    column half at a time (:func:`_reduce_part`)."""
+    Each peer's whole ``BLOCK_M x BLOCK_N`` partial is one TMA load through ``slots_desc``
+    (``[world, m_local, N]``, rows past a segment's end read as zeros). Triton waits for each
+    TMA load before the next, so one load per peer instead of one per column half takes one
+    load latency off every own tile: the epilogue went from 4.5-5.9 to 3.8-4.0 us in the phase
+    stamps, and the kernel ran 0.2 % faster (paired median; at most 1.3 %) on the TP 2 grid
+    with communication off. It also needs fewer registers (ptxas: 159 against 168, and 163
+    against 254 with a bias); masked vector loads spilled (docs/design.md, "Measured and
+    rejected")."""
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
-    if TMA_REDUCE:
-        for src in range(world):
-            if src != rank:
-                acc += slots_desc.load([src, off_m, off_n]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
-        if HAS_BIAS:
-            acc = _add_bias(acc, bias_ptr, off_n, N, BLOCK_N)
-        if EPI_SPLIT == 2:
-            acc0, acc1 = split_columns(acc, BLOCK_M, HALF)
-            out_desc.store([off_m, off_n], acc0.to(out_desc.dtype))
-            out_desc.store([off_m, off_n + HALF], acc1.to(out_desc.dtype))
-        else:
-            out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
-    elif EPI_SPLIT == 2:
+    for src in range(world):
+        if src != rank:
+            acc += slots_desc.load([src, off_m, off_n]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
+    if HAS_BIAS:
+        acc = _add_bias(acc, bias_ptr, off_n, N, BLOCK_N)
+    if EPI_SPLIT == 2:
         acc0, acc1 = split_columns(acc, BLOCK_M, HALF)
-        _reduce_part(acc0, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank, world,
-                     HAS_BIAS, BLOCK_M, HALF)
-        _reduce_part(acc1, data_ptr, bias_ptr, out_desc, off_m, off_n + HALF, m_local, N, rank,
-                     world, HAS_BIAS, BLOCK_M, HALF)
+        out_desc.store([off_m, off_n], acc0.to(out_desc.dtype))
+        out_desc.store([off_m, off_n + HALF], acc1.to(out_desc.dtype))
     else:
-        _reduce_part(acc, data_ptr, bias_ptr, out_desc, off_m, off_n, m_local, N, rank, world,
-                     HAS_BIAS, BLOCK_M, BLOCK_N)
+        out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
 
 
 @triton.jit(do_not_specialize=["rank", "epoch", "max_spins"])
@@ -306,10 +227,10 @@ def gemm_rs_kernel(
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     FLATTEN: tl.constexpr, FLATTEN_CONSUME: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     TMA_PUSH: tl.constexpr, ASYNC_FENCE: tl.constexpr,
-    PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True, TMA_REDUCE: tl.constexpr = True,
+    PRODUCE: tl.constexpr = True, CONSUME: tl.constexpr = True,
     SPREAD_REDUCE: tl.constexpr = False, UNROLL_STEPS: tl.constexpr = True,
-    CE_PUSH: tl.constexpr = False, CE_BANDS: tl.constexpr = False, TRACE: tl.constexpr = False,
-    MERGE_ROWS: tl.constexpr = False, SPLIT: tl.constexpr = 1, HOST_DESC: tl.constexpr = False,
+    CE_PUSH: tl.constexpr = False, TRACE: tl.constexpr = False,
+    MERGE_ROWS: tl.constexpr = False, HOST_DESC: tl.constexpr = False,
     STREAM_K: tl.constexpr = False,
 ):
     """``data_ptr``: this rank's slot region (``[WORLD, m_local, N]``, output dtype) for this
@@ -319,21 +240,19 @@ def gemm_rs_kernel(
     producers before their consumers). ASYNC_FENCE: drain TMA stores before the grid
     signal (off only under the interpreter). CE_PUSH: ``data_ptrs[seg] + rank * m_local * N``
     is this rank's local staging area for segment ``seg``, and the grid signals only its own
-    "produced" word (the copy engine delivers; see the module docstring); CE_BANDS (with
-    CE_PUSH) also a "produced" word per band. TMA descriptors are built on the device, or
-    with HOST_DESC (below) come from the host; those of peers' slots are always device-built.
+    "produced" word (the copy engine delivers; see the module docstring). TMA descriptors are
+    built on the device, or with HOST_DESC (below) come from the host; those of peers' slots
+    are always device-built.
     TRACE: stamp the phases of :data:`RS_PHASES` into ``trace_ptr`` (:mod:`.phase_trace`).
     MERGE_ROWS (with SPREAD_REDUCE, vector-store pushes, RAGGED=False: A is one ``[WORLD *
-    m_local, K]`` operand): one tile loop over every rank's rows (:func:`_merged_rows_producer`);
-    with SPLIT > 1 each tile split along K into SPLIT work items whose fp32 parts meet in the
-    scratch ``parts`` / ``counters`` (:func:`_merged_rows_split`).
+    m_local, K]`` operand): one tile loop over every rank's rows (:func:`_merged_rows_producer`).
     HOST_DESC: ``a_ptr`` and ``b_ptr`` are host-encoded TMA descriptors of the same views
     (:func:`_host_descriptors`) instead of pointers, and ``out_hd`` / ``slots_hd`` those of the
     own tiles' output and slot region (:mod:`.descriptors`); without it ``out_hd`` and
     ``slots_hd`` are unused.
     STREAM_K: the last ``sk_tiles`` own tiles are split along K over the grid after the
     consumer loop (:func:`_own_stream_k_tiles`); without it ``sk_tiles`` is 0 and the scratch
-    ``parts`` / ``counters`` is not touched (unless SPLIT > 1)."""
+    ``parts`` / ``counters`` is not touched."""
     stamp(trace_ptr, 0, TRACE)  # start
     a_desc = segments_descriptor(a_ptr, m_local, K, WORLD, BLOCK_M, BLOCK_K, RAGGED, HOST_DESC)
     b_desc = b_descriptor(b_ptr, N, K, ldb, B_KN, BLOCK_N, BLOCK_K, HOST_DESC)
@@ -350,30 +269,24 @@ def gemm_rs_kernel(
     if PRODUCE:
         # Up to TP 4 the step loop is unrolled (WORLD is a compile-time constant): every tile
         # loop at the top level of the kernel; nested in a runtime step loop, the AG kernel's
-        # ran 1-3 % slower at TP 2 (NOTES.md, s9). At TP 8 a runtime loop is up to 2-3 %
-        # faster: seven unrolled copies are four times the code (NOTES.md, s12).
-        if MERGE_ROWS and SPLIT > 1:
-            _merged_rows_split(a_desc, b_desc, data_ptr, data_ptrs, parts_ptr, counters_ptr, pid,
-                               slot_base, m_local, N, k_tiles, num_pid_n, WORLD, SPLIT, B_KN,
-                               EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS)
-        elif MERGE_ROWS:
+        # ran 1-3 % slower at TP 2. At TP 8 a runtime loop is up to 2-3 % faster: seven
+        # unrolled copies are four times the code (config.MAX_UNROLLED_WORLD).
+        if MERGE_ROWS:
             _merged_rows_producer(a_desc, b_desc, data_ptr, data_ptrs, pid, slot_base, m_local,
                                   N, k_tiles, num_pid_n, WORLD, B_KN, EPI_SPLIT, BLOCK_M,
                                   BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE)
         elif UNROLL_STEPS:
             for step in tl.static_range(0, WORLD - 1 + SPREAD_REDUCE):  # + own when spread
-                _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, my_flags, pid, rank,
-                               slot_base, m_local, N, k_tiles, tiles_per_seg, num_pid_m,
-                               num_pid_n, epoch, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N,
-                               BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE, TMA_PUSH,
-                               CE_BANDS, ASYNC_FENCE)
+                _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, pid, rank, slot_base,
+                               m_local, N, k_tiles, tiles_per_seg, num_pid_m, num_pid_n, WORLD,
+                               RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                               NUM_SMS, FLATTEN, WARP_SPECIALIZE, TMA_PUSH)
         else:
             for step in range(0, WORLD - 1 + SPREAD_REDUCE):
-                _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, my_flags, pid, rank,
-                               slot_base, m_local, N, k_tiles, tiles_per_seg, num_pid_m,
-                               num_pid_n, epoch, WORLD, RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N,
-                               BLOCK_K, GROUP_M, NUM_SMS, FLATTEN, WARP_SPECIALIZE, TMA_PUSH,
-                               CE_BANDS, ASYNC_FENCE)
+                _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, pid, rank, slot_base,
+                               m_local, N, k_tiles, tiles_per_seg, num_pid_m, num_pid_n, WORLD,
+                               RAGGED, B_KN, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                               NUM_SMS, FLATTEN, WARP_SPECIALIZE, TMA_PUSH)
         stamp(trace_ptr, 2, TRACE)  # produced
         # One grid barrier after every producer step, not one per step: each owner waits for
         # all its peers, and the peer that visits it last publishes it at the end of its
@@ -381,7 +294,7 @@ def gemm_rs_kernel(
         # they cost every program a store drain and a barrier per step (TP 8: seven).
         # The last arrival raises every owner's signal: one system-scope fence, then relaxed
         # writes (a release pattern each). A release write per owner fenced once per owner:
-        # at TP 8 the last program's eight fences took ~5 us (phase stamps, NOTES.md s13).
+        # at TP 8 the last program's eight fences took ~5 us (phase stamps, .phase_trace).
         if arrive_at_grid_barrier(my_flags + WORLD, NUM_SMS, ASYNC_FENCE and TMA_PUSH):
             release_fence(epoch, ASYNC_FENCE)
             if CE_PUSH:  # the copy engine delivers; the own spread partial is already home
@@ -419,24 +332,24 @@ def gemm_rs_kernel(
                                                      [BLOCK_M, HALF])
                 slots_desc = tl.make_tensor_descriptor(data_ptr, [WORLD, m_local, N],
                                                        [m_local * N, N, 1], [1, BLOCK_M, BLOCK_N])
-            _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
-                          err_ptr, trace_ptr, serpentine(first, WORLD - 1, tiles_per_seg),
-                          m_local, N, k_tiles, rank, WORLD, epoch, max_spins, num_pid_m,
-                          num_pid_n, True, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N,
-                          BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE, TRACE)
+            _consume_tile(a_desc, b_desc, out_desc, slots_desc, bias_ptr, my_flags, err_ptr,
+                          trace_ptr, serpentine(first, WORLD - 1, tiles_per_seg), m_local, N,
+                          k_tiles, rank, WORLD, epoch, max_spins, num_pid_m, num_pid_n, True,
+                          RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                          ASYNC_FENCE, TRACE)
             for t in tl.range(first + NUM_SMS, dp_end, NUM_SMS, flatten=FLATTEN_CONSUME):
-                _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags,
-                              err_ptr, trace_ptr, serpentine(t, WORLD - 1, tiles_per_seg),
-                              m_local, N, k_tiles, rank, WORLD, epoch, max_spins, num_pid_m,
-                              num_pid_n, False, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M,
-                              BLOCK_N, BLOCK_K, GROUP_M, TMA_REDUCE, ASYNC_FENCE, False)
+                _consume_tile(a_desc, b_desc, out_desc, slots_desc, bias_ptr, my_flags, err_ptr,
+                              trace_ptr, serpentine(t, WORLD - 1, tiles_per_seg), m_local, N,
+                              k_tiles, rank, WORLD, epoch, max_spins, num_pid_m, num_pid_n, False,
+                              RAGGED, B_KN, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
+                              GROUP_M, ASYNC_FENCE, False)
         if STREAM_K:
             _own_stream_k_tiles(a_desc, b_desc, out_ptr, data_ptr, out_hd, slots_hd, bias_ptr,
                                 my_flags, err_ptr, parts_ptr, counters_ptr, pid, dp_end, sk_tiles,
                                 tiles_per_seg, k_tiles, m_local, N, num_pid_m, num_pid_n, rank,
                                 epoch, max_spins, WORLD, RAGGED, B_KN, HAS_BIAS, EPI_SPLIT,
-                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, TMA_REDUCE,
-                                ASYNC_FENCE, HOST_DESC)
+                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, ASYNC_FENCE,
+                                HOST_DESC)
     stamp(trace_ptr, 7, TRACE)  # end
 
 
@@ -447,8 +360,8 @@ def _own_stream_k_tiles(a_desc, b_desc, out_ptr, data_ptr, out_hd, slots_hd, bia
                         WORLD: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr,
                         HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                        NUM_SMS: tl.constexpr, TMA_REDUCE: tl.constexpr,
-                        ASYNC_FENCE: tl.constexpr, HOST_DESC: tl.constexpr):
+                        NUM_SMS: tl.constexpr, ASYNC_FENCE: tl.constexpr,
+                        HOST_DESC: tl.constexpr):
     """This program's share of the own segment's stream-K tiles (flat tiles ``dp_end ..``):
     K-iterations ``[it, end)`` (:mod:`.stream_k`), one tile part at a time. A tile covered by
     this program alone, or whose parts this program completes, is reduced here
@@ -473,16 +386,14 @@ def _own_stream_k_tiles(a_desc, b_desc, out_ptr, data_ptr, out_hd, slots_hd, bia
         if first == last:
             _reduce_stream_k_tile(acc, out_ptr, data_ptr, out_hd, slots_hd, bias_ptr, my_flags,
                                   err_ptr, off_m, off_n, m_local, N, rank, epoch, max_spins, WORLD,
-                                  HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N, TMA_REDUCE, ASYNC_FENCE,
-                                  HOST_DESC)
+                                  HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N, ASYNC_FENCE, HOST_DESC)
         elif sk_publish_part(acc, parts_ptr, counters_ptr, pid, u, per, k_tiles, first, last,
                              BLOCK_M, BLOCK_N):
             tile = sk_sum_parts(parts_ptr, counters_ptr, u, per, k_tiles, first, last, BLOCK_M,
                                 BLOCK_N)
             _reduce_stream_k_tile(tile, out_ptr, data_ptr, out_hd, slots_hd, bias_ptr, my_flags,
                                   err_ptr, off_m, off_n, m_local, N, rank, epoch, max_spins, WORLD,
-                                  HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N, TMA_REDUCE, ASYNC_FENCE,
-                                  HOST_DESC)
+                                  HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N, ASYNC_FENCE, HOST_DESC)
         it = (u + 1) * k_tiles
 
 
@@ -490,8 +401,8 @@ def _own_stream_k_tiles(a_desc, b_desc, out_ptr, data_ptr, out_hd, slots_hd, bia
 def _reduce_stream_k_tile(acc, out_ptr, data_ptr, out_hd, slots_hd, bias_ptr, my_flags, err_ptr,
                           off_m, off_n, m_local, N, rank, epoch, max_spins, WORLD: tl.constexpr,
                           HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, TMA_REDUCE: tl.constexpr,
-                          ASYNC_FENCE: tl.constexpr, HOST_DESC: tl.constexpr):
+                          BLOCK_N: tl.constexpr, ASYNC_FENCE: tl.constexpr,
+                          HOST_DESC: tl.constexpr):
     """The reduction epilogue of a completed stream-K tile: wait (acquire, bounded) for every
     peer's signal (one load each when this program already waited in the consumer loop), then
     :func:`_reduce_tile`, through the host's descriptors or ones built here (a program may
@@ -499,7 +410,7 @@ def _reduce_stream_k_tile(acc, out_ptr, data_ptr, out_hd, slots_hd, bias_ptr, my
     for src in range(0, WORLD):
         if src != rank:
             wait_signal(my_flags + src, epoch, max_spins, err_ptr, 2, rank, src)  # OP_GEMM_RS
-    fence_async_proxy(epoch, ASYNC_FENCE and TMA_REDUCE)
+    fence_async_proxy(epoch, ASYNC_FENCE)
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
     if HOST_DESC:
         out_desc = out_hd
@@ -508,8 +419,8 @@ def _reduce_stream_k_tile(acc, out_ptr, data_ptr, out_hd, slots_hd, bias_ptr, my
         out_desc = tl.make_tensor_descriptor(out_ptr, [m_local, N], [N, 1], [BLOCK_M, HALF])
         slots_desc = tl.make_tensor_descriptor(data_ptr, [WORLD, m_local, N], [m_local * N, N, 1],
                                                [1, BLOCK_M, BLOCK_N])
-    _reduce_tile(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
-                 WORLD, TMA_REDUCE, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N)
+    _reduce_tile(acc, slots_desc, bias_ptr, out_desc, off_m, off_n, N, rank, WORLD, HAS_BIAS,
+                 EPI_SPLIT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -523,18 +434,16 @@ def _raise(flag_ptr, epoch, FENCED: tl.constexpr):
 
 
 @triton.jit
-def _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, my_flags, pid, rank, slot_base,
-                   m_local, N, k_tiles, tiles_per_seg, num_pid_m, num_pid_n, epoch,
-                   WORLD: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr,
-                   EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
-                   FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, TMA_PUSH: tl.constexpr,
-                   BANDS: tl.constexpr, ASYNC_FENCE: tl.constexpr):
+def _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, pid, rank, slot_base, m_local, N,
+                   k_tiles, tiles_per_seg, num_pid_m, num_pid_n, WORLD: tl.constexpr,
+                   RAGGED: tl.constexpr, B_KN: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
+                   WARP_SPECIALIZE: tl.constexpr, TMA_PUSH: tl.constexpr):
     """One producer step: this program's tiles of the step's segment (backwards on odd
     steps), each pushed into the owner's slot ``rank``. A program builds the step's push
     descriptor only when it has a tile in the step (a device-side descriptor is a global write
-    and a proxy fence; at TP 8 and small m most programs have a tile in one step of seven).
-    BANDS: each tile counts itself in at its band (see the module docstring)."""
+    and a proxy fence; at TP 8 and small m most programs have a tile in one step of seven)."""
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
     first = first_tile_at_or_after(pid, step * tiles_per_seg, NUM_SMS)
     if first < (step + 1) * tiles_per_seg:
@@ -542,54 +451,23 @@ def _producer_step(step, a_desc, b_desc, data_ptr, data_ptrs, my_flags, pid, ran
         dst = tl.load(data_ptrs + seg).to(tl.pointer_type(data_ptr.dtype.element_ty))
         dst_desc = tl.make_tensor_descriptor(dst + slot_base, [m_local, N], [N, 1],
                                              [BLOCK_M, HALF])
-        # row tiles per band, as config.rs_bands computes them
-        band_m = GROUP_M * tl.cdiv(tl.cdiv(num_pid_m, GROUP_M), _MAX_BANDS)
-        # BANDS: not flattened. Triton 3.6 software-pipelines a flattened tile loop only
-        # without the band count's atomics inside it (with them its K loop issued each load
-        # right before its MMA, sm_90 TTGIR); unflattened, each tile's K loop stays pipelined.
-        for t in tl.range(first, (step + 1) * tiles_per_seg, NUM_SMS,
-                          flatten=FLATTEN and not BANDS, warp_specialize=WARP_SPECIALIZE):
+        for t in tl.range(first, (step + 1) * tiles_per_seg, NUM_SMS, flatten=FLATTEN,
+                          warp_specialize=WARP_SPECIALIZE):
             t_in_seg = serpentine(t, step, tiles_per_seg)
             acc, off_m, off_n = segment_tile(a_desc, b_desc, t_in_seg, seg, m_local, k_tiles,
                                              num_pid_m, num_pid_n, RAGGED, B_KN, BLOCK_M,
                                              BLOCK_N, BLOCK_K, GROUP_M)
             _push_tile(acc, dst, dst_desc, slot_base, off_m, off_n, m_local, N, TMA_PUSH,
                        EPI_SPLIT, BLOCK_M, BLOCK_N)
-            if BANDS:
-                _count_band_tile(my_flags, step, off_m, band_m, num_pid_m, num_pid_n, epoch,
-                                 WORLD, BLOCK_M, TMA_PUSH and ASYNC_FENCE)
 
 
 @triton.jit
-def _count_band_tile(my_flags, step, off_m, band_m, num_pid_m, num_pid_n, epoch,
-                     WORLD: tl.constexpr, BLOCK_M: tl.constexpr, ASYNC_STORES: tl.constexpr):
-    """Count the tile at row ``off_m`` of producer step ``step`` in at its band; the band's last
-    tile resets the counter and raises the band's "produced" word (release, system scope). The
-    tile's stores drain first and the count is acq_rel, so that release covers every tile of
-    the band (as in :func:`~megatron_flux.kernels.signals.arrive_at_grid_barrier`). Predicated
-    atomics, no branch (Triton 3.6's loop flattening failed on the conditional version).
-    The spread reduction's own step (``step == WORLD - 1``) has no band words and counts
-    nothing."""
-    band = (off_m // BLOCK_M) // band_m
-    band_tiles = (tl.minimum((band + 1) * band_m, num_pid_m) - band * band_m) * num_pid_n
-    counter = my_flags + WORLD + 2 + 2 * (step * _MAX_BANDS + band)
-    staged = step < WORLD - 1
-    drain_async_stores(tl.program_id(0), ASYNC_STORES)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter, 1, mask=staged, sem="acq_rel", scope="sys")
-    last = staged & (arrived == band_tiles - 1)
-    tl.atomic_xchg(counter, 0, mask=last, sem="relaxed", scope="gpu")
-    tl.atomic_xchg(counter + 1, epoch, mask=last, sem="release", scope="sys")
-
-
-@triton.jit
-def _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_flags, err_ptr,
-                  trace_ptr, t_in_seg, m_local, N, k_tiles, rank, world, epoch, max_spins,
-                  num_pid_m, num_pid_n, WAIT: tl.constexpr, RAGGED: tl.constexpr,
-                  B_KN: tl.constexpr, HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, TMA_REDUCE: tl.constexpr, ASYNC_FENCE: tl.constexpr,
-                  TRACE: tl.constexpr):
+def _consume_tile(a_desc, b_desc, out_desc, slots_desc, bias_ptr, my_flags, err_ptr, trace_ptr,
+                  t_in_seg, m_local, N, k_tiles, rank, world, epoch, max_spins, num_pid_m,
+                  num_pid_n, WAIT: tl.constexpr, RAGGED: tl.constexpr, B_KN: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  ASYNC_FENCE: tl.constexpr, TRACE: tl.constexpr):
     """One tile of the own segment: its GEMM, with WAIT the wait for every peer's step signal,
     then the reduction epilogue. After the wait (generic-proxy acquire), TMA reads of the
     partials are ordered behind it with a proxy fence. TRACE stamps the phases of the first
@@ -602,10 +480,10 @@ def _consume_tile(a_desc, b_desc, out_desc, data_ptr, slots_desc, bias_ptr, my_f
         for src in range(0, world):
             if src != rank:
                 wait_signal(my_flags + src, epoch, max_spins, err_ptr, 2, rank, src)  # OP_GEMM_RS
-        fence_async_proxy(epoch, ASYNC_FENCE and TMA_REDUCE)
+        fence_async_proxy(epoch, ASYNC_FENCE)
         stamp(trace_ptr, 5, TRACE)  # waited
-    _reduce_tile(acc, data_ptr, slots_desc, bias_ptr, out_desc, off_m, off_n, m_local, N, rank,
-                 world, TMA_REDUCE, HAS_BIAS, EPI_SPLIT, BLOCK_M, BLOCK_N)
+    _reduce_tile(acc, slots_desc, bias_ptr, out_desc, off_m, off_n, N, rank, world, HAS_BIAS,
+                 EPI_SPLIT, BLOCK_M, BLOCK_N)
     if WAIT:
         stamp(trace_ptr, 6, TRACE)  # first_reduced
 
@@ -712,29 +590,21 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
         gemm_rs_ws.warn_fallback(reason)
 
     merge_rows = cfg.rs_merge_rows  # GemmConfig: with the spread reduction, vector pushes
-    split = cfg.rs_split_k if merge_rows and produce else 1
     host_desc = bool(host_descriptors)
     # stream-K splits own tiles, which the spread reduction and merged rows do not have
     sk_mode = 0 if (not stream_k_fits("GEMM+RS", cfg) or cfg.rs_spread_reduce or merge_rows
                     or not consume) else cfg.stream_k
     last_plan = {"sk_tiles": 0}  # of the kernel compiled or launched last
 
-    def plan(per_sm):
-        """(grid, runtime args, constexprs) with ``per_sm`` programs per SM."""
-        geo = launch_geometry(m_local, n, b, world, cfg, num_sms * per_sm, merged=merge_rows)
+    def launch():
+        geo = launch_geometry(m_local, n, b, world, cfg, num_sms, merged=merge_rows)
         grid, sk_tiles = geo.grid, 0
         if sk_mode:
-            grid, sk_tiles = stream_k_plan(geo.tiles, num_sms * per_sm, sk_mode,
-                                           geo.tiles_per_segment)
+            grid, sk_tiles = stream_k_plan(geo.tiles, num_sms, sk_mode, geo.tiles_per_segment)
         last_plan["sk_tiles"] = sk_tiles
-        parts, counters = err, err  # never touched without a split
+        parts, counters = err, err  # never touched without stream-K tiles
         if sk_tiles:
             scratch = stream_k_scratch(a.device, grid, cfg.block_m, cfg.block_n)
-            parts, counters = scratch.partials, scratch.counters
-        if split > 1:  # a program per work item, up to the SMs
-            grid = min(num_sms * per_sm, geo.tiles * split)
-            scratch = stream_k_scratch(a.device, -(-geo.tiles * split // 2), cfg.block_m,
-                                       cfg.block_n, tiles=geo.tiles)
             parts, counters = scratch.partials, scratch.counters
         ragged = geo.ragged and not merge_rows
         if host_desc:
@@ -753,17 +623,10 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=grid, FLATTEN=cfg.flatten,
             FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
             TMA_PUSH=cfg.rs_tma_push, ASYNC_FENCE=not interpreting(), PRODUCE=produce,
-            CONSUME=consume, TMA_REDUCE=cfg.rs_tma_reduce, SPREAD_REDUCE=cfg.rs_spread_reduce,
-            UNROLL_STEPS=unroll_steps(world), CE_PUSH=cfg.rs_copy_engine,
-            CE_BANDS=cfg.rs_copy_engine and cfg.rs_ce_bands, TRACE=trace is not None,
-            MERGE_ROWS=merge_rows, SPLIT=split, HOST_DESC=host_desc, STREAM_K=sk_tiles > 0)
-        return grid, args, constexprs
-
-    def launch():
-        # every program must be resident: consumers wait on the peer's whole grid
-        per_sm = resident_programs_per_sm(cfg, num_sms, plan, _LAUNCH, "GEMM+RS")
-        grid, run_args, constexprs = plan(per_sm)
-        _LAUNCH(grid, run_args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            CONSUME=consume, SPREAD_REDUCE=cfg.rs_spread_reduce,
+            UNROLL_STEPS=unroll_steps(world), CE_PUSH=cfg.rs_copy_engine, TRACE=trace is not None,
+            MERGE_ROWS=merge_rows, HOST_DESC=host_desc, STREAM_K=sk_tiles > 0)
+        _LAUNCH(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 direct=direct)
 
     ensure_descriptor_allocator()

@@ -61,9 +61,9 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
 Limits (the launcher falls back to :mod:`.gemm_rs`, with one warning naming why, when a call
 breaks one): ``m_local`` a multiple of ``block_m`` (merged rows: any but 1); at least
 ``num_stages`` K-steps; bf16 or fp16; a Triton with Gluon (3.6 and 3.9 checked); not under the
-interpreter, phase traces or the separate produce/consume test phases. ``rs_ce_bands``,
-``rs_split_k`` and ``rs_spread_reduce`` without merged rows are not implemented and
-``GemmConfig`` refuses them together with this kernel.
+interpreter, phase traces or the separate produce/consume test phases. ``rs_spread_reduce``
+without merged rows is not implemented, and ``GemmConfig`` refuses it together with this
+kernel.
 """
 
 from typing import Optional

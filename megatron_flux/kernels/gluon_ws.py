@@ -218,7 +218,7 @@ def b_host_descriptor(b, n, k, ldb, b_kn, cfg):
 def smem_bytes(cfg, elem_bytes: int = 2) -> int:
     """Shared memory a kernel takes for ``cfg``, at most: the A/B ring, one epilogue tile per
     MMA partition, and 1 KiB for barriers and alignment (compiled for sm_90a, 128x128x64 with
-    5 stages took 229 760 B against 230 400 here; ``tests/test_kernels_compile.py`` checks the
+    5 stages took 229 760 B against 230 400 here; ``tests/unit/test_kernels_compile.py`` checks the
     bound)."""
     ring = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * elem_bytes
     return ring + mma_partitions(cfg) * cfg.block_m * cfg.block_n * elem_bytes + 1024

@@ -158,7 +158,6 @@ class KernelLauncher:
 
         self.jit_fn = jit_fn
         self._compiled: Dict[tuple, Any] = {}
-        self._occupancy: Dict[tuple, int] = {}
         # the interpreter's functions have no parameter list: they always launch through Triton
         params = list(getattr(jit_fn, "params", None) or [])
         n_runtime = sum(not p.is_constexpr for p in params)
@@ -168,24 +167,6 @@ class KernelLauncher:
                                   for p in params[n_runtime:]]
         self._n_runtime = n_runtime
         self.direct_calls = 0  # launches that skipped Triton's binder (tests check it is used)
-
-    def occupancy(self, grid: int, args: Sequence[Any], constexprs: Dict[str, Any], *,
-                  num_warps: int, num_stages: int = 3) -> int:
-        """Programs of this kernel, compiled for these arguments (nothing is launched), that fit
-        on one SM at once (:mod:`.residency`); cached per constexprs and options. Unbounded
-        under the interpreter, which runs programs one after another."""
-        if interpreting():
-            return 1 << 30
-        device = next(a for a in args if isinstance(a, torch.Tensor)).get_device()
-        key = (tuple(sorted(constexprs.items())), num_warps, num_stages, device)
-        fit = self._occupancy.get(key)
-        if fit is None:
-            from megatron_flux.kernels.residency import compiled_occupancy
-
-            compiled = self.jit_fn.warmup(*args, grid=(grid,), **constexprs, num_warps=num_warps,
-                                          num_stages=num_stages)
-            fit = self._occupancy[key] = compiled_occupancy(compiled)
-        return fit
 
     def _through_triton(self, grid, args, constexprs, num_warps, num_stages, options):
         if num_stages is not None:

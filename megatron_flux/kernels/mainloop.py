@@ -25,19 +25,6 @@ def tile_mainloop(a_desc, b_desc, a_seg, a_row, off_n, k_tiles,
 
 
 @triton.jit
-def tile_mainloop_slice(a_desc, b_desc, a_row, off_n, k_first, k_count, B_KN: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """:func:`tile_mainloop` (2-D A) over K-tiles ``[k_first, k_first + k_count)``, pipelined
-    like it (the kernel's ``num_stages``): one split of a tile split along K."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(k_first, k_first + k_count):
-        a, b = _load_ab(a_desc, b_desc, 0, a_row, off_n, ki * BLOCK_K, False, B_KN, BLOCK_M,
-                        BLOCK_K)
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
 def tile_mainloop_k(a_desc, b_desc, a_seg, a_row, off_n, k_lo, k_hi,
                     RAGGED_A: tl.constexpr, B_KN: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

@@ -1,20 +1,20 @@
-"""Cross-rank "shards ready" barrier for the pulling AllGather (one program, one warp).
+"""Cross-rank barrier on signal words (one program, one warp).
 
 Signal schedule (rank ``r`` of ``W``, call epoch ``e``, signal words from ``base`` on):
 
-* signal: for every peer ``p != r``, ``flags[p][base + r] = e`` (release, system scope). It runs
-  after this rank copied its shard into its own symmetric slot (stream order), so a peer that
-  sees the signal may pull the shard.
+* signal: for every peer ``p != r``, ``flags[p][base + r] = e`` (release, system scope);
 * wait: for every peer ``p != r``, spin (acquire, bounded) until ``flags[r][base + p] >= e``. A
-  wait that runs out records ``(OP_AG_READY, r, p, seen)`` in the error word and gives up, so
-  the error names the peer whose shard never became ready.
+  wait that runs out records ``(op_code, r, p, seen)`` in the error word and gives up, so the
+  error names the peer whose signal never came.
 
-It runs on the caller's stream *before* the AG+GEMM kernel, so it never competes with the
-persistent grid for SMs, and the copy engine's pulls (queued after it) only start once every
-peer's shard is in place. The wait half alone also ends the copy-engine all-gather
-(``FluxBackend.all_gather_start``), whose signals are the peers' stream memory writes.
-``SIGNAL``/``WAIT`` split the two halves for simulated ranks under the
-interpreter, where programs run one after another; on GPUs both are set.
+The fused backend runs the wait half alone (``signal=False``), on the caller's stream: it ends
+the copy-engine all-gather (``FluxBackend.all_gather_start``) and the copy-engine
+ReduceScatter (``column_dgrad="copy_engine"``), whose signals are the peers' stream memory
+writes (:mod:`megatron_flux.backends.flux.handles`). One warp: it never competes with a
+persistent grid for SMs.
+
+``SIGNAL``/``WAIT`` split the two halves for simulated ranks under the interpreter, where
+programs run one after another.
 """
 
 import triton

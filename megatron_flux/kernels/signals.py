@@ -15,7 +15,7 @@ import triton.language as tl
 #: op codes written into the error word
 OP_AG_GEMM = 1
 OP_GEMM_RS = 2
-OP_AG_READY = 3  # the pulling AllGather's "shards ready" barrier; the index is the peer's rank
+OP_AG_READY = 3  # the ready barrier's default (signal and wait): the index is the peer's rank
 OP_GATHER = 4  # the copy-engine all-gather's wait for every peer's rows; the index is the peer
 
 

@@ -80,19 +80,17 @@ class _Scratch:
 _SCRATCH: Dict[tuple, _Scratch] = {}
 
 
-def stream_k_scratch(device: torch.device, grid: int, block_m: int, block_n: int,
-                     tiles: int = 0) -> _Scratch:
-    """Slots ``[grid, 2, block_m * block_n]`` fp32 and ``max(2 * grid, tiles)`` int32 counters
-    (zero) for launches on the current stream of ``device`` (one per CPU, for the
-    interpreter); grown, never shrunk. (GEMM+RS's split along K uses ``2 * grid`` slots as one
-    per split tile, ``tiles`` counters as one per tile.)"""
+def stream_k_scratch(device: torch.device, grid: int, block_m: int, block_n: int) -> _Scratch:
+    """Slots ``[grid, 2, block_m * block_n]`` fp32 and ``2 * grid`` int32 counters (zero) for
+    launches on the current stream of ``device`` (one per CPU, for the interpreter); grown,
+    never shrunk."""
     if device.type == "cpu":
         key = ("cpu",)
     else:
         index = device.index if device.index is not None else torch.cuda.current_device()
         key = (index, torch.cuda.current_stream(device).cuda_stream)
     need = grid * 2 * block_m * block_n
-    counters = max(2 * grid, tiles)
+    counters = 2 * grid
     s = _SCRATCH.get(key)
     if s is None or s.partials.numel() < need or s.counters.numel() < counters:
         old_p = s.partials.numel() if s is not None else 0
@@ -164,8 +162,8 @@ def publish_part(acc, part_ptrs, counter_ptr):
     """Store a program's fp32 part of a tile at ``part_ptrs``, then count it in at the tile's
     counter (acq_rel, GPU scope, after the whole CTA's stores); returns how many had arrived
     before. The one that sees the tile's part count less one owns the tile: it calls
-    :func:`claim_tile`, then reads the parts (``.cg``). Shared by stream-K here and GEMM+RS's
-    split along K (:func:`~megatron_flux.kernels.gemm_rs._merged_rows_split`)."""
+    :func:`claim_tile`, then reads the parts (``.cg``). ``part_ptrs`` is the program's own
+    slot for the tile (:func:`_slot_ptrs`): no two parts of one launch share a slot."""
     tl.store(part_ptrs, acc)
     tl.debug_barrier()
     return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")

@@ -11,5 +11,5 @@
                        communication off, GEMM+RS phase timing, the plain persistent GEMM
 
 The runtime (layers, ops, backends, kernels, comm, tuning) never imports this package;
-``tests/test_import_layers.py`` holds it to that.
+``tests/unit/test_import_layers.py`` holds it to that.
 """

@@ -132,13 +132,19 @@ def _check_keys(path, where, d, required, optional) -> None:
 
 
 def _config(path, fld, d, op, m, n, k, tp):
-    from megatron_flux.kernels.config import GemmConfig, default_config
+    from megatron_flux.kernels.config import (REMOVED_FIELDS, GemmConfig, default_config,
+                                              removed_field_problem)
 
     if not isinstance(d, dict):
         raise TuningFileError(path, fld, f"must be an object of GemmConfig fields, got {type(d).__name__}")
     import dataclasses
 
     types = {f.name: f.type for f in dataclasses.fields(GemmConfig)}
+    d = dict(d)
+    for name in [x for x in d if x in REMOVED_FIELDS]:  # older tables: at the value it had
+        problem = removed_field_problem(name, d.pop(name))
+        if problem is not None:
+            raise TuningFileError(path, f"{fld}.{name}", problem)
     for name, v in d.items():
         if name not in types:
             raise TuningFileError(path, f"{fld}.{name}", f"unknown GemmConfig field (known: {sorted(types)})")

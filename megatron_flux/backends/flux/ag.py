@@ -16,13 +16,6 @@ the shard into this rank's own gathered rows, on the current stream before the G
 queued on the side stream behind the kernel would overlap the lead, but the kernel would then
 spin on work queued behind it on its own device, which this schedule never does.
 
-With ``GemmConfig.ag_pull`` step 0 is: copy the shard into this rank's own symmetric slot and
-run a one-warp "shards ready" barrier (:mod:`megatron_flux.kernels.ready_barrier`) on the current
-stream, before the GEMM; step 2 then *pulls* each peer's shard from its slot into the local
-workspace (in the order the GEMM visits them), each chunk followed by a stream memory write into
-this rank's own signal word. The barrier finishes before the GEMM is queued behind it, so it
-never waits beside a persistent grid holding the SMs.
-
 Because the kernel is queued before the copies and the copies never wait on the kernel, the
 kernel never spins on work queued behind it, also with ``CUDA_DEVICE_MAX_CONNECTIONS=1``; and no
 wait needs an SM, so a grid that is only partly resident still drains.
@@ -37,14 +30,14 @@ from megatron_flux.backends.flux.resources import deps
 from megatron_flux.backends.flux.support import aligned
 
 
-def gathered_views(ws, rank, world, parity, m_local, k, chunk, pull):
+def gathered_views(ws, rank, world, parity, m_local, k, chunk):
     """``(gathered [m, k], own rows, this rank's int32 signals, copy plan)`` of one shape and
     parity, in ``ws``'s gather slot (memoized by the callers)."""
     m = world * m_local
     gathered = ws.data(rank, parity, m * k).view(m, k)
     own_rows = gathered[rank * m_local:(rank + 1) * m_local]
     plan = deps().ag_copy_plan(ws, m_local, k, rank=rank, world=world, parity=parity,
-                               chunk=chunk, pull=pull)
+                               chunk=chunk)
     return gathered, own_rows, ws.flags(rank, parity), plan
 
 
@@ -68,28 +61,19 @@ def all_gather_matmul(backend, a_shard, b, group, out, return_gathered, gathered
         cfg = backend.config_with_chunk(cfg, chunk)
     chunks = -(-m_local // chunk)
     ws = res.workspace("ag", group, device, a_shard.dtype)
-    # signals: [src * chunks + c] chunk arrivals, then (pull) [world * chunks + p] shard ready
-    ready_base = world * chunks
-    ws.reserve(m * k, ready_base + world)
+    ws.reserve(m * k, world * chunks)  # signals: [src * chunks + c] chunk arrivals
     err = res.error_word("ag", device)
     epoch = ws.next_epoch()
     parity = epoch & 1
-    pull = cfg.ag_pull
     merge = cfg.ag_merge_local and world > 1  # the kernel reads its own rows from `gathered`
     gathered, own_rows, flags, plan = ws.memo(
-        ("ag-call", rank, world, parity, m_local, k, chunk, pull),
-        lambda: gathered_views(ws, rank, world, parity, m_local, k, chunk, pull))
+        ("ag-call", rank, world, parity, m_local, k, chunk),
+        lambda: gathered_views(ws, rank, world, parity, m_local, k, chunk))
 
     current = torch.cuda.current_stream(device)
     side = res.side_stream(device, cfg.comm_priority)
-    if pull or merge:  # peers pull from there / the merged GEMM reads it after its lead
+    if merge:  # the merged GEMM reads the own rows there after its lead
         own_rows.copy_(a_shard)
-    if pull:
-        # the barrier runs before the GEMM on this stream, so it never waits beside a
-        # persistent grid holding the SMs
-        d.launch_ready_barrier(ws.flag_ptrs(parity), err.device_word, rank=rank, world=world,
-                               base=ready_base, epoch=epoch, max_spins=opts.max_spins,
-                               direct=opts.direct_launch)
     res.order(device, "ready")(side, current)  # the shard is ready (before the GEMM)
     d.launch_ag_gemm(
         a_shard, gathered, b, out, flags, err.device_word,
@@ -102,7 +86,7 @@ def all_gather_matmul(backend, a_shard, b, group, out, return_gathered, gathered
         for dst, src, peer_flags, index in d.materialize(plan, a_shard):
             dst.copy_(src)
             d.write_signal(peer_flags, index, epoch)
-        if return_gathered and not pull and not merge:  # else filled up front
+        if return_gathered and not merge:  # else filled up front
             own_rows.copy_(a_shard)
     res.order(device, "done")(current, side)
     if not return_gathered:

@@ -2,7 +2,7 @@
 
 The backend object holds the options and the per-shape kernel configs, and routes each call:
 
-* :mod:`.ag`        the fused AllGather+GEMM (copy-engine pushes or pulls, signals per chunk)
+* :mod:`.ag`        the fused AllGather+GEMM (copy-engine pushes, signals per chunk)
 * :mod:`.rs`        the fused GEMM+ReduceScatter (SM pushes or copy-engine delivery), and the
                     column backward's copy-engine ReduceScatter
 * :mod:`.regather`  the column backward's copy-engine re-gather

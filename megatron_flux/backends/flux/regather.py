@@ -60,7 +60,7 @@ def all_gather_start(backend, x, group, out):
     parity = epoch & 1
     gathered, own_rows, _, plan = ws.memo(
         ("gather-call", rank, world, parity, m_local, k),
-        lambda: gathered_views(ws, rank, world, parity, m_local, k, m_local, False))
+        lambda: gathered_views(ws, rank, world, parity, m_local, k, m_local))
     current = torch.cuda.current_stream(device)
     side = res.side_stream(device)
     res.order(device, "ready")(side, current)  # this rank's rows are ready

@@ -29,7 +29,7 @@ def deps():
         from megatron_flux.comm.streams import StreamOrder, on_stream
         from megatron_flux.comm.workspace import SymmetricWorkspace
         from megatron_flux.kernels.ag_gemm import launch_ag_gemm
-        from megatron_flux.kernels.config import rs_band_words, rs_bands, rs_signal_count
+        from megatron_flux.kernels.config import rs_signal_count
         from megatron_flux.kernels.gemm_rs import launch_gemm_rs, rs_staging_table
         from megatron_flux.kernels.ready_barrier import launch_ready_barrier
         from megatron_flux.kernels.rs_reduce import launch_rs_reduce

@@ -82,12 +82,9 @@ def _copy_engine_delivery(backend, a, b, out, bias, ws, err, data, cfg, *, rank,
     seg_elems = m_local * n
     side = res.side_stream(device, -1, "rs")
     staging = res.staging(device, a.dtype, (world - 1) * seg_elems, side)
-    bands = d.rs_bands(m_local, cfg.block_m, cfg.group_m) if cfg.rs_ce_bands else None
     table, copies, my_flags = ws.memo(
-        ("rs-ce", rank, world, parity, m_local, n, staging.data_ptr(), bands,
-         cfg.block_m if bands else 0),
-        lambda: copy_plan(ws, staging, data, rank, world, parity, m_local, n, bands,
-                           cfg.block_m))
+        ("rs-ce", rank, world, parity, m_local, n, staging.data_ptr()),
+        lambda: copy_plan(ws, staging, data, rank, world, parity, m_local, n))
     current = torch.cuda.current_stream(device)
     d.launch_gemm_rs(
         a, b, out, data, table, ws.flag_ptrs(parity), bias, err.device_word,
@@ -97,14 +94,10 @@ def _copy_engine_delivery(backend, a, b, out, bias, ws, err, data, cfg, *, rank,
     )
     err.after_launch()
     with d.on_stream(side, current):
-        if bands is None:
-            d.wait_signal_on_stream(my_flags, world + 1, epoch, side)  # this rank's grid produced
-        for dst, src, owner_flags, produced, last in copies:
-            if produced is not None:  # this band's tiles are all staged
-                d.wait_signal_on_stream(my_flags, produced, epoch, side)
+        d.wait_signal_on_stream(my_flags, world + 1, epoch, side)  # this rank's grid produced
+        for dst, src, owner_flags in copies:
             dst.copy_(src)
-            if last:
-                d.write_signal(owner_flags, rank, epoch)
+            d.write_signal(owner_flags, rank, epoch)
     res.order(device, "rs-done")(current, side)  # the next call may refill the staging
     return out
 
@@ -121,29 +114,21 @@ def _stream_wait_ok(backend) -> bool:
     return backend._stream_wait
 
 
-def copy_plan(ws, staging, data, rank, world, parity, m_local, n, bands=None, block_m=0):
+def copy_plan(ws, staging, data, rank, world, parity, m_local, n):
     """``(data_ptrs table, copies, this rank's uint32 signals)`` of one copy-engine GEMM+RS
-    shape. ``copies``: ``(owner's slot rows, staged rows, owner's uint32 signals, "produced" word
-    to wait for first or None, whether the owner's signal follows)`` in queue order: per producer
-    step its whole partial, or with ``bands`` (:func:`rs_bands`) band by band in the order the
-    step's tiles run (odd steps backwards)."""
+    shape. ``copies``: per producer step, in queue order, ``(owner's slot rows, the step's
+    staged partial, owner's uint32 signals)``."""
     d = deps()
     seg_elems = m_local * n
     addrs = d.rs_staging_table(staging.data_ptr(), data.data_ptr(), rank=rank, world=world,
                                m_local=m_local, n=n, elt=staging.element_size())
     table = torch.tensor(addrs, dtype=torch.int64, device=staging.device)
-    band_rows, count = (m_local, 1) if bands is None else (bands[0] * block_m, bands[1])
     copies = []
     for step in range(world - 1):
         owner = (rank + 1 + step) % world
         slot = ws.data(owner, parity, world * seg_elems)[rank * seg_elems:(rank + 1) * seg_elems]
         part = staging[step * seg_elems:(step + 1) * seg_elems]
-        order = list(range(count)) if step % 2 == 0 else list(reversed(range(count)))
-        for j, band in enumerate(order):
-            lo, hi = band * band_rows * n, min(m_local, (band + 1) * band_rows) * n
-            produced = None if bands is None else d.rs_band_words(world, step, band)[1]
-            copies.append((slot[lo:hi], part[lo:hi], ws.flags(owner, parity, torch.uint32),
-                           produced, j == count - 1))
+        copies.append((slot, part, ws.flags(owner, parity, torch.uint32)))
     return table, copies, ws.flags(rank, parity, torch.uint32)
 
 

@@ -192,14 +192,14 @@ def set_flux_variant(fields: Dict[str, object]) -> None:
 def _variant_backend(backend_cls):
     """One FluxBackend per process whose configs are the tables' with ``--flux-variant``'s fields."""
     if "backend" not in _VARIANT:
-        import dataclasses
-
+        from megatron_flux.kernels.config import GemmConfig
         from megatron_flux.tuning.provider import TableConfigProvider
 
         fields, table = _VARIANT.get("fields", {}), TableConfigProvider()
 
         def provider(op, m, n, k, **context):
-            return dataclasses.replace(table(op, m, n, k, **context), **fields)
+            # (from_dict: the fields may name a removed knob at the value it always had)
+            return GemmConfig.from_dict({**table(op, m, n, k, **context).to_dict(), **fields})
 
         provider.accepts_context = True
         _VARIANT["backend"] = backend_cls(config_provider=provider)

@@ -49,18 +49,6 @@ RS_CANDIDATES = [
                warp_specialize=True),
 ]
 
-#: tiles run two programs per SM (``programs_per_sm=2``): 128x128 tiles, 3 stages and a split
-#: epilogue need 64-112 KB of shared memory and fit twice on an H200 SM; the shipped table's
-#: config lends them its communication knobs
-PER_SM_TILES = [
-    dict(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=4, group_m=8,
-         epilogue_split=2, flatten=True, warp_specialize=False, programs_per_sm=2),
-    dict(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=4, group_m=16,
-         epilogue_split=2, flatten=True, warp_specialize=False, programs_per_sm=2),
-    dict(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=8, group_m=8,
-         epilogue_split=2, flatten=True, warp_specialize=False, programs_per_sm=2),
-]
-
 
 def _time(fns: Dict[str, Callable], trials: int, iters: int, warmup: int = 0,
           shuffle_seed=None, queue_ahead_ms: float = 0.0) -> Dict[str, List[float]]:
@@ -378,11 +366,10 @@ def run(args) -> dict:
 def _configs(op, m, n, k, args):
     """``(configs, labels)`` to time for one shape, per ``--configs``: the heuristic ``default``,
     the shipped ``table``'s entry (the config the backend runs), their stream-K variants
-    (``sk``; not of a warp-specialized config, which has no stream-K), their vector-load reductions (``rsvec``, GEMM+RS only), their
+    (``sk``; not of a warp-specialized config, which has no stream-K), their
     twins reducing the other way (``spread``: ``rs_spread_reduce`` flipped, GEMM+RS only; not
     of a warp-specialized config without merged rows, which cannot reduce spread), the
-    fixed ``candidates`` lists, the table's config on :data:`PER_SM_TILES` (``pps2``) and the
-    plain persistent GEMM with the default's and the table's
+    fixed ``candidates`` lists and the plain persistent GEMM with the default's and the table's
     tile (``plain``, :mod:`.plain_gemm`: the yardstick for the fused tile loop); duplicates
     dropped."""
     import dataclasses
@@ -405,9 +392,6 @@ def _configs(op, m, n, k, args):
                 continue
             twin = dataclasses.replace(cfg, stream_k=1 - cfg.stream_k)
             out.append((f"{label}{'+sk' if twin.stream_k else '-sk'}", twin))
-    if "rsvec" in args.configs and op == "GEMM+RS":
-        out.append(("default-vecreduce", dataclasses.replace(default, rs_tma_reduce=False)))
-        out.append(("table-vecreduce", dataclasses.replace(table, rs_tma_reduce=False)))
     if "spread" in args.configs and op == "GEMM+RS":  # the other place to reduce
         for label, cfg in (("default", default), ("table", table)):
             if cfg.rs_warp_specialized and not cfg.rs_merge_rows:
@@ -417,9 +401,6 @@ def _configs(op, m, n, k, args):
     if "candidates" in args.configs:
         extra = CANDIDATES if op == "AG+GEMM" else RS_CANDIDATES
         out += [(f"cand{i}", c) for i, c in enumerate(extra)]
-    if "pps2" in args.configs:
-        out += [(f"pps2-{i}", dataclasses.replace(table, **tile))
-                for i, tile in enumerate(PER_SM_TILES)]
     for i, fields in enumerate(getattr(args, "extra", None) or []):  # --extra: the default with fields changed
         plain = fields.get("runner") == "plain"
         cfg = dataclasses.replace(default, **{f: v for f, v in fields.items() if f != "runner"})
@@ -540,9 +521,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_grid_args(p)
     p.add_argument("--ops", nargs="+", default=["AG+GEMM", "GEMM+RS"])
-    p.add_argument("--configs", nargs="+", default=["default", "table", "sk", "rsvec"],
-                   choices=["default", "table", "sk", "rsvec", "spread", "candidates", "pps2",
-                            "plain"],
+    p.add_argument("--configs", nargs="+", default=["default", "table", "sk"],
+                   choices=["default", "table", "sk", "spread", "candidates", "plain"],
                    help="which configs to time per shape (see _configs)")
     p.add_argument("--default-only", action="store_true", help="same as --configs default")
     p.add_argument("--only-config", type=int, default=None,

@@ -79,8 +79,9 @@ def adopt_variant(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> T
             notes["adopted"]["control_ms"] = [c["flux_control"] if c else None for _, _, c in hits]
             notes["adopted"]["rule"] += ("; where a run timed flux_control (the table config in a "
                                          "second backend), faster by more than |control/flux - 1|")
-        entries.append(Entry(op=e.op, n=e.n, k=e.k, m=e.m,
-                             config=dataclasses.replace(e.config, **fields), tuned=e.tuned,
+        # (from_dict: an A/B run's fields may name a removed knob at the value it always had)
+        config = type(e.config).from_dict({**e.config.to_dict(), **fields})
+        entries.append(Entry(op=e.op, n=e.n, k=e.k, m=e.m, config=config, tuned=e.tuned,
                              flux_ms=worst["flux_variant"], nccl_ms=worst["nccl"], notes=notes))
         adopted += 1
     extra = dict(table.extra or {})

@@ -30,9 +30,8 @@ which every later run on this machine reads: :mod:`megatron_flux.tuning.registry
 ``megatron_flux/tuning/tables/`` to ship it. ``--time-budget-s`` stops between entries once the
 next one would not fit, keeping what was measured; ``--skip-tuned`` continues such a run.
 
-The comm settings searched for AllGather are the chunk size (``chunk_rows``), the CUDA priority
-of the copy-engine side stream (``comm_priority``) and pull vs push (``ag_pull``). For AG the
-default's pulling twin is tried right after the default, so every entry compares the two.
+The comm settings searched for AllGather are the chunk size (``chunk_rows``) and the CUDA
+priority of the copy-engine side stream (``comm_priority``).
 ``--dry-run`` prints the plan (shapes, buckets, candidate counts) without GPUs.
 """
 
@@ -66,42 +65,32 @@ SEARCH_SPACE: Dict[str, Tuple] = {
     "flatten": (True, False),
     "warp_specialize": (False, True),
     "comm_priority": (-1, 0),
-    "ag_pull": (False, True),
     "rs_tma_push": (True, False),
-    "rs_tma_reduce": (True, False),
     "rs_spread_reduce": (False, True),
     "rs_copy_engine": (False, True),
     "stream_k": (0, 1),
 }
 #: knobs only one op has; the other op keeps its default's value
-_OP_KNOBS = {"ag": ("chunk_rows", "comm_priority", "ag_pull", "stream_k"),
-             "rs": ("rs_tma_push", "rs_tma_reduce", "rs_spread_reduce", "rs_copy_engine")}
+_OP_KNOBS = {"ag": ("chunk_rows", "comm_priority", "stream_k"),
+             "rs": ("rs_tma_push", "rs_spread_reduce", "rs_copy_engine")}
 #: order of the single-knob variations within each round (see generate_candidates)
-_VARIATION_ORDER = ("stream_k", "chunk_rows", "comm_priority", "ag_pull", "rs_copy_engine",
-                    "rs_tma_push", "rs_tma_reduce", "rs_spread_reduce", "num_stages", "block_n", "block_m",
+_VARIATION_ORDER = ("stream_k", "chunk_rows", "comm_priority", "rs_copy_engine",
+                    "rs_tma_push", "rs_spread_reduce", "num_stages", "block_n", "block_m",
                     "block_k", "warp_specialize", "epilogue_split", "group_m", "num_warps", "flatten")
 #: knobs the backend has but the search leaves alone (recorded in the table's search.not_searched)
 NOT_SEARCHED: Dict[str, str] = {
-    "programs_per_sm": "not varied knob by knob: two programs per SM on 128x128 tiles beat no "
-                       "shipped config beyond noise on the grid (one H200, communication "
-                       "off); GEMM+RS at short K gets one seed with it (RS_SHORT_K_SEEDS)",
-    "ag_peer_group": "not measured yet (no GPU run has timed a value above 1)",
     "ag_merge_local": "the default at m <= 512 (gathered first, lead 0), where the per-segment "
                       "default is tried as a seed; at m = 1024-2048 no faster with "
                       "communication on, slower in 7 of 8 paired comm-off cases at TP 2",
     "ag_merge_lead": "only matters with ag_merge_local",
     "rs_merge_rows": "the default at m <= 256, where the per-segment default is tried as a "
                      "seed",
-    "rs_split_k": "only with merged rows, where it gets two seeds (RS_MERGED_SEEDS); counts "
-                  "that fill the SMs evenly did not win (one H200, communication off)",
     "rs_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
                            "fixed forms); GEMM+RS at short K gets it as one seed "
                            "(RS_SHORT_K_SEEDS), and with merged rows up to m = 512 as another "
                            "(RS_MERGED_SEEDS)",
     "ag_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
                            "fixed forms); AG+GEMM gets both forms as seeds (AG_SEEDS)",
-    "rs_ce_bands": "0.97x the table config on one training shape, 1.04x on another, mixed on "
-                   "the rest (2×H200)",
     "flatten_consume": "compiles to the same GEMM+RS kernel either way (Triton does not flatten "
                        "the reduction loop); a kernel that did flatten it ran level "
                        "(paired median 1.000 at TP 2, 1.001 at TP 4, communication off)",
@@ -147,20 +136,17 @@ SEED_CONFIGS: Tuple[Dict[str, object], ...] = (
     dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, group_m=8,
          epilogue_split=1),
 )
-#: GEMM+RS with a short contraction (per-rank ``k <= RS_SHORT_K``) also tries two ways of
-#: running one tile's reduction epilogue (the peers' partials read, added and stored) beside
-#: another tile's MMAs, where a plain persistent program idles its tensor cores: the
-#: warp-specialized Gluon kernel (``rs_warp_specialized``, 5 stages) and two programs per SM on
-#: 128x128 tiles. With communication off on one H200 they ran 0.92x and 0.95-0.98x the TP 2
-#: table's config on the training step's proj and qkv-dgrad GEMM+RS (k = 2048 / 3072,
-#: m = 8192), where the epilogue's reads cost 6-7 %; whether they also win with communication
-#: on is for the tune to measure.
+#: GEMM+RS with a short contraction (per-rank ``k <= RS_SHORT_K``) also tries running one
+#: tile's reduction epilogue (the peers' partials read, added and stored) beside another tile's
+#: MMAs, where a plain persistent program idles its tensor cores: the warp-specialized Gluon
+#: kernel (``rs_warp_specialized``, 5 stages). With communication off on one H200 it ran 0.92x
+#: the TP 2 table's config on the training step's proj and qkv-dgrad GEMM+RS (k = 2048 /
+#: 3072, m = 8192), where the epilogue's reads cost 6-7 %; whether it also wins with
+#: communication on is for the tune to measure.
 RS_SHORT_K = 4096
 RS_SHORT_K_SEEDS: Tuple[Dict[str, object], ...] = (
     dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
          epilogue_split=1, warp_specialize=False, rs_warp_specialized=True),
-    dict(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=4, group_m=8,
-         epilogue_split=2, warp_specialize=False, programs_per_sm=2),
 )
 
 
@@ -179,19 +165,14 @@ AG_SEEDS: Tuple[Dict[str, object], ...] = (
 )
 
 
-#: GEMM+RS whose default merges every rank's rows (small m) also tries 64x128 tiles split along
-#: K in 2 and 4 (``rs_split_k``): with communication off on one H200 they ran 0.87x the
-#: default on llama3-8b m = 128 and 0.94x on gpt3-175b m = 64, and lost elsewhere.
-#: And merged rows on the warp-specialized Gluon kernel, ping-pong 128x128x64 with 5 stages
-#: (``rs_warp_specialized``): communication off it ran 0.90-0.91x / 0.94-0.95x the default on
-#: gpt3-175b m = 128 and llama3-70b m = 256 in two runs on one H200 (0.96x / 0.93x on one
-#: H100), 0.91-0.92x the TP 2 table's per-segment config on gpt3-175b m = 512, and lost at
-#: m = 64 and at small n. It names the merged-rows knobs, so it also applies where
-#: the default does not merge (up to :data:`RS_MERGED_SEED_MAX_M`); the split seeds need a
-#: merged default. These come before the generic seeds, so a short candidate list keeps them.
-RS_MERGED_SEEDS: Tuple[Dict[str, object], ...] = tuple(
-    dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue_split=1,
-         rs_split_k=split) for split in (2, 4)) + (
+#: GEMM+RS at small m also tries merged rows on the warp-specialized Gluon kernel, ping-pong
+#: 128x128x64 with 5 stages (``rs_warp_specialized``): communication off it ran 0.90-0.91x /
+#: 0.94-0.95x the default on gpt3-175b m = 128 and llama3-70b m = 256 in two runs on one H200
+#: (0.96x / 0.93x on one H100), 0.91-0.92x the TP 2 table's per-segment config on gpt3-175b
+#: m = 512, and lost at m = 64 and at small n. It names the merged-rows knobs, so it also
+#: applies where the default does not merge (up to :data:`RS_MERGED_SEED_MAX_M`). It comes
+#: before the generic seeds, so a short candidate list keeps it.
+RS_MERGED_SEEDS: Tuple[Dict[str, object], ...] = (
     dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, epilogue_split=1,
          rs_warp_specialized=True, rs_merge_rows=True, rs_spread_reduce=True,
          rs_tma_push=False, rs_copy_engine=False),)
@@ -231,10 +212,10 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
                         space: Optional[Dict[str, Sequence]] = None, elem_bytes: int = 2,
                         smem_limit: int = SMEM_BYTES,
                         seeds: Optional[Sequence[Dict[str, object]]] = None) -> List:
-    """Configs to try for one shape: the default first, then the default pulling instead of
-    pushing (AG) or with the other ReduceScatter delivery (RS: copy engine vs SM pushes), and at
-    small m, where the default runs every rank's rows as one tile space, the per-segment
-    default (``default_config(..., gather_small_m=False)``), then
+    """Configs to try for one shape: the default first, then at small m, where the default runs
+    every rank's rows as one tile space, the per-segment default (``default_config(...,
+    gather_small_m=False)``), and for RS the default with the other ReduceScatter delivery
+    (copy engine vs SM pushes), then
     the multi-knob seeds (``seeds``; by default :data:`RS_MERGED_SEEDS` for GEMM+RS up to
     :data:`RS_MERGED_SEED_MAX_M` rows, then :func:`seeds_for` the op and ``k``), then
     variations by distance from the default; the
@@ -247,8 +228,8 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     rows where the tile space spans segments: merged GEMM+RS rows, AG+GEMM gathered first), ``block_n`` /
     ``block_k`` no larger than ``n`` / ``k`` rounded up, and for AG ``chunk_rows`` below the rows
     of a segment (a chunk that large is one chunk: the default already covers it). RS keeps the
-    default ``chunk_rows``, side-stream priority and ``ag_pull`` (it has no chunked copy); AG keeps
-    the default's RS knobs. ``flatten`` / ``warp_specialize`` are searched for both ops.
+    default ``chunk_rows`` and side-stream priority (it has no chunked copy); AG keeps the
+    default's RS knobs. ``flatten`` / ``warp_specialize`` are searched for both ops.
     """
     from megatron_flux.kernels.config import GemmConfig, default_config
 
@@ -286,10 +267,6 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
                 and bn <= bn_max and bk <= bk_max)
 
     seed_cfgs = []
-    if op == "ag" and len(set(space.get("ag_pull", ()))) > 1:  # pull vs push on every entry
-        twin = dataclasses.replace(base, ag_pull=not base.ag_pull)
-        seen.add(twin)
-        seed_cfgs.append(twin)
     if base.ag_merge_local or base.rs_merge_rows:  # small m: also the per-segment default
         twin = default_config(op, m_total, n, k, tp=tp, gather_small_m=False)
         seen.add(twin)

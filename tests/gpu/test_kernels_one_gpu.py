@@ -1,0 +1,587 @@
+"""The fused kernels' compiled code paths on one GPU, communication wired away (the benchmarks'
+one-GPU wiring: GEMM+RS as rank 0 with its peers' partials in local slots, every peer signal
+pre-set). The 2-GPU tests (``test_flux_gpu.py``) cover the kernels with real peers; these run
+where only one GPU is lent, and cover what the CPU interpreter cannot see: the compiled
+kernels' flattened and warp-specialized loops, TMA clipping of ragged tiles, and bitwise
+repeatability."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+#: the warp-specialized kernels' two forms (``gluon_ws``): two 4-warp MMA partitions taking
+#: alternate tiles, or one 8-warp partition taking every tile
+WS_FORMS = {"pingpong": dict(block_m=128, block_n=128, block_k=64, num_warps=4),
+            "coop": dict(block_m=128, block_n=256, block_k=64, num_warps=8)}
+
+# (world, m_local, n, k): several own tiles per program, ragged m_local, a partial N tile
+RS_SHAPES = [(2, 1024, 1024, 512), (2, 300, 1000, 512), (4, 256, 768, 1024)]
+RS_CONFIGS = [
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=2,
+         flatten_consume=True),
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=2,
+         flatten_consume=False),
+    dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue_split=1,
+         flatten_consume=True),
+    # one epilogue store and warp specialization (a shipped TP 2 table config)
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=1,
+         warp_specialize=True, flatten_consume=True),
+    # the warp-specialized Gluon kernel (gemm_rs_ws); the ragged shape runs the Triton kernel
+    # instead, with a warning
+    dict(WS_FORMS["pingpong"], num_stages=5, rs_warp_specialized=True),
+    dict(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4, rs_warp_specialized=True),
+    # its cooperative form: one 8-warp MMA partition, 128x256 tiles
+    dict(WS_FORMS["coop"], num_stages=3, rs_warp_specialized=True),
+    # every rank's rows in one tile space (small m's default): on the ragged shape row tiles
+    # span segments, and each owner's rows go to its own slot
+    dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue_split=1,
+         rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=2,
+         rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
+    # the narrow and the tall merged tiles of the small-m default (config.merged_rs_tile)
+    dict(block_m=64, block_n=32, block_k=256, num_stages=4, num_warps=4, epilogue_split=1,
+         rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
+    dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, epilogue_split=1,
+         rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
+    # merged rows on the warp-specialized Gluon kernel: TMA pushes per owner (a tile spanning
+    # two owners starts at a negative row of the second's slot), ping-pong and cooperative
+    dict(block_m=64, block_n=128, block_k=64, num_stages=8, num_warps=4, epilogue_split=1,
+         rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True, rs_warp_specialized=True),
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=1,
+         rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True, rs_warp_specialized=True),
+]
+
+
+@pytest.mark.parametrize("shape", RS_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("fields", RS_CONFIGS, ids=range(len(RS_CONFIGS)))
+def test_gemm_rs_reduction_paths(shape, fields):
+    """Own rows = own partial + the peers' slots, against fp32 math; a repeated launch is
+    bitwise identical."""
+    from megatron_flux.tools.diagnostics.kernel_vs_cublas import rs_on_one_gpu
+    from megatron_flux.kernels.config import GemmConfig
+
+    world, m_local, n, k = shape
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape))
+    a = torch.randn(world * m_local, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    launch, out, data = rs_on_one_gpu(a, w, world, err, num_sms=24)
+    data.copy_(torch.randn(data.shape, device="cuda", generator=gen).to(data.dtype) * 8)
+    cfg = GemmConfig(**fields)
+    first = _poisoned_run(launch, out, cfg)
+    again = _poisoned_run(launch, out, cfg)
+    assert int(err[0]) == 0
+    ref = (a.float() @ w.t().float())[:m_local] + data[1:].float().sum(0)
+    rel = float((first.float() - ref).norm() / ref.norm())
+    assert rel < 1e-2, rel
+    assert torch.equal(again, first), "repeated GEMM+RS launches differ"
+
+
+def _poisoned_run(launch, out, cfg):
+    """``launch(cfg)`` into ``out`` poisoned with NaN first (an unwritten tile shows); a copy
+    of what it wrote, once the GPU is done."""
+    out.fill_(float("nan"))
+    launch(cfg)
+    torch.cuda.synchronize()
+    return out.clone()
+
+
+#: GEMM+RS's stream-K tail: the table's 128x256 tiles (two epilogue halves, or one with
+#: Triton's warp specialization) and a 128x128 tile
+RS_SK_CONFIGS = [
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=2),
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=1,
+         warp_specialize=True),
+    dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4, epilogue_split=1),
+]
+
+
+@pytest.mark.parametrize("shape", [(2, 1024, 1280, 1024), (2, 700, 1000, 640), (4, 256, 2560, 512)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("fields", RS_SK_CONFIGS, ids=range(len(RS_SK_CONFIGS)))
+def test_gemm_rs_stream_k_tail(shape, fields):
+    """``stream_k=1`` on GEMM+RS: on a grid whose partial last wave it splits along K (a tile
+    over several programs), own rows = own partial + the peers' slots against fp32 math, the
+    same up to rounding as the data-parallel schedule, bitwise repeatable, every tile counter
+    back at zero."""
+    import dataclasses
+
+    from megatron_flux.tools.diagnostics.kernel_vs_cublas import rs_on_one_gpu
+    from megatron_flux.kernels import stream_k as SK
+    from megatron_flux.kernels.config import GemmConfig, tiles_per_segment
+
+    world, m_local, n, k = shape
+    cfg = GemmConfig(**fields, stream_k=1)
+    tps = tiles_per_segment(m_local, n, cfg)
+    grids = [g for g in range(8, 64) if SK.stream_k_plan(world * tps, g, 1, tps)[1] > 0
+             and (world * tps % g) * (k // cfg.block_k) > g]  # some tile spans programs
+    assert grids, (shape, fields)
+    sms = grids[len(grids) // 2]
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape))
+    a = torch.randn(world * m_local, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    launch, out, data = rs_on_one_gpu(a, w, world, err, num_sms=sms)
+    data.copy_(torch.randn(data.shape, device="cuda", generator=gen).to(data.dtype) * 8)
+    dp = _poisoned_run(launch, out, dataclasses.replace(cfg, stream_k=0))
+    first = _poisoned_run(launch, out, cfg)
+    again = _poisoned_run(launch, out, cfg)
+    assert err.tolist() == [0, 0, 0, 0], err.tolist()
+    ref = (a.float() @ w.t().float())[:m_local] + data[1:].float().sum(0)
+    for got, label in ((first, "stream-K"), (dp, "data-parallel")):
+        rel = float((got.float() - ref).norm() / ref.norm())
+        assert rel < 1e-2, (label, sms, rel)
+    assert torch.equal(again, first), f"repeated stream-K GEMM+RS launches differ (grid {sms})"
+    assert float((first.float() - dp.float()).abs().max()) <= 0.05 * float(ref.abs().max())
+    assert all(int(s.counters.abs().sum()) == 0 for s in SK._SCRATCH.values())
+    assert SK.stream_k_fits("GEMM+RS", cfg), "ran without the split (shared memory)"
+
+
+# (world, m_local, n, k): a few row tiles per segment (llama3-8b m = 1024 at TP 2, scaled
+# down), one ragged row tile per segment (small m), and TP 4
+AG_SHAPES = [(2, 512, 2048, 512), (2, 40, 1000, 512), (4, 256, 768, 1024)]
+AG_MERGED = [
+    dict(ag_merge_local=True),
+    dict(ag_merge_local=True, ag_merge_lead=0),
+    # the llama3-8b TP 2 table tile: 128x128, warp-specialized
+    dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4, epilogue_split=1,
+         warp_specialize=True, ag_merge_local=True),
+    # the wide gathered-rows tile of the small-m default (config.gathered_ag_tile)
+    dict(block_n=256, num_stages=4, ag_merge_local=True, ag_merge_lead=0),
+]
+
+
+@pytest.mark.parametrize("shape", AG_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("fields", AG_MERGED, ids=range(len(AG_MERGED)))
+def test_ag_gemm_merged_local_rows(shape, fields):
+    """AG+GEMM with the local rows merged with the first peer's (``ag_merge_local``),
+    compiled: against fp32 math, every element written, bitwise equal to the per-segment
+    schedule with the same tile (same K order per tile) and to a repeated launch."""
+    import dataclasses
+
+    from megatron_flux.tools.diagnostics.kernel_vs_cublas import ag_on_one_gpu
+    from megatron_flux.kernels.config import GemmConfig
+
+    world, m_local, n, k = shape
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape))
+    a = torch.randn(world * m_local, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    cfg = GemmConfig(**{"block_m": 64, "block_n": 128, "block_k": 64, "num_stages": 3,
+                        "num_warps": 4, "epilogue_split": 1, **fields})
+    plain = dataclasses.replace(cfg, ag_merge_local=False, stream_k=0)
+    launch_plain, out_plain = ag_on_one_gpu(a, w, world, plain, err, num_sms=24)
+    launch_plain()
+    torch.cuda.synchronize()
+    launch, out = ag_on_one_gpu(a, w, world, cfg, err, num_sms=24)
+    launch()
+    torch.cuda.synchronize()
+    first = out.clone()
+    out.fill_(float("nan"))
+    launch()
+    torch.cuda.synchronize()
+    assert int(err[0]) == 0
+    assert not torch.isnan(first).any(), "unwritten output"
+    ref = a.float() @ w.t().float()
+    rel = float((first.float() - ref).norm() / ref.norm())
+    assert rel < 1e-2, rel
+    assert torch.equal(first, out_plain), "merged schedule differs from the per-segment one"
+    assert torch.equal(out, first), "repeated AG+GEMM launches differ"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m_local,n", [(4096, 4096), (300, 1000)], ids=["full", "ragged"])
+def test_rs_reduce_sums_in_rank_order(world, with_bias, m_local, n):
+    """The copy-engine ReduceScatter's reduction (``column_dgrad="copy_engine"``), compiled:
+    bitwise equal to the fp32 sum of the partials in rank order (then the bias), rounded once,
+    for every rank; the slot of the rank itself is never read (poisoned)."""
+    from megatron_flux.kernels.rs_reduce import launch_rs_reduce
+
+    gen = torch.Generator(device="cuda").manual_seed(world * 7 + m_local + with_bias)
+    parts = torch.randn(world, m_local, n, device="cuda", generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16) if with_bias else None
+    for rank in range(world):
+        slots = parts.clone()
+        slots[rank].fill_(float("nan"))  # its own rows come from ``own``, never from its slot
+        own = parts[rank].clone()
+        out = torch.full((m_local, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        launch_rs_reduce(own, slots, out, bias, rank=rank, world=world)
+        torch.cuda.synchronize()
+        ref = parts[0].float()
+        for src in range(1, world):
+            ref = ref + parts[src].float()
+        if bias is not None:
+            ref = ref + bias.float()
+        assert torch.equal(out, ref.to(torch.bfloat16)), f"rank {rank}"
+
+
+def _rank0_rs_wiring(world, m_local, n, k, dtype, seed):
+    """GEMM+RS as rank 0 of ``world`` on one GPU: ``(a, w, bias, out, data, pushed, flags,
+    data_ptrs, flag_ptrs, err)``. ``data`` is rank 0's slot region, the peers' slots random;
+    rank 0's pushes to owner ``s`` land in ``pushed[s]`` (``data_ptrs[s]`` points there, so
+    rank 0's slot 0 of it); every owner's signal words are the one ``flags`` array, the peers'
+    words already past any epoch; ``out`` is NaN."""
+    from megatron_flux.kernels.config import rs_signal_count
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(world * m_local, k, device="cuda", generator=gen).to(dtype)
+    w = torch.randn(n, k, device="cuda", generator=gen).to(dtype)
+    bias = torch.randn(n, device="cuda", generator=gen).to(dtype)
+    out = torch.full((m_local, n), float("nan"), device="cuda", dtype=dtype)
+    data = (torch.randn(world, m_local, n, device="cuda", generator=gen) * 8).to(dtype)
+    pushed = torch.zeros(world, m_local, n, device="cuda", dtype=dtype)  # [owner]: rank 0's push
+    flags = torch.zeros(rs_signal_count(world), dtype=torch.int32, device="cuda")
+    flags[1:world] = 1 << 30  # the peers have delivered
+    data_ptrs = torch.tensor([data.data_ptr()] + [pushed[s].data_ptr() for s in range(1, world)],
+                             dtype=torch.int64, device="cuda")
+    flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device="cuda")
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    return a, w, bias, out, data, pushed, flags, data_ptrs, flag_ptrs, err
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("b_kn", [False, True], ids=["b_nk", "b_kn"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("copy_engine", [False, True], ids=["sm_push", "ce_push"])
+@pytest.mark.parametrize("form", list(WS_FORMS))
+def test_gemm_rs_ws_bias_layouts_and_signals(world, b_kn, dtype, copy_engine, form):
+    """The warp-specialized GEMM+RS as rank 0 of ``world`` on one GPU: own rows = own partial
+    + the peers' slots (+ bias) against fp32 math, for both B layouts and dtypes; its producer
+    tiles land in the pushed-to slots (``data_ptrs``); the grid's last partition raises every
+    owner's signal (or, with the copy engine's staging, only the "produced" word) with this
+    call's epoch and leaves the arrival counter at zero; repeated launches are bitwise
+    identical and it took the Gluon kernel (no fallback warning)."""
+    import warnings
+
+    from megatron_flux.kernels.config import GemmConfig
+    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+
+    m_local, n, k = 512, 384, 640
+    a, w, bias, out, data, pushed, flags, data_ptrs, flag_ptrs, err = _rank0_rs_wiring(
+        world, m_local, n, k, dtype, seed=world + 2 * b_kn)
+    b = w.t().contiguous() if b_kn else w.t()  # [K, N] row-major, or a transposed [N, K]
+    cfg = GemmConfig(**WS_FORMS[form], num_stages=3, rs_warp_specialized=True,
+                     rs_copy_engine=copy_engine)
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the Triton kernel would warn
+        for epoch in (1, 2):
+            out.fill_(float("nan"))
+            # 4 programs: every MMA partition gets several own tiles, so the later ones take
+            # the partial loaded before their MMAs
+            launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, rank=0, world=world,
+                           epoch=epoch, cfg=cfg, num_sms=4, max_spins=1 << 20)
+            torch.cuda.synchronize()
+            results.append(out.clone())
+            assert int(err[0]) == 0
+            assert int(flags[world]) == 0  # the arrival counter is back at zero
+            if copy_engine:
+                assert int(flags[world + 1]) == epoch and int(flags[0]) == 0
+            else:  # every owner's word [rank 0] (all owners share this one flags array here)
+                assert int(flags[0]) == epoch and int(flags[world + 1]) == 0
+    full = a.float() @ w.t().float()
+    ref = full[:m_local] + data[1:].float().sum(0) + bias.float()
+    rel = float((results[0].float() - ref).norm() / ref.norm())
+    assert rel < 1e-2, rel
+    assert torch.equal(results[0], results[1]), "repeated GEMM+RS launches differ"
+    # rank 0's producer tiles: segment s's partial went to owner s's slot 0
+    for s in range(1, world):
+        pushed_ref = full[s * m_local:(s + 1) * m_local]
+        rel_p = float((pushed[s].float() - pushed_ref).norm() / pushed_ref.norm())
+        assert rel_p < 1e-2, (s, rel_p)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("form", list(WS_FORMS))
+def test_gemm_rs_ws_merged_rows_bias_and_signals(world, dtype, form):
+    """Merged rows on the warp-specialized GEMM+RS as rank 0 of ``world``, 40 rows per rank:
+    its row tiles span owners, so some owners' rows start inside a tile (the vector-store
+    path). Own rows = the own partial it pushed to its own slot + the peers' slots + bias,
+    against fp32 math; every peer's rows land in that owner's slot 0; the grid's last partition
+    raises every owner's signal, this rank's too; repeated launches are bitwise identical and
+    it took the Gluon kernel (no fallback warning)."""
+    import warnings
+
+    from megatron_flux.kernels.config import GemmConfig
+    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+
+    m_local, n, k = 40, 384, 640
+    a, w, bias, out, data, pushed, flags, data_ptrs, flag_ptrs, err = _rank0_rs_wiring(
+        world, m_local, n, k, dtype, seed=world + 5)
+    cfg = GemmConfig(**WS_FORMS[form], num_stages=3, epilogue_split=1, rs_warp_specialized=True,
+                     rs_merge_rows=True, rs_spread_reduce=True, rs_tma_push=False)
+    peers = data[1:].float().sum(0)  # before the launch: slot 0 is overwritten by the push
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the Triton kernel would warn
+        for epoch in (1, 2):
+            out.fill_(float("nan"))
+            launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, bias, err, rank=0,
+                           world=world, epoch=epoch, cfg=cfg, num_sms=4, max_spins=1 << 20)
+            torch.cuda.synchronize()
+            results.append(out.clone())
+            assert err.tolist() == [0, 0, 0, 0], err.tolist()
+            assert int(flags[world]) == 0  # the arrival counter is back at zero
+            assert int(flags[0]) == epoch  # every owner's word [rank 0], this rank's included
+    full = a.float() @ w.t().float()
+    ref = full[:m_local] + peers + bias.float()
+    rel = float((results[0].float() - ref).norm() / ref.norm())
+    assert rel < 1e-2, rel
+    assert torch.equal(results[0], results[1]), "repeated GEMM+RS launches differ"
+    for s in range(1, world):  # rank 0's rows of segment s went to owner s's slot 0
+        pushed_ref = full[s * m_local:(s + 1) * m_local]
+        rel_p = float((pushed[s].float() - pushed_ref).norm() / pushed_ref.norm())
+        assert rel_p < 1e-2, (s, rel_p)
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["segments", "merged"])
+@pytest.mark.parametrize("form", list(WS_FORMS))
+def test_gemm_rs_ws_times_out_loudly_without_peer(form, merged):
+    """A peer that never signals: the warp-specialized kernel's bounded wait (in the own
+    tiles, or with merged rows in the spread reduction) gives up and records (op GEMM+RS,
+    rank, peer, value seen) instead of hanging."""
+    from megatron_flux.kernels.config import GemmConfig, rs_signal_count
+    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+    from megatron_flux.kernels.signals import OP_GEMM_RS
+
+    world, m_local, n, k = 2, 256, 256, 512
+    a = torch.randn(world * m_local, k, device="cuda").to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+    out = torch.empty(m_local, n, device="cuda", dtype=torch.bfloat16)
+    data = torch.zeros(world, m_local, n, device="cuda", dtype=torch.bfloat16)
+    pushed = torch.zeros_like(data)
+    flags = torch.zeros(rs_signal_count(world), dtype=torch.int32, device="cuda")  # no peer signal
+    data_ptrs = torch.tensor([data.data_ptr(), pushed.data_ptr()], dtype=torch.int64, device="cuda")
+    flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device="cuda")
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    more = dict(rs_merge_rows=True, rs_spread_reduce=True, rs_tma_push=False) if merged else {}
+    cfg = GemmConfig(**WS_FORMS[form], num_stages=3, rs_warp_specialized=True, **more)
+    # rank 1 of 2: its peer (rank 0) signals at flags[0]; rank 1's own grid raises flags[1]
+    launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err, rank=1, world=world,
+                   epoch=5, cfg=cfg, num_sms=8, max_spins=1000)
+    torch.cuda.synchronize()
+    assert err.tolist() == [OP_GEMM_RS, 1, 0, 0], err.tolist()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("b_kn", [False, True], ids=["b_nk", "b_kn"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("form", list(WS_FORMS))
+def test_ag_gemm_ws_reads_shard_and_workspace(world, b_kn, dtype, form):
+    """The warp-specialized AG+GEMM as rank 1 of ``world``: its own rows come from the shard
+    (the workspace's copy of them is NaN), the peers' from the workspace after their chunk
+    signals (several chunks per segment); against fp32 math, bitwise repeatable, and it took
+    the Gluon kernel (no fallback warning)."""
+    import warnings
+
+    from megatron_flux.kernels.ag_gemm import launch_ag_gemm
+    from megatron_flux.kernels.config import GemmConfig
+
+    rank, m_local, n, k, chunk = 1, 384, 640, 512, 128
+    gen = torch.Generator(device="cuda").manual_seed(world + 2 * b_kn)
+    xs = [torch.randn(m_local, k, device="cuda", generator=gen).to(dtype) for _ in range(world)]
+    w = torch.randn(n, k, device="cuda", generator=gen).to(dtype)
+    b = w.t().contiguous() if b_kn else w.t()
+    ag = torch.cat(xs).clone()
+    ag[rank * m_local:(rank + 1) * m_local] = float("nan")
+    flags = torch.full((world * (m_local // chunk),), 3, dtype=torch.int32, device="cuda")
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    out = torch.full((world * m_local, n), float("nan"), device="cuda", dtype=dtype)
+    cfg = GemmConfig(**WS_FORMS[form], num_stages=3, chunk_rows=chunk, ag_warp_specialized=True)
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            out.fill_(float("nan"))
+            launch_ag_gemm(xs[rank], ag, b, out, flags, err, rank=rank, world=world, epoch=3,
+                           cfg=cfg, num_sms=20, max_spins=1 << 20)
+            torch.cuda.synchronize()
+            results.append(out.clone())
+    assert err.tolist() == [0, 0, 0, 0]
+    ref = torch.cat(xs).float() @ w.t().float()
+    rel = float((results[0].float() - ref).norm() / ref.norm())
+    assert rel < 1e-2, rel
+    assert torch.equal(results[0], results[1]), "repeated AG+GEMM launches differ"
+
+
+@pytest.mark.parametrize("form", list(WS_FORMS))
+def test_ag_gemm_ws_times_out_loudly_on_a_missing_chunk(form):
+    """One chunk of one peer never arrives: the load warp's bounded wait gives up and records
+    (op AG+GEMM, rank, the chunk's signal index, the value seen) instead of hanging."""
+    from megatron_flux.kernels.ag_gemm import launch_ag_gemm
+    from megatron_flux.kernels.config import GemmConfig
+    from megatron_flux.kernels.signals import OP_AG_GEMM
+
+    world, rank, m_local, n, k, chunk = 2, 0, 256, 256, 512, 128
+    x = torch.randn(world * m_local, k, device="cuda").to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+    out = torch.empty(world * m_local, n, device="cuda", dtype=torch.bfloat16)
+    flags = torch.full((world * 2,), 9, dtype=torch.int32, device="cuda")
+    flags[3] = 8  # segment 1's second chunk is a call behind
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    cfg = GemmConfig(**WS_FORMS[form], num_stages=3, chunk_rows=chunk, ag_warp_specialized=True)
+    launch_ag_gemm(x[:m_local], x, w.t(), out, flags, err, rank=rank, world=world, epoch=9,
+                   cfg=cfg, num_sms=8, max_spins=1000)
+    torch.cuda.synchronize()
+    assert err.tolist() == [OP_AG_GEMM, rank, 3, 8], err.tolist()
+
+
+# Two ranks on one GPU: each rank's grid gets half the SMs and its own stream, so both run at
+# once and wait on each other through real signals (GPU memory instead of a peer's; the
+# release/acquire pairs are the same instructions). Every wait is bounded: a schedule that
+# could not keep both grids resident would show as a timeout in the error words, not a hang.
+_RS_PAIR = {
+    "triton": dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=2),
+    "ws": dict(WS_FORMS["pingpong"], num_stages=5, epilogue_split=1, rs_warp_specialized=True),
+    "coop": dict(WS_FORMS["coop"], num_stages=3, epilogue_split=1, rs_warp_specialized=True),
+    "merged": dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4,
+                   epilogue_split=1, rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True),
+    "wsmerged": dict(block_m=64, block_n=128, block_k=64, num_stages=8, num_warps=4,
+                     epilogue_split=1, rs_spread_reduce=True, rs_tma_push=False,
+                     rs_merge_rows=True, rs_warp_specialized=True),
+    "coopmerged": dict(WS_FORMS["coop"], num_stages=3, epilogue_split=1, rs_spread_reduce=True,
+                       rs_tma_push=False, rs_merge_rows=True, rs_warp_specialized=True),
+}
+
+
+@pytest.mark.parametrize("configs, split", [
+    (("ws", "ws"), "even"), (("triton", "triton"), "even"), (("ws", "triton"), "even"),
+    (("coop", "coop"), "even"), (("coop", "ws"), "even"),
+    (("ws", "ws"), "skewed"), (("coop", "coop"), "skewed"), (("triton", "triton"), "skewed"),
+    (("merged", "merged"), "even"), (("merged", "triton"), "skewed"),
+    (("ws", "merged"), "skewed"),
+    (("wsmerged", "wsmerged"), "even"), (("wsmerged", "merged"), "skewed"),
+    (("coopmerged", "wsmerged"), "skewed"), (("coopmerged", "triton"), "even")],
+    ids=lambda c: "-".join(c) if isinstance(c, tuple) else c)
+def test_gemm_rs_two_ranks_on_one_gpu(configs, split):
+    """GEMM+RS of two simulated ranks running concurrently: rank ``r``'s output is rows ``r``
+    of ``A_0 @ B_0 + A_1 @ B_1``, over several epochs (signals are never reset; the slots the
+    peers push into are poisoned before each), for the warp-specialized kernel, the Triton
+    kernel, and one of each (the same protocol); also with merged rows (``rs_merge_rows``: a
+    rank pushes into its own slot too and waits for its own signal as well as the peer's).
+
+    ``skewed``: rank 0 runs 3 programs, whose producer tiles do not divide evenly among them,
+    and rank 1 most of the GPU, so rank 1 sits at its wait while rank 0's programs finish
+    their last producer tiles one tile apart. A signal raised before the last of them has
+    stored (a grid barrier that counts wrong) lets rank 1 read poisoned slots."""
+    from megatron_flux.kernels.config import GemmConfig, rs_signal_count
+    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+
+    world, m_local, n, k = 2, 512, 512, 1024
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = [total // world] * world if split == "even" else [3, total - 3 - 8]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    a = [torch.randn(world * m_local, k, device="cuda", generator=gen).to(torch.bfloat16)
+         for _ in range(world)]
+    w = [torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(world)]
+    data = [torch.zeros(world, m_local, n, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
+    flags = [torch.zeros(rs_signal_count(world), dtype=torch.int32, device="cuda")
+             for _ in range(world)]
+    data_ptrs = torch.tensor([d.data_ptr() for d in data], dtype=torch.int64, device="cuda")
+    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device="cuda")
+    errs = [torch.zeros(4, dtype=torch.int32, device="cuda") for _ in range(world)]
+    outs = [torch.empty(m_local, n, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    cfgs = [GemmConfig(**_RS_PAIR[c]) for c in configs]
+    ref = sum(x.float() @ y.t().float() for x, y in zip(a, w))
+    # Load every rank's kernel binary before two grids run at once: with CUDA's lazy loading a
+    # binary's first launch waits for the running grids, so a grid spinning on its peer would
+    # wait for a launch queued behind it, and time out where the test selection had not loaded
+    # a rank's kernel before. Epoch 0: every wait passes at once (the signals start at 0); the
+    # outputs are not checked.
+    for r in range(world):
+        launch_gemm_rs(a[r], w[r].t(), outs[r], data[r], data_ptrs, flag_ptrs, None, errs[r],
+                       rank=r, world=world, epoch=0, cfg=cfgs[r], num_sms=sms[r],
+                       max_spins=1 << 22)
+        torch.cuda.synchronize()
+        assert errs[r].tolist() == [0, 0, 0, 0] and int(flags[r][world]) == 0, r
+    for epoch in (1, 2, 3):
+        for o in outs + data:
+            o.fill_(float("nan"))
+        torch.cuda.synchronize()
+        for r in range(world):
+            with torch.cuda.stream(streams[r]):
+                launch_gemm_rs(a[r], w[r].t(), outs[r], data[r], data_ptrs, flag_ptrs, None,
+                               errs[r], rank=r, world=world, epoch=epoch, cfg=cfgs[r],
+                               num_sms=sms[r], max_spins=1 << 22)
+        torch.cuda.synchronize()
+        for r in range(world):
+            assert errs[r].tolist() == [0, 0, 0, 0], (epoch, r, errs[r].tolist())
+            assert int(flags[r][world]) == 0, "arrival counter not back at zero"
+            assert int(flags[r][1 - r]) == epoch, "the peer's signal"
+            got = outs[r].float()
+            exp = ref[r * m_local:(r + 1) * m_local]
+            rel = float((got - exp).norm() / exp.norm())
+            assert rel < 1e-2, (epoch, r, configs, rel)
+
+
+# (the kernel's stream, a sleep kernel first on the peer stream)
+_PEER_TIMING = [("own", True), ("own", False), ("default", True), ("default", False)]
+
+
+@pytest.mark.parametrize("kernel_stream, sleep", _PEER_TIMING,
+                         ids=["own-sleep", "own-nosleep", "default-sleep", "default-nosleep"])
+@pytest.mark.parametrize("kernel", ["ws", "coop", "triton"])
+def test_ag_gemm_waits_for_chunks_that_land_while_it_runs(kernel, kernel_stream, sleep):
+    """AG+GEMM as rank 0 of 2 while "the peer's copy engine" (a second stream, optionally
+    after a sleep kernel) copies its rows into the workspace chunk by chunk and raises each
+    chunk's signal: the kernel spins on real, late signals and computes the right product.
+
+    The peer stream's work runs once before any grid spins, on scratch tensors of the same
+    shapes and offsets, so every kernel it launches is loaded. With CUDA's lazy loading (the
+    default) the first launch of a kernel function waits for the context's running grids; a
+    grid spinning on work queued behind such a launch then waits until its bounded polls run
+    out (with ``CUDA_MODULE_LOADING=EAGER`` the same case passes; it is not a stream-priority
+    effect). The backend queues no kernel behind its fused grids, only copies and stream
+    memory operations."""
+    from megatron_flux.kernels.ag_gemm import launch_ag_gemm
+    from megatron_flux.kernels.config import GemmConfig
+
+    world, m_local, n, k, chunk = 2, 512, 1024, 1024, 128
+    chunks = m_local // chunk
+    sms = torch.cuda.get_device_properties(0).multi_processor_count // 2
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    xs = [torch.randn(m_local, k, device="cuda", generator=gen).to(torch.bfloat16)
+          for _ in range(world)]
+    w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+    ref = torch.cat(xs).float() @ w.t().float()
+    fields = {"ws": dict(WS_FORMS["pingpong"], num_stages=5, ag_warp_specialized=True),
+              "coop": dict(WS_FORMS["coop"], num_stages=3, ag_warp_specialized=True),
+              "triton": dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4)}
+    cfg = GemmConfig(**fields[kernel], epilogue_split=1, chunk_rows=chunk)
+    peer = torch.cuda.Stream()
+    kstream = torch.cuda.current_stream() if kernel_stream == "default" else torch.cuda.Stream()
+
+    def deliver(ag, flags, epoch, sleep_cycles):  # the peer's chunks, each then its signal
+        with torch.cuda.stream(peer):
+            if sleep_cycles:
+                torch.cuda._sleep(sleep_cycles)
+            for c in range(chunks):
+                rows = slice(m_local + c * chunk, m_local + (c + 1) * chunk)
+                ag[rows].copy_(xs[1][c * chunk:(c + 1) * chunk])
+                flags[chunks + c].fill_(epoch)
+
+    # load the peer stream's kernels (the sleep, the fills at these offsets) before any grid spins
+    deliver(torch.empty(world * m_local, k, device="cuda", dtype=torch.bfloat16),
+            torch.zeros(world * chunks, dtype=torch.int32, device="cuda"), 0, 1)
+    torch.cuda.synchronize()
+    for epoch in (1, 2):
+        ag = torch.full((world * m_local, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+        flags = torch.full((world * chunks,), epoch - 1, dtype=torch.int32, device="cuda")
+        flags[:chunks] = epoch  # the own segment is never waited for
+        err = torch.zeros(4, dtype=torch.int32, device="cuda")
+        out = torch.full((world * m_local, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(kstream):
+            launch_ag_gemm(xs[0], ag, w.t(), out, flags, err, rank=0, world=world, epoch=epoch,
+                           cfg=cfg, num_sms=sms, max_spins=1 << 22)
+        # with a sleep the kernel reaches its first wait before any chunk
+        deliver(ag, flags, epoch, 2_000_000 if sleep else 0)
+        torch.cuda.synchronize()
+        assert err.tolist() == [0, 0, 0, 0], err.tolist()
+        rel = float((out.float() - ref).norm() / ref.norm())
+        assert rel < 1e-2, (epoch, rel)

@@ -1,0 +1,342 @@
+"""CPU tests of auto for shapes no table lists (tuning/estimate.py), stale tables and the
+kernel version, and the leave-out evaluation (tools/auto_eval.py)."""
+
+import json
+import logging
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+from megatron_flux import tuning as T
+from megatron_flux.kernels.config import GemmConfig, default_config
+from megatron_flux.kernels.version import KERNEL_VERSION
+from megatron_flux.tuning import estimate as E
+from megatron_flux.tuning import provider, registry, schema
+
+from helpers.paths import REPO as REPO_PATH
+
+REPO = str(REPO_PATH)
+GPU = ("NVIDIA Test GPU", 100)
+BF16 = torch.bfloat16
+CFG = GemmConfig(128, 128, 64, 4, 4, 8)
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch):
+    monkeypatch.delenv(registry.ENV_FILES, raising=False)
+    monkeypatch.setenv(registry.ENV_SHIPPED, "0")
+    monkeypatch.setenv("MEGATRON_FLUX_CACHED_TABLES", "0")
+    T.reset()
+    yield
+    T.reset()
+
+
+def entry(op, n, k, m, ratio, **cfg):
+    return {"op": op, "n": n, "k": k, "m": m, "config": dict(CFG.to_dict(), **cfg), "tuned": True,
+            "flux_ms": ratio, "nccl_ms": 1.0}
+
+
+def table(entries, kernel_version=KERNEL_VERSION, tp=2):
+    obj = {"format": "megatron-flux-tuning", "version": 1, "gpu": {"name": GPU[0], "sms": GPU[1]},
+           "tp": tp, "dtype": "bf16", "source": "unit test", "entries": entries}
+    if kernel_version is not None:
+        obj["kernel_version"] = kernel_version
+    return obj
+
+
+def install(tmp_path, *objs):
+    paths = []
+    for i, obj in enumerate(objs):
+        p = tmp_path / f"t{i}.json"
+        p.write_text(json.dumps(obj))
+        paths.append(str(p))
+    T.use_table_files(paths)
+    return paths
+
+
+def P(m, n, k, ratio, config=CFG):
+    return E.Point(m, n, k, ratio, config)
+
+
+# ------------------------------------------------------------------ the shape space
+def test_distance_weighs_rows_twice_and_reach_bounds_the_neighbours():
+    p = P(1024, 4096, 4096, 1.0)
+    assert E.distance(2048, 4096, 4096, p) == pytest.approx(2.0)   # one octave of rows
+    assert E.distance(1024, 16384, 4096, p) == pytest.approx(2.0)  # two octaves of n
+    assert E.distance(1024, 8192, 8192, p) == pytest.approx(math.sqrt(2))
+    pts = [P(1024, 4096, 4096, 1.0), P(4096, 4096, 4096, 1.0), P(1024, 32768, 4096, 1.0)]
+    assert [q.m for _, q in E.nearest(pts, 1024, 4096, 4096)] == [1024]  # the others lie beyond
+    # equal distances: the smaller n first, the same order on every rank
+    a, b = P(1024, 2048, 4096, 1.0), P(1024, 8192, 4096, 1.0)
+    assert [q.n for _, q in E.nearest([b, a], 1024, 4096, 4096)] == [2048, 8192]
+
+
+def test_prediction_comes_from_the_neighbours_at_half_the_rows():
+    fam_a = [P(m, 4096, 4096, r) for m, r in ((512, 1.5), (1024, 0.9), (2048, 0.8))]
+    est = E.Estimator(fam_a + [P(m, 8192, 8192, r) for m, r in ((512, 1.4), (1024, 0.9), (2048, 0.85))])
+    ratio, near = est.predict(1024, 5000, 5000)
+    assert {q.m for q in near} == {512}  # m = 1024 is predicted from the m = 512 entries
+    assert ratio == pytest.approx(math.sqrt(1.5 * 1.4))
+    ratio, near = est.predict(4096, 5000, 5000)
+    assert {q.m for q in near} == {2048} and ratio == pytest.approx(math.sqrt(0.8 * 0.85))
+    assert est.predict(1024, 1 << 20, 5000) is None  # nothing within reach
+
+
+def test_allowance_turns_every_leave_out_false_fused_into_nccl():
+    # family B loses at m = 4096 (1.05) where A and C, at half the rows, say 0.90: left out, B's
+    # entry is a false fused unless the allowance covers 0.98 / 0.90
+    pts = []
+    for n, ratios in ((2048, (0.90, 0.90)), (4096, (0.90, 1.05)), (8192, (0.90, 0.90))):
+        pts += [P(2048, n, 4096, ratios[0]), P(4096, n, 4096, ratios[1])]
+    est = E.Estimator(pts)
+    assert est.allowance(0.02) == pytest.approx(0.98 / 0.90)
+    got = est.decide(4096, 4096, 4096, 0.02)
+    assert not got.fused and got.allowance == pytest.approx(0.98 / 0.90)
+    # a margin the loser clears needs no allowance
+    assert est.allowance(0.0) == pytest.approx(1.0 / 0.90)
+    assert E.Estimator([p for p in pts if p.n != 4096]).allowance(0.02) == 1.0
+    # one family: nothing to measure the error with, so no estimate
+    only = E.Estimator([p for p in pts if p.n == 2048])
+    assert only.allowance(0.02) is None and only.decide(4096, 2048, 4096, 0.02) is None
+
+
+def test_a_clear_win_is_estimated_fused():
+    pts = [P(m, n, 4096, 0.8) for m in (1024, 2048) for n in (2048, 8192)]
+    got = E.Estimator(pts).decide(4096, 4096, 4096, 0.02)
+    assert got.fused and got.ratio == pytest.approx(0.8) and got.allowance == 1.0
+    assert "estimate from 2 nearest at half the rows" in got.why(0.98)
+
+
+def test_size_rule_by_op_and_rows_per_rank():
+    assert E.SIZE_RULE_ROWS_PER_RANK == {"ag": 1024, "rs": None}
+    assert not E.size_rule("ag", 2047, 2) and E.size_rule("ag", 2048, 2) and E.size_rule("ag", 4096, 4)
+    assert not E.size_rule("ag", 2048, 4)
+    assert not any(E.size_rule("rs", m, 2) for m in (64, 1024, 8192, 1 << 20))
+
+
+def test_size_rule_is_what_the_shipped_tables_give():
+    """The constants are derive_size_rule of the shipped tables: when a table is added or
+    re-tuned, re-derive them (python -m megatron_flux.tools.auto_eval prints both)."""
+    from megatron_flux.tools.auto_eval import derive_size_rule
+
+    tables = [schema.load_table(p) for p in registry.shipped_table_files()]
+    assert derive_size_rule(tables) == E.SIZE_RULE_ROWS_PER_RANK
+
+
+# ------------------------------------------------------------------ configs of other shapes
+def test_config_problems():
+    ws_ag = GemmConfig(128, 128, 64, 5, 4, 8, ag_warp_specialized=True)
+    assert E.config_problem("ag", ws_ag, 4096, 4096, 4096, 2) is None
+    assert "not a multiple of block_m" in E.config_problem("ag", ws_ag, 2 * 1000, 4096, 4096, 2)
+    assert "num_stages" in E.config_problem("ag", ws_ag, 4096, 4096, 256, 2)
+    ws_rs = GemmConfig(128, 128, 64, 5, 4, 8, rs_warp_specialized=True)
+    assert "not a multiple" in E.config_problem("rs", ws_rs, 2 * 1000, 4096, 4096, 2)
+    assert E.config_problem("ag", ws_rs, 2 * 1000, 4096, 4096, 2) is None  # the other op's knob
+    merged = GemmConfig(64, 128, 64, 5, 4, 8, rs_warp_specialized=True, rs_merge_rows=True,
+                        rs_spread_reduce=True, rs_tma_push=False)
+    assert E.config_problem("rs", merged, 2 * 100, 4096, 4096, 2) is None  # tiles span ranks
+    tall = GemmConfig(256, 128, 64, 3, 8, 8)
+    assert "taller" in E.config_problem("ag", tall, 2 * 64, 4096, 4096, 2)
+    assert "larger than" in E.config_problem("ag", GemmConfig(128, 256, 64, 3, 8, 8), 4096, 100, 4096, 2)
+    assert E.config_problem("ag", CFG, 4096, 4096, 4096, 2) is None
+
+
+def test_nearest_config_skips_configs_that_cannot_run_the_shape():
+    ws = GemmConfig(128, 128, 64, 5, 4, 8, rs_warp_specialized=True)
+    pts = [P(2048, 4096, 4096, 0.9, ws), P(2048, 8192, 4096, 0.9, CFG)]
+    assert E.nearest_config("rs", pts, 2048, 4096, 4096, 2).config is ws
+    # 1000 rows per rank: the Gluon config cannot run it, the next one can
+    assert E.nearest_config("rs", pts, 2000, 4096, 4096, 2).config is CFG
+    assert E.nearest_config("rs", pts, 2000, 1 << 20, 4096, 2) is None
+
+
+# ------------------------------------------------------------------ wired into the provider
+def _grid(op, ratios_by_n, ms=(1024, 2048, 4096), k=4096):
+    return [entry(op, n, k, m, r) for n, rs in ratios_by_n.items() for m, r in zip(ms, rs)]
+
+
+def test_decide_says_where_its_answer_came_from(tmp_path):
+    install(tmp_path, table(_grid("ag", {2048: (1.2, 0.8, 0.8), 8192: (1.1, 0.8, 0.8)})
+                            + [entry("rs", 4096, 4096, 4096, 0.9)]))
+    d = provider.decide("ag", 4096, 2048, 4096, BF16, 2, GPU)
+    assert d == (True, "table", d.why) and d.why.startswith("table (0.800 at m=4096")
+    d = provider.decide("ag", 4096, 4096, 4096, BF16, 2, GPU)  # between the two: from m = 2048
+    assert d.fused and d.source == "estimate" and "n=2048 k=4096 m=2048 0.800" in d.why
+    d = provider.decide("ag", 2048, 4096, 4096, BF16, 2, GPU)  # from m = 1024: both lose
+    assert not d.fused and d.source == "estimate"
+    # GEMM+RS has one family: no allowance can be measured, so the size rule (NCCL)
+    d = provider.decide("rs", 4096, 4096, 8192, BF16, 2, GPU)
+    assert d == (False, "size rule", d.why) and "GEMM+RS runs NCCL" in d.why
+    # a GPU without tables (and no table given for it): the size rule
+    T.reset()
+    assert provider.decide("ag", 4096, 2048, 4096, BF16, 2, GPU) == (
+        True, "size rule", "size rule: no estimate for this shape; fused from 1024 rows per rank (m >= 2048)")
+
+
+def test_a_table_entry_decides_only_within_an_octave_of_its_bucket(tmp_path):
+    # tuned at m = 4096 only (as `tune --model-config --m 4096` leaves it), called at m = 1024
+    install(tmp_path, table([entry("ag", 2048, 4096, 4096, 0.8)]
+                            + _grid("ag", {1024: (1.3, 1.2, 0.8), 4096: (1.3, 1.2, 0.8)}, ms=(512, 1024, 2048))))
+    assert provider.decide("ag", 2048, 2048, 4096, BF16, 2, GPU).source == "table"
+    d = provider.decide("ag", 1024, 2048, 4096, BF16, 2, GPU)
+    assert d.source == "estimate" and not d.fused
+    assert T.prefer_fused("ag", 1024, 2048, 4096, BF16, 2, GPU) is True  # the entry's own answer
+
+
+def test_kernel_config_from_the_table_the_nearest_entry_or_the_default(tmp_path):
+    ws = dict(rs_warp_specialized=True, num_stages=5)
+    install(tmp_path, table([entry("rs", 4096, 4096, 4096, 0.9, **ws), entry("rs", 4096, 8192, 4096, 0.9)]))
+    cfg, where = provider.kernel_config("rs", 4096, 4096, 4096, BF16, 2, GPU)
+    assert where == "table (m=4096)" and cfg.rs_warp_specialized
+    cfg, where = provider.kernel_config("rs", 4096, 4096, 5000, BF16, 2, GPU)
+    assert where.startswith("nearest entry (n=4096 k=4096 m=4096") and cfg.rs_warp_specialized
+    # 1500 rows per rank: not a multiple of 128, so the next entry's config
+    cfg, where = provider.kernel_config("rs", 3000, 4096, 5000, BF16, 2, GPU)
+    assert where.startswith("nearest entry (n=4096 k=8192") and not cfg.rs_warp_specialized
+    cfg, where = provider.kernel_config("rs", 4096, 64, 64, BF16, 2, GPU)
+    assert where == "default" and cfg == default_config("rs", 4096, 64, 64, tp=2)
+    assert T.TableConfigProvider()("rs", 4096, 4096, 5000, dtype=BF16, tp=2, device=GPU).rs_warp_specialized
+
+
+# ------------------------------------------------------------------ stale tables
+def test_a_stale_table_warns_once_and_its_times_do_not_decide(tmp_path):
+    stale = table([entry("ag", 2048, 4096, 4096, 0.5, block_n=64)] + _grid("ag", {8192: (1.3, 1.2, 1.1)}),
+                  kernel_version=None)  # no version recorded: 0
+    (path,) = install(tmp_path, stale)
+    with pytest.warns(registry.StaleTableWarning) as got:
+        d = provider.decide("ag", 4096, 2048, 4096, BF16, 2, GPU)
+        provider.decide("ag", 2048, 2048, 4096, BF16, 2, GPU)
+        cfg, where = provider.kernel_config("ag", 4096, 2048, 4096, BF16, 2, GPU)
+    assert len(got) == 1  # one per file
+    msg = str(got[0].message)
+    assert path in msg and "kernel version 0" in msg and f"are version {KERNEL_VERSION}" in msg
+    assert "megatron-flux tune" in msg
+    # its 0.5 does not decide; no current table: the size rule
+    assert d.source == "size rule" and T.prefer_fused("ag", 4096, 2048, 4096, BF16, 2, GPU) is None
+    assert where == "table (m=4096)" and cfg.block_n == 64  # its config still runs
+
+
+def test_a_current_table_decides_and_does_not_warn(tmp_path):
+    install(tmp_path, table([entry("ag", 2048, 4096, 4096, 0.5)]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d = provider.decide("ag", 4096, 2048, 4096, BF16, 2, GPU)
+    assert d.fused and d.source == "table"
+
+
+def test_stale_and_current_tables_of_one_machine(tmp_path):
+    """The current table's entry decides where it has one (its nearest bucket among current
+    entries), the stale one only gives configs."""
+    stale = table([entry("ag", 2048, 4096, 1024, 0.5)], kernel_version=KERNEL_VERSION + 1)
+    current = table([entry("ag", 2048, 4096, 2048, 1.5)])
+    install(tmp_path, stale, current)
+    with pytest.warns(registry.StaleTableWarning, match="kernel version 2"):
+        d = provider.decide("ag", 1024, 2048, 4096, BF16, 2, GPU)
+    assert d.source == "table" and not d.fused and "at m=2048" in d.why
+    assert provider.kernel_config("ag", 1024, 2048, 4096, BF16, 2, GPU)[1] == "table (m=1024)"
+
+
+def test_shipped_tables_versions():
+    versions = {os.path.basename(p): schema.load_table(p).kernel_version for p in registry.shipped_table_files()}
+    assert versions == {"h200-sm132-tp2-bf16.json": KERNEL_VERSION,
+                        "h100-80gb-hbm3-sm132-tp2-bf16.json": KERNEL_VERSION,
+                        "h200-sm132-tp4-bf16.json": 0}
+
+
+def test_kernel_version_field(tmp_path):
+    assert schema.validate_table(table([], kernel_version=None)).kernel_version == 0
+    t = schema.validate_table(table([], kernel_version=3))
+    assert t.kernel_version == 3 and t.stale
+    assert not schema.validate_table(table([])).stale
+    for bad in (-1, True, "1"):
+        with pytest.raises(schema.TuningFileError, match="kernel_version"):
+            schema.validate_table(table([], kernel_version=bad))
+    # written back as read, right after the source
+    out = tmp_path / "w.json"
+    schema.write_table(t, str(out))
+    assert list(json.loads(out.read_text()))[6] == "kernel_version"
+    assert schema.load_table(str(out)).kernel_version == 3
+    with pytest.raises(schema.TuningFileError, match="kernel_version"):
+        schema.merge_tables(t, schema.validate_table(table([])))
+
+
+def test_benchmarks_of_other_kernels_do_not_confirm_a_table():
+    from megatron_flux.tools.tune.from_bench import check_same_machine, table_from_bench
+
+    t = schema.validate_table(table([]))
+    bench = {"tp": 2, "gpu": GPU[0], "dtype": "bf16", "env": {"sms": 100, "kernel_version": KERNEL_VERSION}}
+    check_same_machine(bench, t, "b.json")
+    bench["env"]["kernel_version"] = KERNEL_VERSION + 1
+    with pytest.raises(schema.TuningFileError, match="kernel_version"):
+        check_same_machine(bench, t, "b.json")
+    bench = dict(bench, rows=[], env={"sms": 100, "kernel_version": 5, "gpus": [GPU[0]]})
+    assert table_from_bench(bench, "b.json").kernel_version == 5
+
+
+# ------------------------------------------------------------------ auto's log and plan
+def test_auto_logs_where_a_choice_came_from(tmp_path, monkeypatch, caplog):
+    import megatron_flux.backends.registry as B
+    from megatron_flux.backends import auto
+
+    monkeypatch.setattr(B, "_LOGGED", set())
+    install(tmp_path, table([entry("ag", 2048, 4096, 4096, 0.5), entry("ag", 2048, 4096, 64, 2.0)]))
+    monkeypatch.setattr(provider, "device_identity", lambda device: ("test-gpu", 100, GPU[0]))
+    with caplog.at_level(logging.INFO, logger=B.logger.name):
+        assert auto._decide("ag", 2048, 4096, 2048, BF16, 2, torch.device("cpu"))  # table, fused: quiet
+        assert not auto._decide("ag", 32, 4096, 2048, BF16, 2, torch.device("cpu"))
+        assert not auto._decide("rs", 2048, 4096, 4096, BF16, 2, torch.device("cpu"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert "'nccl' for ag m=64 n=2048 k=4096: table (2.000 at m=64" in lines[0]
+    assert "'nccl' for rs m=2048 n=4096 k=4096: size rule" in lines[1]
+
+
+def test_plan_marks_a_stale_entry(capsys):
+    from megatron_flux.tools import plan
+
+    os.environ.pop(registry.ENV_SHIPPED)
+    T.reset()
+    with pytest.warns(registry.StaleTableWarning):
+        assert plan.main(["--model-config", os.path.join(REPO, "configs", "llama3_8b_16l.json"),
+                          "--tp", "4", "--gpu", "NVIDIA H200", "--sms", "132"]) == 0
+    out = capsys.readouterr().out
+    fc1 = next(line for line in out.splitlines() if ":fc1 " in line)
+    assert " 4096* " in fc1 and "size rule" in fc1
+    assert "* a stale table" in out
+
+
+# ------------------------------------------------------------------ the leave-out evaluation
+def test_leave_out_on_the_shipped_tables():
+    """The rule keeps auto from ever choosing a fused kernel that measured slower than NCCL when
+    its shape family is left out, on every shipped table; the old 1024-row rule did on two."""
+    from megatron_flux.tools.auto_eval import evaluate
+
+    res = {os.path.basename(p): evaluate(schema.load_table(p), 0.02) for p in registry.shipped_table_files()}
+    for name, r in res.items():
+        est = r["rules"]["estimate"]
+        assert est["fused_slower_than_nccl"] == 0, name
+        assert est["false_fused"] <= 1, (name, r["false_fused"]["estimate"])
+    assert res["h200-sm132-tp2-bf16.json"]["false_fused"]["estimate"] == [
+        "ag n=28672 k=8192 m=8192 (0.9868)"]  # inside the margin, not slower than NCCL
+    assert res["h100-80gb-hbm3-sm132-tp2-bf16.json"]["rules"]["old_1024"]["fused_slower_than_nccl"] == 7
+
+
+def test_the_committed_evaluation_is_current():
+    """benchmarks/results/auto-rule-eval-*.json is what the tool computes now (docs/tuning.md
+    quotes it); re-run `python -m megatron_flux.tools.auto_eval --out <that file>` when the rule
+    or a shipped table changes."""
+    import glob
+
+    from megatron_flux.tools.auto_eval import evaluate
+
+    (path,) = glob.glob(os.path.join(REPO, "benchmarks", "results", "auto-rule-eval-*.json"))
+    committed = json.load(open(path))
+    assert committed["constants"]["size_rule_rows_per_rank"] == E.SIZE_RULE_ROWS_PER_RANK
+    assert (committed["constants"]["m_weight"], committed["constants"]["reach"],
+            committed["constants"]["k_nearest"], committed["constants"]["row_shift"]) == (
+        E.M_WEIGHT, E.REACH, E.K_NEAREST, E.ROW_SHIFT)
+    for p in registry.shipped_table_files():
+        assert committed["tables"][os.path.basename(p)] == evaluate(schema.load_table(p), committed["margin"])

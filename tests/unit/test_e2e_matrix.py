@@ -1,0 +1,79 @@
+"""benchmarks/e2e_matrix.py: cells, resumption, the JSON schema, on fake training logs."""
+
+import json
+
+import pytest
+
+import e2e_matrix as M
+
+STEP = {"megatron": 350.0, "nccl": 345.0, "flux": 340.0, "auto": 338.0, "selecting": 400.0}
+
+
+def _interleaved_log(path, iters, block):
+    """Megatron's per-iteration lines and the interleaver's switches, as a job would log them."""
+    lines = []
+    order = ["megatron", "nccl", "flux", "auto"]
+    select = 24
+    for it in range(1, iters + 1):
+        if it == 1:
+            lines.append("[flux-interleave] iteration 1: backend selecting")
+        if it == select + 1:
+            lines.append("[flux-auto] flux_backend='nccl' for this job, from its measured steps")
+        if it > select and (it - select - 1) % block == 0:
+            name = order[((it - select - 1) // block) % 4]
+            lines.append(f"[flux-interleave] iteration {it}: backend {name}")
+        name = "selecting" if it <= select else order[((it - select - 1) // block) % 4]
+        lines.append(f" [2026-11-27] iteration {it:>8}/ {iters} | consumed samples: {2 * it} | "
+                     f"elapsed time per iteration (ms): {STEP[name] + (0.5 if it % 2 else 0):.1f} |"
+                     f" lm loss: 9.0E+00 |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def test_cells_parse_and_bad_ones_are_refused():
+    assert M.parse_cell("llama3_8b_16l:tp2:mbs1:eager") == {
+        "model": "llama3_8b_16l", "tp": 2, "micro_batch": 1, "cuda_graphs": "none"}
+    assert M.parse_cell("gpt3_175b_4l:tp4:mbs2:local")["cuda_graphs"] == "local"
+    with pytest.raises(SystemExit, match="expected"):
+        M.parse_cell("llama3_8b_16l:tp2:mbs1")
+
+
+def test_a_matrix_from_fake_jobs_has_the_issues_schema_and_resumes(tmp_path, monkeypatch):
+    launches = []
+
+    def fake_launch(cell, iters, env, extra, log, timeout):
+        launches.append((cell["cuda_graphs"], env, extra))
+        if "--flux-interleave-backends" in extra:
+            _interleaved_log(log, iters, 4)
+        else:
+            name = "megatron" if env.get("FLUX_TP_OVERLAP") == "0" else env["FLUX_BACKEND"]
+            with open(log, "w") as f:
+                for it in range(1, iters + 1):
+                    f.write(f" iteration {it:>4}/ {iters} | elapsed time per iteration (ms): "
+                            f"{STEP[name] * (0.9 if '--cuda-graph-impl' in extra else 1):.1f} |\n")
+        return 0
+
+    monkeypatch.setattr(M, "_launch", fake_launch)
+    monkeypatch.setattr(M, "_exposed_comm", lambda cell, work, timeout: 12.5)
+    out = tmp_path / "cells"
+    cells = ["llama3_8b_16l:tp2:mbs1:eager", "llama3_8b_16l:tp2:mbs1:local"]
+    assert M.main(["run", *cells, "--out", str(out), "--iters", "120", "--graph-iters", "40"]) == 0
+    assert len(launches) == 3  # one interleaved job, two graph jobs (auto, megatron)
+    assert M.main(["run", *cells, "--out", str(out)]) == 0
+    assert len(launches) == 3, "finished cells are not run again"
+    eager = json.loads((out / "llama3_8b_16l_tp2_mbs1_eager.json").read_text())
+    assert eager["step_ms"] == pytest.approx({b: STEP[b] + 0.25 for b in M.BACKENDS}, abs=0.3)
+    assert eager["speedup_vs_megatron"]["auto"] == pytest.approx(350.0 / 338.0, rel=2e-3)
+    assert eager["auto_choice"] == "nccl" and eager["paired"] is True
+    merged = tmp_path / "matrix.json"
+    assert M.main(["merge", *sorted(str(p) for p in out.glob("*.json")), "--out", str(merged),
+                   "--gpu", "NVIDIA H200", "--date", "2026-11-27"]) == 0
+    doc = json.loads(merged.read_text())
+    assert {"command", "gpu", "versions", "cells"} <= set(doc)
+    for cell in doc["cells"]:
+        assert {"model", "tp", "micro_batch", "cuda_graphs", "steps", "step_ms",
+                "speedup_vs_megatron", "paired", "exposed_tp_comm_ms"} <= set(cell)
+        assert cell["cuda_graphs"] in ("none", "local", "full_iteration")
+    graphed = next(c for c in doc["cells"] if c["cuda_graphs"] == "local")
+    assert graphed["paired"] is False
+    assert graphed["speedup_vs_megatron"]["auto"] == pytest.approx(350.0 / 338.0, rel=1e-3)

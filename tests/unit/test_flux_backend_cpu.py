@@ -1,0 +1,332 @@
+"""CPU-checkable parts of the fused backend: what it refuses, and how it fixes alignment.
+
+The kernels themselves are tested on GPUs (test_flux_gpu.py) and under the interpreter
+(test_kernels_interpret.py)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megatron_flux.backends.flux import FluxBackend  # noqa: E402
+
+
+class _Group:
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return 0
+
+
+def test_cpu_tensors_are_refused_with_a_reason():
+    a, b = torch.randn(8, 16), torch.randn(16, 8)
+    assert "CUDA" in FluxBackend().unsupported_reason(a, b, _Group(2))
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_misaligned_operands_are_copied_not_refused(layout):
+    """Addresses may differ across ranks, so alignment must never change the backend choice:
+    a misaligned operand is copied to an aligned one with the same values and layout."""
+    from megatron_flux.backends.flux.support import aligned
+
+    storage = torch.randn(1 + 16 * 8, dtype=torch.float16)
+    if layout == "kn":
+        t = storage[1:].view(16, 8)          # row-major [k, n], 2 bytes off
+    else:
+        t = storage[1:].view(8, 16).t()      # weight.t() of a row-major [n, k], 2 bytes off
+    assert t.data_ptr() % 16 != 0
+    fixed = aligned(t)
+    assert fixed.data_ptr() % 16 == 0
+    assert torch.equal(fixed, t)
+    assert (fixed.stride(1) == 1) == (t.stride(1) == 1), "layout changed"
+    ok = torch.randn(16, 8, dtype=torch.float16)
+    assert aligned(ok) is ok
+
+
+def test_which_backends_may_run_beside_other_kernels():
+    """Which backends spin on peers while holding SMs (their re-gather beside the dgrad must then
+    need no SM: the fused backend's runs on the copy engine), and which a graph may capture."""
+    from megatron_flux.backends.auto import AutoDispatch
+    from megatron_flux.backends.nccl import NcclBackend
+
+    assert FluxBackend.waits_across_ranks_on_sms is True
+    assert NcclBackend.waits_across_ranks_on_sms is False
+    assert (FluxBackend.capturable, NcclBackend.capturable) == (False, True)
+    fused, nccl = FluxBackend.__new__(FluxBackend), NcclBackend()
+    assert AutoDispatch(fused, nccl, True, False).waits_across_ranks_on_sms is True
+    assert AutoDispatch(fused, nccl, False, False).waits_across_ranks_on_sms is False
+
+
+def test_reserved_sms_from_the_options():
+    from megatron_flux.backends.flux import reserved_sms
+    from megatron_flux.kernels.config import GemmConfig, launch_geometry
+    from megatron_flux.options import FluxOptions
+
+    assert reserved_sms(132, FluxOptions()) == 0
+    assert reserved_sms(132, FluxOptions.from_env({"MEGATRON_FLUX_RESERVED_SMS": "32"})) == 32
+    for bad in ("x", "-1"):
+        with pytest.raises(ValueError, match="MEGATRON_FLUX_RESERVED_SMS"):
+            FluxOptions.from_env({"MEGATRON_FLUX_RESERVED_SMS": bad})
+    with pytest.raises(ValueError, match="MEGATRON_FLUX_RESERVED_SMS.*132"):
+        reserved_sms(132, FluxOptions(reserved_sms=132))  # more than the device has
+    # the grid shrinks with the SMs it may fill; the tiles per segment (signal regions) do not
+    b = torch.empty(4096, 14336).t()
+    full = launch_geometry(2048, 14336, b, 2, GemmConfig(), 132)
+    reserved = launch_geometry(2048, 14336, b, 2, GemmConfig(), 100)
+    assert (full.grid, reserved.grid) == (132, 100)
+    assert full.tiles_per_segment == reserved.tiles_per_segment
+
+
+@pytest.mark.parametrize("word,expected", [
+    ([1, 0, 5, 3], r"AG\+GEMM: rank 0 timed out waiting for signal 5 \(last value seen 3\)"),
+    ([2, 1, 7, 0], r"GEMM\+RS: rank 1 timed out waiting for signal 7"),
+    ([3, 2, 1, 4], r"ready barrier: rank 2 timed out waiting for rank 1's signal"),
+    ([4, 0, 1, 6], r"all-gather \(copy engine\): rank 0 timed out waiting for rank 1's rows"),
+])
+def test_a_timed_out_wait_names_the_op_the_rank_and_what_it_waited_for(word, expected):
+    """The error word a kernel fills becomes an exception naming op, rank and signal (or, for
+    the ready barrier and the copy-engine all-gather's wait, the peer whose signal never came)."""
+    from megatron_flux.comm.errors import DeviceErrorWord, FusedOpTimeout
+
+    err = DeviceErrorWord.__new__(DeviceErrorWord)  # no pinned memory on a CPU-only build
+    err.host_word = torch.tensor(word, dtype=torch.int32)
+    with pytest.raises(FusedOpTimeout, match=expected):
+        err.check()
+    err.host_word = torch.zeros(4, dtype=torch.int32)
+    err.check()  # all clear: no error
+
+
+class _CudaLike:
+    """Stands in for a CUDA tensor where only its signature is read."""
+
+    is_cuda = True
+    device = torch.device("cpu")
+    dtype = torch.bfloat16
+
+    def __init__(self, *shape):
+        self.shape = torch.Size(shape)
+
+    def stride(self):
+        return (self.shape[1], 1)
+
+
+def test_a_capture_hands_fused_calls_to_nccl_and_cublas_is_ready_before_it(monkeypatch, caplog):
+    """Under capture the epoch would be frozen into the graph and replays would not wait for
+    their data. The fused backend refuses to run there, and ``resolve_backend`` hands both
+    ``auto`` and an explicit ``flux`` to NCCL (capturable) with one log line, instead of failing
+    the job. Outside capture, the first call on a thread creates its cuBLAS handle, so that NCCL's
+    matmul inside a later capture never has to (cublasCreate fails there)."""
+    import logging
+    import threading
+
+    from megatron_flux.backends import registry as B
+    from megatron_flux.backends import registry
+
+    fused = FluxBackend.__new__(FluxBackend)
+    FluxBackend.__init__(fused)
+    monkeypatch.setattr(fused, "unsupported_reason", lambda a, b, g: None)
+    monkeypatch.setitem(registry._INSTANCES, "flux", fused)
+    monkeypatch.setitem(registry._REGISTRY, "flux", fused)
+    monkeypatch.setattr(registry, "fused_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(registry, "_choose_auto", lambda fused, nccl, a, b, tp, op: fused)
+    handles = []
+    monkeypatch.setattr(torch.cuda, "current_blas_handle", lambda: handles.append(
+        threading.get_ident()))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(registry, "_TLS", threading.local())
+    B.clear_resolution_cache()
+    a, b = _CudaLike(4096, 512), _CudaLike(512, 1024)
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    assert B.resolve_backend("flux", a, b, _Group(2), op="ag") is fused
+    assert B.resolve_backend("flux", a, b, _Group(2), op="rs") is fused
+    assert len(handles) == 1, "one cuBLAS handle per thread, created outside capture"
+    worker = threading.Thread(target=lambda: B.resolve_backend("flux", a, b, _Group(2), op="ag"))
+    worker.start()
+    worker.join()
+    assert len(handles) == 2 and handles[0] != handles[1]
+
+    capturing[0] = True
+    with caplog.at_level(logging.WARNING, logger="megatron_flux"):
+        assert B.resolve_backend("flux", a, b, _Group(2), op="ag").name == "nccl"
+        assert B.resolve_backend("auto", a, b, _Group(2), op="rs").name == "nccl"
+    assert sum("not captured into CUDA graphs" in r.getMessage() for r in caplog.records) <= 1
+    assert len(handles) == 2, "no handle is created inside a capture"
+    with pytest.raises(ValueError, match="CUDA graph capture"):
+        fused.check("AG+GEMM", a, b, _Group(2))
+    B.clear_resolution_cache()
+
+
+def test_column_dgrad_choice_from_argument_options_or_environment():
+    """``column_dgrad="nccl"`` (the default) hands the column backward's input gradient to the
+    NCCL backend's overlapped form (cuBLAS, then a reduce-scatter left running); ``"fused"``
+    keeps the fused GEMM+RS. The options (whose defaults the environment sets) give the value, an
+    argument overrides them; anything else is refused by name."""
+    from megatron_flux.backends.base import PendingGather
+    from megatron_flux.options import FluxOptions
+
+    calls = []
+
+    class _Nccl:
+        def matmul_reduce_scatter_start(self, a, b, group, *, bias=None):
+            calls.append(("nccl", a.shape, b.shape, bias))
+            return PendingGather(a @ b)
+
+    be = FluxBackend(options=FluxOptions())
+    assert be.column_dgrad == "nccl"
+    env = FluxOptions.from_env({"MEGATRON_FLUX_COLUMN_DGRAD": "fused"})
+    assert FluxBackend(options=env).column_dgrad == "fused"
+    assert FluxBackend(options=env, column_dgrad="nccl").column_dgrad == "nccl"
+    be._nccl = _Nccl()
+    a, b = torch.randn(4, 3), torch.randn(3, 2)
+    assert torch.equal(be.matmul_reduce_scatter_start(a, b, _Group(2)).wait(), a @ b)
+    assert calls == [("nccl", (4, 3), (3, 2), None)]
+
+    fused = FluxBackend(column_dgrad="fused")
+    fused._nccl = _Nccl()
+    fused.matmul_reduce_scatter = lambda a, b, group, bias=None: ("fused", a, b)
+    assert fused.matmul_reduce_scatter_start(a, b, _Group(2)).wait()[0] == "fused"
+    assert len(calls) == 1
+    assert FluxBackend(column_dgrad="copy_engine").column_dgrad == "copy_engine"
+    with pytest.raises(ValueError, match=r"MEGATRON_FLUX_COLUMN_DGRAD.*\('nccl', 'fused', 'copy_engine'\).*'cublas'"):
+        FluxOptions.from_env({"MEGATRON_FLUX_COLUMN_DGRAD": "cublas"})
+    with pytest.raises(ValueError, match="column_dgrad"):
+        FluxBackend(column_dgrad="cublas")
+
+
+def test_column_regather_choice_from_argument_options_or_environment(monkeypatch):
+    """``column_regather="nccl"`` (the default) sends the column backward's re-gather to NCCL's
+    asynchronous all-gather even where the copy-engine gather could run; ``"copy_engine"`` takes
+    the copy-engine path there. Anything else is refused by name."""
+    from megatron_flux.backends.base import PendingGather
+    from megatron_flux.backends.flux import regather
+    from megatron_flux.options import FluxOptions
+
+    calls = []
+
+    class _Nccl:
+        def all_gather_start(self, x, group, *, out=None):
+            calls.append(("nccl", tuple(x.shape)))
+            return PendingGather(torch.cat([x] * group.size()))
+
+    class _CopyEngineTaken(Exception):
+        pass
+
+    def copy_engine_workspace(*args, **kwargs):
+        raise _CopyEngineTaken
+
+    monkeypatch.setattr(regather, "unsupported_reason", lambda x, group: None)
+    x = torch.randn(4, 3)
+    for choice in (None, "copy_engine", "nccl"):
+        be = FluxBackend(options=FluxOptions(), column_regather=choice)
+        be._nccl = _Nccl()
+        monkeypatch.setattr(be.resources, "workspace", copy_engine_workspace)
+        if choice in (None, "nccl"):
+            assert be.column_regather == "nccl"
+            assert torch.equal(be.all_gather_start(x, _Group(2)).wait(), torch.cat([x, x]))
+        else:
+            with pytest.raises(_CopyEngineTaken):
+                be.all_gather_start(x, _Group(2))
+    assert calls == [("nccl", (4, 3))] * 2
+    env = FluxOptions.from_env({"MEGATRON_FLUX_COLUMN_REGATHER": "copy_engine"})
+    assert FluxBackend(options=env).column_regather == "copy_engine"
+    with pytest.raises(ValueError, match=r"MEGATRON_FLUX_COLUMN_REGATHER.*'gloo'"):
+        FluxOptions.from_env({"MEGATRON_FLUX_COLUMN_REGATHER": "gloo"})
+
+
+def test_new_process_options_reach_the_built_backends():
+    """``set_options`` (what ``validate_flux_args`` calls) reaches a backend the registry already
+    built, without the environment."""
+    from megatron_flux.backends import registry
+    from megatron_flux.options import FluxOptions, get_options, set_options
+
+    be = FluxBackend()
+    saved = get_options()
+    registry._INSTANCES["flux-test"] = be
+    try:
+        set_options(saved.replace(column_dgrad="copy_engine", max_spins=7))
+        assert (be.column_dgrad, be.max_spins) == ("copy_engine", 7)
+    finally:
+        registry._INSTANCES.pop("flux-test")
+        set_options(saved if saved != FluxOptions.from_env() else None)
+
+
+def test_auto_dispatch_starts_the_dgrad_on_the_backend_it_chose_for_rs():
+    """The column backward's overlapped form goes to the GEMM+RS side of an ``auto`` split, so an
+    NCCL choice keeps its reduce-scatter running beside the wgrad GEMM (not run to completion)."""
+    from megatron_flux.backends.auto import AutoDispatch
+
+    class _Be:
+        waits_across_ranks_on_sms = False
+
+        def __init__(self, name):
+            self.name = name
+
+        def matmul_reduce_scatter_start(self, a, b, group, **kw):
+            return self.name
+
+    fused, nccl = _Be("fused"), _Be("nccl")
+    assert AutoDispatch(fused, nccl, True, False).matmul_reduce_scatter_start(None, None, None) == "nccl"
+    assert AutoDispatch(fused, nccl, False, True).matmul_reduce_scatter_start(None, None, None) == "fused"
+
+
+def test_every_helper_the_fused_calls_use_resolves():
+    """The fused calls reach the comm and kernel helpers through ``resources.deps()`` (imported
+    once, not per call). Many of those paths run only on GPUs, some only with rare configs
+    (copy-engine GEMM+RS), so a misspelt helper would surface there first: every
+    ``d.<name>`` / ``deps().<name>`` in the package must be in the namespace, and nothing in the
+    namespace may go unused."""
+    import glob
+    import os
+    import re
+
+    from megatron_flux.backends.flux import resources
+
+    used = set()
+    for path in glob.glob(os.path.join(os.path.dirname(resources.__file__), "*.py")):
+        used |= set(re.findall(r"\b(?:d|deps\(\))\.([A-Za-z_]+)", open(path).read()))
+    provided = set(vars(resources.deps()))
+    assert used and used == provided, (sorted(used - provided), sorted(provided - used))
+
+
+def test_groups_across_hosts_or_without_peer_access_are_refused_with_a_reason():
+    """``auto`` falls back to NCCL (and ``flux`` raises) where symmetric memory cannot map the
+    peers: a TP group over several hosts, or a GPU pair without P2P; asked once per group."""
+    from megatron_flux.backends.flux.support import group_reason
+
+    def gather_of(*ranks):
+        def gather(out, mine, group):
+            out[:] = list(ranks)
+        return gather
+
+    dev = torch.device("cuda", 0)
+    ok = group_reason(_Group(2), dev, gather=gather_of(("a", 0), ("a", 1)),
+                      peer_access=lambda i, j: True)
+    assert ok is None
+    hosts = group_reason(_Group(2), dev, gather=gather_of(("a", 0), ("b", 0)),
+                         peer_access=lambda i, j: True)
+    assert "spans 2 hosts (a, b)" in hosts
+    p2p = group_reason(_Group(2), dev, gather=gather_of(("a", 0), ("a", 1)),
+                       peer_access=lambda i, j: False)
+    assert "no peer access to GPU 1" in p2p
+
+    be = FluxBackend()
+    asked = []
+    import megatron_flux.backends.flux.backend as FB
+
+    real = FB.group_reason
+    FB.group_reason = lambda group, device: asked.append(group) or "no P2P"
+    real_sig = FB.signature_reason
+    FB.signature_reason = lambda a, b, group, capability: None
+    try:
+        group = _Group(2)
+        a, b = _CudaLike(4096, 512), _CudaLike(512, 1024)
+        assert be.unsupported_reason(a, b, group) == "no P2P"
+        assert be._group_reason(group, dev) == "no P2P" and len(asked) == 1
+    finally:
+        FB.group_reason, FB.signature_reason = real, real_sig

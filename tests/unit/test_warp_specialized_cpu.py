@@ -1,0 +1,204 @@
+"""``GemmConfig.rs_warp_specialized`` / ``ag_warp_specialized`` and when the warp-specialized
+Gluon kernels run (CPU).
+
+The Gluon kernels have no interpreter: they are compiled for sm_90 in
+``test_kernels_compile.py`` and run in ``test_kernels_one_gpu.py`` / ``test_flux_gpu.py``; that
+a config with them runs the Triton kernels under the interpreter is
+``interpret_checks.check_ws_configs_run_the_triton_kernels``."""
+
+import warnings
+
+import pytest
+import torch
+
+from megatron_flux.kernels import ag_gemm_ws, gemm_rs_ws, gluon_ws
+from megatron_flux.kernels.config import GemmConfig
+
+WS = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, epilogue_split=1,
+          rs_warp_specialized=True)
+
+
+def test_rs_warp_specialized_round_trips_and_defaults_off():
+    assert GemmConfig().rs_warp_specialized is False
+    cfg = GemmConfig(**WS)
+    assert GemmConfig.from_dict(cfg.to_dict()) == cfg
+    assert GemmConfig.from_dict({"block_m": 64}).rs_warp_specialized is False  # older tables
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(block_n=256), "at most 128x128"),            # two warpgroups' accumulators: no room
+    (dict(block_m=256, block_n=64), "at most 128x128"),
+    (dict(block_k=256), "block_k"),
+    # the cooperative form's two warpgroups take 64 rows each
+    (dict(num_warps=8, block_m=64, block_n=256), "block_m=128"),
+    (dict(num_warps=8, block_m=256, block_n=128), "block_m=128"),
+    (dict(num_warps=8, block_n=512), "block_n <= 256"),
+    (dict(num_warps=16), "num_warps=4 .ping-pong. or 8"),
+    (dict(rs_spread_reduce=True), "rs_spread_reduce"),
+    (dict(rs_warp_specialized=1), "must be a bool"),
+])
+def test_rs_warp_specialized_refuses_what_the_kernel_does_not_do(fields, match):
+    with pytest.raises(ValueError, match=match):
+        GemmConfig(**{**WS, **fields})
+
+
+def test_the_copy_engine_push_and_a_64_row_tile_are_accepted():
+    GemmConfig(**{**WS, "rs_copy_engine": True})
+    GemmConfig(**{**WS, "block_m": 64, "block_n": 256})
+
+
+MERGED = dict(rs_merge_rows=True, rs_spread_reduce=True, rs_tma_push=False)
+
+
+def test_merged_rows_run_on_it_with_the_spread_reduction_only():
+    """Merged rows (every rank's rows in one tile space) reduce spread, on the SMs; the
+    kernel takes them."""
+    GemmConfig(**{**WS, **MERGED})
+    GemmConfig(**{**WS, **MERGED, "num_warps": 8, "block_n": 256, "num_stages": 3})
+    with pytest.raises(ValueError, match="rs_copy_engine"):
+        GemmConfig(**{**WS, **MERGED, "rs_copy_engine": True})
+
+
+def test_merged_rows_take_any_row_count_but_one(monkeypatch):
+    if gemm_rs_ws.gemm_rs_ws_kernel is None:
+        pytest.skip(gemm_rs_ws.GLUON_ERROR)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert _reason(m_local=300, **MERGED) is None   # tiles span segments
+    assert _reason(m_local=40, **MERGED) is None
+    assert "1 row per rank" in _reason(m_local=1, **MERGED)
+    assert "fewer than num_stages=5" in _reason(m_local=40, k=256, **MERGED)
+
+
+def test_num_warps_picks_the_form_and_its_launch():
+    """4 warps: two MMA partitions (ping-pong), each with an epilogue tile; 8: one cooperative
+    partition of two warpgroups and one epilogue tile. Both launch 12 warps once Triton pads
+    the CTA to whole warpgroups, so both take the same register cap."""
+    pingpong = GemmConfig(**WS)
+    coop = GemmConfig(**{**WS, "num_warps": 8, "block_n": 256, "num_stages": 3})
+    assert gluon_ws.mma_partitions(pingpong) == 2 and gluon_ws.mma_partitions(coop) == 1
+    assert gluon_ws.launch_options(pingpong) == dict(num_warps=4, maxnreg=gluon_ws.MAXNREG)
+    assert gluon_ws.launch_options(coop) == dict(num_warps=8, maxnreg=gluon_ws.MAXNREG)
+    assert gluon_ws.MAXNREG * 12 * 32 <= 65536 and gluon_ws.MAXNREG % 8 == 0
+    # 3 stages of 128x256x64 plus one 128x256 epilogue tile fit; 4 stages do not
+    assert gemm_rs_ws.smem_bytes(coop) == 3 * 384 * 64 * 2 + 128 * 256 * 2 + 1024 <= gluon_ws.SMEM_LIMIT
+    assert gemm_rs_ws.smem_bytes(GemmConfig(**{**WS, "num_warps": 8, "block_n": 256})) > gluon_ws.SMEM_LIMIT
+
+
+def _reason(m_local=512, k=4096, dtype=torch.bfloat16, **cfg_fields):
+    a = torch.empty(2 * m_local, k, dtype=dtype)
+    return gemm_rs_ws.unsupported_reason(a, m_local, GemmConfig(**{**WS, **cfg_fields}))
+
+
+def test_unsupported_reasons_name_the_shape(monkeypatch):
+    if gemm_rs_ws.gemm_rs_ws_kernel is None:
+        pytest.skip(gemm_rs_ws.GLUON_ERROR)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert _reason() is None
+    assert _reason(dtype=torch.float16) is None
+    assert "multiple of block_m=128" in _reason(m_local=300)
+    assert "fewer than num_stages=5" in _reason(k=256)          # 4 K-steps of 64
+    assert _reason(k=320) is None                               # 5 K-steps
+    assert "float32" in _reason(dtype=torch.float32)
+    a = torch.empty(1024, 4096, dtype=torch.bfloat16)
+    assert "phase traces" in gemm_rs_ws.unsupported_reason(a, 512, GemmConfig(**WS),
+                                                           trace=torch.empty(1))
+    assert "phase traces" in gemm_rs_ws.unsupported_reason(a, 512, GemmConfig(**WS), consume=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "interpreter" in _reason()
+
+
+def test_shared_memory_bound_matches_the_launch_rule():
+    # 5 stages of 128x128x64 and two epilogue tiles fit Hopper (the compiled kernel: 229 760 B)
+    assert gemm_rs_ws.smem_bytes(GemmConfig(**WS)) <= gluon_ws.SMEM_LIMIT
+    big = GemmConfig(**{**WS, "num_stages": 6})
+    assert gemm_rs_ws.smem_bytes(big) > gluon_ws.SMEM_LIMIT
+    if gemm_rs_ws.gemm_rs_ws_kernel is not None and "TRITON_INTERPRET" not in __import__("os").environ:
+        assert "shared memory" in _reason(num_stages=6)
+
+
+def test_fallback_warns_once_per_reason():
+    gemm_rs_ws.warn_fallback.seen.discard("a test reason")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gemm_rs_ws.warn_fallback("a test reason")
+        gemm_rs_ws.warn_fallback("a test reason")
+    assert len(caught) == 1 and "runs the Triton kernel instead (a test reason)" in str(caught[0].message)
+
+
+AG_WS = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, epilogue_split=1,
+             chunk_rows=1024, ag_warp_specialized=True)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(block_n=256), "at most 128x128"),
+    (dict(num_warps=8, block_m=64), "block_m=128"),
+    (dict(ag_merge_local=True), "per-segment schedule"),
+    (dict(ag_warp_specialized="yes"), "must be a bool"),
+])
+def test_ag_warp_specialized_refuses_what_the_kernel_does_not_do(fields, match):
+    with pytest.raises(ValueError, match=match):
+        GemmConfig(**{**AG_WS, **fields})
+
+
+def test_ag_warp_specialized_round_trips_and_takes_stream_k_flags():
+    assert GemmConfig().ag_warp_specialized is False
+    cfg = GemmConfig(**{**AG_WS, "stream_k": 1})  # stream-K is ignored
+    assert GemmConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_ag_unsupported_reasons_name_the_shape(monkeypatch):
+    if ag_gemm_ws.ag_gemm_ws_kernel is None:
+        pytest.skip(ag_gemm_ws.GLUON_ERROR)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    def reason(m_local=512, k=4096, dtype=torch.bfloat16, **fields):
+        return ag_gemm_ws.unsupported_reason(torch.empty(m_local, k, dtype=dtype),
+                                             GemmConfig(**{**AG_WS, **fields}))
+
+    assert reason() is None and reason(dtype=torch.float16) is None
+    assert "multiple of block_m=128" in reason(m_local=40)
+    assert "fewer than num_stages=5" in reason(k=256)
+    assert "shared memory" in reason(num_stages=6)
+    assert "phase traces" in ag_gemm_ws.unsupported_reason(torch.empty(512, 4096, dtype=torch.bfloat16),
+                                                           GemmConfig(**AG_WS), trace=torch.empty(1))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "interpreter" in reason()
+
+
+def test_launch_geometry_counts_row_tiles_over_every_ranks_rows():
+    """One program per output tile at most: per segment that is ``world * m_local / block_m``
+    row tiles, and for a tile space over every rank's rows (merged GEMM+RS rows, 2 ranks of
+    40 rows, 64-row tiles) two row tiles over the 80 rows, where the per-segment count gives
+    none."""
+    b = torch.empty(384, 640).t()  # a transposed [N, K]: N = 384, three 128-column tiles
+    cfg = GemmConfig(**{**WS, "block_m": 64})
+    assert gluon_ws.launch_geometry(b, 512, 2, cfg, 132)[3] == 2 * 8 * 3
+    assert gluon_ws.launch_geometry(b, 512, 2, cfg, 20)[3] == 20  # capped at the SMs
+    assert gluon_ws.launch_geometry(b, 40, 2, GemmConfig(**{**cfg.to_dict(), **MERGED}), 132)[3] == 2 * 3
+
+
+@pytest.mark.skipif(gluon_ws.GLUON_ERROR is not None, reason="this Triton has no Gluon")
+def test_host_descriptors_carry_the_layouts_of_the_kernels_buffers():
+    """A Gluon host descriptor's layout is the one the kernels give the same box
+    (``NVMMASharedLayout.get_default_for``), per dtype and box, also when it comes from the
+    cache; the Gluon launchers build A, B, output and slot descriptors of the kernels' views."""
+    from triton.experimental.gluon import language as gl
+
+    for dtype, gdtype in ((torch.bfloat16, gl.bfloat16), (torch.float16, gl.float16)):
+        t = torch.empty(512, 256, dtype=dtype)
+        for block in ([128, 64], [64, 128], [128, 256], [128, 32]):  # last: a 64-byte swizzle
+            for _ in range(2):  # computed, then cached
+                d = gluon_ws.host_descriptor(t, [512, 256], [256, 1], block)
+                assert d.layout == gl.NVMMASharedLayout.get_default_for(block, gdtype)
+                assert list(d.block_shape) == block and d.base is t
+    cfg = GemmConfig(128, 128, 64, 5, 4, 8, epilogue_split=1, rs_warp_specialized=True)
+    a, out = torch.empty(2 * 256, 512, dtype=torch.bfloat16), torch.empty(256, 384, dtype=torch.bfloat16)
+    w, data = torch.empty(384, 512, dtype=torch.bfloat16), torch.empty(2, 256, 384, dtype=torch.bfloat16)
+    descs = gemm_rs_ws._host_descriptors(a, w.t(), out, data, 2, 256, 384, 512, 512, False, cfg)
+    assert [list(d.shape) for d in descs] == [[512, 512], [384, 512], [256, 384], [512, 384]]
+    assert [list(d.block_shape) for d in descs] == [[128, 64], [128, 64], [128, 128], [128, 128]]
+    x, ag, c = a[:256], a, torch.empty(512, 384, dtype=torch.bfloat16)
+    descs = ag_gemm_ws._host_descriptors(x, ag, w.t().contiguous(), c, 2, 256, 384, 512, 384,
+                                         True, cfg)
+    assert [list(d.shape) for d in descs] == [[256, 512], [512, 512], [512, 384], [512, 384]]
+    assert list(descs[2].block_shape) == [64, 128]  # B as [K, N]: boxes [BK, BN]
