@@ -100,7 +100,7 @@ NOT_SEARCHED: Dict[str, str] = {
 SAME_CODE_BELOW: Dict[str, Tuple[Tuple[int, int], str]] = {
     "warp_specialize": ((10, 0), "compiles to the same PTX either way on Hopper (sm_90a) for "
                                  "every shipped kernel, Triton 3.6 and 3.9 "
-                                 "(benchmarks/results/compile-s18-triton3.*.json)"),
+                                 "(checked on the CPU with benchmarks/experiments/ptx_fingerprint.py)"),
 }
 
 
