@@ -11,16 +11,22 @@
 #   bench       the op benchmark, m >= 1024 grid (BENCH_M_SET=small|all for others) with the
 #               table that matches the machine, CUDA_DEVICE_MAX_CONNECTIONS=1 (BENCH_CONNECTIONS
 #               overrides; "unset" leaves it unset)                 -> bench.{json,png,log}
+#   unseen      the op benchmark on models no table has seen (UNSEEN_MODELS, NAME:H:FC1:FFN each;
+#               UNSEEN_MS; UNSEEN_EXTRA: more bench arguments, e.g. "--models llama3-8b" for grid
+#               models beside them), nccl, flux and auto         -> bench-unseen.{json,png,log}
 #   ab          an A/B of a config change against the table: AB_VARIANT=<JSON file> (e.g.
-#               benchmarks/variants/gluon-pingpong.json), with the same-config control that
+#               benchmarks/variants/gluon-pingpong.json; AB_CASES: the bench's case arguments
+#               instead of the m >= 1024 grid), with the same-config control that
 #               `python -m megatron_flux.tools.tune.adopt` needs           -> ab.{json,png,log}
 #   kvc         communication off, one GPU: the fused kernels with the table's configs (TP
 #               KVC_TP, default 2) against cuBLAS, launches alternating, m >= 1024
 #                                                                   -> kvc-{ag,rs}.{json,log}
-#   tune        megatron-flux tune over the grid (all m), then the grid benchmark with the new
-#               table                       -> tune/{table.json,tune.log,bench.json,bench.png}
+#   tune        megatron-flux tune over the grid (all m; TUNE_ARGS: other cases and search
+#               sizes), then the grid benchmark with the new table (TUNE_BENCH=0: not)                       -> tune/{table.json,tune.log,bench.json,bench.png}
 #   host        host time per layer call of nccl and flux (benchmarks/host_overhead.py --layers,
 #               m = 4096 and 8192), with a profile of flux's host path          -> host.{json,log}
+#   sections    where a layer call's host time goes, section by section, nccl and flux
+#               (benchmarks/experiments/host_sections.py, m = 4096)           -> sections.{json,log}
 #   matrix      the end-to-end matrix's cells MATRIX_CELLS (benchmarks/e2e_matrix.py; MATRIX_ARGS
 #               pass through)                              -> matrix/<cell>.json, matrix-meta.json
 #   interleave  the training job with the backends rotated in one process
@@ -80,10 +86,20 @@ for stage in "$@"; do
             --methods cublas_gemm comm nccl torch_async_tp flux auto --trials 5 --iters 20 \
             --out-json "${OUT}/bench.json" --out-png "${OUT}/bench.png" > "${OUT}/bench.log" 2>&1
         echo "   exit $? (${SECONDS}s)"; grep -A12 "^summary" "${OUT}/bench.log" | head -14 ;;
+    unseen)
+        # shellcheck disable=SC2086
+        with_connections timeout "${BENCH_TIMEOUT:-420}" "${TORCHRUN[@]}" -m megatron_flux.tools.cli bench \
+            --model-shapes ${UNSEEN_MODELS:-qwen2.5-7b:3584:37888:18944 mistral-nemo-12b:5120:28672:14336 \
+                llama2-13b:5120:27648:13824 gpt-neox-20b:6144:24576:24576} \
+            --ms ${UNSEEN_MS:-256 1024 2048 4096 8192} ${UNSEEN_EXTRA:-} --methods cublas_gemm comm nccl flux auto \
+            --trials 5 --iters 20 --out-json "${OUT}/bench-unseen.json" --out-png "${OUT}/bench-unseen.png" \
+            > "${OUT}/bench-unseen.log" 2>&1
+        echo "   exit $? (${SECONDS}s)"; grep -A12 "^summary" "${OUT}/bench-unseen.log" | head -14 ;;
     ab)
         [ -f "${AB_VARIANT:-}" ] || { echo "ab: set AB_VARIANT to a JSON file of config fields"; exit 2; }
+        # shellcheck disable=SC2086
         with_connections timeout "${BENCH_TIMEOUT:-420}" "${TORCHRUN[@]}" -m megatron_flux.tools.cli bench \
-            --m-set "${BENCH_M_SET:-large}" --methods cublas_gemm nccl flux flux_variant flux_control \
+            ${AB_CASES:---m-set ${BENCH_M_SET:-large}} --methods cublas_gemm nccl flux flux_variant flux_control \
             --flux-variant "$(cat "${AB_VARIANT}")" --trials "${AB_TRIALS:-21}" --iters 20 \
             --out-json "${OUT}/ab.json" --out-png "${OUT}/ab.png" > "${OUT}/ab.log" 2>&1
         echo "   exit $? (${SECONDS}s)"; grep -A12 "^summary" "${OUT}/ab.log" | head -14 ;;
@@ -98,10 +114,12 @@ for stage in "$@"; do
         done ;;
     tune)
         mkdir -p "${OUT}/tune"
-        timeout "${TUNE_TIMEOUT:-300}" "${TORCHRUN[@]}" -m megatron_flux.tools.cli tune --m-set all \
-            --max-candidates 12 --top 2 --screen-iters 5 --trials 3 --iters 10 --no-progress \
-            --no-merge --out "${OUT}/tune/table.json" > "${OUT}/tune/tune.log" 2>&1
+        # shellcheck disable=SC2086
+        timeout "${TUNE_TIMEOUT:-300}" "${TORCHRUN[@]}" -m megatron_flux.tools.cli tune \
+            ${TUNE_ARGS:---m-set all --max-candidates 12 --top 2} --screen-iters 5 --trials 3 \
+            --iters 10 --no-progress --no-merge --out "${OUT}/tune/table.json" > "${OUT}/tune/tune.log" 2>&1
         echo "   tune exit $? (${SECONDS}s)"; grep -E "^(ag|rs) n=" "${OUT}/tune/tune.log" | tail -20
+        [ "${TUNE_BENCH:-1}" = 1 ] || continue
         MEGATRON_FLUX_CONFIG="${OUT}/tune/table.json" timeout "${BENCH_TIMEOUT:-420}" "${TORCHRUN[@]}" \
             -m megatron_flux.tools.cli bench --m-set all \
             --methods cublas_gemm comm nccl torch_async_tp flux flux_default auto --trials 5 --iters 20 \
@@ -112,6 +130,10 @@ for stage in "$@"; do
         timeout "${HOST_TIMEOUT:-150}" "${TORCHRUN[@]}" benchmarks/host_overhead.py --layers \
             --ms 4096 8192 --backends nccl flux --out "${OUT}/host.json" > "${OUT}/host.log" 2>&1
         echo "   exit $? (${SECONDS}s)"; grep -E "cpu issue" "${OUT}/host.log" | head -8 ;;
+    sections)
+        timeout "${HOST_TIMEOUT:-150}" "${TORCHRUN[@]}" benchmarks/experiments/host_sections.py \
+            --out "${OUT}/sections.json" > "${OUT}/sections.log" 2>&1
+        echo "   exit $? (${SECONDS}s)"; tail -30 "${OUT}/sections.log" ;;
     matrix)
         # the end-to-end matrix cells in MATRIX_CELLS (benchmarks/e2e_matrix.py; resumable)
         use_carried_megatron
@@ -126,7 +148,7 @@ for stage in "$@"; do
     cachepack)
         pack_triton_cache ;;
     *)
-        echo "unknown stage ${stage}; stages: main tests bench ab kvc tune host matrix interleave e2e cachepack"
+        echo "unknown stage ${stage}; stages: main tests bench unseen ab kvc tune host sections matrix interleave e2e cachepack"
         exit 2 ;;
     esac
 done

@@ -80,12 +80,14 @@ for r in json.load(open(sys.argv[1]))['rows']:
 }
 
 gpu_tests() {  # gpu_tests TIMEOUT NAME [PATH...]: every GPU-marked test under PATH (default:
-    # tests/gpu/) on the visible GPUs (those that need more skip), megatron-core from the carried
-    # wheel -> $OUT/NAME.json and .log (PYTEST_VERBOSITY=-v names each test in the log as it
-    # ends, so a run cut off by TIMEOUT still says how far it got; the JSON comes only at the end)
+    # tests/gpu/; a PATH may list several, comma-separated) on the visible GPUs (those that
+    # need more skip), megatron-core from the carried wheel -> $OUT/NAME.json and .log
+    # (PYTEST_VERBOSITY=-v names each test in the log as it starts, so a run cut off by TIMEOUT
+    # still says which test it was in; the JSON comes only at the end; PYTEST_ARGS: more
+    # pytest options, e.g. "--timeout 120")
     install_carried_wheels || return 1
     local timeout_s="$1" name="$2"; shift 2
     PYTHONPATH="${PYTHONPATH}:/tmp/site" timeout "${timeout_s}" python3 benchmarks/record_pytest.py \
-        "${OUT}/${name}.json" "${@:-tests/gpu}" ${PYTEST_VERBOSITY:--q} -m gpu -p no:cacheprovider > "${OUT}/${name}.log" 2>&1
+        "${OUT}/${name}.json" $(echo "${@:-tests/gpu}" | tr ',' ' ') ${PYTEST_VERBOSITY:--q} ${PYTEST_ARGS:-} -m gpu -p no:cacheprovider > "${OUT}/${name}.log" 2>&1
     echo "tests exit $?"; tail -2 "${OUT}/${name}.log"
 }

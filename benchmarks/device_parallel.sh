@@ -6,7 +6,8 @@
 #
 # Each "GPUS:STAGES" lane runs `bash benchmarks/device.sh STAGES` with CUDA_VISIBLE_DEVICES=GPUS
 # and NGPUS = NPROC = the number of GPUs named (TP of that lane), writing under $OUT/lane<N>;
-# its other variables (MATRIX_CELLS, TESTS_PATHS, ...) are the caller's. The lanes share the
+# its other variables (MATRIX_CELLS, TESTS_PATHS, ...) are the caller's, or the lane's own
+# where its STAGES start with NAME=VALUE words ("0,1:TESTS_PATHS=tests/gpu/a.py,tests/gpu/b.py tests"). The lanes share the
 # Triton cache, and megatron-core is installed once before they start. When all lanes end, their
 # files go into $OUT/results.tgz (a device tool returns few files), and `cachepack` as a last
 # argument packs the Triton cache next to it. Lanes share the host: timings taken in a lane are
@@ -29,10 +30,13 @@ pids=()
 for i in "${!lanes[@]}"; do
     gpus="${lanes[$i]%%:*}"; stages="${lanes[$i]#*:}"
     n="$(echo "${gpus}" | tr ',' '\n' | wc -l)"
+    settings=(); names=()
+    for word in ${stages}; do
+        if [[ "${word}" == *=* ]]; then settings+=("${word}"); else names+=("${word}"); fi
+    done
     mkdir -p "${OUT}/lane${i}"
-    # shellcheck disable=SC2086
-    CUDA_VISIBLE_DEVICES="${gpus}" NGPUS="${n}" NPROC="${n}" OUT="${OUT}/lane${i}" \
-        bash benchmarks/device.sh ${stages} > "${OUT}/lane${i}/device.log" 2>&1 &
+    env "${settings[@]}" CUDA_VISIBLE_DEVICES="${gpus}" NGPUS="${n}" NPROC="${n}" OUT="${OUT}/lane${i}" \
+        bash benchmarks/device.sh "${names[@]}" > "${OUT}/lane${i}/device.log" 2>&1 &
     pids+=($!)
 done
 for i in "${!pids[@]}"; do

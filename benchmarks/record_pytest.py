@@ -48,15 +48,17 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         xml_path = os.path.join(tmp, "junit.xml")
         cmd = [sys.executable, "-m", "pytest", *args, f"--junitxml={xml_path}"]
-        # Stream pytest's output as it comes (an outer `timeout` then still leaves a log
-        # that says which test was running); keep the last line for the record.
-        last = ""
-        with subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
-            for line in proc.stdout:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-                if line.strip():
-                    last = line.strip()
+        # Stream pytest's output as it comes, unfinished lines included (`-v` writes a test's
+        # name before it runs and its outcome after), so a run cut off by an outer `timeout`
+        # still leaves a log that says which test was running; keep the last line for the record.
+        tail = b""
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+            for chunk in iter(lambda: proc.stdout.read1(65536), b""):
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.buffer.flush()
+                tail = (tail + chunk)[-4096:]
+        lines = [ln.strip() for ln in tail.decode(errors="replace").splitlines() if ln.strip()]
+        last = lines[-1] if lines else ""
         tests = tests_from_junit(xml_path) if os.path.exists(xml_path) else []
     counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "skipped")}
     record = {"command": " ".join(["python", "-m", "pytest", *args]), "exit_status": proc.returncode,
