@@ -281,6 +281,9 @@ def test_describe_command_reconstructs_the_launcher(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["/usr/bin/megatron-flux", "bench", "--out-json", "a b.json"])
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert describe_command(["--out-json", "a b.json"]) == "torchrun --nproc-per-node=2 --no-python megatron-flux bench --out-json 'a b.json'"
+    # python -m megatron_flux.tools.cli bench (benchmarks/device.sh): the subcommand is kept
+    monkeypatch.setattr(sys, "argv", [str(REPO / "megatron_flux" / "tools" / "cli.py"), "--ms", "64"])
+    assert describe_command(["--ms", "64"]) == "torchrun --nproc-per-node=2 -m megatron_flux.tools.cli bench --ms 64"
 
 
 def test_every_option_survives_torchruns_own_parser():

@@ -172,6 +172,8 @@ def describe_command(argv: Sequence[str]) -> str:
         prog, is_python = ["-m", "megatron_flux.tools.bench"], True
     elif os.path.basename(a0) == "megatron-flux":
         prog, is_python = ["megatron-flux", "bench"], False
+    elif a0.replace(os.sep, "/").endswith("megatron_flux/tools/cli.py"):  # python -m ...tools.cli bench
+        prog, is_python = ["-m", "megatron_flux.tools.cli", "bench"], True
     else:
         prog, is_python = [a0], True
     env = os.environ
