@@ -14,8 +14,9 @@ m alone, of 4 in n or k alone): farther, the tables say nothing about the shape.
 **Kernel config** (:func:`nearest_config`): that of the nearest entry (stale tables included:
 their configs run) whose config can run the shape (:func:`config_problem`: the Gluon
 warp-specialized kernels need the rows per rank to be a multiple of ``block_m`` and at least
-``num_stages`` K steps; no tile larger than the shape, as the tuner's candidates). None within
-reach: ``default_config``.
+``num_stages`` K steps; no tile larger than the shape, as the tuner's candidates), with its
+stream-K tail on where its kernel has one (:func:`transplanted`). None within reach:
+``default_config``.
 
 **Fused or NCCL** (:class:`Estimator`): the predicted ratio for ``m`` rows is the geometric mean
 of ``flux_ms / nccl_ms`` of the ``K = 2`` entries nearest to ``(m / ROW_SHIFT, n, k)``
@@ -40,6 +41,7 @@ measures the rules on the shipped tables (``docs/tuning.md``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -225,3 +227,18 @@ def nearest_config(op: str, points: Iterable[Point], m_total: int, n: int, k: in
         if config_problem(op, p.config, m_total, n, k, tp) is None:
             return p
     return None
+
+
+def transplanted(cfg):
+    """``cfg`` (the nearest entry's, for a shape it was not tuned on) with the stream-K tail
+    on where the config's kernel has one (the persistent Triton kernels, not the Gluon
+    warp-specialized ones, nor merged rows or the spread reduction). A tuned entry may turn it
+    off because its own shape has no small partial last wave; the new shape may have one
+    (``default_config`` turns it on for the same reason). 2xH200, GEMM+RS at m = 1024 on
+    three models whose 128x256 tiles leave 21 % of a last wave (n = 5120): 0.73x -> 0.87x
+    NCCL's speed, level where the tail is too large to split (n = 6144; A/B with a same-config
+    control, ``benchmarks/results/ab-stream-k-h200x2-2026-11-27.json``)."""
+    if (cfg.stream_k or cfg.rs_warp_specialized or cfg.ag_warp_specialized or cfg.rs_merge_rows
+            or cfg.rs_spread_reduce or cfg.ag_merge_local):
+        return cfg
+    return dataclasses.replace(cfg, stream_k=1)

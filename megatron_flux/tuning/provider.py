@@ -177,7 +177,8 @@ def decide(op: str, m_total: int, n: int, k: int, dtype, tp: int, device) -> Dec
 
 def kernel_config(op: str, m_total: int, n: int, k: int, dtype, tp: int, device):
     """``(GemmConfig, where it came from)`` for one call: the table entry of this exact shape
-    (nearest bucket, stale tables included), else the nearest entry's that can run it
+    (nearest bucket, stale tables included), else the nearest entry's that can run it, its
+    stream-K tail on (:func:`.estimate.transplanted`)
     (:func:`.estimate.nearest_config`), else ``default_config``."""
     from megatron_flux.kernels.config import default_config
 
@@ -194,7 +195,7 @@ def kernel_config(op: str, m_total: int, n: int, k: int, dtype, tp: int, device)
         return hit[0].config, f"table (m={hit[0].m})"
     p = estimate.nearest_config(op, estimator(op, dtype, tp, device)[1], m_total, n, k, tp)
     if p is not None:
-        return p.config, f"nearest entry ({p.label()})"
+        return estimate.transplanted(p.config), f"nearest entry ({p.label()})"
     return default_config(op, m_total, n, k, tp=tp), "default"
 
 

@@ -40,6 +40,10 @@ SHIPPED = {
                                                                             "conn1-run2")]
          + [R + "bench-small-h200x2-2026-11-26-s27-conn1.json"]),
         ("kernel_version", 1),
+        # eight models outside the grid, benchmarked with the table (four, then four more with
+        # the first four added): untuned entries that give auto's estimate more shape families
+        # (tools.tune.extend; both ran the nearest entries' configs as they stand)
+        ("extend", [R + "bench-h200x2-2026-11-27-unseen.json", R + "bench-h200x2-2026-11-27-unseen-b.json"]),
     ]),
     "h200-sm132-tp4-bf16.json": ("h200", 4, R + "tune-h200x4-2026-11-22.json", [
         ("confirm", R + "bench-h200x4-2026-11-22.json"),
@@ -407,7 +411,9 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
     t = T.load_table(os.path.join(registry.SHIPPED_DIR, name))
     assert t.source.startswith("megatron-flux tune ")
     assert t.tp == tp and t.sms == 132 and t.gpu == gpu and t.dtype == "bf16"
-    assert all(e.tuned for e in t.entries)
+    extended = [e for e in t.entries if not e.tuned]
+    assert all(e.notes.get("measured_by") in {r for step, rel in steps if step == "extend" for r in rel}
+               for e in extended)
     # the benchmark grid (3 models x 2 ops x 8 m-buckets) is confirmed; entries the benchmarks
     # did not run (a training config's own shapes) keep the tune's times and say so
     confirmed = [e for e in t.entries if e.notes.get("confirmed")]
@@ -420,6 +426,7 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
     # regenerating from the committed tuning run, benchmarks and A/B runs gives the same file
     from megatron_flux.tools.tune.adopt import adopt_variant
     from megatron_flux.tools.tune.confirm import confirm_repeats, confirm_table
+    from megatron_flux.tools.tune.extend import extend_table
 
     def load(rel):
         return json.load(open(os.path.join(REPO, rel)))
@@ -432,6 +439,9 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
             again = confirm_repeats(again, [(load(r), r) for r in rel])
         elif step == "kernel_version":
             again.extra["kernel_version"] = rel
+        elif step == "extend":
+            for r in rel:
+                again = extend_table(again, load(r), r, transplant=False)
         else:
             again = adopt_variant(again, [(load(r), r) for r in rel])
     assert _comparable(again) == _comparable(t)
@@ -757,6 +767,7 @@ def test_confirm_repeats_keeps_the_least_favourable_of_every_run(tmp_path):
     latest run alone cannot overturn the earlier ones. For runs of disjoint shapes it is one
     confirmation after the other."""
     from megatron_flux.tools.tune.confirm import confirm_repeats, confirm_table
+    from megatron_flux.tools.tune.extend import extend_table
 
     t = T.load_table(write(tmp_path, table_obj()))
     row = lambda m, meth, ms: {"op": "AG+GEMM", "m": m, "n": 1024, "k": 256, "method": meth,  # noqa: E731

@@ -1,0 +1,92 @@
+"""Extend a table with a benchmark's measurements of shapes it does not hold.
+
+``auto`` estimates a shape no table lists from the nearest entries, and how far it can trust
+that estimate is measured on the table itself, leaving one shape family out at a time
+(:mod:`megatron_flux.tuning.estimate`). A table of three models gives that measurement two
+families to learn from; benchmarks of other models add families. This takes a benchmark JSON
+made on the table's machine (``megatron-flux bench --model-shapes ...``, methods ``flux`` and
+``nccl``) and adds, for every case whose per-rank shape and m-bucket the table lacks, an
+**untuned** entry: the config the ``flux`` method ran (the nearest entry's that can run the
+shape, :func:`~megatron_flux.tuning.estimate.nearest_config`, its stream-K tail on, as the
+runtime picks it; else the default) and the benchmark's median times. Entries the table holds are left as they are; the
+notes say where each new one came from (``measured_by``, ``config_from``, every trial).
+
+``python -m megatron_flux.tools.tune.extend [--no-transplant] TABLE.json BENCH.json [BENCH2.json ...] OUT.json``
+(``--no-transplant``: benchmarks made before the stream-K transplant, which ran the nearest
+entry's config as it stands)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Dict, Optional, Sequence
+
+from megatron_flux.kernels.config import default_config
+from megatron_flux.tools.tune.from_bench import check_same_machine, local_nk, measured_pairs, table_benches_out
+from megatron_flux.tuning import estimate
+from megatron_flux.tuning.keys import normalize_op
+from megatron_flux.tuning.schema import Entry, Table, load_table, write_table
+
+
+def _points(table: Table, op: str):
+    return [estimate.Point(e.m, e.n, e.k, None, e.config, table.path)
+            for e in table.entries if e.op == op]
+
+
+def extend_table(table: Table, bench: Dict[str, Any], bench_source: str, *,
+                 transplant: bool = True) -> Table:
+    """``table`` plus an untuned entry for each case of ``bench`` it lacks (module docstring).
+    ``transplant=False``: the benchmark ran the nearest entry's config as it stands (before
+    :func:`~megatron_flux.tuning.estimate.transplanted` existed)."""
+    check_same_machine(bench, table, bench_source)
+    tp = int(bench["tp"])
+    have = {(e.op, e.n, e.k, e.m) for e in table.entries}
+    points = {op: _points(table, op) for op in ("ag", "rs")}
+    added = []
+    for (bop, model, m, n, k), meth in sorted(measured_pairs(bench).items(),
+                                             key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2])):
+        op = normalize_op(bop)
+        ln, lk = local_nk(op, n, k, tp)
+        if (op, ln, lk, int(m)) in have:
+            continue
+        near = estimate.nearest_config(op, points[op], int(m), ln, lk, tp)
+        if near is None:
+            config, where = default_config(op, int(m), ln, lk, tp=tp), "default"
+        else:
+            config = estimate.transplanted(near.config) if transplant else near.config
+            where = f"nearest entry ({near.label()})"
+        gemm = "fc1" if op == "ag" else "fc2"
+        notes = {"model": f"{model}:{gemm}", "measured_by": bench_source, "config_from": where,
+                 "flux_trials_ms": meth["flux"].get("trials_ms"),
+                 "nccl_trials_ms": meth["nccl"].get("trials_ms"), "confirmed": False}
+        added.append(Entry(op=op, n=ln, k=lk, m=int(m), config=config, tuned=False,
+                           flux_ms=float(meth["flux"]["median_ms"]),
+                           nccl_ms=float(meth["nccl"]["median_ms"]), notes=notes))
+        have.add((op, ln, lk, int(m)))
+    extra = dict(table.extra or {})
+    search = dict(extra.get("search") or {})
+    search["extended_by"] = list(search.get("extended_by") or []) + [
+        {"bench": bench_source, "entries": len(added)}]
+    extra["search"] = search
+    return dataclasses.replace(table, entries=list(table.entries) + added, extra=extra)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    transplant = "--no-transplant" not in argv
+    args = table_benches_out([a for a in argv if a != "--no-transplant"], __doc__)
+    if args is None:
+        return 2
+    table_path, runs, out = args
+    t = load_table(table_path)
+    before = len(t.entries)
+    for bench, source in runs:
+        t = extend_table(t, bench, source, transplant=transplant)
+    write_table(t, out)
+    print(f"wrote {out}: {len(t.entries)} entries ({len(t.entries) - before} measured, untuned)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
