@@ -244,7 +244,7 @@ def test_shipped_tables_versions():
     versions = {os.path.basename(p): schema.load_table(p).kernel_version for p in registry.shipped_table_files()}
     assert versions == {"h200-sm132-tp2-bf16.json": KERNEL_VERSION,
                         "h100-80gb-hbm3-sm132-tp2-bf16.json": KERNEL_VERSION,
-                        "h200-sm132-tp4-bf16.json": 0}
+                        "h200-sm132-tp4-bf16.json": KERNEL_VERSION}  # re-timed (tools.tune.retime)
 
 
 def test_kernel_version_field(tmp_path):
@@ -295,14 +295,18 @@ def test_auto_logs_where_a_choice_came_from(tmp_path, monkeypatch, caplog):
     assert "'nccl' for rs m=2048 n=4096 k=4096: size rule" in lines[1]
 
 
-def test_plan_marks_a_stale_entry(capsys):
+def test_plan_marks_a_stale_entry(capsys, tmp_path, monkeypatch):
     from megatron_flux.tools import plan
 
-    os.environ.pop(registry.ENV_SHIPPED)
+    # llama3-8b's fc1 at TP 4 (per-rank n = 28672 / 4), measured with other kernels
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps(table([entry("ag", 7168, 4096, 4096, 0.5)],
+                                      kernel_version=KERNEL_VERSION + 1, tp=4)))
+    monkeypatch.setenv(registry.ENV_FILES, str(stale))
     T.reset()
     with pytest.warns(registry.StaleTableWarning):
         assert plan.main(["--model-config", os.path.join(REPO, "configs", "llama3_8b_16l.json"),
-                          "--tp", "4", "--gpu", "NVIDIA H200", "--sms", "132"]) == 0
+                          "--tp", "4", "--gpu", GPU[0], "--sms", str(GPU[1])]) == 0
     out = capsys.readouterr().out
     fc1 = next(line for line in out.splitlines() if ":fc1 " in line)
     assert " 4096* " in fc1 and "size rule" in fc1

@@ -170,12 +170,16 @@ def test_plan_counts_the_tuned_gemms_and_prints_the_command_for_the_rest(capsys)
     assert "8 of 10 TP GEMMs have a current table entry at m=4096" in out
     assert ("torchrun --nproc-per-node 2 --no-python megatron-flux tune --shapes ag:64128:4096 "
             "rs:4096:64128 --m 4096") in out
-    with pytest.warns(registry.StaleTableWarning):  # the shipped TP 4 table predates the kernels
-        assert P.main(["--model-config", LLAMA, "--tp", "4", "--gpu", "NVIDIA H200", "--sms", "132",
-                       "--offer"]) == 0
+    # the shipped TP 4 table holds fc1 and its dgrad at m = 4096 (the benchmark grid's llama3-8b)
+    assert P.main(["--model-config", LLAMA, "--tp", "4", "--gpu", "NVIDIA H200", "--sms", "132",
+                   "--offer"]) == 0
     line = capsys.readouterr().out
-    assert line.count("\n") == 1 and line.startswith("0 of 10 TP GEMMs have a current table entry")
-    assert line.rstrip().endswith(f"megatron-flux tune --model-config {LLAMA} --m 4096")
+    assert line.count("\n") == 1 and line.startswith("2 of 10 TP GEMMs have a current table entry")
+    assert "--nproc-per-node 4 --no-python megatron-flux tune --shapes " in line
+    assert line.rstrip().endswith("--m 4096")
+    rows = P.plan_rows(LLAMA, 4, 4096, H200, BF16)  # without a current table: the model's config
+    assert P.tune_offer([dict(r, source="estimate") for r in rows], LLAMA, 4, 4096, "bf16").endswith(
+        f"megatron-flux tune --model-config {LLAMA} --m 4096")
     rows = P.plan_rows(LLAMA, 2, 4096, H200, torch.float16)  # no fp16 table: all to tune
     assert P.tune_offer(rows, LLAMA, 2, 4096, "fp16").endswith(f"--model-config {LLAMA} --m 4096 --dtype fp16")
 
@@ -207,8 +211,8 @@ def test_launcher_prints_the_tune_offer_for_the_model(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(REPO), "XDG_CACHE_HOME": str(tmp_path)})
     assert res.returncode == 0, res.stderr
     plan_lines = [line for line in res.stdout.splitlines() if line.startswith("> megatron-flux plan: ")]
-    assert len(plan_lines) == 1 and "0 of 10 TP GEMMs" in plan_lines[0]
-    assert "--nproc-per-node 4 --no-python megatron-flux tune --model-config" in plan_lines[0]
+    assert len(plan_lines) == 1 and "2 of 10 TP GEMMs" in plan_lines[0]
+    assert "--nproc-per-node 4 --no-python megatron-flux tune --shapes" in plan_lines[0]
     # a plan that fails (no GPU named, none here) prints nothing and stops nothing
     script = script.replace(f'PYTHON="{wrapper}"', f'PYTHON="{sys.executable}"')
     res = subprocess.run(["bash", "-c", script + "; echo survived"], capture_output=True, text=True,

@@ -47,6 +47,11 @@ SHIPPED = {
     ]),
     "h200-sm132-tp4-bf16.json": ("h200", 4, R + "tune-h200x4-2026-11-22.json", [
         ("confirm", R + "bench-h200x4-2026-11-22.json"),
+        # tuned and timed with kernel version 0; the current kernels timed its configs on the
+        # whole grid (m = 256-8192, then the small m), and eight models outside the grid ran
+        # with their borrowed configs (stream-K tail on)
+        ("retime", [R + "bench-h200x4-2026-11-27.json", R + "bench-small-h200x4-2026-11-27.json"]),
+        ("extend-transplanted", [R + "bench-h200x4-2026-11-27-unseen.json"]),
     ]),
     # 2xH100: the m >= 1024 grid and the small m tuned into one table, then three benchmarks
     # made with it, taken jointly (a list: tuning.confirm.confirm_repeats)
@@ -222,7 +227,7 @@ def test_rs_default_splits_its_tail_but_old_table_entries_keep_their_schedule():
     """GEMM+RS's 128x256 default splits a small last wave along K (``stream_k=1``), except
     with the spread reduction (TP >= 8: no own tiles); the small-m defaults do not. A table
     entry that names no ``stream_k`` keeps 0: GEMM+RS had no stream-K when it was measured
-    (the shipped TP 4 table has such entries, on 128x256 tiles)."""
+    (the shipped TP 4 table's tuned entries are such, on 128x256 tiles)."""
     from megatron_flux.tuning import schema
 
     assert default_config("rs", 8192, 12288, 24576, tp=2).stream_k == 1
@@ -243,7 +248,7 @@ def test_rs_default_splits_its_tail_but_old_table_entries_keep_their_schedule():
     assert cfg.stream_k == 1
     shipped = schema.load_table(os.path.join(os.path.dirname(schema.__file__), "tables",
                                              "h200-sm132-tp4-bf16.json"))
-    assert all(e.config.stream_k == 0 for e in shipped.entries if e.op == "rs")
+    assert all(e.config.stream_k == 0 for e in shipped.entries if e.op == "rs" and e.tuned)
 
 
 @pytest.mark.parametrize("change", [
@@ -408,25 +413,31 @@ def _replayable_tune_run(path):
 def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
     gpu, tp, tune_rel, steps = SHIPPED[name]
     confirms = [r for step, rel in steps if step == "confirm" for r in ([rel] if isinstance(rel, str) else rel)]
+    retimes = [r for step, rel in steps if step == "retime" for r in rel]
     t = T.load_table(os.path.join(registry.SHIPPED_DIR, name))
     assert t.source.startswith("megatron-flux tune ")
     assert t.tp == tp and t.sms == 132 and t.gpu == gpu and t.dtype == "bf16"
     extended = [e for e in t.entries if not e.tuned]
-    assert all(e.notes.get("measured_by") in {r for step, rel in steps if step == "extend" for r in rel}
+    assert all(e.notes.get("measured_by") in {r for step, rel in steps if step.startswith("extend") for r in rel}
                for e in extended)
     # the benchmark grid (3 models x 2 ops x 8 m-buckets) is confirmed; entries the benchmarks
     # did not run (a training config's own shapes) keep the tune's times and say so
     confirmed = [e for e in t.entries if e.notes.get("confirmed")]
     assert len(confirmed) == 48
     assert all(e.notes.get("model", "").count(":") == 1 for e in t.entries if e not in confirmed)
-    assert {e.notes["bench_source"] for e in confirmed} <= set(confirms)
-    assert t.extra["search"]["confirmed_by"]["bench"] == confirms[-1]
+    assert {e.notes["bench_source"] for e in confirmed} <= set(retimes or confirms)
+    if retimes:  # the current kernels' times, the configs of the kernels the table was tuned on
+        assert t.extra["search"]["retimed_by"]["benches"] == retimes
+        assert all(e.notes["config_kernel_version"] == 0 for e in confirmed)
+    else:
+        assert t.extra["search"]["confirmed_by"]["bench"] == confirms[-1]
     # the configs differ from the defaults somewhere (the search found better ones)
     assert any(e.config != default_config(e.op, e.m, e.n, e.k) for e in t.entries)
     # regenerating from the committed tuning run, benchmarks and A/B runs gives the same file
     from megatron_flux.tools.tune.adopt import adopt_variant
     from megatron_flux.tools.tune.confirm import confirm_repeats, confirm_table
     from megatron_flux.tools.tune.extend import extend_table
+    from megatron_flux.tools.tune.retime import retime_table
 
     def load(rel):
         return json.load(open(os.path.join(REPO, rel)))
@@ -439,9 +450,11 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
             again = confirm_repeats(again, [(load(r), r) for r in rel])
         elif step == "kernel_version":
             again.extra["kernel_version"] = rel
-        elif step == "extend":
+        elif step == "retime":
+            again = retime_table(again, [(load(r), r) for r in rel])
+        elif step in ("extend", "extend-transplanted"):
             for r in rel:
-                again = extend_table(again, load(r), r, transplant=False)
+                again = extend_table(again, load(r), r, transplant=step == "extend-transplanted")
         else:
             again = adopt_variant(again, [(load(r), r) for r in rel])
     assert _comparable(again) == _comparable(t)
@@ -450,6 +463,8 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
     # that adopted its config) and the latest benchmark that ran it
     for e in confirmed:
         nt = e.notes
+        if "config_kernel_version" in nt:  # re-timed: the benchmarks' least favourable run
+            continue
         if "adopted" in nt:
             ab = nt["adopted"]
             assert all(v < f for v, f in zip(ab["variant_ms"], ab["table_config_ms"]))
@@ -768,6 +783,7 @@ def test_confirm_repeats_keeps_the_least_favourable_of_every_run(tmp_path):
     confirmation after the other."""
     from megatron_flux.tools.tune.confirm import confirm_repeats, confirm_table
     from megatron_flux.tools.tune.extend import extend_table
+    from megatron_flux.tools.tune.retime import retime_table
 
     t = T.load_table(write(tmp_path, table_obj()))
     row = lambda m, meth, ms: {"op": "AG+GEMM", "m": m, "n": 1024, "k": 256, "method": meth,  # noqa: E731
@@ -873,3 +889,33 @@ def test_adopt_needs_the_variant_to_beat_the_same_config_control():
     assert by_m[2048].config.rs_copy_engine is False and "adopted" not in by_m[2048].notes
     assert by_m[4096].config.rs_copy_engine is True
     assert "control_ms" not in by_m[4096].notes["adopted"]
+
+
+def test_retime_keeps_the_configs_and_takes_the_current_kernels_times():
+    """A stale table re-timed by benchmarks of the current kernels: each entry they ran keeps
+    its config and takes their times (of two runs, the one less favourable to fused); an entry
+    none ran is dropped; the version becomes theirs; another machine's benchmark is refused."""
+    from megatron_flux.tools.tune.retime import retime_table
+
+    stale = T.validate_table(table_obj(kernel_version=0), "stale.json")
+
+    def bench(flux_ms, gpu="NVIDIA Test GPU", version=KERNEL_VERSION):
+        # the global shape of the AG entry (n = 512 per rank at TP 2): n = 1024, k = 256
+        rows = [{"op": "AG+GEMM", "model": "m", "m": 1024, "n": 1024, "k": 256, "method": meth,
+                 "status": "ok", "check": "ok", "median_ms": ms}
+                for meth, ms in (("flux", flux_ms), ("nccl", 1.0))]
+        return {"tp": 2, "gpu": gpu, "dtype": "bf16", "rows": rows,
+                "env": {"sms": 100, "kernel_version": version, "gpus": [gpu]}}
+
+    t = retime_table(stale, [(bench(0.8), "a.json"), (bench(0.9), "b.json")])
+    assert t.kernel_version == KERNEL_VERSION and not t.stale
+    (e,) = t.entries  # the m = 64 and RS entries were not run: dropped
+    old = next(x for x in stale.entries if x.op == "ag" and x.m == 1024)
+    assert (e.m, e.config, e.flux_ms, e.nccl_ms) == (1024, old.config, 0.9, 1.0)
+    assert e.notes["config_kernel_version"] == 0 and e.notes["bench_source"] == "b.json"
+    assert t.extra["search"]["retimed_by"] == {"benches": ["a.json", "b.json"], "entries": 1,
+                                               "dropped": 2, "configs_from_kernel_version": 0}
+    with pytest.raises(T.TuningFileError, match="gpu"):
+        retime_table(stale, [(bench(0.8, gpu="NVIDIA H200"), "c.json")])
+    with pytest.raises(T.TuningFileError, match="kernel_version"):
+        retime_table(stale, [(bench(0.8), "a.json"), (bench(0.8, version=KERNEL_VERSION + 1), "d.json")])
