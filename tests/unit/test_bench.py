@@ -115,6 +115,18 @@ def test_summary_splits_m_ranges_and_counts_slower_cases():
     assert "m<1024" not in s[rs]
 
 
+def test_summary_says_when_a_slower_auto_ran_nccl_itself():
+    ag = G.AG_GEMM
+    rows = []
+    for m, auto_ms, resolved in ((1024, 1.6, "nccl"), (2048, 1.7, "flux"), (4096, 1.4, "flux")):
+        rows += [_r(ag, "x", m, "cublas_gemm", 1.0), _r(ag, "x", m, "nccl", 1.5),
+                 dict(_r(ag, "x", m, "auto", auto_ms), resolved_backend=resolved)]
+    R.add_metrics(rows)
+    s = R.summarize(rows)[ag]["m>=1024"]["auto"]
+    assert (s["slower_than_nccl"], s["slower_on_nccl"]) == (2, 1)
+    assert "slower than nccl=2 (1 ran nccl itself)" in R.format_summary(R.summarize(rows))
+
+
 def test_median_and_spread_over_trials():
     assert T.median([5.0, 1.0, 3.0]) == 3.0
     assert T.median([1.0, 2.0, 3.0, 10.0]) == 2.5

@@ -107,7 +107,10 @@ def summarize(rows: Sequence[dict]) -> Dict[str, dict]:
 
     ``cases`` (timed), ``overlap_eff`` (median/min/max over cases with a defined efficiency),
     ``geomean_speedup_vs_nccl``, ``slower_than_nccl`` (cases with speedup < 1),
-    ``check_failed`` (max_rel_err above threshold), ``skipped`` and ``errors`` counts.
+    ``check_failed`` (max_rel_err above threshold), ``skipped`` and ``errors`` counts. For
+    ``auto``, also ``slower_on_nccl``: how many of its slower cases resolved to the ``nccl``
+    backend itself, the very code the ``nccl`` method times, so that their distance from it is
+    the benchmark's noise, not a choice.
     Expects :func:`add_metrics` to have run.
     """
     out: Dict[str, dict] = {}
@@ -138,6 +141,10 @@ def summarize(rows: Sequence[dict]) -> Dict[str, dict]:
                     "skipped": sum(1 for r in mr if r["status"] == "skipped"),
                     "errors": sum(1 for r in mr if r["status"] == "error"),
                 }
+                if meth == "auto":
+                    block[meth]["slower_on_nccl"] = sum(
+                        1 for r in ok if r.get("speedup_vs_nccl") is not None
+                        and r["speedup_vs_nccl"] < 1.0 and r.get("resolved_backend") == "nccl")
             out[op][label] = block
     return out
 
@@ -206,7 +213,9 @@ def format_summary(summary: Dict[str, dict]) -> str:
                     f"{op:8s} {label:8s} {meth:15s} cases={s['cases']:2d}  median eff="
                     + ("   -   " if eff is None else f"{eff * 100:+6.1f}%")
                     + "  geomean speedup=" + ("  -  " if gm is None else f"{gm:.3f}x")
-                    + f"  slower than nccl={s['slower_than_nccl']}  check failed={s['check_failed']}"
+                    + f"  slower than nccl={s['slower_than_nccl']}"
+                    + (f" ({s['slower_on_nccl']} ran nccl itself)" if s.get("slower_on_nccl") else "")
+                    + f"  check failed={s['check_failed']}"
                     + f"  skipped={s['skipped']}  errors={s['errors']}"
                 )
     return "\n".join(lines)
