@@ -28,8 +28,8 @@ import dataclasses
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megatron_flux.tools.tune.from_bench import check_same_machine, local_times, table_benches_out
-from megatron_flux.tuning.schema import Entry, Table, TuningFileError, load_table, write_table
+from megatron_flux.tools.tune.from_bench import check_same_machine, local_times, run_table_tool
+from megatron_flux.tuning.schema import Entry, Table, TuningFileError
 
 
 def _variant_wins(t: Dict[str, float], control: Optional[Dict[str, float]]) -> bool:
@@ -93,15 +93,9 @@ def adopt_variant(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> T
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = table_benches_out(list(sys.argv[1:] if argv is None else argv), __doc__)
-    if args is None:
-        return 2
-    table_path, runs, out = args
-    t = adopt_variant(load_table(table_path), runs)
-    write_table(t, out)
-    n = sum(1 for e in t.entries if "adopted" in (e.notes or {}))
-    print(f"wrote {out}: {len(t.entries)} entries, variant adopted in {n}")
-    return 0
+    return run_table_tool(argv, __doc__, adopt_variant, lambda old, t: (
+        f"{len(t.entries)} entries, variant adopted in "
+        f"{sum(1 for e in t.entries if 'adopted' in (e.notes or {}))}"))
 
 
 if __name__ == "__main__":

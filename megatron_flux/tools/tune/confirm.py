@@ -36,8 +36,8 @@ import dataclasses
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megatron_flux.tools.tune.from_bench import check_same_machine, local_times, table_benches_out
-from megatron_flux.tuning.schema import Entry, Table, TuningFileError, load_table, write_table
+from megatron_flux.tools.tune.from_bench import check_same_machine, local_times, run_table_tool
+from megatron_flux.tuning.schema import Entry, Table
 
 
 def confirm_table(table: Table, bench: Dict[str, Any], bench_source: str) -> Table:
@@ -99,17 +99,13 @@ def confirm_repeats(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) ->
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = table_benches_out(list(sys.argv[1:] if argv is None else argv), __doc__)
-    if args is None:
-        return 2
-    table_path, runs, out = args
-    t = confirm_repeats(load_table(table_path), runs)
-    write_table(t, out)
-    n = sum(1 for e in t.entries if (e.notes or {}).get("confirmed"))
-    fused = sum(1 for e in t.entries if e.flux_ms is not None and e.nccl_ms is not None
-                and e.flux_ms <= e.nccl_ms)
-    print(f"wrote {out}: {len(t.entries)} entries, {n} confirmed, fused not slower in {fused}")
-    return 0
+    def describe(old, t):
+        n = sum(1 for e in t.entries if (e.notes or {}).get("confirmed"))
+        fused = sum(1 for e in t.entries if e.flux_ms is not None and e.nccl_ms is not None
+                    and e.flux_ms <= e.nccl_ms)
+        return f"{len(t.entries)} entries, {n} confirmed, fused not slower in {fused}"
+
+    return run_table_tool(argv, __doc__, confirm_repeats, describe)
 
 
 if __name__ == "__main__":

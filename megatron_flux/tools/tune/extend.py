@@ -23,10 +23,10 @@ import sys
 from typing import Any, Dict, Optional, Sequence
 
 from megatron_flux.kernels.config import default_config
-from megatron_flux.tools.tune.from_bench import check_same_machine, local_nk, measured_pairs, table_benches_out
+from megatron_flux.tools.tune.from_bench import check_same_machine, local_nk, measured_pairs, run_table_tool
 from megatron_flux.tuning import estimate
 from megatron_flux.tuning.keys import normalize_op
-from megatron_flux.tuning.schema import Entry, Table, load_table, write_table
+from megatron_flux.tuning.schema import Entry, Table
 
 
 def _points(table: Table, op: str):
@@ -75,17 +75,15 @@ def extend_table(table: Table, bench: Dict[str, Any], bench_source: str, *,
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     transplant = "--no-transplant" not in argv
-    args = table_benches_out([a for a in argv if a != "--no-transplant"], __doc__)
-    if args is None:
-        return 2
-    table_path, runs, out = args
-    t = load_table(table_path)
-    before = len(t.entries)
-    for bench, source in runs:
-        t = extend_table(t, bench, source, transplant=transplant)
-    write_table(t, out)
-    print(f"wrote {out}: {len(t.entries)} entries ({len(t.entries) - before} measured, untuned)")
-    return 0
+
+    def extend_all(t, runs):
+        for bench, source in runs:
+            t = extend_table(t, bench, source, transplant=transplant)
+        return t
+
+    return run_table_tool([a for a in argv if a != "--no-transplant"], __doc__, extend_all,
+                          lambda old, t: f"{len(t.entries)} entries "
+                                         f"({len(t.entries) - len(old.entries)} measured, untuned)")
 
 
 if __name__ == "__main__":

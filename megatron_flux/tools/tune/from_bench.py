@@ -19,7 +19,7 @@ import sys
 from typing import Any, Dict, Optional, Sequence
 
 from megatron_flux.tuning.keys import normalize_gpu_name, normalize_op
-from megatron_flux.tuning.schema import Entry, Table, TuningFileError, default_filename, write_table
+from megatron_flux.tuning.schema import Entry, Table, TuningFileError, default_filename, load_table, write_table
 
 
 def local_nk(op: str, n: int, k: int, tp: int):
@@ -142,12 +142,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def table_benches_out(argv, doc: str):
-    """The command line ``TABLE BENCH_JSON... OUT`` of :mod:`.confirm` and :mod:`.adopt`:
+    """The command line ``TABLE BENCH_JSON... OUT`` of :func:`run_table_tool`'s tools:
     ``(table path, [(bench JSON, its path)], out path)``, or ``None`` after printing ``doc``
     when too few arguments were given."""
     if len(argv) < 3:
@@ -158,3 +154,22 @@ def table_benches_out(argv, doc: str):
         with open(path, encoding="utf-8") as f:
             runs.append((json.load(f), path))
     return argv[0], runs, argv[-1]
+
+
+def run_table_tool(argv, doc: str, transform, describe) -> int:
+    """``main`` of the tools that turn a table and benchmarks into a table (:mod:`.confirm`,
+    :mod:`.adopt`, :mod:`.retime`, :mod:`.extend`): read ``TABLE BENCH_JSON... OUT``, write
+    ``transform(table, runs)`` to ``OUT`` and print ``describe(old, new)``."""
+    args = table_benches_out(list(sys.argv[1:] if argv is None else argv), doc)
+    if args is None:
+        return 2
+    table_path, runs, out = args
+    old = load_table(table_path)
+    new = transform(old, runs)
+    write_table(new, out)
+    print(f"wrote {out}: {describe(old, new)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,8 +20,8 @@ import dataclasses
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megatron_flux.tools.tune.from_bench import check_same_machine, local_times, table_benches_out
-from megatron_flux.tuning.schema import Entry, Table, TuningFileError, load_table, write_table
+from megatron_flux.tools.tune.from_bench import check_same_machine, local_times, run_table_tool
+from megatron_flux.tuning.schema import Entry, Table, TuningFileError
 
 
 def retime_table(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> Table:
@@ -66,17 +66,9 @@ def retime_table(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> Ta
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = table_benches_out(list(sys.argv[1:] if argv is None else argv), __doc__)
-    if args is None:
-        return 2
-    table_path, runs, out = args
-    old = load_table(table_path)
-    t = retime_table(old, runs)
-    write_table(t, out)
-    fused = sum(1 for e in t.entries if e.flux_ms <= e.nccl_ms)
-    print(f"wrote {out}: {len(t.entries)} of {len(old.entries)} entries re-timed with kernel "
-          f"version {t.kernel_version}; fused not slower in {fused}")
-    return 0
+    return run_table_tool(argv, __doc__, retime_table, lambda old, t: (
+        f"{len(t.entries)} of {len(old.entries)} entries re-timed with kernel version "
+        f"{t.kernel_version}; fused not slower in {sum(1 for e in t.entries if e.flux_ms <= e.nccl_ms)}"))
 
 
 if __name__ == "__main__":
