@@ -30,3 +30,24 @@ def test_no_test_file_edits_sys_path():
     edits = [str(p.relative_to(TESTS)) for p in _test_files("unit") + _test_files("gpu")
              if re.search(r"sys\.path\.(insert|append)|sys\.path\[", p.read_text())]
     assert not edits, f"test files that edit sys.path (use helpers / pyproject pythonpath): {edits}"
+
+
+def test_the_device_test_split_runs_every_gpu_test():
+    """benchmarks/device_tests.sh names GPU test files, or test functions of a file it splits
+    across GPUs: every test function of tests/gpu must be reached, or a new one would never run
+    on the GPU machine."""
+    import ast
+
+    script = (REPO / "benchmarks" / "device_tests.sh").read_text()
+    (split_file,) = re.findall(r"^K=(\S+)$", script, flags=re.M)
+    named = {path.replace("$K", split_file)
+             for value in re.findall(r"TESTS_PATHS=(\S+)", script) for path in value.split(",")}
+    missing = []
+    for path in _test_files("gpu"):
+        rel = f"tests/gpu/{path.name}"
+        if rel in named:
+            continue
+        functions = [node.name for node in ast.parse(path.read_text()).body
+                     if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")]
+        missing += [f"{rel}::{f}" for f in functions if f"{rel}::{f}" not in named]
+    assert not missing, f"GPU tests benchmarks/device_tests.sh does not run: {missing}"
