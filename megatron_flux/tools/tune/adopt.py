@@ -24,11 +24,10 @@ become the A/B's, so a later confirmation compares against its new config's time
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megatron_flux.tools.tune.from_bench import check_same_machine, local_times, run_table_tool
+from megatron_flux.tools.tune.from_bench import check_same_machine, local_times, run_table_tool, with_search
 from megatron_flux.tuning.schema import Entry, Table, TuningFileError
 
 
@@ -84,12 +83,9 @@ def adopt_variant(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> T
         entries.append(Entry(op=e.op, n=e.n, k=e.k, m=e.m, config=config, tuned=e.tuned,
                              flux_ms=worst["flux_variant"], nccl_ms=worst["nccl"], notes=notes))
         adopted += 1
-    extra = dict(table.extra or {})
-    search = dict(extra.get("search") or {})
-    search["adopted"] = list(search.get("adopted") or []) + [
-        {"fields": dict(fields), "benches": [s for _, s in runs], "entries": adopted}]
-    extra["search"] = search
-    return dataclasses.replace(table, entries=entries, extra=extra)
+    earlier = list(dict((table.extra or {}).get("search") or {}).get("adopted") or [])
+    return with_search(table, entries, {"adopted": earlier + [
+        {"fields": dict(fields), "benches": [s for _, s in runs], "entries": adopted}]})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -32,11 +32,10 @@ large- and the small-m grid) that is the same as one confirmation after the othe
 
 from __future__ import annotations
 
-import dataclasses
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
-from megatron_flux.tools.tune.from_bench import check_same_machine, local_times, run_table_tool
+from megatron_flux.tools.tune.from_bench import least_favourable, run_table_tool, times_by_shape, with_search
 from megatron_flux.tuning.schema import Entry, Table
 
 
@@ -50,11 +49,7 @@ def confirm_repeats(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) ->
     of its tuning run and the runs that ran its shape is least favourable to fused."""
     if not runs:
         raise ValueError("confirm_repeats needs at least one benchmark")
-    ran: Dict[tuple, List[Tuple[str, Dict[str, float]]]] = {}
-    for bench, source in runs:
-        check_same_machine(bench, table, source)
-        for key, b in local_times(bench, source).items():
-            ran.setdefault(key, []).append((source, b))
+    ran = times_by_shape(table, runs)
     sources = [source for _, source in runs]
     entries = []
     confirmed = kept = 0
@@ -68,7 +63,7 @@ def confirm_repeats(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) ->
                 notes["confirmed"] = False
             entries.append(Entry(**{**e.__dict__, "notes": notes}))
             continue
-        source, b = max(hits, key=lambda h: h[1]["flux"] / h[1]["nccl"])
+        source, b = least_favourable(hits)
         tune_flux = float(notes.get("tune_flux_ms", e.flux_ms))
         tune_nccl = float(notes.get("tune_nccl_ms", e.nccl_ms))
         notes.update(tune_flux_ms=tune_flux, tune_nccl_ms=tune_nccl, bench_flux_ms=b["flux"],
@@ -82,7 +77,6 @@ def confirm_repeats(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) ->
         entries.append(Entry(op=e.op, n=e.n, k=e.k, m=e.m, config=e.config, tuned=e.tuned,
                              flux_ms=flux_ms, nccl_ms=nccl_ms, notes=notes))
         confirmed += 1
-    extra = dict(table.extra or {})
     earlier = sorted({e.notes["bench_source"] for e in entries
                       if e.notes.get("confirmed") and e.notes.get("bench_source") not in sources})
     confirmed_by = {"bench": sources[-1], "entries": confirmed, "kept_from_earlier": kept,
@@ -94,8 +88,7 @@ def confirm_repeats(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) ->
         confirmed_by["rule"] = ("times of the run less favourable to fused (larger flux/nccl) of "
                                 "the entry's tuning run and every benchmark of this confirmation "
                                 "that ran it")
-    extra["search"] = {**dict(extra.get("search") or {}), "confirmed_by": confirmed_by}
-    return dataclasses.replace(table, entries=entries, extra=extra)
+    return with_search(table, entries, {"confirmed_by": confirmed_by})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -18,12 +18,11 @@ entry's config as it stands)
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Any, Dict, Optional, Sequence
 
 from megatron_flux.kernels.config import default_config
-from megatron_flux.tools.tune.from_bench import check_same_machine, local_nk, measured_pairs, run_table_tool
+from megatron_flux.tools.tune.from_bench import check_same_machine, local_nk, measured_pairs, run_table_tool, with_search
 from megatron_flux.tuning import estimate
 from megatron_flux.tuning.keys import normalize_op
 from megatron_flux.tuning.schema import Entry, Table
@@ -64,12 +63,9 @@ def extend_table(table: Table, bench: Dict[str, Any], bench_source: str, *,
                            flux_ms=float(meth["flux"]["median_ms"]),
                            nccl_ms=float(meth["nccl"]["median_ms"]), notes=notes))
         have.add((op, ln, lk, int(m)))
-    extra = dict(table.extra or {})
-    search = dict(extra.get("search") or {})
-    search["extended_by"] = list(search.get("extended_by") or []) + [
-        {"bench": bench_source, "entries": len(added)}]
-    extra["search"] = search
-    return dataclasses.replace(table, entries=list(table.entries) + added, extra=extra)
+    earlier = list(dict((table.extra or {}).get("search") or {}).get("extended_by") or [])
+    return with_search(table, list(table.entries) + added, {"extended_by": earlier + [
+        {"bench": bench_source, "entries": len(added)}]})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -13,10 +13,11 @@ medians (communication on, max over ranks per trial). Only rows where both ``flu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron_flux.tuning.keys import normalize_gpu_name, normalize_op
 from megatron_flux.tuning.schema import Entry, Table, TuningFileError, default_filename, load_table, write_table
@@ -58,15 +59,46 @@ def local_times(bench: Dict[str, Any], source: str, methods: Sequence[str] = ("f
     return out
 
 
+def times_by_shape(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]],
+                   kernel_version: Optional[int] = None) -> Dict[tuple, List[Tuple[str, Dict[str, float]]]]:
+    """``{(op, local n, local k, m): [(source, {method: median ms}), ...]}`` over ``runs``, in
+    run order, each run checked to come from ``table``'s machine (:func:`check_same_machine`)."""
+    ran: Dict[tuple, List[Tuple[str, Dict[str, float]]]] = {}
+    for bench, source in runs:
+        check_same_machine(bench, table, source, kernel_version)
+        for key, times in local_times(bench, source).items():
+            ran.setdefault(key, []).append((source, times))
+    return ran
+
+
+def least_favourable(hits: Sequence[Tuple[str, Dict[str, float]]]) -> Tuple[str, Dict[str, float]]:
+    """Of several runs' ``(source, times)`` of one shape, the one least favourable to the fused
+    kernel (largest flux/nccl)."""
+    return max(hits, key=lambda h: h[1]["flux"] / h[1]["nccl"])
+
+
+def with_search(table: Table, entries, search: Dict[str, Any], drop: Sequence[str] = (),
+                **extra: Any) -> Table:
+    """``table`` with ``entries``, its ``search`` record updated by ``search`` (less the keys in
+    ``drop``) and its other metadata by ``extra``: how each table tool records what it did."""
+    merged = dict(table.extra or {})
+    merged.update(extra)
+    record = {k: v for k, v in dict(merged.get("search") or {}).items() if k not in drop}
+    record.update(search)
+    merged["search"] = record
+    return dataclasses.replace(table, entries=list(entries), extra=merged)
+
+
 def bench_gpus(bench: Dict[str, Any]) -> set:
     """The GPU model names a benchmark ran on: every rank's (``env.gpus``), else its ``gpu``."""
     return set((bench.get("env") or {}).get("gpus") or [bench.get("gpu")])
 
 
-def check_same_machine(bench: Dict[str, Any], table: Table, source: str) -> None:
+def check_same_machine(bench: Dict[str, Any], table: Table, source: str,
+                       kernel_version: Optional[int] = None) -> None:
     """Raise :class:`TuningFileError` unless the benchmark ran where ``table`` applies: the same
-    TP, GPU model (normalised name), SM count and kernel version (where the benchmark recorded
-    them) and dtype. Times from another GPU must never confirm or change a table (the lender
+    TP, GPU model (normalised name), SM count and kernel version (the table's, or
+    ``kernel_version`` when given: a re-timing; where the benchmark recorded them) and dtype. Times from another GPU must never confirm or change a table (the lender
     may serve an H200 request with H100s, and the H100 ranks configs differently), nor times of
     other kernels."""
     if int(bench.get("tp", -1)) != table.tp:
@@ -80,9 +112,10 @@ def check_same_machine(bench: Dict[str, Any], table: Table, source: str) -> None
     if sms is not None and int(sms) != table.sms:
         raise TuningFileError(source, "env.sms", f"{sms} != the table's {table.sms}")
     kv = (bench.get("env") or {}).get("kernel_version")
-    if kv is not None and int(kv) != table.kernel_version:  # (benchmarks record it since version 1)
+    want = table.kernel_version if kernel_version is None else kernel_version
+    if kv is not None and int(kv) != want:  # (benchmarks record it since version 1)
         raise TuningFileError(source, "env.kernel_version",
-                              f"{kv} != the table's {table.kernel_version}: times of other kernels")
+                              f"{kv} != the table's {want}: times of other kernels")
     if bench.get("dtype", table.dtype) != table.dtype:
         raise TuningFileError(source, "dtype", f"{bench.get('dtype')} != the table's {table.dtype}")
 

@@ -16,11 +16,10 @@ searched with the older kernels and are not searched again: each entry's notes s
 
 from __future__ import annotations
 
-import dataclasses
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
-from megatron_flux.tools.tune.from_bench import check_same_machine, local_times, run_table_tool
+from megatron_flux.tools.tune.from_bench import least_favourable, run_table_tool, times_by_shape, with_search
 from megatron_flux.tuning.schema import Entry, Table, TuningFileError
 
 
@@ -33,19 +32,13 @@ def retime_table(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> Ta
         raise TuningFileError(runs[0][1], "env.kernel_version",
                               f"the benchmarks must record one kernel version, got {sorted(versions)}")
     (version,) = versions
-    # the machine must match; the kernel version is what changes
-    like = dataclasses.replace(table, extra={**dict(table.extra or {}), "kernel_version": version})
-    ran: Dict[tuple, List[Tuple[str, Dict[str, float]]]] = {}
-    for bench, source in runs:
-        check_same_machine(bench, like, source)
-        for key, times in local_times(bench, source).items():
-            ran.setdefault(key, []).append((source, times))
+    ran = times_by_shape(table, runs, kernel_version=version)  # the machine must match
     entries = []
     for e in table.entries:
         hits = ran.get((e.op, e.n, e.k, e.m))
         if not hits:
             continue
-        source, t = max(hits, key=lambda h: h[1]["flux"] / h[1]["nccl"])
+        source, t = least_favourable(hits)
         notes = {k: v for k, v in (e.notes or {}).items()
                  if k in ("model", "candidates", "passed_check", "finalists")}
         notes.update(config_kernel_version=table.kernel_version, bench_source=source,
@@ -54,15 +47,12 @@ def retime_table(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> Ta
             notes["bench_runs"] = [s for s, _ in hits]
         entries.append(Entry(op=e.op, n=e.n, k=e.k, m=e.m, config=e.config, tuned=e.tuned,
                              flux_ms=t["flux"], nccl_ms=t["nccl"], notes=notes))
-    extra = dict(table.extra or {})
-    extra["kernel_version"] = version
-    search = dict(extra.get("search") or {})
-    search.pop("confirmed_by", None)  # the earlier confirmation timed other kernels
-    search["retimed_by"] = {"benches": [s for _, s in runs], "entries": len(entries),
-                            "dropped": len(table.entries) - len(entries),
-                            "configs_from_kernel_version": table.kernel_version}
-    extra["search"] = search
-    return dataclasses.replace(table, entries=entries, extra=extra)
+    retimed_by = {"benches": [s for _, s in runs], "entries": len(entries),
+                  "dropped": len(table.entries) - len(entries),
+                  "configs_from_kernel_version": table.kernel_version}
+    # (the earlier confirmation timed other kernels)
+    return with_search(table, entries, {"retimed_by": retimed_by}, drop=("confirmed_by",),
+                       kernel_version=version)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
