@@ -68,6 +68,15 @@ with_connections() {  # with_connections CMD...: CMD under BENCH_CONNECTIONS (de
     fi
 }
 
+op_bench() {  # op_bench NAME ARGS...: the op benchmark with ARGS, 20 calls a timed block, under
+    # BENCH_CONNECTIONS and BENCH_TIMEOUT -> $OUT/NAME.{json,png,log}; prints its exit and summary
+    local name="$1"; shift
+    with_connections timeout "${BENCH_TIMEOUT:-420}" "${TORCHRUN[@]}" -m megatron_flux.tools.cli bench \
+        "$@" --iters 20 --out-json "${OUT}/${name}.json" --out-png "${OUT}/${name}.png" \
+        > "${OUT}/${name}.log" 2>&1
+    echo "   exit $? (${SECONDS}s)"; grep -A12 "^summary" "${OUT}/${name}.log" | head -14
+}
+
 for stage in "$@"; do
     echo "== ${stage} ($(date +%T), ${SECONDS}s)"
     case "${stage}" in
@@ -81,28 +90,21 @@ for stage in "$@"; do
         # shellcheck disable=SC2086
         PYTEST_VERBOSITY="${PYTEST_VERBOSITY:--v}" gpu_tests "${TESTS_TIMEOUT:-480}" tests-gpu ${TESTS_PATHS:-} ;;
     bench)
-        with_connections timeout "${BENCH_TIMEOUT:-420}" "${TORCHRUN[@]}" -m megatron_flux.tools.cli bench \
-            --m-set "${BENCH_M_SET:-large}" \
-            --methods cublas_gemm comm nccl torch_async_tp flux auto --trials 5 --iters 20 \
-            --out-json "${OUT}/bench.json" --out-png "${OUT}/bench.png" > "${OUT}/bench.log" 2>&1
-        echo "   exit $? (${SECONDS}s)"; grep -A12 "^summary" "${OUT}/bench.log" | head -14 ;;
+        op_bench bench --m-set "${BENCH_M_SET:-large}" \
+            --methods cublas_gemm comm nccl torch_async_tp flux auto --trials 5 ;;
     unseen)
         # shellcheck disable=SC2086
-        with_connections timeout "${BENCH_TIMEOUT:-420}" "${TORCHRUN[@]}" -m megatron_flux.tools.cli bench \
+        op_bench bench-unseen \
             --model-shapes ${UNSEEN_MODELS:-qwen2.5-7b:3584:37888:18944 mistral-nemo-12b:5120:28672:14336 \
                 llama2-13b:5120:27648:13824 gpt-neox-20b:6144:24576:24576} \
             --ms ${UNSEEN_MS:-256 1024 2048 4096 8192} ${UNSEEN_EXTRA:-} --methods cublas_gemm comm nccl flux auto \
-            --trials 5 --iters 20 --out-json "${OUT}/bench-unseen.json" --out-png "${OUT}/bench-unseen.png" \
-            > "${OUT}/bench-unseen.log" 2>&1
-        echo "   exit $? (${SECONDS}s)"; grep -A12 "^summary" "${OUT}/bench-unseen.log" | head -14 ;;
+            --trials 5 ;;
     ab)
         [ -f "${AB_VARIANT:-}" ] || { echo "ab: set AB_VARIANT to a JSON file of config fields"; exit 2; }
         # shellcheck disable=SC2086
-        with_connections timeout "${BENCH_TIMEOUT:-420}" "${TORCHRUN[@]}" -m megatron_flux.tools.cli bench \
-            ${AB_CASES:---m-set ${BENCH_M_SET:-large}} --methods cublas_gemm nccl flux flux_variant flux_control \
-            --flux-variant "$(cat "${AB_VARIANT}")" --trials "${AB_TRIALS:-21}" --iters 20 \
-            --out-json "${OUT}/ab.json" --out-png "${OUT}/ab.png" > "${OUT}/ab.log" 2>&1
-        echo "   exit $? (${SECONDS}s)"; grep -A12 "^summary" "${OUT}/ab.log" | head -14 ;;
+        op_bench ab ${AB_CASES:---m-set ${BENCH_M_SET:-large}} \
+            --methods cublas_gemm nccl flux flux_variant flux_control \
+            --flux-variant "$(cat "${AB_VARIANT}")" --trials "${AB_TRIALS:-21}" ;;
     kvc)
         for op in AG+GEMM GEMM+RS; do
             name="kvc-$([ "${op}" = AG+GEMM ] && echo ag || echo rs)"
