@@ -18,18 +18,23 @@ was slower than NCCL at all, and the geometric mean and the maximum over the ent
 chosen backend's time over NCCL's (NCCL counts 1.0). ``oracle`` is that mean with every choice
 right.
 
-``python -m megatron_flux.tools.auto_eval [TABLE.json ...] [--margin 0.02] [--out JSON]``
+``--held-out BENCH...`` also scores models the tables never saw, measured by the op benchmark on
+a table's machine: each case is decided from the table without the entries any of these
+benchmarks added (:mod:`megatron_flux.tools.tune.extend`), and scored by its measured times.
+
+``python -m megatron_flux.tools.auto_eval [TABLE.json ...] [--margin 0.02] [--held-out BENCH.json ...] [--out JSON]``
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
 import os
 import sys
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_flux.tuning import estimate as E
 
@@ -44,30 +49,66 @@ def _points(table) -> Dict[str, List[E.Point]]:
     return out
 
 
+def _choice_record(op: str, p: E.Point, known: List[E.Point], est: E.Estimator, tp: int,
+                   margin: float) -> dict:
+    """``p`` (measured) and each rule's choice for it from the ``known`` entries alone."""
+    got = est.decide(p.m, p.n, p.k, margin)
+    near = E.nearest(known, p.m, p.n, p.k, reach=math.inf)
+    choice = {
+        "estimate": got.fused if got is not None else E.size_rule(op, p.m, tp),
+        "size_rule": E.size_rule(op, p.m, tp),
+        "old_1024": p.m >= 1024,
+        "nearest": bool(near) and near[0][1].ratio <= 1.0 - margin,
+    }
+    return {"op": op, "n": p.n, "k": p.k, "m": p.m, "ratio": round(p.ratio, 4), "choice": choice,
+            "estimate_from": ("size rule" if got is None else f"{got.ratio:.3f} x {got.allowance:.3f}")}
+
+
 def leave_out_choices(table, margin: float) -> List[dict]:
     """One record per entry with times: the entry and each rule's choice with its family hidden."""
-    limit = 1.0 - margin
     records = []
     for op, points in _points(table).items():
         for fam in sorted({p.family for p in points}):
             rest = [p for p in points if p.family != fam]
             est = E.Estimator(rest)
             for p in sorted((p for p in points if p.family == fam), key=lambda p: p.m):
-                got = est.decide(p.m, p.n, p.k, margin)
-                near = E.nearest(rest, p.m, p.n, p.k, reach=math.inf)
-                choice = {
-                    "estimate": got.fused if got is not None else E.size_rule(op, p.m, table.tp),
-                    "size_rule": E.size_rule(op, p.m, table.tp),
-                    "old_1024": p.m >= 1024,
-                    "nearest": bool(near) and near[0][1].ratio <= limit,
-                }
-                records.append({
-                    "op": op, "n": p.n, "k": p.k, "m": p.m, "ratio": round(p.ratio, 4),
-                    "choice": choice,
-                    "estimate_from": ("size rule" if got is None else
-                                      f"{got.ratio:.3f} x {got.allowance:.3f}"),
-                })
+                records.append(_choice_record(op, p, rest, est, table.tp, margin))
     return records
+
+
+def held_out_choices(table, bench: dict, drop_sources: Sequence[str], margin: float) -> List[dict]:
+    """One record per case of ``bench`` (a benchmark with ``flux`` and ``nccl`` on ``table``'s
+    machine): each rule's choice from ``table`` without the entries that ``drop_sources`` added
+    (``notes.measured_by``, :mod:`megatron_flux.tools.tune.extend`), i.e. as if those
+    benchmarks had never run."""
+    from megatron_flux.tools.tune.from_bench import check_same_machine, local_times
+
+    check_same_machine(bench, table, "held-out benchmark")
+    kept = [e for e in table.entries if (e.notes or {}).get("measured_by") not in drop_sources]
+    known = _points(dataclasses.replace(table, entries=kept))
+    estimators = {op: E.Estimator(points) for op, points in known.items()}
+    records = []
+    for (op, n, k, m), t in sorted(local_times(bench, "held-out benchmark").items()):
+        p = E.Point(m, n, k, t["flux"] / t["nccl"], None)
+        records.append(_choice_record(op, p, known[op], estimators[op], table.tp, margin))
+    return records
+
+
+def evaluate_held_out(table, benches: Sequence[Tuple[dict, str]], margin: float) -> Dict[str, dict]:
+    """``{bench path: {op: scores}}`` for each of ``benches`` that ran on ``table``'s machine,
+    decided from ``table`` without the entries any of them added."""
+    from megatron_flux.tuning.schema import TuningFileError
+
+    drop = [path for _, path in benches]
+    out: Dict[str, dict] = {}
+    for bench, path in benches:
+        try:
+            records = held_out_choices(table, bench, drop, margin)
+        except TuningFileError:  # another machine's benchmark
+            continue
+        out[path] = {op: scores([r for r in records if r["op"] == op], margin)
+                     for op in ("ag", "rs") if any(r["op"] == op for r in records)}
+    return out
 
 
 def score(records: Sequence[dict], rule: str, margin: float) -> dict:
@@ -84,21 +125,28 @@ def score(records: Sequence[dict], rule: str, margin: float) -> dict:
     }
 
 
-def evaluate(table, margin: float) -> dict:
-    records = leave_out_choices(table, margin)
+def scores(records: Sequence[dict], margin: float) -> dict:
+    """The oracle, every rule's :func:`score` and its false fused choices, over ``records``."""
     limit = 1.0 - margin
-    allowance = {op: E.Estimator(points).allowance(margin) for op, points in _points(table).items()}
     return {
-        "gpu": table.gpu_name, "sms": table.sms, "tp": table.tp, "dtype": table.dtype,
-        "kernel_version": table.kernel_version, "stale": table.stale, "entries": len(records),
-        "allowance_from_whole_table": {op: (round(a, 4) if a is not None else None)
-                                       for op, a in allowance.items()},
         "oracle_geomean_vs_nccl": round(math.exp(sum(math.log(min(r["ratio"], 1.0)) if r["ratio"] <= limit
                                                      else 0.0 for r in records) / len(records)), 4),
         "rules": {rule: score(records, rule, margin) for rule in RULES},
         "false_fused": {rule: [f"{r['op']} n={r['n']} k={r['k']} m={r['m']} ({r['ratio']})"
                                for r in records if r["choice"][rule] and r["ratio"] > limit]
                         for rule in RULES},
+    }
+
+
+def evaluate(table, margin: float) -> dict:
+    records = leave_out_choices(table, margin)
+    allowance = {op: E.Estimator(points).allowance(margin) for op, points in _points(table).items()}
+    return {
+        "gpu": table.gpu_name, "sms": table.sms, "tp": table.tp, "dtype": table.dtype,
+        "kernel_version": table.kernel_version, "stale": table.stale, "entries": len(records),
+        "allowance_from_whole_table": {op: (round(a, 4) if a is not None else None)
+                                       for op, a in allowance.items()},
+        **scores(records, margin),
     }
 
 
@@ -151,6 +199,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("tables", nargs="*", help="tuning tables (default: the shipped ones)")
     p.add_argument("--margin", type=float, default=0.02, help="auto's margin (default 0.02)")
+    p.add_argument("--held-out", nargs="+", default=[], metavar="BENCH",
+                   help="benchmarks of shapes (models) to decide as if unseen: from each table of "
+                        "their machine without the entries any of them added (tools.tune.extend)")
     p.add_argument("--out", help="also write the results as JSON")
     args = p.parse_args(argv)
     if not 0.0 <= args.margin < 1.0:
@@ -163,6 +214,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     record = {
         "command": "python -m megatron_flux.tools.auto_eval" + "".join(f" {t}" for t in args.tables)
                    + (f" --margin {args.margin}" if args.margin != 0.02 else "")
+                   + (" --held-out" + "".join(f" {b}" for b in args.held_out) if args.held_out else "")
                    + (f" --out {args.out}" if args.out else ""),
         "date": datetime.date.today().isoformat(), "margin": args.margin,
         "constants": {"m_weight": E.M_WEIGHT, "reach": E.REACH, "k_nearest": E.K_NEAREST,
@@ -176,6 +228,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         name = os.path.basename(path)
         print(format_result(name, res))
         record["tables"][name] = res
+    held_out = [(json.load(open(path, encoding="utf-8")), path) for path in args.held_out]
+    if held_out:
+        record["held_out_benches"] = list(args.held_out)
+        record["held_out"] = {}
+        for path, table in zip(files, tables):
+            res = evaluate_held_out(table, held_out, args.margin)
+            if res:
+                record["held_out"][os.path.basename(path)] = res
+            for bench, ops in res.items():
+                for op, s in ops.items():
+                    est = s["rules"]["estimate"]
+                    print(f"held out {os.path.basename(bench)} on {os.path.basename(path)}, {op}: "
+                          f"estimate {est['geomean_vs_nccl']:.3f}x NCCL (oracle "
+                          f"{s['oracle_geomean_vs_nccl']:.3f}x), slower than nccl "
+                          f"{est['fused_slower_than_nccl']}, worst {est['worst_vs_nccl']:.3f}x")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1)

@@ -339,7 +339,7 @@ def test_the_committed_evaluation_is_current():
     or a shipped table changes."""
     import glob
 
-    from megatron_flux.tools.auto_eval import evaluate
+    from megatron_flux.tools.auto_eval import evaluate, evaluate_held_out
 
     (path,) = glob.glob(os.path.join(REPO, "benchmarks", "results", "auto-rule-eval-*.json"))
     committed = json.load(open(path))
@@ -349,6 +349,10 @@ def test_the_committed_evaluation_is_current():
         E.M_WEIGHT, E.REACH, E.K_NEAREST, E.ROW_SHIFT)
     for p in registry.shipped_table_files():
         assert committed["tables"][os.path.basename(p)] == evaluate(schema.load_table(p), committed["margin"])
+    benches = [(json.load(open(os.path.join(REPO, b))), b) for b in committed["held_out_benches"]]
+    for p in registry.shipped_table_files():
+        held = evaluate_held_out(schema.load_table(p), benches, committed["margin"])
+        assert committed["held_out"].get(os.path.basename(p), {}) == held
 
 
 def test_a_config_transplanted_to_an_unseen_shape_gets_its_stream_k_tail():
