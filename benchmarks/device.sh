@@ -27,6 +27,9 @@
 #               m = 4096 and 8192), with a profile of flux's host path          -> host.{json,log}
 #   sections    where a layer call's host time goes, section by section, nccl and flux
 #               (benchmarks/experiments/host_sections.py, m = 4096)           -> sections.{json,log}
+#   launchab    host time per layer call of the launch paths, alternating in one process: nccl,
+#               flux with the raw C launch, through CompiledKernel.run, through Triton
+#               (benchmarks/experiments/host_launch_ab.py, m = 4096)         -> launch-ab.{json,log}
 #   matrix      the end-to-end matrix's cells MATRIX_CELLS (benchmarks/e2e_matrix.py; MATRIX_ARGS
 #               pass through)                              -> matrix/<cell>.json, matrix-meta.json
 #   interleave  the training job with the backends rotated in one process
@@ -136,6 +139,10 @@ for stage in "$@"; do
         timeout "${HOST_TIMEOUT:-150}" "${TORCHRUN[@]}" benchmarks/experiments/host_sections.py \
             --out "${OUT}/sections.json" > "${OUT}/sections.log" 2>&1
         echo "   exit $? (${SECONDS}s)"; tail -30 "${OUT}/sections.log" ;;
+    launchab)
+        timeout "${HOST_TIMEOUT:-150}" "${TORCHRUN[@]}" benchmarks/experiments/host_launch_ab.py \
+            --trials "${LAUNCHAB_TRIALS:-15}" --out "${OUT}/launch-ab.json" > "${OUT}/launch-ab.log" 2>&1
+        echo "   exit $? (${SECONDS}s)"; tail -16 "${OUT}/launch-ab.log" ;;
     matrix)
         # the end-to-end matrix cells in MATRIX_CELLS (benchmarks/e2e_matrix.py; resumable)
         use_carried_megatron
@@ -150,7 +157,7 @@ for stage in "$@"; do
     cachepack)
         pack_triton_cache ;;
     *)
-        echo "unknown stage ${stage}; stages: main tests bench unseen ab kvc tune host sections matrix interleave e2e cachepack"
+        echo "unknown stage ${stage}; stages: main tests bench unseen ab kvc tune host sections launchab matrix interleave e2e cachepack"
         exit 2 ;;
     esac
 done

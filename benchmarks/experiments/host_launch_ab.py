@@ -5,16 +5,19 @@ on a 2xH100 host, more than the effect. Here one process holds every variant and
 them trial by trial (order shuffled per trial, seeded):
 
 * ``nccl``: the reference backend (NCCL + cuBLAS);
-* ``flux run``: the fused backend, kernels launched directly through ``CompiledKernel.run``
-  (:mod:`megatron_flux.kernels.launch`, the default);
+* ``flux raw``: the fused backend, kernels launched through Triton's generated C launcher with
+  addresses, encoded descriptors and scratch kept (:class:`~megatron_flux.kernels.launch.RawLaunch`,
+  the default where the Triton is one it knows);
+* ``flux run``: launched directly through ``CompiledKernel.run`` (``KernelLauncher.raw =
+  False``);
 * ``flux triton``: launched through Triton's ``JITFunction.run``
-  (``MEGATRON_FLUX_DIRECT_LAUNCH=0``).
+  (``FluxOptions.direct_launch = False``).
 
 Per variant and op (column fc1 / row fc2 layer call, forward + backward, m = 4096 by
 default): the host issue time per call of a loop of ``--iters`` back-to-back calls (no sync
 inside), median and quartiles over ``--trials``; and the GPU time of the same loops. Then,
 paired trial by trial, each variant against ``nccl`` and each other fused variant against
-``flux run``: the median difference, how often it was lower, and a 90 % bootstrap interval
+``flux raw``: the median difference, how often it was lower, and a 90 % bootstrap interval
 (``paired`` in the JSON). ``--from-json RUN... --out F`` prints and records the same for
 saved runs, without a GPU.
 
@@ -32,16 +35,22 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_flux.kernels import launch as L
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from host_overhead import init_tp, layer_ops, paired_summary, run_record  # noqa: E402
 
-VARIANTS = {  # label: (backend, $MEGATRON_FLUX_DIRECT_LAUNCH)
-    "nccl": ("nccl", "1"),
-    "flux run": ("flux", "1"),
-    "flux triton": ("flux", "0"),
+VARIANTS = {  # label: (backend, FluxOptions.direct_launch, KernelLauncher.raw)
+    "nccl": ("nccl", True, True),
+    "flux raw": ("flux", True, True),
+    "flux run": ("flux", True, False),
+    "flux triton": ("flux", False, True),
 }
+
+
+def _launchers():
+    from megatron_flux.kernels import ag_gemm, ag_gemm_ws, gemm_rs, gemm_rs_ws, ready_barrier, rs_reduce
+
+    mods = (ag_gemm, ag_gemm_ws, gemm_rs, gemm_rs_ws, ready_barrier, rs_reduce)
+    return [m._LAUNCH for m in mods if m._LAUNCH is not None]
 
 
 def _loop(fn, iters):
@@ -69,11 +78,11 @@ def paired_rows(samples, variants):
     against ``flux run`` (:func:`host_overhead.paired_summary`: trial-by-trial differences)."""
     ops = sorted({op for _, op in samples})
     out = []
-    for ref in ("nccl", "flux run"):
+    for ref in ("nccl", "flux raw"):
         if ref not in variants:
             continue
         for v in variants:
-            if v == ref or (ref == "flux run" and v == "nccl"):
+            if v == ref or (ref == "flux raw" and v == "nccl"):
                 continue
             for op in ops:
                 var = [h for h, _ in samples[(v, op)]]
@@ -133,8 +142,15 @@ def main():
                                                     2 * args.ffn, args.ffn, dt, generator=gen)}
            for v in args.variants}
 
+    from megatron_flux.backends.registry import get_backend
+
+    flux = get_backend("flux")
+
     def select(variant):
-        os.environ[L.ENV_DIRECT_LAUNCH] = VARIANTS[variant][1]
+        _, direct, raw = VARIANTS[variant]
+        flux.set_options(flux.options.replace(direct_launch=direct))
+        for launcher in _launchers():
+            launcher.raw = raw
 
     for v in args.variants:  # compile and warm every path
         select(v)

@@ -87,6 +87,7 @@ def _targets():
         (ready_barrier, "launch_ready_barrier", "launch_ready_barrier"),
         (launch.KernelLauncher, "__call__", "KernelLauncher.__call__"),
         (launch, "specialization_key", "specialization_key"),
+        (launch.RawLaunch, "__call__", "RawLaunch.__call__ (Triton's C launcher)"),
         (JITFunction, "run", "triton JITFunction.run"),
         (nvdriver.CudaLauncher, "__call__", "triton CudaLauncher.__call__"),
         (nvdriver, "make_tensordesc_arg", "triton make_tensordesc_arg"),

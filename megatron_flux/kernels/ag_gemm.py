@@ -42,8 +42,8 @@ import triton.language as tl
 from megatron_flux.kernels.config import interpreting, launch_geometry, unroll_steps
 from megatron_flux.kernels.descriptors import b_descriptor, ensure_descriptor_allocator, \
     host_descriptor, segments_descriptor
-from megatron_flux.kernels import ag_gemm_ws
-from megatron_flux.kernels.launch import KernelLauncher
+from megatron_flux.kernels import ag_gemm_ws, stream_k
+from megatron_flux.kernels.launch import KernelLauncher, LaunchPlan, ShapePlans
 from megatron_flux.kernels.mainloop import split_columns, tile_mainloop, tile_mainloop_k
 from megatron_flux.kernels.phase_trace import stamp
 from megatron_flux.kernels.signals import fence_async_proxy, wait_signal
@@ -479,41 +479,29 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
                                                 max_spins=max_spins,
                                                 host_descriptors=host_descriptors, direct=direct)
         ag_gemm_ws.warn_fallback(reason)
-    merge = world > 1 and cfg.ag_merge_local  # the local rows are read from `ag` too
-    gathered = merge and cfg.ag_merge_lead == 0  # ... as one operand with the peers' rows
-    # stream-K's tiles follow the per-segment order: off when the segments are merged
-    mode = 0 if not stream_k_fits("AG+GEMM", cfg) or merge else cfg.stream_k
     host_desc = bool(host_descriptors)
-    last_plan = {"sk_tiles": 0}  # of the kernel compiled or launched last
+    key = (m_local, n, k, b.stride(0), b.stride(1), world, id(cfg), num_sms, trace is None,
+           host_desc, interpreting(), stream_k.fallback_generation())
+    plan = _PLANS.get(key, cfg, lambda: _launch_plan(m_local, n, b, world, cfg, num_sms,
+                                                     traced=trace is not None,
+                                                     host_desc=host_desc))
+    grid, sk_tiles = plan.grid, plan.sk_tiles
 
     def launch():
-        geo = launch_geometry(m_local, n, b, world, cfg, num_sms, merged=gathered)
-        grid, sk_tiles = stream_k_plan(geo.tiles, num_sms, mode, geo.tiles_per_segment)
         if sk_tiles:
             scratch = stream_k_scratch(x.device, grid, cfg.block_m, cfg.block_n)
             partials, counters = scratch.partials, scratch.counters
         else:
             partials, counters = err, err  # never touched
-        last_plan["sk_tiles"] = sk_tiles
-        ragged = geo.ragged and not gathered
         if host_desc:
             x_arg, ag_arg, b_arg, out_arg = _host_descriptors(
-                x, ag, b, out, world, m_local, n, k, geo.ldb, geo.b_kn, ragged, cfg)
+                x, ag, b, out, world, m_local, n, k, plan.ldb, plan.b_kn, plan.ragged, cfg)
         else:
             x_arg, ag_arg, b_arg, out_arg = x, ag, b, out
         args = (x_arg, ag_arg, b_arg, out_arg, flags, err, partials, counters,
-                trace if trace is not None else err, m_local, n, k, geo.ldb, rank, epoch,
+                trace if trace is not None else err, m_local, n, k, plan.ldb, rank, epoch,
                 cfg.chunk_rows, max_spins, sk_tiles)
-        constexprs = dict(
-            WORLD=world, RAGGED=ragged, B_KN=geo.b_kn,
-            EPI_SPLIT=cfg.epilogue_split,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            NUM_SMS=grid, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
-            STREAM_K=sk_tiles > 0, ASYNC_FENCE=not interpreting(),
-            SK_LOCAL=sk_tiles > 0 and world == 1, UNROLL_STEPS=unroll_steps(world),
-            TRACE=trace is not None, MERGE_LOCAL=merge,
-            MERGE_LEAD=cfg.ag_merge_lead, GATHERED=gathered, HOST_DESC=host_desc)
-        _LAUNCH(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        _LAUNCH(grid, args, plan.constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 direct=direct)
 
     ensure_descriptor_allocator()
@@ -522,7 +510,28 @@ def launch_ag_gemm(x, ag, b, out, flags, err, *, rank, world, epoch, cfg, num_sm
         lambda: launch_ag_gemm(x, ag, b, out, flags, err, rank=rank, world=world, epoch=epoch,
                                cfg=cfg, num_sms=num_sms, max_spins=max_spins, trace=trace,
                                host_descriptors=host_desc, direct=direct),
-        lambda: last_plan["sk_tiles"] > 0)
+        lambda: sk_tiles > 0)
 
 
+def _launch_plan(m_local, n, b, world, cfg, num_sms, *, traced, host_desc) -> LaunchPlan:
+    merge = world > 1 and cfg.ag_merge_local  # the local rows are read from `ag` too
+    gathered = merge and cfg.ag_merge_lead == 0  # ... as one operand with the peers' rows
+    # stream-K's tiles follow the per-segment order: off when the segments are merged
+    mode = 0 if not stream_k_fits("AG+GEMM", cfg) or merge else cfg.stream_k
+    geo = launch_geometry(m_local, n, b, world, cfg, num_sms, merged=gathered)
+    grid, sk_tiles = stream_k_plan(geo.tiles, num_sms, mode, geo.tiles_per_segment)
+    ragged = geo.ragged and not gathered
+    constexprs = dict(
+        WORLD=world, RAGGED=ragged, B_KN=geo.b_kn,
+        EPI_SPLIT=cfg.epilogue_split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        NUM_SMS=grid, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+        STREAM_K=sk_tiles > 0, ASYNC_FENCE=not interpreting(),
+        SK_LOCAL=sk_tiles > 0 and world == 1, UNROLL_STEPS=unroll_steps(world),
+        TRACE=traced, MERGE_LOCAL=merge,
+        MERGE_LEAD=cfg.ag_merge_lead, GATHERED=gathered, HOST_DESC=host_desc)
+    return LaunchPlan(grid, sk_tiles, ragged, geo.b_kn, geo.ldb, constexprs)
+
+
+_PLANS = ShapePlans()
 _LAUNCH = KernelLauncher(ag_gemm_kernel)

@@ -70,8 +70,8 @@ import triton.language as tl
 from megatron_flux.kernels.config import interpreting, launch_geometry, unroll_steps
 from megatron_flux.kernels.descriptors import b_descriptor, ensure_descriptor_allocator, \
     host_descriptor, segments_descriptor
-from megatron_flux.kernels import gemm_rs_ws
-from megatron_flux.kernels.launch import KernelLauncher
+from megatron_flux.kernels import gemm_rs_ws, stream_k
+from megatron_flux.kernels.launch import KernelLauncher, LaunchPlan, ShapePlans
 from megatron_flux.kernels.mainloop import segment_tile, split_columns, tile_mainloop, \
     tile_mainloop_k
 from megatron_flux.kernels.phase_trace import stamp
@@ -589,44 +589,31 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
                                                 direct=direct)
         gemm_rs_ws.warn_fallback(reason)
 
-    merge_rows = cfg.rs_merge_rows  # GemmConfig: with the spread reduction, vector pushes
     host_desc = bool(host_descriptors)
-    # stream-K splits own tiles, which the spread reduction and merged rows do not have
-    sk_mode = 0 if (not stream_k_fits("GEMM+RS", cfg) or cfg.rs_spread_reduce or merge_rows
-                    or not consume) else cfg.stream_k
-    last_plan = {"sk_tiles": 0}  # of the kernel compiled or launched last
+    key = (m_local, n, k, b.stride(0), b.stride(1), world, id(cfg), num_sms, produce, consume,
+           trace is None, bias is None, host_desc, interpreting(), stream_k.fallback_generation())
+    plan = _PLANS.get(key, cfg, lambda: _launch_plan(m_local, n, b, world, cfg, num_sms,
+                                                     produce=produce, consume=consume,
+                                                     traced=trace is not None,
+                                                     has_bias=bias is not None,
+                                                     host_desc=host_desc))
+    grid, sk_tiles = plan.grid, plan.sk_tiles
 
     def launch():
-        geo = launch_geometry(m_local, n, b, world, cfg, num_sms, merged=merge_rows)
-        grid, sk_tiles = geo.grid, 0
-        if sk_mode:
-            grid, sk_tiles = stream_k_plan(geo.tiles, num_sms, sk_mode, geo.tiles_per_segment)
-        last_plan["sk_tiles"] = sk_tiles
         parts, counters = err, err  # never touched without stream-K tiles
         if sk_tiles:
             scratch = stream_k_scratch(a.device, grid, cfg.block_m, cfg.block_n)
             parts, counters = scratch.partials, scratch.counters
-        ragged = geo.ragged and not merge_rows
         if host_desc:
             a_arg, b_arg, out_hd, slots_hd = _host_descriptors(
-                a, b, out, data, world, m_local, n, k, geo.ldb, geo.b_kn, ragged, cfg,
+                a, b, out, data, world, m_local, n, k, plan.ldb, plan.b_kn, plan.ragged, cfg,
                 own_tiles=consume and not cfg.rs_spread_reduce)
         else:
             a_arg, b_arg, out_hd, slots_hd = a, b, out, data  # the last two unused
         args = (a_arg, b_arg, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data,
                 err, trace if trace is not None else err, parts, counters, out_hd, slots_hd,
-                m_local, n, k, geo.ldb, rank, epoch, max_spins, sk_tiles)
-        constexprs = dict(
-            WORLD=world, RAGGED=ragged, B_KN=geo.b_kn,
-            HAS_BIAS=bias is not None,
-            EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=grid, FLATTEN=cfg.flatten,
-            FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
-            TMA_PUSH=cfg.rs_tma_push, ASYNC_FENCE=not interpreting(), PRODUCE=produce,
-            CONSUME=consume, SPREAD_REDUCE=cfg.rs_spread_reduce,
-            UNROLL_STEPS=unroll_steps(world), CE_PUSH=cfg.rs_copy_engine, TRACE=trace is not None,
-            MERGE_ROWS=merge_rows, HOST_DESC=host_desc, STREAM_K=sk_tiles > 0)
-        _LAUNCH(grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                m_local, n, k, plan.ldb, rank, epoch, max_spins, sk_tiles)
+        _LAUNCH(grid, args, plan.constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 direct=direct)
 
     ensure_descriptor_allocator()
@@ -636,7 +623,32 @@ def launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, wo
                                world=world, epoch=epoch, cfg=cfg, num_sms=num_sms,
                                max_spins=max_spins, produce=produce, consume=consume,
                                trace=trace, host_descriptors=host_desc, direct=direct),
-        lambda: last_plan["sk_tiles"] > 0)
+        lambda: sk_tiles > 0)
 
 
+def _launch_plan(m_local, n, b, world, cfg, num_sms, *, produce, consume, traced, has_bias,
+                 host_desc) -> LaunchPlan:
+    merge_rows = cfg.rs_merge_rows  # GemmConfig: with the spread reduction, vector pushes
+    # stream-K splits own tiles, which the spread reduction and merged rows do not have
+    sk_mode = 0 if (not stream_k_fits("GEMM+RS", cfg) or cfg.rs_spread_reduce or merge_rows
+                    or not consume) else cfg.stream_k
+    geo = launch_geometry(m_local, n, b, world, cfg, num_sms, merged=merge_rows)
+    grid, sk_tiles = geo.grid, 0
+    if sk_mode:
+        grid, sk_tiles = stream_k_plan(geo.tiles, num_sms, sk_mode, geo.tiles_per_segment)
+    ragged = geo.ragged and not merge_rows
+    constexprs = dict(
+        WORLD=world, RAGGED=ragged, B_KN=geo.b_kn,
+        HAS_BIAS=has_bias,
+        EPI_SPLIT=cfg.epilogue_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=grid, FLATTEN=cfg.flatten,
+        FLATTEN_CONSUME=cfg.flatten_consume, WARP_SPECIALIZE=cfg.warp_specialize,
+        TMA_PUSH=cfg.rs_tma_push, ASYNC_FENCE=not interpreting(), PRODUCE=produce,
+        CONSUME=consume, SPREAD_REDUCE=cfg.rs_spread_reduce,
+        UNROLL_STEPS=unroll_steps(world), CE_PUSH=cfg.rs_copy_engine, TRACE=traced,
+        MERGE_ROWS=merge_rows, HOST_DESC=host_desc, STREAM_K=sk_tiles > 0)
+    return LaunchPlan(grid, sk_tiles, ragged, geo.b_kn, geo.ldb, constexprs)
+
+
+_PLANS = ShapePlans()
 _LAUNCH = KernelLauncher(gemm_rs_kernel)

@@ -29,14 +29,27 @@ On by default: on 2xH100, in one process alternating with Triton's launch over 1
 saved a median 60 µs per fc1 layer call (forward + backward, lower in 11 of 15 paired trials)
 and 74 µs per fc2 call (9 of 15), of about 1.1 and 0.8 ms
 (``benchmarks/experiments/host_launch_ab.py``; a second run, 21 trials: 93 and 74 µs, in 17
-and 15 of 21). On 2xH200 it saved 0.01-0.03 ms per fc1/fc2 layer call, within the spread. Calling one level below
-``CompiledKernel.run`` (Triton's C launcher with the descriptors expanded once) saved nothing
-measurable on top and was not kept.
+and 15 of 21). On 2xH200 it saved 0.01-0.03 ms per fc1/fc2 layer call, within the spread. 
+Below ``CompiledKernel.run``, a direct launch calls Triton's generated C launcher itself
+(:class:`RawLaunch`, where this Triton's launcher has the known form: Triton 3.6's
+``CudaLauncher``), because the layers above it do per-launch work whose result rarely changes:
+
+* a tensor argument costs a ``data_ptr()`` method call and a ``cuPointerGetAttribute`` driver
+  call in the C launcher; the raw launch passes the address as an int;
+* every host TMA descriptor is re-encoded (``cuTensorMapEncodeTiled`` behind Triton's
+  ``make_tensordesc_arg``); the raw launch keeps each encoded descriptor per (argument,
+  address, shape, strides, padding), so weights and workspaces encode once;
+* a kernel with device-built descriptors asks the Triton allocator for its global scratch on
+  every launch (a ``torch.empty``); the raw launch keeps one scratch buffer per (device,
+  stream, size), which stream order makes safe to reuse.
+
+In the 2xH200 host sections (m = 4096) Triton's launcher took 58 µs a launch of the fused
+GEMM+RS against 10 µs for an empty kernel.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -145,6 +158,127 @@ def _launch_hooks():
     return holder.launch_enter_hook, holder.launch_exit_hook
 
 
+#: encoded descriptors kept per compiled kernel before the cache starts over (addresses of
+#: activations cycle through the caching allocator's blocks; a bound keeps a leak impossible)
+_MAX_DESCRIPTORS = 256
+
+
+class RawLaunch:
+    """One compiled specialisation, launched through Triton's generated C launcher with the
+    per-launch work of the layers above it cached (the module docstring). Built by
+    :meth:`from_compiled`, which answers ``None`` for a launcher of another form (another
+    Triton, a profile scratch, programmatic dependent launch, descriptors not lowered to TMA):
+    those launch through ``CompiledKernel.run``."""
+
+    __slots__ = ("c_launch", "function", "metadata", "cvalues", "desc_meta", "desc_at",
+                 "scratch_bytes", "coop", "expand", "_descs", "_scratch")
+
+    def __init__(self, c_launch, function, metadata, cvalues, desc_meta, desc_at, scratch_bytes,
+                 coop, expand):
+        self.c_launch = c_launch
+        self.expand = expand                # Triton's make_tensordesc_arg(desc, meta)
+        self.function = function
+        self.metadata = metadata
+        self.cvalues = cvalues
+        self.desc_meta = desc_meta          # per descriptor argument, Triton's TMA metadata
+        self.desc_at = desc_at              # runtime-argument position -> descriptor index
+        self.scratch_bytes = scratch_bytes  # global scratch per program (0: none)
+        self.coop = coop
+        self._descs: Dict[tuple, tuple] = {}
+        self._scratch: Dict[tuple, torch.Tensor] = {}
+
+    @classmethod
+    def from_compiled(cls, compiled, args: Sequence[Any], cvalues: tuple) -> Optional["RawLaunch"]:
+        expand = _triton_expander()
+        run = compiled.run
+        if expand is None or type(run).__name__ != "CudaLauncher":
+            return None
+        if (getattr(run, "profile_scratch_size", 1) != 0 or getattr(run, "launch_pdl", True)
+                or getattr(run, "num_ctas", 1) != 1):
+            return None
+        c_launch = _c_launcher(run.launch)
+        if c_launch is None:
+            return None
+        desc_pos = [i for i, a in enumerate(args) if _KINDS.get(type(a)) == _DESC]
+        meta = getattr(compiled.metadata, "tensordesc_meta", None)
+        if desc_pos and (not meta or len(meta) != len(desc_pos) or any(m is None for m in meta)):
+            return None
+        return cls(c_launch, compiled.function, compiled.packed_metadata, cvalues,
+                   tuple(meta or ()), {p: j for j, p in enumerate(desc_pos)},
+                   int(run.global_scratch_size), bool(run.launch_cooperative_grid), expand)
+
+    def _descriptor(self, j: int, desc) -> tuple:
+        """Descriptor argument ``j`` expanded as Triton's launcher expands it, encoded once per
+        (argument, address, shape, strides, padding)."""
+        key = (j, desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), desc.padding)
+        out = self._descs.get(key)
+        if out is None:
+            if len(self._descs) >= _MAX_DESCRIPTORS:
+                self._descs.clear()
+            out = self._descs[key] = tuple(self.expand(desc, self.desc_meta[j]))
+        return out
+
+    def _scratch_ptr(self, device: int, stream: int, grid: int) -> int:
+        """A global scratch of ``grid`` programs, one buffer per (device, stream, size): the
+        kernels of one stream run in order, so each launch may reuse it."""
+        size = grid * self.scratch_bytes
+        key = (device, stream, size)
+        buf = self._scratch.get(key)
+        if buf is None:
+            if len(self._scratch) >= 16:
+                self._scratch.clear()
+            buf = self._scratch[key] = torch.empty(size, dtype=torch.int8,
+                                                   device=torch.device("cuda", device))
+        return buf.data_ptr()
+
+    def __call__(self, grid: int, device: int, stream: int, args: Sequence[Any]) -> None:
+        flat = []
+        add = flat.append
+        desc_at = self.desc_at
+        for i, a in enumerate(args):
+            kind = _KINDS[type(a)]
+            if kind == _TENSOR:
+                add(a.data_ptr())
+            elif kind == _DESC:
+                flat.extend(self._descriptor(desc_at[i], a))
+            else:
+                add(a)
+        scratch = self._scratch_ptr(device, stream, grid) if self.scratch_bytes else None
+        self.c_launch(grid, 1, 1, stream, self.function, self.coop, False, scratch, None,
+                      self.metadata, None, None, None, *flat, *self.cvalues)
+
+
+#: Triton releases whose launcher layout RawLaunch knows (``CudaLauncher.__call__(gridX, gridY,
+#: gridZ, stream, function, *args)`` over a generated C ``launch``, descriptors expanded by
+#: ``make_tensordesc_arg(arg, metadata)``); others launch through ``CompiledKernel.run``
+RAW_LAUNCH_TRITON = ("3.6",)
+
+
+def _triton_expander():
+    """Triton's ``make_tensordesc_arg`` where this Triton is one RawLaunch knows, else None."""
+    import triton
+
+    if ".".join(triton.__version__.split(".")[:2]) not in RAW_LAUNCH_TRITON:
+        return None
+    try:
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+    except ImportError:  # pragma: no cover - a Triton without the NVIDIA backend
+        return None
+    return make_tensordesc_arg
+
+
+def _c_launcher(launch):
+    """Triton's generated C ``launch`` behind ``CudaLauncher.launch``: the function itself, or
+    the ``launcher`` its tensor-descriptor wrapper closes over; ``None`` for any other form."""
+    code = getattr(launch, "__code__", None)
+    if code is None:
+        return launch if callable(launch) else None
+    if "launcher" not in code.co_freevars or launch.__closure__ is None:
+        return None
+    inner = launch.__closure__[code.co_freevars.index("launcher")].cell_contents
+    return inner if callable(inner) and getattr(inner, "__code__", None) is None else None
+
+
 class KernelLauncher:
     """``launcher(grid, args, constexprs, num_warps=, num_stages=, direct=, **options)`` launches
     ``jit_fn`` (a Triton or Gluon kernel) on the current stream: ``args`` are the runtime
@@ -167,6 +301,8 @@ class KernelLauncher:
                                   for p in params[n_runtime:]]
         self._n_runtime = n_runtime
         self.direct_calls = 0  # launches that skipped Triton's binder (tests check it is used)
+        self.raw_calls = 0     # ... of them, through Triton's C launcher itself (RawLaunch)
+        self.raw = True        # False: direct launches through CompiledKernel.run (A/B)
 
     def _through_triton(self, grid, args, constexprs, num_warps, num_stages, options):
         if num_stages is not None:
@@ -191,10 +327,52 @@ class KernelLauncher:
             compiled = self._through_triton(grid, args, constexprs, num_warps, num_stages, options)
             cvalues = tuple(constexprs.get(name, default) for name, default in self._constexpr_params)
             # after Triton's launch the handles are loaded: keep what the direct call passes
-            self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata,
-                                   cvalues)
+            raw = RawLaunch.from_compiled(compiled, args, cvalues)
+            self._compiled[key] = (raw, compiled.run, compiled.function,
+                                   compiled.packed_metadata, cvalues)
             return
-        run, function, metadata, cvalues = entry
+        raw, run, function, metadata, cvalues = entry
         self.direct_calls += 1
-        run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(device), function, metadata, None,
-            None, None, *args, *cvalues)
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        if raw is not None and self.raw:
+            self.raw_calls += 1
+            raw(grid, device, stream, args)
+            return
+        run(grid, 1, 1, stream, function, metadata, None, None, None, *args, *cvalues)
+
+
+class LaunchPlan(NamedTuple):
+    """What a fused launcher (AG+GEMM, GEMM+RS) launches with for one shape, config and set of
+    flags: the grid, the stream-K tiles, the layout facts and the constexprs."""
+
+    grid: int
+    sk_tiles: int
+    ragged: bool
+    b_kn: bool
+    ldb: int
+    constexprs: dict
+
+
+class ShapePlans:
+    """A launcher's per-shape plans: what a launch derives from its shapes, config and flags
+    alone (geometry, grid, stream-K split, constexprs), made once per key. The config is part
+    of the key by identity (hashing a ``GemmConfig`` costs more than the lookup saves) and
+    checked on every hit, so a config collected and another allocated at its address never
+    shares a plan. Bounded: at ``limit`` plans the cache starts over."""
+
+    def __init__(self, limit: int = 256):
+        self._plans: Dict[tuple, tuple] = {}
+        self._limit = limit
+
+    def get(self, key: tuple, cfg, make):
+        hit = self._plans.get(key)
+        if hit is not None and hit[0] is cfg:
+            return hit[1]
+        if len(self._plans) >= self._limit:
+            self._plans.clear()
+        plan = make()
+        self._plans[key] = (cfg, plan)
+        return plan
+
+    def clear(self) -> None:
+        self._plans.clear()

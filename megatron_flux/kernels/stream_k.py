@@ -198,3 +198,9 @@ def _slot_ptrs(partials_ptr, program, u, per, k_tiles, BLOCK_M: tl.constexpr, BL
     j = tl.where(u == (program * per) // k_tiles, 0, 1)
     offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     return partials_ptr + (program * 2 + j).to(tl.int64) * (BLOCK_M * BLOCK_N) + offs
+
+
+def fallback_generation() -> int:
+    """How many ``(op, config)`` pairs have lost their stream-K split so far: part of the key of
+    a launcher's per-shape plan, so a plan made before a fallback is not reused after it."""
+    return len(_TOO_BIG)

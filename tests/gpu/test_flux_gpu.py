@@ -381,8 +381,13 @@ def _worker(rank, world, port, env):
     if os.environ.get("MEGATRON_FLUX_DIRECT_LAUNCH", "1") == "1":  # the direct path really ran
         from megatron_flux.kernels import ag_gemm, ag_gemm_ws, gemm_rs, gemm_rs_ws, ready_barrier
 
+        from megatron_flux.kernels.launch import _triton_expander
+
+        raw_known = _triton_expander() is not None  # a Triton whose C launcher RawLaunch knows
         for mod in (ag_gemm, gemm_rs, ready_barrier):
             assert mod._LAUNCH.direct_calls > 0, f"{mod.__name__}: no direct launch happened"
+            if raw_known:
+                assert mod._LAUNCH.raw_calls > 0, f"{mod.__name__}: no raw launch happened"
         for mod in (ag_gemm_ws, gemm_rs_ws):  # the warp-specialized kernels, where they ran
             if mod._LAUNCH is not None and mod._LAUNCH._compiled:
                 assert mod._LAUNCH.direct_calls > 0, f"{mod.__name__}: no direct launch happened"

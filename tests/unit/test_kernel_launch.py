@@ -199,3 +199,185 @@ def test_stream_k_fallback_relaunches_only_a_split_that_did_not_fit(monkeypatch)
     SK.launch_with_stream_k_fallback("AG+GEMM", cfg, lambda: calls.append("fits"),
                                      lambda: calls.append("again"), lambda: True)
     assert calls[-1] == "fits"
+
+
+class CudaLauncher:
+    """Stands in for Triton 3.6's launcher: its ``launch`` wraps the generated C function the
+    way ``wrap_handle_tensordesc`` does (a closure over ``launcher``)."""
+
+    def __init__(self, c_launch, scratch=0):
+        self.profile_scratch_size, self.launch_pdl, self.num_ctas = 0, False, 1
+        self.global_scratch_size, self.launch_cooperative_grid = scratch, False
+        launcher = c_launch
+
+        def inner(*args):
+            return launcher(*args)
+
+        self.launch = inner
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+class _CLaunch:  # a callable without Python code, like the generated extension's function
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+class _Meta:
+    tensordesc_meta = [{"block": 16}]
+
+
+def _desc(t, shape):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(shape), [shape[1], 1], [16, 16])
+
+
+def test_c_launcher_is_found_behind_tritons_wrapper_or_not_at_all():
+    c = _CLaunch()
+    assert L._c_launcher(CudaLauncher(c).launch) is c
+    assert L._c_launcher(c) is c                      # no descriptors: the C function itself
+    launcher = lambda *a: None  # noqa: E731 - Python code: not Triton's generated launcher
+
+    def wrapped(*a):
+        return launcher(*a)
+    assert L._c_launcher(wrapped) is None
+
+    def other(*a):
+        return c(*a)
+    assert L._c_launcher(other) is None               # a closure without `launcher`
+
+
+def test_raw_launch_passes_addresses_and_encodes_each_descriptor_once(monkeypatch):
+    """The raw launch hands Triton's C launcher what CudaLauncher would: addresses for tensors,
+    descriptors expanded by Triton's own function, constexprs last; a descriptor of the same
+    address and geometry is not encoded again, another address or geometry is; the global
+    scratch is one buffer per (device, stream, size)."""
+    expanded = []
+
+    def expand(desc, meta):
+        expanded.append((desc.base.data_ptr(), tuple(desc.shape)))
+        return ["map", *desc.shape, *desc.strides]
+
+    c = _CLaunch()
+    made = []
+    monkeypatch.setattr(L.torch, "empty", lambda size, dtype, device: made.append(size) or torch.zeros(size, dtype=dtype))
+    raw = L.RawLaunch(c, "fn", "md", (7,), ({"m": 1},), {1: 0}, 64, False, expand)
+    x = torch.zeros(32, 32, dtype=torch.float16)
+    y = torch.zeros(32, 32, dtype=torch.float16)
+    raw(4, 0, 11, (x, _desc(x, (32, 32)), 5, True))
+    raw(4, 0, 11, (y, _desc(x, (32, 32)), 6, True))     # same descriptor: cached
+    assert expanded == [(x.data_ptr(), (32, 32))] and made == [4 * 64]
+    first, second = c.calls
+    scratch = first[7]
+    assert first[:7] == (4, 1, 1, 11, "fn", False, False) and first[8:13] == (None, "md", None, None, None)
+    assert first[13:] == (x.data_ptr(), "map", 32, 32, 32, 1, 5, True, 7)
+    assert second[13:] == (y.data_ptr(), "map", 32, 32, 32, 1, 6, True, 7) and second[7] == scratch
+    raw(4, 0, 11, (x, _desc(y, (32, 32)), 5, True))     # another address: encoded
+    raw(4, 0, 11, (x, _desc(x, (16, 32)), 5, True))     # another geometry: encoded
+    raw(8, 0, 11, (x, _desc(x, (16, 32)), 5, True))     # another grid: another scratch
+    raw(8, 0, 12, (x, _desc(x, (16, 32)), 5, True))     # another stream: another scratch
+    assert expanded[1:] == [(y.data_ptr(), (32, 32)), (x.data_ptr(), (16, 32))]
+    assert made == [256, 512, 512]
+
+
+def test_direct_launch_goes_raw_where_tritons_launcher_has_the_known_form(monkeypatch):
+    c = _CLaunch()
+    jit = _FakeJit()
+    jit.compiled.run = CudaLauncher(c)
+    jit.compiled.metadata = _Meta()
+    jit.params = [_Param("x", False), _Param("d", False), _Param("A", True)]
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    monkeypatch.setattr(L, "_capturing", lambda: False)
+    monkeypatch.setattr(L, "_launch_hooks", lambda: (None, None))
+    monkeypatch.setattr(L.torch._C, "_cuda_getCurrentRawStream", lambda device: 99, raising=False)
+    monkeypatch.setattr(L, "_triton_expander", lambda: lambda d, m: ["map", m["block"]])
+    launcher = L.KernelLauncher(jit)
+    x = torch.zeros(32, 32, dtype=torch.float16)
+    for _ in range(3):
+        launcher(2, (x, _desc(x, (32, 32))), {"A": 3}, num_warps=4)
+    assert len(jit.launches) == 1 and launcher.direct_calls == 2 and launcher.raw_calls == 2
+    assert c.calls[-1][13:] == (x.data_ptr(), "map", 16, 3) and not jit.compiled.run.calls
+    launcher.raw = False                                 # the A/B switch: CompiledKernel.run
+    launcher(2, (x, _desc(x, (32, 32))), {"A": 3}, num_warps=4)
+    assert launcher.raw_calls == 2 and len(jit.compiled.run.calls) == 1
+
+    jit2 = _FakeJit()                                    # a Triton RawLaunch does not know
+    jit2.compiled.run = CudaLauncher(c)
+    jit2.compiled.metadata = _Meta()
+    jit2.params = jit.params
+    monkeypatch.setattr(L, "_triton_expander", lambda: None)
+    launcher2 = L.KernelLauncher(jit2)
+    for _ in range(2):
+        launcher2(2, (x, _desc(x, (32, 32))), {"A": 3}, num_warps=4)
+    assert launcher2.raw_calls == 0 and len(jit2.compiled.run.calls) == 1
+
+
+def test_raw_launch_is_gated_on_tritons_version(monkeypatch):
+    import triton
+
+    from triton.backends.nvidia import driver
+
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert L._triton_expander() is driver.make_tensordesc_arg
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    assert L._triton_expander() is None
+
+
+def test_shape_plans_are_made_once_per_key_and_config_identity():
+    from megatron_flux.kernels.config import GemmConfig
+
+    plans, made = L.ShapePlans(limit=2), []
+    cfg, twin = GemmConfig(), GemmConfig()   # equal, not identical
+    make = lambda tag: lambda: made.append(tag) or tag  # noqa: E731
+    assert plans.get(("s",), cfg, make("a")) == "a"
+    assert plans.get(("s",), cfg, make("b")) == "a" and made == ["a"]
+    assert plans.get(("s",), twin, make("c")) == "c"     # another config object: a new plan
+    plans.get(("t",), cfg, make("d"))
+    plans.get(("u",), cfg, make("e"))                    # past the bound: starts over
+    assert plans.get(("t",), cfg, make("f")) == "f"
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_fused_launchers_plan_once_per_shape(monkeypatch, op):
+    """A launcher derives geometry, grid and constexprs once per shape and config; a stream-K
+    fallback (which changes the plan) makes a new one."""
+    from megatron_flux.kernels import ag_gemm, gemm_rs
+    from megatron_flux.kernels import stream_k as SK
+    from megatron_flux.kernels.config import GemmConfig
+
+    mod = ag_gemm if op == "ag" else gemm_rs
+    monkeypatch.setattr(mod, "_PLANS", L.ShapePlans())
+    monkeypatch.setattr(SK, "_TOO_BIG", set())
+    made, launched = [], []
+    real = mod._launch_plan
+    monkeypatch.setattr(mod, "_launch_plan", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    monkeypatch.setattr(mod, "_LAUNCH", lambda grid, args, constexprs, **kw: launched.append(constexprs))
+    cfg, world, m_local, k, n = GemmConfig(), 2, 16, 32, 64
+    err = torch.zeros(4, dtype=torch.int32)
+
+    def call(m_rows=m_local):
+        if op == "ag":
+            ag_gemm.launch_ag_gemm(torch.zeros(m_rows, k), torch.zeros(world * m_rows, k),
+                                   torch.zeros(k, n), torch.zeros(world * m_rows, n),
+                                   torch.zeros(world, dtype=torch.int32), err, rank=0,
+                                   world=world, epoch=1, cfg=cfg, num_sms=4, max_spins=1)
+        else:
+            ptrs = torch.zeros(world, dtype=torch.int64)
+            gemm_rs.launch_gemm_rs(torch.zeros(world * m_rows, k), torch.zeros(k, n),
+                                   torch.zeros(m_rows, n), torch.zeros(world, m_rows, n), ptrs,
+                                   ptrs, None, err, rank=0, world=world, epoch=1, cfg=cfg,
+                                   num_sms=4, max_spins=1)
+
+    call(), call()
+    assert len(made) == 1 and len(launched) == 2 and launched[0] == launched[1]
+    call(32)                                             # another shape
+    assert len(made) == 2
+    SK._TOO_BIG.add(("GEMM+RS" if op == "rs" else "AG+GEMM", cfg))  # a fallback happened
+    call(32)
+    assert len(made) == 3
