@@ -206,7 +206,8 @@ def cmd_merge(args) -> int:
         with open(args.meta) as f:
             meta = json.load(f)
     keep = ("model", "tp", "micro_batch", "cuda_graphs", "steps", "step_ms",
-            "speedup_vs_megatron", "paired", "exposed_tp_comm_ms", "auto_choice", "runs_step_ms")
+            "speedup_vs_megatron", "paired", "exposed_tp_comm_ms", "auto_choice", "runs_step_ms",
+            "run", "machine", "code", "note")
     out = {
         "command": args.command or " ; ".join(sorted({c.get("command", "") for c in cells})),
         "gpu": meta.get("gpu", args.gpu),
@@ -224,7 +225,7 @@ def cmd_merge(args) -> int:
             "exposed_tp_comm_ms": "TP collectives megatron-core does not overlap, per step, "
                                   "timed alone with NCCL",
         },
-        "cells": [{k: c.get(k) for k in keep} for c in cells],
+        "cells": [{k: c[k] for k in keep if k in c} for c in cells],
     }
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
@@ -244,7 +245,7 @@ def _plot(out: dict, path: str) -> None:
 
     cells = out["cells"]
     names = [f"{c['model'].split('_')[0]}\ntp{c['tp']} mbs{c['micro_batch']}\n{c['cuda_graphs']}"
-             for c in cells]
+             + (f"\nrun {c['run']}" if c.get("run") else "") for c in cells]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cells)), 4))
     width = 0.25
     for i, b in enumerate(("nccl", "flux", "auto")):
@@ -266,7 +267,8 @@ def main(argv=None) -> int:
     r = sub.add_parser("run", help="run cells on this machine (TP = the cell's)")
     r.add_argument("cells", nargs="+")
     r.add_argument("--out", required=True)
-    r.add_argument("--iters", type=int, default=120, help="iterations of an eager cell's job")
+    r.add_argument("--iters", type=int, default=190,
+                   help="iterations of an eager cell's job (the step-time selection takes ~65)")
     r.add_argument("--block", type=int, default=4, help="iterations per interleaved block")
     r.add_argument("--skip", type=int, default=20, help="iterations not counted at the start")
     r.add_argument("--graph-iters", type=int, default=60)

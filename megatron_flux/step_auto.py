@@ -13,7 +13,9 @@ times the candidates in the job itself, in its first iterations, and keeps the f
    dropped (the switch), the rest are timed between the starts of consecutive iterations, with
    the GPU synchronised at each start (only while selecting);
 4. paired, as the benchmarks are: per round, the median of the ``megatron`` block over each
-   candidate's block median; over the rounds, the median of those ratios. ``megatron``
+   candidate's block median; over the rounds (six: in 2×H200 micro-batch-1 jobs, medians of
+   three such pairs for one setting spread 0.99-1.09 across a job, of six 1.02-1.06), the
+   median of those ratios. ``megatron``
    (megatron-core's own code in the same layers, the stock step) is kept unless another
    candidate is at least ``min_gain`` (2 %) faster that way: a choice inside the noise would
    only risk a slower job (in one 2×H200 job, blocks of the same backend measured 1.6 % apart,
@@ -73,7 +75,7 @@ class StepAutoSelector:
     iteration's other micro-batches) change nothing."""
 
     def __init__(self, layers: Sequence[Any], *, candidates: Sequence[str] = DEFAULT_CANDIDATES,
-                 start_after: int = 6, steps_per_block: int = 3, rounds: int = 3,
+                 start_after: int = 6, steps_per_block: int = 3, rounds: int = 6,
                  min_gain: float = 0.02, group=None,
                  log: Callable[[str], None] = print, clock: Callable[[], float] = time.perf_counter,
                  synchronize: Optional[Callable[[], None]] = None):
