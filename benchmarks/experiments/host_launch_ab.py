@@ -5,9 +5,11 @@ on a 2xH100 host, more than the effect. Here one process holds every variant and
 them trial by trial (order shuffled per trial, seeded):
 
 * ``nccl``: the reference backend (NCCL + cuBLAS);
-* ``flux raw``: the fused backend, kernels launched through Triton's generated C launcher with
+* ``flux``: the fused backend as shipped: call plans per operand signature
+  (``FluxBackend.call_plans``), kernels launched through Triton's generated C launcher with
   addresses, encoded descriptors and scratch kept (:class:`~megatron_flux.kernels.launch.RawLaunch`,
-  the default where the Triton is one it knows);
+  where the Triton is one it knows);
+* ``flux no plans``: every call resolved from scratch (``call_plans = False``);
 * ``flux run``: launched directly through ``CompiledKernel.run`` (``KernelLauncher.raw =
   False``);
 * ``flux triton``: launched through Triton's ``JITFunction.run``
@@ -17,7 +19,7 @@ Per variant and op (column fc1 / row fc2 layer call, forward + backward, m = 409
 default): the host issue time per call of a loop of ``--iters`` back-to-back calls (no sync
 inside), median and quartiles over ``--trials``; and the GPU time of the same loops. Then,
 paired trial by trial, each variant against ``nccl`` and each other fused variant against
-``flux raw``: the median difference, how often it was lower, and a 90 % bootstrap interval
+the first fused one (``flux``; ``flux run`` in runs saved before the others existed): the median difference, how often it was lower, and a 90 % bootstrap interval
 (``paired`` in the JSON). ``--from-json RUN... --out F`` prints and records the same for
 saved runs, without a GPU.
 
@@ -38,11 +40,12 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from host_overhead import init_tp, layer_ops, paired_summary, run_record  # noqa: E402
 
-VARIANTS = {  # label: (backend, FluxOptions.direct_launch, KernelLauncher.raw)
-    "nccl": ("nccl", True, True),
-    "flux raw": ("flux", True, True),
-    "flux run": ("flux", True, False),
-    "flux triton": ("flux", False, True),
+VARIANTS = {  # label: (backend, FluxOptions.direct_launch, KernelLauncher.raw, call_plans)
+    "nccl": ("nccl", True, True, True),
+    "flux": ("flux", True, True, True),
+    "flux no plans": ("flux", True, True, False),
+    "flux run": ("flux", True, False, True),
+    "flux triton": ("flux", False, True, True),
 }
 
 
@@ -75,14 +78,16 @@ def _quartiles(xs):
 
 def paired_rows(samples, variants):
     """Per op, every variant's host time against ``nccl`` and, for the other fused variants,
-    against ``flux run`` (:func:`host_overhead.paired_summary`: trial-by-trial differences)."""
+    against the first fused one (:func:`host_overhead.paired_summary`: trial-by-trial
+    differences)."""
     ops = sorted({op for _, op in samples})
+    fused = [v for v in variants if v != "nccl"]
     out = []
-    for ref in ("nccl", "flux raw"):
+    for ref in ("nccl", fused[0] if fused else None):
         if ref not in variants:
             continue
         for v in variants:
-            if v == ref or (ref == "flux raw" and v == "nccl"):
+            if v == ref or (ref != "nccl" and v == "nccl"):
                 continue
             for op in ops:
                 var = [h for h, _ in samples[(v, op)]]
@@ -147,8 +152,10 @@ def main():
     flux = get_backend("flux")
 
     def select(variant):
-        _, direct, raw = VARIANTS[variant]
-        flux.set_options(flux.options.replace(direct_launch=direct))
+        _, direct, raw, plans = VARIANTS[variant]
+        if flux.options.direct_launch != direct:
+            flux.set_options(flux.options.replace(direct_launch=direct))
+        flux.call_plans = plans
         for launcher in _launchers():
             launcher.raw = raw
 

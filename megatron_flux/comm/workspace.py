@@ -48,6 +48,7 @@ class SymmetricWorkspace:
         self.dtype = dtype
         self.elt = torch.empty((), dtype=dtype).element_size()
         self.epoch = 0
+        self.generation = 0  # bumped whenever memoized views may have died (growth, forget)
         self.flag_count = 0
         self.data_elems = 0
         self._buffer = None
@@ -86,6 +87,7 @@ class SymmetricWorkspace:
         self.data_elems = slot_bytes // self.elt
         self._flag_bytes, self._slot_bytes = flag_bytes, slot_bytes
         self._views.clear()
+        self.generation += 1
         ptrs = list(handle.buffer_ptrs)
         self._flag_ptrs = [
             torch.tensor([p + parity * flag_bytes for p in ptrs], dtype=torch.int64, device=self.device)
@@ -112,6 +114,7 @@ class SymmetricWorkspace:
         use, e.g. views of a staging buffer that was replaced)."""
         for key in [k for k in self._views if isinstance(k, tuple) and k and k[0] == tag]:
             del self._views[key]
+        self.generation += 1
 
     def next_epoch(self) -> int:
         """Epoch of the next call (1, 2, ...; int32 signals allow 2**31 - 1 calls per op)."""

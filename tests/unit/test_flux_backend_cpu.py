@@ -330,3 +330,107 @@ def test_groups_across_hosts_or_without_peer_access_are_refused_with_a_reason():
         assert be._group_reason(group, dev) == "no P2P" and len(asked) == 1
     finally:
         FB.group_reason, FB.signature_reason = real, real_sig
+
+
+class _PlanWorkspace:
+    generation = 0
+
+    def __init__(self):
+        self.epoch = 0
+
+    def next_epoch(self):
+        self.epoch += 1
+        return self.epoch
+
+
+class _PlanErr:
+    device_word = None
+
+    def __init__(self):
+        self.launches = 0
+
+    def check_if_due(self):
+        pass
+
+    def after_launch(self):
+        self.launches += 1
+
+
+def _plan_harness(monkeypatch):
+    """A fused backend whose plan builders and kernel launchers are recorders (CPU operands)."""
+    from megatron_flux.backends.flux import ag, rs
+    from megatron_flux.backends.flux.resources import deps
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "current")
+    ws, made, launched = _PlanWorkspace(), [], []
+
+    def rs_plan(backend, a, b, group, bias):
+        made.append(("rs", group))
+        return rs.RsPlan(group, 2, 0, a.shape[0] // 2, b.shape[1], "cfg", ws, ws.generation,
+                         _PlanErr(), 4, a.device, None, None,
+                         tuple((f"data{p}", f"table{p}", f"flags{p}", None, None) for p in (0, 1)))
+
+    def ag_plan(backend, a, b, group):
+        made.append(("ag", group))
+        order = lambda waiter, producer: None  # noqa: E731
+        return ag.AgPlan(group, 2, 0, 2 * a.shape[0], b.shape[1], "cfg", False, ws,
+                         ws.generation, _PlanErr(), 4, a.device, "side", order, order,
+                         tuple((f"gathered{p}", None, f"flags{p}", []) for p in (0, 1)))
+
+    class _Switch:
+        def __init__(self, *a):
+            pass
+
+        def __enter__(self):
+            pass
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(rs, "rs_plan", rs_plan)
+    monkeypatch.setattr(ag, "ag_plan", ag_plan)
+    d = deps()
+    monkeypatch.setattr(d, "launch_gemm_rs", lambda *a, **kw: launched.append((a[4], kw["epoch"])))
+    monkeypatch.setattr(d, "launch_ag_gemm", lambda *a, **kw: launched.append((a[4], kw["epoch"])))
+    monkeypatch.setattr(d, "on_stream", _Switch)
+    return FluxBackend(), ws, made, launched, capturing
+
+
+@pytest.mark.parametrize("op", ["rs", "ag"])
+def test_call_plans_are_reused_per_signature_and_rebuilt_when_stale(monkeypatch, op):
+    """A call plan is made once per operand signature and group; a call on it still takes a
+    fresh epoch (alternating parities), refuses a capture, and a grown workspace, another
+    group object or new options make a new plan. With plans off every call resolves itself
+    (here: the CPU operands are refused, as without plans)."""
+    backend, ws, made, launched, capturing = _plan_harness(monkeypatch)
+    group, other = _Group(2), _Group(2)
+    a, b = torch.zeros(8, 16), torch.zeros(16, 4)
+
+    def call(g=group):
+        if op == "rs":
+            return backend.matmul_reduce_scatter(a, b, g)
+        return backend.all_gather_matmul(a, b, g)[0]
+
+    assert call().shape == ((4, 4) if op == "rs" else (16, 4))
+    call()
+    assert made == [(op, group)]
+    index = "table" if op == "rs" else "flags"
+    assert launched == [(f"{index}1", 1), (f"{index}0", 2)]  # epoch 1: parity 1, then parity 0
+    ws.generation += 1                                       # the workspace grew
+    call()
+    assert len(made) == 2
+    call(other)                                              # another group object
+    assert made[-1] == (op, other)
+    backend.set_options(backend.options)                     # new options: plans start over
+    call()
+    assert len(made) == 4
+    capturing[0] = True
+    with pytest.raises(ValueError, match="CUDA graph capture"):
+        call()
+    capturing[0] = False
+    backend.call_plans = False
+    with pytest.raises(ValueError, match="CUDA"):
+        call()
+    assert len(made) == 4

@@ -23,6 +23,8 @@ wait needs an SM, so a grid that is only partly resident still drains.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from megatron_flux.backends.base import output_like
@@ -41,8 +43,124 @@ def gathered_views(ws, rank, world, parity, m_local, k, chunk):
     return gathered, own_rows, ws.flags(rank, parity), plan
 
 
+class AgPlan(NamedTuple):
+    """What every AG+GEMM call of one operand signature resolves to, resolved once
+    (:func:`ag_plan`): a call does the epoch, the output, the launch and the copies."""
+
+    group: object
+    world: int
+    rank: int
+    m: int
+    n: int
+    cfg: object
+    merge: bool
+    ws: object
+    generation: int
+    err: object
+    num_sms: int
+    device: torch.device
+    side: object
+    ready: object
+    done: object
+    parities: tuple            # per parity: (gathered, own rows, signals, copy plan)
+
+    def current(self, group) -> bool:
+        """Still valid: the same group object and the workspace's views alive."""
+        return self.group is group and self.ws.generation == self.generation
+
+
+def ag_plan(backend, a_shard, b, group) -> AgPlan:
+    """Resolve an AG+GEMM call of the operands' signature as :func:`all_gather_matmul_slow`
+    does per call (the checks raise here, before anything is kept)."""
+    res = backend.resources
+    backend.check("AG+GEMM", a_shard, b, group)
+    world, rank = group.size(), group.rank()
+    m_local, k = a_shard.shape
+    n = b.shape[1]
+    m = world * m_local
+    device = a_shard.device
+    cfg = backend.config("ag", m, n, k, dtype=a_shard.dtype, tp=world, device=device)
+    if cfg.chunk_rows < m_local:
+        chunk = cfg.chunk_rows
+    else:
+        chunk = m_local
+        cfg = backend.config_with_chunk(cfg, chunk)
+    chunks = -(-m_local // chunk)
+    ws = res.workspace("ag", group, device, a_shard.dtype)
+    ws.reserve(m * k, world * chunks)  # signals: [src * chunks + c] chunk arrivals
+    err = res.error_word("ag", device)
+    parities = tuple(
+        ws.memo(("ag-call", rank, world, parity, m_local, k, chunk),
+                lambda parity=parity: gathered_views(ws, rank, world, parity, m_local, k, chunk))
+        for parity in (0, 1))
+    return AgPlan(group, world, rank, m, n, cfg, cfg.ag_merge_local and world > 1, ws,
+                  ws.generation, err, res.sms(device), device,
+                  res.side_stream(device, cfg.comm_priority), res.order(device, "ready"),
+                  res.order(device, "done"), parities)
+
+
 def all_gather_matmul(backend, a_shard, b, group, out, return_gathered, gathered_out):
-    """``FluxBackend.all_gather_matmul`` (see the module docstring)."""
+    """``FluxBackend.all_gather_matmul`` (see the module docstring), through the call plan of
+    the operands' signature (``backend.call_plans``; else resolved per call)."""
+    if not backend.call_plans:
+        return all_gather_matmul_slow(backend, a_shard, b, group, out, return_gathered,
+                                      gathered_out)
+    key = ("ag", a_shard.shape, a_shard.stride(), a_shard.dtype, a_shard.get_device(), b.shape,
+           b.stride(), b.dtype, b.get_device(), id(group))
+    plans = backend._call_plan_cache
+    plan = plans.get(key)
+    if plan is None or not plan.current(group):
+        plan = backend.keep_call_plan(key, ag_plan(backend, a_shard, b, group))
+    else:
+        backend.check_not_capturing("AG+GEMM", a_shard)
+    a_shard, b = aligned(a_shard), aligned(b)
+    err, ws = plan.err, plan.ws
+    err.check_if_due()
+    epoch = ws.next_epoch()
+    gathered, own_rows, flags, copies = plan.parities[epoch & 1]
+    out = output_like(out, (plan.m, plan.n), a_shard, "megatron-flux AG+GEMM", contiguous=True)
+    d, opts = deps(), backend.options
+    current = torch.cuda.current_stream(plan.device)
+    side = plan.side
+    if plan.merge:  # the merged GEMM reads the own rows there after its lead
+        own_rows.copy_(a_shard)
+    plan.ready(side, current)  # the shard is ready (before the GEMM)
+    d.launch_ag_gemm(
+        a_shard, gathered, b, out, flags, err.device_word,
+        rank=plan.rank, world=plan.world, epoch=epoch, cfg=plan.cfg, num_sms=plan.num_sms,
+        max_spins=opts.max_spins, host_descriptors=opts.host_descriptors,
+        direct=opts.direct_launch,
+    )
+    err.after_launch()
+    _push(d, side, current, copies, a_shard, own_rows, epoch,
+          fill_own=return_gathered and not plan.merge)
+    plan.done(current, side)
+    return _outputs(out, gathered, return_gathered, gathered_out)
+
+
+def _push(d, side, current, copies, a_shard, own_rows, epoch, *, fill_own):
+    """The side stream's part of an AG+GEMM call: the shard to every peer, chunk by chunk,
+    each chunk followed by its signal; with ``fill_own`` also into this rank's gathered rows."""
+    with d.on_stream(side, current):
+        for dst, src, peer_flags, index in d.materialize(copies, a_shard):
+            dst.copy_(src)
+            d.write_signal(peer_flags, index, epoch)
+        if fill_own:  # else filled up front
+            own_rows.copy_(a_shard)
+
+
+def _outputs(out, gathered, return_gathered, gathered_out):
+    if not return_gathered:
+        return out, None
+    if gathered_out is not None:
+        gathered_out.copy_(gathered)
+        return out, gathered_out
+    return out, gathered
+
+
+def all_gather_matmul_slow(backend, a_shard, b, group, out, return_gathered, gathered_out):
+    """The AG+GEMM call resolved from scratch on every call (``backend.call_plans = False``:
+    the reference the call plans are measured against)."""
     d = deps()
     res, opts = backend.resources, backend.options
     backend.check("AG+GEMM", a_shard, b, group)
@@ -82,16 +200,6 @@ def all_gather_matmul(backend, a_shard, b, group, out, return_gathered, gathered
         direct=opts.direct_launch,
     )
     err.after_launch()
-    with d.on_stream(side, current):
-        for dst, src, peer_flags, index in d.materialize(plan, a_shard):
-            dst.copy_(src)
-            d.write_signal(peer_flags, index, epoch)
-        if return_gathered and not merge:  # else filled up front
-            own_rows.copy_(a_shard)
+    _push(d, side, current, plan, a_shard, own_rows, epoch, fill_own=return_gathered and not merge)
     res.order(device, "done")(current, side)
-    if not return_gathered:
-        return out, None
-    if gathered_out is not None:
-        gathered_out.copy_(gathered)
-        return out, gathered_out
-    return out, gathered
+    return _outputs(out, gathered, return_gathered, gathered_out)

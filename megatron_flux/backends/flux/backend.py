@@ -45,6 +45,9 @@ class FluxBackend(TPOverlapBackend):
     name = "flux"
     waits_across_ranks_on_sms = True  # persistent grids spin on peers' signals
     capturable = False  # the signals carry per-call epochs a replay would repeat
+    #: resolve each operand signature once (config, workspace views, streams, copy plans) and
+    #: reuse it (:func:`.rs.rs_plan`, :func:`.ag.ag_plan`); False resolves every call (A/B)
+    call_plans = True
 
     def __init__(self, config_provider=None, *, options: Optional[FluxOptions] = None,
                  column_dgrad: Optional[str] = None, column_regather: Optional[str] = None):
@@ -76,6 +79,7 @@ class FluxBackend(TPOverlapBackend):
         self._provider_context = bool(getattr(config_provider, "accepts_context", False))
         self.resources = DeviceResources(self._options)
         self._plans: Dict[Tuple, object] = {}
+        self._call_plan_cache: Dict[Tuple, object] = {}
         self._reasons: Dict[Tuple, Optional[str]] = {}
         self._group_reasons: Dict[int, Optional[str]] = {}
         self._stream_wait: Optional[bool] = None
@@ -90,6 +94,7 @@ class FluxBackend(TPOverlapBackend):
         """Run with ``options`` from the next call on (workspaces and configs are kept)."""
         self._options = options
         self.resources.set_options(options)
+        self._call_plan_cache.clear()
 
     @property
     def column_dgrad(self) -> str:
@@ -143,6 +148,26 @@ class FluxBackend(TPOverlapBackend):
         if reason is not None:
             raise ValueError(f"megatron-flux {op}: {reason}")
 
+    def keep_call_plan(self, key, plan):
+        """Cache ``plan`` under ``key``, first dropping plans whose workspace views died (they
+        would keep the replaced buffers alive) and, past 256 plans, all of them."""
+        cache = self._call_plan_cache
+        stale = [k for k, p in cache.items() if p.ws.generation != p.generation]
+        for k in stale:
+            del cache[k]
+        if len(cache) >= 256:
+            cache.clear()
+        cache[key] = plan
+        return plan
+
+    def check_not_capturing(self, op: str, a) -> None:
+        """:meth:`check`'s capture test alone, for a call whose operand signature a call plan
+        has already checked."""
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"megatron-flux {op}: CUDA graph capture (the fused kernels' epoch "
+                             f"signals cannot be replayed; resolve_backend hands captured calls "
+                             f"to 'nccl')")
+
     def check_errors(self, sync: bool = True) -> None:
         """Raise if any fused kernel on this process reported a timed-out wait."""
         self.resources.check_errors(sync=sync)
@@ -165,6 +190,7 @@ class FluxBackend(TPOverlapBackend):
     def clear_config_cache(self) -> None:
         """Forget cached configs (the tuner swaps the provider's answer between candidates)."""
         self._plans.clear()
+        self._call_plan_cache.clear()
 
     def config_with_chunk(self, cfg, chunk: int):
         key = ("chunk", cfg, chunk)

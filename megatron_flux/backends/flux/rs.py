@@ -16,6 +16,7 @@ kernel runs under both ``CUDA_DEVICE_MAX_CONNECTIONS`` settings
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -45,8 +46,113 @@ def rs_call(res, group, device, dtype, m_local: int, n: int):
     return ws, err, epoch, epoch & 1
 
 
+class RsPlan(NamedTuple):
+    """What every GEMM+RS call of one operand signature resolves to, resolved once
+    (:func:`rs_plan`): a call does the epoch, the output, the launch and the copies."""
+
+    group: object
+    world: int
+    rank: int
+    m_local: int
+    n: int
+    cfg: object
+    ws: object
+    generation: int
+    err: object
+    num_sms: int
+    device: torch.device
+    side: object               # copy-engine delivery: the side stream, else None
+    done: object               # ... and its "rs-done" ordering
+    parities: tuple            # per parity: (data, data_ptrs table, flag_ptrs, copies, my_flags)
+
+    def current(self, group) -> bool:
+        """Still valid: the same group object and the workspace's views alive."""
+        return self.group is group and self.ws.generation == self.generation
+
+
+def rs_plan(backend, a, b, group, bias) -> RsPlan:
+    """Resolve a GEMM+RS call of ``a``'s and ``b``'s signature as :func:`matmul_reduce_scatter_slow`
+    does per call (the checks raise here, before anything is kept)."""
+    res = backend.resources
+    backend.check("GEMM+RS", a, b, group)
+    world, rank = group.size(), group.rank()
+    m, k = a.shape
+    n = b.shape[1]
+    m_local = rs_rows(m, n, world, bias)
+    device = a.device
+    cfg = backend.config("rs", m, n, k, dtype=a.dtype, tp=world, device=device)
+    ws = res.workspace("rs", group, device, a.dtype)
+    ws.reserve(world * m_local * n, deps().rs_signal_count(world))
+    err = res.error_word("rs", device)
+    side = done = None
+    parities = []
+    if cfg.rs_copy_engine and _stream_wait_ok(backend):
+        side = res.side_stream(device, -1, "rs")
+        done = res.order(device, "rs-done")
+        staging = res.staging(device, a.dtype, (world - 1) * m_local * n, side)
+    for parity in (0, 1):
+        data = ws.data(rank, parity, world * m_local * n)
+        if side is None:
+            parities.append((data, ws.data_ptrs(parity), ws.flag_ptrs(parity), None, None))
+        else:
+            table, copies, my_flags = ws.memo(
+                ("rs-ce", rank, world, parity, m_local, n, staging.data_ptr()),
+                lambda: copy_plan(ws, staging, data, rank, world, parity, m_local, n))
+            parities.append((data, table, ws.flag_ptrs(parity), copies, my_flags))
+    return RsPlan(group, world, rank, m_local, n, cfg, ws, ws.generation, err, res.sms(device),
+                  device, side, done, tuple(parities))
+
+
 def matmul_reduce_scatter(backend, a, b, group, out, bias):
-    """``FluxBackend.matmul_reduce_scatter`` (see the module docstring)."""
+    """``FluxBackend.matmul_reduce_scatter`` (see the module docstring), through the call plan
+    of the operands' signature (``backend.call_plans``; else resolved per call)."""
+    if not backend.call_plans:
+        return matmul_reduce_scatter_slow(backend, a, b, group, out, bias)
+    key = ("rs", a.shape, a.stride(), a.dtype, a.get_device(), b.shape, b.stride(), b.dtype,
+           b.get_device(), id(group), bias is None)
+    plans = backend._call_plan_cache
+    plan = plans.get(key)
+    if plan is None or not plan.current(group):
+        plan = backend.keep_call_plan(key, rs_plan(backend, a, b, group, bias))
+    else:
+        backend.check_not_capturing("GEMM+RS", a)
+        if bias is not None:
+            rs_rows(a.shape[0], plan.n, plan.world, bias)
+    a, b = aligned(a), aligned(b)
+    err, ws = plan.err, plan.ws
+    err.check_if_due()
+    epoch = ws.next_epoch()
+    data, table, flag_ptrs, copies, my_flags = plan.parities[epoch & 1]
+    out = output_like(out, (plan.m_local, plan.n), a, "megatron-flux GEMM+RS", contiguous=True)
+    d, opts = deps(), backend.options
+    side = plan.side
+    current = torch.cuda.current_stream(plan.device) if side is not None else None
+    d.launch_gemm_rs(
+        a, b, out, data, table, flag_ptrs, bias, err.device_word,
+        rank=plan.rank, world=plan.world, epoch=epoch, cfg=plan.cfg, num_sms=plan.num_sms,
+        max_spins=opts.max_spins, host_descriptors=opts.host_descriptors,
+        direct=opts.direct_launch,
+    )
+    err.after_launch()
+    if side is not None:
+        _deliver(d, side, current, my_flags, copies, plan.rank, plan.world, epoch)
+        plan.done(current, side)  # the next call may refill the staging
+    return out
+
+
+def _deliver(d, side, current, my_flags, copies, rank, world, epoch):
+    """The side stream's part of a copy-engine GEMM+RS call: wait for this rank's producer
+    phase, then each partial to its owner's slot and the owner's signal."""
+    with d.on_stream(side, current):
+        d.wait_signal_on_stream(my_flags, world + 1, epoch, side)  # this rank's grid produced
+        for dst, src, owner_flags in copies:
+            dst.copy_(src)
+            d.write_signal(owner_flags, rank, epoch)
+
+
+def matmul_reduce_scatter_slow(backend, a, b, group, out, bias):
+    """The GEMM+RS call resolved from scratch on every call (``backend.call_plans = False``:
+    the reference the call plans are measured against)."""
     res, opts = backend.resources, backend.options
     backend.check("GEMM+RS", a, b, group)
     a, b = aligned(a), aligned(b)
@@ -93,11 +199,7 @@ def _copy_engine_delivery(backend, a, b, out, bias, ws, err, data, cfg, *, rank,
         direct=opts.direct_launch,
     )
     err.after_launch()
-    with d.on_stream(side, current):
-        d.wait_signal_on_stream(my_flags, world + 1, epoch, side)  # this rank's grid produced
-        for dst, src, owner_flags in copies:
-            dst.copy_(src)
-            d.write_signal(owner_flags, rank, epoch)
+    _deliver(d, side, current, my_flags, copies, rank, world, epoch)
     res.order(device, "rs-done")(current, side)  # the next call may refill the staging
     return out
 
