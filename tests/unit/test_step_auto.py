@@ -62,8 +62,8 @@ def test_the_fastest_candidate_wins_after_a_fixed_schedule():
 
 def test_a_slow_round_does_not_decide_the_pairs_do():
     """The first timed round runs slow for every candidate but megatron (the job's start-up
-    transient): per-round pairs, their median over the rounds (six by default), still find nccl faster; stock
-    is kept where the pairs say nothing beats it."""
+    transient): per-round pairs, their median over the rounds (six by default), still find
+    nccl faster; stock is kept where the pairs say nothing beats it."""
     layers = [_Layer()]
     steps = {"megatron": 0.350, "nccl": 0.330, "auto": 0.345}
     # defaults: 6 start-up iterations, a warm-up block of 3, then round 0 = offsets 9..17
