@@ -266,7 +266,8 @@ def test_raw_launch_passes_addresses_and_encodes_each_descriptor_once(monkeypatc
 
     c = _CLaunch()
     made = []
-    monkeypatch.setattr(L.torch, "empty", lambda size, dtype, device: made.append(size) or torch.zeros(size, dtype=dtype))
+    monkeypatch.setattr(L.torch, "empty",
+                        lambda size, dtype, device: made.append(size) or torch.zeros(size, dtype=dtype))
     raw = L.RawLaunch(c, "fn", "md", (7,), ({"m": 1},), {1: 0}, 64, False, expand)
     x = torch.zeros(32, 32, dtype=torch.float16)
     y = torch.zeros(32, 32, dtype=torch.float16)
@@ -275,7 +276,8 @@ def test_raw_launch_passes_addresses_and_encodes_each_descriptor_once(monkeypatc
     assert expanded == [(x.data_ptr(), (32, 32))] and made == [4 * 64]
     first, second = c.calls
     scratch = first[7]
-    assert first[:7] == (4, 1, 1, 11, "fn", False, False) and first[8:13] == (None, "md", None, None, None)
+    assert first[:7] == (4, 1, 1, 11, "fn", False, False)
+    assert first[8:13] == (None, "md", None, None, None)
     assert first[13:] == (x.data_ptr(), "map", 32, 32, 32, 1, 5, True, 7)
     assert second[13:] == (y.data_ptr(), "map", 32, 32, 32, 1, 6, True, 7) and second[7] == scratch
     raw(4, 0, 11, (x, _desc(y, (32, 32)), 5, True))     # another address: encoded
@@ -357,7 +359,8 @@ def test_fused_launchers_plan_once_per_shape(monkeypatch, op):
     made, launched = [], []
     real = mod._launch_plan
     monkeypatch.setattr(mod, "_launch_plan", lambda *a, **kw: made.append(1) or real(*a, **kw))
-    monkeypatch.setattr(mod, "_LAUNCH", lambda grid, args, constexprs, **kw: launched.append(constexprs))
+    monkeypatch.setattr(mod, "_LAUNCH",
+                        lambda grid, args, constexprs, **kw: launched.append(constexprs))
     cfg, world, m_local, k, n = GemmConfig(), 2, 16, 32, 64
     err = torch.zeros(4, dtype=torch.int32)
 
