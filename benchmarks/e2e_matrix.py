@@ -127,7 +127,27 @@ def _exposed_comm(cell: dict, out_dir: str, timeout: int) -> Optional[float]:
     return round(2 * (layers * (4 * ag + 2 * rs) + ag + rs), 2)
 
 
-def run_cell(cell_name: str, out: str, args) -> dict:
+def run_cell(cell_name: str, out: str, args, checkpoint=None) -> dict:
+    """Run one cell's jobs, then time its exposed TP communication. ``checkpoint(record)`` is
+    called between the two, so a time limit that ends the call during the timing keeps the
+    jobs' results (:func:`cmd_run` resumes from them)."""
+    record = run_cell_jobs(cell_name, out, args)
+    if checkpoint is not None:
+        checkpoint(record)
+    return finish_cell(record, out)
+
+
+def finish_cell(record: dict, out: str) -> dict:
+    """Time the cell's exposed TP communication and close the record."""
+    work = os.path.join(out, record["cell"].replace(":", "_"))
+    started = time.time()
+    record["exposed_tp_comm_ms"] = _exposed_comm(parse_cell(record["cell"]), work, 300)
+    record["wall_s"] = round(record.get("wall_s", 0) + time.time() - started, 1)
+    return record
+
+
+def run_cell_jobs(cell_name: str, out: str, args) -> dict:
+    """One cell's training jobs and their step times (no exposed-communication timing)."""
     cell = parse_cell(cell_name)
     work = os.path.join(out, cell_name.replace(":", "_"))
     os.makedirs(work, exist_ok=True)
@@ -174,22 +194,34 @@ def run_cell(cell_name: str, out: str, args) -> dict:
                                           if n != "megatron"} if base else {})
         record["paired"] = False
         record["steps"] = args.graph_iters - args.skip
-    record["exposed_tp_comm_ms"] = _exposed_comm(cell, work, 300)
     record["wall_s"] = round(time.time() - started, 1)
     return record
 
 
 def cmd_run(args) -> int:
     os.makedirs(args.out, exist_ok=True)
+    command = "python benchmarks/e2e_matrix.py run " + " ".join(sys.argv[2:])
     for cell in args.cells:
         path = os.path.join(args.out, cell.replace(":", "_") + ".json")
+        partial = path[:-len(".json")] + ".partial.json"
         if os.path.exists(path):
             print(f"{cell}: done already ({path})")
             continue
-        rec = run_cell(cell, args.out, args)
-        rec["command"] = "python benchmarks/e2e_matrix.py run " + " ".join(sys.argv[2:])
+        if os.path.exists(partial):  # its jobs ran; the exposed-communication timing did not
+            print(f"{cell}: jobs done already ({partial}); timing the exposed communication")
+            with open(partial) as f:
+                rec = finish_cell(json.load(f), args.out)
+        else:
+            def checkpoint(record, partial=partial):
+                with open(partial, "w") as f:
+                    json.dump(dict(record, command=command), f, indent=1)
+
+            rec = run_cell(cell, args.out, args, checkpoint)
+            rec["command"] = command
         with open(path, "w") as f:
             json.dump(rec, f, indent=1)
+        if os.path.exists(partial):
+            os.remove(partial)
         print(f"{cell}: step_ms {rec.get('step_ms')} speedup {rec.get('speedup_vs_megatron')} "
               f"auto={rec.get('auto_choice')} exposed={rec.get('exposed_tp_comm_ms')} "
               f"({rec['wall_s']} s)", flush=True)

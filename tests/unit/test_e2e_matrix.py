@@ -77,3 +77,39 @@ def test_a_matrix_from_fake_jobs_has_the_issues_schema_and_resumes(tmp_path, mon
     graphed = next(c for c in doc["cells"] if c["cuda_graphs"] == "local")
     assert graphed["paired"] is False
     assert graphed["speedup_vs_megatron"]["auto"] == pytest.approx(350.0 / 338.0, rel=1e-3)
+
+
+def test_a_cell_cut_off_while_timing_its_communication_resumes_without_its_jobs(tmp_path,
+                                                                               monkeypatch):
+    """The call's time limit may end a cell after its jobs, during the exposed-communication
+    timing: the jobs' step times are kept in a partial record, and the next run only times the
+    communication."""
+    launches = []
+
+    def fake_launch(cell, iters, env, extra, log, timeout):
+        launches.append(env)
+        name = "megatron" if env.get("FLUX_TP_OVERLAP") == "0" else env["FLUX_BACKEND"]
+        with open(log, "w") as f:
+            for it in range(1, iters + 1):
+                f.write(f" iteration {it:>4}/ {iters} | elapsed time per iteration (ms): "
+                        f"{STEP[name]:.1f} |\n")
+        return 0
+
+    def cut_off(cell, work, timeout):
+        raise KeyboardInterrupt  # the call's limit, as a signal would end it
+
+    monkeypatch.setattr(M, "_launch", fake_launch)
+    monkeypatch.setattr(M, "_exposed_comm", cut_off)
+    out = tmp_path / "cells"
+    cell = "llama3_8b_16l:tp2:mbs1:full_iteration"
+    with pytest.raises(KeyboardInterrupt):
+        M.main(["run", cell, "--out", str(out), "--graph-iters", "40"])
+    partial = out / "llama3_8b_16l_tp2_mbs1_full_iteration.partial.json"
+    assert json.loads(partial.read_text())["step_ms"] == {"auto": 338.0, "megatron": 350.0}
+    assert not (out / "llama3_8b_16l_tp2_mbs1_full_iteration.json").exists()
+    monkeypatch.setattr(M, "_exposed_comm", lambda cell, work, timeout: 19.0)
+    assert M.main(["run", cell, "--out", str(out)]) == 0
+    assert len(launches) == 2, "the jobs are not run again"
+    done = json.loads((out / "llama3_8b_16l_tp2_mbs1_full_iteration.json").read_text())
+    assert done["exposed_tp_comm_ms"] == 19.0 and done["step_ms"]["megatron"] == 350.0
+    assert done["command"].startswith("python benchmarks/e2e_matrix.py run") and not partial.exists()
