@@ -40,7 +40,7 @@ def test_the_device_test_split_runs_every_gpu_test():
 
     script = (REPO / "benchmarks" / "device_tests.sh").read_text()
     (split_file,) = re.findall(r"^K=(\S+)$", script, flags=re.M)
-    named = {path.replace("$K", split_file)
+    named = {path.replace("$K", split_file).strip("\"'")
              for value in re.findall(r"TESTS_PATHS=(\S+)", script) for path in value.split(",")}
     missing = []
     for path in _test_files("gpu"):
