@@ -9,7 +9,7 @@ them trial by trial (order shuffled per trial, seeded):
   (``FluxBackend.call_plans``), kernels launched through Triton's generated C launcher with
   addresses, encoded descriptors and scratch kept (:class:`~megatron_flux.kernels.launch.RawLaunch`,
   where the Triton is one it knows);
-* ``flux no plans``: every call resolved from scratch (``call_plans = False``);
+* ``flux no plans``: a call plan built on every call (``call_plans = False``);
 * ``flux run``: launched directly through ``CompiledKernel.run`` (``KernelLauncher.raw =
   False``);
 * ``flux triton``: launched through Triton's ``JITFunction.run``

@@ -402,8 +402,11 @@ def _plan_harness(monkeypatch):
 def test_call_plans_are_reused_per_signature_and_rebuilt_when_stale(monkeypatch, op):
     """A call plan is made once per operand signature and group; a call on it still takes a
     fresh epoch (alternating parities), refuses a capture, and a grown workspace, another
-    group object or new options make a new plan. With plans off every call resolves itself
-    (here: the CPU operands are refused, as without plans)."""
+    group object or new options make a new plan. With plans off every call builds its own
+    (with the real checks, the CPU operands are refused)."""
+    from megatron_flux.backends.flux import ag as ag_mod, rs as rs_mod
+
+    real_rs_plan, real_ag_plan = rs_mod.rs_plan, ag_mod.ag_plan
     backend, ws, made, launched, capturing = _plan_harness(monkeypatch)
     group, other = _Group(2), _Group(2)
     a, b = torch.zeros(8, 16), torch.zeros(16, 4)
@@ -431,6 +434,10 @@ def test_call_plans_are_reused_per_signature_and_rebuilt_when_stale(monkeypatch,
         call()
     capturing[0] = False
     backend.call_plans = False
+    call(), call()                                       # plans off: every call builds one
+    assert len(made) == 6
+    monkeypatch.setattr(rs_mod, "rs_plan", real_rs_plan)  # ... with the real checks, which
+    monkeypatch.setattr(ag_mod, "ag_plan", real_ag_plan)  # refuse the CPU operands
     with pytest.raises(ValueError, match="CUDA"):
         call()
-    assert len(made) == 4
+    assert len(made) == 6

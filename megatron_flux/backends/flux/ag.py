@@ -64,14 +64,10 @@ class AgPlan(NamedTuple):
     done: object
     parities: tuple            # per parity: (gathered, own rows, signals, copy plan)
 
-    def current(self, group) -> bool:
-        """Still valid: the same group object and the workspace's views alive."""
-        return self.group is group and self.ws.generation == self.generation
-
 
 def ag_plan(backend, a_shard, b, group) -> AgPlan:
-    """Resolve an AG+GEMM call of the operands' signature as :func:`all_gather_matmul_slow`
-    does per call (the checks raise here, before anything is kept)."""
+    """Resolve an AG+GEMM call of the operands' signature (the checks raise here, before
+    anything is kept)."""
     res = backend.resources
     backend.check("AG+GEMM", a_shard, b, group)
     world, rank = group.size(), group.rank()
@@ -101,18 +97,10 @@ def ag_plan(backend, a_shard, b, group) -> AgPlan:
 
 def all_gather_matmul(backend, a_shard, b, group, out, return_gathered, gathered_out):
     """``FluxBackend.all_gather_matmul`` (see the module docstring), through the call plan of
-    the operands' signature (``backend.call_plans``; else resolved per call)."""
-    if not backend.call_plans:
-        return all_gather_matmul_slow(backend, a_shard, b, group, out, return_gathered,
-                                      gathered_out)
+    the operands' signature (:meth:`FluxBackend.call_plan`)."""
     key = ("ag", a_shard.shape, a_shard.stride(), a_shard.dtype, a_shard.get_device(), b.shape,
            b.stride(), b.dtype, b.get_device(), id(group))
-    plans = backend._call_plan_cache
-    plan = plans.get(key)
-    if plan is None or not plan.current(group):
-        plan = backend.keep_call_plan(key, ag_plan(backend, a_shard, b, group))
-    else:
-        backend.check_not_capturing("AG+GEMM", a_shard)
+    plan = backend.call_plan("AG+GEMM", key, group, lambda: ag_plan(backend, a_shard, b, group))
     a_shard, b = aligned(a_shard), aligned(b)
     err, ws = plan.err, plan.ws
     err.check_if_due()
@@ -135,7 +123,12 @@ def all_gather_matmul(backend, a_shard, b, group, out, return_gathered, gathered
     _push(d, side, current, copies, a_shard, own_rows, epoch,
           fill_own=return_gathered and not plan.merge)
     plan.done(current, side)
-    return _outputs(out, gathered, return_gathered, gathered_out)
+    if not return_gathered:
+        return out, None
+    if gathered_out is not None:
+        gathered_out.copy_(gathered)
+        return out, gathered_out
+    return out, gathered
 
 
 def _push(d, side, current, copies, a_shard, own_rows, epoch, *, fill_own):
@@ -148,58 +141,3 @@ def _push(d, side, current, copies, a_shard, own_rows, epoch, *, fill_own):
         if fill_own:  # else filled up front
             own_rows.copy_(a_shard)
 
-
-def _outputs(out, gathered, return_gathered, gathered_out):
-    if not return_gathered:
-        return out, None
-    if gathered_out is not None:
-        gathered_out.copy_(gathered)
-        return out, gathered_out
-    return out, gathered
-
-
-def all_gather_matmul_slow(backend, a_shard, b, group, out, return_gathered, gathered_out):
-    """The AG+GEMM call resolved from scratch on every call (``backend.call_plans = False``:
-    the reference the call plans are measured against)."""
-    d = deps()
-    res, opts = backend.resources, backend.options
-    backend.check("AG+GEMM", a_shard, b, group)
-    a_shard, b = aligned(a_shard), aligned(b)
-    world, rank = group.size(), group.rank()
-    m_local, k = a_shard.shape
-    n = b.shape[1]
-    m = world * m_local
-    device = a_shard.device
-    out = output_like(out, (m, n), a_shard, "megatron-flux AG+GEMM", contiguous=True)
-    cfg = backend.config("ag", m, n, k, dtype=a_shard.dtype, tp=world, device=device)
-    if cfg.chunk_rows < m_local:
-        chunk = cfg.chunk_rows
-    else:
-        chunk = m_local
-        cfg = backend.config_with_chunk(cfg, chunk)
-    chunks = -(-m_local // chunk)
-    ws = res.workspace("ag", group, device, a_shard.dtype)
-    ws.reserve(m * k, world * chunks)  # signals: [src * chunks + c] chunk arrivals
-    err = res.error_word("ag", device)
-    epoch = ws.next_epoch()
-    parity = epoch & 1
-    merge = cfg.ag_merge_local and world > 1  # the kernel reads its own rows from `gathered`
-    gathered, own_rows, flags, plan = ws.memo(
-        ("ag-call", rank, world, parity, m_local, k, chunk),
-        lambda: gathered_views(ws, rank, world, parity, m_local, k, chunk))
-
-    current = torch.cuda.current_stream(device)
-    side = res.side_stream(device, cfg.comm_priority)
-    if merge:  # the merged GEMM reads the own rows there after its lead
-        own_rows.copy_(a_shard)
-    res.order(device, "ready")(side, current)  # the shard is ready (before the GEMM)
-    d.launch_ag_gemm(
-        a_shard, gathered, b, out, flags, err.device_word,
-        rank=rank, world=world, epoch=epoch, cfg=cfg, num_sms=res.sms(device),
-        max_spins=opts.max_spins, host_descriptors=opts.host_descriptors,
-        direct=opts.direct_launch,
-    )
-    err.after_launch()
-    _push(d, side, current, plan, a_shard, own_rows, epoch, fill_own=return_gathered and not merge)
-    res.order(device, "done")(current, side)
-    return _outputs(out, gathered, return_gathered, gathered_out)

@@ -46,7 +46,7 @@ class FluxBackend(TPOverlapBackend):
     waits_across_ranks_on_sms = True  # persistent grids spin on peers' signals
     capturable = False  # the signals carry per-call epochs a replay would repeat
     #: resolve each operand signature once (config, workspace views, streams, copy plans) and
-    #: reuse it (:func:`.rs.rs_plan`, :func:`.ag.ag_plan`); False resolves every call (A/B)
+    #: reuse it (:meth:`call_plan`); False resolves every call (A/B)
     call_plans = True
 
     def __init__(self, config_provider=None, *, options: Optional[FluxOptions] = None,
@@ -142,27 +142,36 @@ class FluxBackend(TPOverlapBackend):
     def check(self, op: str, a, b, group) -> None:
         """Raise for operands the kernels cannot take, or inside a CUDA graph capture."""
         reason = self.unsupported_reason(a, b, group)
-        if reason is None and a.is_cuda and torch.cuda.is_current_stream_capturing():
-            reason = ("CUDA graph capture (the fused kernels' epoch signals cannot be replayed; "
-                      "resolve_backend hands captured calls to 'nccl')")
         if reason is not None:
             raise ValueError(f"megatron-flux {op}: {reason}")
+        if a.is_cuda:
+            self._check_not_capturing(op)
 
-    def keep_call_plan(self, key, plan):
-        """Cache ``plan`` under ``key``, first dropping plans whose workspace views died (they
-        would keep the replaced buffers alive) and, past 256 plans, all of them."""
+    def call_plan(self, op: str, key, group, build):
+        """The call plan (:func:`.rs.rs_plan`, :func:`.ag.ag_plan`: a NamedTuple with ``group``,
+        ``ws`` and the ``generation`` of ``ws`` it was made at) cached under ``key``, the
+        operands' signature. A plan is reused while its group is ``group`` and its workspace's
+        views are alive (the generation is unchanged), and then only the capture test of
+        :meth:`check` runs; else ``build()`` makes a new one (its checks raise before anything
+        is kept), first dropping plans whose views died (they would keep replaced buffers
+        alive) and, past 256 plans, all of them. With ``call_plans`` off every call builds."""
+        if not self.call_plans:
+            return build()
         cache = self._call_plan_cache
-        stale = [k for k, p in cache.items() if p.ws.generation != p.generation]
-        for k in stale:
+        plan = cache.get(key)
+        if plan is not None and plan.group is group and plan.ws.generation == plan.generation:
+            self._check_not_capturing(op)
+            return plan
+        plan = build()
+        for k in [k for k, p in cache.items() if p.ws.generation != p.generation]:
             del cache[k]
         if len(cache) >= 256:
             cache.clear()
         cache[key] = plan
         return plan
 
-    def check_not_capturing(self, op: str, a) -> None:
-        """:meth:`check`'s capture test alone, for a call whose operand signature a call plan
-        has already checked."""
+    @staticmethod
+    def _check_not_capturing(op: str) -> None:
         if torch.cuda.is_current_stream_capturing():
             raise ValueError(f"megatron-flux {op}: CUDA graph capture (the fused kernels' epoch "
                              f"signals cannot be replayed; resolve_backend hands captured calls "

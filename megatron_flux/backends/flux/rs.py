@@ -35,13 +35,19 @@ def rs_rows(m: int, n: int, world: int, bias) -> int:
     return m // world
 
 
-def rs_call(res, group, device, dtype, m_local: int, n: int):
-    """``(workspace, error word, epoch, parity)`` of one GEMM+RS call, in either form (the fused
-    kernel or the copy-engine dgrad share slots, signals and epochs)."""
+def rs_workspace(res, group, device, dtype, m_local: int, n: int):
+    """``(workspace, error word)`` of GEMM+RS calls of ``m_local`` rows per rank and ``n``
+    columns, reserved for them, in either form (the fused kernel or the copy-engine dgrad share
+    slots, signals and epochs)."""
     world = group.size()
     ws = res.workspace("rs", group, device, dtype)
     ws.reserve(world * m_local * n, deps().rs_signal_count(world))
-    err = res.error_word("rs", device)
+    return ws, res.error_word("rs", device)
+
+
+def rs_call(res, group, device, dtype, m_local: int, n: int):
+    """``(workspace, error word, epoch, parity)`` of one GEMM+RS call (:func:`rs_workspace`)."""
+    ws, err = rs_workspace(res, group, device, dtype, m_local, n)
     epoch = ws.next_epoch()
     return ws, err, epoch, epoch & 1
 
@@ -65,14 +71,10 @@ class RsPlan(NamedTuple):
     done: object               # ... and its "rs-done" ordering
     parities: tuple            # per parity: (data, data_ptrs table, flag_ptrs, copies, my_flags)
 
-    def current(self, group) -> bool:
-        """Still valid: the same group object and the workspace's views alive."""
-        return self.group is group and self.ws.generation == self.generation
-
 
 def rs_plan(backend, a, b, group, bias) -> RsPlan:
-    """Resolve a GEMM+RS call of ``a``'s and ``b``'s signature as :func:`matmul_reduce_scatter_slow`
-    does per call (the checks raise here, before anything is kept)."""
+    """Resolve a GEMM+RS call of ``a``'s and ``b``'s signature (the checks raise here, before
+    anything is kept)."""
     res = backend.resources
     backend.check("GEMM+RS", a, b, group)
     world, rank = group.size(), group.rank()
@@ -81,9 +83,7 @@ def rs_plan(backend, a, b, group, bias) -> RsPlan:
     m_local = rs_rows(m, n, world, bias)
     device = a.device
     cfg = backend.config("rs", m, n, k, dtype=a.dtype, tp=world, device=device)
-    ws = res.workspace("rs", group, device, a.dtype)
-    ws.reserve(world * m_local * n, deps().rs_signal_count(world))
-    err = res.error_word("rs", device)
+    ws, err = rs_workspace(res, group, device, a.dtype, m_local, n)
     side = done = None
     parities = []
     if cfg.rs_copy_engine and _stream_wait_ok(backend):
@@ -105,19 +105,12 @@ def rs_plan(backend, a, b, group, bias) -> RsPlan:
 
 def matmul_reduce_scatter(backend, a, b, group, out, bias):
     """``FluxBackend.matmul_reduce_scatter`` (see the module docstring), through the call plan
-    of the operands' signature (``backend.call_plans``; else resolved per call)."""
-    if not backend.call_plans:
-        return matmul_reduce_scatter_slow(backend, a, b, group, out, bias)
+    of the operands' signature (:meth:`FluxBackend.call_plan`)."""
     key = ("rs", a.shape, a.stride(), a.dtype, a.get_device(), b.shape, b.stride(), b.dtype,
            b.get_device(), id(group), bias is None)
-    plans = backend._call_plan_cache
-    plan = plans.get(key)
-    if plan is None or not plan.current(group):
-        plan = backend.keep_call_plan(key, rs_plan(backend, a, b, group, bias))
-    else:
-        backend.check_not_capturing("GEMM+RS", a)
-        if bias is not None:
-            rs_rows(a.shape[0], plan.n, plan.world, bias)
+    plan = backend.call_plan("GEMM+RS", key, group, lambda: rs_plan(backend, a, b, group, bias))
+    if bias is not None:  # its shape and layout, which the key does not hold
+        rs_rows(a.shape[0], plan.n, plan.world, bias)
     a, b = aligned(a), aligned(b)
     err, ws = plan.err, plan.ws
     err.check_if_due()
@@ -148,60 +141,6 @@ def _deliver(d, side, current, my_flags, copies, rank, world, epoch):
         for dst, src, owner_flags in copies:
             dst.copy_(src)
             d.write_signal(owner_flags, rank, epoch)
-
-
-def matmul_reduce_scatter_slow(backend, a, b, group, out, bias):
-    """The GEMM+RS call resolved from scratch on every call (``backend.call_plans = False``:
-    the reference the call plans are measured against)."""
-    res, opts = backend.resources, backend.options
-    backend.check("GEMM+RS", a, b, group)
-    a, b = aligned(a), aligned(b)
-    world, rank = group.size(), group.rank()
-    m, k = a.shape
-    n = b.shape[1]
-    m_local = rs_rows(m, n, world, bias)
-    device = a.device
-    out = output_like(out, (m_local, n), a, "megatron-flux GEMM+RS", contiguous=True)
-    cfg = backend.config("rs", m, n, k, dtype=a.dtype, tp=world, device=device)
-    ws, err, epoch, parity = rs_call(res, group, device, a.dtype, m_local, n)
-    data = ws.data(rank, parity, world * m_local * n)
-    if cfg.rs_copy_engine and _stream_wait_ok(backend):
-        return _copy_engine_delivery(backend, a, b, out, bias, ws, err, data, cfg, rank=rank,
-                                     world=world, m_local=m_local, n=n, epoch=epoch,
-                                     parity=parity)
-    deps().launch_gemm_rs(
-        a, b, out, data, ws.data_ptrs(parity), ws.flag_ptrs(parity), bias, err.device_word,
-        rank=rank, world=world, epoch=epoch, cfg=cfg, num_sms=res.sms(device),
-        max_spins=opts.max_spins, host_descriptors=opts.host_descriptors,
-        direct=opts.direct_launch,
-    )
-    err.after_launch()
-    return out
-
-
-def _copy_engine_delivery(backend, a, b, out, bias, ws, err, data, cfg, *, rank, world, m_local,
-                          n, epoch, parity):
-    """GEMM+RS with the copy engine delivering the partials (see the module docstring)."""
-    d = deps()
-    res, opts = backend.resources, backend.options
-    device = a.device
-    seg_elems = m_local * n
-    side = res.side_stream(device, -1, "rs")
-    staging = res.staging(device, a.dtype, (world - 1) * seg_elems, side)
-    table, copies, my_flags = ws.memo(
-        ("rs-ce", rank, world, parity, m_local, n, staging.data_ptr()),
-        lambda: copy_plan(ws, staging, data, rank, world, parity, m_local, n))
-    current = torch.cuda.current_stream(device)
-    d.launch_gemm_rs(
-        a, b, out, data, table, ws.flag_ptrs(parity), bias, err.device_word,
-        rank=rank, world=world, epoch=epoch, cfg=cfg, num_sms=res.sms(device),
-        max_spins=opts.max_spins, host_descriptors=opts.host_descriptors,
-        direct=opts.direct_launch,
-    )
-    err.after_launch()
-    _deliver(d, side, current, my_flags, copies, rank, world, epoch)
-    res.order(device, "rs-done")(current, side)  # the next call may refill the staging
-    return out
 
 
 def _stream_wait_ok(backend) -> bool:
