@@ -127,6 +127,53 @@ def _exposed_comm(cell: dict, out_dir: str, timeout: int) -> Optional[float]:
     return round(2 * (layers * (4 * ag + 2 * rs) + ag + rs), 2)
 
 
+SWITCH_RE = re.compile(r"\[flux-interleave\] iteration (\d+): backend (\w+)")
+
+
+def paired_rounds(log: str) -> List[Dict[str, float]]:
+    """An interleaved job's rounds after its step-time selection: per round (a ``megatron``
+    block and the blocks after it), ``megatron``'s block median over each other backend's,
+    each block's first iteration dropped (the switch)."""
+    steps, switches = {}, []
+    with open(log, errors="replace") as f:
+        for line in f:
+            m = SWITCH_RE.search(line)
+            if m:
+                switches.append((int(m.group(1)), m.group(2)))
+            m = STEP_RE.search(line)
+            if m:
+                steps[int(m.group(1))] = float(m.group(2))
+    if not steps:
+        return []
+    blocks = []
+    for (start, name), (end, _) in zip(switches, switches[1:] + [(max(steps) + 1, None)]):
+        kept = [steps[i] for i in range(start + 1, end) if i in steps]
+        if name != "selecting" and kept:
+            blocks.append((name, statistics.median(kept)))
+    rounds: List[Dict[str, float]] = []
+    stock = None
+    for name, ms in blocks:
+        if name == "megatron":
+            stock = ms
+            rounds.append({})
+        elif stock is not None:
+            rounds[-1][name] = round(stock / ms, 4)
+    return rounds
+
+
+def window_medians(rounds: List[Dict[str, float]], lengths=(3, 6)) -> Dict[str, List[float]]:
+    """Per backend and window length R: ``[min, max]`` over the job of the median of R
+    consecutive paired rounds, what a step-time selection of R rounds would have measured."""
+    out = {}
+    for name in sorted({k for r in rounds for k in r}):
+        ratios = [r[name] for r in rounds if name in r]
+        for n in lengths:
+            meds = [statistics.median(ratios[i:i + n]) for i in range(len(ratios) - n + 1)]
+            if meds:
+                out[f"{name}_{n}"] = [round(min(meds), 3), round(max(meds), 3)]
+    return out
+
+
 def run_cell(cell_name: str, out: str, args, checkpoint=None) -> dict:
     """Run one cell's jobs, then time its exposed TP communication. ``checkpoint(record)`` is
     called between the two, so a time limit that ends the call during the timing keeps the
@@ -173,6 +220,8 @@ def run_cell_jobs(cell_name: str, out: str, args) -> dict:
         with open(log, errors="replace") as f:
             chosen = AUTO_RE.findall(f.read())
         record["auto_choice"] = chosen[-1] if chosen else None
+        record["paired_rounds"] = paired_rounds(log)
+        record["window_medians"] = window_medians(record["paired_rounds"])
     else:
         jobs = [("auto", {"FLUX_BACKEND": "auto"}), ("megatron", {"FLUX_TP_OVERLAP": "0"}),
                 ("flux", {"FLUX_BACKEND": "flux"})][: args.graph_jobs]
@@ -239,7 +288,7 @@ def cmd_merge(args) -> int:
             meta = json.load(f)
     keep = ("model", "tp", "micro_batch", "cuda_graphs", "steps", "step_ms",
             "speedup_vs_megatron", "paired", "exposed_tp_comm_ms", "auto_choice", "runs_step_ms",
-            "run", "machine", "code", "note")
+            "run", "machine", "code", "note", "paired_rounds", "window_medians")
     out = {
         "command": args.command or " ; ".join(sorted({c.get("command", "") for c in cells})),
         "gpu": meta.get("gpu", args.gpu),
@@ -318,8 +367,18 @@ def main(argv=None) -> int:
     m.add_argument("--command")
     m.add_argument("--date")
     m.set_defaults(fn=cmd_merge)
+    w = sub.add_parser("rounds", help="an interleaved job's paired rounds and window medians")
+    w.add_argument("log")
+    w.set_defaults(fn=cmd_rounds)
     args = p.parse_args(argv)
     return args.fn(args)
+
+
+def cmd_rounds(args) -> int:
+    rounds = paired_rounds(args.log)
+    print(json.dumps({"paired_rounds": rounds, "window_medians": window_medians(rounds)},
+                     indent=1))
+    return 0
 
 
 if __name__ == "__main__":

@@ -113,3 +113,18 @@ def test_a_cell_cut_off_while_timing_its_communication_resumes_without_its_jobs(
     done = json.loads((out / "llama3_8b_16l_tp2_mbs1_full_iteration.json").read_text())
     assert done["exposed_tp_comm_ms"] == 19.0 and done["step_ms"]["megatron"] == 350.0
     assert done["command"].startswith("python benchmarks/e2e_matrix.py run") and not partial.exists()
+
+
+def test_paired_rounds_and_window_medians_from_an_interleaved_log(tmp_path):
+    """Each round pairs a megatron block with the blocks after it (first iteration of each
+    dropped); window medians are what selections of 3 and 6 rounds would have measured."""
+    log = tmp_path / "interleave.log"
+    _interleaved_log(log, 24 + 4 * 4 * 8, 4)  # after the selection: 8 rounds of 4 blocks
+    rounds = M.paired_rounds(str(log))
+    assert len(rounds) == 8 and all(set(r) == {"nccl", "flux", "auto"} for r in rounds)
+    for r in rounds:
+        assert r["nccl"] == pytest.approx(350.0 / 345.0, abs=3e-3)
+        assert r["auto"] == pytest.approx(350.0 / 338.0, abs=3e-3)
+    win = M.window_medians([{"nccl": x} for x in (1.0, 1.1, 0.9, 1.2, 1.0, 1.0, 0.8)])
+    assert win == {"nccl_3": [1.0, 1.1], "nccl_6": [1.0, 1.0]}
+    assert M.main(["rounds", str(log)]) == 0
