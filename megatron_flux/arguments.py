@@ -358,7 +358,10 @@ def flux_pre_wrap_hooks(args: argparse.Namespace) -> list:
       (:func:`megatron_flux.output_layer.swap_output_layer`, backend ``--flux-backend``);
     * with ``--flux-backend auto`` and ``--flux-step-auto`` (the defaults), one that lets the
       job's first iterations choose its backend (:func:`megatron_flux.step_auto.install_step_auto`),
-      unless the job rotates backends itself (``--flux-interleave-backends``).
+      unless the job rotates backends itself (``--flux-interleave-backends``);
+    * with CUDA graphs on (``--cuda-graph-impl`` other than ``none``), one that checks the fused
+      kernels' error words once per forward (:func:`megatron_flux.backends.poll_fused_errors`):
+      calls replayed inside graphs never reach the per-call checks.
 
     Empty otherwise, so ``model_cfg.pre_wrap_hooks.extend(flux_pre_wrap_hooks(args))`` is always
     safe."""
@@ -375,7 +378,24 @@ def flux_pre_wrap_hooks(args: argparse.Namespace) -> list:
     if (backend == "auto" and getattr(args, "flux_step_auto", True)
             and not getattr(args, "flux_interleave_backends", None)):
         hooks.append(_step_auto_hook)
+    from megatron_flux.step_auto import graphs_enabled
+
+    if graphs_enabled(args):
+        hooks.append(_graph_error_poll_hook)
     return hooks
+
+
+def _graph_error_poll_hook(model_chunks):
+    """A pre-wrap hook: a forward pre-hook on the first chunk that raises a timed-out wait of a
+    fused kernel replayed in a CUDA graph (reported one forward late, without synchronising)."""
+    from megatron_flux.backends import poll_fused_errors
+
+    def pre_hook(module, args):
+        if module.training:
+            poll_fused_errors()
+
+    list(model_chunks)[0].register_forward_pre_hook(pre_hook)
+    return model_chunks
 
 
 def _step_auto_hook(model_chunks):

@@ -32,6 +32,10 @@ field                     environment default                   meaning
 ``auto_margin``           ``MEGATRON_FLUX_AUTO_MARGIN``          ``auto`` takes a fused kernel
                                                                  only where a table measured it
                                                                  this fraction faster than NCCL
+``capture``               ``MEGATRON_FLUX_CAPTURE``              fused calls inside a CUDA graph
+                                                                 capture run fused (on
+                                                                 workspaces reserved for
+                                                                 graphs); 0: they run on NCCL
 ========================  ====================================  ==========================
 """
 
@@ -68,6 +72,7 @@ ENV = {
     "direct_launch": "MEGATRON_FLUX_DIRECT_LAUNCH",
     "host_descriptors": "MEGATRON_FLUX_HOST_DESCRIPTORS",
     "auto_margin": "MEGATRON_FLUX_AUTO_MARGIN",
+    "capture": "MEGATRON_FLUX_CAPTURE",
 }
 
 
@@ -84,6 +89,7 @@ class FluxOptions:
     direct_launch: bool = True
     host_descriptors: bool = True
     auto_margin: float = 0.02
+    capture: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("column_dgrad", self.column_dgrad, COLUMN_DGRAD_CHOICES)
@@ -162,6 +168,7 @@ _PARSE: dict = {
     "direct_launch": _parse_bool,
     "host_descriptors": _parse_bool,
     "auto_margin": _parse_float,
+    "capture": _parse_bool,
 }
 
 _LOCK = threading.Lock()

@@ -219,7 +219,7 @@ def install_step_auto(model_chunks: Sequence[Any], *, log: Callable[[str], None]
     config = getattr(layers[0], "config", None)
     if graphs_enabled(config):
         log(f"{TAG} CUDA graphs are on: the layers' code is fixed at capture, so 'auto' chooses "
-            "per op from the tuning tables (fused calls inside a capture run on nccl)")
+            "per op from the tuning tables (fused calls are captured on graph workspaces)")
         return None
     selector = StepAutoSelector(layers, group=getattr(layers[0], "tp_group", None), log=log,
                                 **selector_args)

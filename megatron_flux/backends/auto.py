@@ -55,6 +55,8 @@ class AutoDispatch(TPOverlapBackend):
         self.name = f"auto(ag:{self.ag.name},rs:{self.rs.name})"
         self.waits_across_ranks_on_sms = bool(
             self.ag.waits_across_ranks_on_sms or self.rs.waits_across_ranks_on_sms)
+        self.capturable = bool(getattr(self.ag, "capturable", True)
+                               and getattr(self.rs, "capturable", True))
 
     def backend_for(self, op: str) -> TPOverlapBackend:
         return self.ag if op == "ag" else self.rs

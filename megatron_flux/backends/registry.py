@@ -134,9 +134,10 @@ def resolve_backend(
     ``op`` = ``"ag"``/``"rs"`` when the caller knows which op follows, else both are looked up).
     Every TP rank sees the same tables and shapes, so all ranks choose alike.
 
-    While a CUDA graph is being captured, a backend that cannot be replayed
-    (``capturable = False``: the fused one) gives way to ``nccl``, with one log line; every rank
-    of a TP group captures the same calls, so they still choose alike. Outside capture, the first
+    While a CUDA graph is being captured the choice is the same as outside it, except that a
+    backend that cannot be replayed (``capturable`` False: the fused one with
+    ``options.capture`` off) gives way to ``nccl``, with one log line; every rank of a TP group
+    captures the same calls, so they still choose alike. Outside capture, the first
     call on each thread creates that thread's cuBLAS handle, so that a capture never has to
     (``cublasCreate`` fails inside a capture; the fused kernels need no cuBLAS, so a thread that
     ran only them eagerly would otherwise meet cuBLAS for the first time in the capture).
@@ -156,10 +157,7 @@ def resolve_backend(
     hit = _RESOLVED.get(key)
     if hit is not None:
         return hit
-    if capturing and requested in ("auto", "flux"):
-        backend = get_backend("flux") if "flux" in available_backends() else get_backend("nccl")
-    else:
-        backend = _resolve_uncached(requested, a, b, group, op)
+    backend = _resolve_uncached(requested, a, b, group, op)
     if capturing and not backend.capturable:
         log_once(f"capture:{backend.name}",
                  f"megatron-flux: {backend.name!r} is not captured into CUDA graphs; the calls "
@@ -168,6 +166,27 @@ def resolve_backend(
         backend = get_backend("nccl")
     _RESOLVED[key] = backend
     return backend
+
+
+def expect_cuda_graphs() -> None:
+    """CUDA graphs will capture this process's fused calls: from now on the fused backend's
+    eager calls also reserve the workspaces their captured twins need
+    (:meth:`~megatron_flux.backends.flux.FluxBackend.expect_capture`), so a capture that
+    follows them runs fused. A no-op where the fused backend is unavailable. The Flux linears
+    call it when their config enables megatron-core's CUDA graphs; call it yourself before the
+    eager warm-up of ``torch.cuda.make_graphed_callables`` or ``torch.cuda.graph``."""
+    if "flux" in available_backends():
+        get_backend("flux").expect_capture()
+
+
+def poll_fused_errors() -> None:
+    """Raise a timed-out fused wait reported since the last poll (the fused backend's
+    :meth:`~megatron_flux.backends.flux.FluxBackend.poll_errors`); a no-op before the backend
+    is built. Jobs whose fused calls replay inside CUDA graphs call it once per step."""
+    with _LOCK:
+        fused = _INSTANCES.get("flux")
+    if fused is not None and hasattr(fused, "poll_errors"):
+        fused.poll_errors()
 
 
 def _ensure_blas_handle(device: torch.device) -> None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from megatron_flux.kernels.signals import OP_AG_GEMM, OP_AG_READY, OP_GATHER, OP_GEMM_RS
+from megatron_flux.kernels.signals import (OP_AG_GEMM, OP_AG_READY, OP_GATHER, OP_GEMM_RS,
+                                           OP_GRAPH_FENCE)
 
 _OPS = {OP_AG_GEMM: "AG+GEMM", OP_GEMM_RS: "GEMM+RS", OP_AG_READY: "ready barrier",
-        OP_GATHER: "all-gather (copy engine)"}
+        OP_GATHER: "all-gather (copy engine)", OP_GRAPH_FENCE: "CUDA graph fence"}
 
 
 class FusedOpTimeout(RuntimeError):
@@ -30,6 +31,13 @@ class DeviceErrorWord:
         self._calls += 1
         if self._calls % self.interval == 0:
             self.host_word.copy_(self.device_word, non_blocking=True)
+
+    def poll(self) -> None:
+        """Raise what the last queued read found (:meth:`check`), then queue the next read on
+        the current stream: a check per training step that never synchronises, for calls that
+        replay inside CUDA graphs and so never reach :meth:`after_launch`."""
+        self.check()
+        self.host_word.copy_(self.device_word, non_blocking=True)
 
     def check_if_due(self) -> None:
         """Cheap per-call check: read the host copy only right after a copy was queued."""
@@ -55,6 +63,12 @@ class DeviceErrorWord:
                 f"{index}'s rows (last value seen {seen}); that rank died, diverged (different "
                 f"shapes or call order across the TP group) or is stalled. Outputs since then "
                 f"are invalid."
+            )
+        if op == OP_GRAPH_FENCE:
+            raise FusedOpTimeout(
+                f"megatron-flux CUDA graph fence: rank {rank} timed out waiting for rank {index} "
+                f"at a captured graph's first fused call (last value seen {seen}); that rank "
+                f"died, replays other graphs or is stalled. Outputs since then are invalid."
             )
         if op:
             raise FusedOpTimeout(

@@ -2,8 +2,9 @@
 
 ``write_signal`` sets a signal word after the stream's earlier copies; ``wait_signal_on_stream``
 holds a stream (a copy-engine side stream) until a word that a running kernel raises reaches a
-value. Neither may be captured into a CUDA graph: the fused backend refuses capture (a replayed
-graph would write and wait for the same epoch again, see ``FluxBackend.unsupported_reason``).
+value. Both can be captured into a CUDA graph (as memory-operation nodes); captured fused calls
+write the constant value of :mod:`megatron_flux.comm.capture` and never wait on a stream (their
+GEMM+RS pushes from the SMs).
 """
 
 from __future__ import annotations

@@ -80,8 +80,9 @@ class SymmetricWorkspace:
         handle.barrier(channel=0)  # every rank's signals are zero before anyone signals
         if self._buffer is not None:
             # peers finished with the old buffer before the barrier above (stream order); keep it
-            # referenced anyway so a peer's late mapping never points at freed memory
-            self._retired.append(self._buffer)
+            # referenced anyway so a peer's late mapping never points at freed memory, and with
+            # its address tables, which a captured CUDA graph may still read
+            self._retired.extend([self._buffer, *self._flag_ptrs, *self._data_ptrs])
         self._buffer, self._handle = buf, handle
         self.flag_count = flag_bytes // 4
         self.data_elems = slot_bytes // self.elt
@@ -98,6 +99,11 @@ class SymmetricWorkspace:
                          device=self.device)
             for parity in (0, 1)
         ]
+
+    def fits(self, data_elems: int, flag_count: int) -> bool:
+        """Whether :meth:`reserve` of these sizes would allocate nothing."""
+        return (self._buffer is not None and data_elems <= self.data_elems
+                and flag_count <= self.flag_count)
 
     def memo(self, key, make):
         """``make()``, cached until the workspace grows (its views die with the old buffer).

@@ -22,8 +22,8 @@ Launches with a Triton launch hook installed (profilers), under the interpreter,
 ``direct=False`` (``FluxOptions.direct_launch``) go through Triton as before; without an active hook the direct
 call passes no hooks and no launch metadata, as Triton itself does then.
 
-Launches under CUDA graph capture also go through Triton (the fused backend refuses capture;
-this keeps any other caller's capture as Triton makes it).
+Launches under CUDA graph capture also go through Triton: a capture happens once per graph, so
+its host cost does not matter, and the graph then holds exactly what Triton launches.
 
 On by default: on 2xH100, in one process alternating with Triton's launch over 15 trials, it
 saved a median 60 µs per fc1 layer call (forward + backward, lower in 11 of 15 paired trials)
@@ -119,8 +119,8 @@ def specialization_key(args: Sequence[Any], constexprs: Tuple, options: Tuple) -
 
 
 def _capturing() -> bool:
-    """A CUDA graph is being captured on the current stream: launch through Triton, as
-    before the direct launch existed (the fused backend itself refuses capture)."""
+    """A CUDA graph is being captured on the current stream: launch through Triton (a capture
+    runs once per graph; the replays cost no host time either way)."""
     return torch.cuda.is_current_stream_capturing()
 
 

@@ -99,3 +99,9 @@ def publish_when_grid_done(counter_ptr, grid, flag_ptr, epoch, ASYNC_STORES: tl.
     ``epoch`` at ``flag_ptr`` (release, system scope), after every program's stores."""
     if arrive_at_grid_barrier(counter_ptr, grid, ASYNC_STORES):
         tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
+
+
+#: op code of the captured calls' graph-entry fence (:mod:`megatron_flux.comm.capture`): the ready
+#: barrier's words in the fence workspace; the index is the peer's rank (defined after the
+#: kernels so that adding it moved none of them)
+OP_GRAPH_FENCE = 5

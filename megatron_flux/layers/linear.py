@@ -44,7 +44,7 @@ import torch
 from megatron.core.tensor_parallel import layers as _mcore_layers
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from megatron_flux.backends import MEGATRON_PASSTHROUGH, validate_backend_name
+from megatron_flux.backends import MEGATRON_PASSTHROUGH, expect_cuda_graphs, validate_backend_name
 from megatron_flux.ops import (
     LinearWithMainGradAccumulation,
     column_parallel_linear,
@@ -142,6 +142,10 @@ class _FluxLinearMixin:
         self.flux_gradient_accumulation_fusion = gaf or bool(
             getattr(self.config, "flux_gradient_accumulation_fusion", False))
         self.flux_backend = backend
+        from megatron_flux.step_auto import graphs_enabled
+
+        if backend != MEGATRON_PASSTHROUGH and graphs_enabled(self.config):
+            expect_cuda_graphs()  # the eager iterations before the capture reserve for it
 
     @classmethod
     def convert_(cls, layer: torch.nn.Module, flux_backend: str = "auto", **flux_kwargs) -> torch.nn.Module:

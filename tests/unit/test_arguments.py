@@ -414,3 +414,47 @@ def test_backend_flags_become_the_process_options_not_environment(monkeypatch, f
             parse([flag, "cublas"])
     finally:
         set_options(None)
+
+
+def test_graphs_add_the_fused_error_poll_hook(monkeypatch):
+    """With CUDA graphs on, a pre-wrap hook checks the fused kernels' error words at every
+    training forward (replayed calls never reach the per-call checks); none without graphs."""
+    import torch
+
+    from megatron_flux import arguments
+    from megatron_flux.backends import registry
+
+    flags = ["--flux-tp-overlap", "--flux-backend", "flux", "--no-flux-output-layer"]
+    assert arguments._graph_error_poll_hook not in flux_pre_wrap_hooks(megatron_like_args(flags))
+    hooks = flux_pre_wrap_hooks(megatron_like_args(flags, cuda_graph_impl="local"))
+    assert hooks == [arguments._graph_error_poll_hook]
+    polls = []
+    monkeypatch.setattr(registry, "poll_fused_errors", lambda: polls.append(1))
+    monkeypatch.setattr("megatron_flux.backends.poll_fused_errors", lambda: polls.append(1))
+    model = torch.nn.Linear(2, 2)
+    assert hooks[0]([model]) == [model]
+    model(torch.zeros(1, 2))
+    model.eval()
+    model(torch.zeros(1, 2))
+    assert polls == [1], "one poll per training forward"
+
+
+def test_layers_built_for_cuda_graphs_reserve_for_capture(flux_linears, world_of_one, monkeypatch):
+    """A Flux linear whose config enables megatron-core's CUDA graphs tells the fused backend
+    to reserve the graph workspaces from its eager calls on (before the capture); one without
+    graphs, or running megatron's own code, does not."""
+    import torch
+
+    from megatron_flux.layers import linear
+
+    calls = []
+    monkeypatch.setattr(linear, "expect_cuda_graphs", lambda: calls.append(1))
+    col, _ = flux_linears
+    for graphs, backend, expected in (("none", "auto", 0), ("local", "auto", 1),
+                                      ("local", "megatron", 1)):
+        cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                use_cpu_initialization=True)
+        cfg.cuda_graph_impl = graphs
+        col(16, 32, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
+            gather_output=False, tp_group=world_of_one, flux_backend=backend)
+        assert len(calls) == expected

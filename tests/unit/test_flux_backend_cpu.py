@@ -49,16 +49,23 @@ def test_misaligned_operands_are_copied_not_refused(layout):
 
 def test_which_backends_may_run_beside_other_kernels():
     """Which backends spin on peers while holding SMs (their re-gather beside the dgrad must then
-    need no SM: the fused backend's runs on the copy engine), and which a graph may capture."""
+    need no SM: the fused backend's runs on the copy engine), and which a graph may capture
+    (the fused one unless ``options.capture`` is off; an ``auto`` split only if both sides)."""
     from megatron_flux.backends.auto import AutoDispatch
     from megatron_flux.backends.nccl import NcclBackend
+    from megatron_flux.options import FluxOptions
 
     assert FluxBackend.waits_across_ranks_on_sms is True
     assert NcclBackend.waits_across_ranks_on_sms is False
-    assert (FluxBackend.capturable, NcclBackend.capturable) == (False, True)
-    fused, nccl = FluxBackend.__new__(FluxBackend), NcclBackend()
+    fused, nccl = FluxBackend(), NcclBackend()
+    assert (fused.capturable, nccl.capturable) == (True, True)
     assert AutoDispatch(fused, nccl, True, False).waits_across_ranks_on_sms is True
     assert AutoDispatch(fused, nccl, False, False).waits_across_ranks_on_sms is False
+    off = FluxBackend(options=FluxOptions(capture=False))
+    assert off.capturable is False
+    assert AutoDispatch(off, nccl, True, False).capturable is False
+    assert AutoDispatch(off, nccl, False, False).capturable is True
+    assert FluxOptions.from_env({"MEGATRON_FLUX_CAPTURE": "0"}).capture is False
 
 
 def test_reserved_sms_from_the_options():
@@ -86,6 +93,7 @@ def test_reserved_sms_from_the_options():
     ([2, 1, 7, 0], r"GEMM\+RS: rank 1 timed out waiting for signal 7"),
     ([3, 2, 1, 4], r"ready barrier: rank 2 timed out waiting for rank 1's signal"),
     ([4, 0, 1, 6], r"all-gather \(copy engine\): rank 0 timed out waiting for rank 1's rows"),
+    ([5, 1, 0, 0], r"CUDA graph fence: rank 1 timed out waiting for rank 0 at a captured graph"),
 ])
 def test_a_timed_out_wait_names_the_op_the_rank_and_what_it_waited_for(word, expected):
     """The error word a kernel fills becomes an exception naming op, rank and signal (or, for
@@ -98,6 +106,44 @@ def test_a_timed_out_wait_names_the_op_the_rank_and_what_it_waited_for(word, exp
         err.check()
     err.host_word = torch.zeros(4, dtype=torch.int32)
     err.check()  # all clear: no error
+
+
+def test_polling_the_error_word_reports_one_poll_late_without_synchronising():
+    """``poll`` (the per-step check of graph replays) raises what the previous poll's queued
+    read found, then queues the next read."""
+    from megatron_flux.comm.errors import DeviceErrorWord, FusedOpTimeout
+
+    err = DeviceErrorWord.__new__(DeviceErrorWord)
+    err.host_word = torch.zeros(4, dtype=torch.int32)
+    err.device_word = torch.zeros(4, dtype=torch.int32)
+    err.poll()
+    err.device_word.copy_(torch.tensor([2, 0, 1, 0], dtype=torch.int32))  # a replay timed out
+    err.poll()                                                           # read queued
+    with pytest.raises(FusedOpTimeout, match="GEMM\\+RS: rank 0"):
+        err.poll()
+
+
+def test_replaced_staging_stays_alive_for_captured_graphs():
+    """Growing the copy-engine staging keeps the old buffer (a captured graph may address it)
+    and drops the copy plans that view it."""
+    from megatron_flux.backends.flux.resources import DeviceResources
+    from megatron_flux.options import FluxOptions
+
+    class _Side:
+        pass
+
+    res = DeviceResources(FluxOptions())
+    dev = torch.device("cpu")
+    real = torch.Tensor.record_stream
+    torch.Tensor.record_stream = lambda self, s: None
+    try:
+        first = res.staging(dev, torch.float32, 16, _Side())
+        assert res.staging(dev, torch.float32, 8, _Side()) is first
+        second = res.staging(dev, torch.float32, 64, _Side())
+    finally:
+        torch.Tensor.record_stream = real
+    assert second is not first and second.numel() >= 64
+    assert any(t is first for t in res._retired_staging)
 
 
 class _CudaLike:
@@ -114,17 +160,19 @@ class _CudaLike:
         return (self.shape[1], 1)
 
 
-def test_a_capture_hands_fused_calls_to_nccl_and_cublas_is_ready_before_it(monkeypatch, caplog):
-    """Under capture the epoch would be frozen into the graph and replays would not wait for
-    their data. The fused backend refuses to run there, and ``resolve_backend`` hands both
-    ``auto`` and an explicit ``flux`` to NCCL (capturable) with one log line, instead of failing
-    the job. Outside capture, the first call on a thread creates its cuBLAS handle, so that NCCL's
-    matmul inside a later capture never has to (cublasCreate fails there)."""
+def test_a_capture_keeps_the_choice_unless_capture_is_off_and_cublas_is_ready_before_it(
+        monkeypatch, caplog):
+    """Inside a capture ``resolve_backend`` chooses as outside it: the fused backend is
+    capturable (its captured calls run on graph workspaces). With ``options.capture`` off it is
+    not, and both ``auto`` and an explicit ``flux`` go to NCCL with one log line instead of
+    failing the job. Outside capture, the first call on a thread creates its cuBLAS handle, so
+    that NCCL's matmul inside a later capture never has to (cublasCreate fails there)."""
     import logging
     import threading
 
     from megatron_flux.backends import registry as B
     from megatron_flux.backends import registry
+    from megatron_flux.options import FluxOptions
 
     fused = FluxBackend.__new__(FluxBackend)
     FluxBackend.__init__(fused)
@@ -152,13 +200,15 @@ def test_a_capture_hands_fused_calls_to_nccl_and_cublas_is_ready_before_it(monke
     assert len(handles) == 2 and handles[0] != handles[1]
 
     capturing[0] = True
+    assert B.resolve_backend("flux", a, b, _Group(2), op="ag") is fused
+    assert B.resolve_backend("auto", a, b, _Group(2), op="rs") is fused
+    fused.set_options(FluxOptions(capture=False))
+    B.clear_resolution_cache()
     with caplog.at_level(logging.WARNING, logger="megatron_flux"):
         assert B.resolve_backend("flux", a, b, _Group(2), op="ag").name == "nccl"
         assert B.resolve_backend("auto", a, b, _Group(2), op="rs").name == "nccl"
     assert sum("not captured into CUDA graphs" in r.getMessage() for r in caplog.records) <= 1
     assert len(handles) == 2, "no handle is created inside a capture"
-    with pytest.raises(ValueError, match="CUDA graph capture"):
-        fused.check("AG+GEMM", a, b, _Group(2))
     B.clear_resolution_cache()
 
 
@@ -357,27 +407,39 @@ class _PlanErr:
 
 
 def _plan_harness(monkeypatch):
-    """A fused backend whose plan builders and kernel launchers are recorders (CPU operands)."""
+    """A fused backend whose plan builders and kernel launchers are recorders (CPU operands).
+    Graph plans (``graph=True``) have their own workspace and int32 signal tensors (ones), named
+    ``gflags<parity>`` in the launch records."""
     from megatron_flux.backends.flux import ag, rs
     from megatron_flux.backends.flux.resources import deps
 
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "current")
-    ws, made, launched = _PlanWorkspace(), [], []
+    ws, gws, made, launched, names = _PlanWorkspace(), _PlanWorkspace(), [], [], {}
 
-    def rs_plan(backend, a, b, group, bias):
-        made.append(("rs", group))
-        return rs.RsPlan(group, 2, 0, a.shape[0] // 2, b.shape[1], "cfg", ws, ws.generation,
+    def graph_flags():
+        flags = tuple(torch.ones(4, dtype=torch.int32) for _ in (0, 1))
+        for p, t in enumerate(flags):
+            names[id(t)] = f"gflags{p}"
+        return flags
+
+    def rs_plan(backend, a, b, group, bias, graph=False):
+        made.append((f"{'rs-graph' if graph else 'rs'}", group))
+        w, tag = (gws, "g") if graph else (ws, "")
+        return rs.RsPlan(group, 2, 0, a.shape[0] // 2, b.shape[1], "cfg", w, w.generation,
                          _PlanErr(), 4, a.device, None, None,
-                         tuple((f"data{p}", f"table{p}", f"flags{p}", None, None) for p in (0, 1)))
+                         tuple((f"data{p}", f"{tag}table{p}", f"flags{p}", None, None)
+                               for p in (0, 1)), graph_flags())
 
-    def ag_plan(backend, a, b, group):
-        made.append(("ag", group))
+    def ag_plan(backend, a, b, group, graph=False):
+        made.append((f"{'ag-graph' if graph else 'ag'}", group))
         order = lambda waiter, producer: None  # noqa: E731
-        return ag.AgPlan(group, 2, 0, 2 * a.shape[0], b.shape[1], "cfg", False, ws,
-                         ws.generation, _PlanErr(), 4, a.device, "side", order, order,
-                         tuple((f"gathered{p}", None, f"flags{p}", []) for p in (0, 1)))
+        w = gws if graph else ws
+        flags = graph_flags() if graph else ("flags0", "flags1")
+        return ag.AgPlan(group, 2, 0, 2 * a.shape[0], b.shape[1], "cfg", False, w,
+                         w.generation, _PlanErr(), 4, a.device, "side", order, order,
+                         tuple((f"gathered{p}", None, flags[p], []) for p in (0, 1)))
 
     class _Switch:
         def __init__(self, *a):
@@ -389,20 +451,26 @@ def _plan_harness(monkeypatch):
         def __exit__(self, *exc):
             pass
 
+    def record(*a, **kw):
+        target = a[4]
+        launched.append((target if isinstance(target, str) else names[id(target)], kw["epoch"]))
+
     monkeypatch.setattr(rs, "rs_plan", rs_plan)
     monkeypatch.setattr(ag, "ag_plan", ag_plan)
     d = deps()
-    monkeypatch.setattr(d, "launch_gemm_rs", lambda *a, **kw: launched.append((a[4], kw["epoch"])))
-    monkeypatch.setattr(d, "launch_ag_gemm", lambda *a, **kw: launched.append((a[4], kw["epoch"])))
+    monkeypatch.setattr(d, "launch_gemm_rs", record)
+    monkeypatch.setattr(d, "launch_ag_gemm", record)
     monkeypatch.setattr(d, "on_stream", _Switch)
-    return FluxBackend(), ws, made, launched, capturing
+    backend = FluxBackend()
+    backend.graph_workspace = gws
+    return backend, ws, made, launched, capturing
 
 
 @pytest.mark.parametrize("op", ["rs", "ag"])
 def test_call_plans_are_reused_per_signature_and_rebuilt_when_stale(monkeypatch, op):
     """A call plan is made once per operand signature and group; a call on it still takes a
-    fresh epoch (alternating parities), refuses a capture, and a grown workspace, another
-    group object or new options make a new plan. With plans off every call builds its own
+    fresh epoch (alternating parities), and a grown workspace, another group object or new
+    options make a new plan. With plans off every call builds its own
     (with the real checks, the CPU operands are refused)."""
     from megatron_flux.backends.flux import ag as ag_mod, rs as rs_mod
 
@@ -429,10 +497,6 @@ def test_call_plans_are_reused_per_signature_and_rebuilt_when_stale(monkeypatch,
     backend.set_options(backend.options)                     # new options: plans start over
     call()
     assert len(made) == 4
-    capturing[0] = True
-    with pytest.raises(ValueError, match="CUDA graph capture"):
-        call()
-    capturing[0] = False
     backend.call_plans = False
     call(), call()                                       # plans off: every call builds one
     assert len(made) == 6
@@ -441,3 +505,117 @@ def test_call_plans_are_reused_per_signature_and_rebuilt_when_stale(monkeypatch,
     with pytest.raises(ValueError, match="CUDA"):
         call()
     assert len(made) == 6
+
+
+class _CudaFlagged(torch.Tensor):
+    """A CPU tensor that says it is on CUDA (the fused calls ask before asking about capture)."""
+
+    is_cuda = True
+
+
+class _FakeNccl:
+    name = "nccl"
+
+    def __init__(self):
+        self.calls = 0
+
+    def matmul_reduce_scatter(self, a, b, group, *, out=None, bias=None):
+        self.calls += 1
+        return "nccl-out"
+
+    def all_gather_matmul(self, a, b, group, **kw):
+        self.calls += 1
+        return "nccl-out", None
+
+
+@pytest.mark.parametrize("op", ["rs", "ag"])
+def test_captured_calls_use_graph_plans_a_constant_epoch_fences_and_resets(monkeypatch, caplog, op):
+    """Inside a capture a fused call runs on the graph plan that an eager call of its signature
+    made after ``expect_capture`` (none: NCCL, one log line). Its epoch is the constant
+    ``CAPTURED_EPOCH``; parities alternate from 0 within each graph; a graph's first call queues
+    the fence (the ready barrier on the fence words, then their reset); every captured call
+    resets this rank's signals of its parity afterwards; eager epochs are untouched."""
+    import logging
+
+    from megatron_flux.backends.flux import backend as backend_mod
+    from megatron_flux.backends.flux.resources import deps
+    from megatron_flux.comm import capture
+    from megatron_flux.kernels.signals import OP_GRAPH_FENCE
+
+    backend, ws, made, launched, capturing = _plan_harness(monkeypatch)
+    nccl = backend._nccl = _FakeNccl()
+    graph = [0]
+    monkeypatch.setattr(capture, "capture_id", lambda stream: graph[0])
+    monkeypatch.setattr(backend, "keep_scratch_alive", lambda device: None)
+    fences, fence_words = [], torch.ones(8, dtype=torch.int32)
+
+    class _Fence:
+        def flag_ptrs(self, parity):
+            return "fence-table"
+
+        def flags(self, rank, parity):
+            return fence_words
+
+    monkeypatch.setattr(backend.resources, "fence", lambda group, device: _Fence())
+    monkeypatch.setattr(deps(), "launch_ready_barrier",
+                        lambda table, err, **kw: fences.append((graph[0], table, kw)))
+    group = _Group(2)
+    a = torch.Tensor._make_subclass(_CudaFlagged, torch.zeros(8, 16))  # takes the capture test
+    b = torch.zeros(16, 4)
+
+    def call():
+        if op == "rs":
+            return backend.matmul_reduce_scatter(a, b, group)
+        return backend.all_gather_matmul(a, b, group)[0]
+
+    call()                                    # eager, no capture expected: no graph plan
+    capturing[0], graph[0] = True, 7
+    with caplog.at_level(logging.WARNING, logger="megatron_flux"):
+        assert call() == "nccl-out" and call() == "nccl-out"
+    assert nccl.calls == 2 and fences == []
+    assert sum("no graph workspace" in r.getMessage() for r in caplog.records) == 1
+
+    capturing[0], graph[0] = False, 0
+    backend.expect_capture()                  # the next eager call makes both plans and runs
+    call()                                    # the graph plan once, behind a fence
+    assert made[-2:] == [(op, group), (f"{op}-graph", group)]
+    target = "gtable" if op == "rs" else "gflags"
+    assert [e for t, e in launched if not t.startswith("g")] == [1, 2]
+    assert [x for x in launched if x[0].startswith("g")] == [(f"{target}0", capture.CAPTURED_EPOCH)]
+    assert [g for g, _, _ in fences] == [0]
+
+    plan = backend._capture_plans[next(iter(backend._capture_plans))]
+    own = plan.own_flags if op == "rs" else tuple(p[2] for p in plan.parities)
+    assert int(own[0].abs().sum()) == 0, "the build's call reset its signals"
+    capturing[0] = True
+    for g, calls in ((21, 3), (22, 1)):
+        graph[0] = g
+        for i in range(calls):
+            own[0].fill_(1), own[1].fill_(1)
+            call()
+            parity = i & 1
+            assert launched[-1] == (f"{target}{parity}", capture.CAPTURED_EPOCH)
+            assert int(own[parity].abs().sum()) == 0, "this rank's signals of the parity reset"
+            assert int(own[1 - parity].sum()) == 4, "the other parity untouched"
+    assert [(g, t) for g, t, _ in fences[1:]] == [(21, "fence-table"), (22, "fence-table")]
+    kw = fences[0][2]
+    slot = backend_mod.FENCE_SLOTS[op]
+    assert (kw["epoch"], kw["base"], kw["op_code"]) == (capture.CAPTURED_EPOCH, 2 * slot, OP_GRAPH_FENCE)
+    assert int(fence_words[2 * slot:2 * slot + 2].sum()) == 0
+    assert backend.captured_calls == 4 and any(p is plan for p in backend._keepalive)
+    capturing[0] = False
+    call()
+    assert launched[-1][1] == 3, "eager epochs go on from where they were"
+
+
+def test_capture_sequence_alternates_per_graph_and_marks_first_calls():
+    from megatron_flux.comm.capture import CaptureSequence
+
+    seq = CaptureSequence(limit=3)
+    assert [seq.next(1, "ag") for _ in range(3)] == [(0, True), (1, False), (0, False)]
+    assert seq.next(1, "rs") == (0, True)
+    assert seq.next(2, "ag") == (0, True)      # another graph starts over, with a fence
+    assert seq.next(1, "ag") == (1, False)
+    # past the limit the counts start over: the next call is a first call again, so it fences
+    assert seq.next(3, "ag") == (0, True)
+    assert seq.next(1, "ag") == (0, True)

@@ -77,3 +77,16 @@ def test_forget_drops_only_the_tagged_memos():
     ws.forget("rs-ce")
     assert ws.memo(("rs-ce", 1), lambda: "new") == "new"
     assert ws.memo(("ag-call", 1), lambda: "new") == "c"
+
+
+def test_growth_keeps_the_old_buffer_and_its_address_tables():
+    """A captured CUDA graph keeps addressing the buffer and the pointer tables it was captured
+    with, so growth retires them instead of freeing them; ``fits`` says when a reservation
+    would allocate (which a capture cannot)."""
+    w = FakeWorld(2)
+    w.reserve(data_elems=100, flag_count=4)
+    ws = w.ws[0]
+    assert ws.fits(100, 4) and not ws.fits(ws.data_elems + 1, 4) and not ws.fits(100, 1000)
+    old = [ws._buffer, ws.flag_ptrs(0), ws.flag_ptrs(1), ws.data_ptrs(0), ws.data_ptrs(1)]
+    w.reserve(data_elems=10_000, flag_count=64)
+    assert all(any(t is r for r in ws._retired) for t in old)

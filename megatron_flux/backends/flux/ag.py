@@ -65,9 +65,10 @@ class AgPlan(NamedTuple):
     parities: tuple            # per parity: (gathered, own rows, signals, copy plan)
 
 
-def ag_plan(backend, a_shard, b, group) -> AgPlan:
+def ag_plan(backend, a_shard, b, group, graph: bool = False) -> AgPlan:
     """Resolve an AG+GEMM call of the operands' signature (the checks raise here, before
-    anything is kept)."""
+    anything is kept); ``graph``: the plan of the same calls inside a CUDA graph capture, on the
+    graph workspace, made outside it (:func:`_build`)."""
     res = backend.resources
     backend.check("AG+GEMM", a_shard, b, group)
     world, rank = group.size(), group.rank()
@@ -82,8 +83,11 @@ def ag_plan(backend, a_shard, b, group) -> AgPlan:
         chunk = m_local
         cfg = backend.config_with_chunk(cfg, chunk)
     chunks = -(-m_local // chunk)
-    ws = res.workspace("ag", group, device, a_shard.dtype)
-    ws.reserve(m * k, world * chunks)  # signals: [src * chunks + c] chunk arrivals
+    if graph:  # signals: [src * chunks + c] chunk arrivals
+        ws = res.graph_workspace("ag", group, device, a_shard.dtype, m * k, world * chunks)
+    else:
+        ws = res.workspace("ag", group, device, a_shard.dtype)
+        ws.reserve(m * k, world * chunks)
     err = res.error_word("ag", device)
     parities = tuple(
         ws.memo(("ag-call", rank, world, parity, m_local, k, chunk),
@@ -97,15 +101,63 @@ def ag_plan(backend, a_shard, b, group) -> AgPlan:
 
 def all_gather_matmul(backend, a_shard, b, group, out, return_gathered, gathered_out):
     """``FluxBackend.all_gather_matmul`` (see the module docstring), through the call plan of
-    the operands' signature (:meth:`FluxBackend.call_plan`)."""
+    the operands' signature (:meth:`FluxBackend.call_plan`); inside a CUDA graph capture through
+    :func:`_captured`."""
     key = ("ag", a_shard.shape, a_shard.stride(), a_shard.dtype, a_shard.get_device(), b.shape,
            b.stride(), b.dtype, b.get_device(), id(group))
-    plan = backend.call_plan("AG+GEMM", key, group, lambda: ag_plan(backend, a_shard, b, group))
+    if a_shard.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _captured(backend, a_shard, b, group, out, return_gathered, gathered_out, key)
+    plan = backend.call_plan("AG+GEMM", key, group,
+                             lambda: _build(backend, a_shard, b, group, key))
+    plan.err.check_if_due()
+    epoch = plan.ws.next_epoch()
+    return _run(backend, plan, a_shard, b, out, return_gathered, gathered_out, epoch, epoch & 1,
+                True)
+
+
+def _build(backend, a_shard, b, group, key) -> AgPlan:
+    """The eager plan; where a capture is expected (:meth:`FluxBackend.expect_capture`) also
+    the captured calls' plan of the same signature, which a capture cannot build (it reserves
+    symmetric memory), and one call on it now, behind a fence (what it launches is compiled
+    and loaded before any capture needs it)."""
+    from megatron_flux.comm.capture import CAPTURED_EPOCH
+
+    plan = ag_plan(backend, a_shard, b, group)
+    if backend.reserve_for_capture:
+        graph_plan = ag_plan(backend, a_shard, b, group, graph=True)
+        backend.register_capture_plan(key, graph_plan)
+        backend.graph_fence(graph_plan, "ag")
+        _run(backend, graph_plan, a_shard, b, None, False, None, CAPTURED_EPOCH, 0, False)
+        graph_plan.parities[0][2].zero_()
+    return plan
+
+
+def _captured(backend, a_shard, b, group, out, return_gathered, gathered_out, key):
+    """An AG+GEMM call inside a CUDA graph capture: on the graph workspace, with the constant
+    signal value, this rank's signals of the call's parity reset after it
+    (:mod:`megatron_flux.comm.capture`); on NCCL where no eager call of its signature made its
+    plan."""
+    from megatron_flux.comm.capture import CAPTURED_EPOCH
+
+    plan = backend.capture_plan("AG+GEMM", key, group)
+    if plan is None:
+        return backend._nccl_backend().all_gather_matmul(
+            a_shard, b, group, out=out, return_gathered=return_gathered,
+            gathered_out=gathered_out)
+    parity = backend.capture_parity(plan, "ag")
+    result = _run(backend, plan, a_shard, b, out, return_gathered, gathered_out, CAPTURED_EPOCH,
+                  parity, False)
+    plan.parities[parity][2].zero_()  # this rank's signals of the parity
+    backend.keep_scratch_alive(plan.device)
+    return result
+
+
+def _run(backend, plan, a_shard, b, out, return_gathered, gathered_out, epoch, parity, eager):
+    """One AG+GEMM call on ``plan`` with this epoch and parity: the output, the launch, the
+    side stream's pushes and the hand-back."""
     a_shard, b = aligned(a_shard), aligned(b)
-    err, ws = plan.err, plan.ws
-    err.check_if_due()
-    epoch = ws.next_epoch()
-    gathered, own_rows, flags, copies = plan.parities[epoch & 1]
+    err = plan.err
+    gathered, own_rows, flags, copies = plan.parities[parity]
     out = output_like(out, (plan.m, plan.n), a_shard, "megatron-flux AG+GEMM", contiguous=True)
     d, opts = deps(), backend.options
     current = torch.cuda.current_stream(plan.device)
@@ -119,7 +171,8 @@ def all_gather_matmul(backend, a_shard, b, group, out, return_gathered, gathered
         max_spins=opts.max_spins, host_descriptors=opts.host_descriptors,
         direct=opts.direct_launch,
     )
-    err.after_launch()
+    if eager:
+        err.after_launch()
     _push(d, side, current, copies, a_shard, own_rows, epoch,
           fill_own=return_gathered and not plan.merge)
     plan.done(current, side)

@@ -9,6 +9,11 @@ The backend object holds the options and the per-shape kernel configs, and route
 * :mod:`.resources` workspaces, error words, streams and staging, per device and group
 * :mod:`.support`   which operands the kernels take
 
+Calls inside a CUDA graph capture run fused too (``options.capture``), on workspaces reserved
+for graphs before the capture (:meth:`FluxBackend.expect_capture`) and with constant, reset
+signals (:mod:`megatron_flux.comm.capture`); where none was reserved the call runs on NCCL,
+with one log line.
+
 The plain collectives (``all_gather``, ``reduce_scatter``) and the NCCL forms of the column
 backward (``column_dgrad="nccl"``, ``column_regather="nccl"``, the defaults) are the NCCL
 backend's.
@@ -27,6 +32,9 @@ from megatron_flux.backends.flux.resources import DeviceResources
 from megatron_flux.backends.flux.support import group_reason, signature_reason
 from megatron_flux.options import FluxOptions, get_options
 
+#: fence words per graph workspace kind: slot ``FENCE_SLOTS[kind]`` holds ``world`` words
+FENCE_SLOTS = {"ag": 0, "rs": 1}
+
 
 def flux_backend_factory_or_reason():
     """``(factory, None)`` when triton and torch symmetric memory import, else ``(None, reason)``."""
@@ -44,7 +52,6 @@ class FluxBackend(TPOverlapBackend):
 
     name = "flux"
     waits_across_ranks_on_sms = True  # persistent grids spin on peers' signals
-    capturable = False  # the signals carry per-call epochs a replay would repeat
     #: resolve each operand signature once (config, workspace views, streams, copy plans) and
     #: reuse it (:meth:`call_plan`); False resolves every call (A/B)
     call_plans = True
@@ -84,6 +91,15 @@ class FluxBackend(TPOverlapBackend):
         self._group_reasons: Dict[int, Optional[str]] = {}
         self._stream_wait: Optional[bool] = None
         self._nccl = None
+        #: eager calls also reserve the graph workspaces of their shapes (:meth:`expect_capture`)
+        self.reserve_for_capture = False
+        #: fused calls captured into CUDA graphs so far (each replays with its graph), and
+        #: captured calls that ran on NCCL because no graph plan was made for them
+        self.captured_calls = 0
+        self.capture_fallbacks = 0
+        self._capture_plans: Dict[Tuple, object] = {}
+        self._capture_sequence = None
+        self._keepalive: list = []  # what captured graphs address: never freed
 
     # ---------------------------------------------------------------- options
     @property
@@ -116,6 +132,12 @@ class FluxBackend(TPOverlapBackend):
     def max_spins(self) -> int:
         return self._options.max_spins
 
+    @property
+    def capturable(self) -> bool:
+        """Whether calls inside a CUDA graph capture run fused (``options.capture``); else
+        ``resolve_backend`` hands them to ``nccl``."""
+        return self._options.capture
+
     # ---------------------------------------------------------------- support
     def unsupported_reason(self, a, b, group) -> Optional[str]:
         if not a.is_cuda:
@@ -140,27 +162,24 @@ class FluxBackend(TPOverlapBackend):
         return self._group_reasons[key]
 
     def check(self, op: str, a, b, group) -> None:
-        """Raise for operands the kernels cannot take, or inside a CUDA graph capture."""
+        """Raise for operands the kernels cannot take."""
         reason = self.unsupported_reason(a, b, group)
         if reason is not None:
             raise ValueError(f"megatron-flux {op}: {reason}")
-        if a.is_cuda:
-            self._check_not_capturing(op)
 
     def call_plan(self, op: str, key, group, build):
         """The call plan (:func:`.rs.rs_plan`, :func:`.ag.ag_plan`: a NamedTuple with ``group``,
         ``ws`` and the ``generation`` of ``ws`` it was made at) cached under ``key``, the
         operands' signature. A plan is reused while its group is ``group`` and its workspace's
-        views are alive (the generation is unchanged), and then only the capture test of
-        :meth:`check` runs; else ``build()`` makes a new one (its checks raise before anything
-        is kept), first dropping plans whose views died (they would keep replaced buffers
-        alive) and, past 256 plans, all of them. With ``call_plans`` off every call builds."""
+        views are alive (the generation is unchanged); else ``build()`` makes a new one (its
+        checks raise before anything is kept), first dropping plans whose views died (they
+        would keep replaced buffers alive) and, past 256 plans, all of them. With
+        ``call_plans`` off every call builds. Captured calls take :meth:`capture_plan`."""
         if not self.call_plans:
             return build()
         cache = self._call_plan_cache
         plan = cache.get(key)
         if plan is not None and plan.group is group and plan.ws.generation == plan.generation:
-            self._check_not_capturing(op)
             return plan
         plan = build()
         for k in [k for k, p in cache.items() if p.ws.generation != p.generation]:
@@ -170,12 +189,92 @@ class FluxBackend(TPOverlapBackend):
         cache[key] = plan
         return plan
 
-    @staticmethod
-    def _check_not_capturing(op: str) -> None:
-        if torch.cuda.is_current_stream_capturing():
-            raise ValueError(f"megatron-flux {op}: CUDA graph capture (the fused kernels' epoch "
-                             f"signals cannot be replayed; resolve_backend hands captured calls "
-                             f"to 'nccl')")
+    # ---------------------------------------------------------------- CUDA graphs
+    def expect_capture(self) -> None:
+        """CUDA graphs will capture calls of the shapes the next eager calls run: from now on
+        each eager call plan also reserves (collectively) the graph workspaces of its shape and
+        the fences, which cannot be allocated inside a capture. Megatron's CUDA graphs run eager
+        iterations before they capture; the layers call this when their config enables graphs."""
+        if not self.reserve_for_capture:
+            self.reserve_for_capture = True
+            self._call_plan_cache.clear()
+
+    def register_capture_plan(self, key, plan) -> None:
+        """Keep ``plan`` (built outside a capture, on the graph workspace) for captured calls
+        of signature ``key``."""
+        if len(self._capture_plans) >= 256:
+            self._capture_plans.clear()
+        self._capture_plans[key] = plan
+
+    def capture_plan(self, op: str, key, group):
+        """The plan of a captured call of signature ``key``, or None (with one log line) where
+        no eager call of it since :meth:`expect_capture` made one: the call then runs on NCCL.
+        Every plan a capture used is kept for the life of the backend, with what it addresses:
+        the graphs replay those addresses."""
+        plan = self._capture_plans.get(key)
+        if plan is None or plan.group is not group or plan.ws.generation != plan.generation:
+            from megatron_flux.backends.registry import log_once
+
+            self.capture_fallbacks += 1
+            log_once(f"capture-not-ready:{op}",
+                     f"megatron-flux {op}: a call captured into a CUDA graph has no graph "
+                     f"workspace reserved for its shape; it runs on 'nccl'. Call "
+                     f"megatron_flux.backends.expect_cuda_graphs() before the eager calls that "
+                     f"precede the capture (layers whose config enables CUDA graphs do).")
+            return None
+        self.keep_alive(plan)
+        return plan
+
+    def capture_parity(self, plan, kind: str) -> int:
+        """The parity of a captured call on ``plan``'s graph workspace (``kind``: ``"ag"`` or
+        ``"rs"``); a graph's first call on it queues the fence first
+        (:mod:`megatron_flux.comm.capture`)."""
+        from megatron_flux.comm.capture import CaptureSequence, capture_id
+
+        if self._capture_sequence is None:
+            self._capture_sequence = CaptureSequence()
+        stream = torch.cuda.current_stream(plan.device)
+        parity, first = self._capture_sequence.next(capture_id(stream), (kind, id(plan.ws)))
+        if first:
+            self.graph_fence(plan, kind)
+        self.captured_calls += 1
+        return parity
+
+    def graph_fence(self, plan, kind: str) -> None:
+        """Queue the fence of ``plan``'s graph workspace: a bounded barrier of the TP group on
+        the fence words of ``kind``, then this rank's words reset."""
+        from megatron_flux.backends.flux.resources import deps
+        from megatron_flux.comm.capture import CAPTURED_EPOCH
+
+        d = deps()
+        fence = self.resources.fence(plan.group, plan.device)
+        base = FENCE_SLOTS[kind] * plan.world
+        d.launch_ready_barrier(fence.flag_ptrs(0), plan.err.device_word, rank=plan.rank,
+                               world=plan.world, base=base, epoch=CAPTURED_EPOCH,
+                               max_spins=self._options.max_spins, op_code=d.OP_GRAPH_FENCE,
+                               direct=self._options.direct_launch)
+        fence.flags(plan.rank, 0)[base:base + plan.world].zero_()
+
+    def keep_alive(self, obj) -> None:
+        """Keep ``obj`` (a plan or buffer a captured graph addresses) for the life of the
+        backend (capture time only: the check is linear)."""
+        if obj is not None and not any(obj is kept for kept in self._keepalive):
+            self._keepalive.append(obj)
+
+    def keep_scratch_alive(self, device) -> None:
+        """Keep the stream-K scratch that a launch just captured on the current stream used (a
+        later, larger one would replace it, and the graph would address freed memory)."""
+        from megatron_flux.kernels import stream_k
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.keep_alive(stream_k._SCRATCH.get(
+            (index, torch.cuda.current_stream(device).cuda_stream)))
+
+    def poll_errors(self) -> None:
+        """Raise a timed-out wait that an earlier replay reported, then queue the next read:
+        the per-step check of jobs whose fused calls all run inside CUDA graphs (eager calls
+        check every ``error_check_interval`` calls). No synchronisation."""
+        self.resources.poll_errors()
 
     def check_errors(self, sync: bool = True) -> None:
         """Raise if any fused kernel on this process reported a timed-out wait."""
@@ -200,6 +299,14 @@ class FluxBackend(TPOverlapBackend):
         """Forget cached configs (the tuner swaps the provider's answer between candidates)."""
         self._plans.clear()
         self._call_plan_cache.clear()
+
+    def config_without_copy_engine(self, cfg):
+        """``cfg`` pushing from the SMs (the captured GEMM+RS calls' form, :mod:`.rs`)."""
+        key = ("no-ce", cfg)
+        out = self._plans.get(key)
+        if out is None:
+            out = self._plans[key] = dataclasses.replace(cfg, rs_copy_engine=False)
+        return out
 
     def config_with_chunk(self, cfg, chunk: int):
         key = ("chunk", cfg, chunk)

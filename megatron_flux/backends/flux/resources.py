@@ -33,7 +33,7 @@ def deps():
         from megatron_flux.kernels.gemm_rs import launch_gemm_rs, rs_staging_table
         from megatron_flux.kernels.ready_barrier import launch_ready_barrier
         from megatron_flux.kernels.rs_reduce import launch_rs_reduce
-        from megatron_flux.kernels.signals import OP_GATHER, OP_GEMM_RS
+        from megatron_flux.kernels.signals import OP_GATHER, OP_GEMM_RS, OP_GRAPH_FENCE
 
         _DEPS = SimpleNamespace(**{k: v for k, v in locals().items() if k != "SimpleNamespace"})
     return _DEPS
@@ -68,6 +68,7 @@ class DeviceResources:
         self._streams: Dict[Tuple, torch.cuda.Stream] = {}
         self._orders: Dict[Tuple, object] = {}
         self._staging: Dict[Tuple, torch.Tensor] = {}
+        self._retired_staging: list = []  # captured graphs may still address them
         self._num_sms: Dict[int, int] = {}
         self._caps: Dict[int, Tuple[int, int]] = {}
 
@@ -85,6 +86,30 @@ class DeviceResources:
         if ws is None:
             ws = self._workspaces[key] = deps().SymmetricWorkspace(op, group, device, dtype)
         return ws
+
+    def graph_workspace(self, op: str, group, device, dtype, data_elems: int, flag_count: int):
+        """The workspace of ``op``'s captured calls on ``group`` (separate from the eager one:
+        its signals are constant and reset, :mod:`megatron_flux.comm.capture`), reserved
+        (collectively) for ``data_elems`` and ``flag_count``, with the fences. Outside a capture:
+        nothing symmetric can be allocated inside one."""
+        ws = self.workspace(f"{op}:graph", group, device, dtype)
+        ws.reserve(data_elems, flag_count)
+        self.reserve_fence(group, device)
+        return ws
+
+    def fence(self, group, device):
+        """The graph-entry fence words of ``group`` (a small symmetric workspace), or None."""
+        ws = self._workspaces.get(("fence", group.group_name, device.index, torch.int32))
+        return ws if ws is not None and ws.flag_count else None
+
+    def reserve_fence(self, group, device) -> None:
+        """Reserve the fence words (collective on first use): two slots of ``world`` words."""
+        self.workspace("fence", group, device, torch.int32).reserve(1, 2 * group.size())
+
+    def poll_errors(self) -> None:
+        """Raise what the last queued read of an error word found, then queue the next one."""
+        for word in self._errors.values():
+            word.poll()
 
     def error_word(self, op: str, device):
         """The device error word of ``op`` on ``device``; raises a timeout reported earlier."""
@@ -142,6 +167,7 @@ class DeviceResources:
                 numel = max(numel, buf.numel() * 3 // 2)
                 for ws in self._workspaces.values():
                     ws.forget("rs-ce")
+                self._retired_staging.append(buf)  # a captured graph may address it
             buf = self._staging[key] = torch.empty(numel, dtype=dtype, device=device)
             buf.record_stream(side)
         return buf

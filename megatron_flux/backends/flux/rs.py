@@ -35,13 +35,18 @@ def rs_rows(m: int, n: int, world: int, bias) -> int:
     return m // world
 
 
-def rs_workspace(res, group, device, dtype, m_local: int, n: int):
+def rs_workspace(res, group, device, dtype, m_local: int, n: int, *, graph: bool = False):
     """``(workspace, error word)`` of GEMM+RS calls of ``m_local`` rows per rank and ``n``
     columns, reserved for them, in either form (the fused kernel or the copy-engine dgrad share
-    slots, signals and epochs)."""
+    slots, signals and epochs). ``graph``: the captured calls' workspace
+    (:meth:`DeviceResources.graph_workspace`)."""
     world = group.size()
-    ws = res.workspace("rs", group, device, dtype)
-    ws.reserve(world * m_local * n, deps().rs_signal_count(world))
+    elems, flags = world * m_local * n, deps().rs_signal_count(world)
+    if graph:
+        ws = res.graph_workspace("rs", group, device, dtype, elems, flags)
+    else:
+        ws = res.workspace("rs", group, device, dtype)
+        ws.reserve(elems, flags)
     return ws, res.error_word("rs", device)
 
 
@@ -70,11 +75,13 @@ class RsPlan(NamedTuple):
     side: object               # copy-engine delivery: the side stream, else None
     done: object               # ... and its "rs-done" ordering
     parities: tuple            # per parity: (data, data_ptrs table, flag_ptrs, copies, my_flags)
+    own_flags: tuple = ()      # per parity: this rank's int32 signals (a captured call resets them)
 
 
-def rs_plan(backend, a, b, group, bias) -> RsPlan:
+def rs_plan(backend, a, b, group, bias, graph: bool = False) -> RsPlan:
     """Resolve a GEMM+RS call of ``a``'s and ``b``'s signature (the checks raise here, before
-    anything is kept)."""
+    anything is kept); ``graph``: the plan of the same calls inside a CUDA graph capture, on the
+    graph workspace, made outside it (:func:`_build`)."""
     res = backend.resources
     backend.check("GEMM+RS", a, b, group)
     world, rank = group.size(), group.rank()
@@ -83,7 +90,9 @@ def rs_plan(backend, a, b, group, bias) -> RsPlan:
     m_local = rs_rows(m, n, world, bias)
     device = a.device
     cfg = backend.config("rs", m, n, k, dtype=a.dtype, tp=world, device=device)
-    ws, err = rs_workspace(res, group, device, a.dtype, m_local, n)
+    if graph and cfg.rs_copy_engine:  # see _build
+        cfg = backend.config_without_copy_engine(cfg)
+    ws, err = rs_workspace(res, group, device, a.dtype, m_local, n, graph=graph)
     side = done = None
     parities = []
     if cfg.rs_copy_engine and _stream_wait_ok(backend):
@@ -100,22 +109,69 @@ def rs_plan(backend, a, b, group, bias) -> RsPlan:
                 lambda: copy_plan(ws, staging, data, rank, world, parity, m_local, n))
             parities.append((data, table, ws.flag_ptrs(parity), copies, my_flags))
     return RsPlan(group, world, rank, m_local, n, cfg, ws, ws.generation, err, res.sms(device),
-                  device, side, done, tuple(parities))
+                  device, side, done, tuple(parities), (ws.flags(rank, 0), ws.flags(rank, 1)))
 
 
 def matmul_reduce_scatter(backend, a, b, group, out, bias):
     """``FluxBackend.matmul_reduce_scatter`` (see the module docstring), through the call plan
-    of the operands' signature (:meth:`FluxBackend.call_plan`)."""
+    of the operands' signature (:meth:`FluxBackend.call_plan`); inside a CUDA graph capture
+    through :func:`_captured`."""
     key = ("rs", a.shape, a.stride(), a.dtype, a.get_device(), b.shape, b.stride(), b.dtype,
            b.get_device(), id(group), bias is None)
-    plan = backend.call_plan("GEMM+RS", key, group, lambda: rs_plan(backend, a, b, group, bias))
+    if a.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _captured(backend, a, b, group, out, bias, key)
+    plan = backend.call_plan("GEMM+RS", key, group, lambda: _build(backend, a, b, group, bias, key))
+    plan.err.check_if_due()
+    epoch = plan.ws.next_epoch()
+    return _run(backend, plan, a, b, out, bias, epoch, epoch & 1, True)
+
+
+def _build(backend, a, b, group, bias, key) -> RsPlan:
+    """The eager plan; where a capture is expected (:meth:`FluxBackend.expect_capture`) also
+    the captured calls' plan of the same signature, which a capture cannot build (it reserves
+    symmetric memory and copies address tables to the device), and one call on it now, behind
+    a fence (its kernel is compiled and loaded before any capture needs it).
+
+    Captured calls push from the SMs: copy-engine delivery's side stream waits for a word its
+    own kernel raises, and in a graph that wait and the kernel are siblings the replay may run
+    in either order (a replay hung on 2xH200)."""
+    from megatron_flux.comm.capture import CAPTURED_EPOCH
+
+    plan = rs_plan(backend, a, b, group, bias)
+    if backend.reserve_for_capture:
+        graph_plan = rs_plan(backend, a, b, group, bias, graph=True)
+        backend.register_capture_plan(key, graph_plan)
+        backend.graph_fence(graph_plan, "rs")
+        _run(backend, graph_plan, a, b, None, bias, CAPTURED_EPOCH, 0, False)
+        graph_plan.own_flags[0].zero_()
+    return plan
+
+
+def _captured(backend, a, b, group, out, bias, key):
+    """A GEMM+RS call inside a CUDA graph capture: on the graph workspace, with the constant
+    signal value, this rank's signals of the call's parity reset after it
+    (:mod:`megatron_flux.comm.capture`); on NCCL where no eager call of its signature made
+    its plan."""
+    from megatron_flux.comm.capture import CAPTURED_EPOCH
+
+    plan = backend.capture_plan("GEMM+RS", key, group)
+    if plan is None:
+        return backend._nccl_backend().matmul_reduce_scatter(a, b, group, out=out, bias=bias)
+    parity = backend.capture_parity(plan, "rs")
+    out = _run(backend, plan, a, b, out, bias, CAPTURED_EPOCH, parity, False)
+    plan.own_flags[parity].zero_()
+    backend.keep_scratch_alive(plan.device)
+    return out
+
+
+def _run(backend, plan, a, b, out, bias, epoch, parity, eager):
+    """One GEMM+RS call on ``plan`` with this epoch and parity: the output, the launch and, for
+    copy-engine delivery, the side stream's copies."""
     if bias is not None:  # its shape and layout, which the key does not hold
         rs_rows(a.shape[0], plan.n, plan.world, bias)
     a, b = aligned(a), aligned(b)
-    err, ws = plan.err, plan.ws
-    err.check_if_due()
-    epoch = ws.next_epoch()
-    data, table, flag_ptrs, copies, my_flags = plan.parities[epoch & 1]
+    err = plan.err
+    data, table, flag_ptrs, copies, my_flags = plan.parities[parity]
     out = output_like(out, (plan.m_local, plan.n), a, "megatron-flux GEMM+RS", contiguous=True)
     d, opts = deps(), backend.options
     side = plan.side
@@ -126,7 +182,8 @@ def matmul_reduce_scatter(backend, a, b, group, out, bias):
         max_spins=opts.max_spins, host_descriptors=opts.host_descriptors,
         direct=opts.direct_launch,
     )
-    err.after_launch()
+    if eager:
+        err.after_launch()
     if side is not None:
         _deliver(d, side, current, my_flags, copies, plan.rank, plan.world, epoch)
         plan.done(current, side)  # the next call may refill the staging
@@ -177,6 +234,13 @@ def reduce_scatter_copy_engine_start(backend, a, b, group, bias):
     """The column backward's dgrad with ``column_dgrad="copy_engine"``: cuBLAS's partial, its
     peers' rows moved by the copy engine (side stream, queued after the GEMM);
     :meth:`CopyEngineReduceScatter.wait` finishes the call."""
+    if a.is_cuda and torch.cuda.is_current_stream_capturing():
+        from megatron_flux.backends.registry import log_once
+
+        log_once("capture:rs-copy-engine-dgrad",
+                 "megatron-flux: column_dgrad='copy_engine' is not captured into CUDA graphs; "
+                 "the column backward's dgrad inside a capture runs on 'nccl'")
+        return backend._nccl_backend().matmul_reduce_scatter_start(a, b, group, bias=bias)
     d = deps()
     res = backend.resources
     backend.check("GEMM+RS", a, b, group)
