@@ -37,6 +37,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -80,11 +81,21 @@ def _launch(cell: dict, iters: int, env: Dict[str, str], extra: List[str], log: 
     with open(log, "w") as f:
         f.write("# " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(argv) + "\n")
         f.flush()
-        try:
-            return subprocess.run(argv, cwd=REPO, env=full, stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            return 124
+        return run_job(argv, full, f, timeout)
+
+
+def run_job(argv: List[str], env: Dict[str, str], out, timeout: int) -> int:
+    """Run ``argv`` in a session of its own; past ``timeout`` seconds kill the whole session
+    (torchrun's workers too, which would otherwise keep their GPU memory while the next job
+    starts) and return 124."""
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return 124
 
 
 def _graph_args(mode: str) -> List[str]:
@@ -224,7 +235,8 @@ def run_cell_jobs(cell_name: str, out: str, args) -> dict:
         record["window_medians"] = window_medians(record["paired_rounds"])
     else:
         jobs = [("auto", {"FLUX_BACKEND": "auto"}), ("megatron", {"FLUX_TP_OVERLAP": "0"}),
-                ("flux", {"FLUX_BACKEND": "flux"})][: args.graph_jobs]
+                ("flux", {"FLUX_BACKEND": "flux"}), ("nccl", {"FLUX_BACKEND": "nccl"})
+                ][: args.graph_jobs]
         times: Dict[str, List[Optional[float]]] = {}
         for rep_i in range(args.repeats):
             for name, env in jobs:
@@ -302,7 +314,8 @@ def cmd_merge(args) -> int:
                                    "block, median over blocks); graphs: ratio of job medians",
             "auto": "what --flux-backend auto (the default) runs: the backend its step-time "
                     "selection chose in that job (auto_choice); under CUDA graphs the per-op "
-                    "choice, with captured calls on NCCL",
+                    "choice, its fused calls captured (cells whose code predates the captured "
+                    "fused path ran their captured calls on NCCL)",
             "exposed_tp_comm_ms": "TP collectives megatron-core does not overlap, per step, "
                                   "timed alone with NCCL",
         },
@@ -354,7 +367,7 @@ def main(argv=None) -> int:
     r.add_argument("--skip", type=int, default=20, help="iterations not counted at the start")
     r.add_argument("--graph-iters", type=int, default=60)
     r.add_argument("--graph-jobs", type=int, default=2,
-                   help="graph cells: megatron and auto (2) or also flux (3)")
+                   help="graph cells: megatron and auto (2), also flux (3), also nccl (4)")
     r.add_argument("--repeats", type=int, default=1, help="runs of each graph-cell job")
     r.add_argument("--job-timeout", type=int, default=300)
     r.set_defaults(fn=cmd_run)

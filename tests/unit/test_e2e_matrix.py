@@ -128,3 +128,28 @@ def test_paired_rounds_and_window_medians_from_an_interleaved_log(tmp_path):
     win = M.window_medians([{"nccl": x} for x in (1.0, 1.1, 0.9, 1.2, 1.0, 1.0, 0.8)])
     assert win == {"nccl_3": [1.0, 1.1], "nccl_6": [1.0, 1.0]}
     assert M.main(["rounds", str(log)]) == 0
+
+
+def test_a_timed_out_job_takes_its_children_with_it(tmp_path):
+    """A job past its time limit is killed with everything it started (torchrun's workers would
+    otherwise hold their GPU memory while the next job of the cell starts)."""
+    import os
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    argv = ["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"]
+    with open(tmp_path / "job.log", "w") as out:
+        t0 = time.time()
+        assert M.run_job(argv, dict(os.environ), out, timeout=1) == 124
+    assert time.time() - t0 < 30
+    child = int(pid_file.read_text())
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the job's child outlived the time limit")
+    with open(tmp_path / "ok.log", "w") as out:
+        assert M.run_job(["bash", "-c", "exit 3"], dict(os.environ), out, timeout=10) == 3
