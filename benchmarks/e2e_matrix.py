@@ -18,8 +18,9 @@ across calls that each fit a time limit.
   *paired* speedup against ``megatron`` from ``interleave_report.py``.
 * **local / full_iteration**: graphed and eager steps cannot share one job, so each backend is a
   separate job on the same machine, back to back, each run ``--repeats`` times: megatron-core's
-  own layers (the stock job, no flag) and ``--flux-tp-overlap`` with ``auto`` (and ``flux``);
-  the median step of iterations ``--skip + 1 ..``; not paired.
+  own layers (the stock job, no flag) and ``--flux-tp-overlap`` with ``auto``, ``flux`` and
+  ``nccl`` (``--graph-jobs`` takes the first of auto, stock, flux, nccl); the median step of
+  iterations ``--skip + 1 ..``; not paired.
 
 ``exposed_tp_comm_ms``: the TP collectives megatron-core leaves exposed per step, timed alone
 with NCCL (``e2e_comm.py``): per micro-batch and layer the forward all-gathers and
@@ -366,7 +367,7 @@ def main(argv=None) -> int:
     r.add_argument("--block", type=int, default=4, help="iterations per interleaved block")
     r.add_argument("--skip", type=int, default=20, help="iterations not counted at the start")
     r.add_argument("--graph-iters", type=int, default=60)
-    r.add_argument("--graph-jobs", type=int, default=2,
+    r.add_argument("--graph-jobs", type=int, default=4,
                    help="graph cells: megatron and auto (2), also flux (3), also nccl (4)")
     r.add_argument("--repeats", type=int, default=1, help="runs of each graph-cell job")
     r.add_argument("--job-timeout", type=int, default=300)
