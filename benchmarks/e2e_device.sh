@@ -8,7 +8,11 @@
 #      communication);
 #   4. if time is left, examples/custom_model.py for a few steps with the flux backend.
 # E2E_KEEP_GATHERED=1 adds a run of flux with --flux-keep-gathered-input (no wgrad re-gather);
-# E2E_AUTO=1 a run with FLUX_BACKEND=auto (the launchers' default). Every run samples GPU
+# E2E_AUTO=1 a run with FLUX_BACKEND=auto (the launchers' default); E2E_STOCK_TWICE=1 a second
+# stock run (stock2), whose difference from the first is the noise floor of the loss-parity
+# check against stock (benchmarks/e2e_report.py); E2E_EXTRA: Megatron arguments for every run
+# (e.g. "--lr 1.5e-5 --min-lr 1.5e-6", which slows the mock data's loss collapse, or
+# "--cuda-graph-impl local"). Every run samples GPU
 # utilization (nvidia-smi, 200 ms); the logs and samples end up in $OUT/logs.tgz.
 # Needs: .whl/megatron_core-0.19*.whl carried. Usage: OUT=/somewhere bash benchmarks/e2e_device.sh
 set -uo pipefail
@@ -33,8 +37,9 @@ run() {  # run NAME ENV...
     nvidia-smi --query-gpu=timestamp,index,utilization.gpu --format=csv,noheader,nounits -lms 200 \
         > "${OUT}/${name}.util.csv" 2>/dev/null &
     local smi=$!
+    # shellcheck disable=SC2086
     env "$@" TRAIN_ITERS="${ITERS}" LOG_INTERVAL=1 MODEL_CONFIG="${CONFIG}" \
-        timeout "${RUN_TIMEOUT}" bash examples/pretrain_llama.sh "${RUN_ARGS[@]}" > "${OUT}/${name}.log" 2>&1
+        timeout "${RUN_TIMEOUT}" bash examples/pretrain_llama.sh ${E2E_EXTRA:-} "${RUN_ARGS[@]}" > "${OUT}/${name}.log" 2>&1
     local rc=$?
     kill "${smi}" 2>/dev/null; wait "${smi}" 2>/dev/null
     RUN_ARGS=()
@@ -44,6 +49,9 @@ run() {  # run NAME ENV...
     grep -iE "^\S*(error|Traceback)|Error:" "${OUT}/${name}.log" | grep -v "error_inj\|ignore_errors" | head -8
 }
 run stock FLUX_TP_OVERLAP=0
+if [ "${E2E_STOCK_TWICE:-0}" = 1 ]; then  # the noise floor of the parity check against stock
+    run stock2 FLUX_TP_OVERLAP=0
+fi
 run nccl FLUX_BACKEND=nccl
 run flux FLUX_BACKEND=flux
 if [ "${E2E_KEEP_GATHERED:-0}" = 1 ]; then  # flux, keeping the gathered inputs for wgrad (no re-gather)
@@ -66,7 +74,7 @@ fi
 versions="$(PYTHONPATH=/tmp/site python3 -c 'import json,torch,triton,megatron.core as m; print(json.dumps({"torch": torch.__version__, "triton": triton.__version__, "megatron_core": m.__version__, "gpu": torch.cuda.get_device_name(0), "tp": torch.cuda.device_count()}))')"
 python3 benchmarks/e2e_report.py "${REPORT_ARGS[@]}" --comm "${OUT}/comm.json" --tokens-per-step 8192 --warmup 20 \
     --model "llama3-8b-16l (configs/llama3_8b_16l.json)" \
-    --command "OUT=\$OUT E2E_KEEP_GATHERED=${E2E_KEEP_GATHERED:-0} E2E_AUTO=${E2E_AUTO:-0} E2E_RUN_TIMEOUT=${RUN_TIMEOUT} bash benchmarks/e2e_device.sh  (TP=${NGPUS}, E2E_ITERS=${ITERS}; each run: bash examples/pretrain_llama.sh with TRAIN_ITERS=${ITERS} LOG_INTERVAL=1, FLUX_TP_OVERLAP=0 | FLUX_BACKEND=nccl | FLUX_BACKEND=flux [| flux + --flux-keep-gathered-input] [| FLUX_BACKEND=auto])" \
+    --command "OUT=\$OUT E2E_KEEP_GATHERED=${E2E_KEEP_GATHERED:-0} E2E_AUTO=${E2E_AUTO:-0} E2E_STOCK_TWICE=${E2E_STOCK_TWICE:-0} E2E_EXTRA='${E2E_EXTRA:-}' E2E_RUN_TIMEOUT=${RUN_TIMEOUT} bash benchmarks/e2e_device.sh  (TP=${NGPUS}, E2E_ITERS=${ITERS}; each run: bash examples/pretrain_llama.sh with TRAIN_ITERS=${ITERS} LOG_INTERVAL=1, FLUX_TP_OVERLAP=0 | FLUX_BACKEND=nccl | FLUX_BACKEND=flux [| flux + --flux-keep-gathered-input] [| FLUX_BACKEND=auto])" \
     --extra "versions=${versions}" --extra "gpu=$(echo "${versions}" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)["gpu"]))')" \
     --extra "tp=${NGPUS}" --extra 'env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}' \
     --out "${OUT}/e2e.json"

@@ -24,6 +24,11 @@ rounding. flux passes when
    nats from the first step);
 2. over all steps, and over the last 50, mean |flux - nccl| <= 2 x mean |stock - nccl|.
 
+With a second stock run (a log named ``stock2``: the same job again, same seed) the report also
+compares every run with ``stock`` (``loss_parity_vs_stock``), the noise floor being the two
+stock runs' difference (their attention backward and reductions are not bitwise repeatable), under
+the same two rules with ``stock`` as the reference and ``stock2`` as the noise.
+
 A first bound, fixed before any run (mean |diff| <= 1 % of the loss and max |diff| <= 0.1 over
 all steps), failed for stock vs nccl as well as for flux vs nccl on 2xH200 (max 1.7 nats, at a
 loss spike both runs share), i.e. it was tighter than two NCCL + cuBLAS implementations agree;
@@ -202,6 +207,23 @@ def main(argv=None) -> int:
             if n != "nccl" and losses and len(losses) == len(ref):
                 noise = stock if n != "stock" and stock and len(stock) == len(ref) else None
                 out["loss_parity"][n] = parity(ref, losses, noise)
+    if "stock" in out["loss"] and "stock2" in out["loss"]:
+        ref, noise = out["loss"]["stock"], out["loss"]["stock2"]
+        block = {
+            "reference": "stock",
+            "noise_floor": "stock vs stock2 (the same stock job run twice, same seed)",
+            "bound": {
+                "early": f"max |diff| <= {EARLY_MAX_ABS} while the stock loss is > {EARLY_LOSS}",
+                "all_steps": f"mean |diff| <= {NOISE_FACTOR} x mean |stock2 - stock|",
+                "last_steps": f"the same over the last {LAST_STEPS} steps",
+            },
+        }
+        if len(noise) == len(ref):
+            block["stock2"] = parity(ref, noise)
+            for n, losses in out["loss"].items():
+                if n not in ("stock", "stock2") and losses and len(losses) == len(ref):
+                    block[n] = parity(ref, losses, noise)
+        out["loss_parity_vs_stock"] = block
     util = {}
     for item in args.util:
         name, _, path = item.partition("=")
@@ -239,6 +261,9 @@ def main(argv=None) -> int:
     for n in out.get("loss_parity", {}):
         if n not in ("reference", "noise_floor", "bound"):
             print(n, "vs nccl:", json.dumps(out["loss_parity"][n]))
+    for n in out.get("loss_parity_vs_stock", {}):
+        if n not in ("reference", "noise_floor", "bound"):
+            print(n, "vs stock:", json.dumps(out["loss_parity_vs_stock"][n]))
     return 1 if missing else 0
 
 

@@ -87,6 +87,31 @@ def test_parity_passes_at_noise_level_and_fails_for_a_wrong_kernel(tmp_path):
     assert d["loss_parity"]["flux"]["within_bound"] is False
 
 
+def test_parity_against_stock_uses_two_stock_runs_as_the_noise_floor(tmp_path):
+    """With a second stock run every run is also compared with stock, the two stock runs'
+    difference being the floor: noise-level runs pass, a drifting one fails."""
+    n = 120
+    base = curve(n)
+    stock2 = [x + (0.0005 if i < 40 else 0.01) * (-1) ** i for i, x in enumerate(base)]
+    close = [x + (0.0008 if i < 40 else 0.012) * (-1) ** (i + 1) for i, x in enumerate(base)]
+    drift = [x + (0.0008 if i < 40 else 0.2) for i, x in enumerate(base)]
+    logs = {"stock": write_log(tmp_path / "s.log", base, [300.0] * n),
+            "stock2": write_log(tmp_path / "s2.log", stock2, [300.0] * n),
+            "flux": write_log(tmp_path / "f.log", close, [300.0] * n),
+            "auto": write_log(tmp_path / "a.log", drift, [300.0] * n)}
+    _, d = run(tmp_path, logs)
+    block = d["loss_parity_vs_stock"]
+    assert block["reference"] == "stock" and "stock2" in block["noise_floor"]
+    assert block["stock2"]["within_early_bound"] is True
+    assert block["flux"]["within_bound"] is True
+    assert block["flux"]["noise_floor_mean_abs_diff"] == pytest.approx(
+        sum(abs(a - b) for a, b in zip(base, stock2)) / n, rel=1e-4)
+    assert block["auto"]["within_bound"] is False
+    del logs["stock2"]
+    _, d = run(tmp_path, logs)
+    assert "loss_parity_vs_stock" not in d
+
+
 def test_hidden_communication_fraction(tmp_path):
     n = 30
     comm = tmp_path / "comm.json"
