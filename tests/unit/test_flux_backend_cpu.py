@@ -619,3 +619,23 @@ def test_capture_sequence_alternates_per_graph_and_marks_first_calls():
     # past the limit the counts start over: the next call is a first call again, so it fences
     assert seq.next(3, "ag") == (0, True)
     assert seq.next(1, "ag") == (0, True)
+
+
+def test_a_grown_graph_workspace_rebuilds_the_plans_it_made_stale():
+    """A graph plan whose workspace grew while another signature's graph plan was built is
+    dropped, with the eager plans, so the next eager call of its signature makes it again
+    (else its captures would fall back to NCCL)."""
+    from types import SimpleNamespace
+
+    backend = FluxBackend()
+    ws = SimpleNamespace(generation=1)
+    old = SimpleNamespace(ws=ws, generation=1, group="g")
+    backend.register_capture_plan("a", old)
+    backend._call_plan_cache["a"] = "eager plan of a"
+    assert backend.has_capture_plan("a", "g")
+    ws.generation = 2                          # building b's graph plan grew the workspace
+    backend.register_capture_plan("b", SimpleNamespace(ws=ws, generation=2, group="g"))
+    assert not backend.has_capture_plan("a", "g") and "a" not in backend._capture_plans
+    assert backend._call_plan_cache == {}, "a's eager plan is rebuilt on its next call"
+    assert backend.has_capture_plan("b", "g")
+    assert not backend.has_capture_plan("b", "other group")

@@ -123,7 +123,7 @@ def _build(backend, a_shard, b, group, key) -> AgPlan:
     from megatron_flux.comm.capture import CAPTURED_EPOCH
 
     plan = ag_plan(backend, a_shard, b, group)
-    if backend.reserve_for_capture:
+    if backend.reserve_for_capture and not backend.has_capture_plan(key, group):
         graph_plan = ag_plan(backend, a_shard, b, group, graph=True)
         backend.register_capture_plan(key, graph_plan)
         backend.graph_fence(graph_plan, "ag")

@@ -201,18 +201,30 @@ class FluxBackend(TPOverlapBackend):
 
     def register_capture_plan(self, key, plan) -> None:
         """Keep ``plan`` (built outside a capture, on the graph workspace) for captured calls
-        of signature ``key``."""
+        of signature ``key``. Graph plans that building it made stale (their workspace grew)
+        are dropped, and so are the eager plans, whose next calls rebuild both."""
+        stale = [k for k, p in self._capture_plans.items()
+                 if p.ws is plan.ws and p.generation != plan.ws.generation]
+        for k in stale:
+            del self._capture_plans[k]
+        if stale:
+            self._call_plan_cache.clear()
         if len(self._capture_plans) >= 256:
             self._capture_plans.clear()
         self._capture_plans[key] = plan
+
+    def has_capture_plan(self, key, group) -> bool:
+        """Whether captured calls of signature ``key`` on ``group`` have a live graph plan."""
+        plan = self._capture_plans.get(key)
+        return (plan is not None and plan.group is group
+                and plan.ws.generation == plan.generation)
 
     def capture_plan(self, op: str, key, group):
         """The plan of a captured call of signature ``key``, or None (with one log line) where
         no eager call of it since :meth:`expect_capture` made one: the call then runs on NCCL.
         Every plan a capture used is kept for the life of the backend, with what it addresses:
         the graphs replay those addresses."""
-        plan = self._capture_plans.get(key)
-        if plan is None or plan.group is not group or plan.ws.generation != plan.generation:
+        if not self.has_capture_plan(key, group):
             from megatron_flux.backends.registry import log_once
 
             self.capture_fallbacks += 1
@@ -222,6 +234,7 @@ class FluxBackend(TPOverlapBackend):
                      f"megatron_flux.backends.expect_cuda_graphs() before the eager calls that "
                      f"precede the capture (layers whose config enables CUDA graphs do).")
             return None
+        plan = self._capture_plans[key]
         self.keep_alive(plan)
         return plan
 

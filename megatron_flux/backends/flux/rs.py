@@ -133,12 +133,12 @@ def _build(backend, a, b, group, bias, key) -> RsPlan:
     a fence (its kernel is compiled and loaded before any capture needs it).
 
     Captured calls push from the SMs: copy-engine delivery's side stream waits for a word its
-    own kernel raises, and in a graph that wait and the kernel are siblings the replay may run
-    in either order (a replay hung on 2xH200)."""
+    own kernel raises, and in a graph that wait and the kernel are siblings, which a replay may
+    run in either order (the captured copy-engine form hung after its capture on 2xH200)."""
     from megatron_flux.comm.capture import CAPTURED_EPOCH
 
     plan = rs_plan(backend, a, b, group, bias)
-    if backend.reserve_for_capture:
+    if backend.reserve_for_capture and not backend.has_capture_plan(key, group):
         graph_plan = rs_plan(backend, a, b, group, bias, graph=True)
         backend.register_capture_plan(key, graph_plan)
         backend.graph_fence(graph_plan, "rs")
