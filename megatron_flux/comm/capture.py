@@ -21,50 +21,30 @@ before anyone pushes into it again.
 from __future__ import annotations
 
 import ctypes
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
+
+from megatron_flux.comm.driver import load_driver_function
 
 #: the signal value of every captured call (signals are reset to zero after each call)
 CAPTURED_EPOCH = 1
 
-_get_info = None
-_get_info_error: Optional[str] = None
-
-
-def _load_get_info():
-    """``cuStreamGetCaptureInfo_v2`` from the CUDA driver, or None with the reason."""
-    global _get_info, _get_info_error
-    if _get_info is not None or _get_info_error is not None:
-        return _get_info
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError as exc:
-        _get_info_error = f"libcuda.so.1 not loadable: {exc}"
-        return None
-    fn = getattr(lib, "cuStreamGetCaptureInfo_v2", None)
-    if fn is None:
-        _get_info_error = "libcuda has no cuStreamGetCaptureInfo_v2"
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64),
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    _get_info = fn
-    return fn
-
-
-def capture_unavailable_reason() -> Optional[str]:
-    """Why :func:`capture_id` cannot run here, or None."""
-    _load_get_info()
-    return _get_info_error
+_get_info = None  # (cuStreamGetCaptureInfo_v2 or None, why not or None), looked up on first use
 
 
 def capture_id(stream: torch.cuda.Stream) -> int:
     """The id of the capture ``stream`` takes part in (0: none). Unique per capture in the
     process, so it names the graph being built."""
-    fn = _load_get_info()
+    global _get_info
+    if _get_info is None:
+        _get_info = load_driver_function(
+            ("cuStreamGetCaptureInfo_v2",),
+            (ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64),
+             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p))
+    fn, why_not = _get_info
     if fn is None:
-        raise RuntimeError(f"megatron-flux: capture id unavailable: {_get_info_error}")
+        raise RuntimeError(f"megatron-flux: capture id unavailable: {why_not}")
     status, cid = ctypes.c_int(0), ctypes.c_uint64(0)
     rc = fn(ctypes.c_void_p(stream.cuda_stream), ctypes.byref(status), ctypes.byref(cid),
             None, None, None)

@@ -15,9 +15,10 @@ from typing import Optional
 import torch
 from torch._C._distributed_c10d import _SymmetricMemory
 
+from megatron_flux.comm.driver import load_driver_function
+
 _CU_STREAM_WAIT_VALUE_GEQ = 0x0
-_wait_value32 = None
-_wait_value32_error: Optional[str] = None
+_wait_value32 = None  # (cuStreamWaitValue32 or None, why not or None), looked up on first use
 
 
 def write_signal(flags_u32: torch.Tensor, index: int, value: int) -> None:
@@ -27,31 +28,19 @@ def write_signal(flags_u32: torch.Tensor, index: int, value: int) -> None:
 
 
 def _load_wait_value32():
-    """``cuStreamWaitValue32`` from the CUDA driver (torch exposes only the write), or None with
-    the reason in ``_wait_value32_error``."""
-    global _wait_value32, _wait_value32_error
-    if _wait_value32 is not None or _wait_value32_error is not None:
-        return _wait_value32
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError as exc:
-        _wait_value32_error = f"libcuda.so.1 not loadable: {exc}"
-        return None
-    for name in ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"):
-        fn = getattr(lib, name, None)
-        if fn is not None:
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-            _wait_value32 = fn
-            return fn
-    _wait_value32_error = "libcuda has no cuStreamWaitValue32"
-    return None
+    """``cuStreamWaitValue32`` from the CUDA driver (torch exposes only the write):
+    ``(function, None)`` or ``(None, why not)``."""
+    global _wait_value32
+    if _wait_value32 is None:
+        _wait_value32 = load_driver_function(
+            ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"),
+            (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint))
+    return _wait_value32
 
 
 def stream_wait_unavailable_reason() -> Optional[str]:
     """Why :func:`wait_signal_on_stream` cannot run here, or None."""
-    _load_wait_value32()
-    return _wait_value32_error
+    return _load_wait_value32()[1]
 
 
 def wait_signal_on_stream(flags_u32: torch.Tensor, index: int, value: int,
@@ -60,9 +49,9 @@ def wait_signal_on_stream(flags_u32: torch.Tensor, index: int, value: int,
     (unsigned), then go on with the stream's later work (``cuStreamWaitValue32``, GEQ). The word
     must be raised by work that does not itself wait for this stream, or the stream never moves
     again: the fused GEMM+RS raises it from a producer phase that waits for nothing."""
-    fn = _load_wait_value32()
+    fn, why_not = _load_wait_value32()
     if fn is None:
-        raise RuntimeError(f"megatron-flux: stream wait unavailable: {_wait_value32_error}")
+        raise RuntimeError(f"megatron-flux: stream wait unavailable: {why_not}")
     if flags_u32.dtype not in (torch.uint32, torch.int32) or not flags_u32.is_cuda:
         raise ValueError("wait_signal_on_stream: flags must be a CUDA int32/uint32 tensor")
     if stream is None:

@@ -38,6 +38,15 @@ def test_cells_parse_and_bad_ones_are_refused():
         M.parse_cell("llama3_8b_16l:tp2:mbs1")
 
 
+def _graph_job_log(log, iters, env, scale=1.0):
+    """A separate job's per-iteration lines at the step time of the backend ``env`` runs."""
+    name = "megatron" if env.get("FLUX_TP_OVERLAP") == "0" else env["FLUX_BACKEND"]
+    with open(log, "w") as f:
+        for it in range(1, iters + 1):
+            f.write(f" iteration {it:>4}/ {iters} | elapsed time per iteration (ms): "
+                    f"{STEP[name] * scale:.1f} |\n")
+
+
 def test_a_matrix_from_fake_jobs_has_the_issues_schema_and_resumes(tmp_path, monkeypatch):
     launches = []
 
@@ -46,11 +55,7 @@ def test_a_matrix_from_fake_jobs_has_the_issues_schema_and_resumes(tmp_path, mon
         if "--flux-interleave-backends" in extra:
             _interleaved_log(log, iters, 4)
         else:
-            name = "megatron" if env.get("FLUX_TP_OVERLAP") == "0" else env["FLUX_BACKEND"]
-            with open(log, "w") as f:
-                for it in range(1, iters + 1):
-                    f.write(f" iteration {it:>4}/ {iters} | elapsed time per iteration (ms): "
-                            f"{STEP[name] * (0.9 if '--cuda-graph-impl' in extra else 1):.1f} |\n")
+            _graph_job_log(log, iters, env, 0.9 if "--cuda-graph-impl" in extra else 1.0)
         return 0
 
     monkeypatch.setattr(M, "_launch", fake_launch)
@@ -88,11 +93,7 @@ def test_a_cell_cut_off_while_timing_its_communication_resumes_without_its_jobs(
 
     def fake_launch(cell, iters, env, extra, log, timeout):
         launches.append(env)
-        name = "megatron" if env.get("FLUX_TP_OVERLAP") == "0" else env["FLUX_BACKEND"]
-        with open(log, "w") as f:
-            for it in range(1, iters + 1):
-                f.write(f" iteration {it:>4}/ {iters} | elapsed time per iteration (ms): "
-                        f"{STEP[name]:.1f} |\n")
+        _graph_job_log(log, iters, env)
         return 0
 
     def cut_off(cell, work, timeout):

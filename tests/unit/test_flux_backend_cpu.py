@@ -639,3 +639,30 @@ def test_a_grown_graph_workspace_rebuilds_the_plans_it_made_stale():
     assert backend._call_plan_cache == {}, "a's eager plan is rebuilt on its next call"
     assert backend.has_capture_plan("b", "g")
     assert not backend.has_capture_plan("b", "other group")
+
+
+def test_driver_functions_are_looked_up_in_order_or_say_why_not(monkeypatch):
+    """The first of the names libcuda exports, typed to return its CUresult; else the reason
+    (no library, or none of the names)."""
+    import ctypes
+
+    from megatron_flux.comm.driver import load_driver_function
+
+    class _Fn:
+        pass
+
+    class _Lib:
+        cuA, cuB = _Fn(), _Fn()
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: _Lib())
+    fn, why_not = load_driver_function(("cuX", "cuA", "cuB"), (ctypes.c_void_p,))
+    assert fn is _Lib.cuA and why_not is None
+    assert fn.restype is ctypes.c_int and fn.argtypes == [ctypes.c_void_p]
+    fn, why_not = load_driver_function(("cuX", "cuY"), ())
+    assert fn is None and why_not == "libcuda has no cuX or cuY"
+
+    def missing(name):
+        raise OSError("not found")
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert load_driver_function(("cuA",), ()) == (None, "libcuda.so.1 not loadable: not found")

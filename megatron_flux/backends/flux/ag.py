@@ -128,7 +128,6 @@ def _build(backend, a_shard, b, group, key) -> AgPlan:
         backend.register_capture_plan(key, graph_plan)
         backend.graph_fence(graph_plan, "ag")
         _run(backend, graph_plan, a_shard, b, None, False, None, CAPTURED_EPOCH, 0, False)
-        graph_plan.parities[0][2].zero_()
     return plan
 
 
@@ -147,14 +146,15 @@ def _captured(backend, a_shard, b, group, out, return_gathered, gathered_out, ke
     parity = backend.capture_parity(plan, "ag")
     result = _run(backend, plan, a_shard, b, out, return_gathered, gathered_out, CAPTURED_EPOCH,
                   parity, False)
-    plan.parities[parity][2].zero_()  # this rank's signals of the parity
     backend.keep_scratch_alive(plan.device)
     return result
 
 
 def _run(backend, plan, a_shard, b, out, return_gathered, gathered_out, epoch, parity, eager):
     """One AG+GEMM call on ``plan`` with this epoch and parity: the output, the launch, the
-    side stream's pushes and the hand-back."""
+    side stream's pushes and the hand-back. Not ``eager`` (a graph plan's call, captured or
+    not): this rank's signals of the parity are reset after it
+    (:mod:`megatron_flux.comm.capture`)."""
     a_shard, b = aligned(a_shard), aligned(b)
     err = plan.err
     gathered, own_rows, flags, copies = plan.parities[parity]
@@ -176,6 +176,8 @@ def _run(backend, plan, a_shard, b, out, return_gathered, gathered_out, epoch, p
     _push(d, side, current, copies, a_shard, own_rows, epoch,
           fill_own=return_gathered and not plan.merge)
     plan.done(current, side)
+    if not eager:
+        flags.zero_()
     if not return_gathered:
         return out, None
     if gathered_out is not None:

@@ -28,12 +28,9 @@ import torch
 
 from megatron_flux.backends.base import TPOverlapBackend
 from megatron_flux.backends.flux import ag, regather, rs
-from megatron_flux.backends.flux.resources import DeviceResources
+from megatron_flux.backends.flux.resources import FENCE_SLOTS, DeviceResources
 from megatron_flux.backends.flux.support import group_reason, signature_reason
 from megatron_flux.options import FluxOptions, get_options
-
-#: fence words per graph workspace kind: slot ``FENCE_SLOTS[kind]`` holds ``world`` words
-FENCE_SLOTS = {"ag": 0, "rs": 1}
 
 
 def flux_backend_factory_or_reason():

@@ -42,6 +42,11 @@ def deps():
 _DEPS = None
 
 
+#: graph-entry fence words per graph workspace kind: slot ``FENCE_SLOTS[kind]`` holds ``world``
+#: words (:meth:`DeviceResources.reserve_fence`)
+FENCE_SLOTS = {"ag": 0, "rs": 1}
+
+
 def reserved_sms(total: int, options: FluxOptions) -> int:
     """SMs the fused grids leave free (``options.reserved_sms``), checked against the device.
 
@@ -103,8 +108,10 @@ class DeviceResources:
         return ws if ws is not None and ws.flag_count else None
 
     def reserve_fence(self, group, device) -> None:
-        """Reserve the fence words (collective on first use): two slots of ``world`` words."""
-        self.workspace("fence", group, device, torch.int32).reserve(1, 2 * group.size())
+        """Reserve the fence words (collective on first use): a slot of ``world`` words per
+        graph workspace kind (:data:`FENCE_SLOTS`)."""
+        self.workspace("fence", group, device, torch.int32).reserve(
+            1, len(FENCE_SLOTS) * group.size())
 
     def poll_errors(self) -> None:
         """Raise what the last queued read of an error word found, then queue the next one."""

@@ -143,7 +143,6 @@ def _build(backend, a, b, group, bias, key) -> RsPlan:
         backend.register_capture_plan(key, graph_plan)
         backend.graph_fence(graph_plan, "rs")
         _run(backend, graph_plan, a, b, None, bias, CAPTURED_EPOCH, 0, False)
-        graph_plan.own_flags[0].zero_()
     return plan
 
 
@@ -159,14 +158,15 @@ def _captured(backend, a, b, group, out, bias, key):
         return backend._nccl_backend().matmul_reduce_scatter(a, b, group, out=out, bias=bias)
     parity = backend.capture_parity(plan, "rs")
     out = _run(backend, plan, a, b, out, bias, CAPTURED_EPOCH, parity, False)
-    plan.own_flags[parity].zero_()
     backend.keep_scratch_alive(plan.device)
     return out
 
 
 def _run(backend, plan, a, b, out, bias, epoch, parity, eager):
     """One GEMM+RS call on ``plan`` with this epoch and parity: the output, the launch and, for
-    copy-engine delivery, the side stream's copies."""
+    copy-engine delivery, the side stream's copies. Not ``eager`` (a graph plan's call, captured
+    or not): this rank's signals of the parity are reset after it
+    (:mod:`megatron_flux.comm.capture`)."""
     if bias is not None:  # its shape and layout, which the key does not hold
         rs_rows(a.shape[0], plan.n, plan.world, bias)
     a, b = aligned(a), aligned(b)
@@ -187,6 +187,8 @@ def _run(backend, plan, a, b, out, bias, epoch, parity, eager):
     if side is not None:
         _deliver(d, side, current, my_flags, copies, plan.rank, plan.world, epoch)
         plan.done(current, side)  # the next call may refill the staging
+    if not eager:
+        plan.own_flags[parity].zero_()
     return out
 
 
