@@ -12,7 +12,8 @@
 # stock run (stock2), whose difference from the first is the noise floor of the loss-parity
 # check against stock (benchmarks/e2e_report.py); E2E_EXTRA: Megatron arguments for every run
 # (e.g. "--lr 1.5e-5 --min-lr 1.5e-6", which slows the mock data's loss collapse, or
-# "--cuda-graph-impl local"). Every run samples GPU
+# "--cuda-graph-impl local"); E2E_NCCL=0 leaves out the run of the plugin's NCCL path;
+# E2E_SKIP_COMM=1 the communication timing (E2E_COMM_JSON: an earlier run's). Every run samples GPU
 # utilization (nvidia-smi, 200 ms); the logs and samples end up in $OUT/logs.tgz.
 # Needs: .whl/megatron_core-0.19*.whl carried. Usage: OUT=/somewhere bash benchmarks/e2e_device.sh
 set -uo pipefail
@@ -52,7 +53,9 @@ run stock FLUX_TP_OVERLAP=0
 if [ "${E2E_STOCK_TWICE:-0}" = 1 ]; then  # the noise floor of the parity check against stock
     run stock2 FLUX_TP_OVERLAP=0
 fi
-run nccl FLUX_BACKEND=nccl
+if [ "${E2E_NCCL:-1}" = 1 ]; then  # E2E_NCCL=0: no run of the plugin's NCCL path
+    run nccl FLUX_BACKEND=nccl
+fi
 run flux FLUX_BACKEND=flux
 if [ "${E2E_KEEP_GATHERED:-0}" = 1 ]; then  # flux, keeping the gathered inputs for wgrad (no re-gather)
     RUN_ARGS=(--flux-keep-gathered-input)
@@ -62,19 +65,22 @@ if [ "${E2E_AUTO:-0}" = 1 ]; then  # the launchers' default: fused or NCCL per s
     run auto FLUX_BACKEND=auto
 fi
 
+COMM_ARGS=(--comm "${OUT}/comm.json")
 if [ "${E2E_SKIP_COMM:-0}" = 0 ]; then
 echo "== TP communication per step"
 python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}" benchmarks/e2e_comm.py \
     --tokens 4096 --hidden 4096 --layers 16 --microbatches 2 --out "${OUT}/comm.json" \
     > "${OUT}/comm.log" 2>&1 || tail -5 "${OUT}/comm.log"
-else
+elif [ -n "${E2E_COMM_JSON:-}" ]; then
     cp "${E2E_COMM_JSON}" "${OUT}/comm.json"  # from an earlier run of this script
+else
+    COMM_ARGS=()  # no hidden-communication share in the report
 fi
 
 versions="$(PYTHONPATH=/tmp/site python3 -c 'import json,torch,triton,megatron.core as m; print(json.dumps({"torch": torch.__version__, "triton": triton.__version__, "megatron_core": m.__version__, "gpu": torch.cuda.get_device_name(0), "tp": torch.cuda.device_count()}))')"
-python3 benchmarks/e2e_report.py "${REPORT_ARGS[@]}" --comm "${OUT}/comm.json" --tokens-per-step 8192 --warmup 20 \
+python3 benchmarks/e2e_report.py "${REPORT_ARGS[@]}" "${COMM_ARGS[@]}" --tokens-per-step 8192 --warmup 20 \
     --model "llama3-8b-16l (configs/llama3_8b_16l.json)" \
-    --command "OUT=\$OUT E2E_KEEP_GATHERED=${E2E_KEEP_GATHERED:-0} E2E_AUTO=${E2E_AUTO:-0} E2E_STOCK_TWICE=${E2E_STOCK_TWICE:-0} E2E_EXTRA='${E2E_EXTRA:-}' E2E_RUN_TIMEOUT=${RUN_TIMEOUT} bash benchmarks/e2e_device.sh  (TP=${NGPUS}, E2E_ITERS=${ITERS}; each run: bash examples/pretrain_llama.sh with TRAIN_ITERS=${ITERS} LOG_INTERVAL=1, FLUX_TP_OVERLAP=0 | FLUX_BACKEND=nccl | FLUX_BACKEND=flux [| flux + --flux-keep-gathered-input] [| FLUX_BACKEND=auto])" \
+    --command "OUT=\$OUT E2E_KEEP_GATHERED=${E2E_KEEP_GATHERED:-0} E2E_AUTO=${E2E_AUTO:-0} E2E_STOCK_TWICE=${E2E_STOCK_TWICE:-0} E2E_NCCL=${E2E_NCCL:-1} E2E_EXTRA='${E2E_EXTRA:-}' E2E_RUN_TIMEOUT=${RUN_TIMEOUT} bash benchmarks/e2e_device.sh  (TP=${NGPUS}, E2E_ITERS=${ITERS}; each run: bash examples/pretrain_llama.sh with TRAIN_ITERS=${ITERS} LOG_INTERVAL=1, FLUX_TP_OVERLAP=0 | FLUX_BACKEND=nccl | FLUX_BACKEND=flux [| flux + --flux-keep-gathered-input] [| FLUX_BACKEND=auto])" \
     --extra "versions=${versions}" --extra "gpu=$(echo "${versions}" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)["gpu"]))')" \
     --extra "tp=${NGPUS}" --extra 'env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}' \
     --out "${OUT}/e2e.json"

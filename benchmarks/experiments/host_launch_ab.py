@@ -6,9 +6,13 @@ them trial by trial (order shuffled per trial, seeded):
 
 * ``nccl``: the reference backend (NCCL + cuBLAS);
 * ``flux``: the fused backend as shipped: call plans per operand signature
-  (``FluxBackend.call_plans``), kernels launched through Triton's generated C launcher with
-  addresses, encoded descriptors and scratch kept (:class:`~megatron_flux.kernels.launch.RawLaunch`,
+  (``FluxBackend.call_plans``), each launching through its bound launch
+  (:class:`~megatron_flux.kernels.launch.BoundLaunch`: only the operands, output and epoch
+  passed per call), made from a launch through Triton's generated C launcher with addresses,
+  encoded descriptors and scratch kept (:class:`~megatron_flux.kernels.launch.RawLaunch`,
   where the Triton is one it knows);
+* ``flux unbound``: every call through the kernel's launcher and that raw launch
+  (``FluxBackend.bound_launches = False``);
 * ``flux no plans``: a call plan built on every call (``call_plans = False``);
 * ``flux run``: launched directly through ``CompiledKernel.run`` (``KernelLauncher.raw =
   False``);
@@ -40,12 +44,14 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from host_overhead import init_tp, layer_ops, paired_summary, run_record  # noqa: E402
 
-VARIANTS = {  # label: (backend, FluxOptions.direct_launch, KernelLauncher.raw, call_plans)
-    "nccl": ("nccl", True, True, True),
-    "flux": ("flux", True, True, True),
-    "flux no plans": ("flux", True, True, False),
-    "flux run": ("flux", True, False, True),
-    "flux triton": ("flux", False, True, True),
+VARIANTS = {  # label: (backend, FluxOptions.direct_launch, KernelLauncher.raw, call_plans,
+    #                  FluxBackend.bound_launches)
+    "nccl": ("nccl", True, True, True, True),
+    "flux": ("flux", True, True, True, True),
+    "flux unbound": ("flux", True, True, True, False),
+    "flux no plans": ("flux", True, True, False, True),
+    "flux run": ("flux", True, False, True, True),
+    "flux triton": ("flux", False, True, True, True),
 }
 
 
@@ -152,10 +158,13 @@ def main():
     flux = get_backend("flux")
 
     def select(variant):
-        _, direct, raw, plans = VARIANTS[variant]
+        _, direct, raw, plans, bound = VARIANTS[variant]
         if flux.options.direct_launch != direct:
             flux.set_options(flux.options.replace(direct_launch=direct))
         flux.call_plans = plans
+        flux.bound_launches = bound
+        for plan in flux._call_plan_cache.values():  # a variant that could not bind left
+            plan.bound[:] = [None, None]              # its parities unbound for good
         for launcher in _launchers():
             launcher.raw = raw
 

@@ -302,6 +302,7 @@ class KernelLauncher:
         self._n_runtime = n_runtime
         self.direct_calls = 0  # launches that skipped Triton's binder (tests check it is used)
         self.raw_calls = 0     # ... of them, through Triton's C launcher itself (RawLaunch)
+        self.bound_calls = 0   # launches through a BoundLaunch of this kernel
         self.raw = True        # False: direct launches through CompiledKernel.run (A/B)
 
     def _through_triton(self, grid, args, constexprs, num_warps, num_stages, options):
@@ -330,12 +331,16 @@ class KernelLauncher:
             raw = RawLaunch.from_compiled(compiled, args, cvalues)
             self._compiled[key] = (raw, compiled.run, compiled.function,
                                    compiled.packed_metadata, cvalues)
+            if raw is not None:
+                _LAST[0] = (self, raw, grid, device, torch._C._cuda_getCurrentRawStream(device),
+                            args)
             return
         raw, run, function, metadata, cvalues = entry
         self.direct_calls += 1
         stream = torch._C._cuda_getCurrentRawStream(device)
         if raw is not None and self.raw:
             self.raw_calls += 1
+            _LAST[0] = (self, raw, grid, device, stream, args)
             raw(grid, device, stream, args)
             return
         run(grid, 1, 1, stream, function, metadata, None, None, None, *args, *cvalues)
@@ -376,3 +381,153 @@ class ShapePlans:
 
     def clear(self) -> None:
         self._plans.clear()
+
+
+# ---------------------------------------------------------------- bound launches
+
+#: ``(launcher, RawLaunch, grid, device, stream, args)`` of this process's last launch that has
+#: a raw form (:func:`bind_last_launch`); ``forget_last_launch`` clears it
+_LAST: list = [None]
+
+
+def forget_last_launch() -> None:
+    """Clear the record :func:`bind_last_launch` binds (call it before the launch to bind)."""
+    _LAST[0] = None
+
+
+def bind_last_launch(roles: Sequence[Optional[torch.Tensor]], int_roles: Sequence[str],
+                     fixed: Sequence[torch.Tensor]) -> Optional["BoundLaunch"]:
+    """The last launch with a raw form (since :func:`forget_last_launch`) as a
+    :class:`BoundLaunch`, whose per-call arguments are the tensors ``roles`` (matched by
+    identity, passed directly or as a host TMA descriptor's base; ``None`` entries match
+    nothing) and the int parameters named ``int_roles``; every other argument is kept as it was.
+
+    ``None`` where that would not be safe: no such launch, an int role that is not a runtime
+    parameter of the kernel, or a tensor argument (or descriptor base) that is neither a role
+    nor one of ``fixed``, the tensors the caller keeps alive and in place for as long as it
+    keeps the bound launch, nor the stream-K scratch held for the launch's stream
+    (:func:`~megatron_flux.kernels.stream_k.scratch_of`; the bound launch then runs only on
+    that stream and while that scratch is held). An int role should be ``do_not_specialize`` (only its width is kept
+    apart); one Triton specialised would be bound only from a launch whose value was generic
+    (not 1, not a multiple of 16), whose compiled code holds for every value."""
+    last = _LAST[0]
+    if last is None:
+        return None
+    launcher, raw, grid, device, stream, args = last
+    params = launcher.jit_fn.params[:launcher._n_runtime]
+    names = [p.name for p in params]
+    if any(name not in names for name in int_roles):
+        return None
+    role_of = {id(t): i for i, t in enumerate(roles) if t is not None}
+    kept = {id(t) for t in fixed}
+    from megatron_flux.kernels.stream_k import scratch_of
+
+    scratch = scratch_of(device, stream)
+    held = {id(scratch.partials), id(scratch.counters)} if scratch is not None else set()
+    guarded = False
+    n_tensor = len(roles)
+    flat: list = []
+    slots = []
+    for pos, a in enumerate(args):
+        kind = _KINDS[type(a)]
+        if kind == _TENSOR:
+            role = role_of.get(id(a))
+            if role is None and id(a) not in kept:
+                if id(a) not in held:
+                    return None
+                guarded = True
+            if role is not None:
+                slots.append((_TENSOR, len(flat), role, (a.dtype, a.data_ptr() & 15 == 0)))
+            flat.append(a.data_ptr())
+        elif kind == _DESC:
+            j = raw.desc_at[pos]
+            encoded = raw._descriptor(j, a)
+            role = role_of.get(id(a.base))
+            if role is None and id(a.base) not in kept:
+                return None
+            if role is not None:
+                cache = {a.base.data_ptr(): encoded}
+                slots.append((_DESC, len(flat), role,
+                              (a.base.dtype, tuple(a.base.shape), a, j, len(encoded), cache)))
+            flat.extend(encoded)
+        else:
+            if names[pos] in int_roles:
+                # a compiled kernel serves every value of the width only if Triton did not
+                # specialise it on this one (== 1, divisible by 16)
+                if not getattr(params[pos], "do_not_specialize", False) and (a == 1 or a % 16 == 0):
+                    return None
+                slots.append((_INT, len(flat), n_tensor + int_roles.index(names[pos]),
+                              _INT32[0] <= a < _INT32[1]))
+            flat.append(a)
+    flat.extend(raw.cvalues)
+    return BoundLaunch(launcher, raw, grid, device, flat, tuple(slots),
+                       (stream, scratch, scratch_of) if guarded else None)
+
+
+class BoundLaunch:
+    """A raw launch of one call site's fixed operands (:func:`bind_last_launch`): a call passes
+    only what changes from call to call, ``bound(values)`` with ``values`` the roles' tensors
+    then the int roles' values, in the order they were bound. No specialisation key, no
+    argument loop over the fixed operands, no descriptor objects: each per-call tensor costs an
+    address (and, as a descriptor's base, a lookup of its encoding by address, encoded on a
+    miss); the fixed operands' addresses and encodings are those of the launch it was bound
+    from. Answers ``False`` without launching where the call would need another
+    specialisation (a tensor role's dtype, alignment or shape, an int role's width), where a
+    launch hook is active, the raw launch is switched off, another device is current, or, for
+    a launch that passes the stream-K scratch, another stream is current or the scratch was
+    replaced; the caller then launches as usual (and may bind that launch instead)."""
+
+    __slots__ = ("launcher", "raw", "grid", "device", "flat", "slots", "guard")
+
+    def __init__(self, launcher, raw, grid, device, flat, slots, guard=None):
+        self.launcher, self.raw, self.grid, self.device = launcher, raw, grid, device
+        self.flat, self.slots = flat, slots
+        self.guard = guard  # (stream, the stream-K scratch it passes, scratch_of) or None
+
+    def __call__(self, values: Sequence[Any]) -> bool:
+        launcher, raw = self.launcher, self.raw
+        if not launcher.raw or _current_device() != self.device:
+            return False
+        enter, leave = _launch_hooks()
+        if _hook_active(enter) or _hook_active(leave):
+            return False
+        flat = self.flat[:]
+        for kind, at, role, facts in self.slots:
+            v = values[role]
+            if kind == _INT:
+                if facts and not _INT32[0] <= v < _INT32[1]:
+                    return False
+                flat[at] = v
+                continue
+            if v.dtype is not facts[0]:
+                return False
+            ptr = v.data_ptr()
+            if kind == _TENSOR:
+                if facts[1] and ptr & 15:
+                    return False
+                flat[at] = ptr
+                continue
+            _, shape, template, j, width, cache = facts
+            encoded = cache.get(ptr)
+            if encoded is None:
+                if ptr & 15 or tuple(v.shape) != shape:
+                    return False
+                desc = object.__new__(type(template))
+                desc.__dict__.update(vars(template))
+                desc.base = v
+                if len(cache) >= _MAX_DESCRIPTORS:
+                    cache.clear()
+                encoded = cache[ptr] = tuple(raw.expand(desc, raw.desc_meta[j]))
+            elif v.shape != shape:
+                return False
+            flat[at:at + width] = encoded
+        device, grid = self.device, self.grid
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        guard = self.guard
+        if guard is not None and (stream != guard[0] or guard[2](device, stream) is not guard[1]):
+            return False
+        scratch = raw._scratch_ptr(device, stream, grid) if raw.scratch_bytes else None
+        raw.c_launch(grid, 1, 1, stream, raw.function, raw.coop, False, scratch, None,
+                     raw.metadata, None, None, None, *flat)
+        launcher.bound_calls += 1
+        return True

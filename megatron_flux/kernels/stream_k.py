@@ -204,3 +204,10 @@ def fallback_generation() -> int:
     """How many ``(op, config)`` pairs have lost their stream-K split so far: part of the key of
     a launcher's per-shape plan, so a plan made before a fallback is not reused after it."""
     return len(_TOO_BIG)
+
+
+def scratch_of(device_index: int, stream: int):
+    """The scratch :func:`stream_k_scratch` holds for launches on ``stream`` (a raw CUDA stream
+    handle) of device ``device_index``, or None: a bound launch that passes its buffers checks
+    they are still the ones held (:class:`~megatron_flux.kernels.launch.BoundLaunch`)."""
+    return _SCRATCH.get((device_index, stream))

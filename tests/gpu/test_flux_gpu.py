@@ -191,6 +191,57 @@ def _check_gather_beside_rs(flux, group, rank, world, gen, rounds=10):
     return rounds + 1
 
 
+def _bound_launches():
+    from megatron_flux.kernels import ag_gemm, ag_gemm_ws, gemm_rs, gemm_rs_ws
+
+    return sum(m._LAUNCH.bound_calls for m in (ag_gemm, ag_gemm_ws, gemm_rs, gemm_rs_ws)
+               if m._LAUNCH is not None)
+
+
+def _check_bound_launches(flux, group, rank, world, gen, calls=10):
+    """Calls of one signature after each parity's first launch through the call plan's bound
+    launch (:class:`megatron_flux.kernels.launch.BoundLaunch`), which keeps the plan's buffers
+    and takes the operands per call: three inputs and two weights (and biases) alive together
+    at distinct addresses, used in turn, each result against NCCL + fp32 matmul; the bound
+    launches must have run. Returns the number of checks."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    m_local, k, n = 512, 1024, 768
+    dt = torch.bfloat16
+    xs = [torch.randn(m_local, k, generator=gen, device=dev).to(dt) for _ in range(3)]
+    a_s = [torch.randn(world * m_local, k, generator=gen, device=dev).to(dt) for _ in range(3)]
+    ws = [torch.randn(n, k, generator=gen, device=dev).to(dt) for _ in range(2)]
+    biases = [torch.randn(n, generator=gen, device=dev).to(dt) for _ in range(2)]
+    for t in ws + biases:  # AG's weight and the bias: the same on every rank
+        torch.distributed.broadcast(t, 0, group=group)
+    ag_refs, rs_refs = {}, {}
+    for i, x in enumerate(xs):
+        gathered = torch.empty(world * m_local, k, dtype=dt, device=dev)
+        torch.distributed.all_gather_into_tensor(gathered, x, group=group)
+        for j, w in enumerate(ws):
+            ag_refs[i, j] = gathered.float() @ w.float().t()
+            full = a_s[i].float() @ w.float().t()
+            torch.distributed.all_reduce(full, group=group)
+            rs_refs[i, j] = full[rank * m_local:(rank + 1) * m_local] + biases[j].float()
+    before, kept = _bound_launches(), []
+    for c in range(calls):
+        i, j = c % 3, c % 2
+        out = flux.all_gather_matmul(xs[i], ws[j].t(), group)[0]
+        err = _rel(out, ag_refs[i, j])
+        assert err < 2e-2, f"AG+GEMM call {c} (input {i}, weight {j}) rel err {err}"
+        out_rs = flux.matmul_reduce_scatter(a_s[i], ws[j].t(), group, bias=biases[j])
+        err = _rel(out_rs, rs_refs[i, j])
+        assert err < 2e-2, f"GEMM+RS call {c} (input {i}, weight {j}) rel err {err}"
+        kept += [out, out_rs]  # outputs alive together too: distinct addresses
+    torch.cuda.synchronize()
+    flux.check_errors()
+    if os.environ.get("MEGATRON_FLUX_DIRECT_LAUNCH", "1") == "1":
+        from megatron_flux.kernels.launch import _triton_expander
+
+        if _triton_expander() is not None:  # a Triton whose C launcher RawLaunch knows
+            assert _bound_launches() - before >= 2 * (calls - 2), "bound launches did not run"
+    return 2 * calls
+
+
 def _stage(rank, t0, name):
     """Rank 0 prints which check section starts, with the seconds since the worker began, to
     stderr (unbuffered under ``pytest -s``): a section that compiles or waits long shows
@@ -219,6 +270,16 @@ def _worker(rank, world, port, env):
                 _check_rs(flux, group, rank, world, m_local, k, n, dtype, layout, tol, gen,
                           with_bias=(m_local % 2 == 0))
                 n_checks += 2
+    _stage(rank, t0, "bound launches: operands at distinct addresses")
+    from megatron_flux.kernels.config import GemmConfig
+
+    gluon = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
+                       chunk_rows=128, epilogue_split=1, rs_warp_specialized=True,
+                       ag_warp_specialized=True)
+    for provider in (None, lambda op, m, n, k: dataclasses.replace(
+            GemmConfig(), rs_copy_engine=True), lambda op, m, n, k: gluon):
+        flux_bound = FluxBackend(config_provider=provider)
+        n_checks += _check_bound_launches(flux_bound, group, rank, world, gen)
     _stage(rank, t0, "60 calls with changing shapes")
     # many back-to-back calls with changing shapes: epochs, parity, workspace growth
     for i in range(60):
@@ -229,7 +290,6 @@ def _worker(rank, world, port, env):
     # consecutive calls under different signal layouts (chunks per segment, tiles per
     # segment): at TP >= 3 a peer may signal the next call while this rank still waits on a
     # third rank (the workspace keeps the two calls' signals apart by parity)
-    from megatron_flux.kernels.config import GemmConfig
 
     def alternating(op, m_total, n, k):  # AG alternates chunk layouts, RS TMA and vector
         if n == 1024:                    # pushes

@@ -430,7 +430,7 @@ def _plan_harness(monkeypatch):
         return rs.RsPlan(group, 2, 0, a.shape[0] // 2, b.shape[1], "cfg", w, w.generation,
                          _PlanErr(), 4, a.device, None, None,
                          tuple((f"data{p}", f"{tag}table{p}", f"flags{p}", None, None)
-                               for p in (0, 1)), graph_flags())
+                               for p in (0, 1)), graph_flags(), [None, None])
 
     def ag_plan(backend, a, b, group, graph=False):
         made.append((f"{'ag-graph' if graph else 'ag'}", group))
@@ -439,7 +439,8 @@ def _plan_harness(monkeypatch):
         flags = graph_flags() if graph else ("flags0", "flags1")
         return ag.AgPlan(group, 2, 0, 2 * a.shape[0], b.shape[1], "cfg", False, w,
                          w.generation, _PlanErr(), 4, a.device, "side", order, order,
-                         tuple((f"gathered{p}", None, flags[p], []) for p in (0, 1)))
+                         tuple((f"gathered{p}", None, flags[p], []) for p in (0, 1)),
+                         [None, None])
 
     class _Switch:
         def __init__(self, *a):
@@ -666,3 +667,62 @@ def test_driver_functions_are_looked_up_in_order_or_say_why_not(monkeypatch):
 
     monkeypatch.setattr(ctypes, "CDLL", missing)
     assert load_driver_function(("cuA",), ()) == (None, "libcuda.so.1 not loadable: not found")
+
+
+@pytest.mark.parametrize("op", ["rs", "ag"])
+def test_eager_calls_launch_through_their_plans_bound_launch_per_parity(monkeypatch, op):
+    """Each parity's first eager call launches through the launcher and binds that launch
+    with the call's operands as roles and the plan's buffers as kept; later calls of that
+    parity pass only their operands and epoch to it; where it steps aside (``False``) the
+    launcher launches and that launch is bound; a launch that cannot be bound is not tried
+    again. Off (``bound_launches``, ``call_plans`` or the direct launch): never bound."""
+    from megatron_flux.backends.flux.resources import deps
+
+    backend, ws, made, launched, capturing = _plan_harness(monkeypatch)
+    d = deps()
+    binds, fired, answer = [], [], [True]
+
+    def bind(roles, int_roles, kept):
+        binds.append((len(roles), int_roles, kept[0]))
+
+        def bound(values):
+            fired.append(values)
+            return answer[0]
+        return bound
+
+    monkeypatch.setattr(d, "bind_last_launch", bind)
+    monkeypatch.setattr(d, "forget_last_launch", lambda: None)
+    group = _Group(2)
+    a, b = torch.zeros(8, 16), torch.zeros(16, 4)
+    call = ((lambda: backend.matmul_reduce_scatter(a, b, group)) if op == "rs"
+            else (lambda: backend.all_gather_matmul(a, b, group)[0]))
+    buf = "table" if op == "rs" else "flags"
+    call(), call()                                    # epochs 1, 2: parities 1, 0, launched
+    assert [e for _, e in launched] == [1, 2]
+    kept = ("data1", "data0") if op == "rs" else ("gathered1", "gathered0")
+    assert binds == [(4 if op == "rs" else 3, ("epoch",), k) for k in kept]
+    call(), call()                                    # epochs 3, 4: bound
+    assert len(launched) == 2 and [v[-1] for v in fired] == [3, 4]
+    assert fired[0][0] is a and fired[0][1] is b and fired[0][2].shape == call().shape
+    answer[0] = False                                 # steps aside: the launcher launches,
+    call()                                            # and that launch is bound instead
+    assert launched[-1] == (f"{buf}0", 6) and len(binds) == 3
+    monkeypatch.setattr(d, "bind_last_launch", lambda *a: binds.append("none"))  # not bindable
+    call(), call(), call(), call()                    # epochs 7-10: each parity tries once
+    assert len(launched) == 7 and binds[3:] == ["none", "none"]
+    for switch in ("bound_launches", "call_plans"):
+        fresh, _, _, launched2, _ = _plan_harness(monkeypatch)
+        monkeypatch.setattr(d, "bind_last_launch", bind)
+        setattr(fresh, switch, False)
+        n = len(binds)
+        for _ in range(3):
+            (fresh.matmul_reduce_scatter(a, b, group) if op == "rs"
+             else fresh.all_gather_matmul(a, b, group))
+        assert len(binds) == n and len(launched2) == 3
+    fresh, _, _, launched3, _ = _plan_harness(monkeypatch)
+    monkeypatch.setattr(d, "bind_last_launch", bind)
+    fresh.set_options(fresh.options.replace(direct_launch=False))
+    n = len(binds)
+    for _ in range(3):
+        fresh.matmul_reduce_scatter(a, b, group) if op == "rs" else fresh.all_gather_matmul(a, b, group)
+    assert len(binds) == n and len(launched3) == 3

@@ -384,3 +384,120 @@ def test_fused_launchers_plan_once_per_shape(monkeypatch, op):
     SK._TOO_BIG.add(("GEMM+RS" if op == "rs" else "AG+GEMM", cfg))  # a fallback happened
     call(32)
     assert len(made) == 3
+
+
+class _NoSpecParam(_Param):
+    do_not_specialize = True
+
+
+def _bound_setup(monkeypatch):
+    """A launcher whose kernel takes (x: tensor, d: descriptor of x, y: tensor, epoch: int,
+    do_not_specialize) with Triton 3.6's launcher form, its first launch made."""
+    c = _CLaunch()
+    jit = _FakeJit()
+    jit.compiled.run = CudaLauncher(c)
+    jit.compiled.metadata = _Meta()
+    jit.params = [_Param("x", False), _Param("d", False), _Param("y", False),
+                  _NoSpecParam("epoch", False), _Param("A", True)]
+    expanded = []
+
+    def expand(desc, meta):
+        expanded.append(desc.base.data_ptr())
+        return ["map", desc.base.data_ptr(), *desc.shape]
+
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    monkeypatch.setattr(L, "_capturing", lambda: False)
+    monkeypatch.setattr(L, "_launch_hooks", lambda: (None, None))
+    monkeypatch.setattr(L.torch._C, "_cuda_getCurrentRawStream", lambda device: 99, raising=False)
+    monkeypatch.setattr(L, "_triton_expander", lambda: expand)
+    launcher = L.KernelLauncher(jit)
+    x = torch.zeros(32, 32, dtype=torch.float16)
+    y = torch.zeros(8, dtype=torch.int32)
+    L.forget_last_launch()
+    launcher(2, (x, _desc(x, (32, 32)), y, 5), {"A": 3}, num_warps=4)
+    return launcher, c, expanded, x, y
+
+
+def test_a_bound_launch_passes_what_the_raw_launch_would_with_only_the_roles_changed(monkeypatch):
+    """The bound launch of a call site hands Triton's C launcher exactly what the raw launch
+    of the same arguments hands it (the reference: the launcher itself, launched again), with
+    the roles' addresses and encodings per call and the fixed operands' as bound; an address
+    seen before is not encoded again."""
+    launcher, c, expanded, x, y = _bound_setup(monkeypatch)
+    bound = L.bind_last_launch((x,), ("epoch",), (y,))
+    assert bound is not None
+    x2 = torch.ones(32, 32, dtype=torch.float16)
+    assert bound((x2, 37)) and launcher.bound_calls == 1
+    launcher(2, (x2, _desc(x2, (32, 32)), y, 37), {"A": 3}, num_warps=4)  # the raw launch
+    assert c.calls[-2] == c.calls[-1]
+    assert c.calls[-1][13:] == (x2.data_ptr(), "map", x2.data_ptr(), 32, 32, y.data_ptr(), 37, 3)
+    n = len(expanded)
+    assert bound((x2, 38)) and bound((x, 39)) and len(expanded) == n  # both addresses known
+    assert c.calls[-1][13:] == (x.data_ptr(), "map", x.data_ptr(), 32, 32, y.data_ptr(), 39, 3)
+
+
+def test_a_bound_launch_steps_aside_where_the_call_would_specialise_otherwise(monkeypatch):
+    """Another dtype, a 2-byte offset, another shape, an int64 epoch, the raw launch off, a
+    launch hook, another current device: ``False`` and nothing launched."""
+    launcher, c, _, x, y = _bound_setup(monkeypatch)
+    bound = L.bind_last_launch((x,), ("epoch",), (y,))
+    n = len(c.calls)
+    big = torch.zeros(32 * 32 + 1, dtype=torch.float16)
+    for values in [(x.float(), 5), (big[1:].view(32, 32), 5),
+                   (torch.zeros(16, 64, dtype=torch.float16), 5), (x, 2**31 + 5)]:
+        assert not bound(values)
+    launcher.raw = False
+    assert not bound((x, 5))
+    launcher.raw = True
+    monkeypatch.setattr(L, "_launch_hooks", lambda: (print, None))
+    assert not bound((x, 5))
+    monkeypatch.setattr(L, "_launch_hooks", lambda: (None, None))
+    monkeypatch.setattr(L, "_current_device", lambda: 1)
+    assert not bound((x, 5))
+    assert len(c.calls) == n and launcher.bound_calls == 0
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    assert bound((x, 5)) and len(c.calls) == n + 1
+
+
+def test_only_launches_whose_other_tensors_are_kept_are_bound(monkeypatch):
+    """No launch since forget_last_launch, a tensor that is neither a role nor kept (a scratch
+    that may be replaced), an int role the kernel does not take, or an int Triton specialised
+    on its value: nothing is bound."""
+    launcher, c, _, x, y = _bound_setup(monkeypatch)
+    assert L.bind_last_launch((x,), ("epoch",), ()) is None              # y neither
+    assert L.bind_last_launch((x,), ("epochs",), (y,)) is None           # no such parameter
+    assert L.bind_last_launch((None, x), ("epoch",), (y,)) is not None   # None roles match nothing
+    z = torch.zeros(32, 32, dtype=torch.float16)
+    launcher(2, (x, _desc(z, (32, 32)), y, 5), {"A": 3}, num_warps=4)
+    assert L.bind_last_launch((x,), ("epoch",), (y,)) is None            # z: a descriptor's base
+    assert L.bind_last_launch((x, z), ("epoch",), (y,)) is not None
+    L.forget_last_launch()
+    assert L.bind_last_launch((x,), ("epoch",), (y,)) is None
+    launcher.jit_fn.params[3] = _Param("epoch", False)                   # specialised on value
+    launcher(2, (x, _desc(x, (32, 32)), y, 32), {"A": 3}, num_warps=4)
+    assert L.bind_last_launch((x,), ("epoch",), (y,)) is None            # 32: % 16
+    launcher(2, (x, _desc(x, (32, 32)), y, 33), {"A": 3}, num_warps=4)
+    assert L.bind_last_launch((x,), ("epoch",), (y,)) is not None        # generic: binds
+
+
+def test_a_launch_passing_the_stream_k_scratch_is_bound_to_that_stream_and_scratch(monkeypatch):
+    """The stream-K scratch is neither a role nor kept by the caller: a launch passing the
+    scratch held for its stream binds, and its bound launch runs only on that stream and while
+    that scratch is still the one held (a grown one replaces it)."""
+    from megatron_flux.kernels import stream_k as SK
+
+    monkeypatch.setattr(SK, "_SCRATCH", {})
+    launcher, c, _, x, _ = _bound_setup(monkeypatch)
+    held = SK._Scratch(torch.zeros(64, dtype=torch.int32), torch.zeros(8, dtype=torch.int32))
+    launcher(2, (x, _desc(x, (32, 32)), held.partials, 5), {"A": 3}, num_warps=4)
+    assert L.bind_last_launch((x,), ("epoch",), ()) is None             # not held for stream 99
+    SK._SCRATCH[(0, 99)] = held
+    launcher(2, (x, _desc(x, (32, 32)), held.partials, 5), {"A": 3}, num_warps=4)
+    bound = L.bind_last_launch((x,), ("epoch",), ())
+    assert bound is not None and bound((x, 6))
+    monkeypatch.setattr(L.torch._C, "_cuda_getCurrentRawStream", lambda device: 100, raising=False)
+    assert not bound((x, 7))                                            # another stream
+    monkeypatch.setattr(L.torch._C, "_cuda_getCurrentRawStream", lambda device: 99, raising=False)
+    SK._SCRATCH[(0, 99)] = SK._Scratch(torch.zeros(128, dtype=torch.int32), held.counters)
+    assert not bound((x, 8))                                            # replaced
+    assert launcher.bound_calls == 1

@@ -36,7 +36,7 @@ class _Job:
 
 def _selector(layers, job, **kw):
     logs = []
-    kw = {"start_after": 2, "rounds": 2, **kw}
+    kw = {"start_after": 2, "rounds": 2, "candidates": ("megatron", "nccl", "auto"), **kw}
     sel = StepAutoSelector(layers, clock=job.clock, synchronize=lambda: None, log=logs.append, **kw)
     return sel, logs
 
@@ -69,13 +69,16 @@ def test_a_slow_round_does_not_decide_the_pairs_do():
     # defaults: 6 start-up iterations, a warm-up block of 3, then round 0 = offsets 9..17
     noise = {i: 0.5 for i in range(12, 18)}  # round 0's nccl and auto blocks
     job = _Job(steps, noise)
-    sel = StepAutoSelector(layers, clock=job.clock, synchronize=lambda: None, log=lambda m: None)
+    three = ("megatron", "nccl", "auto")
+    sel = StepAutoSelector(layers, clock=job.clock, synchronize=lambda: None, log=lambda m: None,
+                           candidates=three)
     job.run(sel, layers, sel.iterations_needed)
     assert job.ran[9:12] == ["megatron"] * 3
     assert sel.paired_speedups()["nccl"] == pytest.approx(350 / 330)
     assert sel.decided == "nccl"
     job = _Job({"megatron": 0.330, "nccl": 0.330, "auto": 0.345}, noise)
-    sel = StepAutoSelector(layers, clock=job.clock, synchronize=lambda: None, log=lambda m: None)
+    sel = StepAutoSelector(layers, clock=job.clock, synchronize=lambda: None, log=lambda m: None,
+                           candidates=three)
     job.run(sel, layers, sel.iterations_needed)
     assert sel.decided == "megatron"
 
@@ -191,7 +194,7 @@ def _disagreeing_rank(rank, world_size):
 
     layers = [_Layer()]
     fast = "nccl" if rank == 0 else "auto"
-    job = _Job({"megatron": 0.35, "nccl": 0.35, "auto": 0.35, fast: 0.30})
+    job = _Job({"megatron": 0.35, "nccl": 0.35, "auto": 0.35, "flux": 0.35, fast: 0.30})
     sel = StepAutoSelector(layers, clock=job.clock, synchronize=lambda: None, log=lambda m: None,
                            group=dist.group.WORLD)
     job.run(sel, layers, sel.iterations_needed)
@@ -201,3 +204,15 @@ def _disagreeing_rank(rank, world_size):
 @pytest.mark.slow
 def test_tp_ranks_agree_on_rank_zeros_choice():
     assert run_distributed(_disagreeing_rank, 2) == [("nccl", "nccl")] * 2
+
+
+def test_by_default_fused_everywhere_is_a_candidate_too():
+    """The tables time ops alone, so the per-op ``auto`` can lose to fused-everywhere in the
+    step: the default candidates time ``flux`` as well, and it wins where it is fastest."""
+    layers = [_Layer()]
+    job = _Job({"megatron": 0.350, "nccl": 0.340, "auto": 0.330, "flux": 0.320})
+    sel = StepAutoSelector(layers, clock=job.clock, synchronize=lambda: None, log=lambda m: None)
+    job.run(sel, layers, sel.iterations_needed + 2)
+    assert set(sel.samples) == {"megatron", "nccl", "auto", "flux"}
+    assert sel.decided == "flux" and job.ran[-1] == "flux"
+    assert sel.paired_speedups()["flux"] == pytest.approx(350 / 320)

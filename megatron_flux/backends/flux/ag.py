@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from megatron_flux.backends.base import output_like
+from megatron_flux.backends.flux.bound import launch_or_bound
 from megatron_flux.backends.flux.resources import deps
 from megatron_flux.backends.flux.support import aligned
 
@@ -63,6 +64,7 @@ class AgPlan(NamedTuple):
     ready: object
     done: object
     parities: tuple            # per parity: (gathered, own rows, signals, copy plan)
+    bound: list = None         # per parity: the eager calls' BoundLaunch, False: not bindable
 
 
 def ag_plan(backend, a_shard, b, group, graph: bool = False) -> AgPlan:
@@ -96,7 +98,7 @@ def ag_plan(backend, a_shard, b, group, graph: bool = False) -> AgPlan:
     return AgPlan(group, world, rank, m, n, cfg, cfg.ag_merge_local and world > 1, ws,
                   ws.generation, err, res.sms(device), device,
                   res.side_stream(device, cfg.comm_priority), res.order(device, "ready"),
-                  res.order(device, "done"), parities)
+                  res.order(device, "done"), parities, [None, None])
 
 
 def all_gather_matmul(backend, a_shard, b, group, out, return_gathered, gathered_out):
@@ -165,12 +167,17 @@ def _run(backend, plan, a_shard, b, out, return_gathered, gathered_out, epoch, p
     if plan.merge:  # the merged GEMM reads the own rows there after its lead
         own_rows.copy_(a_shard)
     plan.ready(side, current)  # the shard is ready (before the GEMM)
-    d.launch_ag_gemm(
-        a_shard, gathered, b, out, flags, err.device_word,
-        rank=plan.rank, world=plan.world, epoch=epoch, cfg=plan.cfg, num_sms=plan.num_sms,
-        max_spins=opts.max_spins, host_descriptors=opts.host_descriptors,
-        direct=opts.direct_launch,
-    )
+
+    def launch():
+        d.launch_ag_gemm(
+            a_shard, gathered, b, out, flags, err.device_word,
+            rank=plan.rank, world=plan.world, epoch=epoch, cfg=plan.cfg, num_sms=plan.num_sms,
+            max_spins=opts.max_spins, host_descriptors=opts.host_descriptors,
+            direct=opts.direct_launch,
+        )
+
+    launch_or_bound(backend, plan, parity, eager, (a_shard, b, out), epoch,
+                    (gathered, flags, err.device_word), launch)
     if eager:
         err.after_launch()
     _push(d, side, current, copies, a_shard, own_rows, epoch,

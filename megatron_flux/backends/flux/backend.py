@@ -52,6 +52,10 @@ class FluxBackend(TPOverlapBackend):
     #: resolve each operand signature once (config, workspace views, streams, copy plans) and
     #: reuse it (:meth:`call_plan`); False resolves every call (A/B)
     call_plans = True
+    #: eager fused calls launch through a BoundLaunch of their call plan (after one launch of
+    #: each parity made it: :func:`~megatron_flux.kernels.launch.bind_last_launch`); False
+    #: launches every call through the launcher (A/B)
+    bound_launches = True
 
     def __init__(self, config_provider=None, *, options: Optional[FluxOptions] = None,
                  column_dgrad: Optional[str] = None, column_regather: Optional[str] = None):

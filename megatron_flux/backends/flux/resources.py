@@ -31,6 +31,7 @@ def deps():
         from megatron_flux.kernels.ag_gemm import launch_ag_gemm
         from megatron_flux.kernels.config import rs_signal_count
         from megatron_flux.kernels.gemm_rs import launch_gemm_rs, rs_staging_table
+        from megatron_flux.kernels.launch import bind_last_launch, forget_last_launch
         from megatron_flux.kernels.ready_barrier import launch_ready_barrier
         from megatron_flux.kernels.rs_reduce import launch_rs_reduce
         from megatron_flux.kernels.signals import OP_GATHER, OP_GEMM_RS, OP_GRAPH_FENCE

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from megatron_flux.backends.base import output_like
+from megatron_flux.backends.flux.bound import launch_or_bound
 from megatron_flux.backends.flux.handles import CopyEngineReduceScatter
 from megatron_flux.backends.flux.resources import deps
 from megatron_flux.backends.flux.support import aligned
@@ -76,6 +77,7 @@ class RsPlan(NamedTuple):
     done: object               # ... and its "rs-done" ordering
     parities: tuple            # per parity: (data, data_ptrs table, flag_ptrs, copies, my_flags)
     own_flags: tuple = ()      # per parity: this rank's int32 signals (a captured call resets them)
+    bound: list = None         # per parity: the eager calls' BoundLaunch, False: not bindable
 
 
 def rs_plan(backend, a, b, group, bias, graph: bool = False) -> RsPlan:
@@ -109,7 +111,8 @@ def rs_plan(backend, a, b, group, bias, graph: bool = False) -> RsPlan:
                 lambda: copy_plan(ws, staging, data, rank, world, parity, m_local, n))
             parities.append((data, table, ws.flag_ptrs(parity), copies, my_flags))
     return RsPlan(group, world, rank, m_local, n, cfg, ws, ws.generation, err, res.sms(device),
-                  device, side, done, tuple(parities), (ws.flags(rank, 0), ws.flags(rank, 1)))
+                  device, side, done, tuple(parities), (ws.flags(rank, 0), ws.flags(rank, 1)),
+                  [None, None])
 
 
 def matmul_reduce_scatter(backend, a, b, group, out, bias):
@@ -176,12 +179,17 @@ def _run(backend, plan, a, b, out, bias, epoch, parity, eager):
     d, opts = deps(), backend.options
     side = plan.side
     current = torch.cuda.current_stream(plan.device) if side is not None else None
-    d.launch_gemm_rs(
-        a, b, out, data, table, flag_ptrs, bias, err.device_word,
-        rank=plan.rank, world=plan.world, epoch=epoch, cfg=plan.cfg, num_sms=plan.num_sms,
-        max_spins=opts.max_spins, host_descriptors=opts.host_descriptors,
-        direct=opts.direct_launch,
-    )
+
+    def launch():
+        d.launch_gemm_rs(
+            a, b, out, data, table, flag_ptrs, bias, err.device_word,
+            rank=plan.rank, world=plan.world, epoch=epoch, cfg=plan.cfg, num_sms=plan.num_sms,
+            max_spins=opts.max_spins, host_descriptors=opts.host_descriptors,
+            direct=opts.direct_launch,
+        )
+
+    launch_or_bound(backend, plan, parity, eager, (a, b, out, bias), epoch,
+                    (data, table, flag_ptrs, err.device_word), launch)
     if eager:
         err.after_launch()
     if side is not None:
