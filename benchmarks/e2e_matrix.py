@@ -363,7 +363,7 @@ def main(argv=None) -> int:
     r.add_argument("cells", nargs="+")
     r.add_argument("--out", required=True)
     r.add_argument("--iters", type=int, default=190,
-                   help="iterations of an eager cell's job (the step-time selection takes ~65)")
+                   help="iterations of an eager cell's job (the step-time selection takes ~83)")
     r.add_argument("--block", type=int, default=4, help="iterations per interleaved block")
     r.add_argument("--skip", type=int, default=20, help="iterations not counted at the start")
     r.add_argument("--graph-iters", type=int, default=60)

@@ -70,8 +70,9 @@ def add_flux_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=True,
         help="With --flux-backend auto (the default), time the candidate backends ('megatron': "
         "megatron-core's own code; 'nccl'; 'auto': the fused kernels where the tuning tables "
-        "say they win) in the job's first iterations and keep the fastest for the rest of the "
-        "job (about 65 iterations; one log line says what was chosen and why). "
+        "say they win; 'flux': the fused kernels everywhere) in the job's first iterations and "
+        "keep the fastest for the rest of the job (about 83 iterations; one log line says what "
+        "was chosen and why). "
         "--no-flux-step-auto keeps the per-op choice from the tables. Off under CUDA graphs.",
     )
     group.add_argument(
