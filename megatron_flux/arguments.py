@@ -362,7 +362,9 @@ def flux_pre_wrap_hooks(args: argparse.Namespace) -> list:
       unless the job rotates backends itself (``--flux-interleave-backends``);
     * with CUDA graphs on (``--cuda-graph-impl`` other than ``none``), one that checks the fused
       kernels' error words once per forward (:func:`megatron_flux.backends.poll_fused_errors`):
-      calls replayed inside graphs never reach the per-call checks.
+      calls replayed inside graphs never reach the per-call checks. With ``full_iteration`` the
+      forward itself replays inside the graph, so the hook also checks them before every
+      optimizer step (outside the graph; :func:`install_optimizer_error_poll`).
 
     Empty otherwise, so ``model_cfg.pre_wrap_hooks.extend(flux_pre_wrap_hooks(args))`` is always
     safe."""
@@ -382,7 +384,9 @@ def flux_pre_wrap_hooks(args: argparse.Namespace) -> list:
     from megatron_flux.step_auto import graphs_enabled
 
     if graphs_enabled(args):
-        hooks.append(_graph_error_poll_hook)
+        hooks.append(_full_iteration_error_poll_hook
+                     if getattr(args, "cuda_graph_impl", None) == "full_iteration"
+                     else _graph_error_poll_hook)
     return hooks
 
 
@@ -397,6 +401,36 @@ def _graph_error_poll_hook(model_chunks):
 
     list(model_chunks)[0].register_forward_pre_hook(pre_hook)
     return model_chunks
+
+
+def _full_iteration_error_poll_hook(model_chunks):
+    """:func:`_graph_error_poll_hook` plus :func:`install_optimizer_error_poll`: under
+    ``--cuda-graph-impl full_iteration`` the forward pre-hook runs only in the eager warm-up
+    iterations and the capture, and the optimizer step is the first eager code of each step."""
+    install_optimizer_error_poll()
+    return _graph_error_poll_hook(model_chunks)
+
+
+_OPTIMIZER_POLL = None
+
+
+def install_optimizer_error_poll():
+    """Check the fused kernels' error words before every ``torch.optim.Optimizer`` step of this
+    process (a global step pre-hook; Megatron's optimizers step a torch optimizer inside), so a
+    timed-out wait replayed inside a whole-iteration CUDA graph raises before the update that
+    follows it, at the latest one step later (the check does not synchronise). Installed once
+    per process; returns the hook's handle."""
+    global _OPTIMIZER_POLL
+    if _OPTIMIZER_POLL is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        def pre_step(optimizer, args, kwargs):
+            from megatron_flux.backends import poll_fused_errors
+
+            poll_fused_errors()
+
+        _OPTIMIZER_POLL = register_optimizer_step_pre_hook(pre_step)
+    return _OPTIMIZER_POLL
 
 
 def _step_auto_hook(model_chunks):

@@ -439,6 +439,48 @@ def test_graphs_add_the_fused_error_poll_hook(monkeypatch):
     assert polls == [1], "one poll per training forward"
 
 
+def test_full_iteration_graphs_poll_before_every_optimizer_step(monkeypatch):
+    """Under ``full_iteration`` the forward replays inside the graph, so the error words are
+    also checked before each optimizer step (eager code): a timed-out wait reported there
+    raises before the update is applied."""
+    import torch
+
+    from megatron_flux import arguments
+    from megatron_flux.comm.errors import FusedOpTimeout
+
+    flags = ["--flux-tp-overlap", "--flux-backend", "flux", "--no-flux-output-layer"]
+    hooks = flux_pre_wrap_hooks(megatron_like_args(flags, cuda_graph_impl="full_iteration"))
+    assert hooks == [arguments._full_iteration_error_poll_hook]
+    assert arguments._full_iteration_error_poll_hook not in flux_pre_wrap_hooks(
+        megatron_like_args(flags, cuda_graph_impl="local"))
+    report = []
+
+    def poll():
+        report.append("poll")
+        if len(report) == 3:
+            raise FusedOpTimeout("GEMM+RS: rank 1 timed out")
+
+    monkeypatch.setattr("megatron_flux.backends.poll_fused_errors", poll)
+    monkeypatch.setattr(arguments, "_OPTIMIZER_POLL", None)
+    model = torch.nn.Linear(2, 2)
+    try:
+        assert hooks[0]([model]) == [model]
+        handle = arguments._OPTIMIZER_POLL
+        assert handle is not None, "the pre-wrap hook installs the optimizer poll"
+        assert arguments.install_optimizer_error_poll() is handle, "once per process"
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        assert report == ["poll", "poll"], "the forward pre-hook's, then the optimizer's"
+        before = model.weight.detach().clone()
+        with pytest.raises(FusedOpTimeout, match="rank 1"):
+            opt.step()
+        assert torch.equal(model.weight, before), "no update after a reported timeout"
+    finally:
+        if arguments._OPTIMIZER_POLL is not None:
+            arguments._OPTIMIZER_POLL.remove()
+
+
 def test_layers_built_for_cuda_graphs_reserve_for_capture(flux_linears, world_of_one, monkeypatch):
     """A Flux linear whose config enables megatron-core's CUDA graphs tells the fused backend
     to reserve the graph workspaces from its eager calls on (before the capture); one without
