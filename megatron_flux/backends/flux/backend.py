@@ -281,8 +281,7 @@ class FluxBackend(TPOverlapBackend):
         from megatron_flux.kernels import stream_k
 
         index = device.index if device.index is not None else torch.cuda.current_device()
-        self.keep_alive(stream_k._SCRATCH.get(
-            (index, torch.cuda.current_stream(device).cuda_stream)))
+        self.keep_alive(stream_k.scratch_of(index, torch.cuda.current_stream(device).cuda_stream))
 
     def poll_errors(self) -> None:
         """Raise a timed-out wait that an earlier replay reported, then queue the next read:
