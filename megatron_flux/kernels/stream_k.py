@@ -80,15 +80,24 @@ class _Scratch:
 _SCRATCH: Dict[tuple, _Scratch] = {}
 
 
+def _scratch_key(device: torch.device) -> tuple:
+    """Which scratch launches on the current stream of ``device`` use (one per CPU)."""
+    if device.type == "cpu":
+        return ("cpu",)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return (index, torch.cuda.current_stream(device).cuda_stream)
+
+
+def current_scratch(device: torch.device):
+    """The scratch :func:`stream_k_scratch` holds for the current stream of ``device``, or None."""
+    return _SCRATCH.get(_scratch_key(device))
+
+
 def stream_k_scratch(device: torch.device, grid: int, block_m: int, block_n: int) -> _Scratch:
     """Slots ``[grid, 2, block_m * block_n]`` fp32 and ``2 * grid`` int32 counters (zero) for
     launches on the current stream of ``device`` (one per CPU, for the interpreter); grown,
     never shrunk."""
-    if device.type == "cpu":
-        key = ("cpu",)
-    else:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (index, torch.cuda.current_stream(device).cuda_stream)
+    key = _scratch_key(device)
     need = grid * 2 * block_m * block_n
     counters = 2 * grid
     s = _SCRATCH.get(key)

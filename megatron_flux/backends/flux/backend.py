@@ -280,8 +280,7 @@ class FluxBackend(TPOverlapBackend):
         later, larger one would replace it, and the graph would address freed memory)."""
         from megatron_flux.kernels import stream_k
 
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        self.keep_alive(stream_k.scratch_of(index, torch.cuda.current_stream(device).cuda_stream))
+        self.keep_alive(stream_k.current_scratch(device))
 
     def poll_errors(self) -> None:
         """Raise a timed-out wait that an earlier replay reported, then queue the next read:
