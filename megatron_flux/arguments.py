@@ -424,9 +424,9 @@ def install_optimizer_error_poll():
     if _OPTIMIZER_POLL is None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        def pre_step(optimizer, args, kwargs):
-            from megatron_flux.backends import poll_fused_errors
+        from megatron_flux.backends import poll_fused_errors
 
+        def pre_step(optimizer, args, kwargs):
             poll_fused_errors()
 
         _OPTIMIZER_POLL = register_optimizer_step_pre_hook(pre_step)
