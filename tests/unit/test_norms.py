@@ -86,15 +86,17 @@ def test_rms_norm_matches_float64_reference_values_and_grads(sequence_parallel):
 
 
 def test_eps_is_used():
+    # float64 throughout: the references are float64, and so are assert_close's tolerances
+    # (a float32 output missed them by one rounding on some random inputs)
     cfg = make_config("RMSNorm")
-    x = torch.full((2, 1, H), 1e-2)
-    big = SequenceParallelRMSNorm(config=cfg, hidden_size=H, eps=1.0)(x)
-    torch.testing.assert_close(big.double(), rms_reference(x, torch.ones(H), 1.0))
+    x = torch.full((2, 1, H), 1e-2, dtype=torch.float64)
+    big = SequenceParallelRMSNorm(config=cfg, hidden_size=H, eps=1.0).double()(x)
+    torch.testing.assert_close(big, rms_reference(x, torch.ones(H), 1.0))
     cfg = make_config("LayerNorm")
-    x = torch.randn(2, 1, H)
-    out = SequenceParallelLayerNorm(config=cfg, hidden_size=H, eps=0.5)(x)
+    x = torch.randn(2, 1, H, dtype=torch.float64)
+    out = SequenceParallelLayerNorm(config=cfg, hidden_size=H, eps=0.5).double()(x)
     torch.testing.assert_close(
-        out.double(), layer_norm_reference(x, torch.ones(H), torch.zeros(H), 0.5)
+        out, layer_norm_reference(x, torch.ones(H), torch.zeros(H), 0.5)
     )
 
 
