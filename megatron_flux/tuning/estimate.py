@@ -11,12 +11,13 @@ models at one bucket (2xH200, AG+GEMM at m = 1024: 0.913-0.952 over the three mo
 model over m = 64-8192: 0.811-2.231). Only entries within :data:`REACH` count (a factor of 2 in
 m alone, of 4 in n or k alone): farther, the tables say nothing about the shape.
 
-**Kernel config** (:func:`nearest_config`): that of the nearest entry (stale tables included:
-their configs run) whose config can run the shape (:func:`config_problem`: the Gluon
+**Kernel config** (:func:`wave_aware_config`): that of the nearest entry (stale tables
+included: their configs run) whose config can run the shape (:func:`config_problem`: the Gluon
 warp-specialized kernels need the rows per rank to be a multiple of ``block_m`` and at least
 ``num_stages`` K steps; no tile larger than the shape, as the tuner's candidates), with its
-stream-K tail on where its kernel has one (:func:`transplanted`). None within reach:
-``default_config``.
+stream-K tail on where its kernel has one (:func:`transplanted`), unless another winning
+entry's config fills the SMs' waves of tiles clearly better on the new shape
+(:func:`wave_work`). None within reach: ``default_config``.
 
 **Fused or NCCL** (:class:`Estimator`): the predicted ratio for ``m`` rows is the geometric mean
 of ``flux_ms / nccl_ms`` of the ``K = 2`` entries nearest to ``(m / ROW_SHIFT, n, k)``
@@ -227,6 +228,96 @@ def nearest_config(op: str, points: Iterable[Point], m_total: int, n: int, k: in
         if config_problem(op, p.config, m_total, n, k, tp) is None:
             return p
     return None
+
+
+#: Another measured config replaces the nearest entry's for a shape no table lists when it
+#: leaves each SM at least this share less work (:func:`wave_work`)
+WAVE_GAIN = 0.10
+#: The smallest tile (block_m x block_n) such a replacement may have, and its fewest rows.
+#: Smaller tiles lose more than whole waves: comm off on one H200, GEMM+RS's time over
+#: cuBLAS's divided by the wave quantisation was 1.02-1.14 for 64x128 Gluon tiles and
+#: 1.44-1.54 for 128x64 ones, against 0.97-1.04 for 128x128 Gluon and 128x256 Triton tiles;
+#: 64x256 Triton tiles with a stream-K tail, predicted at 0.79 and 0.87 of the work of the
+#: nearest entry's tile, ran 1.19x and 1.04x its time (``kernel-vs-cublas-h200-2026-11-28-waves.json``)
+MIN_TILE_AREA = 128 * 128
+MIN_TILE_ROWS = 128
+#: A split stream-K tail takes this many times its share of a wave (at most one wave): comm
+#: off on one H200, TP 2, GEMM+RS with 128x256 tiles at 1.09 and 1.21 waves ran 1.13 and 1.31x
+#: cuBLAS's time with the tail split, 1.76 and 1.59x without (same file)
+STREAM_K_TAIL_COST = 2.7
+
+
+def _tile_space(op: str, cfg, m_total: int, n: int, tp: int) -> Tuple[int, int, bool]:
+    """``(tiles, tiles per segment, stream-K possible)`` of ``cfg``'s launch on the shape, as
+    :func:`megatron_flux.kernels.config.launch_geometry` lays it out."""
+    world = max(1, tp)
+    m_local = max(1, m_total // world)
+    per_segment = -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
+    if op == "rs":
+        merged = cfg.rs_merge_rows
+        sk = not (cfg.rs_warp_specialized or cfg.rs_spread_reduce or merged)
+    else:
+        merged = cfg.ag_merge_local and cfg.ag_merge_lead == 0
+        sk = not (cfg.ag_warp_specialized or cfg.ag_merge_local)
+    tiles = (-(-world * m_local // cfg.block_m) * -(-n // cfg.block_n)) if merged else world * per_segment
+    return tiles, per_segment, sk and bool(cfg.stream_k)
+
+
+def wave_work(op: str, cfg, m_total: int, n: int, tp: int, num_sms: int) -> float:
+    """The work ``cfg`` leaves the busiest SM on the shape, in output elements: tile area x
+    the waves of tiles it runs (whole waves; a stream-K tail that the kernel would split as
+    :data:`STREAM_K_TAIL_COST` times its share). The time of one K step per element is taken
+    as equal across the configs compared (they are all at least :data:`MIN_TILE_AREA`), so
+    this orders them by time where wave quantisation separates them. Comm off on one H200 at
+    TP 2, GEMM+RS's time over cuBLAS's divided by (whole waves / waves) had a median of 0.97
+    for 128x256 Triton tiles (61 shapes) and 0.98 for 128x128 Gluon ones (58); e.g. at
+    m = 1024, n = 5120, 128x256 tiles make 1.21 waves, run as 2 (1.57x cuBLAS's time), and
+    128x128 tiles 2.42, run as 3 (1.23x)."""
+    from megatron_flux.kernels.stream_k import stream_k_plan
+
+    tiles, per_segment, sk = _tile_space(op, cfg, m_total, n, tp)
+    waves = tiles / num_sms
+    whole = math.ceil(waves)
+    if sk and stream_k_plan(tiles, num_sms, 1, per_segment)[1]:
+        full = math.floor(waves)
+        whole = min(whole, full + STREAM_K_TAIL_COST * (waves - full))
+    return cfg.block_m * cfg.block_n * whole
+
+
+def wave_aware_config(op: str, points: Iterable[Point], m_total: int, n: int, k: int, tp: int,
+                      num_sms: int, candidates: Optional[Iterable[Point]] = None
+                      ) -> Optional[Tuple[object, Point, bool]]:
+    """The config for a shape no table lists: ``(config, the entry it comes from, whether it
+    replaced the nearest entry's)``, or None with no entry within reach.
+
+    The nearest entry's config that can run the shape (:func:`nearest_config`, stream-K tail on:
+    :func:`transplanted`), unless the config of another entry that beat NCCL (``ratio < 1``),
+    with tiles of at least :data:`MIN_TILE_AREA` and :data:`MIN_TILE_ROWS` rows, that can run
+    the shape, leaves the busiest SM at least :data:`WAVE_GAIN` less work
+    (:func:`wave_work`): the nearest entry's tile may quantise badly on the new width. The
+    least work wins, nearer entries first among equals. ``candidates``: the entries whose
+    configs may replace it (default ``points``; the provider passes the current tables'
+    entries, so only configs measured with the current kernels, communication on, compete)."""
+    points = list(points)
+    near = nearest_config(op, points, m_total, n, k, tp)
+    if near is None:
+        return None
+    base = transplanted(near.config)
+    best, best_work = None, wave_work(op, base, m_total, n, tp, num_sms) * (1.0 - WAVE_GAIN)
+    pool = points if candidates is None else list(candidates)
+    ranked = sorted(pool, key=lambda p: (round(distance(m_total, n, k, p), 9), p.n, p.k, p.m))
+    for p in ranked:
+        cfg = p.config
+        if (p.ratio is None or p.ratio >= 1.0 or cfg.block_m * cfg.block_n < MIN_TILE_AREA
+                or cfg.block_m < MIN_TILE_ROWS or config_problem(op, cfg, m_total, n, k, tp) is not None):
+            continue
+        cfg = transplanted(cfg)
+        work = wave_work(op, cfg, m_total, n, tp, num_sms)
+        if work < best_work - 1e-9:
+            best, best_work = (cfg, p), work
+    if best is None:
+        return base, near, False
+    return best[0], best[1], True
 
 
 def transplanted(cfg):

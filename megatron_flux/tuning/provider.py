@@ -175,11 +175,13 @@ def decide(op: str, m_total: int, n: int, k: int, dtype, tp: int, device) -> Dec
     return out
 
 
-def kernel_config(op: str, m_total: int, n: int, k: int, dtype, tp: int, device):
+def kernel_config(op: str, m_total: int, n: int, k: int, dtype, tp: int, device,
+                  wave_aware: bool = True):
     """``(GemmConfig, where it came from)`` for one call: the table entry of this exact shape
     (nearest bucket, stale tables included), else the nearest entry's that can run it, its
-    stream-K tail on (:func:`.estimate.transplanted`)
-    (:func:`.estimate.nearest_config`), else ``default_config``."""
+    stream-K tail on, or another current entry's whose tiles fill the SMs' waves better
+    (:func:`.estimate.wave_aware_config`; ``wave_aware=False``: the nearest entry's always, as
+    before that rule, for A/B runs), else ``default_config``."""
     from megatron_flux.kernels.config import default_config
 
     op = normalize_op(op)
@@ -193,9 +195,14 @@ def kernel_config(op: str, m_total: int, n: int, k: int, dtype, tp: int, device)
         return default_config(op, m_total, n, k, tp=tp), "default"
     if hit is not None:
         return hit[0].config, f"table (m={hit[0].m})"
-    p = estimate.nearest_config(op, estimator(op, dtype, tp, device)[1], m_total, n, k, tp)
-    if p is not None:
-        return estimate.transplanted(p.config), f"nearest entry ({p.label()})"
+    current, every = estimator(op, dtype, tp, device)
+    hit = estimate.wave_aware_config(op, every, m_total, n, k, tp, _identity(device)[1],
+                                     candidates=current.points if wave_aware else ())
+    if hit is not None:
+        cfg, p, replaced = hit
+        if replaced:
+            return cfg, f"entry {p.label()}: fewer waves than the nearest entry's tile"
+        return cfg, f"nearest entry ({p.label()})"
     return default_config(op, m_total, n, k, tp=tp), "default"
 
 

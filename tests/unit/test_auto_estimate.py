@@ -373,3 +373,71 @@ def test_a_config_transplanted_to_an_unseen_shape_gets_its_stream_k_tail():
     ws = next(e.config for e in schema.load_table(registry.shipped_table_files()[1]).entries
               if e.config.rs_warp_specialized)
     assert E.transplanted(ws) is ws
+
+
+# ------------------------------------------------------------------ the wave rule
+WIDE = GemmConfig(128, 256, 64, 3, 8, 8)  # the Triton kernel's 128x256 tile, stream-K off
+PINGPONG = GemmConfig(128, 128, 64, 5, 4, 8, epilogue_split=1, rs_warp_specialized=True)
+
+
+def test_wave_work_counts_whole_waves_and_a_split_tail():
+    # GEMM+RS at m = 1024, n = 5120, TP 2 on 132 SMs: 128x256 tiles are 160 (1.21 waves, run
+    # as 2); 128x128 ones 320 (2.42 waves, run as 3)
+    assert E.wave_work("rs", WIDE, 1024, 5120, 2, 132) == 2 * 128 * 256
+    assert E.wave_work("rs", PINGPONG, 1024, 5120, 2, 132) == 3 * 128 * 128
+    # the stream-K tail of 28 tiles (0.21 of a wave) is split: one wave + 2.7 x 0.21
+    sk = dataclasses.replace(WIDE, stream_k=1)
+    assert E.wave_work("rs", sk, 1024, 5120, 2, 132) == pytest.approx(
+        128 * 256 * (1 + E.STREAM_K_TAIL_COST * 28 / 132))
+    # a tail of 60 tiles (0.45 of a wave) is not split: whole waves again
+    assert E.wave_work("rs", sk, 1024, 6144, 2, 132) == 2 * 128 * 256
+    # fewer tiles than SMs: one wave, split or not
+    assert E.wave_work("rs", sk, 1024, 2048, 2, 132) == 128 * 256
+    # AG+GEMM's merged rows are one tile space over the gathered rows: 2 x 64 rows fill one
+    # row of 128-row tiles, where each rank's segment takes its own
+    merged = dataclasses.replace(CFG, ag_merge_local=True, ag_merge_lead=0)
+    assert E.wave_work("ag", merged, 2 * 64, 128 * 132, 2, 132) == 1 * 128 * 128
+    assert E.wave_work("ag", CFG, 2 * 64, 128 * 132, 2, 132) == 2 * 128 * 128
+
+
+def test_wave_rule_replaces_a_tile_that_quantises_badly():
+    """n = 6144 at m = 1024 (TP 2): the nearest entry's 128x256 tiles make 192 tiles, 1.45 waves
+    run as 2 (the tail too large to split); a winning entry's 128x128 Gluon config makes 384,
+    2.91 waves run as 3: 0.75 of the work. The replacement must have won, have tiles of at least
+    128x128 and 128 rows, and be able to run the shape."""
+    near = P(1024, 6144, 14336, 1.3, WIDE)
+    far = P(2048, 4096, 28672, 0.85, PINGPONG)
+    cfg, src, replaced = E.wave_aware_config("rs", [near, far], 1024, 6144, 16384, 2, 132)
+    assert replaced and cfg is PINGPONG and src is far
+    # the same tile that lost to NCCL is no candidate
+    lost = P(2048, 4096, 28672, 1.01, PINGPONG)
+    cfg, src, replaced = E.wave_aware_config("rs", [near, lost], 1024, 6144, 16384, 2, 132)
+    assert not replaced and src is near and cfg == dataclasses.replace(WIDE, stream_k=1)
+    # 64-row tiles are no candidates (their K steps are slower, more than the waves gain)
+    short = P(2048, 4096, 28672, 0.85, GemmConfig(64, 256, 64, 4, 4, 8))
+    assert not E.wave_aware_config("rs", [near, short], 1024, 6144, 16384, 2, 132)[2]
+    # n = 4096: 128 tiles of 128x256 are one wave, 256 of 128x128 two: nothing gained
+    near4k = P(1024, 4096, 14336, 0.92, WIDE)
+    assert not E.wave_aware_config("rs", [near4k, far], 1024, 4096, 16384, 2, 132)[2]
+    # 320 rows per rank are not a multiple of the Gluon kernel's 128: it cannot run them
+    assert not E.wave_aware_config("rs", [near, far], 2 * 320, 6144, 16384, 2, 132)[2]
+    # only the candidates given may replace it
+    assert not E.wave_aware_config("rs", [near, far], 1024, 6144, 16384, 2, 132, candidates=())[2]
+    assert E.wave_aware_config("rs", [], 1024, 6144, 16384, 2, 132) is None
+
+
+def test_kernel_config_applies_the_wave_rule_on_shipped_tables():
+    """On the shipped 2xH200 TP 2 table, GEMM+RS at m = 1024 with n = 6144 and k = 16384 (a
+    model no table lists): the nearest entry is a 128x256 one; the wave rule runs a winning
+    128x128 Gluon entry's config instead (comm off on one H200 it ran 1.00x cuBLAS's time
+    where the nearest entry's ran 1.30x). ``wave_aware=False`` gives the nearest entry's."""
+    T.use_table_files(registry.shipped_table_files())
+    h200 = ("NVIDIA H200", 132)
+    cfg, where = provider.kernel_config("rs", 1024, 6144, 16384, BF16, 2, h200)
+    assert cfg.rs_warp_specialized and (cfg.block_m, cfg.block_n) == (128, 128)
+    assert "fewer waves" in where
+    old, where = provider.kernel_config("rs", 1024, 6144, 16384, BF16, 2, h200, wave_aware=False)
+    assert where.startswith("nearest entry") and (old.block_m, old.block_n) == (128, 256)
+    # a table's own shape keeps its own entry's config
+    own, where = provider.kernel_config("rs", 1024, 5120, 14336, BF16, 2, h200)
+    assert where == "table (m=1024)" and (own.block_m, own.block_n) == (128, 256)
