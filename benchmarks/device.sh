@@ -19,8 +19,10 @@
 #               instead of the m >= 1024 grid), with the same-config control that
 #               `python -m megatron_flux.tools.tune.adopt` needs           -> ab.{json,png,log}
 #   kvc         communication off, one GPU: the fused kernels with the table's configs (TP
-#               KVC_TP, default 2) against cuBLAS, launches alternating, m >= 1024
-#                                                                   -> kvc-{ag,rs}.{json,log}
+#               KVC_TP, default 2) against cuBLAS, launches alternating, m >= 1024 (KVC_OPS: one
+#               op; KVC_CASES: other shapes and configs; KVC_EXTRA: a JSON list of config
+#               changes, kernel_vs_cublas --extra; KVC_NAME: a file suffix)
+#                                                          -> kvc-{ag,rs}[-NAME].{json,log}
 #   tune        megatron-flux tune over the grid (all m; TUNE_ARGS: other cases and search
 #               sizes), then the grid benchmark with the new table (TUNE_BENCH=0: not)                       -> tune/{table.json,tune.log,bench.json,bench.png}
 #   host        host time per layer call of nccl and flux (benchmarks/host_overhead.py --layers,
@@ -109,10 +111,12 @@ for stage in "$@"; do
             --methods cublas_gemm nccl flux flux_variant flux_control \
             --flux-variant "$(cat "${AB_VARIANT}")" --trials "${AB_TRIALS:-21}" ;;
     kvc)
-        for op in AG+GEMM GEMM+RS; do
-            name="kvc-$([ "${op}" = AG+GEMM ] && echo ag || echo rs)"
+        for op in ${KVC_OPS:-AG+GEMM GEMM+RS}; do
+            name="kvc-$([ "${op}" = AG+GEMM ] && echo ag || echo rs)${KVC_NAME:+-${KVC_NAME}}"
+            # shellcheck disable=SC2086
             CUDA_VISIBLE_DEVICES=0 timeout "${KVC_TIMEOUT:-240}" python3 -m megatron_flux.tools.diagnostics.kernel_vs_cublas \
-                --tp "${KVC_TP:-2}" --ops "${op}" --m 1024 2048 4096 8192 --configs table --alternate --trials 7 \
+                --tp "${KVC_TP:-2}" --ops "${op}" ${KVC_CASES:---m 1024 2048 4096 8192 --configs table} \
+                ${KVC_EXTRA:+--extra "${KVC_EXTRA}"} --alternate --trials 7 \
                 --iters 20 --warmup 10 --shuffle-seed 0 --queue-ahead-ms 5 \
                 --json "${OUT}/${name}.json" > "${OUT}/${name}.log" 2>&1
             echo "   ${op}: exit $? (${SECONDS}s)"; summarize_kvc "${OUT}/${name}.json"

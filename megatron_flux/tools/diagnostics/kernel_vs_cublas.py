@@ -365,7 +365,8 @@ def run(args) -> dict:
 
 def _configs(op, m, n, k, args):
     """``(configs, labels)`` to time for one shape, per ``--configs``: the heuristic ``default``,
-    the shipped ``table``'s entry (the config the backend runs), their stream-K variants
+    the shipped ``table``'s entry (the config the backend runs), the ``nearest`` entry's config
+    (what the backend ran on a shape no table lists before the wave rule), their stream-K variants
     (``sk``; not of a warp-specialized config, which has no stream-K), their
     twins reducing the other way (``spread``: ``rs_spread_reduce`` flipped, GEMM+RS only; not
     of a warp-specialized config without merged rows, which cannot reduce spread), the
@@ -385,6 +386,11 @@ def _configs(op, m, n, k, args):
         out.append(("default", default))
     if "table" in args.configs:
         out.append(("table", table))
+    if "nearest" in args.configs:  # without the wave rule (tuning.estimate.wave_aware_config)
+        from megatron_flux.tuning.provider import kernel_config
+
+        out.append(("nearest", kernel_config(short, m, n, k, torch.bfloat16, args.tp, torch.device(
+            "cuda", torch.cuda.current_device()), wave_aware=False)[0]))
     if "sk" in args.configs:  # with and without stream-K (the Gluon kernels have none)
         ws = "ag_warp_specialized" if op == "AG+GEMM" else "rs_warp_specialized"
         for label, cfg in (("default", default), ("table", table)):
@@ -522,7 +528,7 @@ def main(argv=None):
     add_grid_args(p)
     p.add_argument("--ops", nargs="+", default=["AG+GEMM", "GEMM+RS"])
     p.add_argument("--configs", nargs="+", default=["default", "table", "sk"],
-                   choices=["default", "table", "sk", "spread", "candidates", "plain"],
+                   choices=["default", "table", "nearest", "sk", "spread", "candidates", "plain"],
                    help="which configs to time per shape (see _configs)")
     p.add_argument("--default-only", action="store_true", help="same as --configs default")
     p.add_argument("--only-config", type=int, default=None,
