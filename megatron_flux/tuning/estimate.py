@@ -263,10 +263,11 @@ def _tile_space(op: str, cfg, m_total: int, n: int, tp: int) -> Tuple[int, int, 
     return tiles, per_segment, sk and bool(cfg.stream_k)
 
 
-def wave_work(op: str, cfg, m_total: int, n: int, tp: int, num_sms: int) -> float:
+def wave_work(op: str, cfg, m_total: int, n: int, tp: int, num_sms: int,
+              split_tail: bool = True) -> float:
     """The work ``cfg`` leaves the busiest SM on the shape, in output elements: tile area x
-    the waves of tiles it runs (whole waves; a stream-K tail that the kernel would split as
-    :data:`STREAM_K_TAIL_COST` times its share). The time of one K step per element is taken
+    the waves of tiles it runs (whole waves; with ``split_tail``, a stream-K tail that the
+    kernel would split as :data:`STREAM_K_TAIL_COST` times its share). The time of one K step per element is taken
     as equal across the configs compared (they are all at least :data:`MIN_TILE_AREA`), so
     this orders them by time where wave quantisation separates them. Comm off on one H200 at
     TP 2, GEMM+RS's time over cuBLAS's divided by (whole waves / waves) had a median of 0.97
@@ -278,7 +279,7 @@ def wave_work(op: str, cfg, m_total: int, n: int, tp: int, num_sms: int) -> floa
     tiles, per_segment, sk = _tile_space(op, cfg, m_total, n, tp)
     waves = tiles / num_sms
     whole = math.ceil(waves)
-    if sk and stream_k_plan(tiles, num_sms, 1, per_segment)[1]:
+    if split_tail and sk and stream_k_plan(tiles, num_sms, 1, per_segment)[1]:
         full = math.floor(waves)
         whole = min(whole, full + STREAM_K_TAIL_COST * (waves - full))
     return cfg.block_m * cfg.block_n * whole
@@ -294,7 +295,12 @@ def wave_aware_config(op: str, points: Iterable[Point], m_total: int, n: int, k:
     :func:`transplanted`), unless the config of another entry that beat NCCL (``ratio < 1``),
     with tiles of at least :data:`MIN_TILE_AREA` and :data:`MIN_TILE_ROWS` rows, that can run
     the shape, leaves the busiest SM at least :data:`WAVE_GAIN` less work
-    (:func:`wave_work`): the nearest entry's tile may quantise badly on the new width. The
+    (:func:`wave_work`; the nearest entry's config counted with its split stream-K tail, a
+    replacement in whole waves): the nearest entry's tile may quantise badly on the new width.
+    A split tail is where the work model erred: comm off on one H200, four replacements that
+    relied on one ran 0.77-0.99x the nearest config's time where it predicted 0.62-0.87x, and
+    with communication on (2xH200) one of them (128x128 tiles at n = 2560, m = 1024) ran 1.02x.
+    The
     least work wins, nearer entries first among equals. ``candidates``: the entries whose
     configs may replace it (default ``points``; the provider passes the current tables'
     entries, so only configs measured with the current kernels, communication on, compete)."""
@@ -312,7 +318,7 @@ def wave_aware_config(op: str, points: Iterable[Point], m_total: int, n: int, k:
                 or cfg.block_m < MIN_TILE_ROWS or config_problem(op, cfg, m_total, n, k, tp) is not None):
             continue
         cfg = transplanted(cfg)
-        work = wave_work(op, cfg, m_total, n, tp, num_sms)
+        work = wave_work(op, cfg, m_total, n, tp, num_sms, split_tail=False)
         if work < best_work - 1e-9:
             best, best_work = (cfg, p), work
     if best is None:

@@ -421,6 +421,14 @@ def test_wave_rule_replaces_a_tile_that_quantises_badly():
     assert not E.wave_aware_config("rs", [near4k, far], 1024, 4096, 16384, 2, 132)[2]
     # 320 rows per rank are not a multiple of the Gluon kernel's 128: it cannot run them
     assert not E.wave_aware_config("rs", [near, far], 2 * 320, 6144, 16384, 2, 132)[2]
+    # a replacement gets no credit for a stream-K tail: at n = 2560 the nearest 128x256 tiles
+    # are 80 (one wave); 128x128 Triton tiles are 160, one wave and a split tail (0.79 of the
+    # work with the credit), two whole waves without it
+    near2560 = P(1024, 2560, 13824, 1.1, WIDE)
+    triton = P(2048, 4096, 28672, 0.85, CFG)
+    assert E.wave_work("rs", dataclasses.replace(CFG, stream_k=1), 1024, 2560, 2, 132) < \
+        0.9 * E.wave_work("rs", WIDE, 1024, 2560, 2, 132)
+    assert not E.wave_aware_config("rs", [near2560, triton], 1024, 2560, 6912, 2, 132)[2]
     # only the candidates given may replace it
     assert not E.wave_aware_config("rs", [near, far], 1024, 6144, 16384, 2, 132, candidates=())[2]
     assert E.wave_aware_config("rs", [], 1024, 6144, 16384, 2, 132) is None
