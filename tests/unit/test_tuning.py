@@ -44,6 +44,9 @@ SHIPPED = {
         # the first four added): untuned entries that give auto's estimate more shape families
         # (tools.tune.extend; both ran the nearest entries' configs as they stand)
         ("extend", [R + "bench-h200x2-2026-11-27-unseen.json", R + "bench-h200x2-2026-11-27-unseen-b.json"]),
+        # five more, both benchmarked with the table as extended above and the wave rule
+        # (estimate.wave_aware_config)
+        ("extend-waves", [R + "bench-h200x2-2026-11-28-unseen-c.json", R + "bench-h200x2-2026-11-28-unseen-d.json"]),
     ]),
     "h200-sm132-tp4-bf16.json": ("h200", 4, R + "tune-h200x4-2026-11-22.json", [
         ("confirm", R + "bench-h200x4-2026-11-22.json"),
@@ -455,6 +458,10 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
         elif step in ("extend", "extend-transplanted"):
             for r in rel:
                 again = extend_table(again, load(r), r, transplant=step == "extend-transplanted")
+        elif step == "extend-waves":  # every benchmark ran with the table as the step found it
+            base = again
+            for r in rel:
+                again = extend_table(again, load(r), r, waves=True, ran_with=base)
         else:
             again = adopt_variant(again, [(load(r), r) for r in rel])
     assert _comparable(again) == _comparable(t)

@@ -11,9 +11,11 @@ shape, :func:`~megatron_flux.tuning.estimate.nearest_config`, its stream-K tail 
 runtime picks it; else the default) and the benchmark's median times. Entries the table holds are left as they are; the
 notes say where each new one came from (``measured_by``, ``config_from``, every trial).
 
-``python -m megatron_flux.tools.tune.extend [--no-transplant] TABLE.json BENCH.json [BENCH2.json ...] OUT.json``
+``python -m megatron_flux.tools.tune.extend [--no-transplant | --waves] TABLE.json BENCH.json [BENCH2.json ...] OUT.json``
 (``--no-transplant``: benchmarks made before the stream-K transplant, which ran the nearest
-entry's config as it stands)
+entry's config as it stands; ``--waves``: benchmarks made with the wave rule,
+:func:`~megatron_flux.tuning.estimate.wave_aware_config`, every one of them with ``TABLE`` as
+it stands, so each is read against ``TABLE``, not against the entries an earlier one added)
 """
 
 from __future__ import annotations
@@ -28,20 +30,33 @@ from megatron_flux.tuning.keys import normalize_op
 from megatron_flux.tuning.schema import Entry, Table
 
 
-def _points(table: Table, op: str):
-    return [estimate.Point(e.m, e.n, e.k, None, e.config, table.path)
+def _points(table: Table, op: str, ratios: bool = False):
+    """The table's entries of ``op`` as estimate points (with ``ratios``: their flux/NCCL time
+    ratio, which the wave rule's candidates need; the runtime reads a current table's)."""
+    return [estimate.Point(e.m, e.n, e.k,
+                           e.flux_ms / e.nccl_ms if ratios and e.flux_ms and e.nccl_ms else None,
+                           e.config, table.path)
             for e in table.entries if e.op == op]
 
 
 def extend_table(table: Table, bench: Dict[str, Any], bench_source: str, *,
-                 transplant: bool = True) -> Table:
+                 transplant: bool = True, waves: bool = False,
+                 ran_with: Optional[Table] = None) -> Table:
     """``table`` plus an untuned entry for each case of ``bench`` it lacks (module docstring).
     ``transplant=False``: the benchmark ran the nearest entry's config as it stands (before
-    :func:`~megatron_flux.tuning.estimate.transplanted` existed)."""
+    :func:`~megatron_flux.tuning.estimate.transplanted` existed). ``waves``: it ran the wave
+    rule's choice (:func:`~megatron_flux.tuning.estimate.wave_aware_config`, the stream-K tail
+    transplanted). ``ran_with``: the table the benchmark ran with, whose entries chose its
+    configs (default ``table``)."""
     check_same_machine(bench, table, bench_source)
     tp = int(bench["tp"])
     have = {(e.op, e.n, e.k, e.m) for e in table.entries}
-    points = {op: _points(table, op) for op in ("ag", "rs")}
+    source = table if ran_with is None else ran_with
+    points = {op: _points(source, op) for op in ("ag", "rs")}
+    # the runtime's candidates: entries of a current table with both times
+    current = not source.stale
+    candidates = {op: [p for p in _points(source, op, ratios=True) if current and p.ratio]
+                  for op in ("ag", "rs")}
     added = []
     for (bop, model, m, n, k), meth in sorted(measured_pairs(bench).items(),
                                              key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2])):
@@ -49,12 +64,22 @@ def extend_table(table: Table, bench: Dict[str, Any], bench_source: str, *,
         ln, lk = local_nk(op, n, k, tp)
         if (op, ln, lk, int(m)) in have:
             continue
-        near = estimate.nearest_config(op, points[op], int(m), ln, lk, tp)
-        if near is None:
-            config, where = default_config(op, int(m), ln, lk, tp=tp), "default"
+        if waves:
+            hit = estimate.wave_aware_config(op, points[op], int(m), ln, lk, tp, source.sms,
+                                             candidates=candidates[op])
+            if hit is None:
+                config, where = default_config(op, int(m), ln, lk, tp=tp), "default"
+            else:
+                config, near, replaced = hit
+                where = (f"entry {near.label()}: fewer waves than the nearest entry's tile"
+                         if replaced else f"nearest entry ({near.label()})")
         else:
-            config = estimate.transplanted(near.config) if transplant else near.config
-            where = f"nearest entry ({near.label()})"
+            near = estimate.nearest_config(op, points[op], int(m), ln, lk, tp)
+            if near is None:
+                config, where = default_config(op, int(m), ln, lk, tp=tp), "default"
+            else:
+                config = estimate.transplanted(near.config) if transplant else near.config
+                where = f"nearest entry ({near.label()})"
         gemm = "fc1" if op == "ag" else "fc2"
         notes = {"model": f"{model}:{gemm}", "measured_by": bench_source, "config_from": where,
                  "flux_trials_ms": meth["flux"].get("trials_ms"),
@@ -71,13 +96,19 @@ def extend_table(table: Table, bench: Dict[str, Any], bench_source: str, *,
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     transplant = "--no-transplant" not in argv
+    waves = "--waves" in argv
+    if waves and not transplant:
+        print("--waves and --no-transplant exclude each other", file=sys.stderr)
+        return 2
 
     def extend_all(t, runs):
+        base = t
         for bench, source in runs:
-            t = extend_table(t, bench, source, transplant=transplant)
+            t = extend_table(t, bench, source, transplant=transplant, waves=waves,
+                             ran_with=base if waves else None)
         return t
 
-    return run_table_tool([a for a in argv if a != "--no-transplant"], __doc__, extend_all,
+    return run_table_tool([a for a in argv if a not in ("--no-transplant", "--waves")], __doc__, extend_all,
                           lambda old, t: f"{len(t.entries)} entries "
                                          f"({len(t.entries) - len(old.entries)} measured, untuned)")
 
