@@ -267,9 +267,10 @@ def wave_work(op: str, cfg, m_total: int, n: int, tp: int, num_sms: int,
               split_tail: bool = True) -> float:
     """The work ``cfg`` leaves the busiest SM on the shape, in output elements: tile area x
     the waves of tiles it runs (whole waves; with ``split_tail``, a stream-K tail that the
-    kernel would split as :data:`STREAM_K_TAIL_COST` times its share). The time of one K step per element is taken
-    as equal across the configs compared (they are all at least :data:`MIN_TILE_AREA`), so
-    this orders them by time where wave quantisation separates them. Comm off on one H200 at
+    kernel would split as :data:`STREAM_K_TAIL_COST` times its share). The time of one K step
+    per element is taken as equal across the configs compared (they are all at least
+    :data:`MIN_TILE_AREA`), so this orders them by time where wave quantisation separates
+    them. Comm off on one H200 at
     TP 2, GEMM+RS's time over cuBLAS's divided by (whole waves / waves) had a median of 0.97
     for 128x256 Triton tiles (61 shapes) and 0.98 for 128x128 Gluon ones (58); e.g. at
     m = 1024, n = 5120, 128x256 tiles make 1.21 waves, run as 2 (1.57x cuBLAS's time), and
@@ -300,8 +301,7 @@ def wave_aware_config(op: str, points: Iterable[Point], m_total: int, n: int, k:
     A split tail is where the work model erred: comm off on one H200, four replacements that
     relied on one ran 0.77-0.99x the nearest config's time where it predicted 0.62-0.87x, and
     with communication on (2xH200) one of them (128x128 tiles at n = 2560, m = 1024) ran 1.02x.
-    The
-    least work wins, nearer entries first among equals. ``candidates``: the entries whose
+    The least work wins, nearer entries first among equals. ``candidates``: the entries whose
     configs may replace it (default ``points``; the provider passes the current tables'
     entries, so only configs measured with the current kernels, communication on, compete)."""
     points = list(points)
@@ -315,7 +315,8 @@ def wave_aware_config(op: str, points: Iterable[Point], m_total: int, n: int, k:
     for p in ranked:
         cfg = p.config
         if (p.ratio is None or p.ratio >= 1.0 or cfg.block_m * cfg.block_n < MIN_TILE_AREA
-                or cfg.block_m < MIN_TILE_ROWS or config_problem(op, cfg, m_total, n, k, tp) is not None):
+                or cfg.block_m < MIN_TILE_ROWS
+                or config_problem(op, cfg, m_total, n, k, tp) is not None):
             continue
         cfg = transplanted(cfg)
         work = wave_work(op, cfg, m_total, n, tp, num_sms, split_tail=False)
