@@ -187,6 +187,14 @@ def tiles_per_segment(m_local: int, n: int, cfg: GemmConfig) -> int:
     return -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
 
 
+def launch_tiles(m_local: int, n: int, world: int, cfg: GemmConfig, merged: bool = False) -> int:
+    """Output tiles of a launch's tile space (:func:`launch_geometry`): ``world`` segments of
+    :func:`tiles_per_segment`, or with ``merged`` one tile space over every rank's rows."""
+    if merged:
+        return -(-world * m_local // cfg.block_m) * -(-n // cfg.block_n)
+    return world * tiles_per_segment(m_local, n, cfg)
+
+
 
 def rs_signal_count(world: int) -> int:
     """Signal words one GEMM+RS call needs per rank and parity: ``[src]`` (raised by the peer
@@ -222,10 +230,9 @@ def launch_geometry(m_local: int, n: int, b, world: int, cfg: GemmConfig, num_sm
     launches, by where the 96 working programs of 132 landed, and its plain yardstick, whose
     grid is the 96 tiles, 0.149 every time."""
     b_kn = b.stride(1) == 1
-    tps = tiles_per_segment(m_local, n, cfg)
-    tiles = (-(-world * m_local // cfg.block_m) * -(-n // cfg.block_n)) if merged else world * tps
+    tiles = launch_tiles(m_local, n, world, cfg, merged)
     return LaunchGeometry(
-        tiles_per_segment=tps,
+        tiles_per_segment=tiles_per_segment(m_local, n, cfg),
         tiles=tiles,
         grid=min(num_sms, tiles),
         ragged=m_local % cfg.block_m != 0,

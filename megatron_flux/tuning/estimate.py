@@ -46,6 +46,8 @@ import dataclasses
 import math
 from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
+from megatron_flux.kernels.config import default_config, launch_tiles, tiles_per_segment
+
 #: weight of log2 m against log2 n and log2 k in the distance
 M_WEIGHT = 2.0
 #: entries farther than this (in the distance above) are not neighbours
@@ -252,15 +254,14 @@ def _tile_space(op: str, cfg, m_total: int, n: int, tp: int) -> Tuple[int, int, 
     :func:`megatron_flux.kernels.config.launch_geometry` lays it out."""
     world = max(1, tp)
     m_local = max(1, m_total // world)
-    per_segment = -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
     if op == "rs":
         merged = cfg.rs_merge_rows
         sk = not (cfg.rs_warp_specialized or cfg.rs_spread_reduce or merged)
     else:
         merged = cfg.ag_merge_local and cfg.ag_merge_lead == 0
         sk = not (cfg.ag_warp_specialized or cfg.ag_merge_local)
-    tiles = (-(-world * m_local // cfg.block_m) * -(-n // cfg.block_n)) if merged else world * per_segment
-    return tiles, per_segment, sk and bool(cfg.stream_k)
+    return (launch_tiles(m_local, n, world, cfg, merged), tiles_per_segment(m_local, n, cfg),
+            sk and bool(cfg.stream_k))
 
 
 def wave_work(op: str, cfg, m_total: int, n: int, tp: int, num_sms: int,
@@ -325,6 +326,21 @@ def wave_aware_config(op: str, points: Iterable[Point], m_total: int, n: int, k:
     if best is None:
         return base, near, False
     return best[0], best[1], True
+
+
+def unlisted_config(op: str, points: Iterable[Point], m_total: int, n: int, k: int, tp: int,
+                    num_sms: int, candidates: Iterable[Point] = ()) -> Tuple[object, str]:
+    """``(config, where it came from)`` for a shape no table lists: :func:`wave_aware_config`
+    with ``candidates`` (none: the nearest entry's config, its stream-K tail on), else
+    ``default_config``. What the runtime runs (:func:`megatron_flux.tuning.provider.kernel_config`)
+    and what :mod:`megatron_flux.tools.tune.extend` records a benchmark ran."""
+    hit = wave_aware_config(op, points, m_total, n, k, tp, num_sms, candidates=candidates)
+    if hit is None:
+        return default_config(op, m_total, n, k, tp=tp), "default"
+    cfg, p, replaced = hit
+    if replaced:
+        return cfg, f"entry {p.label()}: fewer waves than the nearest entry's tile"
+    return cfg, f"nearest entry ({p.label()})"
 
 
 def transplanted(cfg):

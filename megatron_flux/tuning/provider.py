@@ -196,14 +196,8 @@ def kernel_config(op: str, m_total: int, n: int, k: int, dtype, tp: int, device,
     if hit is not None:
         return hit[0].config, f"table (m={hit[0].m})"
     current, every = estimator(op, dtype, tp, device)
-    hit = estimate.wave_aware_config(op, every, m_total, n, k, tp, _identity(device)[1],
-                                     candidates=current.points if wave_aware else ())
-    if hit is not None:
-        cfg, p, replaced = hit
-        if replaced:
-            return cfg, f"entry {p.label()}: fewer waves than the nearest entry's tile"
-        return cfg, f"nearest entry ({p.label()})"
-    return default_config(op, m_total, n, k, tp=tp), "default"
+    return estimate.unlisted_config(op, every, m_total, n, k, tp, _identity(device)[1],
+                                    candidates=current.points if wave_aware else ())
 
 
 def on_decisions_change(listener: Callable[[], None]) -> None:

@@ -820,6 +820,18 @@ def test_confirm_repeats_keeps_the_least_favourable_of_every_run(tmp_path):
         confirm_repeats(t, [])
 
 
+def test_extend_refuses_waves_without_the_stream_k_transplant(tmp_path):
+    """The wave rule's configs carry the stream-K tail transplant: a benchmark cannot have run
+    the wave rule on the nearest entries' configs as they stand."""
+    from megatron_flux.tools.tune.extend import extend_table
+
+    t = T.load_table(write(tmp_path, table_obj()))
+    bench = {"tp": 2, "gpu": "NVIDIA Test GPU", "rows": []}
+    with pytest.raises(ValueError, match="transplant"):
+        extend_table(t, bench, "b.json", transplant=False, waves=True)
+    assert len(extend_table(t, bench, "b.json", waves=True).entries) == len(t.entries)
+
+
 def _ab_bench(tp, rows, variant=None, gpu="NVIDIA H200"):
     """A benchmark JSON with flux / flux_variant / nccl (/ flux_control, if given a fourth time)
     medians per (op, m, n, k), run on ``gpu`` (132 SMs)."""

@@ -32,7 +32,8 @@ from megatron_flux.tuning.schema import Entry, Table
 
 def _points(table: Table, op: str, ratios: bool = False):
     """The table's entries of ``op`` as estimate points (with ``ratios``: their flux/NCCL time
-    ratio, which the wave rule's candidates need; the runtime reads a current table's)."""
+    ratio, which the wave rule's candidates need; without, a note names an entry by its shape
+    alone)."""
     return [estimate.Point(e.m, e.n, e.k,
                            e.flux_ms / e.nccl_ms if ratios and e.flux_ms and e.nccl_ms else None,
                            e.config, table.path)
@@ -48,14 +49,17 @@ def extend_table(table: Table, bench: Dict[str, Any], bench_source: str, *,
     rule's choice (:func:`~megatron_flux.tuning.estimate.wave_aware_config`, the stream-K tail
     transplanted). ``ran_with``: the table the benchmark ran with, whose entries chose its
     configs (default ``table``)."""
+    if waves and not transplant:
+        raise ValueError("extend_table: the wave rule's configs carry the stream-K transplant "
+                         "(waves=True needs transplant=True)")
     check_same_machine(bench, table, bench_source)
     tp = int(bench["tp"])
     have = {(e.op, e.n, e.k, e.m) for e in table.entries}
     source = table if ran_with is None else ran_with
     points = {op: _points(source, op) for op in ("ag", "rs")}
     # the runtime's candidates: entries of a current table with both times
-    current = not source.stale
-    candidates = {op: [p for p in _points(source, op, ratios=True) if current and p.ratio]
+    use = waves and not source.stale
+    candidates = {op: [p for p in _points(source, op, ratios=True) if p.ratio] if use else []
                   for op in ("ag", "rs")}
     added = []
     for (bop, model, m, n, k), meth in sorted(measured_pairs(bench).items(),
@@ -64,22 +68,13 @@ def extend_table(table: Table, bench: Dict[str, Any], bench_source: str, *,
         ln, lk = local_nk(op, n, k, tp)
         if (op, ln, lk, int(m)) in have:
             continue
-        if waves:
-            hit = estimate.wave_aware_config(op, points[op], int(m), ln, lk, tp, source.sms,
-                                             candidates=candidates[op])
-            if hit is None:
-                config, where = default_config(op, int(m), ln, lk, tp=tp), "default"
-            else:
-                config, near, replaced = hit
-                where = (f"entry {near.label()}: fewer waves than the nearest entry's tile"
-                         if replaced else f"nearest entry ({near.label()})")
-        else:
+        if transplant:  # as the runtime picks it (with the wave rule when ``waves``)
+            config, where = estimate.unlisted_config(op, points[op], int(m), ln, lk, tp, source.sms,
+                                                     candidates=candidates[op])
+        else:  # the nearest entry's config as it stands
             near = estimate.nearest_config(op, points[op], int(m), ln, lk, tp)
-            if near is None:
-                config, where = default_config(op, int(m), ln, lk, tp=tp), "default"
-            else:
-                config = estimate.transplanted(near.config) if transplant else near.config
-                where = f"nearest entry ({near.label()})"
+            config, where = ((default_config(op, int(m), ln, lk, tp=tp), "default") if near is None
+                             else (near.config, f"nearest entry ({near.label()})"))
         gemm = "fc1" if op == "ag" else "fc2"
         notes = {"model": f"{model}:{gemm}", "measured_by": bench_source, "config_from": where,
                  "flux_trials_ms": meth["flux"].get("trials_ms"),
