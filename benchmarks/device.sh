@@ -33,7 +33,7 @@
 #               flux with the raw C launch, through CompiledKernel.run, through Triton
 #               (benchmarks/experiments/host_launch_ab.py, m = 4096)         -> launch-ab.{json,log}
 #   matrix      the end-to-end matrix's cells MATRIX_CELLS (benchmarks/e2e_matrix.py; MATRIX_ARGS
-#               pass through)                              -> matrix/<cell>.json, matrix-meta.json
+#               pass through; MATRIX_RESUME: an earlier call's matrix/ to resume from)                              -> matrix/<cell>.json, matrix-meta.json
 #   interleave  the training job with the backends rotated in one process
 #               (benchmarks/device_interleave.sh; IL_* variables pass through)  -> interleave/
 #   e2e         stock, nccl and flux as separate training runs, losses compared
@@ -150,6 +150,8 @@ for stage in "$@"; do
     matrix)
         # the end-to-end matrix cells in MATRIX_CELLS (benchmarks/e2e_matrix.py; resumable)
         use_carried_megatron
+        # MATRIX_RESUME: an earlier call's matrix/ folder (carried), whose finished cells and jobs are kept
+        [ -n "${MATRIX_RESUME:-}" ] && mkdir -p "${OUT}/matrix" && cp -r "${MATRIX_RESUME}/." "${OUT}/matrix/"
         python3 -c 'import json, torch, triton, megatron.core as m; print(json.dumps({"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "versions": {"torch": torch.__version__, "triton": triton.__version__, "megatron_core": m.__version__}}))' > "${OUT}/matrix-meta.json"
         # shellcheck disable=SC2086
         timeout "${MATRIX_TIMEOUT:-560}" python3 benchmarks/e2e_matrix.py run ${MATRIX_CELLS:?set MATRIX_CELLS} \

@@ -9,7 +9,10 @@ One cell is a model, a TP size, a micro-batch size and a CUDA-graph mode::
 ``local`` or ``full_iteration``), e.g. ``llama3_8b_16l:tp2:mbs1:eager``. Every cell runs two
 micro-batches per step (global batch ``2 x M``, data-parallel size 1). ``run`` writes
 ``DIR/<cell>.json`` per finished cell and skips cells whose file exists, so a matrix resumes
-across calls that each fit a time limit.
+across calls that each fit a time limit; a graph cell's separate jobs are recorded one by one
+(``DIR/<cell>/jobs.jsonl``), so a cell cut off between jobs resumes with the jobs it lacks
+(``hosts`` in the record, by first GPU UUID: more than one means its jobs did not all run on
+one machine).
 
 * **eager**: one job whose Flux linears rotate between ``megatron`` (megatron-core's own code
   in the same layers), ``nccl``, ``flux`` and ``auto`` every ``--block`` iterations
@@ -39,6 +42,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -97,6 +101,10 @@ def run_job(argv: List[str], env: Dict[str, str], out, timeout: int) -> int:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return 124
+    finally:  # this process ended early (a signal, ^C): the job does not outlive it
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _graph_args(mode: str) -> List[str]:
@@ -205,6 +213,34 @@ def finish_cell(record: dict, out: str) -> dict:
     return record
 
 
+JOBS_FILE = "jobs.jsonl"
+
+
+def _machine() -> str:
+    """This machine as its first GPU's UUID (host names of rented machines repeat)."""
+    try:
+        uuids = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        uuids = []
+    return uuids[0] if uuids else socket.gethostname()
+
+
+def _finished_jobs(work: str) -> Dict[str, dict]:
+    """The graph cell's jobs that ran to their end in an earlier call, by log name (a call's
+    time limit may end a cell between its separate jobs; the next call runs only the rest)."""
+    path = os.path.join(work, JOBS_FILE)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {job["log"]: job for job in map(json.loads, filter(str.strip, f))}
+
+
+def _job_finished(work: str, job: dict) -> None:
+    with open(os.path.join(work, JOBS_FILE), "a") as f:
+        f.write(json.dumps(job) + "\n")
+
+
 def run_cell_jobs(cell_name: str, out: str, args) -> dict:
     """One cell's training jobs and their step times (no exposed-communication timing)."""
     cell = parse_cell(cell_name)
@@ -239,16 +275,22 @@ def run_cell_jobs(cell_name: str, out: str, args) -> dict:
                 ("flux", {"FLUX_BACKEND": "flux"}), ("nccl", {"FLUX_BACKEND": "nccl"})
                 ][: args.graph_jobs]
         times: Dict[str, List[Optional[float]]] = {}
+        finished = _finished_jobs(work)
         for rep_i in range(args.repeats):
             for name, env in jobs:
                 log = os.path.join(work, f"{name}-{rep_i}.log")
-                rc = _launch(cell, args.graph_iters, env, _graph_args(cell["cuda_graphs"]), log,
-                             args.job_timeout)
-                ms = _median_step(log, args.skip)
-                record["jobs"].append({"kind": name, "run": rep_i, "log": os.path.basename(log),
-                                       "exit": rc, "median_step_ms": ms})
-                times.setdefault(name, []).append(ms)
+                job = finished.get(os.path.basename(log))
+                if job is None:
+                    rc = _launch(cell, args.graph_iters, env, _graph_args(cell["cuda_graphs"]),
+                                 log, args.job_timeout)
+                    job = {"kind": name, "run": rep_i, "log": os.path.basename(log), "exit": rc,
+                           "median_step_ms": _median_step(log, args.skip),
+                           "host": _machine()}
+                    _job_finished(work, job)
+                record["jobs"].append(job)
+                times.setdefault(name, []).append(job["median_step_ms"])
         record["runs_step_ms"] = times
+        record["hosts"] = sorted({j.get("host", "?") for j in record["jobs"]})
         record["step_ms"] = {n: statistics.median(v) for n, v in times.items()
                              if all(x is not None for x in v)}
         base = record["step_ms"].get("megatron")
@@ -301,7 +343,7 @@ def cmd_merge(args) -> int:
             meta = json.load(f)
     keep = ("model", "tp", "micro_batch", "cuda_graphs", "steps", "step_ms",
             "speedup_vs_megatron", "paired", "exposed_tp_comm_ms", "auto_choice", "runs_step_ms",
-            "run", "machine", "code", "note", "paired_rounds", "window_medians")
+            "run", "machine", "hosts", "code", "note", "paired_rounds", "window_medians")
     out = {
         "command": args.command or " ; ".join(sorted({c.get("command", "") for c in cells})),
         "gpu": meta.get("gpu", args.gpu),
@@ -395,5 +437,10 @@ def cmd_rounds(args) -> int:
     return 0
 
 
+def _exit_on_term(signum, frame):  # `timeout` ends a call with SIGTERM: unwind, killing the job
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _exit_on_term)
     sys.exit(main())

@@ -154,3 +154,31 @@ def test_a_timed_out_job_takes_its_children_with_it(tmp_path):
         raise AssertionError("the job's child outlived the time limit")
     with open(tmp_path / "ok.log", "w") as out:
         assert M.run_job(["bash", "-c", "exit 3"], dict(os.environ), out, timeout=10) == 3
+
+
+def test_a_graph_cell_cut_off_between_jobs_runs_only_the_jobs_it_lacks(tmp_path, monkeypatch):
+    """A graph cell's separate jobs may not all fit one call: the jobs that finished are kept,
+    and the next run launches only the rest, then reports all four."""
+    launches = []
+
+    def fake_launch(cell, iters, env, extra, log, timeout):
+        name = "megatron" if env.get("FLUX_TP_OVERLAP") == "0" else env["FLUX_BACKEND"]
+        if name == "nccl" and len(launches) < 4:
+            launches.append(name)
+            raise KeyboardInterrupt  # the call's limit ends the cell during its last job
+        launches.append(name)
+        _graph_job_log(log, iters, env)
+        return 0
+
+    monkeypatch.setattr(M, "_launch", fake_launch)
+    monkeypatch.setattr(M, "_exposed_comm", lambda cell, work, timeout: 19.0)
+    out = tmp_path / "cells"
+    cell = "llama3_8b_16l:tp2:mbs1:full_iteration"
+    with pytest.raises(KeyboardInterrupt):
+        M.main(["run", cell, "--out", str(out), "--graph-iters", "40"])
+    assert launches == ["auto", "megatron", "flux", "nccl"]
+    assert M.main(["run", cell, "--out", str(out), "--graph-iters", "40"]) == 0
+    assert launches[4:] == ["nccl"], "only the job that did not finish runs again"
+    done = json.loads((out / "llama3_8b_16l_tp2_mbs1_full_iteration.json").read_text())
+    assert done["step_ms"] == {b: STEP[b] for b in M.BACKENDS}
+    assert [j["kind"] for j in done["jobs"]] == ["auto", "megatron", "flux", "nccl"]
