@@ -127,6 +127,44 @@ def test_summary_says_when_a_slower_auto_ran_nccl_itself():
     assert "slower than nccl=2 (1 ran nccl itself)" in R.format_summary(R.summarize(rows))
 
 
+def test_paired_speedup_pairs_trials_and_drift_cancels():
+    """Trial i of every method ran back to back: the paired speedup divides within a trial, so
+    a drift that slows every method alike from trial 3 on cancels, where the ratio of medians
+    takes whichever trials the medians fall on."""
+    import statistics
+
+    ag = G.AG_GEMM
+
+    def timed(method, trials, **extra):
+        return dict(_r(ag, "x", 1024, method, statistics.median(trials)), trials_ms=trials, **extra)
+
+    nccl = timed("nccl", [1.0, 1.0, 1.5, 1.5, 1.5])
+    faster = timed("flux", [0.8, 0.8, 1.2, 1.2, 1.2])
+    # the very NCCL code, timed again; one slow trial in the fast part, one fast in the slow part
+    same = timed("auto", [1.0, 1.5, 1.5, 1.5, 1.0], resolved_backend="nccl")
+    drifted = timed("torch_async_tp", [0.9, 1.35, 1.35, 1.35, 1.35])
+    short = timed("flux_control", [1.0, 1.0])
+    rows = [_r(ag, "x", 1024, "cublas_gemm", 0.5), nccl, faster, same, drifted, short]
+    R.add_metrics(rows)
+    assert faster["paired_speedup_vs_nccl"] == pytest.approx(1.25)
+    assert faster["speedup_vs_nccl"] == pytest.approx(1.25)
+    assert same["paired_speedup_vs_nccl"] == pytest.approx(1.0)
+    # ratios 1.111, 0.741, 1.111, 1.111, 1.111: paired 1.111; medians 1.5 / 1.35 also 1.111
+    assert drifted["paired_speedup_vs_nccl"] == pytest.approx(1.0 / 0.9)
+    assert short["paired_speedup_vs_nccl"] is None, "unequal trial counts are not paired"
+    assert R.paired_speedup([], []) is None and R.paired_speedup([1.0, 0.0], [1.0, 1.0]) is None
+    # where the medians fall on different regimes the two statistics part
+    assert R.speedup(statistics.median([1.0, 1.0, 1.0, 1.6, 1.6]),
+                     statistics.median([1.0, 1.0, 1.5, 1.5, 1.5])) == pytest.approx(1.5)
+    assert R.paired_speedup([1.0, 1.0, 1.0, 1.6, 1.6], [1.0, 1.0, 1.5, 1.5, 1.5]) == pytest.approx(1.0)
+    s = R.summarize(rows)[ag]["m>=1024"]
+    assert s["flux"]["slower_than_nccl_paired"] == 0
+    assert s["flux"]["geomean_paired_speedup_vs_nccl"] == pytest.approx(1.25)
+    assert s["auto"]["min_paired_speedup_vs_nccl"] == pytest.approx(1.0)
+    assert "paired: 0, worst 1.250x" in R.format_summary(R.summarize(rows))
+    assert "1.250x" in R.format_table(rows)
+
+
 def test_median_and_spread_over_trials():
     assert T.median([5.0, 1.0, 3.0]) == 3.0
     assert T.median([1.0, 2.0, 3.0, 10.0]) == 2.5
@@ -822,3 +860,32 @@ def test_flux_default_method_takes_the_default_at_the_groups_tp():
         assert provider("ag", 64, 14336, 4096) == default_config("ag", 64, 14336, 4096)
     finally:
         methods._DEFAULT_CONFIG_BACKEND.clear()
+
+
+def test_rescore_recomputes_a_stored_result_without_changing_it(capsys, tmp_path):
+    """An older result has no paired speedups; rescoring derives them from its trial times and
+    lists the auto/flux cases below NCCL by either statistic, leaving the file as it was."""
+    import json
+
+    from megatron_flux.tools.bench import rescore
+
+    ag = G.AG_GEMM
+    rows = [_r(ag, "x", 1024, "cublas_gemm", 0.5),
+            dict(_r(ag, "x", 1024, "nccl", 1.0), trials_ms=[1.0, 1.0, 1.0, 1.6, 1.6]),
+            dict(_r(ag, "x", 1024, "auto", 1.5), trials_ms=[1.0, 1.0, 1.5, 1.5, 1.5],
+                 resolved_backend="nccl"),
+            dict(_r(ag, "x", 1024, "flux", 0.8), trials_ms=[0.8, 0.8, 0.8, 1.3, 1.3])]
+    doc = {"tp": 2, "gpu": "G", "trials": 5, "rows": rows}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(doc))
+    res = rescore.rescore(doc)
+    by = {r["method"]: r for r in res["rows"]}
+    assert by["auto"]["paired_speedup_vs_nccl"] == pytest.approx(1.0)
+    assert by["auto"]["speedup_vs_nccl"] == pytest.approx(1.0 / 1.5)
+    assert "paired_speedup_vs_nccl" not in rows[2], "the input rows are not changed"
+    lines = rescore.slower_cases(res["rows"])
+    assert len(lines) == 1 and "auto" in lines[0] and "-> nccl" in lines[0]
+    assert rescore.main([str(path), "--min-m", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "no auto/flux case slower" in out and "(1 ran nccl itself) (paired: 0" in out
+    assert json.loads(path.read_text()) == doc

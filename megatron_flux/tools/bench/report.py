@@ -7,6 +7,11 @@ Metrics (FLUX paper §2.3), per (op, model, m), from median times:
 * ``overlap efficiency = 1 − ECT(method) / ECT(nccl)`` — 0 for the non-overlapped baseline,
   1 for perfect overlap, negative when the method is slower than the baseline.
 * ``speedup = T(nccl) / T(method)``.
+* ``paired speedup`` = the median over trials of ``T_i(nccl) / T_i(method)``. Every trial times
+  each method once, back to back (:mod:`~.timing`), so trial ``i``'s two times share that
+  moment's clocks and NVLink traffic; the ratio of two medians does not pair them, and on
+  2×H200 two timings of the very same NCCL callable (``auto`` where it resolved to ``nccl``)
+  came 0.92–0.94× apart that way and 0.99–1.00× paired. Both are reported.
 
 Edge cases are defined rather than left to a ``ZeroDivisionError``: when ``ECT(nccl) <= 0``
 (the baseline exposed no measurable communication, e.g. tiny collectives within timing noise)
@@ -76,24 +81,38 @@ def speedup(method_ms: Optional[float], nccl_ms: Optional[float]) -> Optional[fl
     return nccl_ms / method_ms
 
 
+def paired_speedup(method_trials: Sequence[float], nccl_trials: Sequence[float]) -> Optional[float]:
+    """Median over trials of ``T_i(nccl) / T_i(method)``; ``None`` unless both have the same
+    (non-zero) number of positive trial times (a method dropped mid-run has fewer)."""
+    if not method_trials or len(method_trials) != len(nccl_trials):
+        return None
+    if not all(t > 0 for t in method_trials) or not all(t > 0 for t in nccl_trials):
+        return None
+    return statistics.median(n / m for m, n in zip(method_trials, nccl_trials))
+
+
 def case_key(row: dict) -> Tuple[str, str, int]:
     return (row["op"], row["model"], row["m"])
 
 
 def add_metrics(rows: List[dict]) -> None:
-    """Fill ``ect_ms``, ``overlap_eff`` and ``speedup_vs_nccl`` into every row, in place."""
-    ok_ms: Dict[Tuple[Tuple[str, str, int], str], float] = {
-        (case_key(r), r["method"]): r["median_ms"] for r in rows if r["status"] == "ok"
-    }
+    """Fill ``ect_ms``, ``overlap_eff``, ``speedup_vs_nccl`` and ``paired_speedup_vs_nccl``
+    into every row, in place."""
+    ok = {(case_key(r), r["method"]): r for r in rows if r["status"] == "ok"}
     for r in rows:
-        r["ect_ms"] = r["overlap_eff"] = r["speedup_vs_nccl"] = None
+        r["ect_ms"] = r["overlap_eff"] = r["speedup_vs_nccl"] = r["paired_speedup_vs_nccl"] = None
         if r["status"] != "ok" or r["method"] not in COMPUTES_OP:
             continue
         key = case_key(r)
-        gemm, nccl = ok_ms.get((key, "cublas_gemm")), ok_ms.get((key, "nccl"))
+        gemm_row, nccl_row = ok.get((key, "cublas_gemm")), ok.get((key, "nccl"))
+        gemm = gemm_row["median_ms"] if gemm_row else None
+        nccl = nccl_row["median_ms"] if nccl_row else None
         r["ect_ms"] = ect(r["median_ms"], gemm)
         r["overlap_eff"] = overlap_efficiency(r["ect_ms"], ect(nccl, gemm))
         r["speedup_vs_nccl"] = speedup(r["median_ms"], nccl)
+        if nccl_row:
+            r["paired_speedup_vs_nccl"] = paired_speedup(r.get("trials_ms") or [],
+                                                         nccl_row.get("trials_ms") or [])
 
 
 def _stats(values: Sequence[float]) -> Dict[str, Optional[float]]:
@@ -102,11 +121,16 @@ def _stats(values: Sequence[float]) -> Dict[str, Optional[float]]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def _geomean(values: Sequence[float]) -> Optional[float]:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
 def summarize(rows: Sequence[dict]) -> Dict[str, dict]:
     """Per op and m-range (``m>=1024`` / ``m<1024``), per overlapping method present:
 
     ``cases`` (timed), ``overlap_eff`` (median/min/max over cases with a defined efficiency),
-    ``geomean_speedup_vs_nccl``, ``slower_than_nccl`` (cases with speedup < 1),
+    ``geomean_speedup_vs_nccl``, ``slower_than_nccl`` (cases with speedup < 1), the same two
+    from the paired speedups (``geomean_paired_speedup_vs_nccl``, ``slower_than_nccl_paired``),
     ``check_failed`` (max_rel_err above threshold), ``skipped`` and ``errors`` counts. For
     ``auto``, also ``slower_on_nccl``: how many of its slower cases resolved to the ``nccl``
     backend itself, the very code the ``nccl`` method times, so that their distance from it is
@@ -130,13 +154,16 @@ def summarize(rows: Sequence[dict]) -> Dict[str, dict]:
                 ok = [r for r in mr if r["status"] == "ok"]
                 effs = [r["overlap_eff"] for r in ok if r.get("overlap_eff") is not None]
                 sps = [r["speedup_vs_nccl"] for r in ok if r.get("speedup_vs_nccl") is not None]
+                pps = [r["paired_speedup_vs_nccl"] for r in ok
+                       if r.get("paired_speedup_vs_nccl") is not None]
                 block[meth] = {
                     "cases": len(ok),
                     "overlap_eff": _stats(effs),
-                    "geomean_speedup_vs_nccl": (
-                        math.exp(sum(math.log(s) for s in sps) / len(sps)) if sps else None
-                    ),
+                    "geomean_speedup_vs_nccl": _geomean(sps),
                     "slower_than_nccl": sum(1 for s in sps if s < 1.0),
+                    "geomean_paired_speedup_vs_nccl": _geomean(pps),
+                    "slower_than_nccl_paired": sum(1 for s in pps if s < 1.0),
+                    "min_paired_speedup_vs_nccl": min(pps) if pps else None,
                     "check_failed": sum(1 for r in ok if r.get("check") == "FAIL"),
                     "skipped": sum(1 for r in mr if r["status"] == "skipped"),
                     "errors": sum(1 for r in mr if r["status"] == "error"),
@@ -173,7 +200,8 @@ def _note(r: dict, footnotes: Dict[str, int]) -> str:
 def format_table(rows: Sequence[dict]) -> str:
     """A fixed-width table: one line per (case, method), a rule between cases, then the
     footnotes with the full skip / error reasons."""
-    head = ("op", "model", "m", "n", "k", "method", "median_ms", "spread_ms", "ECT_ms", "eff", "speedup", "rel_err", "note")
+    head = ("op", "model", "m", "n", "k", "method", "median_ms", "spread_ms", "ECT_ms", "eff", "speedup", "paired",
+            "rel_err", "note")
     lines: List[Optional[Tuple[str, ...]]] = []
     footnotes: Dict[str, int] = {}
     last = None
@@ -187,10 +215,11 @@ def format_table(rows: Sequence[dict]) -> str:
             r["op"], r["model"], str(r["m"]), str(r["n"]), str(r["k"]), r.get("label", r["method"]),
             _fmt(r.get("median_ms"), ".4f"), _fmt(r.get("spread_ms"), ".4f"), _fmt(r.get("ect_ms"), "+.4f"),
             "-" if eff is None else f"{eff * 100:+.1f}%", "-" if sp is None else f"{sp:.3f}x",
+            "-" if r.get("paired_speedup_vs_nccl") is None else f"{r['paired_speedup_vs_nccl']:.3f}x",
             _fmt(r.get("max_rel_err"), ".1e"), _note(r, footnotes),
         ))
     widths = [max([len(head[i])] + [len(l[i]) for l in lines if l]) for i in range(len(head))]
-    right = {2, 3, 4, 6, 7, 8, 9, 10, 11}
+    right = {2, 3, 4, 6, 7, 8, 9, 10, 11, 12}
 
     def render(cells: Sequence[str]) -> str:
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
@@ -199,6 +228,13 @@ def format_table(rows: Sequence[dict]) -> str:
     out = [render(head), rule] + [rule if l is None else render(l) for l in lines]
     out += [f"[{i}] {text}" for text, i in footnotes.items()]
     return "\n".join(out)
+
+
+def _paired_text(s: dict) -> str:
+    if s.get("min_paired_speedup_vs_nccl") is None:
+        return ""
+    return (f" (paired: {s['slower_than_nccl_paired']}, worst "
+            f"{s['min_paired_speedup_vs_nccl']:.3f}x)")
 
 
 def format_summary(summary: Dict[str, dict]) -> str:
@@ -215,6 +251,7 @@ def format_summary(summary: Dict[str, dict]) -> str:
                     + "  geomean speedup=" + ("  -  " if gm is None else f"{gm:.3f}x")
                     + f"  slower than nccl={s['slower_than_nccl']}"
                     + (f" ({s['slower_on_nccl']} ran nccl itself)" if s.get("slower_on_nccl") else "")
+                    + _paired_text(s)
                     + f"  check failed={s['check_failed']}"
                     + f"  skipped={s['skipped']}  errors={s['errors']}"
                 )
