@@ -12,7 +12,8 @@ micro-batches per step (global batch ``2 x M``, data-parallel size 1). ``run`` w
 across calls that each fit a time limit; a graph cell's separate jobs are recorded one by one
 (``DIR/<cell>/jobs.jsonl``), so a cell cut off between jobs resumes with the jobs it lacks
 (``hosts`` in the record, by first GPU UUID: more than one means its jobs did not all run on
-one machine).
+one machine). A job still running 30 s after Megatron's end-of-training line is ended there
+(exit ``125`` in its record; stock jobs with ``full_iteration`` graphs hang in their exit).
 
 * **eager**: one job whose Flux linears rotate between ``megatron`` (megatron-core's own code
   in the same layers), ``nccl``, ``flux`` and ``auto`` every ``--block`` iterations
@@ -75,6 +76,10 @@ def _config(model: str) -> dict:
         return {k: v for k, v in json.load(f).items() if not k.startswith("_")}
 
 
+#: seconds a training job may take to exit after its last iteration (:func:`run_job`)
+EXIT_GRACE_S = 30.0
+
+
 def _launch(cell: dict, iters: int, env: Dict[str, str], extra: List[str], log: str,
             timeout: int) -> int:
     """One training job through the README's launcher; returns its exit code."""
@@ -86,25 +91,63 @@ def _launch(cell: dict, iters: int, env: Dict[str, str], extra: List[str], log: 
     with open(log, "w") as f:
         f.write("# " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(argv) + "\n")
         f.flush()
-        return run_job(argv, full, f, timeout)
+        return run_job(argv, full, f, timeout, exit_grace_s=EXIT_GRACE_S)
 
 
-def run_job(argv: List[str], env: Dict[str, str], out, timeout: int) -> int:
-    """Run ``argv`` in a session of its own; past ``timeout`` seconds kill the whole session
-    (torchrun's workers too, which would otherwise keep their GPU memory while the next job
-    starts) and return 124."""
+#: Megatron's line after the last iteration; a job that logged it has all its step times
+DONE_MARKER = "[after training is done]"
+#: what :func:`run_job` returns for a job killed because it had not exited ``exit_grace_s``
+#: after :data:`DONE_MARKER` (stock jobs with ``full_iteration`` graphs hang there)
+HUNG_AFTER_TRAINING = 125
+
+
+def run_job(argv: List[str], env: Dict[str, str], out, timeout: int,
+            exit_grace_s: Optional[float] = None) -> int:
+    """Run ``argv`` in a session of its own, its output into the file ``out``; past ``timeout``
+    seconds kill the whole session (torchrun's workers too, which would otherwise keep their
+    GPU memory while the next job starts) and return 124. With ``exit_grace_s``, a job whose
+    output shows :data:`DONE_MARKER` and that has not exited that many seconds later is killed
+    the same way and :data:`HUNG_AFTER_TRAINING` returned: its steps are all logged, and
+    waiting for the time limit would spend minutes of a time-limited call on nothing."""
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True)
+    started, done_at = time.monotonic(), None
     try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return 124
+        while True:
+            try:
+                return proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if now - started > timeout:
+                _kill(proc)
+                return 124
+            if exit_grace_s is not None:
+                if done_at is None and _logged(out, DONE_MARKER):
+                    done_at = now
+                if done_at is not None and now - done_at > exit_grace_s:
+                    _kill(proc)
+                    out.write(f"\n# e2e_matrix: killed {exit_grace_s:.0f} s after "
+                              f"{DONE_MARKER!r}: the job had not exited\n")
+                    out.flush()
+                    return HUNG_AFTER_TRAINING
     finally:  # this process ended early (a signal, ^C): the job does not outlive it
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            _kill(proc)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _logged(out, marker: str) -> bool:
+    """Whether the job's output file ``out`` holds ``marker`` (read by name, from the start)."""
+    try:
+        with open(out.name, errors="replace") as f:
+            return marker in f.read()
+    except (OSError, AttributeError):
+        return False
 
 
 def _graph_args(mode: str) -> List[str]:

@@ -182,3 +182,25 @@ def test_a_graph_cell_cut_off_between_jobs_runs_only_the_jobs_it_lacks(tmp_path,
     done = json.loads((out / "llama3_8b_16l_tp2_mbs1_full_iteration.json").read_text())
     assert done["step_ms"] == {b: STEP[b] for b in M.BACKENDS}
     assert [j["kind"] for j in done["jobs"]] == ["auto", "megatron", "flux", "nccl"]
+
+
+def test_a_job_that_hangs_after_its_last_iteration_is_ended_after_the_grace(tmp_path):
+    """Stock jobs with full_iteration graphs log every step, then do not exit: the matrix ends
+    them a grace period after Megatron's end-of-training line instead of at the time limit, and
+    says so in the log; a job that exits by itself keeps its exit status."""
+    import os
+    import time
+
+    hang = f"echo ' iteration 1/ 1 |'; echo '{M.DONE_MARKER} datetime'; sleep 60"
+    log = tmp_path / "hang.log"
+    with open(log, "w") as out:
+        t0 = time.time()
+        rc = M.run_job(["bash", "-c", hang], dict(os.environ), out, timeout=50, exit_grace_s=1)
+    assert rc == M.HUNG_AFTER_TRAINING and time.time() - t0 < 20
+    assert "had not exited" in log.read_text() and "iteration 1/ 1" in log.read_text()
+    with open(tmp_path / "ok.log", "w") as out:
+        assert M.run_job(["bash", "-c", f"echo '{M.DONE_MARKER}'; sleep 1; exit 0"],
+                         dict(os.environ), out, timeout=50, exit_grace_s=5) == 0
+    with open(tmp_path / "quiet.log", "w") as out:  # no marker: only the time limit ends it
+        assert M.run_job(["bash", "-c", "sleep 60"], dict(os.environ), out, timeout=2,
+                         exit_grace_s=0.5) == 124
