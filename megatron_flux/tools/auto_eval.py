@@ -34,7 +34,7 @@ import json
 import math
 import os
 import sys
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_flux.tuning import estimate as E
 
