@@ -889,3 +889,13 @@ def test_rescore_recomputes_a_stored_result_without_changing_it(capsys, tmp_path
     out = capsys.readouterr().out
     assert "no auto/flux case slower" in out and "(1 ran nccl itself) (paired: 0" in out
     assert json.loads(path.read_text()) == doc
+
+
+def test_rescore_lists_a_case_whose_medians_give_no_speedup():
+    """A row with a paired speedup but no ratio of medians (no nccl median) still prints."""
+    from megatron_flux.tools.bench import rescore
+
+    row = dict(_r(G.AG_GEMM, "x", 1024, "flux", 1.0), speedup_vs_nccl=None,
+               paired_speedup_vs_nccl=0.9)
+    lines = rescore.slower_cases([row])
+    assert len(lines) == 1 and "medians -  paired 0.900x" in lines[0]

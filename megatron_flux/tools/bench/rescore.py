@@ -38,9 +38,12 @@ def slower_cases(rows: Sequence[dict], min_m: int = 0) -> List[str]:
         if (sp is not None and sp < 1.0) or (pp is not None and pp < 1.0):
             ran = f" -> {r['resolved_backend']}" if r.get("resolved_backend") else ""
             out.append(f"  {r['method']:5s} {r['op']:8s} {r['model']:16s} m={r['m']:<5d} "
-                       f"medians {sp:.3f}x  paired "
-                       + ("-" if pp is None else f"{pp:.3f}x") + ran)
+                       f"medians {_ratio(sp)}  paired {_ratio(pp)}{ran}")
     return out
+
+
+def _ratio(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.3f}x"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
