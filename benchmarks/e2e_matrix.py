@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import re
@@ -258,6 +259,7 @@ def finish_cell(record: dict, out: str) -> dict:
 JOBS_FILE = "jobs.jsonl"
 
 
+@functools.lru_cache(maxsize=None)
 def _machine() -> str:
     """This machine as its first GPU's UUID (host names of rented machines repeat)."""
     try:
