@@ -83,7 +83,7 @@ def tune_offer(rows: Sequence[Dict[str, object]], config_path: str, tp: int, m: 
         shapes = dict.fromkeys(f"{r['op']}:{r['n']}:{r['k']}" for r in untuned)
         what = "--shapes " + " ".join(shapes)
     extra = f" --dtype {dtype}" if dtype != "bf16" else ""
-    return f"torchrun --nproc-per-node {tp} --no-python megatron-flux tune {what} --m {m}{extra}"
+    return f"torchrun --nproc-per-node {tp} --no-python megatron-flux tune {what} --ms {m}{extra}"
 
 
 def coverage(rows: Sequence[Dict[str, object]]) -> str:

@@ -178,7 +178,7 @@ def test_decide_says_where_its_answer_came_from(tmp_path):
 
 
 def test_a_table_entry_decides_only_within_an_octave_of_its_bucket(tmp_path):
-    # tuned at m = 4096 only (as `tune --model-config --m 4096` leaves it), called at m = 1024
+    # tuned at m = 4096 only (as `tune --model-config --ms 4096` leaves it), called at m = 1024
     install(tmp_path, table([entry("ag", 2048, 4096, 4096, 0.8)]
                             + _grid("ag", {1024: (1.3, 1.2, 0.8), 4096: (1.3, 1.2, 0.8)}, ms=(512, 1024, 2048))))
     assert provider.decide("ag", 2048, 2048, 4096, BF16, 2, GPU).source == "table"

@@ -169,19 +169,19 @@ def test_plan_counts_the_tuned_gemms_and_prints_the_command_for_the_rest(capsys)
     out = capsys.readouterr().out
     assert "8 of 10 TP GEMMs have a current table entry at m=4096" in out
     assert ("torchrun --nproc-per-node 2 --no-python megatron-flux tune --shapes ag:64128:4096 "
-            "rs:4096:64128 --m 4096") in out
+            "rs:4096:64128 --ms 4096") in out
     # the shipped TP 4 table holds fc1 and its dgrad at m = 4096 (the benchmark grid's llama3-8b)
     assert P.main(["--model-config", LLAMA, "--tp", "4", "--gpu", "NVIDIA H200", "--sms", "132",
                    "--offer"]) == 0
     line = capsys.readouterr().out
     assert line.count("\n") == 1 and line.startswith("2 of 10 TP GEMMs have a current table entry")
     assert "--nproc-per-node 4 --no-python megatron-flux tune --shapes " in line
-    assert line.rstrip().endswith("--m 4096")
+    assert line.rstrip().endswith("--ms 4096")
     rows = P.plan_rows(LLAMA, 4, 4096, H200, BF16)  # without a current table: the model's config
     assert P.tune_offer([dict(r, source="estimate") for r in rows], LLAMA, 4, 4096, "bf16").endswith(
-        f"megatron-flux tune --model-config {LLAMA} --m 4096")
+        f"megatron-flux tune --model-config {LLAMA} --ms 4096")
     rows = P.plan_rows(LLAMA, 2, 4096, H200, torch.float16)  # no fp16 table: all to tune
-    assert P.tune_offer(rows, LLAMA, 2, 4096, "fp16").endswith(f"--model-config {LLAMA} --m 4096 --dtype fp16")
+    assert P.tune_offer(rows, LLAMA, 2, 4096, "fp16").endswith(f"--model-config {LLAMA} --ms 4096 --dtype fp16")
 
 
 def test_plan_offer_is_silent_once_every_gemm_is_tuned(cache_home, capsys):

@@ -436,3 +436,19 @@ def test_small_m_gemm_rs_also_tries_merged_rows_on_the_gluon_kernel():
     # explicit seeds are the seeds: nothing is added to them
     assert not any(x.rs_warp_specialized
                    for x in S.generate_candidates("rs", 128, 4096, 14336, 2, seeds=()))
+
+
+def test_every_tune_option_survives_torchruns_own_parser():
+    """``torchrun ... megatron-flux tune`` parses the whole command line with torchrun's parser
+    first, which rejects an option that abbreviates several of its own (``--m``: "ambiguous
+    option") or takes one that abbreviates one of them: each primary spelling, the one help,
+    docs and ``megatron-flux plan --offer`` print, must reach the tuner."""
+    from torch.distributed.run import get_args_parser
+
+    torchrun = get_args_parser()
+    for action in S.build_parser()._actions:
+        opt = next((o for o in action.option_strings if o.startswith("--")), None)
+        if opt is None:
+            continue
+        ns = torchrun.parse_args(["--nproc-per-node", "2", "--no-python", "megatron-flux", "tune", opt, "1"])
+        assert ns.training_script_args == ["tune", opt, "1"], opt

@@ -3,7 +3,7 @@
 Run under torchrun, one process per GPU of the TP group::
 
     torchrun --nproc-per-node 2 -m megatron_flux.tools.tune --models llama3-8b --m-set all
-    torchrun --nproc-per-node 2 --no-python megatron-flux tune --shapes ag:14336:4096 --m 4096
+    torchrun --nproc-per-node 2 --no-python megatron-flux tune --shapes ag:14336:4096 --ms 4096
 
 For every ``(op, n, k)`` (from ``--models`` / ``--model-shapes`` / ``--model-config`` like the
 benchmark, or ``--shapes OP:N:K`` in the per-rank form the table keys) and every m-bucket:
@@ -445,7 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="explicit per-rank weight shapes as the table keys them (ag: n=fc1/tp, k=hidden; "
                    "rs: n=hidden, k=fc2_in/tp)")
     g.add_argument("--ops", nargs="+", default=list(OPS), type=normalize_op, help="ag and/or rs (AG+GEMM, GEMM+RS)")
-    g.add_argument("--m", "--ms", dest="m", nargs="+", type=int, default=None, help="m-buckets (global tokens)")
+    g.add_argument("--ms", "--m", dest="m", nargs="+", type=int, default=None,
+                   help="m-buckets (global tokens; spell it --ms after torchrun: torchrun's own "
+                   "parser rejects --m as an ambiguous abbreviation of its options)")
     g.add_argument("--m-set", choices=("all", "large", "small"), default="all",
                    help="default buckets: the benchmark grid's m (large), small m, or both")
     g.add_argument("--rs-k", choices=G.RS_K_CHOICES, default=G.RS_K_CHOICES[0])
