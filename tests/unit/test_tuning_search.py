@@ -4,6 +4,7 @@ import dataclasses
 import io
 import json
 import os
+import sys
 
 import pytest
 
@@ -452,3 +453,23 @@ def test_every_tune_option_survives_torchruns_own_parser():
             continue
         ns = torchrun.parse_args(["--nproc-per-node", "2", "--no-python", "megatron-flux", "tune", opt, "1"])
         assert ns.training_script_args == ["tune", opt, "1"], opt
+
+
+def test_the_table_source_is_the_tune_command_once(monkeypatch):
+    """The table's ``source`` is built from the arguments ``main`` parses: ``megatron-flux tune
+    --ms 4096`` whether the console script (``sys.argv`` holds the subcommand) or ``python -m
+    megatron_flux.tools.tune`` ran it."""
+    seen = []
+
+    def parse(argv):
+        seen.append(S.table_source(argv))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(S, "parse_args", parse)
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/megatron-flux", "tune", "--ms", "4096"])
+    with pytest.raises(SystemExit):
+        cli.main(sys.argv[1:])
+    monkeypatch.setattr(sys, "argv", ["/x/megatron_flux/tools/tune/__main__.py", "--ms", "4096"])
+    with pytest.raises(SystemExit):
+        S.main()
+    assert seen == ["megatron-flux tune --ms 4096"] * 2

@@ -641,7 +641,14 @@ def config_error(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def table_source(argv: Sequence[str]) -> str:
+    """A table's ``source``: the tune command with the options it was given (``argv``: the
+    tuner's own arguments, without the ``tune`` of the console script)."""
+    return " ".join([PROG, *argv])
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     problem = config_error(args)
     if problem is not None:
@@ -724,7 +731,7 @@ def _run(args, group, rank, tp, device) -> int:
         """The table so far (merged into what ``out`` held before this run), written by rank 0
         after every entry, so an interrupted run keeps what it measured."""
         obj = {"format": "megatron-flux-tuning", "version": 1, "gpu": {"name": gpu_name, "sms": sms}, "tp": tp,
-               "dtype": dtype_key(dtype), "source": "megatron-flux tune " + " ".join(sys.argv[1:]),
+               "dtype": dtype_key(dtype), "source": table_source(argv),
                "kernel_version": KERNEL_VERSION,
                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "environment": {"torch": torch.__version__, "triton": triton.__version__},
