@@ -165,11 +165,18 @@ def test_the_tuner_writes_the_kernel_version_into_the_user_cache_by_default():
 
 # ------------------------------------------------------------------ plan and the launcher
 def test_plan_counts_the_tuned_gemms_and_prints_the_command_for_the_rest(capsys):
-    assert P.main(["--model-config", LLAMA, "--tp", "2", "--gpu", "NVIDIA H200", "--sms", "132"]) == 0
+    # the shipped TP 2 table holds all ten at micro-batch 1 and 2: nothing to tune
+    for m in ("4096", "8192"):
+        assert P.main(["--model-config", LLAMA, "--tp", "2", "--gpu", "NVIDIA H200", "--sms", "132",
+                       "--m", m]) == 0
+        out = capsys.readouterr().out
+        assert f"10 of 10 TP GEMMs have a current table entry at m={m}" in out and "megatron-flux tune" not in out
+    assert P.main(["--model-config", LLAMA, "--tp", "4", "--gpu", "NVIDIA H200", "--sms", "132"]) == 0
     out = capsys.readouterr().out
-    assert "8 of 10 TP GEMMs have a current table entry at m=4096" in out
-    assert ("torchrun --nproc-per-node 2 --no-python megatron-flux tune --shapes ag:64128:4096 "
-            "rs:4096:64128 --ms 4096") in out
+    assert "2 of 10 TP GEMMs have a current table entry at m=4096" in out
+    assert ("torchrun --nproc-per-node 4 --no-python megatron-flux tune --shapes ag:1536:4096 "
+            "rs:4096:1024 rs:4096:3584 ag:32128:4096 rs:4096:1536 ag:1024:4096 ag:3584:4096 "
+            "rs:4096:32128 --ms 4096") in out
     # the shipped TP 4 table holds fc1 and its dgrad at m = 4096 (the benchmark grid's llama3-8b)
     assert P.main(["--model-config", LLAMA, "--tp", "4", "--gpu", "NVIDIA H200", "--sms", "132",
                    "--offer"]) == 0
@@ -185,15 +192,16 @@ def test_plan_counts_the_tuned_gemms_and_prints_the_command_for_the_rest(capsys)
 
 
 def test_plan_offer_is_silent_once_every_gemm_is_tuned(cache_home, capsys):
-    rows = P.plan_rows(LLAMA, 2, 4096, H200, BF16)
+    rows = P.plan_rows(LLAMA, 4, 4096, H200, BF16)
+    assert sum(r["source"] != "table" for r in rows) == 8
     for r in rows:
         if r["source"] != "table":
-            path = registry.cache_table_path(*H200, 2, "bf16")
-            old = json.loads(Path(path).read_text()) if os.path.exists(path) else table(n=1, k=1)
+            path = registry.cache_table_path(*H200, 4, "bf16")
+            old = json.loads(Path(path).read_text()) if os.path.exists(path) else table(n=1, k=1, tp=4)
             old["entries"].append(dict(table()["entries"][0], op=r["op"], n=r["n"], k=r["k"]))
             put(path, old)
     T.reset()
-    assert P.main(["--model-config", LLAMA, "--tp", "2", "--gpu", "NVIDIA H200", "--sms", "132", "--offer"]) == 0
+    assert P.main(["--model-config", LLAMA, "--tp", "4", "--gpu", "NVIDIA H200", "--sms", "132", "--offer"]) == 0
     assert capsys.readouterr().out == ""
 
 

@@ -22,7 +22,8 @@ REPO = str(paths.REPO)
 #: Each shipped table, regenerated from its committed runs: (GPU, TP, the tuning run, the steps
 #: applied to it in order: ("confirm", bench) = tuning.confirm with a benchmark made with the
 #: table, a list = tuning.confirm.confirm_repeats of runs taken jointly; ("adopt", [A/B runs]) =
-#: tuning.adopt of an interleaved flux vs flux_variant A/B; ("kernel_version", v) = the table
+#: tuning.adopt of an interleaved flux vs flux_variant A/B; ("add", [tuning runs]) = tuning.add
+#: of a later tune's entries for shapes the table lacks; ("kernel_version", v) = the table
 #: stamped with the kernel version its times were measured with, megatron_flux.kernels.version).
 #: docs/tuning.md lists the same files.
 R = "benchmarks/results/"
@@ -47,6 +48,11 @@ SHIPPED = {
         # five more, both benchmarked with the table as extended above and the wave rule
         # (estimate.wave_aware_config)
         ("extend-waves", [R + "bench-h200x2-2026-11-28-unseen-c.json", R + "bench-h200x2-2026-11-28-unseen-d.json"]),
+        # the training config's GEMMs at micro-batch 2 (m = 8192) and its output layer, tuned
+        # (tools.tune.add: entries the table held keep theirs), then confirmed with a benchmark
+        # of all ten of its shapes at m = 4096 and 8192 made with the table so extended
+        ("add", [R + "tune-h200x2-2026-11-28-train-shapes.json"]),
+        ("confirm", [R + "bench-h200x2-2026-11-28-train-shapes.json"]),
     ]),
     "h200-sm132-tp4-bf16.json": ("h200", 4, R + "tune-h200x4-2026-11-22.json", [
         ("confirm", R + "bench-h200x4-2026-11-22.json"),
@@ -426,7 +432,9 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
     # the benchmark grid (3 models x 2 ops x 8 m-buckets) is confirmed; entries the benchmarks
     # did not run (a training config's own shapes) keep the tune's times and say so
     confirmed = [e for e in t.entries if e.notes.get("confirmed")]
-    assert len(confirmed) == 48
+    # 2xH200 TP 2 also: the training config's 16 other entries (10 shapes at m = 4096 and
+    # 8192, less the 4 the grid's llama3-8b shares)
+    assert len(confirmed) == {"h200-sm132-tp2-bf16.json": 64}.get(name, 48)
     assert all(e.notes.get("model", "").count(":") == 1 for e in t.entries if e not in confirmed)
     assert {e.notes["bench_source"] for e in confirmed} <= set(retimes or confirms)
     if retimes:  # the current kernels' times, the configs of the kernels the table was tuned on
@@ -437,6 +445,7 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
     # the configs differ from the defaults somewhere (the search found better ones)
     assert any(e.config != default_config(e.op, e.m, e.n, e.k) for e in t.entries)
     # regenerating from the committed tuning run, benchmarks and A/B runs gives the same file
+    from megatron_flux.tools.tune.add import add_tuned
     from megatron_flux.tools.tune.adopt import adopt_variant
     from megatron_flux.tools.tune.confirm import confirm_repeats, confirm_table
     from megatron_flux.tools.tune.extend import extend_table
@@ -453,6 +462,8 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
             again = confirm_repeats(again, [(load(r), r) for r in rel])
         elif step == "kernel_version":
             again.extra["kernel_version"] = rel
+        elif step == "add":
+            again = add_tuned(again, [(T.validate_table(load(r), r), r) for r in rel])
         elif step == "retime":
             again = retime_table(again, [(load(r), r) for r in rel])
         elif step in ("extend", "extend-transplanted"):
@@ -846,6 +857,7 @@ def _ab_bench(tp, rows, variant=None, gpu="NVIDIA H200"):
 
 def test_adopt_takes_a_variant_only_where_every_ab_run_timed_it_faster(tmp_path):
     from megatron_flux.kernels.config import GemmConfig
+    from megatron_flux.tools.tune.add import add_tuned
     from megatron_flux.tools.tune.adopt import adopt_variant
     from megatron_flux.tuning.schema import Entry, Table
 
@@ -890,6 +902,7 @@ def test_adopt_needs_the_variant_to_beat_the_same_config_control():
     times are kept in the notes (None for a run without one). Runs without a control keep the
     plain rule, and their adoptions carry no control_ms key."""
     from megatron_flux.kernels.config import GemmConfig
+    from megatron_flux.tools.tune.add import add_tuned
     from megatron_flux.tools.tune.adopt import adopt_variant
     from megatron_flux.tuning.schema import Entry, Table
 
