@@ -24,7 +24,11 @@ correlation id):
 * ``comm_alone_by_op_ms``: ``comm_alone_ms`` split by NCCL kernel or copy (name cut to 60
   characters, and its stream), with the count and total time of each;
 * per backend, ``kernels_ms``: the kernels that took the most time, summed per name and step
-  (median over the backend's steps), names cut to 90 characters.
+  (median over the backend's steps), names cut to 90 characters;
+* per backend, ``fused_calls_us``: the fused kernels of a step in the order they ran (name cut to
+  40 characters, duration in us, median over the backend's steps with the same number of fused
+  calls), to set each call beside the op benchmark's time for its shape; ``fused_calls_steps``:
+  the steps those medians come from.
 
 ``python benchmarks/trace_summary.py rank-0.json.gz [--log job.log] --out summary.json``
 """
@@ -182,6 +186,7 @@ def summarize(events: List[dict], labels: Dict[int, str], top: int = 30) -> dict
     comm_ops: List[List[tuple]] = [[] for _ in steps]
     compute: List[List[tuple]] = [[] for _ in steps]
     by_name = [defaultdict(float) for _ in steps]
+    fused: List[List[tuple]] = [[] for _ in steps]
     linear_calls = [0 for _ in steps]
     for e in events:
         if e.get("ph") != "X":
@@ -225,6 +230,8 @@ def summarize(events: List[dict], labels: Dict[int, str], top: int = 30) -> dict
             compute[i].append(span)
         if e["cat"] == "kernel":
             by_name[i][str(e.get("name", ""))[:90]] += e["dur"] / 1e3
+        if kind in ("fused_ag", "fused_rs"):
+            fused[i].append((e["ts"], str(e.get("name", ""))[:40], e["dur"]))
     rows = []
     for i, (s, e, n) in enumerate(steps):
         g = gpu[i]
@@ -266,8 +273,26 @@ def summarize(events: List[dict], labels: Dict[int, str], top: int = 30) -> dict
         med = {k: statistics.median(by_name[i].get(k, 0.0) for i in idx) for k in names}
         agg["kernels_ms"] = {k: round(v, 3) for k, v in sorted(med.items(), key=lambda kv: -kv[1])[:top]}
         agg["steps"] = [r["step"] for r in rs]
+        agg["fused_calls_steps"], agg["fused_calls_us"] = _fused_calls([sorted(fused[i]) for i in idx],
+                                                                       [rows[i]["step"] for i in idx])
         by_backend[name] = agg
     return {"steps": rows, "median_by_backend": by_backend}
+
+
+def _fused_calls(calls: List[List[tuple]], step_numbers: List[int]):
+    """``(steps, [{"name", "us"}, ...])``: per call index, the median duration over the steps
+    whose fused-call count is the most common one among these steps (a step cut at the
+    profile's edge has fewer); empty when no step ran a fused kernel."""
+    counts = [len(c) for c in calls if c]
+    if not counts:
+        return [], []
+    n = statistics.mode(counts)
+    keep = [(c, s) for c, s in zip(calls, step_numbers) if len(c) == n]
+    out = []
+    for j in range(n):
+        names = {c[j][1] for c, _ in keep}
+        out.append({"name": "|".join(sorted(names)), "us": round(statistics.median(c[j][2] for c, _ in keep), 1)})
+    return [s for _, s in keep], out
 
 
 def main(argv=None) -> int:

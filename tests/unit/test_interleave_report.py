@@ -134,3 +134,28 @@ def test_runs_report_pairs_every_job_against_each_reference_it_ran(tmp_path):
     assert len(flux_vs_nccl) == 2 and all(abs(m - 335.0 / 310.0) < 0.005 for m in flux_vs_nccl)
     assert rep["across_runs"]["megatron"]["flux"] == [rep["runs"][0]["vs"]["megatron"]["flux"]["median"]]
     assert rep["runs"][1]["step_time_ms"].keys() == {"nccl", "flux"}
+
+
+def test_trace_summary_lists_fused_calls_in_order_with_median_durations(tmp_path):
+    """Per backend, each fused call of a step in GPU order, median over steps with the usual
+    call count (a step cut at the profile's edge is left out)."""
+    ev = []
+    plan = {5: [("ag_gemm_kernel", 100), ("gemm_rs_kernel", 50)], 6: [("ag_gemm_kernel", 300), ("gemm_rs_kernel", 70)],
+            7: [("ag_gemm_kernel", 200), ("gemm_rs_kernel", 60)], 8: [("ag_gemm_kernel", 999)]}
+    for step, kernels in plan.items():
+        t0 = step * 10000
+        ev.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "ts": t0, "dur": 9000})
+        # launched in order, listed out of order: the GPU start decides
+        for j, (name, dur) in reversed(list(enumerate(kernels + [("nvjet_gemm", 5)]))):
+            corr = step * 10 + j
+            ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t0 + 10 * j, "dur": 5,
+                       "args": {"correlation": corr}})
+            ev.append({"ph": "X", "cat": "kernel", "name": name, "ts": t0 + 100 + 1000 * j, "dur": dur,
+                       "args": {"correlation": corr}})
+    path = tmp_path / "rank-0.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    rep = T.summarize(T.load(str(path)), {5: "flux", 6: "flux", 7: "flux", 8: "flux"})
+    agg = rep["median_by_backend"]["flux"]
+    assert agg["fused_calls_steps"] == [5, 6, 7]
+    assert agg["fused_calls_us"] == [{"name": "ag_gemm_kernel", "us": 200}, {"name": "gemm_rs_kernel", "us": 60}]
