@@ -5,8 +5,11 @@
 #      between backends every IL_STEPS iterations (--flux-interleave-backends; 'megatron' is
 #      megatron-core's own code in the same layers), IL_ITERS iterations, with a torch-profiler
 #      trace of iterations PROF_START+1..PROF_END on every rank (PROFILE=0: none); IL_EXTRA
-#      holds extra Megatron arguments (e.g. "--manual-gc --manual-gc-interval 50"); IL_COMM_MS,
+#      holds extra Megatron arguments (e.g. "--manual-gc --manual-gc-interval 50"); IL_VARIANTS,
+#      fused-config variants to name in IL_BACKENDS, one NAME=JSON per line (e.g.
+#      rsce={"ops": ["rs"], "rs_copy_engine": true}; --flux-interleave-variants); IL_COMM_MS,
 #      the TP communication per step (benchmarks/e2e_comm.py), adds the share each backend hid;
+#      IL_REFERENCE: the backend the paired speedups are against (default megatron);
 #   3. benchmarks/interleave_report.py (step times per backend, the profiled iterations excluded)
 #      -> $OUT/interleave.json; benchmarks/trace_summary.py per rank -> $OUT/trace-r<r>.json;
 #      rank 0's trace -> $OUT/rank-0.json.gz when under 15 MB; the log -> $OUT/logs.tgz.
@@ -39,19 +42,27 @@ PROFILE_ARGS=(--profile --use-pytorch-profiler --profile-step-start "${PROF_STAR
               --tensorboard-dir "${PROF}/tb")
 EXCLUDE="$((PROF_START - 1))-$((PROF_END + 2))"
 if [ "${PROFILE:-1}" = 0 ]; then PROFILE_ARGS=(); EXCLUDE="0-0"; fi
+# IL_VARIANTS: fused-config variants to name in IL_BACKENDS, one NAME=JSON per line
+# (--flux-interleave-variants; JSON keeps its spaces here, unlike in IL_EXTRA)
+VARIANT_ARGS=()
+if [ -n "${IL_VARIANTS:-}" ]; then
+    VARIANT_ARGS=(--flux-interleave-variants)
+    while IFS= read -r line; do [ -n "${line}" ] && VARIANT_ARGS+=("${line}"); done <<< "${IL_VARIANTS}"
+fi
 echo "== interleaved job: ${IL_BACKENDS} every ${IL_STEPS} iterations, ${IL_ITERS} iterations ($(date +%T))"
 # shellcheck disable=SC2086
 FLUX_BACKEND=auto TRAIN_ITERS="${IL_ITERS}" LOG_INTERVAL=1 \
     timeout "${IL_TIMEOUT:-240}" bash examples/pretrain_llama.sh \
     --flux-interleave-backends ${IL_BACKENDS} --flux-interleave-steps "${IL_STEPS}" \
-    "${PROFILE_ARGS[@]}" ${IL_EXTRA:-} > "${OUT}/interleave.log" 2>&1
+    "${PROFILE_ARGS[@]}" "${VARIANT_ARGS[@]}" ${IL_EXTRA:-} > "${OUT}/interleave.log" 2>&1
 echo "   exit $? at $(date +%T) (${SECONDS}s)"
 grep -iE "^\S*(error|Traceback)|Error:" "${OUT}/interleave.log" | grep -v "error_inj\|ignore_errors" | head -8
 
 versions="$(python3 -c 'import json,torch,triton,megatron.core as m; print(json.dumps({"torch": torch.__version__, "triton": triton.__version__, "megatron_core": m.__version__, "gpu": torch.cuda.get_device_name(0), "tp": torch.cuda.device_count()}))')"
 python3 benchmarks/interleave_report.py --log "${OUT}/interleave.log" --tokens-per-step "${IL_TOKENS}" \
     --warmup 20 --drop-first 1 --exclude "${EXCLUDE}" ${IL_COMM_MS:+--comm-ms "${IL_COMM_MS}"} \
-    --extra "command=\"OUT=\$OUT IL_BACKENDS='${IL_BACKENDS}' IL_STEPS=${IL_STEPS} IL_ITERS=${IL_ITERS} PROFILE=${PROFILE:-1} PROF_START=${PROF_START} PROF_END=${PROF_END} IL_EXTRA='${IL_EXTRA:-}' bash benchmarks/device_interleave.sh (TP=${NGPUS}; FLUX_BACKEND=auto bash examples/pretrain_llama.sh --flux-interleave-backends ${IL_BACKENDS} --flux-interleave-steps ${IL_STEPS} ${IL_EXTRA:-}, + Megatron's --profile --use-pytorch-profiler on the excluded iterations unless PROFILE=0)\"" \
+    --reference "${IL_REFERENCE:-megatron}" \
+    --extra "command=\"OUT=\$OUT IL_BACKENDS='${IL_BACKENDS}' IL_STEPS=${IL_STEPS} IL_ITERS=${IL_ITERS} PROFILE=${PROFILE:-1} PROF_START=${PROF_START} PROF_END=${PROF_END} IL_EXTRA='${IL_EXTRA:-}' IL_VARIANTS='${IL_VARIANTS:-}' IL_REFERENCE=${IL_REFERENCE:-megatron} bash benchmarks/device_interleave.sh (TP=${NGPUS}; FLUX_BACKEND=auto bash examples/pretrain_llama.sh --flux-interleave-backends ${IL_BACKENDS} --flux-interleave-steps ${IL_STEPS} ${IL_EXTRA:-}, + Megatron's --profile --use-pytorch-profiler on the excluded iterations unless PROFILE=0)\"" \
     --extra "model=\"llama3-8b-16l (configs/llama3_8b_16l.json)\"" \
     --extra "versions=${versions}" --extra "tp=${NGPUS}" \
     --extra "env={\"CUDA_DEVICE_MAX_CONNECTIONS\": \"1\", \"NCCL_NVLS_ENABLE\": \"0\", \"TORCH_SYMM_MEM_DISABLE_MULTICAST\": \"1\", \"MEGATRON_FLUX_COLUMN_DGRAD\": \"${MEGATRON_FLUX_COLUMN_DGRAD:-}\"}" \

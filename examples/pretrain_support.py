@@ -248,6 +248,17 @@ def add_example_args(parser):
         "the copy engine). Needs --flux-tp-overlap.",
     )
     group.add_argument(
+        "--flux-interleave-variants",
+        nargs="+",
+        metavar="NAME=JSON",
+        default=None,
+        help="Benchmarking: register fused backends named NAME whose kernel settings are the "
+        "tuning tables' with JSON's GemmConfig fields changed (an optional \"ops\": [\"rs\"] or "
+        "[\"ag\"] limits the change to GEMM+ReduceScatter or AllGather+GEMM), to name in "
+        "--flux-interleave-backends beside 'flux': the training step, not an op in a loop, then "
+        "times a config change. Each is another backend object with its own workspaces.",
+    )
+    group.add_argument(
         "--flux-interleave-steps",
         type=int,
         default=5,
@@ -413,16 +424,74 @@ def _split_block_name(name: str) -> Tuple[str, frozenset]:
     return backend, frozenset(mods)
 
 
+def parse_variant(spec: str) -> Tuple[str, Dict[str, Any], Optional[List[str]]]:
+    """``"rsce={\"ops\": [\"rs\"], \"rs_copy_engine\": true}"`` -> ``("rsce",
+    {"rs_copy_engine": True}, ["rs"])`` (``--flux-interleave-variants``); a clear error for a
+    bad name, JSON, op or field."""
+    from megatron_flux.backends.flux.variant import check_variant_fields
+    from megatron_flux.tuning.keys import normalize_op
+
+    name, sep, text = spec.partition("=")
+    if not sep or not name or not name.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"--flux-interleave-variants {spec!r}: expected NAME=JSON with a name of "
+                         "letters, digits, '-' and '_'")
+    if name in ("auto", "flux", "nccl", STEP_AUTO_BLOCK, PER_OP_AUTO_BLOCK, "megatron"):
+        raise ValueError(f"--flux-interleave-variants {spec!r}: {name!r} is taken; choose another name")
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--flux-interleave-variants {name}: not JSON ({exc})") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"--flux-interleave-variants {name}: expected a JSON object, got {text!r}")
+    ops = fields.pop("ops", None)
+    if ops is not None:
+        if not isinstance(ops, list) or not ops:
+            raise ValueError(f"--flux-interleave-variants {name}: \"ops\" must be a non-empty list")
+        try:
+            ops = [normalize_op(op) for op in ops]
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise ValueError(f"--flux-interleave-variants {name}: {exc}") from None
+    try:
+        fields = check_variant_fields(fields)
+    except ValueError as exc:
+        raise ValueError(f"--flux-interleave-variants {name}: {exc}") from None
+    return name, fields, ops
+
+
+def register_variants(specs: Sequence[str]) -> List[str]:
+    """Register each ``NAME=JSON`` of ``--flux-interleave-variants`` as a fused backend
+    (:func:`megatron_flux.backends.flux.variant.variant_backend`, built on first use); returns
+    the names."""
+    from megatron_flux.backends import register_backend
+    from megatron_flux.backends.flux.variant import variant_backend
+
+    names = []
+    for spec in specs:
+        name, fields, ops = parse_variant(spec)
+        if name in names:
+            raise ValueError(f"--flux-interleave-variants: {name!r} is named twice")
+        register_backend(name, lambda fields=fields, ops=ops: variant_backend(fields, ops), override=True)
+        names.append(name)
+    return names
+
+
 def backend_interleaver(args: Any) -> Optional[BackendInterleaver]:
-    """The interleaver these arguments ask for (cached on ``args``), or ``None``."""
+    """The interleaver these arguments ask for (cached on ``args``), or ``None``. Registers the
+    ``--flux-interleave-variants`` first, so blocks can name them."""
     backends = getattr(args, "flux_interleave_backends", None)
+    variants = getattr(args, "flux_interleave_variants", None)
     if not backends:
+        if variants:
+            raise ValueError("--flux-interleave-variants needs --flux-interleave-backends (name "
+                             "the variants there)")
         return None
     cached = getattr(args, "_flux_interleaver", None)
     if cached is None:
         if not getattr(args, "flux_tp_overlap", False):
             raise ValueError("--flux-interleave-backends needs --flux-tp-overlap (it switches "
                              "the Flux linears' backend)")
+        if variants:
+            register_variants(variants)
         cached = BackendInterleaver(backends, getattr(args, "flux_interleave_steps", 5))
         args._flux_interleaver = cached
     return cached

@@ -651,3 +651,55 @@ def test_interleave_args_parse():
     args = parser.parse_args(["--flux-interleave-backends", "megatron", "flux", "--flux-interleave-steps", "4"])
     assert args.flux_interleave_backends == ["megatron", "flux"] and args.flux_interleave_steps == 4
     assert parser.parse_args([]).flux_interleave_backends is None
+
+
+def test_interleave_variants_register_fused_backends_with_changed_configs(monkeypatch):
+    """--flux-interleave-variants NAME=JSON: a fused backend whose config per call is the
+    tables' with the JSON's fields changed, only for the ops it names."""
+    from megatron_flux.backends import get_backend, registry
+    from megatron_flux.backends.flux.variant import variant_backend
+    from megatron_flux.kernels.config import GemmConfig
+    from megatron_flux.tuning.provider import TableConfigProvider
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_INSTANCES", {})
+    parser = ps.add_example_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--flux-interleave-backends", "flux", "rsce", "--flux-interleave-variants",
+                              'rsce={"ops": ["GEMM+RS"], "rs_copy_engine": true, "num_stages": 4}'])
+    args.flux_tp_overlap = True
+    inter = ps.backend_interleaver(args)
+    assert inter.backends == ["flux", "rsce"]
+
+    class Recorder:
+        def __init__(self, config_provider):
+            self.provider = config_provider
+
+    rec = variant_backend({"rs_copy_engine": True, "num_stages": 4}, ["rs"], backend_cls=Recorder)
+    table = TableConfigProvider()
+    shape = (8192, 4096, 2048)
+    rs = rec.provider("rs", *shape, tp=2)
+    want = GemmConfig.from_dict({**table("rs", *shape, tp=2).to_dict(), "rs_copy_engine": True, "num_stages": 4})
+    assert rs == want and rs != table("rs", *shape, tp=2)
+    assert rec.provider("ag", 8192, 3072, 4096, tp=2) == table("ag", 8192, 3072, 4096, tp=2)  # not named
+    assert ps.parse_variant('v={"block_n": 128}') == ("v", {"block_n": 128}, None)
+    # the registered factory builds that backend (here a stand-in class, no GPU needed)
+    import megatron_flux.backends.flux.backend as fb
+    monkeypatch.setattr(fb, "FluxBackend", type("FakeFlux", (registry.TPOverlapBackend,), {
+        "__init__": lambda self, config_provider: setattr(self, "provider", config_provider),
+        "all_gather_matmul": None, "matmul_reduce_scatter": None, "all_gather": None,
+        "reduce_scatter": None}))
+    built = get_backend("rsce")
+    assert built.provider("rs", *shape, tp=2) == want
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("rsce", "NAME=JSON"), ("flux={}", "taken"), ("a+b={}", "NAME=JSON"), ("v={oops", "not JSON"),
+    ("v=[1]", "JSON object"), ('v={"ops": []}', "non-empty list"), ('v={"ops": ["allreduce"]}', "allreduce"),
+    ('v={"blok_n": 64}', "unknown GemmConfig fields"), ('v={"block_n": 100}', "v"),
+])
+def test_interleave_variants_refuse_bad_specs(spec, match):
+    with pytest.raises(ValueError, match=match):
+        ps.parse_variant(spec)
+    args = argparse.Namespace(flux_interleave_variants=["v={}"], flux_tp_overlap=True)
+    with pytest.raises(ValueError, match="needs --flux-interleave-backends"):
+        ps.backend_interleaver(args)

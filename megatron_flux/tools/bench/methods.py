@@ -182,27 +182,19 @@ _VARIANT = {}  # the --flux-variant fields, and its backend once built
 
 def set_flux_variant(fields: Dict[str, object]) -> None:
     """The ``GemmConfig`` fields ``flux_variant`` changes (validated here: unknown names fail)."""
-    from megatron_flux.kernels.config import GemmConfig
+    from megatron_flux.backends.flux.variant import check_variant_fields
 
-    GemmConfig.from_dict({**GemmConfig().to_dict(), **fields})
+    fields = check_variant_fields(fields)
     _VARIANT.clear()
-    _VARIANT["fields"] = dict(fields)
+    _VARIANT["fields"] = fields
 
 
 def _variant_backend(backend_cls):
     """One FluxBackend per process whose configs are the tables' with ``--flux-variant``'s fields."""
     if "backend" not in _VARIANT:
-        from megatron_flux.kernels.config import GemmConfig
-        from megatron_flux.tuning.provider import TableConfigProvider
+        from megatron_flux.backends.flux.variant import variant_backend
 
-        fields, table = _VARIANT.get("fields", {}), TableConfigProvider()
-
-        def provider(op, m, n, k, **context):
-            # (from_dict: the fields may name a removed knob at the value it always had)
-            return GemmConfig.from_dict({**table(op, m, n, k, **context).to_dict(), **fields})
-
-        provider.accepts_context = True
-        _VARIANT["backend"] = backend_cls(config_provider=provider)
+        _VARIANT["backend"] = variant_backend(_VARIANT.get("fields", {}), backend_cls=backend_cls)
     return _VARIANT["backend"]
 
 
