@@ -59,10 +59,12 @@ echo "   exit $? at $(date +%T) (${SECONDS}s)"
 grep -iE "^\S*(error|Traceback)|Error:" "${OUT}/interleave.log" | grep -v "error_inj\|ignore_errors" | head -8
 
 versions="$(python3 -c 'import json,torch,triton,megatron.core as m; print(json.dumps({"torch": torch.__version__, "triton": triton.__version__, "megatron_core": m.__version__, "gpu": torch.cuda.get_device_name(0), "tp": torch.cuda.device_count()}))')"
+# the command as a JSON string (IL_VARIANTS holds double quotes)
+command_json="$(python3 -c 'import json, sys; print(json.dumps(sys.argv[1]))' "OUT=\$OUT IL_BACKENDS='${IL_BACKENDS}' IL_STEPS=${IL_STEPS} IL_ITERS=${IL_ITERS} PROFILE=${PROFILE:-1} PROF_START=${PROF_START} PROF_END=${PROF_END} IL_EXTRA='${IL_EXTRA:-}' IL_VARIANTS='${IL_VARIANTS:-}' IL_REFERENCE=${IL_REFERENCE:-megatron} bash benchmarks/device_interleave.sh (TP=${NGPUS}; FLUX_BACKEND=auto bash examples/pretrain_llama.sh --flux-interleave-backends ${IL_BACKENDS} --flux-interleave-steps ${IL_STEPS} ${IL_EXTRA:-}, + Megatron's --profile --use-pytorch-profiler on the excluded iterations unless PROFILE=0)")"
 python3 benchmarks/interleave_report.py --log "${OUT}/interleave.log" --tokens-per-step "${IL_TOKENS}" \
     --warmup 20 --drop-first 1 --exclude "${EXCLUDE}" ${IL_COMM_MS:+--comm-ms "${IL_COMM_MS}"} \
     --reference "${IL_REFERENCE:-megatron}" \
-    --extra "command=\"OUT=\$OUT IL_BACKENDS='${IL_BACKENDS}' IL_STEPS=${IL_STEPS} IL_ITERS=${IL_ITERS} PROFILE=${PROFILE:-1} PROF_START=${PROF_START} PROF_END=${PROF_END} IL_EXTRA='${IL_EXTRA:-}' IL_VARIANTS='${IL_VARIANTS:-}' IL_REFERENCE=${IL_REFERENCE:-megatron} bash benchmarks/device_interleave.sh (TP=${NGPUS}; FLUX_BACKEND=auto bash examples/pretrain_llama.sh --flux-interleave-backends ${IL_BACKENDS} --flux-interleave-steps ${IL_STEPS} ${IL_EXTRA:-}, + Megatron's --profile --use-pytorch-profiler on the excluded iterations unless PROFILE=0)\"" \
+    --extra "command=${command_json}" \
     --extra "model=\"llama3-8b-16l (configs/llama3_8b_16l.json)\"" \
     --extra "versions=${versions}" --extra "tp=${NGPUS}" \
     --extra "env={\"CUDA_DEVICE_MAX_CONNECTIONS\": \"1\", \"NCCL_NVLS_ENABLE\": \"0\", \"TORCH_SYMM_MEM_DISABLE_MULTICAST\": \"1\", \"MEGATRON_FLUX_COLUMN_DGRAD\": \"${MEGATRON_FLUX_COLUMN_DGRAD:-}\"}" \
