@@ -25,6 +25,12 @@
 #                                                          -> kvc-{ag,rs}[-NAME].{json,log}
 #   tune        megatron-flux tune over the grid (all m; TUNE_ARGS: other cases and search
 #               sizes), then the grid benchmark with the new table (TUNE_BENCH=0: not)                       -> tune/{table.json,tune.log,bench.json,bench.png}
+#   trainshapes a training config's TP GEMMs (TRAIN_CONFIG, default configs/llama3_8b_16l.json) at
+#               TRAIN_MS (default "4096 8192"): tuned (TRAIN_TUNE_BUDGET s, TRAIN_CANDIDATES per
+#               entry), added to this machine's shipped table where it lacks them
+#               (tools.tune.add), benchmarked with that table, and the table confirmed with the
+#               benchmark (tools.tune.confirm): what shipping them takes, in one call
+#               -> train/{tune.json,added.json,bench.json,confirmed.json,*.log}
 #   host        host time per layer call of nccl and flux (benchmarks/host_overhead.py --layers,
 #               m = 4096 and 8192), with a profile of flux's host path          -> host.{json,log}
 #   sections    where a layer call's host time goes, section by section, nccl and flux
@@ -134,6 +140,28 @@ for stage in "$@"; do
             --methods cublas_gemm comm nccl torch_async_tp flux flux_default auto --trials 5 --iters 20 \
             --out-json "${OUT}/tune/bench.json" --out-png "${OUT}/tune/bench.png" > "${OUT}/tune/bench.log" 2>&1
         echo "   bench exit $? (${SECONDS}s)"; grep -A24 "^summary" "${OUT}/tune/bench.log" | head -26 ;;
+    trainshapes)
+        mkdir -p "${OUT}/train"
+        cfg="${TRAIN_CONFIG:-configs/llama3_8b_16l.json}"; ms="${TRAIN_MS:-4096 8192}"
+        # shellcheck disable=SC2086
+        timeout "${TUNE_TIMEOUT:-360}" "${TORCHRUN[@]}" -m megatron_flux.tools.cli tune --model-config "${cfg}" \
+            --ms ${ms} --max-candidates "${TRAIN_CANDIDATES:-16}" --top 3 --screen-iters 5 --trials 3 --iters 10 \
+            --time-budget-s "${TRAIN_TUNE_BUDGET:-270}" --no-progress --no-merge --out "${OUT}/train/tune.json" \
+            > "${OUT}/train/tune.log" 2>&1
+        echo "   tune exit $? (${SECONDS}s)"; tail -2 "${OUT}/train/tune.log"
+        [ -f "${OUT}/train/tune.json" ] || continue
+        shipped="$(python3 -c 'import sys, torch; from megatron_flux.tuning import registry, schema; p = torch.cuda.get_device_properties(0); print(registry.SHIPPED_DIR + "/" + schema.default_filename(p.name, p.multi_processor_count, int(sys.argv[1]), "bf16"))' "${NGPUS}")"
+        if [ -f "${shipped}" ]; then
+            python3 -m megatron_flux.tools.tune.add "${shipped}" "${OUT}/train/tune.json" "${OUT}/train/added.json" \
+                || cp "${shipped}" "${OUT}/train/added.json"
+        else
+            echo "   no shipped table ${shipped}: the tune is the table"; cp "${OUT}/train/tune.json" "${OUT}/train/added.json"
+        fi
+        # shellcheck disable=SC2086
+        MEGATRON_FLUX_CONFIG="${OUT}/train/added.json" op_bench train/bench --model-config "${cfg}" --ms ${ms} \
+            --methods cublas_gemm comm nccl flux auto --trials 5
+        python3 -m megatron_flux.tools.tune.confirm "${OUT}/train/added.json" "${OUT}/train/bench.json" \
+            "${OUT}/train/confirmed.json" ;;
     host)
         # host time per layer call (forward + backward) of nccl and flux, with a profile of flux's
         timeout "${HOST_TIMEOUT:-150}" "${TORCHRUN[@]}" benchmarks/host_overhead.py --layers \
@@ -163,7 +191,7 @@ for stage in "$@"; do
     cachepack)
         pack_triton_cache ;;
     *)
-        echo "unknown stage ${stage}; stages: main tests bench unseen ab kvc tune host sections launchab matrix interleave e2e cachepack"
+        echo "unknown stage ${stage}; stages: main tests bench unseen ab kvc tune trainshapes host sections launchab matrix interleave e2e cachepack"
         exit 2 ;;
     esac
 done

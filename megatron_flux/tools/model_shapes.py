@@ -170,6 +170,24 @@ def tp_gemms(path: str, tp: int, backward: bool = False) -> List[TPGemm]:
     return out
 
 
+def bench_widths(path: str, tp: int) -> List[tuple]:
+    """The config's TP GEMMs as the op benchmark's models: ``[(name, hidden, width), ...]``,
+    one per forward linear (QKV, proj, fc1, fc2, the output layer). A model of fc1 = ffn =
+    ``width`` gives the benchmark an AG+GEMM of ``n = width`` and a GEMM+RS of ``k = width``
+    (either ``--rs-k``): for QKV and fc1 their forward and data gradient, for proj and fc2
+    their data gradient and forward, for the output layer its forward and data gradient. So
+    the five models' ten cases are :func:`tp_gemms` with ``backward=True``, whatever the
+    benchmark's per-rank split (``width`` is global: the per-rank width times ``tp``)."""
+    cfg = load_settings(path)
+    hidden = _int(cfg, "hidden_size", path) if "hidden_size" in cfg else None
+    out = []
+    for g in tp_gemms(path, tp):
+        name = g.label.replace(":", ".")
+        width = (g.n if g.op == "ag" else g.k) * tp
+        out.append((name, hidden, width))
+    return out
+
+
 def tokens_per_microbatch(path: str):
     """``seq_length * micro_batch_size`` of the config (the m of its TP GEMMs), or ``None``."""
     cfg = load_settings(path)

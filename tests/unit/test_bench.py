@@ -899,3 +899,24 @@ def test_rescore_lists_a_case_whose_medians_give_no_speedup():
                paired_speedup_vs_nccl=0.9)
     lines = rescore.slower_cases([row])
     assert len(lines) == 1 and "medians -  paired 0.900x" in lines[0]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_model_config_benchmarks_exactly_the_configs_tp_gemms(tp):
+    """--model-config: the cases, in per-rank shapes, are the config's ten TP GEMMs (forward and
+    data gradient of QKV, proj, fc1, fc2 and the output layer), as the tuning tables key them,
+    at the config's seq-length x micro-batch unless --ms says otherwise."""
+    from megatron_flux.tools.model_shapes import tp_gemms
+    from megatron_flux.tools.tune.from_bench import local_nk
+
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "llama3_8b_16l.json")
+    args = resolve_args(build_parser().parse_args(["--model-config", config]), tp=tp)
+    assert args.ms == [4096]
+    got = {(c.op, *local_nk("ag" if c.op == G.AG_GEMM else "rs", c.n, c.k, tp)) for c in args.cases}
+    want = {(G.AG_GEMM if g.op == "ag" else G.GEMM_RS, g.n, g.k) for g in tp_gemms(config, tp, backward=True)}
+    assert got == want and len(args.cases) == 10
+    assert {c.model for c in args.cases} == {f"llama3_8b_16l.{x}" for x in ("qkv", "proj", "fc1", "fc2", "output")}
+    args = resolve_args(build_parser().parse_args(["--model-config", config, "--ms", "8192", "--ops", "rs"]), tp=tp)
+    assert args.ms == [8192] and len(args.cases) == 5
+    with pytest.raises(ValueError, match="--model-config nope.json: no such file"):
+        resolve_args(build_parser().parse_args(["--model-config", "nope.json"]), tp=tp)

@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"model names; default: {', '.join(G.MODELS)} (or only the --model-shapes models if given)")
     g.add_argument("--model-shapes", nargs="+", default=[], metavar="NAME:H:FC1:FFN",
                    help="extra models by shape (fc1 includes the gate of gated MLPs)")
+    g.add_argument("--model-config", nargs="+", default=[], metavar="PATH",
+                   help="training configs (configs/*.json, as megatron-flux tune takes them): their TP "
+                   "GEMMs at this TP size as five models each (QKV, proj, fc1, fc2, the output layer; "
+                   "each model's AG+GEMM and GEMM+RS are a linear's forward and data gradient), "
+                   "named <config>.<linear>; --ms defaults to the config's seq-length x micro-batch")
     g.add_argument("--ms", "--m", dest="m", nargs="+", default=None,
                    help="token counts; overrides --m-set (spell it --ms after torchrun: torchrun's own "
                         "parser rejects --m as an ambiguous abbreviation of its options)")
@@ -126,8 +131,16 @@ def resolve_args(args: argparse.Namespace, tp: int) -> argparse.Namespace:
             raise ValueError(f"unknown op {o!r}; expected AG+GEMM, GEMM+RS (or ag, rs)")
         ops.append(OP_ALIASES[o.lower()])
     custom = [G.parse_model_shape(s) for s in _split(args.model_shapes)]
+    configs = _config_models(getattr(args, "model_config", None) or [], tp)
+    custom += configs
     names = _split(args.models) or ([c.name for c in custom] if custom else list(G.MODELS))
     models = G.select_models(names, custom)
+    if args.m is None and configs:
+        from megatron_flux.tools.model_shapes import tokens_per_microbatch
+
+        ms = sorted({tokens_per_microbatch(path) for path in args.model_config} - {None})
+        if ms:
+            args.m = [str(m) for m in ms]
     if args.m is not None:
         try:
             ms = [int(v) for v in _split(args.m)]
@@ -159,6 +172,21 @@ def resolve_args(args: argparse.Namespace, tp: int) -> argparse.Namespace:
     args.cases = G.build_grid(args.op_list, models, args.ms, tp, args.rs_k)
     args.threshold = args.max_rel_err if args.max_rel_err is not None else M.default_max_rel_err(DTYPES[args.dtype])
     return args
+
+
+def _config_models(paths: Sequence[str], tp: int) -> List[G.ModelShape]:
+    """``--model-config``'s models (:func:`megatron_flux.tools.model_shapes.bench_widths`);
+    ``ValueError`` naming the file for one that cannot be read or split over ``tp``."""
+    from megatron_flux.tools.model_shapes import bench_widths, file_problem
+
+    out = []
+    for path in paths:
+        problem = file_problem(path)
+        if problem is not None:
+            raise ValueError(f"--model-config {path}: {problem}")
+        for name, hidden, width in bench_widths(path, tp):
+            out.append(G.ModelShape(name, hidden=hidden, fc1=width, ffn=width))
+    return out
 
 
 def describe_command(argv: Sequence[str]) -> str:
@@ -196,7 +224,7 @@ def init_distributed(args: argparse.Namespace):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
-    if not use_cuda and not args.model_shapes:
+    if not use_cuda and not args.model_shapes and not args.model_config:
         # the default grid is GPU-sized: on CPU it would run for hours and measure nothing useful
         raise SystemExit(
             "megatron-flux bench: no CUDA GPU here. The benchmark needs >= 2 NVIDIA GPUs (NCCL, "
