@@ -43,25 +43,12 @@ BENCH_CASE = {"qkv": ("AG+GEMM", "qkv"), "proj": ("GEMM+RS", "proj"), "fc1": ("A
 
 
 def step_kernels(events: List[dict]):
-    """``{step number: [(gpu start, name, kind, us), ...]}`` in GPU order, each kernel attributed
-    to the step whose host span launched it."""
+    """``{step number: [(gpu start, name, kind, us), ...]}``: each step's kernels in GPU order
+    (:func:`trace_summary.gpu_events_by_step`)."""
     steps, step_at = T.profiler_steps(events)
-    launch: Dict[int, int] = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
-            i = step_at(e["ts"])
-            corr = (e.get("args") or {}).get("correlation")
-            if i is not None and corr is not None:
-                launch[corr] = i
-    out: Dict[int, list] = defaultdict(list)
-    for e in events:
-        if e.get("ph") != "X" or e.get("cat") != "kernel":
-            continue
-        i = launch.get((e.get("args") or {}).get("correlation"))
-        if i is not None:
-            name = str(e.get("name", ""))
-            out[steps[i][2]].append((e["ts"], name, T.kind_of(name, "kernel"), e["dur"]))
-    return {n: sorted(ks) for n, ks in out.items()}
+    return {steps[i][2]: [(e["ts"], str(e.get("name", "")), T.kind_of(str(e.get("name", "")), "kernel"), e["dur"])
+                          for e in evs if e["cat"] == "kernel"]
+            for i, evs in T.gpu_events_by_step(events, step_at).items()}
 
 
 def nccl_forward(kernels, layers: int, micro_batches: int, step: int) -> Dict[str, List[float]]:

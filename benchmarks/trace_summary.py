@@ -176,10 +176,34 @@ def profiler_steps(events: List[dict]):
     return steps, step_at
 
 
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def gpu_events_by_step(events: List[dict], step_at) -> Dict[int, List[dict]]:
+    """``{step index: [GPU event, ...]}`` (kernels, copies, memsets, in GPU start order), each
+    attributed to the step whose host span launched it: the CUDA runtime or driver call with
+    the same correlation id ran inside that step's ``ProfilerStep#N`` span."""
+    launch_step: Dict[int, int] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            corr = (e.get("args") or {}).get("correlation")
+            i = step_at(e["ts"]) if corr is not None else None
+            if i is not None:
+                launch_step[corr] = i
+    out: Dict[int, List[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in GPU_CATS:
+            i = launch_step.get((e.get("args") or {}).get("correlation"))
+            if i is not None:
+                out[i].append(e)
+    for v in out.values():
+        v.sort(key=lambda e: e["ts"])
+    return out
+
+
 def summarize(events: List[dict], labels: Dict[int, str], top: int = 30) -> dict:
     steps, step_at = profiler_steps(events)
 
-    launch_step: Dict[int, int] = {}
     per = [defaultdict(float) for _ in steps]
     gpu: List[List[tuple]] = [[] for _ in steps]
     comm: List[List[tuple]] = [[] for _ in steps]
@@ -196,9 +220,6 @@ def summarize(events: List[dict], labels: Dict[int, str], top: int = 30) -> dict
             i = step_at(e["ts"])
             if i is None:
                 continue
-            corr = (e.get("args") or {}).get("correlation")
-            if corr is not None:
-                launch_step[corr] = i
             per[i]["launch_api_ms"] += e["dur"] / 1e3
             if LAUNCH_RE.search(name):
                 per[i]["launches"] += 1
@@ -212,26 +233,22 @@ def summarize(events: List[dict], labels: Dict[int, str], top: int = 30) -> dict
             if i is not None:
                 per[i]["linear_host_ms"] += e["dur"] / 1e3
                 linear_calls[i] += 1
-    for e in events:
-        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
-            continue
-        i = launch_step.get((e.get("args") or {}).get("correlation"))
-        if i is None:
-            continue
-        span = (e["ts"], e["ts"] + e["dur"])
-        gpu[i].append(span)
-        kind = kind_of(str(e.get("name", "")), e["cat"])
-        per[i]["kind:" + kind] += e["dur"] / 1e3
-        if kind in ("nccl", "memcpy"):
-            comm[i].append(span)
-            comm_ops[i].append((f"{str(e.get('name', ''))[:60]} (stream "
-                                f"{(e.get('args') or {}).get('stream')})", span))
-        else:
-            compute[i].append(span)
-        if e["cat"] == "kernel":
-            by_name[i][str(e.get("name", ""))[:90]] += e["dur"] / 1e3
-        if kind in ("fused_ag", "fused_rs"):
-            fused[i].append((e["ts"], str(e.get("name", ""))[:40], e["dur"]))
+    for i, step_events in gpu_events_by_step(events, step_at).items():
+        for e in step_events:
+            span = (e["ts"], e["ts"] + e["dur"])
+            gpu[i].append(span)
+            kind = kind_of(str(e.get("name", "")), e["cat"])
+            per[i]["kind:" + kind] += e["dur"] / 1e3
+            if kind in ("nccl", "memcpy"):
+                comm[i].append(span)
+                comm_ops[i].append((f"{str(e.get('name', ''))[:60]} (stream "
+                                    f"{(e.get('args') or {}).get('stream')})", span))
+            else:
+                compute[i].append(span)
+            if e["cat"] == "kernel":
+                by_name[i][str(e.get("name", ""))[:90]] += e["dur"] / 1e3
+            if kind in ("fused_ag", "fused_rs"):
+                fused[i].append((e["ts"], str(e.get("name", ""))[:40], e["dur"]))
     rows = []
     for i, (s, e, n) in enumerate(steps):
         g = gpu[i]
@@ -273,7 +290,7 @@ def summarize(events: List[dict], labels: Dict[int, str], top: int = 30) -> dict
         med = {k: statistics.median(by_name[i].get(k, 0.0) for i in idx) for k in names}
         agg["kernels_ms"] = {k: round(v, 3) for k, v in sorted(med.items(), key=lambda kv: -kv[1])[:top]}
         agg["steps"] = [r["step"] for r in rs]
-        agg["fused_calls_steps"], agg["fused_calls_us"] = _fused_calls([sorted(fused[i]) for i in idx],
+        agg["fused_calls_steps"], agg["fused_calls_us"] = _fused_calls([fused[i] for i in idx],
                                                                        [rows[i]["step"] for i in idx])
         by_backend[name] = agg
     return {"steps": rows, "median_by_backend": by_backend}
