@@ -284,15 +284,25 @@ def write_table(t: Table, path: str) -> None:
     os.replace(tmp, path)
 
 
+def machine_mismatch(a: Table, b: Table) -> Optional[Tuple[str, Any, Any]]:
+    """The first of GPU, SM count, TP, dtype and kernel version in which two tables differ, as
+    ``(field, a's, b's)``, or None: tables that may be combined (one file holds times of one
+    machine and one kernel version)."""
+    for fld, x, y in (("gpu.name", a.gpu, b.gpu), ("gpu.sms", a.sms, b.sms), ("tp", a.tp, b.tp),
+                      ("dtype", a.dtype, b.dtype), ("kernel_version", a.kernel_version, b.kernel_version)):
+        if x != y:
+            return fld, x, y
+    return None
+
+
 def merge_tables(old: Table, new: Table) -> Table:
     """``new``'s entries over ``old``'s for the same (op, n, k, m); both must be for the same
     GPU, SM count, TP, dtype and kernel version (else :class:`TuningFileError` naming the
     differing field: one file holds times of one kernel version)."""
-    for fld, a, b in (("gpu.name", old.gpu, new.gpu), ("gpu.sms", old.sms, new.sms),
-                      ("tp", old.tp, new.tp), ("dtype", old.dtype, new.dtype),
-                      ("kernel_version", old.kernel_version, new.kernel_version)):
-        if a != b:
-            raise TuningFileError(old.path, fld, f"cannot merge: existing file has {a!r}, new results have {b!r}")
+    differ = machine_mismatch(old, new)
+    if differ is not None:
+        fld, a, b = differ
+        raise TuningFileError(old.path, fld, f"cannot merge: existing file has {a!r}, new results have {b!r}")
     merged = {(e.op, e.n, e.k, e.m): e for e in old.entries}
     merged.update({(e.op, e.n, e.k, e.m): e for e in new.entries})
     sources = old.source if new.source in old.source else f"{old.source}; {new.source}"

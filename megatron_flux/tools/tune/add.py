@@ -20,16 +20,7 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron_flux.tools.tune.from_bench import run_table_tool, with_search
-from megatron_flux.tuning.schema import Table, TuningFileError, validate_table
-
-
-def _check_same_machine(table: Table, tuned: Table, source: str) -> None:
-    for fld, a, b in (("gpu.name", table.gpu, tuned.gpu),
-                      ("gpu.sms", table.sms, tuned.sms), ("tp", table.tp, tuned.tp),
-                      ("dtype", table.dtype, tuned.dtype),
-                      ("kernel_version", table.kernel_version, tuned.kernel_version)):
-        if a != b:
-            raise TuningFileError(source, fld, f"the table {table.path} has {a!r}, this tuning run {b!r}")
+from megatron_flux.tuning.schema import Table, TuningFileError, machine_mismatch, validate_table
 
 
 def add_tuned(table: Table, tuned: Sequence[Tuple[Table, str]]) -> Table:
@@ -39,7 +30,10 @@ def add_tuned(table: Table, tuned: Sequence[Tuple[Table, str]]) -> Table:
     entries = list(table.entries)
     added_by: List[Dict[str, Any]] = list(((table.extra or {}).get("search") or {}).get("added_by") or [])
     for run, source in tuned:
-        _check_same_machine(table, run, source)
+        differ = machine_mismatch(table, run)
+        if differ is not None:
+            fld, a, b = differ
+            raise TuningFileError(source, fld, f"the table {table.path} has {a!r}, this tuning run {b!r}")
         new = [e for e in run.entries if (e.op, e.n, e.k, e.m) not in have]
         if not new:
             raise TuningFileError(source, "entries", f"adds nothing: {table.path} holds every entry of it")
