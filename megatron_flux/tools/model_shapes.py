@@ -178,13 +178,10 @@ def bench_widths(path: str, tp: int) -> List[tuple]:
     their data gradient and forward, for the output layer its forward and data gradient. So
     the five models' ten cases are :func:`tp_gemms` with ``backward=True``, whatever the
     benchmark's per-rank split (``width`` is global: the per-rank width times ``tp``)."""
-    cfg = load_settings(path)
-    hidden = _int(cfg, "hidden_size", path) if "hidden_size" in cfg else None
     out = []
-    for g in tp_gemms(path, tp):
-        name = g.label.replace(":", ".")
-        width = (g.n if g.op == "ag" else g.k) * tp
-        out.append((name, hidden, width))
+    for g in tp_gemms(path, tp):  # an AG+GEMM's k and a GEMM+RS's n are the hidden size
+        hidden, width = (g.k, g.n * tp) if g.op == "ag" else (g.n, g.k * tp)
+        out.append((g.label.replace(":", "."), hidden, width))
     return out
 
 
