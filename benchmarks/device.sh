@@ -79,6 +79,15 @@ with_connections() {  # with_connections CMD...: CMD under BENCH_CONNECTIONS (de
     fi
 }
 
+tune_table() {  # tune_table OUT_JSON ARGS...: megatron-flux tune with ARGS (what and how much to
+    # search) and the short timings every table here is tuned with, under TUNE_TIMEOUT (300 s)
+    # -> the table OUT_JSON, its log tune.log beside it
+    local out_json="$1"; shift
+    timeout "${TUNE_TIMEOUT:-300}" "${TORCHRUN[@]}" -m megatron_flux.tools.cli tune "$@" \
+        --screen-iters 5 --trials 3 --iters 10 --no-progress --no-merge \
+        --out "${out_json}" > "$(dirname "${out_json}")/tune.log" 2>&1
+}
+
 op_bench() {  # op_bench NAME ARGS...: the op benchmark with ARGS, 20 calls a timed block, under
     # BENCH_CONNECTIONS and BENCH_TIMEOUT -> $OUT/NAME.{json,png,log}; prints its exit and summary
     local name="$1"; shift
@@ -130,9 +139,7 @@ for stage in "$@"; do
     tune)
         mkdir -p "${OUT}/tune"
         # shellcheck disable=SC2086
-        timeout "${TUNE_TIMEOUT:-300}" "${TORCHRUN[@]}" -m megatron_flux.tools.cli tune \
-            ${TUNE_ARGS:---m-set all --max-candidates 12 --top 2} --screen-iters 5 --trials 3 \
-            --iters 10 --no-progress --no-merge --out "${OUT}/tune/table.json" > "${OUT}/tune/tune.log" 2>&1
+        tune_table "${OUT}/tune/table.json" ${TUNE_ARGS:---m-set all --max-candidates 12 --top 2}
         echo "   tune exit $? (${SECONDS}s)"; grep -E "^(ag|rs) n=" "${OUT}/tune/tune.log" | tail -20
         [ "${TUNE_BENCH:-1}" = 1 ] || continue
         MEGATRON_FLUX_CONFIG="${OUT}/tune/table.json" timeout "${BENCH_TIMEOUT:-420}" "${TORCHRUN[@]}" \
@@ -144,10 +151,9 @@ for stage in "$@"; do
         mkdir -p "${OUT}/train"
         cfg="${TRAIN_CONFIG:-configs/llama3_8b_16l.json}"; ms="${TRAIN_MS:-4096 8192}"
         # shellcheck disable=SC2086
-        timeout "${TUNE_TIMEOUT:-360}" "${TORCHRUN[@]}" -m megatron_flux.tools.cli tune --model-config "${cfg}" \
-            --ms ${ms} --max-candidates "${TRAIN_CANDIDATES:-16}" --top 3 --screen-iters 5 --trials 3 --iters 10 \
-            --time-budget-s "${TRAIN_TUNE_BUDGET:-270}" --no-progress --no-merge --out "${OUT}/train/tune.json" \
-            > "${OUT}/train/tune.log" 2>&1
+        TUNE_TIMEOUT="${TUNE_TIMEOUT:-360}" tune_table "${OUT}/train/tune.json" \
+            --model-config "${cfg}" --ms ${ms} --max-candidates "${TRAIN_CANDIDATES:-16}" --top 3 \
+            --time-budget-s "${TRAIN_TUNE_BUDGET:-270}"
         echo "   tune exit $? (${SECONDS}s)"; tail -2 "${OUT}/train/tune.log"
         [ -f "${OUT}/train/tune.json" ] || continue
         shipped="$(python3 -c 'import sys, torch; from megatron_flux.tuning import registry, schema; p = torch.cuda.get_device_properties(0); print(registry.SHIPPED_DIR + "/" + schema.default_filename(p.name, p.multi_processor_count, int(sys.argv[1]), "bf16"))' "${NGPUS}")"
