@@ -429,13 +429,14 @@ def parse_variant(spec: str) -> Tuple[str, Dict[str, Any], Optional[List[str]]]:
     {"rs_copy_engine": True}, ["rs"])`` (``--flux-interleave-variants``); a clear error for a
     bad name, JSON, op or field."""
     from megatron_flux.backends.flux.variant import check_variant_fields
+    from megatron_flux.backends import BACKEND_CHOICES
     from megatron_flux.tuning.keys import normalize_op
 
     name, sep, text = spec.partition("=")
     if not sep or not name or not name.replace("-", "").replace("_", "").isalnum():
         raise ValueError(f"--flux-interleave-variants {spec!r}: expected NAME=JSON with a name of "
                          "letters, digits, '-' and '_'")
-    if name in ("auto", "flux", "nccl", STEP_AUTO_BLOCK, PER_OP_AUTO_BLOCK, "megatron"):
+    if name in BACKEND_CHOICES + (STEP_AUTO_BLOCK, PER_OP_AUTO_BLOCK):
         raise ValueError(f"--flux-interleave-variants {spec!r}: {name!r} is taken; choose another name")
     try:
         fields = json.loads(text)
