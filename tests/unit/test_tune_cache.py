@@ -16,7 +16,7 @@ from megatron_flux.kernels.config import GemmConfig
 from megatron_flux.kernels.version import KERNEL_VERSION
 from megatron_flux.tools import plan as P
 from megatron_flux.tools.tune import search
-from megatron_flux.tuning import provider, registry
+from megatron_flux.tuning import provider, registry, schema
 
 from helpers.paths import REPO
 LLAMA = str(REPO / "configs" / "llama3_8b_16l.json")
@@ -140,6 +140,49 @@ def test_tune_in_budget_stops_before_an_entry_that_would_not_fit():
     assert entries == [] and left == list("abcd")
 
 
+def test_an_entry_that_fails_on_one_rank_stops_every_rank_at_the_same_point():
+    kept, flags = [], []
+
+    def tune(item):
+        if item == "b":
+            raise ValueError("boom")
+        return {"item": item}
+
+    def agree(flag):  # this rank's view of the OR over ranks
+        flags.append(flag)
+        return flag
+
+    with pytest.raises(search.TuneFailed, match="entry b: ValueError: boom") as info:
+        search.tune_in_budget(list("abc"), tune, lambda e: kept.append(len(e)), None, agree=agree,
+                              describe=lambda item: f"entry {item}")
+    assert isinstance(info.value.__cause__, ValueError) and kept == [1] and flags == [False, True]
+    # a rank whose own entry went well stops too, when another rank's failed
+    with pytest.raises(search.TuneFailed, match="entry a: failed on another rank"):
+        search.tune_in_budget(list("abc"), lambda item: {"item": item}, lambda e: None, None,
+                              agree=lambda flag: True, describe=lambda item: f"entry {item}")
+    # so does an error in keeping the table (rank 0 writes it alone)
+    def keep(entries):
+        raise NameError("argv")
+
+    with pytest.raises(search.TuneFailed, match="NameError: argv"):
+        search.tune_in_budget(list("abc"), lambda item: {"item": item}, keep, None)
+
+
+def test_the_tuned_table_object_validates_and_names_the_command():
+    argv = ["--model-config", LLAMA, "--ms", "4096", "--max-candidates", "8", "--no-merge", "--out", "t.json"]
+    args = search.parse_args(argv)
+    args.space, pinned = search.search_space_for((9, 0))
+    cfg = search.generate_candidates("ag", 4096, 1536, 4096, 4, max_candidates=8, space=args.space)[0]
+    entry = {"op": "ag", "n": 1536, "k": 4096, "m": 4096, "config": cfg.to_dict(), "tuned": True,
+             "flux_ms": 0.124, "nccl_ms": 0.177, "notes": {"model": "llama3_8b_16l:qkv"}}
+    obj = search.table_object(args, argv, "NVIDIA H200", 132, 4, "bf16", pinned, [entry],
+                              {"torch": "2.11.0", "triton": "3.6.0"})
+    table = schema.validate_table(json.loads(json.dumps(obj)), "t.json")
+    assert obj["kernel_version"] == KERNEL_VERSION and table.kernel_version == KERNEL_VERSION
+    assert table.tp == 4 and len(table.entries) == 1 and table.entries[0].config == cfg
+    assert table.source == "megatron-flux tune " + " ".join(argv)
+
+
 def test_tune_flags(capsys, monkeypatch):
     args = search.parse_args(["--model-config", LLAMA, "--time-budget-s", "600", "--skip-tuned", "--tp", "2"])
     assert args.time_budget_s == 600 and args.skip_tuned and args.out is None
@@ -160,7 +203,7 @@ def test_the_tuner_writes_the_kernel_version_into_the_user_cache_by_default():
 
     src = inspect.getsource(search._run)
     assert "out = args.out or cache_table_path(gpu_name, sms, tp, dtype_key(dtype))" in src
-    assert '"kernel_version": KERNEL_VERSION' in src
+    assert "obj = table_object(" in src  # whose kernel version is checked below
 
 
 # ------------------------------------------------------------------ plan and the launcher

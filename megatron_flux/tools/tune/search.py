@@ -44,6 +44,7 @@ import itertools
 import json
 import os
 import sys
+import traceback
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_flux.kernels.version import KERNEL_VERSION
@@ -627,6 +628,26 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     return entry
 
 
+def table_object(args: argparse.Namespace, argv: Sequence[str], gpu_name: str, sms: int, tp: int,
+                 dtype: str, pinned: Dict[str, str], entries: List[dict], environment: Dict[str, str]) -> dict:
+    """A tuning table's JSON object: ``entries`` with the machine, the command (``argv``, the
+    tuner's own arguments) and the search that produced them."""
+    return {"format": "megatron-flux-tuning", "version": 1, "gpu": {"name": gpu_name, "sms": sms}, "tp": tp,
+            "dtype": dtype, "source": table_source(argv), "kernel_version": KERNEL_VERSION,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "environment": dict(environment),
+            "search": {"searched": True, "max_candidates": args.max_candidates, "top": args.top,
+                       "trials": args.trials, "iters": args.iters,
+                       "sample_warmup": args.sample_warmup, "rs_k": args.rs_k,
+                       "space": {k: list(v) for k, v in args.space.items()},
+                       "seeds": [dict(s) for s in SEED_CONFIGS],
+                       "rs_short_k_seeds": {"max_k": RS_SHORT_K,
+                                            "seeds": [dict(s) for s in RS_SHORT_K_SEEDS]},
+                       "ag_seeds": [dict(s) for s in AG_SEEDS],
+                       "not_searched": {**NOT_SEARCHED, **pinned}},
+            "entries": entries}
+
+
 def config_error(args: argparse.Namespace) -> Optional[str]:
     """The first ``--model-config`` that cannot be used, as one line, or ``None``: checked
     before any GPU work so a typo or a malformed file fails at once on every rank."""
@@ -679,12 +700,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=args.timeout_s), device_id=device)
     try:
-        return _run(args, dist.group.WORLD, dist.get_rank(), dist.get_world_size(), device)
+        return _run(args, argv, dist.group.WORLD, dist.get_rank(), dist.get_world_size(), device)
+    except TuneFailed as exc:  # every rank is here together (tune_in_budget), so the teardown does not hang
+        if exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__)
+        print(f"{PROG} (rank {dist.get_rank()}): {exc}", file=sys.stderr)
+        return 1
     finally:
         dist.destroy_process_group()
 
 
-def _run(args, group, rank, tp, device) -> int:
+def _run(args, argv: Sequence[str], group, rank, tp, device) -> int:
     import torch
     import torch.distributed as dist
 
@@ -730,21 +756,8 @@ def _run(args, group, rank, tp, device) -> int:
     def write(entries) -> Table:
         """The table so far (merged into what ``out`` held before this run), written by rank 0
         after every entry, so an interrupted run keeps what it measured."""
-        obj = {"format": "megatron-flux-tuning", "version": 1, "gpu": {"name": gpu_name, "sms": sms}, "tp": tp,
-               "dtype": dtype_key(dtype), "source": table_source(argv),
-               "kernel_version": KERNEL_VERSION,
-               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "environment": {"torch": torch.__version__, "triton": triton.__version__},
-               "search": {"searched": True, "max_candidates": args.max_candidates, "top": args.top,
-                          "trials": args.trials, "iters": args.iters,
-                          "sample_warmup": args.sample_warmup, "rs_k": args.rs_k,
-                          "space": {k: list(v) for k, v in args.space.items()},
-                          "seeds": [dict(s) for s in SEED_CONFIGS],
-                          "rs_short_k_seeds": {"max_k": RS_SHORT_K,
-                                               "seeds": [dict(s) for s in RS_SHORT_K_SEEDS]},
-                          "ag_seeds": [dict(s) for s in AG_SEEDS],
-                          "not_searched": {**NOT_SEARCHED, **pinned}},
-               "entries": entries}
+        obj = table_object(args, argv, gpu_name, sms, tp, dtype_key(dtype), pinned, entries,
+                           {"torch": torch.__version__, "triton": triton.__version__})
         new: Table = validate_table(json.loads(json.dumps(obj)), out)
         if previous is not None:
             new = merge_tables(previous, new)
@@ -770,7 +783,8 @@ def _run(args, group, rank, tp, device) -> int:
             written[:] = [write(entries)]
 
     entries, left = tune_in_budget(todo, tune, keep, args.time_budget_s,
-                                   agree=lambda stop: agree_flags([stop], group, device)[0])
+                                   agree=lambda flag: agree_flags([flag], group, device)[0],
+                                   describe=lambda item: f"{item[0]} n={item[1]} k={item[2]} m={item[3]}")
     bar.close()
     if rank != 0:
         return 0
@@ -783,12 +797,20 @@ def _run(args, group, rank, tp, device) -> int:
     return 0
 
 
+class TuneFailed(RuntimeError):
+    """An entry failed on some rank; raised on every rank at the same point (:func:`tune_in_budget`)."""
+
+
 def tune_in_budget(todo: Sequence, tune, keep, budget_s: Optional[float], *, agree=lambda stop: stop,
-                   clock=None) -> Tuple[List[dict], List]:
+                   clock=None, describe=str) -> Tuple[List[dict], List]:
     """Tune ``todo`` in order (``tune(item) -> entry``), calling ``keep(entries so far)`` after
     each, until the next item would end past ``budget_s`` seconds from the start (None: no
-    budget), judged by the slowest item so far. ``agree(stop) -> bool`` makes every rank take the
-    same decision (the OR over ranks). Returns ``(entries, items not tuned)``."""
+    budget), judged by the slowest item so far. ``agree(flag) -> bool`` makes every rank take the
+    same decision (the OR over ranks): whether to stop for the budget, and whether an entry
+    failed. An error in ``tune`` or ``keep`` on any rank raises :class:`TuneFailed` on every rank
+    after that entry (the failing rank's error as its cause; ``describe(item)`` names the entry),
+    instead of the other ranks waiting in the next entry's collectives for a rank that left.
+    Returns ``(entries, items not tuned)``."""
     import time
 
     clock = time.monotonic if clock is None else clock
@@ -799,9 +821,18 @@ def tune_in_budget(todo: Sequence, tune, keep, budget_s: Optional[float], *, agr
         if budget_s is not None and agree(clock() - start + slowest > budget_s):
             return entries, list(todo[i:])
         t0 = clock()
-        entries.append(tune(item))
+        error = None
+        try:
+            entry = tune(item)
+            keep(entries + [entry])
+        except Exception as exc:  # reported below, once every rank knows
+            error = exc
+        if agree(error is not None):
+            if error is not None:
+                raise TuneFailed(f"{describe(item)}: {type(error).__name__}: {error}") from error
+            raise TuneFailed(f"{describe(item)}: failed on another rank (its error is in that rank's output)")
+        entries.append(entry)
         slowest = max(slowest, clock() - t0)
-        keep(entries)
     return entries, []
 
 
