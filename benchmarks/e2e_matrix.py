@@ -424,7 +424,9 @@ def _plot(out: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = out["cells"]
+    modes = {"none": 0, "local": 1, "full_iteration": 2}
+    cells = sorted(out["cells"], key=lambda c: (c["model"], c["tp"], c["micro_batch"],
+                                                modes.get(c["cuda_graphs"], 3), c.get("run") or 0))
     names = [f"{c['model'].split('_')[0]}\ntp{c['tp']} mbs{c['micro_batch']}\n{c['cuda_graphs']}"
              + (f"\nrun {c['run']}" if c.get("run") else "") for c in cells]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cells)), 4))
