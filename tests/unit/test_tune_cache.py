@@ -168,6 +168,23 @@ def test_an_entry_that_fails_on_one_rank_stops_every_rank_at_the_same_point():
         search.tune_in_budget(list("abc"), lambda item: {"item": item}, keep, None)
 
 
+def test_the_table_a_tune_merges_into(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    assert search.previous_table(str(out), merge=True) == (None, None)  # no file yet
+    put(out, table(ratio=0.9, n=5000))
+    previous, problem = search.previous_table(str(out), merge=True)
+    assert problem is None and [e.n for e in previous.entries] == [5000]
+    assert search.previous_table(str(out), merge=False) == (None, None)
+    # a file measured with other kernels is written over, and the run says so
+    put(out, {**table(ratio=0.9, n=5000), "kernel_version": KERNEL_VERSION + 1})
+    assert search.previous_table(str(out), merge=True) == (None, None)
+    assert "writing a new table over it" in capsys.readouterr().out
+    # a broken file is a one-line problem every rank is told, not an exception on rank 0 alone
+    out.write_text("{not json")
+    previous, problem = search.previous_table(str(out), merge=True)
+    assert previous is None and str(out) in problem and "--no-merge" in problem
+
+
 def test_the_tuned_table_object_validates_and_names_the_command():
     argv = ["--model-config", LLAMA, "--ms", "4096", "--max-candidates", "8", "--no-merge", "--out", "t.json"]
     args = search.parse_args(argv)

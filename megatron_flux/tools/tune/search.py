@@ -628,6 +628,26 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     return entry
 
 
+def previous_table(out: str, merge: bool):
+    """``(table, problem)``: the table at ``out`` that a run merges into (None: no file, not
+    merging, or measured with other kernels, which is said and then written over), or why it
+    cannot be read, as one line naming the file."""
+    from megatron_flux.tuning.schema import TuningFileError, load_table
+
+    if not merge or not os.path.exists(out):
+        return None, None
+    try:
+        previous = load_table(out)
+    except TuningFileError as exc:
+        return None, (f"cannot merge into {exc}; fix or remove the file, or write elsewhere "
+                      "(--out) or over it (--no-merge)")
+    if previous.kernel_version != KERNEL_VERSION:  # stale times: replace
+        print(f"{PROG}: {out} was measured with kernel version {previous.kernel_version} "
+              f"(now {KERNEL_VERSION}); writing a new table over it instead of merging")
+        return None, None
+    return previous, None
+
+
 def table_object(args: argparse.Namespace, argv: Sequence[str], gpu_name: str, sms: int, tp: int,
                  dtype: str, pinned: Dict[str, str], entries: List[dict], environment: Dict[str, str]) -> dict:
     """A tuning table's JSON object: ``entries`` with the machine, the command (``argv``, the
@@ -719,7 +739,7 @@ def _run(args, argv: Sequence[str], group, rank, tp, device) -> int:
     from megatron_flux.tuning.device import device_identity
     from megatron_flux.tools.tune.progress import progress
     from megatron_flux.tuning.registry import cache_table_path
-    from megatron_flux.tuning.schema import Table, load_table, merge_tables, validate_table, write_table
+    from megatron_flux.tuning.schema import Table, merge_tables, validate_table, write_table
 
     if "flux" not in available_backends():
         print("megatron-flux tune: the fused backend is unavailable (triton / symmetric memory)", file=sys.stderr)
@@ -736,13 +756,15 @@ def _run(args, argv: Sequence[str], group, rank, tp, device) -> int:
     holder = [None]
     flux = FluxBackend(config_provider=lambda op, m, n, k: holder[0])
     out = args.out or cache_table_path(gpu_name, sms, tp, dtype_key(dtype))
-    previous = load_table(out) if rank == 0 and os.path.exists(out) and not args.no_merge else None
-    if previous is not None and previous.kernel_version != KERNEL_VERSION:  # stale times: replace
-        print(f"{PROG}: {out} was measured with kernel version {previous.kernel_version} "
-              f"(now {KERNEL_VERSION}); writing a new table over it instead of merging")
-        previous = None
-    held = [sorted((e.op, e.n, e.k, e.m) for e in previous.entries) if previous is not None else []]
+    previous, problem = previous_table(out, merge=not args.no_merge) if rank == 0 else (None, None)
+    # rank 0 reads the file alone; what it found (or why it cannot) reaches every rank, so a
+    # broken file stops all of them here instead of leaving the others in the next collective
+    held = [sorted((e.op, e.n, e.k, e.m) for e in previous.entries) if previous is not None else [], problem]
     dist.broadcast_object_list(held, src=dist.get_global_rank(group, 0), group=group)
+    if held[1] is not None:
+        if rank == 0:
+            print(f"{PROG}: {held[1]}", file=sys.stderr)
+        return 2
     skip = set(map(tuple, held[0])) if args.skip_tuned else set()
     todo = [(op, n, k, m, model) for op, n, k, model in shapes for m in ms if (op, n, k, m) not in skip]
     total = sum(len(generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates,
