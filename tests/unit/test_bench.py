@@ -624,6 +624,32 @@ def test_torchrun_smoke_run_on_gloo(tmp_path):
     assert png.exists() == HAVE_MPL
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_NCCL_BACKEND, reason="megatron_flux.backends.nccl not written yet")
+def test_torchrun_model_config_run_on_gloo(tmp_path):
+    """`bench --model-config` end to end: a training config's TP GEMMs, as cases, timed."""
+    out = tmp_path / "bench.json"
+    config = str(REPO / "configs" / "tiny_smoke.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "megatron_flux.tools.bench", "--device", "cpu", "--model-config", config, "--ms", "64",
+           "--methods", "cublas_gemm", "nccl", "--trials", "1", "--iters", "1", "--warmup", "1",
+           "--timeout-s", "60", "--out-json", str(out), "--out-png", "none"]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    R.validate_result(doc)
+    got = {(r["op"], r["n"], r["k"]) for r in doc["rows"] if r["method"] == "nccl" and r["status"] == "ok"}
+    # tiny_smoke, in the rows' global weight shapes: hidden 512, QKV 512 + 2 * 4 groups * 64 = 1024,
+    # fc1 2 * 1536 (SwiGLU), fc2 1536, vocabulary 4096
+    want = {(G.AG_GEMM, 1024, 512), (G.GEMM_RS, 512, 1024),    # QKV forward, its data gradient
+            (G.GEMM_RS, 512, 512), (G.AG_GEMM, 512, 512),      # proj
+            (G.AG_GEMM, 3072, 512), (G.GEMM_RS, 512, 3072),    # fc1
+            (G.GEMM_RS, 512, 1536), (G.AG_GEMM, 1536, 512),    # fc2
+            (G.AG_GEMM, 4096, 512), (G.GEMM_RS, 512, 4096)}    # the output layer
+    assert got == want and all(r["m"] == 64 for r in doc["rows"])
+
+
 def test_timing_disables_gc_during_the_trials_and_restores_it():
     import gc
 
