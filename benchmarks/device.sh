@@ -45,6 +45,9 @@
 #   e2e         stock, nccl and flux as separate training runs, losses compared
 #               (benchmarks/e2e_device.sh; E2E_* variables pass through)          -> e2e/
 #   cachepack   the Triton cache as $OUT/triton-cache.tgz.part-* (15 MB pieces)
+#   bundle      everything under $OUT so far but the cache pack and smi.csv, moved into one archive
+#               (a remote-device tool may return only a few files, none deep in folders)
+#                                                                        -> results.tgz
 #
 # TP is every local GPU (NGPUS overrides). A machine with no network needs megatron-core 0.19
 # as a wheel in .whl/ (main, tests, matrix, interleave, e2e install it into /tmp/site and put it on PYTHONPATH). A Triton cache
@@ -196,8 +199,12 @@ for stage in "$@"; do
         OUT="${OUT}/e2e" bash benchmarks/e2e_device.sh ;;
     cachepack)
         pack_triton_cache ;;
+    bundle)
+        (cd "${OUT}" && find . -mindepth 1 -maxdepth 1 ! -name 'triton-cache.tgz.part-*' ! -name smi.csv \
+            ! -name results.tgz -print0 | tar czf results.tgz --null -T - --remove-files)
+        echo "   $(tar tzf "${OUT}/results.tgz" | wc -l) entries in ${OUT}/results.tgz" ;;
     *)
-        echo "unknown stage ${stage}; stages: main tests bench unseen ab kvc tune trainshapes host sections launchab matrix interleave e2e cachepack"
+        echo "unknown stage ${stage}; stages: main tests bench unseen ab kvc tune trainshapes host sections launchab matrix interleave e2e cachepack bundle"
         exit 2 ;;
     esac
 done
