@@ -31,12 +31,14 @@
 #               (tools.tune.add), benchmarked with that table, and the table confirmed with the
 #               benchmark (tools.tune.confirm): what shipping them takes, in one call
 #               -> train/{tune.json,added.json,bench.json,confirmed.json,*.log}
-#   host        host time per layer call of nccl and flux (benchmarks/host_overhead.py --layers,
-#               m = 4096 and 8192), with a profile of flux's host path          -> host.{json,log}
+#   host        host time per layer call of megatron-core's own linears, nccl and flux
+#               (benchmarks/host_overhead.py --layers, m = 4096 and 8192), with a profile of
+#               flux's host path                                    -> host.{json,log}
 #   sections    where a layer call's host time goes, section by section, nccl and flux
 #               (benchmarks/experiments/host_sections.py, m = 4096)           -> sections.{json,log}
-#   launchab    host time per layer call of the launch paths, alternating in one process: nccl,
-#               flux with the raw C launch, through CompiledKernel.run, through Triton
+#   launchab    host time per layer call of the launch paths, alternating in one process:
+#               megatron-core's own linears, nccl, flux with the raw C launch, through
+#               CompiledKernel.run, through Triton
 #               (benchmarks/experiments/host_launch_ab.py, m = 4096)         -> launch-ab.{json,log}
 #   matrix      the end-to-end matrix's cells MATRIX_CELLS (benchmarks/e2e_matrix.py; MATRIX_ARGS
 #               pass through; MATRIX_RESUME: an earlier call's matrix/ to resume from)                              -> matrix/<cell>.json, matrix-meta.json
@@ -172,15 +174,18 @@ for stage in "$@"; do
         python3 -m megatron_flux.tools.tune.confirm "${OUT}/train/added.json" "${OUT}/train/bench.json" \
             "${OUT}/train/confirmed.json" ;;
     host)
-        # host time per layer call (forward + backward) of nccl and flux, with a profile of flux's
+        # host time per layer call (forward + backward) of megatron-core's own linears, nccl and
+        # flux, with a profile of flux's
+        use_carried_megatron
         timeout "${HOST_TIMEOUT:-150}" "${TORCHRUN[@]}" benchmarks/host_overhead.py --layers \
-            --ms 4096 8192 --backends nccl flux --out "${OUT}/host.json" > "${OUT}/host.log" 2>&1
+            --ms 4096 8192 --backends megatron nccl flux --out "${OUT}/host.json" > "${OUT}/host.log" 2>&1
         echo "   exit $? (${SECONDS}s)"; grep -E "cpu issue" "${OUT}/host.log" | head -8 ;;
     sections)
         timeout "${HOST_TIMEOUT:-150}" "${TORCHRUN[@]}" benchmarks/experiments/host_sections.py \
             --out "${OUT}/sections.json" > "${OUT}/sections.log" 2>&1
         echo "   exit $? (${SECONDS}s)"; tail -30 "${OUT}/sections.log" ;;
     launchab)
+        use_carried_megatron  # its megatron variant: megatron-core's own linears
         timeout "${HOST_TIMEOUT:-150}" "${TORCHRUN[@]}" benchmarks/experiments/host_launch_ab.py \
             --trials "${LAUNCHAB_TRIALS:-15}" --out "${OUT}/launch-ab.json" > "${OUT}/launch-ab.log" 2>&1
         echo "   exit $? (${SECONDS}s)"; tail -16 "${OUT}/launch-ab.log" ;;

@@ -12,8 +12,9 @@ m (llama3-8b fc1/fc2 shapes by default) this records:
 
 With ``--layers`` the same is measured one level up, for what a training step calls: forward and
 backward of ``column_parallel_linear`` (fc1 shape) and ``row_parallel_linear`` (fc2 shape) on
-``[s/tp, 1, h]`` activations, per backend (``auto`` included), cProfiled for every backend but
-``nccl``. ``op`` is then ``column fwd+bwd`` / ``row fwd+bwd``.
+``[s/tp, 1, h]`` activations, per backend (``auto`` included; ``megatron``: megatron-core's own
+linears, the stock step's), cProfiled for every backend but ``nccl``. ``op`` is then
+``column fwd+bwd`` / ``row fwd+bwd``.
 
 ``torchrun --nproc-per-node N benchmarks/host_overhead.py --out host.json``
 """
@@ -66,17 +67,57 @@ def init_tp():
     return rank, world, dist.group.WORLD
 
 
-def layer_ops(name, group, world, m, h, fc1, ffn, dt, generator=None):
+def megatron_linears(group):
+    """megatron-core's own sequence-parallel linears, as its Column/RowParallelLinear call them
+    with ``--sequence-parallel`` and no gradient-accumulation fusion (no megatron-flux code):
+    ``(column(x, w), row(a, w))``. Column: AllGather of ``x``, GEMM, and in backward a re-gather
+    of ``x`` and a ReduceScatter of its gradient; row: GEMM, then ReduceScatter. The global
+    memory buffer the column's gathers use is made if megatron's parallel state has none."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+    from megatron.core.tensor_parallel.mappings import reduce_scatter_to_sequence_parallel_region
+
+    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        parallel_state._set_global_memory_buffer()
+
+    def column(x, w):
+        return linear_with_grad_accumulation_and_async_allreduce(
+            x, w, None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+            sequence_parallel=True, tp_group=group)
+
+    def row(a, w):
+        out = linear_with_grad_accumulation_and_async_allreduce(
+            a, w, None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+            sequence_parallel=False, tp_group=group)
+        return reduce_scatter_to_sequence_parallel_region(out, group=group)
+
+    return column, row
+
+
+def layer_ops(name, group, world, m, h, fc1, ffn, dt, generator=None, device="cuda"):
     """fwd+bwd closures of the column (fc1) and row (fc2) ops with backend ``name``, as
-    ``(op, n, k, fn)``; random operands from ``generator`` (default: the global one). Also used
-    by ``benchmarks/experiments/host_sections.py`` and ``host_launch_ab.py``."""
+    ``(op, n, k, fn)``; random operands from ``generator`` (default: the global one). ``name``
+    ``megatron``: megatron-core's own linears (:func:`megatron_linears`), the stock step's.
+    Also used by ``benchmarks/experiments/host_sections.py`` and ``host_launch_ab.py``."""
     from megatron_flux.ops import column_parallel_linear, row_parallel_linear
 
     def t(*shape, grad=False):
-        return torch.randn(*shape, device="cuda", dtype=dt, generator=generator).requires_grad_(grad)
+        return torch.randn(*shape, device=device, dtype=dt, generator=generator).requires_grad_(grad)
 
     x, w1, g1 = t(m // world, 1, h, grad=True), t(fc1 // world, h, grad=True), t(m, 1, fc1 // world)
     a, w2, g2 = t(m, 1, ffn // world, grad=True), t(h, ffn // world, grad=True), t(m // world, 1, h)
+    if name == "megatron":
+        stock_column, stock_row = megatron_linears(group)
+
+        def column():
+            stock_column(x, w1).backward(g1)
+            x.grad = w1.grad = None
+
+        def row():
+            stock_row(a, w2).backward(g2)
+            a.grad = w2.grad = None
+
+        return (("column fwd+bwd", fc1, h, column), ("row fwd+bwd", h, ffn, row))
 
     def column():  # keeping the gathered input, as the layers do by default
         column_parallel_linear(x, w1, group=group, backend=name,
@@ -142,6 +183,8 @@ def main():
     h, fc1, ffn = args.hidden, 2 * args.ffn, args.ffn
     dt = torch.bfloat16
     rows = []
+    if "megatron" in args.backends and not args.layers:
+        ap.error("--backends megatron needs --layers (megatron-core has linears, not a backend)")
     for name in args.backends:
         be = None if args.layers else get_backend(name)
         for m in args.m:
@@ -162,7 +205,7 @@ def main():
                        "cpu_issue_ms": statistics.median(c for c, _ in loops),
                        "gpu_ms": statistics.median(g for _, g in loops),
                        "cpu_issue_trials_ms": [c for c, _ in loops], "gpu_trials_ms": [g for _, g in loops]}
-                if name != "nccl":
+                if name not in ("nccl", "megatron"):
                     prof = cProfile.Profile()
                     torch.cuda.synchronize()
                     dist.barrier()

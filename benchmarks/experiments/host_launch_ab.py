@@ -4,6 +4,8 @@ Timed in separate processes, the same launch path moved by 30 % from one process
 on a 2xH100 host, more than the effect. Here one process holds every variant and alternates
 them trial by trial (order shuffled per trial, seeded):
 
+* ``megatron``: megatron-core's own linears, as the stock step calls them (no megatron-flux code;
+  ``host_overhead.megatron_linears``);
 * ``nccl``: the reference backend (NCCL + cuBLAS);
 * ``flux``: the fused backend as shipped: call plans per operand signature
   (``FluxBackend.call_plans``), each launching through its bound launch
@@ -46,6 +48,7 @@ from host_overhead import init_tp, layer_ops, paired_summary, run_record  # noqa
 
 VARIANTS = {  # label: (backend, FluxOptions.direct_launch, KernelLauncher.raw, call_plans,
     #                  FluxBackend.bound_launches)
+    "megatron": ("megatron", True, True, True, True),
     "nccl": ("nccl", True, True, True, True),
     "flux": ("flux", True, True, True, True),
     "flux unbound": ("flux", True, True, True, False),
@@ -83,17 +86,16 @@ def _quartiles(xs):
 
 
 def paired_rows(samples, variants):
-    """Per op, every variant's host time against ``nccl`` and, for the other fused variants,
-    against the first fused one (:func:`host_overhead.paired_summary`: trial-by-trial
-    differences)."""
+    """Per op, every variant's host time against ``megatron`` (where it ran), the fused
+    variants against ``nccl``, and the other fused variants against the first fused one
+    (:func:`host_overhead.paired_summary`: trial-by-trial differences); each pair once."""
     ops = sorted({op for _, op in samples})
-    fused = [v for v in variants if v != "nccl"]
+    fused = [v for v in variants if v.startswith("flux")]
+    refs = [r for r in ("megatron", "nccl") if r in variants] + fused[:1]
     out = []
-    for ref in ("nccl", fused[0] if fused else None):
-        if ref not in variants:
-            continue
+    for i, ref in enumerate(refs):
         for v in variants:
-            if v == ref or (ref != "nccl" and v == "nccl"):
+            if v in refs[:i + 1]:  # the reference itself, or a pair made against an earlier one
                 continue
             for op in ops:
                 var = [h for h, _ in samples[(v, op)]]

@@ -69,3 +69,54 @@ def test_saved_run_read_back_pairs_trial_by_trial(tmp_path):
     assert ("flux triton", "nccl", "row fwd+bwd") in got
     assert ("nccl", "flux run", "row fwd+bwd") not in got
     assert len(got) == 6  # 2 variants x nccl + 1 variant x flux run, per op
+
+
+def test_megatron_pairs_with_every_variant_and_nccl_with_the_fused_ones():
+    pytest.importorskip("triton")
+    from host_launch_ab import paired_rows
+
+    variants = ["megatron", "nccl", "flux", "flux triton"]
+    samples = {(v, "column fwd+bwd"): [(100.0 + i + 10 * j, None) for j in range(3)]
+               for i, v in enumerate(variants)}
+    got = {(p["variant"], p["reference"]): p["median_us"] for p in paired_rows(samples, variants)}
+    assert got == {("nccl", "megatron"): 1.0, ("flux", "megatron"): 2.0, ("flux triton", "megatron"): 3.0,
+                   ("flux", "nccl"): 1.0, ("flux triton", "nccl"): 2.0, ("flux triton", "flux"): 1.0}
+
+
+def _stock_linears_against_dense(rank, world):
+    """megatron-core's linears as the host A/B runs them (host_overhead.megatron_linears), on a
+    one-rank gloo group, against float64 matmuls: the row's forward and gradients, the column's
+    forward (its backward allocates on the CUDA device). At one rank the collectives are
+    identities: this checks the GEMMs and autograd around them; the GPU runs the rest."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import layers
+
+    from host_overhead import megatron_linears
+
+    class CpuBuffer:  # megatron's gather buffer lives on the current CUDA device; here, the CPU
+        def get_tensor(self, shape, dtype, name):
+            return torch.empty(shape, dtype=dtype)
+
+    layers.get_global_memory_buffer = CpuBuffer
+    torch.manual_seed(0)
+    column, row = megatron_linears(dist.group.WORLD)
+    x = torch.randn(8, 1, 16, dtype=torch.float32, requires_grad=True)
+    w = torch.randn(12, 16, dtype=torch.float32, requires_grad=True)
+    g = torch.randn(8, 1, 12, dtype=torch.float32)
+    x64, w64, g64 = x.detach().double(), w.detach().double(), g.double()
+    torch.testing.assert_close(column(x, w).double(), x64 @ w64.t(), rtol=1e-5, atol=1e-5)
+    out = row(x, w)
+    out.backward(g)
+    torch.testing.assert_close(out.double(), x64 @ w64.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), g64 @ w64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), g64.reshape(8, 12).t() @ x64.reshape(8, 16),
+                               rtol=1e-5, atol=1e-5)
+    return True
+
+
+@pytest.mark.slow
+def test_the_stock_reference_is_megatron_cores_math():
+    from helpers.dist_harness import run_distributed
+
+    assert run_distributed(_stock_linears_against_dense, 1, timeout=120) == [True]
