@@ -267,6 +267,15 @@ def test_simple_progress_bar():
     assert bar.n == 4
     quiet = progress(3, enabled=False)
     assert isinstance(quiet, NullProgress)
+    # --no-progress: each entry's line, nothing else; other ranks: nothing at all
+    for messages, want in ((True, "ag n=1 k=2 m=3: flux 0.1 ms\n"), (False, "")):
+        buf = io.StringIO()
+        quiet = NullProgress(3, "tune ", stream=buf, messages=messages)
+        quiet.update(1)
+        quiet.set_postfix_str("ag m=3")
+        quiet.write("ag n=1 k=2 m=3: flux 0.1 ms")
+        quiet.close()
+        assert buf.getvalue() == want
     assert isinstance(progress(3, force_simple=True), SimpleProgress)
 
 

@@ -50,19 +50,28 @@ class SimpleProgress:
 
 
 class NullProgress(SimpleProgress):
-    """Non-zero ranks and ``--no-progress``: messages only, no bar."""
+    """No bar: ``--no-progress`` (messages only, a line each, flushed: a log cut off by a time
+    limit still shows how far a run got) and non-zero ranks (nothing: ``messages=False``)."""
+
+    def __init__(self, total: int, desc: str = "", stream: Optional[TextIO] = None, messages: bool = True):
+        super().__init__(total, desc, stream=stream if stream is not None else sys.stdout)
+        self.messages = messages
 
     def _draw(self, end: str = "") -> None:
         pass
 
     def write(self, msg: str) -> None:
-        pass
+        if self.messages:
+            self.stream.write(msg + "\n")
+            self.stream.flush()
 
 
-def progress(total: int, desc: str = "", enabled: bool = True, force_simple: bool = False):
-    """A bar with ``update``, ``set_postfix_str``, ``write``, ``close``."""
+def progress(total: int, desc: str = "", enabled: bool = True, force_simple: bool = False,
+             messages: bool = True):
+    """A bar with ``update``, ``set_postfix_str``, ``write``, ``close``; ``enabled=False``: no
+    bar, ``write`` prints its line unless ``messages`` is false."""
     if not enabled:
-        return NullProgress(total, desc)
+        return NullProgress(total, desc, messages=messages)
     if not force_simple:
         try:
             from tqdm import tqdm

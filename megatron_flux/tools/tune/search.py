@@ -769,7 +769,7 @@ def _run(args, argv: Sequence[str], group, rank, tp, device) -> int:
     todo = [(op, n, k, m, model) for op, n, k, model in shapes for m in ms if (op, n, k, m) not in skip]
     total = sum(len(generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates,
                                         space=args.space)) for op, n, k, m, _ in todo)
-    bar = progress(total, "tune ", enabled=(rank == 0 and not args.no_progress))
+    bar = progress(total, "tune ", enabled=(rank == 0 and not args.no_progress), messages=(rank == 0))
     if rank == 0:
         print(f"{PROG}: {len(todo)} entries to tune ({len(shapes) * len(ms) - len(todo)} already in {out}), "
               f"writing {out}" if skip else f"{PROG}: {len(todo)} entries to tune, writing {out}")
