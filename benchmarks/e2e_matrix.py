@@ -59,6 +59,8 @@ from interleave_report import summarize  # noqa: E402
 CELL_RE = re.compile(r"^(?P<model>[\w.-]+):tp(?P<tp>\d+):mbs(?P<mbs>\d+):(?P<graphs>eager|local|full_iteration)$")
 STEP_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*elapsed time per iteration \(ms\): ([0-9.]+)")
 AUTO_RE = re.compile(r"\[flux-auto\] flux_backend='(\w+)'")
+#: the launcher's table coverage line (``megatron-flux plan``), up to its first ';'
+PLAN_RE = re.compile(r"megatron-flux plan: ([^;\n]*)")
 BACKENDS = ("megatron", "nccl", "flux", "auto")
 
 
@@ -290,7 +292,10 @@ def run_cell_jobs(cell_name: str, out: str, args) -> dict:
     cell = parse_cell(cell_name)
     work = os.path.join(out, cell_name.replace(":", "_"))
     os.makedirs(work, exist_ok=True)
-    record = {**cell, "cell": cell_name, "jobs": []}
+    # which tuning tables the jobs read: the files named in $MEGATRON_FLUX_CONFIG, else the
+    # shipped ones (and the user cache), as the launcher finds them
+    record = {**cell, "cell": cell_name, "jobs": [],
+              "tables": os.environ.get("MEGATRON_FLUX_CONFIG") or "shipped"}
     started = time.time()
     if cell["cuda_graphs"] == "none":
         log = os.path.join(work, "interleave.log")
@@ -342,8 +347,23 @@ def run_cell_jobs(cell_name: str, out: str, args) -> dict:
                                           if n != "megatron"} if base else {})
         record["paired"] = False
         record["steps"] = args.graph_iters - args.skip
+    record["table_coverage"] = table_coverage([os.path.join(work, j["log"]) for j in record["jobs"]])
     record["wall_s"] = round(time.time() - started, 1)
     return record
+
+
+def table_coverage(logs: List[str]) -> Optional[str]:
+    """The first job log's ``megatron-flux plan`` line (how many of the config's TP GEMMs
+    the tables hold at its rows), without the tune command it offers; None if no log has one."""
+    for log in logs:
+        try:
+            with open(log, errors="replace") as f:
+                m = PLAN_RE.search(f.read())
+        except OSError:
+            continue
+        if m:
+            return m.group(1).strip()
+    return None
 
 
 def cmd_run(args) -> int:
@@ -387,7 +407,8 @@ def cmd_merge(args) -> int:
             meta = json.load(f)
     keep = ("model", "tp", "micro_batch", "cuda_graphs", "steps", "step_ms",
             "speedup_vs_megatron", "paired", "exposed_tp_comm_ms", "auto_choice", "runs_step_ms",
-            "run", "machine", "hosts", "code", "note", "paired_rounds", "window_medians")
+            "run", "machine", "hosts", "code", "note", "paired_rounds", "window_medians",
+            "tables", "table_coverage")
     out = {
         "command": args.command or " ; ".join(sorted({c.get("command", "") for c in cells})),
         "gpu": meta.get("gpu", args.gpu),

@@ -42,6 +42,9 @@ def _graph_job_log(log, iters, env, scale=1.0):
     """A separate job's per-iteration lines at the step time of the backend ``env`` runs."""
     name = "megatron" if env.get("FLUX_TP_OVERLAP") == "0" else env["FLUX_BACKEND"]
     with open(log, "w") as f:
+        if name != "megatron":
+            f.write("> megatron-flux plan: 2 of 10 TP GEMMs have a current table entry at m=4096; "
+                    "to tune the rest on this machine: torchrun ... megatron-flux tune ...\n")
         for it in range(1, iters + 1):
             f.write(f" iteration {it:>4}/ {iters} | elapsed time per iteration (ms): "
                     f"{STEP[name] * scale:.1f} |\n")
@@ -60,6 +63,7 @@ def test_a_matrix_from_fake_jobs_has_the_issues_schema_and_resumes(tmp_path, mon
 
     monkeypatch.setattr(M, "_launch", fake_launch)
     monkeypatch.setattr(M, "_exposed_comm", lambda cell, work, timeout: 12.5)
+    monkeypatch.setenv("MEGATRON_FLUX_CONFIG", "/tmp/confirmed.json")
     out = tmp_path / "cells"
     cells = ["llama3_8b_16l:tp2:mbs1:eager", "llama3_8b_16l:tp2:mbs1:local"]
     assert M.main(["run", *cells, "--out", str(out), "--iters", "120", "--graph-iters", "40"]) == 0
@@ -81,6 +85,10 @@ def test_a_matrix_from_fake_jobs_has_the_issues_schema_and_resumes(tmp_path, mon
         assert cell["cuda_graphs"] in ("none", "local", "full_iteration")
     graphed = next(c for c in doc["cells"] if c["cuda_graphs"] == "local")
     assert graphed["paired"] is False
+    # which tables the jobs read, and how much of the config they held
+    assert all(c["tables"] == "/tmp/confirmed.json" for c in doc["cells"])
+    assert graphed["table_coverage"] == "2 of 10 TP GEMMs have a current table entry at m=4096"
+    assert eager["table_coverage"] is None  # the fake interleaved log has no plan line
     assert graphed["speedup_vs_megatron"]["auto"] == pytest.approx(350.0 / 338.0, rel=1e-3)
 
 
