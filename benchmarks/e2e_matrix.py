@@ -426,6 +426,10 @@ def cmd_merge(args) -> int:
                     "fused path ran their captured calls on NCCL)",
             "exposed_tp_comm_ms": "TP collectives megatron-core does not overlap, per step, "
                                   "timed alone with NCCL",
+            "tables": "the tuning tables the jobs read: $MEGATRON_FLUX_CONFIG, or 'shipped' "
+                      "(the package's, and the user cache)",
+            "table_coverage": "the launcher's megatron-flux plan line: how many of the config's "
+                              "TP GEMMs those tables hold at the job's rows",
         },
         "cells": [{k: c[k] for k in keep if k in c} for c in cells],
     }
