@@ -94,7 +94,7 @@ def megatron_linears(group):
     return column, row
 
 
-def layer_ops(name, group, world, m, h, fc1, ffn, dt, generator=None, device="cuda"):
+def layer_ops(name, group, world, m, h, fc1, ffn, dt, generator=None):
     """fwd+bwd closures of the column (fc1) and row (fc2) ops with backend ``name``, as
     ``(op, n, k, fn)``; random operands from ``generator`` (default: the global one). ``name``
     ``megatron``: megatron-core's own linears (:func:`megatron_linears`), the stock step's.
@@ -102,30 +102,25 @@ def layer_ops(name, group, world, m, h, fc1, ffn, dt, generator=None, device="cu
     from megatron_flux.ops import column_parallel_linear, row_parallel_linear
 
     def t(*shape, grad=False):
-        return torch.randn(*shape, device=device, dtype=dt, generator=generator).requires_grad_(grad)
+        return torch.randn(*shape, device="cuda", dtype=dt, generator=generator).requires_grad_(grad)
 
     x, w1, g1 = t(m // world, 1, h, grad=True), t(fc1 // world, h, grad=True), t(m, 1, fc1 // world)
     a, w2, g2 = t(m, 1, ffn // world, grad=True), t(h, ffn // world, grad=True), t(m // world, 1, h)
     if name == "megatron":
-        stock_column, stock_row = megatron_linears(group)
+        column_op, row_op = megatron_linears(group)
+    else:
+        def column_op(x, w):  # keeping the gathered input, as the layers do by default
+            return column_parallel_linear(x, w, group=group, backend=name, keep_gathered_input=True)
 
-        def column():
-            stock_column(x, w1).backward(g1)
-            x.grad = w1.grad = None
+        def row_op(a, w):
+            return row_parallel_linear(a, w, group=group, backend=name)
 
-        def row():
-            stock_row(a, w2).backward(g2)
-            a.grad = w2.grad = None
-
-        return (("column fwd+bwd", fc1, h, column), ("row fwd+bwd", h, ffn, row))
-
-    def column():  # keeping the gathered input, as the layers do by default
-        column_parallel_linear(x, w1, group=group, backend=name,
-                               keep_gathered_input=True).backward(g1)
+    def column():
+        column_op(x, w1).backward(g1)
         x.grad = w1.grad = None
 
     def row():
-        row_parallel_linear(a, w2, group=group, backend=name).backward(g2)
+        row_op(a, w2).backward(g2)
         a.grad = w2.grad = None
 
     return (("column fwd+bwd", fc1, h, column), ("row fwd+bwd", h, ffn, row))
