@@ -31,6 +31,8 @@
 #               (tools.tune.add), benchmarked with that table, and the table confirmed with the
 #               benchmark (tools.tune.confirm): what shipping them takes, in one call
 #               -> train/{tune.json,added.json,bench.json,confirmed.json,*.log}
+#   modelbench  the op benchmark of TRAIN_CONFIG's TP GEMMs at TRAIN_MS with the tables as found
+#               (before trainshapes tunes them)                    -> model-bench.{json,png,log}
 #   host        host time per layer call of megatron-core's own linears, nccl and flux
 #               (benchmarks/host_overhead.py --layers, m = 4096 and 8192), with a profile of
 #               flux's host path                                    -> host.{json,log}
@@ -173,6 +175,13 @@ for stage in "$@"; do
             --methods cublas_gemm comm nccl flux auto --trials 5
         python3 -m megatron_flux.tools.tune.confirm "${OUT}/train/added.json" "${OUT}/train/bench.json" \
             "${OUT}/train/confirmed.json" ;;
+    modelbench)
+        # a training config's TP GEMMs with the tables as found (the shipped ones on a fresh
+        # machine): what a model runs before `trainshapes` tunes it
+        cfg="${TRAIN_CONFIG:-configs/llama3_8b_16l.json}"; ms="${TRAIN_MS:-4096 8192}"
+        # shellcheck disable=SC2086
+        op_bench model-bench --model-config "${cfg}" --ms ${ms} \
+            --methods cublas_gemm comm nccl flux auto --trials 5 ;;
     host)
         # host time per layer call (forward + backward) of megatron-core's own linears, nccl and
         # flux, with a profile of flux's
@@ -209,7 +218,7 @@ for stage in "$@"; do
             ! -name results.tgz -print0 | tar czf results.tgz --null -T - --remove-files)
         echo "   $(tar tzf "${OUT}/results.tgz" | wc -l) entries in ${OUT}/results.tgz" ;;
     *)
-        echo "unknown stage ${stage}; stages: main tests bench unseen ab kvc tune trainshapes host sections launchab matrix interleave e2e cachepack bundle"
+        echo "unknown stage ${stage}; stages: main tests bench unseen ab kvc tune trainshapes modelbench host sections launchab matrix interleave e2e cachepack bundle"
         exit 2 ;;
     esac
 done
