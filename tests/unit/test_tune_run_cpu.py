@@ -24,7 +24,7 @@ ARGV = ["--shapes", *SHAPES, "--ms", "64", "--max-candidates", "2", "--top", "1"
         "--trials", "1", "--iters", "1", "--warmup", "1", "--sample-warmup", "0", "--no-progress"]
 
 
-def _tune_on_cpu(rank, world, out, fail_write_on_rank=None, extra=()):
+def _tune_on_cpu(rank, world, out, fail_write_on_rank=None, extra=(), challenger_ms=None):
     import torch.distributed as dist
 
     import megatron_flux.backends as backends
@@ -46,6 +46,8 @@ def _tune_on_cpu(rank, world, out, fail_write_on_rank=None, extra=()):
 
     backends.available_backends = lambda: ["nccl", "flux", "auto"]
     flux_pkg.FluxBackend = CpuFlux
+    if challenger_ms is not None:
+        _time_by_config(CpuFlux, search, challenger_ms)
     device_mod.device_identity = lambda device: ("h200", 132, "NVIDIA H200")
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
     if fail_write_on_rank == rank:
@@ -59,6 +61,75 @@ def _tune_on_cpu(rank, world, out, fail_write_on_rank=None, extra=()):
     except search.TuneFailed as exc:
         return f"TuneFailed: {exc}"
     return code
+
+
+#: the config the tables give each shape untuned, in :func:`_time_by_config`'s runs
+INCUMBENT = {"block_m": 64, "block_n": 64, "block_k": 32, "num_stages": 2}
+
+
+def _time_by_config(cpu_flux, search, challenger_ms):
+    """Make every fused call record the config it ran, give each shape an untuned config of
+    its own (:data:`INCUMBENT`), and replace the timing by fixed times per config: the untuned
+    config 1.000 ms, the default 1.006 ms, any other ``challenger_ms``, NCCL 2 ms."""
+    import dataclasses
+
+    from megatron_flux.kernels.config import default_config
+    from megatron_flux.tools.bench import timing
+
+    ran = []
+
+    class Recording(cpu_flux):
+        def all_gather_matmul(self, a, b, group, **kw):
+            ran.append(self.config_provider("ag", 0, 0, 0))
+            return super().all_gather_matmul(a, b, group, **kw)
+
+        def matmul_reduce_scatter(self, a, b, group, **kw):
+            ran.append(self.config_provider("rs", 0, 0, 0))
+            return super().matmul_reduce_scatter(a, b, group, **kw)
+
+    import megatron_flux.backends.flux as flux_pkg
+    flux_pkg.FluxBackend = Recording
+    fixed = {}  # config -> ms: each shape's untuned config and its default
+
+    def table_candidates(op, m, n, k, dtype, tp, identity, neighbours=2):
+        default = default_config(op, m, n, k, tp=tp)
+        untuned = dataclasses.replace(default, **INCUMBENT)
+        fixed.update({default: 1.006, untuned: 1.0})
+        return search.Incumbent(untuned, "a test table", ())
+
+    def time_interleaved(fns, *, trials, **kw):
+        result = timing.TimingResult()
+        for name, fn in fns.items():
+            ran.clear()
+            fn()
+            result.trials_ms[name] = [2.0 if name == "nccl" else fixed.get(ran[-1], challenger_ms)] * trials
+        return result
+
+    search.table_candidates = table_candidates
+    timing.time_interleaved = time_interleaved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("challenger_ms, winner", [(0.992, "untuned"), (0.985, "challenger")])
+def test_a_tuned_config_must_beat_what_the_shape_ran_untuned(tmp_path, challenger_ms, winner):
+    """The finalist to beat is the config the tables gave the shape before the tune, not the
+    default: a challenger 0.8 % faster than it (1.4 % faster than the default) does not replace
+    it, one 1.5 % faster does."""
+    import dataclasses
+
+    from megatron_flux.kernels.config import default_config
+
+    out = str(tmp_path / "table.json")
+    assert run_distributed(_tune_on_cpu, 2, out, challenger_ms=challenger_ms, timeout=180,
+                           extra=("--max-candidates", "4")) == [0, 0]
+    table = schema.validate_table(json.load(open(out)), out)
+    assert len(table.entries) == 2
+    for e in table.entries:
+        untuned = dataclasses.replace(default_config(e.op, e.m, e.n, e.k, tp=2), **INCUMBENT)
+        assert (e.config == untuned) == (winner == "untuned"), (e.op, e.config)
+        assert e.flux_ms == (1.0 if winner == "untuned" else challenger_ms)
+        assert e.notes["untuned_ms"] == 1.0 and e.notes["untuned_from"] == "a test table"
+        assert e.notes["kept_untuned"] == (winner == "untuned") and not e.notes["kept_default"]
 
 
 @pytest.mark.slow

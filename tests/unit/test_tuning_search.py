@@ -482,3 +482,42 @@ def test_the_table_source_is_the_tune_command_once(monkeypatch):
     with pytest.raises(SystemExit):
         S.main()
     assert seen == ["megatron-flux tune --ms 4096"] * 2
+
+
+def test_the_tables_configs_come_right_after_the_default_once_each():
+    base = default_config("rs", 4096, 6656, 8960, tp=2)
+    mine = dataclasses.replace(base, block_n=128, num_warps=4)
+    other = dataclasses.replace(base, num_stages=4)
+    cands = S.generate_candidates("rs", 4096, 6656, 8960, 2, max_candidates=6,
+                                  from_tables=(mine, base, other, mine))
+    assert cands[:3] == [base, mine, other] and len(cands) == 6 and len(set(cands)) == 6
+    # they count toward --max-candidates, as the default does
+    assert S.generate_candidates("rs", 4096, 6656, 8960, 2, max_candidates=2,
+                                 from_tables=(mine, other)) == [base, mine]
+
+
+def test_a_tune_starts_from_what_the_shipped_tables_run_untuned():
+    """A shape no table lists (LLaMA-1 30B's fc2 at TP 2): the incumbent is the lookup's own
+    config, and the neighbours are other nearby entries' configs that beat NCCL and can run it."""
+    import torch
+
+    from megatron_flux.tuning import estimate, provider, registry
+
+    registry.reset()
+    ident = ("NVIDIA H200", 132)
+    inc = S.table_candidates("rs", 4096, 6656, 8960, torch.bfloat16, 2, ident)
+    cfg, source = provider.kernel_config("rs", 4096, 6656, 8960, torch.bfloat16, 2, ident)
+    assert (inc.config, inc.source) == (cfg, source) and source.startswith("nearest entry")
+    assert cfg != default_config("rs", 4096, 6656, 8960, tp=2)
+    assert 1 <= len(inc.neighbours) <= S.TABLE_NEIGHBOURS and cfg not in inc.neighbours
+    assert len(set(inc.neighbours)) == len(inc.neighbours)
+    current, _ = provider.estimator("rs", torch.bfloat16, 2, ident)
+    winners = {estimate.transplanted(p.config) for p in current.points if p.ratio < 1.0}
+    for c in inc.neighbours:
+        assert c in winners and estimate.config_problem("rs", c, 4096, 6656, 8960, 2) is None
+    # a shape the table holds: its entry is the incumbent
+    e = S.table_candidates("rs", 4096, 4096, 7168, torch.bfloat16, 2, ident)
+    assert e.source == "table (m=4096)"
+    # a machine without tables: the default, nothing else
+    none = S.table_candidates("rs", 4096, 6656, 8960, torch.bfloat16, 2, ("NVIDIA B200", 148))
+    assert none == S.Incumbent(default_config("rs", 4096, 6656, 8960, tp=2), "default", ())

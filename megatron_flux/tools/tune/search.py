@@ -45,7 +45,7 @@ import json
 import os
 import sys
 import traceback
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from megatron_flux.kernels.version import KERNEL_VERSION
 from megatron_flux.tuning.keys import OPS, dtype_key, normalize_op
@@ -212,8 +212,10 @@ def _pow2_at_least(x: int) -> int:
 def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_candidates: int = 48,
                         space: Optional[Dict[str, Sequence]] = None, elem_bytes: int = 2,
                         smem_limit: int = SMEM_BYTES,
-                        seeds: Optional[Sequence[Dict[str, object]]] = None) -> List:
-    """Configs to try for one shape: the default first, then at small m, where the default runs
+                        seeds: Optional[Sequence[Dict[str, object]]] = None,
+                        from_tables: Sequence = ()) -> List:
+    """Configs to try for one shape: the default first, then ``from_tables`` (the configs this
+    machine's tables give the shape today: :func:`table_candidates`), then at small m, where the default runs
     every rank's rows as one tile space, the per-segment default (``default_config(...,
     gather_small_m=False)``), and for RS the default with the other ReduceScatter delivery
     (copy engine vs SM pushes), then
@@ -253,6 +255,11 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     if unknown:
         raise ValueError(f"search space has knobs GemmConfig does not have: {sorted(unknown)}")
     seen = {base}
+    table_cfgs = []
+    for cfg in from_tables:  # measured on this machine: they run the shape, no filter but duplicates
+        if cfg not in seen:
+            seen.add(cfg)
+            table_cfgs.append(cfg)
 
     bm_spans, bm_segment = max(64, _pow2_at_least(m_total)), max(64, _pow2_at_least(m_local))
     bn_max, bk_max = max(64, _pow2_at_least(n)), max(32, _pow2_at_least(k))
@@ -287,9 +294,9 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
         if cfg not in seen and fits(vars(cfg)):
             seen.add(cfg)
             seed_cfgs.append(cfg)
-    wanted = max(1, max_candidates) - 1 - len(seed_cfgs)
+    wanted = max(1, max_candidates) - 1 - len(table_cfgs) - len(seed_cfgs)
     variations = _variations(base, space, knobs, wanted, seen, fits, op, m_local) if wanted > 0 else []
-    out = [base] + seed_cfgs + variations
+    out = [base] + table_cfgs + seed_cfgs + variations
     return out[:max(1, max_candidates)]
 
 
@@ -534,6 +541,51 @@ def dry_run(args: argparse.Namespace, out=None) -> int:
     return 0
 
 
+#: configs of the nearest current table entries, beside the one the lookup gives, that a tune
+#: tries first (:func:`table_candidates`)
+TABLE_NEIGHBOURS = 2
+
+
+class Incumbent(NamedTuple):
+    """What a shape runs before it is tuned: ``config`` (what the lookup gives it today), where
+    that came from (``source``: a table entry, the nearest entry's, ``"default"``), and the
+    configs of nearby entries worth trying beside it (``neighbours``)."""
+
+    config: object
+    source: str
+    neighbours: Tuple
+
+
+def table_candidates(op: str, m_total: int, n: int, k: int, dtype, tp: int, identity: Tuple[str, int],
+                     neighbours: int = TABLE_NEIGHBOURS) -> Incumbent:
+    """The config this machine's tables give ``(op, m_total, n, k)`` today
+    (:func:`megatron_flux.tuning.provider.kernel_config`: its own entry, else a nearby entry's,
+    else ``default_config``) and up to ``neighbours`` other configs of the nearest current
+    entries that beat NCCL and can run the shape (stream-K tail on, as the lookup would run
+    them). ``identity``: ``(GPU name, SMs)``.
+
+    A tune that only searched around ``default_config`` could write an entry slower than what
+    the shape ran untuned: on 2xH200 the nearest entries' 128x256 tiles ran the GEMM+RS of a
+    model outside the tables 1.08-1.29x NCCL's speed, and an eight-candidate search around the
+    default (128x128 warp-specialized tiles) found nothing better than the default, which ran
+    5-11 % slower than them (``docs/tuning.md``)."""
+    from megatron_flux.tuning import estimate, provider
+
+    cfg, source = provider.kernel_config(op, m_total, n, k, dtype, tp, identity)
+    current, _ = provider.estimator(op, dtype, tp, identity)
+    seen, near = {cfg}, []
+    for _, p in estimate.nearest(current.points, m_total, n, k):
+        if len(near) >= neighbours:
+            break
+        if p.ratio >= 1.0 or estimate.config_problem(op, p.config, m_total, n, k, tp) is not None:
+            continue
+        c = estimate.transplanted(p.config)
+        if c not in seen:
+            seen.add(c)
+            near.append(c)
+    return Incumbent(cfg, source, tuple(near))
+
+
 def pick_winner(medians: Dict[str, float], default: str, min_gain: float) -> str:
     """The finalist to ship: the fastest median, unless the default's median is within
     ``min_gain`` of it, then the default.
@@ -558,8 +610,11 @@ def _global_case(op: str, n: int, k: int, m: int, tp: int, model: Optional[str])
     return G.Case(G.GEMM_RS, model or "custom", m, n=n, k=k * tp)
 
 
-def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, holder, bar) -> dict:
-    """Check, screen and time the candidates of one (shape, m) on every rank; the entry dict."""
+def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, holder, bar,
+             incumbent: Optional[Incumbent] = None) -> dict:
+    """Check, screen and time the candidates of one (shape, m) on every rank; the entry dict.
+    ``incumbent`` (:func:`table_candidates`): what the shape runs untuned, which a finalist
+    must beat by ``--min-gain`` to replace it (without one, the default config)."""
     import torch
 
     from megatron_flux.backends import get_backend
@@ -573,7 +628,8 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     out = torch.empty(case.local_shapes(tp)["out"], device=device, dtype=dtype)
     threshold = args.max_rel_err if args.max_rel_err is not None else M.default_max_rel_err(dtype)
     cands = generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates,
-                                space=getattr(args, "space", None))
+                                space=getattr(args, "space", None),
+                                from_tables=_from_tables(incumbent))
     flux_call = M._backend_fn(flux, inp, group, out)
 
     def use(cfg):
@@ -601,6 +657,8 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     if not ok:
         raise RuntimeError(f"{op} n={n} k={k} m={m}: no candidate passed the output check")
     names = {f"c{i}": c for i, c in enumerate(ok)}
+    # the finalist to beat: what the shape runs untuned where it passed the check, else the default
+    untuned = next((nm for nm, c in names.items() if incumbent is not None and c == incumbent.config), "c0")
     screen = time_interleaved({nm: fn_for(c) for nm, c in names.items()}, trials=1,
                               iters=args.screen_iters, warmup=1, group=group, device=device,
                               sample_warmup=args.sample_warmup)
@@ -608,7 +666,9 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     finalists = [nm for _, nm in ranked[:args.top]]
     base = cands[0]
     if base in ok and "c0" not in finalists:
-        finalists.append("c0")  # the default always competes: tuned >= untuned by construction
+        finalists.append("c0")  # the default always competes
+    if untuned not in finalists:
+        finalists.append(untuned)  # and what runs untuned: tuned >= untuned by construction
     fns = {nm: fn_for(names[nm]) for nm in finalists}
     fns["nccl"] = M._backend_fn(get_backend("nccl"), inp, group, out)
     final = time_interleaved(fns, trials=args.trials, iters=args.iters, warmup=args.warmup,
@@ -617,15 +677,22 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     flux_meds = {nm: v for nm, v in meds.items() if nm != "nccl"}
     if not flux_meds:
         raise RuntimeError(f"{op} n={n} k={k} m={m}: every finalist failed: {final.errors}")
-    best = pick_winner(flux_meds, "c0", args.min_gain)
+    best = pick_winner(flux_meds, untuned, args.min_gain)
     entry = {"op": op, "n": n, "k": k, "m": m, "config": names[best].to_dict(), "tuned": True,
              "flux_ms": flux_meds[best], "nccl_ms": meds.get("nccl"),
              "notes": {"model": model, "candidates": len(cands), "passed_check": len(ok),
                        "default_ms": flux_meds.get("c0"), "finalists": len(finalists),
                        "min_gain": args.min_gain, "kept_default": best == "c0",
+                       "untuned_ms": flux_meds.get(untuned),
+                       "untuned_from": incumbent.source if incumbent is not None else "default",
+                       "kept_untuned": best == untuned,
                        "flux_trials_ms": final.trials_ms.get(best), "nccl_trials_ms": final.trials_ms.get("nccl")}}
     del inp, ref, out
     return entry
+
+
+def _from_tables(incumbent: Optional[Incumbent]) -> Tuple:
+    return () if incumbent is None else (incumbent.config, *incumbent.neighbours)
 
 
 def previous_table(out: str, merge: bool):
@@ -767,8 +834,17 @@ def _run(args, argv: Sequence[str], group, rank, tp, device) -> int:
         return 2
     skip = set(map(tuple, held[0])) if args.skip_tuned else set()
     todo = [(op, n, k, m, model) for op, n, k, model in shapes for m in ms if (op, n, k, m) not in skip]
-    total = sum(len(generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates,
-                                        space=args.space)) for op, n, k, m, _ in todo)
+    try:  # what each shape runs untuned, from the tables as found before this run writes any
+        untuned = {(op, n, k, m, model): table_candidates(op, m, n, k, dtype, tp, (gpu_name, sms))
+                   for op, n, k, m, model in todo}
+    except ValueError as exc:  # a table named by $MEGATRON_FLUX_CONFIG that does not validate
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    total = 0
+    for item in todo:
+        op, n, k, m, _ = item
+        total += len(generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates,
+                                         space=args.space, from_tables=_from_tables(untuned[item])))
     bar = progress(total, "tune ", enabled=(rank == 0 and not args.no_progress), messages=(rank == 0))
     if rank == 0:
         print(f"{PROG}: {len(todo)} entries to tune ({len(shapes) * len(ms) - len(todo)} already in {out}), "
@@ -794,10 +870,9 @@ def _run(args, argv: Sequence[str], group, rank, tp, device) -> int:
     def tune(item) -> dict:
         op, n, k, m, model = item
         bar.set_postfix_str(f"{op} n={n} k={k} m={m}")
-        e = tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, holder, bar)
-        bar.write(f"{op} n={n} k={k} m={m}: flux {e['flux_ms']:.4f} ms (default "
-                  f"{e['notes']['default_ms'] if e['notes']['default_ms'] is not None else float('nan'):.4f}), "
-                  f"nccl {e['nccl_ms'] if e['nccl_ms'] is not None else float('nan'):.4f} ms")
+        e = tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, holder, bar,
+                     incumbent=untuned[item])
+        bar.write(entry_line(e))
         return e
 
     def keep(entries) -> None:
@@ -817,6 +892,18 @@ def _run(args, argv: Sequence[str], group, rank, tp, device) -> int:
     n_entries = len(written[0].entries) if written else (len(previous.entries) if previous else 0)
     print(f"wrote {out} ({n_entries} entries)" if written else f"{out}: nothing new to write")
     return 0
+
+
+def entry_line(e: dict) -> str:
+    """One tuned entry in words: its time, the default's, what ran untuned (and from where), NCCL's."""
+    notes = e["notes"]
+
+    def ms(v) -> str:
+        return f"{v:.4f}" if v is not None else "-"
+
+    return (f"{e['op']} n={e['n']} k={e['k']} m={e['m']}: flux {ms(e['flux_ms'])} ms (default "
+            f"{ms(notes.get('default_ms'))}, untuned {ms(notes.get('untuned_ms'))} from "
+            f"{notes.get('untuned_from', 'default')}), nccl {ms(e['nccl_ms'])} ms")
 
 
 class TuneFailed(RuntimeError):
