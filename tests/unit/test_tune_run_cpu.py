@@ -24,7 +24,8 @@ ARGV = ["--shapes", *SHAPES, "--ms", "64", "--max-candidates", "2", "--top", "1"
         "--trials", "1", "--iters", "1", "--warmup", "1", "--sample-warmup", "0", "--no-progress"]
 
 
-def _tune_on_cpu(rank, world, out, fail_write_on_rank=None, extra=(), challenger_ms=None):
+def _tune_on_cpu(rank, world, out, fail_write_on_rank=None, extra=(), challenger_ms=None,
+                 timeout_on_rank=None):
     import torch.distributed as dist
 
     import megatron_flux.backends as backends
@@ -43,6 +44,15 @@ def _tune_on_cpu(rank, world, out, fail_write_on_rank=None, extra=(), challenger
 
         def clear_config_cache(self):
             pass
+
+        checks = 0
+
+        def check_errors(self, sync=True):
+            # the second candidate's wait times out on ``timeout_on_rank`` alone
+            CpuFlux.checks += 1
+            if rank == timeout_on_rank and CpuFlux.checks == 2:
+                from megatron_flux.comm.errors import FusedOpTimeout
+                raise FusedOpTimeout("megatron-flux AG+GEMM: rank 1 timed out waiting for signal 0")
 
     backends.available_backends = lambda: ["nccl", "flux", "auto"]
     flux_pkg.FluxBackend = CpuFlux
@@ -91,11 +101,11 @@ def _time_by_config(cpu_flux, search, challenger_ms):
     flux_pkg.FluxBackend = Recording
     fixed = {}  # config -> ms: each shape's untuned config and its default
 
-    def table_candidates(op, m, n, k, dtype, tp, identity, neighbours=2):
+    def untuned_config(op, m, n, k, dtype, tp, identity):
         default = default_config(op, m, n, k, tp=tp)
         untuned = dataclasses.replace(default, **INCUMBENT)
         fixed.update({default: 1.006, untuned: 1.0})
-        return search.Incumbent(untuned, "a test table", ())
+        return search.Incumbent(untuned, "a test table")
 
     def time_interleaved(fns, *, trials, **kw):
         result = timing.TimingResult()
@@ -105,7 +115,7 @@ def _time_by_config(cpu_flux, search, challenger_ms):
             result.trials_ms[name] = [2.0 if name == "nccl" else fixed.get(ran[-1], challenger_ms)] * trials
         return result
 
-    search.table_candidates = table_candidates
+    search.untuned_config = untuned_config
     timing.time_interleaved = time_interleaved
 
 
@@ -155,4 +165,18 @@ def test_a_failure_on_rank_0_alone_stops_both_ranks_after_that_entry(tmp_path):
     results = run_distributed(_tune_on_cpu, 2, out, fail_write_on_rank=0, timeout=180)
     assert results[0].startswith("TuneFailed: ag n=128 k=64 m=64: OSError: disk full")
     assert results[1] == "TuneFailed: ag n=128 k=64 m=64: failed on another rank (its error is in that rank's output)"
+    assert not os.path.exists(out)
+
+
+@pytest.mark.slow
+def test_a_wait_that_timed_out_on_one_rank_stops_every_rank_at_that_candidate(tmp_path):
+    """A timed-out wait poisons that rank's fused kernels: continuing alone, a rank could enter
+    a collective (a workspace's growth) the others never reach, which hung a tune on 2x H200.
+    Every rank learns of it right after the candidate and the tune stops, naming it."""
+    out = str(tmp_path / "table.json")
+    results = run_distributed(_tune_on_cpu, 2, out, timeout_on_rank=1, timeout=180)
+    assert results[0] == results[1], results  # the same error, raised at the same point
+    assert results[0].startswith("TuneFailed: ag n=128 k=64 m=64: RuntimeError: ag n=128 k=64 m=64: "
+                                 "candidate 1 (GemmConfig("), results[0]
+    assert "timed out waiting for a peer on some rank" in results[0]
     assert not os.path.exists(out)

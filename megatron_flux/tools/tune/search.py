@@ -214,8 +214,8 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
                         smem_limit: int = SMEM_BYTES,
                         seeds: Optional[Sequence[Dict[str, object]]] = None,
                         from_tables: Sequence = ()) -> List:
-    """Configs to try for one shape: the default first, then ``from_tables`` (the configs this
-    machine's tables give the shape today: :func:`table_candidates`), then at small m, where the default runs
+    """Configs to try for one shape: the default first, then ``from_tables`` (the config this
+    machine's tables give the shape today: :func:`untuned_config`), then at small m, where the default runs
     every rank's rows as one tile space, the per-segment default (``default_config(...,
     gather_small_m=False)``), and for RS the default with the other ReduceScatter delivery
     (copy engine vs SM pushes), then
@@ -541,49 +541,28 @@ def dry_run(args: argparse.Namespace, out=None) -> int:
     return 0
 
 
-#: configs of the nearest current table entries, beside the one the lookup gives, that a tune
-#: tries first (:func:`table_candidates`)
-TABLE_NEIGHBOURS = 2
-
-
 class Incumbent(NamedTuple):
-    """What a shape runs before it is tuned: ``config`` (what the lookup gives it today), where
-    that came from (``source``: a table entry, the nearest entry's, ``"default"``), and the
-    configs of nearby entries worth trying beside it (``neighbours``)."""
+    """What a shape runs before it is tuned: ``config`` (what the lookup gives it today) and
+    where that came from (``source``: its table entry, a nearby entry's, ``"default"``)."""
 
     config: object
     source: str
-    neighbours: Tuple
 
 
-def table_candidates(op: str, m_total: int, n: int, k: int, dtype, tp: int, identity: Tuple[str, int],
-                     neighbours: int = TABLE_NEIGHBOURS) -> Incumbent:
+def untuned_config(op: str, m_total: int, n: int, k: int, dtype, tp: int,
+                   identity: Tuple[str, int]) -> Incumbent:
     """The config this machine's tables give ``(op, m_total, n, k)`` today
     (:func:`megatron_flux.tuning.provider.kernel_config`: its own entry, else a nearby entry's,
-    else ``default_config``) and up to ``neighbours`` other configs of the nearest current
-    entries that beat NCCL and can run the shape (stream-K tail on, as the lookup would run
-    them). ``identity``: ``(GPU name, SMs)``.
+    else ``default_config``). ``identity``: ``(GPU name, SMs)``.
 
     A tune that only searched around ``default_config`` could write an entry slower than what
-    the shape ran untuned: on 2xH200 the nearest entries' 128x256 tiles ran the GEMM+RS of a
-    model outside the tables 1.08-1.29x NCCL's speed, and an eight-candidate search around the
-    default (128x128 warp-specialized tiles) found nothing better than the default, which ran
-    5-11 % slower than them (``docs/tuning.md``)."""
-    from megatron_flux.tuning import estimate, provider
+    the shape ran untuned: on 2xH200 the GEMM+RS of a model outside the tables ran 1.08-1.29x
+    NCCL's speed on nearby entries' configs, an eight-candidate search around the default found
+    nothing better than the default, and the benchmark with the tuned table ran 8 of 10 of them
+    3.5-11.6 % slower than before the tune (``docs/tuning.md``)."""
+    from megatron_flux.tuning import provider
 
-    cfg, source = provider.kernel_config(op, m_total, n, k, dtype, tp, identity)
-    current, _ = provider.estimator(op, dtype, tp, identity)
-    seen, near = {cfg}, []
-    for _, p in estimate.nearest(current.points, m_total, n, k):
-        if len(near) >= neighbours:
-            break
-        if p.ratio >= 1.0 or estimate.config_problem(op, p.config, m_total, n, k, tp) is not None:
-            continue
-        c = estimate.transplanted(p.config)
-        if c not in seen:
-            seen.add(c)
-            near.append(c)
-    return Incumbent(cfg, source, tuple(near))
+    return Incumbent(*provider.kernel_config(op, m_total, n, k, dtype, tp, identity))
 
 
 def pick_winner(medians: Dict[str, float], default: str, min_gain: float) -> str:
@@ -613,11 +592,12 @@ def _global_case(op: str, n: int, k: int, m: int, tp: int, model: Optional[str])
 def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, holder, bar,
              incumbent: Optional[Incumbent] = None) -> dict:
     """Check, screen and time the candidates of one (shape, m) on every rank; the entry dict.
-    ``incumbent`` (:func:`table_candidates`): what the shape runs untuned, which a finalist
+    ``incumbent`` (:func:`untuned_config`): what the shape runs untuned, which a finalist
     must beat by ``--min-gain`` to replace it (without one, the default config)."""
     import torch
 
     from megatron_flux.backends import get_backend
+    from megatron_flux.comm.errors import FusedOpTimeout
     from megatron_flux.tools.bench import methods as M
     from megatron_flux.tools.bench.timing import agree_flags, median, time_interleaved
 
@@ -644,15 +624,24 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
         return call
 
     # check every candidate's output against the fp32 nccl reference (same order on all ranks)
+    what = f"{op} n={n} k={k} m={m}"
     bad = []
-    for cfg in cands:
+    for i, cfg in enumerate(cands):
+        timed_out = False
         try:
             err = M.rel_err(fn_for(cfg)(), ref)
-        except Exception:  # compile or launch failure: identical config on every rank
-            err = float("inf")
-        bad.append(not err <= threshold)
+            check_errors(flux)  # a wait this call timed out is this candidate's, on this rank
+        except Exception as exc:  # compile or launch failure (alike on every rank), a timeout
+            print(f"{PROG} (rank {rank}): {what} candidate {i} ({cfg}) failed: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            err, timed_out = float("inf"), isinstance(exc, FusedOpTimeout)
+        # every rank learns now, before anyone's next call: a rank that went on alone could enter
+        # a collective (a workspace's growth) that the others never reach
+        failed, timed_out = agree_flags([not err <= threshold, timed_out], group, device)
+        if timed_out:
+            raise RuntimeError(timeout_message(what, f"candidate {i} ({cfg})"))
+        bad.append(failed)
         bar.update(1)
-    bad = agree_flags(bad, group, device)
     ok = [c for c, b in zip(cands, bad) if not b]
     if not ok:
         raise RuntimeError(f"{op} n={n} k={k} m={m}: no candidate passed the output check")
@@ -673,6 +662,7 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     fns["nccl"] = M._backend_fn(get_backend("nccl"), inp, group, out)
     final = time_interleaved(fns, trials=args.trials, iters=args.iters, warmup=args.warmup,
                              group=group, device=device, sample_warmup=args.sample_warmup)
+    agree_no_timeout(flux, group, device, what, "the screen or the final timing")
     meds = {nm: median(t) for nm, t in final.trials_ms.items()}
     flux_meds = {nm: v for nm, v in meds.items() if nm != "nccl"}
     if not flux_meds:
@@ -691,8 +681,37 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     return entry
 
 
+def check_errors(flux) -> None:
+    """Raise a wait that timed out in any of ``flux``'s kernels so far (synchronising)."""
+    check = getattr(flux, "check_errors", None)
+    if check is not None:
+        check(sync=True)
+
+
+def timeout_message(what: str, where: str) -> str:
+    return (f"{what}: {where} timed out waiting for a peer on some rank (that rank's line above "
+            "says which wait); the fused kernels cannot be trusted in this process after a "
+            "timeout, so the tune stops here")
+
+
+def agree_no_timeout(flux, group, device, what: str, where: str) -> None:
+    """Every rank checks its fused kernels' error words and all agree; raise on every rank if a
+    wait timed out on any."""
+    from megatron_flux.comm.errors import FusedOpTimeout
+    from megatron_flux.tools.bench.timing import agree_flags
+
+    timed_out = False
+    try:
+        check_errors(flux)
+    except FusedOpTimeout as exc:
+        print(f"{PROG}: {what}: {exc}", file=sys.stderr, flush=True)
+        timed_out = True
+    if agree_flags([timed_out], group, device)[0]:
+        raise RuntimeError(timeout_message(what, where))
+
+
 def _from_tables(incumbent: Optional[Incumbent]) -> Tuple:
-    return () if incumbent is None else (incumbent.config, *incumbent.neighbours)
+    return () if incumbent is None else (incumbent.config,)
 
 
 def previous_table(out: str, merge: bool):
@@ -835,7 +854,7 @@ def _run(args, argv: Sequence[str], group, rank, tp, device) -> int:
     skip = set(map(tuple, held[0])) if args.skip_tuned else set()
     todo = [(op, n, k, m, model) for op, n, k, model in shapes for m in ms if (op, n, k, m) not in skip]
     try:  # what each shape runs untuned, from the tables as found before this run writes any
-        untuned = {(op, n, k, m, model): table_candidates(op, m, n, k, dtype, tp, (gpu_name, sms))
+        untuned = {(op, n, k, m, model): untuned_config(op, m, n, k, dtype, tp, (gpu_name, sms))
                    for op, n, k, m, model in todo}
     except ValueError as exc:  # a table named by $MEGATRON_FLUX_CONFIG that does not validate
         print(f"{PROG}: {exc}", file=sys.stderr)
