@@ -8,18 +8,21 @@ Run under torchrun, one process per GPU of the TP group::
 For every ``(op, n, k)`` (from ``--models`` / ``--model-shapes`` / ``--model-config`` like the
 benchmark, or ``--shapes OP:N:K`` in the per-rank form the table keys) and every m-bucket:
 
-1. **candidates** (:func:`generate_candidates`): ``default_config`` first, then GemmConfig
-   variations ordered by how many knobs differ from it (all one-knob changes, then pairs, ...),
-   filtered by validity and a shared-memory budget, at most ``--max-candidates``;
+1. **candidates** (:func:`generate_candidates`): ``default_config`` first, then the config the
+   shape runs untuned (:func:`untuned_config`, the tables' lookup), then GemmConfig
+   variations ordered by how many knobs differ from the default (all one-knob changes, then
+   pairs, ...), filtered by validity and a shared-memory budget, at most ``--max-candidates``;
 2. **check**: each candidate runs once through ``FluxBackend`` with that fixed config
    (communication on) and its output is compared with the ``nccl`` backend's on fp32 copies;
-   a candidate that raises or misses ``--max-rel-err`` on any rank is dropped on all;
+   a candidate that raises or misses ``--max-rel-err`` on any rank is dropped on all, agreed
+   right after it; a timed-out wait on any rank stops every rank there;
 3. **screen**: one short interleaved trial of all survivors;
-4. **final**: the best ``--top`` plus the default, and ``nccl``, timed in ``--trials``
-   interleaved trials (:func:`megatron_flux.tools.bench.timing.time_interleaved`: max over ranks per
-   trial, median over trials). The winner is the fastest median, but the default keeps its
-   place unless that median is ``--min-gain`` (1 %) below the default's: the fastest of several
-   noisy medians is biased low, and a config that won by less has lost in later benchmarks.
+4. **final**: the best ``--top`` plus the default and the untuned config, and ``nccl``, timed in
+   ``--trials`` interleaved trials (:func:`megatron_flux.tools.bench.timing.time_interleaved`: max
+   over ranks per trial, median over trials). The winner is the fastest median, but the untuned
+   config keeps its place unless that median is ``--min-gain`` (1 %) below its own: the fastest
+   of several noisy medians is biased low, and a config that won by less has lost in later
+   benchmarks.
 
 The table records the winner's config (``"tuned": true``), its ``flux_ms`` and the ``nccl_ms`` of
 the same trials, and the kernel version they were measured with, so ``auto`` can take ``nccl``
