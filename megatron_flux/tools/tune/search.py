@@ -569,8 +569,9 @@ def untuned_config(op: str, m_total: int, n: int, k: int, dtype, tp: int,
 
 
 def pick_winner(medians: Dict[str, float], default: str, min_gain: float) -> str:
-    """The finalist to ship: the fastest median, unless the default's median is within
-    ``min_gain`` of it, then the default.
+    """The finalist to ship: the fastest median, unless the median of ``default`` (the
+    finalist to beat: the tuner passes the untuned config's) is within ``min_gain`` of it,
+    then ``default``.
 
     The minimum of several noisy medians is biased low (on 2×H200, two GEMM+RS entries whose
     tuned 128x128 configs had won the tune ran 1.10-1.12x cuBLAS in the benchmark, against
