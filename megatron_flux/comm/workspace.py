@@ -19,7 +19,8 @@ same split.) Signals hold epochs (see :mod:`megatron_flux.kernels.signals`), so 
 reset.
 
 The allocation grows (collectively: every rank asks for the same sizes, as SPMD training does)
-and is reused; it never shrinks. Growing zeroes the new signals and runs a barrier before first use.
+and is reused; it never shrinks. Growing zeroes the new signals and runs a barrier before first use,
+bounded by :data:`BARRIER_TIMEOUT_MS`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ import torch
 import torch.distributed as dist
 
 _ALIGN = 256
+
+#: how long the barrier after a growth waits for every peer before it gives up: torch's barrier
+#: then prints which rank it waited for and traps, ending the process (a peer that never grows
+#: its workspace with this rank would otherwise leave it spinning forever). NCCL's default
+#: collective timeout.
+BARRIER_TIMEOUT_MS = 10 * 60 * 1000
 
 
 def _align(nbytes: int) -> int:
@@ -77,7 +84,11 @@ class SymmetricWorkspace:
         buf = symm_mem.empty(2 * flag_bytes + 2 * slot_bytes, dtype=torch.uint8, device=self.device)
         buf[:2 * flag_bytes].zero_()
         handle = symm_mem.rendezvous(buf, self.group.group_name)
-        handle.barrier(channel=0)  # every rank's signals are zero before anyone signals
+        # every rank's signals are zero before anyone signals (bounded: BARRIER_TIMEOUT_MS)
+        try:
+            handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        except TypeError:  # a torch whose barrier has no timeout
+            handle.barrier(channel=0)
         if self._buffer is not None:
             # peers finished with the old buffer before the barrier above (stream order); keep it
             # referenced anyway so a peer's late mapping never points at freed memory, and with

@@ -31,9 +31,10 @@ class _Handle:
     def __init__(self, buffers: List[torch.Tensor]):
         self._buffers = buffers
         self.buffer_ptrs = [b.data_ptr() for b in buffers]
+        self.barrier_timeouts: List[int] = []
 
-    def barrier(self, channel: int = 0):
-        pass
+    def barrier(self, channel: int = 0, timeout_ms: int = 0):
+        self.barrier_timeouts.append(timeout_ms)
 
     def get_buffer(self, rank, sizes, dtype, storage_offset=0):
         flat = self._buffers[rank].view(dtype)

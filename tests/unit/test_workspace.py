@@ -90,3 +90,16 @@ def test_growth_keeps_the_old_buffer_and_its_address_tables():
     old = [ws._buffer, ws.flag_ptrs(0), ws.flag_ptrs(1), ws.data_ptrs(0), ws.data_ptrs(1)]
     w.reserve(data_elems=10_000, flag_count=64)
     assert all(any(t is r for r in ws._retired) for t in old)
+
+
+def test_the_barrier_after_a_growth_is_bounded():
+    """A peer that never grows with this rank must not leave it spinning forever (a tune on
+    2x H200 did): every growth's barrier carries the timeout."""
+    from megatron_flux.comm.workspace import BARRIER_TIMEOUT_MS
+
+    w = FakeWorld(2)
+    w.reserve(data_elems=100, flag_count=4)
+    w.reserve(data_elems=10_000, flag_count=64)
+    for ws in w.ws:
+        assert ws._handle.barrier_timeouts == [BARRIER_TIMEOUT_MS]
+    assert 0 < BARRIER_TIMEOUT_MS <= 10 * 60 * 1000
