@@ -71,6 +71,7 @@ source benchmarks/device_env.sh
 gpu_session_start
 
 TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node "${NGPUS}")  # one process per GPU
+train_cfg="${TRAIN_CONFIG:-configs/llama3_8b_16l.json}"; train_ms="${TRAIN_MS:-4096 8192}"  # trainshapes, modelbench
 
 use_carried_megatron() {  # megatron-core 0.19 from the carried wheel, on PYTHONPATH
     if compgen -G ".whl/megatron_core-0.19*.whl" > /dev/null; then
@@ -156,10 +157,9 @@ for stage in "$@"; do
         echo "   bench exit $? (${SECONDS}s)"; grep -A24 "^summary" "${OUT}/tune/bench.log" | head -26 ;;
     trainshapes)
         mkdir -p "${OUT}/train"
-        cfg="${TRAIN_CONFIG:-configs/llama3_8b_16l.json}"; ms="${TRAIN_MS:-4096 8192}"
         # shellcheck disable=SC2086
         TUNE_TIMEOUT="${TUNE_TIMEOUT:-360}" tune_table "${OUT}/train/tune.json" \
-            --model-config "${cfg}" --ms ${ms} --max-candidates "${TRAIN_CANDIDATES:-16}" --top 3 \
+            --model-config "${train_cfg}" --ms ${train_ms} --max-candidates "${TRAIN_CANDIDATES:-16}" --top 3 \
             --time-budget-s "${TRAIN_TUNE_BUDGET:-270}"
         echo "   tune exit $? (${SECONDS}s)"; tail -2 "${OUT}/train/tune.log"
         [ -f "${OUT}/train/tune.json" ] || continue
@@ -171,16 +171,15 @@ for stage in "$@"; do
             echo "   no shipped table ${shipped}: the tune is the table"; cp "${OUT}/train/tune.json" "${OUT}/train/added.json"
         fi
         # shellcheck disable=SC2086
-        MEGATRON_FLUX_CONFIG="${OUT}/train/added.json" op_bench train/bench --model-config "${cfg}" --ms ${ms} \
+        MEGATRON_FLUX_CONFIG="${OUT}/train/added.json" op_bench train/bench --model-config "${train_cfg}" --ms ${train_ms} \
             --methods cublas_gemm comm nccl flux auto --trials 5
         python3 -m megatron_flux.tools.tune.confirm "${OUT}/train/added.json" "${OUT}/train/bench.json" \
             "${OUT}/train/confirmed.json" ;;
     modelbench)
         # a training config's TP GEMMs with the tables as found (the shipped ones on a fresh
         # machine): what a model runs before `trainshapes` tunes it
-        cfg="${TRAIN_CONFIG:-configs/llama3_8b_16l.json}"; ms="${TRAIN_MS:-4096 8192}"
         # shellcheck disable=SC2086
-        op_bench model-bench --model-config "${cfg}" --ms ${ms} \
+        op_bench model-bench --model-config "${train_cfg}" --ms ${train_ms} \
             --methods cublas_gemm comm nccl flux auto --trials 5 ;;
     host)
         # host time per layer call (forward + backward) of megatron-core's own linears, nccl and

@@ -634,7 +634,7 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
         timed_out = False
         try:
             err = M.rel_err(fn_for(cfg)(), ref)
-            check_errors(flux)  # a wait this call timed out is this candidate's, on this rank
+            flux.check_errors(sync=True)  # a wait this call timed out is this candidate's, on this rank
         except Exception as exc:  # compile or launch failure (alike on every rank), a timeout
             print(f"{PROG} (rank {rank}): {what} candidate {i} ({cfg}) failed: "
                   f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -685,13 +685,6 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     return entry
 
 
-def check_errors(flux) -> None:
-    """Raise a wait that timed out in any of ``flux``'s kernels so far (synchronising)."""
-    check = getattr(flux, "check_errors", None)
-    if check is not None:
-        check(sync=True)
-
-
 def timeout_message(what: str, where: str) -> str:
     return (f"{what}: {where} timed out waiting for a peer on some rank (that rank's line above "
             "says which wait); the fused kernels cannot be trusted in this process after a "
@@ -706,7 +699,7 @@ def agree_no_timeout(flux, group, device, what: str, where: str) -> None:
 
     timed_out = False
     try:
-        check_errors(flux)
+        flux.check_errors(sync=True)
     except FusedOpTimeout as exc:
         print(f"{PROG}: {what}: {exc}", file=sys.stderr, flush=True)
         timed_out = True
@@ -858,8 +851,8 @@ def _run(args, argv: Sequence[str], group, rank, tp, device) -> int:
     skip = set(map(tuple, held[0])) if args.skip_tuned else set()
     todo = [(op, n, k, m, model) for op, n, k, model in shapes for m in ms if (op, n, k, m) not in skip]
     try:  # what each shape runs untuned, from the tables as found before this run writes any
-        untuned = {(op, n, k, m, model): untuned_config(op, m, n, k, dtype, tp, (gpu_name, sms))
-                   for op, n, k, m, model in todo}
+        incumbents = {(op, n, k, m, model): untuned_config(op, m, n, k, dtype, tp, (gpu_name, sms))
+                      for op, n, k, m, model in todo}
     except ValueError as exc:  # a table named by $MEGATRON_FLUX_CONFIG that does not validate
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
@@ -867,7 +860,7 @@ def _run(args, argv: Sequence[str], group, rank, tp, device) -> int:
     for item in todo:
         op, n, k, m, _ = item
         total += len(generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates,
-                                         space=args.space, from_tables=_from_tables(untuned[item])))
+                                         space=args.space, from_tables=_from_tables(incumbents[item])))
     bar = progress(total, "tune ", enabled=(rank == 0 and not args.no_progress), messages=(rank == 0))
     if rank == 0:
         print(f"{PROG}: {len(todo)} entries to tune ({len(shapes) * len(ms) - len(todo)} already in {out}), "
@@ -894,7 +887,7 @@ def _run(args, argv: Sequence[str], group, rank, tp, device) -> int:
         op, n, k, m, model = item
         bar.set_postfix_str(f"{op} n={n} k={k} m={m}")
         e = tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, holder, bar,
-                     incumbent=untuned[item])
+                     incumbent=incumbents[item])
         bar.write(entry_line(e))
         return e
 
