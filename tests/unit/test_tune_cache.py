@@ -20,6 +20,7 @@ from megatron_flux.tuning import provider, registry, schema
 
 from helpers.paths import REPO
 LLAMA = str(REPO / "configs" / "llama3_8b_16l.json")
+GPT3 = str(REPO / "configs" / "gpt3_175b_4l.json")
 H200 = ("NVIDIA H200", 132)
 BF16 = torch.bfloat16
 
@@ -231,37 +232,37 @@ def test_plan_counts_the_tuned_gemms_and_prints_the_command_for_the_rest(capsys)
                        "--m", m]) == 0
         out = capsys.readouterr().out
         assert f"10 of 10 TP GEMMs have a current table entry at m={m}" in out and "megatron-flux tune" not in out
-    assert P.main(["--model-config", LLAMA, "--tp", "4", "--gpu", "NVIDIA H200", "--sms", "132"]) == 0
+    # the shipped TP 4 table holds GPT-3 175B's fc1 and proj with their data gradients at
+    # m = 2048 (the benchmark grid's gpt3-175b), not its QKV or output layer
+    assert P.main(["--model-config", GPT3, "--tp", "4", "--gpu", "NVIDIA H200", "--sms", "132"]) == 0
     out = capsys.readouterr().out
-    assert "2 of 10 TP GEMMs have a current table entry at m=4096" in out
-    assert ("torchrun --nproc-per-node 4 --no-python megatron-flux tune --shapes ag:1536:4096 "
-            "rs:4096:1024 rs:4096:3584 ag:32128:4096 rs:4096:1536 ag:1024:4096 ag:3584:4096 "
-            "rs:4096:32128 --ms 4096") in out
-    # the shipped TP 4 table holds fc1 and its dgrad at m = 4096 (the benchmark grid's llama3-8b)
-    assert P.main(["--model-config", LLAMA, "--tp", "4", "--gpu", "NVIDIA H200", "--sms", "132",
+    assert "4 of 10 TP GEMMs have a current table entry at m=2048" in out
+    assert ("torchrun --nproc-per-node 4 --no-python megatron-flux tune --shapes ag:9216:12288 "
+            "rs:12288:3072 ag:12672:12288 rs:12288:9216 ag:3072:12288 rs:12288:12672 --ms 2048") in out
+    assert P.main(["--model-config", GPT3, "--tp", "4", "--gpu", "NVIDIA H200", "--sms", "132",
                    "--offer"]) == 0
     line = capsys.readouterr().out
-    assert line.count("\n") == 1 and line.startswith("2 of 10 TP GEMMs have a current table entry")
+    assert line.count("\n") == 1 and line.startswith("4 of 10 TP GEMMs have a current table entry")
     assert "--nproc-per-node 4 --no-python megatron-flux tune --shapes " in line
-    assert line.rstrip().endswith("--ms 4096")
-    rows = P.plan_rows(LLAMA, 4, 4096, H200, BF16)  # without a current table: the model's config
-    assert P.tune_offer([dict(r, source="estimate") for r in rows], LLAMA, 4, 4096, "bf16").endswith(
-        f"megatron-flux tune --model-config {LLAMA} --ms 4096")
+    assert line.rstrip().endswith("--ms 2048")
+    rows = P.plan_rows(GPT3, 4, 2048, H200, BF16)  # without a current table: the model's config
+    assert P.tune_offer([dict(r, source="estimate") for r in rows], GPT3, 4, 2048, "bf16").endswith(
+        f"megatron-flux tune --model-config {GPT3} --ms 2048")
     rows = P.plan_rows(LLAMA, 2, 4096, H200, torch.float16)  # no fp16 table: all to tune
     assert P.tune_offer(rows, LLAMA, 2, 4096, "fp16").endswith(f"--model-config {LLAMA} --ms 4096 --dtype fp16")
 
 
 def test_plan_offer_is_silent_once_every_gemm_is_tuned(cache_home, capsys):
-    rows = P.plan_rows(LLAMA, 4, 4096, H200, BF16)
-    assert sum(r["source"] != "table" for r in rows) == 8
+    rows = P.plan_rows(GPT3, 4, 2048, H200, BF16)
+    assert sum(r["source"] != "table" for r in rows) == 6
     for r in rows:
         if r["source"] != "table":
             path = registry.cache_table_path(*H200, 4, "bf16")
             old = json.loads(Path(path).read_text()) if os.path.exists(path) else table(n=1, k=1, tp=4)
-            old["entries"].append(dict(table()["entries"][0], op=r["op"], n=r["n"], k=r["k"]))
+            old["entries"].append(dict(table()["entries"][0], op=r["op"], n=r["n"], k=r["k"], m=2048))
             put(path, old)
     T.reset()
-    assert P.main(["--model-config", LLAMA, "--tp", "4", "--gpu", "NVIDIA H200", "--sms", "132", "--offer"]) == 0
+    assert P.main(["--model-config", GPT3, "--tp", "4", "--gpu", "NVIDIA H200", "--sms", "132", "--offer"]) == 0
     assert capsys.readouterr().out == ""
 
 
@@ -274,12 +275,12 @@ def test_launcher_prints_the_tune_offer_for_the_model(tmp_path):
                        f'--gpu "NVIDIA H200" --sms 132;; esac\nexec "{sys.executable}" "$@"\n')
     wrapper.chmod(0o755)
     script = (f'source "{REPO}/examples/_common.sh"; PYTHON="{wrapper}"; NPROC=4; '
-              f'FLUX_ARGS=(--flux-tp-overlap); flux_preflight "{LLAMA}"')
+              f'FLUX_ARGS=(--flux-tp-overlap); flux_preflight "{GPT3}"')
     res = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO), "XDG_CACHE_HOME": str(tmp_path)})
     assert res.returncode == 0, res.stderr
     plan_lines = [line for line in res.stdout.splitlines() if line.startswith("> megatron-flux plan: ")]
-    assert len(plan_lines) == 1 and "2 of 10 TP GEMMs" in plan_lines[0]
+    assert len(plan_lines) == 1 and "4 of 10 TP GEMMs" in plan_lines[0]
     assert "--nproc-per-node 4 --no-python megatron-flux tune --shapes" in plan_lines[0]
     # a plan that fails (no GPU named, none here) prints nothing and stops nothing
     script = script.replace(f'PYTHON="{wrapper}"', f'PYTHON="{sys.executable}"')

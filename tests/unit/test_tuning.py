@@ -61,6 +61,11 @@ SHIPPED = {
         # with their borrowed configs (stream-K tail on)
         ("retime", [R + "bench-h200x4-2026-11-27.json", R + "bench-small-h200x4-2026-11-27.json"]),
         ("extend-transplanted", [R + "bench-h200x4-2026-11-27-unseen.json"]),
+        # the training config's ten TP GEMMs at m = 4096 and 8192, tuned with the current
+        # kernels from what each ran untuned (tools.tune.add: the four the grid shares keep
+        # theirs), then confirmed with a benchmark of all twenty made with the table so extended
+        ("add", [R + "tune-h200x4-2026-11-28-train-shapes.json"]),
+        ("confirm", R + "bench-h200x4-2026-11-28-train-shapes.json"),
     ]),
     # 2xH100: the m >= 1024 grid and the small m tuned into one table, then three benchmarks
     # made with it, taken jointly (a list: tuning.confirm.confirm_repeats)
@@ -236,7 +241,7 @@ def test_rs_default_splits_its_tail_but_old_table_entries_keep_their_schedule():
     """GEMM+RS's 128x256 default splits a small last wave along K (``stream_k=1``), except
     with the spread reduction (TP >= 8: no own tiles); the small-m defaults do not. A table
     entry that names no ``stream_k`` keeps 0: GEMM+RS had no stream-K when it was measured
-    (the shipped TP 4 table's tuned entries are such, on 128x256 tiles)."""
+    (the shipped TP 4 table's entries tuned on kernel version 0 are such, on 128x256 tiles)."""
     from megatron_flux.tuning import schema
 
     assert default_config("rs", 8192, 12288, 24576, tp=2).stream_k == 1
@@ -257,7 +262,8 @@ def test_rs_default_splits_its_tail_but_old_table_entries_keep_their_schedule():
     assert cfg.stream_k == 1
     shipped = schema.load_table(os.path.join(os.path.dirname(schema.__file__), "tables",
                                              "h200-sm132-tp4-bf16.json"))
-    assert all(e.config.stream_k == 0 for e in shipped.entries if e.op == "rs" and e.tuned)
+    old = [e for e in shipped.entries if e.op == "rs" and e.notes.get("config_kernel_version") == 0]
+    assert old and all(e.config.stream_k == 0 for e in old)
 
 
 @pytest.mark.parametrize("change", [
@@ -282,9 +288,10 @@ def _shipped_tp2_entries():
     return T.load_table(os.path.join(registry.SHIPPED_DIR, "h200-sm132-tp2-bf16.json")).entries
 
 
-@pytest.mark.parametrize("device,tp", [(("NVIDIA H100", 132), 2), (("NVIDIA H200", 114), 2), (H200, 4)])
+@pytest.mark.parametrize("device,tp", [(("NVIDIA H100", 132), 2), (("NVIDIA H200", 114), 2), (H200, 8)])
 def test_machine_misses_fall_back_without_user_tables(device, tp):
-    """The shipped H200/132 SMs/TP=2 table does not apply to another GPU, SM count or TP."""
+    """The shipped H200/132 SMs/TP=2 table does not apply to another GPU, SM count or TP (TP 8:
+    no table ships for it)."""
     prov = T.TableConfigProvider()
     # an entry whose tuned config is not the default (there must be one: the search found it)
     entry = next(e for e in _shipped_tp2_entries() if e.config != default_config(e.op, e.m, e.n, e.k))
@@ -432,15 +439,16 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
     # the benchmark grid (3 models x 2 ops x 8 m-buckets) is confirmed; entries the benchmarks
     # did not run (a training config's own shapes) keep the tune's times and say so
     confirmed = [e for e in t.entries if e.notes.get("confirmed")]
-    # 2xH200 TP 2 also: the training config's 16 other entries (10 shapes at m = 4096 and
-    # 8192, less the 4 the grid's llama3-8b shares)
-    assert len(confirmed) == {"h200-sm132-tp2-bf16.json": 64}.get(name, 48)
+    # 2xH200 TP 2 and 4xH200 TP 4 also: the training config's 16 other entries (10 shapes at
+    # m = 4096 and 8192, less the 4 the grid's llama3-8b shares)
+    assert len(confirmed) == {"h200-sm132-tp2-bf16.json": 64, "h200-sm132-tp4-bf16.json": 64}.get(name, 48)
     assert all(e.notes.get("model", "").count(":") == 1 for e in t.entries if e not in confirmed)
-    assert {e.notes["bench_source"] for e in confirmed} <= set(retimes or confirms)
+    assert {e.notes["bench_source"] for e in confirmed} <= set(retimes) | set(confirms)
     if retimes:  # the current kernels' times, the configs of the kernels the table was tuned on
         assert t.extra["search"]["retimed_by"]["benches"] == retimes
-        assert all(e.notes["config_kernel_version"] == 0 for e in confirmed)
-    else:
+        assert all(e.notes["config_kernel_version"] == 0 for e in confirmed
+                   if e.notes["bench_source"] in retimes)
+    if [st for st, _ in steps if st in ("confirm", "retime")][-1] == "confirm":
         assert t.extra["search"]["confirmed_by"]["bench"] == confirms[-1]
     # the configs differ from the defaults somewhere (the search found better ones)
     assert any(e.config != default_config(e.op, e.m, e.n, e.k) for e in t.entries)
