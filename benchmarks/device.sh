@@ -24,7 +24,9 @@
 #               changes, kernel_vs_cublas --extra; KVC_NAME: a file suffix)
 #                                                          -> kvc-{ag,rs}[-NAME].{json,log}
 #   tune        megatron-flux tune over the grid (all m; TUNE_ARGS: other cases and search
-#               sizes), then the grid benchmark with the new table (TUNE_BENCH=0: not)                       -> tune/{table.json,tune.log,bench.json,bench.png}
+#               sizes, e.g. --time-budget-s; TUNE_RESUME: an earlier call's tune/table.json to
+#               continue), then the grid benchmark with the new table (TUNE_BENCH=0: not)
+#                                                  -> tune/{table.json,tune.log,bench.json,bench.png}
 #   trainshapes a training config's TP GEMMs (TRAIN_CONFIG, default configs/llama3_8b_16l.json) at
 #               TRAIN_MS (default "4096 8192"): tuned (TRAIN_TUNE_BUDGET s, TRAIN_CANDIDATES per
 #               entry), added to this machine's shipped table where it lacks them
@@ -89,10 +91,15 @@ with_connections() {  # with_connections CMD...: CMD under BENCH_CONNECTIONS (de
 
 tune_table() {  # tune_table OUT_JSON ARGS...: megatron-flux tune with ARGS (what and how much to
     # search) and the short timings every table here is tuned with, under TUNE_TIMEOUT (300 s)
-    # -> the table OUT_JSON, its log tune.log beside it
+    # -> the table OUT_JSON, its log tune.log beside it. TUNE_RESUME: a table an earlier call's
+    # tune wrote (carried): its entries are kept and not tuned again (a search longer than a call)
     local out_json="$1"; shift
+    local fresh=(--no-merge)
+    if [ -n "${TUNE_RESUME:-}" ]; then
+        cp "${TUNE_RESUME}" "${out_json}" && fresh=(--skip-tuned) || return 1
+    fi
     timeout "${TUNE_TIMEOUT:-300}" "${TORCHRUN[@]}" -m megatron_flux.tools.cli tune "$@" \
-        --screen-iters 5 --trials 3 --iters 10 --no-progress --no-merge \
+        --screen-iters 5 --trials 3 --iters 10 --no-progress "${fresh[@]}" \
         --out "${out_json}" > "$(dirname "${out_json}")/tune.log" 2>&1
 }
 
