@@ -10,9 +10,10 @@ of ``(a, b)`` are looked up:
 
 Each reading is :func:`megatron_flux.tuning.provider.decide`: the table entry at the nearest
 m-bucket with the ``auto`` margin, else the estimate from the nearest measured entries, else a
-size rule; one log line per shape names which (except a table's fused choice). Where both
-readings give the same backend it is returned as is; otherwise an :class:`AutoDispatch` picks per method
-(``all_gather_matmul`` is the AG reading, ``matmul_reduce_scatter`` the RS one); its ``name``
+size rule; one log line per shape, on the TP group's first rank, names which (except a
+table's fused choice). Where both readings give the same backend it is returned as is;
+otherwise an :class:`AutoDispatch` picks per method (``all_gather_matmul`` is the AG reading,
+``matmul_reduce_scatter`` the RS one); its ``name``
 says what it picked, e.g. ``auto(ag:nccl,rs:flux)``. Cached per ``(op, rows, k, n, dtype, tp,
 device)``: after the first call of a shape, one dict lookup.
 """
@@ -28,10 +29,12 @@ from megatron_flux.tuning.provider import decide, on_decisions_change
 _CACHE: Dict[tuple, object] = {}
 
 
-def _decide(op, rows, k, n, dtype, tp, device) -> bool:
+def _decide(op, rows, k, n, dtype, tp, device, log: bool) -> bool:
     m_total = rows * tp if op == "ag" else rows
     d = decide(op, m_total, n, k, dtype, tp, device)
-    if not d.fused or d.source != "table":  # a table's "fused" is the expected case: quiet
+    # a table's "fused" is the expected case: quiet; the rest is said by one rank of the group
+    # (every rank reads the same tables, so every rank decides alike)
+    if log and (not d.fused or d.source != "table"):
         from megatron_flux.backends.registry import log_once
 
         log_once(
@@ -83,8 +86,11 @@ class AutoDispatch(TPOverlapBackend):
         return self.nccl.reduce_scatter(x, group, out=out)
 
 
-def choose_auto(fused: TPOverlapBackend, nccl: TPOverlapBackend, a, b, tp: int, op: Optional[str] = None):
-    """``fused``, ``nccl`` or an :class:`AutoDispatch` for ``a @ b`` at TP size ``tp``."""
+def choose_auto(fused: TPOverlapBackend, nccl: TPOverlapBackend, a, b, tp: int, op: Optional[str] = None,
+                *, log: bool = True):
+    """``fused``, ``nccl`` or an :class:`AutoDispatch` for ``a @ b`` at TP size ``tp``; ``log``:
+    whether this rank says why where the choice is not a table's fused one (the group's first
+    rank does)."""
     rows, k = a.shape[0], b.shape[0]
     n = b.shape[1]
     key = (op, rows, k, n, a.dtype, tp, a.device, id(fused), id(nccl))
@@ -94,10 +100,10 @@ def choose_auto(fused: TPOverlapBackend, nccl: TPOverlapBackend, a, b, tp: int, 
     if op is not None:
         from megatron_flux.tuning.keys import normalize_op
 
-        out = fused if _decide(normalize_op(op), rows, k, n, a.dtype, tp, a.device) else nccl
+        out = fused if _decide(normalize_op(op), rows, k, n, a.dtype, tp, a.device, log) else nccl
     else:
-        ag = _decide("ag", rows, k, n, a.dtype, tp, a.device)
-        rs = _decide("rs", rows, k, n, a.dtype, tp, a.device)
+        ag = _decide("ag", rows, k, n, a.dtype, tp, a.device, log)
+        rs = _decide("rs", rows, k, n, a.dtype, tp, a.device, log)
         out = (fused if ag else nccl) if ag == rs else AutoDispatch(fused, nccl, ag, rs)
     _CACHE[key] = out
     return out

@@ -217,7 +217,7 @@ def _resolve_uncached(requested, a, b, group, op) -> TPOverlapBackend:
             global _choose_auto
             if _choose_auto is None:
                 from megatron_flux.backends.auto import choose_auto as _choose_auto
-            return _choose_auto(fused, get_backend("nccl"), a, b, group.size(), op)
+            return _choose_auto(fused, get_backend("nccl"), a, b, group.size(), op, log=group.rank() == 0)
     log_once(f"auto:{reason}", f"megatron-flux: flux_backend='auto' uses 'nccl' because {reason}")
     return get_backend("nccl")
 

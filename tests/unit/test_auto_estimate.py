@@ -286,9 +286,9 @@ def test_auto_logs_where_a_choice_came_from(tmp_path, monkeypatch, caplog):
     install(tmp_path, table([entry("ag", 2048, 4096, 4096, 0.5), entry("ag", 2048, 4096, 64, 2.0)]))
     monkeypatch.setattr(provider, "device_identity", lambda device: ("test-gpu", 100, GPU[0]))
     with caplog.at_level(logging.INFO, logger=B.logger.name):
-        assert auto._decide("ag", 2048, 4096, 2048, BF16, 2, torch.device("cpu"))  # table, fused: quiet
-        assert not auto._decide("ag", 32, 4096, 2048, BF16, 2, torch.device("cpu"))
-        assert not auto._decide("rs", 2048, 4096, 4096, BF16, 2, torch.device("cpu"))
+        assert auto._decide("ag", 2048, 4096, 2048, BF16, 2, torch.device("cpu"), log=True)  # table, fused: quiet
+        assert not auto._decide("ag", 32, 4096, 2048, BF16, 2, torch.device("cpu"), log=True)
+        assert not auto._decide("rs", 2048, 4096, 4096, BF16, 2, torch.device("cpu"), log=True)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
     assert "'nccl' for ag m=64 n=2048 k=4096: table (2.000 at m=64" in lines[0]

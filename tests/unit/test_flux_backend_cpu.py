@@ -180,7 +180,7 @@ def test_a_capture_keeps_the_choice_unless_capture_is_off_and_cublas_is_ready_be
     monkeypatch.setitem(registry._INSTANCES, "flux", fused)
     monkeypatch.setitem(registry._REGISTRY, "flux", fused)
     monkeypatch.setattr(registry, "fused_unavailable_reason", lambda device: None)
-    monkeypatch.setattr(registry, "_choose_auto", lambda fused, nccl, a, b, tp, op: fused)
+    monkeypatch.setattr(registry, "_choose_auto", lambda fused, nccl, a, b, tp, op, log: fused)
     handles = []
     monkeypatch.setattr(torch.cuda, "current_blas_handle", lambda: handles.append(
         threading.get_ident()))

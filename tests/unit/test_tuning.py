@@ -526,8 +526,14 @@ def _fake_backends():
 
 
 class _Group:
+    def __init__(self, rank=0):
+        self._rank = rank
+
     def size(self):
         return 2
+
+    def rank(self):
+        return self._rank
 
 
 @pytest.fixture
@@ -587,6 +593,27 @@ def test_resolve_backend_auto_consults_the_table(fake_fused):
     assert _picked(unk, "ag") is fused and _picked(unk, "rs") is nccl  # AG reading: 2048 rows
     # named backends ignore the table
     assert resolve_backend("flux", torch.empty(32, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf), g) is fused
+
+
+def test_auto_says_why_once_per_tp_group(fake_fused, monkeypatch, caplog):
+    """Every rank of a TP group reads the same tables and decides alike: the group's first rank
+    says why a shape runs NCCL (or an estimate's fused), the others only decide."""
+    import logging
+
+    import megatron_flux.backends.registry as B
+    from megatron_flux.backends import resolve_backend
+
+    fused, nccl = fake_fused
+    monkeypatch.setattr(B, "_LOGGED", set())
+    a, b = torch.empty(32, 4096, dtype=torch.bfloat16), torch.empty(4096, 14336, dtype=torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="megatron_flux"):
+        assert resolve_backend("auto", a, b, _Group(rank=1), op="ag") is nccl
+        assert not [r for r in caplog.records if "uses 'nccl'" in r.getMessage()]
+        B.clear_resolution_cache()
+        auto.clear_cache()
+        assert resolve_backend("auto", a, b, _Group(rank=0), op="ag") is nccl
+    said = [r.getMessage() for r in caplog.records if "uses 'nccl'" in r.getMessage()]
+    assert len(said) == 1 and "for ag m=64 n=14336 k=4096" in said[0]
 
 
 def test_resolve_backend_auto_dispatches_per_op_when_ambiguous(fake_fused, tmp_path):
