@@ -38,9 +38,11 @@ def _tune_on_cpu(rank, world, out, fail_write_on_rank=None, extra=(), challenger
     class CpuFlux(NcclBackend):
         """The tuner's fused backend, as the NCCL one: every candidate config computes alike."""
 
-        def __init__(self, config_provider=None):
+        def __init__(self, config_provider=None, *, options=None):
             super().__init__()
             self.config_provider = config_provider
+            # the tuner waits longer than training: a peer may still be compiling a candidate
+            assert options.max_spins == search.TUNE_MAX_SPINS
 
         def clear_config_cache(self):
             pass

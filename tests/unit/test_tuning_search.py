@@ -513,3 +513,18 @@ def test_a_tune_starts_from_what_the_shipped_tables_run_untuned():
     assert S.untuned_config("rs", 4096, 4096, 7168, torch.bfloat16, 2, ident).source == "table (m=4096)"
     none = S.untuned_config("rs", 4096, 6656, 8960, torch.bfloat16, 2, ("NVIDIA B200", 148))
     assert none == S.Incumbent(default_config("rs", 4096, 6656, 8960, tp=2), "default")
+
+
+def test_a_tune_waits_longer_than_training_but_keeps_a_longer_bound():
+    """A candidate's first call compiles its kernels on each rank; a rank that compiles longer
+    pushes later, so the tuner's waits allow more polls than training's (a user's bound above
+    that is kept)."""
+    from megatron_flux.options import FluxOptions, get_options, set_options
+
+    assert S.TUNE_MAX_SPINS > get_options().max_spins
+    assert S.tune_options().max_spins == S.TUNE_MAX_SPINS
+    set_options(FluxOptions(max_spins=1 << 30))
+    try:
+        assert S.tune_options().max_spins == 1 << 30
+    finally:
+        set_options(None)

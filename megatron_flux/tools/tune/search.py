@@ -56,6 +56,11 @@ from megatron_flux.tools.model_shapes import file_problem, load_settings, tp_gem
 
 PROG = "megatron-flux tune"
 
+#: polls a fused kernel's wait makes in a tune before it gives up (8x training's default): each
+#: candidate's first call compiles its kernels on every rank, and a rank whose compile runs
+#: longer issues its pushes later, while its peers' kernels already wait for them
+TUNE_MAX_SPINS = 1 << 28
+
 #: knob -> values searched (GemmConfig fields); chunk_rows only for AG (RS ignores it)
 SEARCH_SPACE: Dict[str, Tuple] = {
     "block_m": (64, 128, 256),
@@ -685,6 +690,15 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     return entry
 
 
+def tune_options():
+    """The process's fused-backend options with waits of at least :data:`TUNE_MAX_SPINS` polls
+    (a user's longer bound is kept)."""
+    from megatron_flux.options import get_options
+
+    opts = get_options()
+    return opts.replace(max_spins=max(opts.max_spins, TUNE_MAX_SPINS))
+
+
 def timeout_message(what: str, where: str) -> str:
     return (f"{what}: {where} timed out waiting for a peer on some rank (that rank's line above "
             "says which wait); the fused kernels cannot be trusted in this process after a "
@@ -837,7 +851,7 @@ def _run(args, argv: Sequence[str], group, rank, tp, device) -> int:
         return 2
     args.space, pinned = search_space_for(torch.cuda.get_device_capability(device))
     holder = [None]
-    flux = FluxBackend(config_provider=lambda op, m, n, k: holder[0])
+    flux = FluxBackend(config_provider=lambda op, m, n, k: holder[0], options=tune_options())
     out = args.out or cache_table_path(gpu_name, sms, tp, dtype_key(dtype))
     previous, problem = previous_table(out, merge=not args.no_merge) if rank == 0 else (None, None)
     # rank 0 reads the file alone; what it found (or why it cannot) reaches every rank, so a
