@@ -6,10 +6,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPUS="${NGPUS:-$(nvidia-smi -L | grep -c '^GPU ')}"
 
 install_carried_wheels() {  # install_carried_wheels [GLOB]   (default: every carried wheel);
-    # once per machine: concurrent scripts (device_parallel.sh's lanes) find it done
+    # once per machine: concurrent scripts (device_parallel.sh's lanes) find it done. Compiled
+    # to bytecode here, in parallel: every training job's every rank imports megatron-core, and
+    # the job logs showed each of them compiling its sources again (its SyntaxWarnings)
     [ -f /tmp/site/.megatron-flux-installed ] && return 0
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site ${1:-.whl/*.whl} && touch /tmp/site/.megatron-flux-installed
+        --target /tmp/site ${1:-.whl/*.whl} || return 1
+    python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1 || true  # a file it cannot compile: imported as source
+    touch /tmp/site/.megatron-flux-installed
 }
 
 sample_gpus() {  # sample_gpus CSV INTERVAL_MS [FIELDS]: nvidia-smi logs FIELDS (default: SM clock,
