@@ -232,8 +232,8 @@ def test_plan_counts_the_tuned_gemms_and_prints_the_command_for_the_rest(capsys)
                        "--m", m]) == 0
         out = capsys.readouterr().out
         assert f"10 of 10 TP GEMMs have a current table entry at m={m}" in out and "megatron-flux tune" not in out
-    # the shipped TP 4 table holds GPT-3 175B's fc1 and proj with their data gradients at
-    # m = 2048 (the benchmark grid's gpt3-175b), not its QKV or output layer
+    # the shipped TP 4 table holds GPT-3 175B's fc1 and fc2 with their data gradients at
+    # m = 2048 (the benchmark grid's gpt3-175b), not its QKV, attention projection or output layer
     assert P.main(["--model-config", GPT3, "--tp", "4", "--gpu", "NVIDIA H200", "--sms", "132"]) == 0
     out = capsys.readouterr().out
     assert "4 of 10 TP GEMMs have a current table entry at m=2048" in out
