@@ -37,11 +37,50 @@ require_gpus() {  # require_gpus MIN
     NPROC="${NPROC:-${NGPUS}}"
 }
 
+# What ${PYTHON} imports, from one interpreter start (each start imports torch and megatron-core
+# again, seconds each): lines "python X.Y.Z", "torch_cuda 0|1", "megatron_core VERSION",
+# "megatron_training 0|1", "megatron_flux 1" or "megatron_flux 0 ERROR", as far as each import
+# gets, with this checkout on PYTHONPATH. Kept in PROBE for require_python and ensure_megatron.
+probe_python() {
+    [ -n "${PROBE:-}" ] && return 0
+    PROBE="$(PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}" "${PYTHON}" -c '
+import platform, sys
+print("python", platform.python_version())
+try:
+    import torch
+    print("torch_cuda", int(torch.cuda.is_available()))
+except Exception:
+    print("torch_cuda", 0)
+try:
+    import megatron.core as m
+    print("megatron_core", m.__version__)
+    try:
+        import megatron.training
+        print("megatron_training", 1)
+    except Exception:
+        print("megatron_training", 0)
+except Exception:
+    pass
+try:
+    import megatron_flux
+    print("megatron_flux", 1)
+except Exception as exc:
+    print("megatron_flux", 0, type(exc).__name__ + ":", exc)
+' 2>/dev/null || true)"
+}
+
+probed() {  # probed KEY: its value in PROBE (empty if the probe did not get that far)
+    sed -n "s/^$1 //p" <<< "${PROBE}" | head -1
+}
+
 require_python() {
     [ "${FLUX_DRY_RUN:-0}" = 1 ] && return 0
-    "${PYTHON}" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' \
-        || die "${PYTHON} is Python $("${PYTHON}" -c 'import platform; print(platform.python_version())'); megatron.training (megatron-core 0.19) needs Python >= 3.12 (set PYTHON=...)"
-    "${PYTHON}" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
+    probe_python
+    local version
+    version="$(probed python)"
+    "${PYTHON}" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null \
+        || die "${PYTHON} is Python ${version:-(not found)}; megatron.training (megatron-core 0.19) needs Python >= 3.12 (set PYTHON=...)"
+    [ "$(probed torch_cuda)" = 1 ] \
         || die "${PYTHON}: PyTorch is missing or has no CUDA (install a CUDA build of torch >= 2.6)"
 }
 
@@ -51,8 +90,9 @@ require_python() {
 ensure_megatron() {
     export PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}"
     [ "${FLUX_DRY_RUN:-0}" = 1 ] && return 0
+    probe_python
     local found
-    found="$("${PYTHON}" -c 'import megatron.core as m; print(m.__version__)' 2>/dev/null || true)"
+    found="$(probed megatron_core)"
     if [ -z "${found}" ]; then
         die "${PYTHON} cannot import megatron.core. Install megatron-core 0.19 (pip install 'megatron-flux[train]', or 'megatron-core>=0.19,<0.20'), or put it on PYTHONPATH."
     fi
@@ -60,10 +100,10 @@ ensure_megatron() {
         0.19*) ;;
         *) die "${PYTHON} imports megatron-core ${found}; the training launchers need 0.19 (megatron.training's pretrain API). pip install 'megatron-core>=0.19,<0.20'." ;;
     esac
-    "${PYTHON}" -c 'import megatron.training' 2>/dev/null \
+    [ "$(probed megatron_training)" = 1 ] \
         || die "megatron-core ${found} is importable but megatron.training is not (it needs Python >= 3.12 and the full wheel)."
-    "${PYTHON}" -c 'import megatron_flux' \
-        || die "cannot import megatron_flux with PYTHONPATH=${PYTHONPATH}"
+    [ "$(probed megatron_flux)" = 1 ] \
+        || die "cannot import megatron_flux with PYTHONPATH=${PYTHONPATH} ($(probed megatron_flux | cut -d' ' -f2-))"
 }
 
 # Arguments every launcher passes: TP over all local GPUs with sequence parallelism, the local

@@ -383,6 +383,42 @@ def test_launchers_say_what_is_missing_instead_of_installing(tmp_path):
     assert not (bare / ".local").exists()
 
 
+def _fake_interpreter(tmp_path, probe_lines):
+    """An interpreter stand-in: Python 3.12 for the version check, ``probe_lines`` for the
+    launcher's import probe; every start that imports anything is counted in ``heavy``."""
+    heavy = tmp_path / "heavy"
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/bash\n"
+                    'case "$2" in *python_version*) echo start >> "' + str(heavy) + '"; printf "%s\\n" '
+                    + " ".join(f"'{line}'" for line in probe_lines) + ";;\n"
+                    "*version_info*) exit 0;; *) exit 1;; esac\n")
+    fake.chmod(0o755)
+    return fake, heavy
+
+
+@pytest.mark.parametrize("probe, error", [
+    (["python 3.12.3", "torch_cuda 1", "megatron_core 0.19.2", "megatron_training 1", "megatron_flux 1"], None),
+    (["python 3.12.3", "torch_cuda 0"], "PyTorch is missing or has no CUDA"),
+    (["python 3.12.3", "torch_cuda 1", "megatron_core 0.19.2", "megatron_training 0", "megatron_flux 1"],
+     "megatron-core 0.19.2 is importable but megatron.training is not"),
+    (["python 3.12.3", "torch_cuda 1", "megatron_core 0.19.2", "megatron_training 1",
+      "megatron_flux 0 ImportError: no module named triton"], "(ImportError: no module named triton)"),
+])
+def test_launcher_checks_start_the_interpreter_once(tmp_path, probe, error):
+    """The launcher's checks of the interpreter (Python, CUDA torch, megatron-core 0.19 with
+    megatron.training, megatron-flux) read one probe: each interpreter start imports torch and
+    megatron-core again, seconds each before the job starts."""
+    fake, heavy = _fake_interpreter(tmp_path, probe)
+    res = subprocess.run(["bash", "-c", f'source "{EXAMPLES}/_common.sh"; PYTHON="{fake}"; '
+                          "require_python; ensure_megatron; echo checked"],
+                         capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    if error is None:
+        assert res.returncode == 0 and res.stdout.strip() == "checked", res.stderr
+    else:
+        assert res.returncode == 2 and error in res.stderr, res.stderr
+    assert heavy.read_text().count("start") == 1
+
+
 @pytest.mark.parametrize("env,expected", [
     ({}, "--flux-tp-overlap --flux-backend auto"),
     ({"FLUX_BACKEND": "flux"}, "--flux-tp-overlap --flux-backend flux"),
