@@ -70,7 +70,7 @@ except Exception as exc:
 }
 
 probed() {  # probed KEY: its value in PROBE (empty if the probe did not get that far)
-    sed -n "s/^$1 //p" <<< "${PROBE}" | head -1
+    sed -n "/^$1 /{s/^$1 //p;q;}" <<< "${PROBE}"
 }
 
 require_python() {
