@@ -38,14 +38,16 @@ require_gpus() {  # require_gpus MIN
 }
 
 # What ${PYTHON} imports, from one interpreter start (each start imports torch and megatron-core
-# again, seconds each): lines "python X.Y.Z", "torch_cuda 0|1", "megatron_core VERSION",
-# "megatron_training 0|1", "megatron_flux 1" or "megatron_flux 0 ERROR", as far as each import
-# gets, with this checkout on PYTHONPATH. Kept in PROBE for require_python and ensure_megatron.
+# again, seconds each): lines "python X.Y.Z", "python_supported 0|1" (>= 3.12), "torch_cuda 0|1",
+# "megatron_core VERSION", "megatron_training 0|1", "megatron_flux 1" or "megatron_flux 0 ERROR",
+# as far as each import gets, with this checkout on PYTHONPATH. Kept in PROBE for require_python
+# and ensure_megatron.
 probe_python() {
     [ -n "${PROBE:-}" ] && return 0
     PROBE="$(PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}" "${PYTHON}" -c '
 import platform, sys
 print("python", platform.python_version())
+print("python_supported", int(sys.version_info >= (3, 12)))
 try:
     import torch
     print("torch_cuda", int(torch.cuda.is_available()))
@@ -78,7 +80,7 @@ require_python() {
     probe_python
     local version
     version="$(probed python)"
-    "${PYTHON}" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null \
+    [ "$(probed python_supported)" = 1 ] \
         || die "${PYTHON} is Python ${version:-(not found)}; megatron.training (megatron-core 0.19) needs Python >= 3.12 (set PYTHON=...)"
     [ "$(probed torch_cuda)" = 1 ] \
         || die "${PYTHON}: PyTorch is missing or has no CUDA (install a CUDA build of torch >= 2.6)"

@@ -384,24 +384,24 @@ def test_launchers_say_what_is_missing_instead_of_installing(tmp_path):
 
 
 def _fake_interpreter(tmp_path, probe_lines):
-    """An interpreter stand-in: Python 3.12 for the version check, ``probe_lines`` for the
-    launcher's import probe; every start that imports anything is counted in ``heavy``."""
+    """An interpreter stand-in: ``probe_lines`` for the launcher's import probe, a failure for
+    anything else; every start is counted in ``heavy``."""
     heavy = tmp_path / "heavy"
     fake = tmp_path / "python"
-    fake.write_text("#!/bin/bash\n"
-                    'case "$2" in *python_version*) echo start >> "' + str(heavy) + '"; printf "%s\\n" '
+    fake.write_text("#!/bin/bash\necho start >> \"" + str(heavy) + "\"\n"
+                    'case "$2" in *python_version*) printf "%s\\n" '
                     + " ".join(f"'{line}'" for line in probe_lines) + ";;\n"
-                    "*version_info*) exit 0;; *) exit 1;; esac\n")
+                    "*) exit 1;; esac\n")
     fake.chmod(0o755)
     return fake, heavy
 
 
 @pytest.mark.parametrize("probe, error", [
-    (["python 3.12.3", "torch_cuda 1", "megatron_core 0.19.2", "megatron_training 1", "megatron_flux 1"], None),
-    (["python 3.12.3", "torch_cuda 0"], "PyTorch is missing or has no CUDA"),
-    (["python 3.12.3", "torch_cuda 1", "megatron_core 0.19.2", "megatron_training 0", "megatron_flux 1"],
+    (["python 3.12.3", "python_supported 1", "torch_cuda 1", "megatron_core 0.19.2", "megatron_training 1", "megatron_flux 1"], None),
+    (["python 3.12.3", "python_supported 1", "torch_cuda 0"], "PyTorch is missing or has no CUDA"),
+    (["python 3.12.3", "python_supported 1", "torch_cuda 1", "megatron_core 0.19.2", "megatron_training 0", "megatron_flux 1"],
      "megatron-core 0.19.2 is importable but megatron.training is not"),
-    (["python 3.12.3", "torch_cuda 1", "megatron_core 0.19.2", "megatron_training 1",
+    (["python 3.12.3", "python_supported 1", "torch_cuda 1", "megatron_core 0.19.2", "megatron_training 1",
       "megatron_flux 0 ImportError: no module named triton"], "(ImportError: no module named triton)"),
 ])
 def test_launcher_checks_start_the_interpreter_once(tmp_path, probe, error):
