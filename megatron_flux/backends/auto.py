@@ -13,9 +13,9 @@ m-bucket with the ``auto`` margin, else the estimate from the nearest measured e
 size rule; one log line per shape, on the TP group's first rank, names which (except a
 table's fused choice). Where both readings give the same backend it is returned as is;
 otherwise an :class:`AutoDispatch` picks per method (``all_gather_matmul`` is the AG reading,
-``matmul_reduce_scatter`` the RS one); its ``name``
-says what it picked, e.g. ``auto(ag:nccl,rs:flux)``. Cached per ``(op, rows, k, n, dtype, tp,
-device)``: after the first call of a shape, one dict lookup.
+``matmul_reduce_scatter`` the RS one); its ``name`` says what it picked, e.g.
+``auto(ag:nccl,rs:flux)``. Cached per ``(op, rows, k, n, dtype, tp, device)``: after the first
+call of a shape, one dict lookup.
 """
 
 from __future__ import annotations

@@ -870,11 +870,9 @@ def _run(args, argv: Sequence[str], group, rank, tp, device) -> int:
     except ValueError as exc:  # a table named by $MEGATRON_FLUX_CONFIG that does not validate
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    total = 0
-    for item in todo:
-        op, n, k, m, _ = item
-        total += len(generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates,
-                                         space=args.space, from_tables=_from_tables(incumbents[item])))
+    total = sum(len(generate_candidates(op, m, n, k, tp, max_candidates=args.max_candidates, space=args.space,
+                                        from_tables=_from_tables(incumbents[(op, n, k, m, model)])))
+                for op, n, k, m, model in todo)
     bar = progress(total, "tune ", enabled=(rank == 0 and not args.no_progress), messages=(rank == 0))
     if rank == 0:
         print(f"{PROG}: {len(todo)} entries to tune ({len(shapes) * len(ms) - len(todo)} already in {out}), "
