@@ -35,6 +35,8 @@
 #               -> train/{tune.json,added.json,bench.json,confirmed.json,*.log}
 #   modelbench  the op benchmark of TRAIN_CONFIG's TP GEMMs at TRAIN_MS with the tables as found
 #               (before trainshapes tunes them)                    -> model-bench.{json,png,log}
+#   race        a workspace growth while one rank's GPU is still busy, with and without the device
+#               drain before the rendezvous (benchmarks/experiments/growth_race.py)  -> race.{jsonl,log}
 #   host        host time per layer call of megatron-core's own linears, nccl and flux
 #               (benchmarks/host_overhead.py --layers, m = 4096 and 8192), with a profile of
 #               flux's host path                                    -> host.{json,log}
@@ -188,6 +190,14 @@ for stage in "$@"; do
         # shellcheck disable=SC2086
         op_bench model-bench --model-config "${train_cfg}" --ms ${train_ms} \
             --methods cublas_gemm comm nccl flux auto --trials 5 ;;
+    race)
+        for mode in drain no-drain; do
+            # shellcheck disable=SC2046
+            timeout 90 "${TORCHRUN[@]}" benchmarks/experiments/growth_race.py \
+                $([ "${mode}" = no-drain ] && echo --no-drain) --out "${OUT}/race.jsonl" >> "${OUT}/race.log" 2>&1
+            echo "   ${mode}: exit $? (${SECONDS}s)"
+        done
+        cat "${OUT}/race.jsonl" ;;
     host)
         # host time per layer call (forward + backward) of megatron-core's own linears, nccl and
         # flux, with a profile of flux's
@@ -224,7 +234,7 @@ for stage in "$@"; do
             ! -name results.tgz -print0 | tar czf results.tgz --null -T - --remove-files)
         echo "   $(tar tzf "${OUT}/results.tgz" | wc -l) entries in ${OUT}/results.tgz" ;;
     *)
-        echo "unknown stage ${stage}; stages: main tests bench unseen ab kvc tune trainshapes modelbench host sections launchab matrix interleave e2e cachepack bundle"
+        echo "unknown stage ${stage}; stages: main tests bench unseen ab kvc tune trainshapes modelbench race host sections launchab matrix interleave e2e cachepack bundle"
         exit 2 ;;
     esac
 done

@@ -21,6 +21,15 @@ reset.
 The allocation grows (collectively: every rank asks for the same sizes, as SPMD training does)
 and is reused; it never shrinks. Growing zeroes the new signals and runs a barrier before first use,
 bounded by :data:`BARRIER_TIMEOUT_MS`.
+
+Before a new allocation is shared (the rendezvous), this rank's device finishes what is queued
+on it (:func:`_drain_before_sharing`). torch's allocator zeroes the whole block, its barrier's
+signal pad included, with a memset that runs in stream order on the legacy default stream and
+asynchronously to the host. A peer that is through the rendezvous may store its barrier signal
+into this rank's pad before a busy device runs that memset, which then erases it: this rank's
+barrier waits for a signal that never comes, the peer's barrier passes and its fused kernel
+waits for pushes that this rank, stuck behind its barrier, never issues (measured: a TP 4 tune
+whose rank 0 timed out waiting for signal 3 with value 0 while ranks 1-3 sat in the barrier).
 """
 
 from __future__ import annotations
@@ -37,6 +46,15 @@ _ALIGN = 256
 #: its workspace with this rank would otherwise leave it spinning forever). NCCL's default
 #: collective timeout.
 BARRIER_TIMEOUT_MS = 10 * 60 * 1000
+
+
+def _drain_before_sharing(buf: torch.Tensor) -> None:
+    """Wait until ``buf``'s device has run everything queued on it (the allocator's memset on the
+    legacy default stream, this module's zeroing on the current one): a new allocation is shared
+    only once its signals are zero on this rank (module docstring). Growth is rare, so the wait
+    costs a few per job."""
+    if buf.is_cuda:
+        torch.cuda.synchronize(buf.device)
 
 
 def _align(nbytes: int) -> int:
@@ -83,6 +101,7 @@ class SymmetricWorkspace:
         slot_bytes = _align(data_elems * self.elt)
         buf = symm_mem.empty(2 * flag_bytes + 2 * slot_bytes, dtype=torch.uint8, device=self.device)
         buf[:2 * flag_bytes].zero_()
+        _drain_before_sharing(buf)  # both zeroings land before any peer can address the block
         handle = symm_mem.rendezvous(buf, self.group.group_name)
         # every rank's signals are zero before anyone signals (bounded: BARRIER_TIMEOUT_MS)
         try:

@@ -539,3 +539,36 @@ def test_gather_wait_times_out_loudly():
     word.after_launch()
     with pytest.raises(FusedOpTimeout, match="all-gather \\(copy engine\\): rank 0 timed out waiting for rank 1"):
         word.check(sync=True)
+
+
+@nccl_worker
+def _late_growth_worker(rank, world, port):
+    from megatron_flux.comm import workspace
+
+    init_rank(rank, world, port)
+    workspace.BARRIER_TIMEOUT_MS = 20_000  # a barrier that never ends traps here, not in 10 min
+    group = torch.distributed.group.WORLD
+    ws = workspace.SymmetricWorkspace("ag", group, torch.device("cuda", rank), torch.bfloat16)
+    seconds = []
+    for late in range(world):  # every rank is the busy one once; each round grows
+        torch.distributed.barrier()
+        torch.cuda.synchronize()
+        if rank == late:
+            torch.cuda._sleep(500_000_000)  # about 0.25 s of GPU time queued before the growth
+        t0 = time.perf_counter()
+        ws.reserve((late + 1) << 20, 8 * (late + 1))
+        torch.cuda.synchronize()  # raises if this rank's growth barrier trapped
+        seconds.append(time.perf_counter() - t0)
+        assert int(ws.flags(rank, 0).abs().sum()) == 0 and int(ws.flags(rank, 1).abs().sum()) == 0
+    assert ws.generation == world
+    return seconds
+
+
+@_NEEDS_2_GPUS
+def test_growth_with_a_busy_rank_completes():
+    """A rank whose GPU is still busy when the workspace grows: torch's memset of its new block
+    runs late, and without the drain before the rendezvous it erased the peers' barrier
+    signals, so that rank's barrier never ended (``benchmarks/experiments/growth_race.py``)."""
+    world = min(torch.cuda.device_count(), 4)
+    rounds = run_nccl_world(_late_growth_worker, world, timeout=240)
+    assert all(len(r) == world for r in rounds)

@@ -103,3 +103,28 @@ def test_the_barrier_after_a_growth_is_bounded():
     for ws in w.ws:
         assert ws._handle.barrier_timeouts == [BARRIER_TIMEOUT_MS]
     assert 0 < BARRIER_TIMEOUT_MS <= 10 * 60 * 1000
+
+
+def test_a_new_allocation_is_drained_before_it_is_shared(monkeypatch):
+    """The allocator's memset of a new block (the barrier's signal pad included) runs
+    asynchronously on the device; a peer that got through the rendezvous first could signal
+    into the pad before it, and the memset would erase that signal (a barrier that never ends).
+    So every growth drains the device between the allocation and the rendezvous."""
+    from megatron_flux.comm import workspace
+
+    w = FakeWorld(2)
+    events = []
+    monkeypatch.setattr(workspace, "_drain_before_sharing",
+                        lambda buf: events.append(("drain", buf.data_ptr())))
+    rendezvous = w.fake.rendezvous
+
+    def recorded(buf):
+        events.append(("rendezvous", buf.data_ptr()))
+        return rendezvous(buf)
+
+    monkeypatch.setattr(w.fake, "rendezvous", recorded)
+    w.reserve(data_elems=100, flag_count=4)
+    w.reserve(data_elems=10_000, flag_count=64)  # grows
+    w.reserve(data_elems=50, flag_count=2)  # fits: nothing allocated, nothing drained
+    assert [kind for kind, _ in events] == ["drain", "rendezvous"] * 4
+    assert all(events[i][1] == events[i + 1][1] for i in range(0, len(events), 2))
