@@ -35,8 +35,9 @@
 #               -> train/{tune.json,added.json,bench.json,confirmed.json,*.log}
 #   modelbench  the op benchmark of TRAIN_CONFIG's TP GEMMs at TRAIN_MS with the tables as found
 #               (before trainshapes tunes them)                    -> model-bench.{json,png,log}
-#   race        a workspace growth while one rank's GPU is still busy, with and without the device
-#               drain before the rendezvous (benchmarks/experiments/growth_race.py)  -> race.{jsonl,log}
+#   race        a workspace growth while one rank's GPU is still busy (RACE_SLEEP_CYCLES of GPU
+#               sleep, default about 6 s), with and without the device drain before the rendezvous
+#               (benchmarks/experiments/growth_race.py)                         -> race.{jsonl,log}
 #   host        host time per layer call of megatron-core's own linears, nccl and flux
 #               (benchmarks/host_overhead.py --layers, m = 4096 and 8192), with a profile of
 #               flux's host path                                    -> host.{json,log}
@@ -194,7 +195,8 @@ for stage in "$@"; do
         for mode in drain no-drain; do
             # shellcheck disable=SC2046
             timeout 90 "${TORCHRUN[@]}" benchmarks/experiments/growth_race.py \
-                $([ "${mode}" = no-drain ] && echo --no-drain) --out "${OUT}/race.jsonl" >> "${OUT}/race.log" 2>&1
+                $([ "${mode}" = no-drain ] && echo --no-drain) --sleep-cycles "${RACE_SLEEP_CYCLES:-12000000000}" \
+                --out "${OUT}/race.jsonl" >> "${OUT}/race.log" 2>&1
             echo "   ${mode}: exit $? (${SECONDS}s)"
         done
         cat "${OUT}/race.jsonl" ;;

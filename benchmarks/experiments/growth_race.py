@@ -30,8 +30,9 @@ import torch.distributed as dist
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--late", type=int, default=0, help="the rank whose GPU is busy at the growth")
-    p.add_argument("--sleep-cycles", type=int, default=1_000_000_000, help="its GPU sleep (clock cycles)")
-    p.add_argument("--barrier-timeout-ms", type=int, default=15_000)
+    p.add_argument("--sleep-cycles", type=int, default=12_000_000_000,
+                   help="its GPU sleep (clock cycles; the default is about 6 s, longer than a rendezvous)")
+    p.add_argument("--barrier-timeout-ms", type=int, default=20_000)
     p.add_argument("--no-drain", action="store_true", help="grow without draining the device first")
     p.add_argument("--out", required=True)
     args = p.parse_args()

@@ -56,10 +56,12 @@ from megatron_flux.tools.model_shapes import file_problem, load_settings, tp_gem
 
 PROG = "megatron-flux tune"
 
-#: polls a fused kernel's wait makes in a tune before it gives up (8x training's default): each
-#: candidate's first call compiles its kernels on every rank, and a rank whose compile runs
-#: longer issues its pushes later, while its peers' kernels already wait for them
-TUNE_MAX_SPINS = 1 << 28
+#: polls a fused kernel's wait makes in a tune before it gives up (2x training's default, about
+#: 37 s on H200): each candidate's first call compiles its kernels on every rank, and a rank whose
+#: compile runs longer issues its pushes later, while its peers' kernels already wait for them.
+#: 2**28 polls (150 s on 4xH200) did not save the one TP 4 tune whose wait timed out: the push
+#: never came (docs/design.md, "Known limits")
+TUNE_MAX_SPINS = 1 << 26
 
 #: knob -> values searched (GemmConfig fields); chunk_rows only for AG (RS ignores it)
 SEARCH_SPACE: Dict[str, Tuple] = {
@@ -484,6 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-rel-err", type=float, default=None, help="default: the benchmark's threshold for the dtype")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--timeout-s", type=float, default=900.0)
+    s.add_argument("--stall-timeout-s", type=float, default=600.0, metavar="S",
+                   help="end the tune, printing where each rank was, when S seconds pass without "
+                   "progress (a candidate checked, an entry timed); 0: never")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="table file (default: the user cache, "
                    "$XDG_CACHE_HOME or ~/.cache, megatron-flux/tables/<gpu>-sm<sms>-tp<tp>-<dtype>-kv<kernel "
@@ -599,10 +604,11 @@ def _global_case(op: str, n: int, k: int, m: int, tp: int, model: Optional[str])
 
 
 def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, holder, bar,
-             incumbent: Optional[Incumbent] = None) -> dict:
+             incumbent: Optional[Incumbent] = None, progress=lambda: None) -> dict:
     """Check, screen and time the candidates of one (shape, m) on every rank; the entry dict.
     ``incumbent`` (:func:`untuned_config`): what the shape runs untuned, which a finalist
-    must beat by ``--min-gain`` to replace it (without one, the default config)."""
+    must beat by ``--min-gain`` to replace it (without one, the default config). ``progress()``
+    is called after each candidate's check and each timing phase (the stall watchdog's)."""
     import torch
 
     from megatron_flux.backends import get_backend
@@ -651,6 +657,7 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
             raise RuntimeError(timeout_message(what, f"candidate {i} ({cfg})"))
         bad.append(failed)
         bar.update(1)
+        progress()
     ok = [c for c, b in zip(cands, bad) if not b]
     if not ok:
         raise RuntimeError(f"{op} n={n} k={k} m={m}: no candidate passed the output check")
@@ -660,6 +667,7 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     screen = time_interleaved({nm: fn_for(c) for nm, c in names.items()}, trials=1,
                               iters=args.screen_iters, warmup=1, group=group, device=device,
                               sample_warmup=args.sample_warmup)
+    progress()
     ranked = sorted((t[0], nm) for nm, t in screen.trials_ms.items())
     finalists = [nm for _, nm in ranked[:args.top]]
     base = cands[0]
@@ -671,6 +679,7 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
     fns["nccl"] = M._backend_fn(get_backend("nccl"), inp, group, out)
     final = time_interleaved(fns, trials=args.trials, iters=args.iters, warmup=args.warmup,
                              group=group, device=device, sample_warmup=args.sample_warmup)
+    progress()
     agree_no_timeout(flux, group, device, what, "the screen or the final timing")
     meds = {nm: median(t) for nm, t in final.trials_ms.items()}
     flux_meds = {nm: v for nm, v in meds.items() if nm != "nccl"}
@@ -892,14 +901,18 @@ def _run(args, argv: Sequence[str], group, rank, tp, device) -> int:
         return new
 
     from megatron_flux.tools.bench.timing import agree_flags
+    from megatron_flux.tools.tune.watchdog import ProgressWatchdog
 
     written: List[Table] = []
+
+    dog = ProgressWatchdog(args.stall_timeout_s, rank, PROG)
 
     def tune(item) -> dict:
         op, n, k, m, model = item
         bar.set_postfix_str(f"{op} n={n} k={k} m={m}")
-        e = tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, holder, bar,
-                     incumbent=incumbents[item])
+        with dog.watching(f"{op} n={n} k={k} m={m}"):
+            e = tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, holder, bar,
+                         incumbent=incumbents[item], progress=dog.progress)
         bar.write(entry_line(e))
         return e
 
