@@ -23,7 +23,8 @@ REPO = str(paths.REPO)
 #: applied to it in order: ("confirm", bench) = tuning.confirm with a benchmark made with the
 #: table, a list = tuning.confirm.confirm_repeats of runs taken jointly; ("adopt", [A/B runs]) =
 #: tuning.adopt of an interleaved flux vs flux_variant A/B; ("add", [tuning runs]) = tuning.add
-#: of a later tune's entries for shapes the table lacks; ("kernel_version", v) = the table
+#: of a later tune's entries for shapes the table lacks; ("retune", tuning run) = tuning.retune:
+#: a re-search of shapes the table holds replaces them; ("kernel_version", v) = the table
 #: stamped with the kernel version its times were measured with, megatron_flux.kernels.version).
 #: docs/tuning.md lists the same files.
 R = "benchmarks/results/"
@@ -66,6 +67,11 @@ SHIPPED = {
         # theirs), then confirmed with a benchmark of all twenty made with the table so extended
         ("add", [R + "tune-h200x4-2026-11-28-train-shapes.json"]),
         ("confirm", R + "bench-h200x4-2026-11-28-train-shapes.json"),
+        # the grid searched again with the current kernels, from what each entry ran
+        # (tools.tune.retune: its 48 entries replace the grid's), then confirmed with the whole
+        # grid's benchmark (m = 64-8192) made with the re-searched configs
+        ("retune", R + "tune-h200x4-2026-11-28-grid.json"),
+        ("confirm", R + "bench-h200x4-2026-11-28-grid-retuned.json"),
     ]),
     # 2xH100: the m >= 1024 grid and the small m tuned into one table, then three benchmarks
     # made with it, taken jointly (a list: tuning.confirm.confirm_repeats)
@@ -241,7 +247,8 @@ def test_rs_default_splits_its_tail_but_old_table_entries_keep_their_schedule():
     """GEMM+RS's 128x256 default splits a small last wave along K (``stream_k=1``), except
     with the spread reduction (TP >= 8: no own tiles); the small-m defaults do not. A table
     entry that names no ``stream_k`` keeps 0: GEMM+RS had no stream-K when it was measured
-    (the shipped TP 4 table's entries tuned on kernel version 0 are such, on 128x256 tiles)."""
+    (kernel version 0; the shipped TP 4 table held such entries until its grid was searched
+    again with the current kernels)."""
     from megatron_flux.tuning import schema
 
     assert default_config("rs", 8192, 12288, 24576, tp=2).stream_k == 1
@@ -262,8 +269,7 @@ def test_rs_default_splits_its_tail_but_old_table_entries_keep_their_schedule():
     assert cfg.stream_k == 1
     shipped = schema.load_table(os.path.join(os.path.dirname(schema.__file__), "tables",
                                              "h200-sm132-tp4-bf16.json"))
-    old = [e for e in shipped.entries if e.op == "rs" and e.notes.get("config_kernel_version") == 0]
-    assert old and all(e.config.stream_k == 0 for e in old)
+    assert not [e for e in shipped.entries if e.notes.get("config_kernel_version") == 0]
 
 
 @pytest.mark.parametrize("change", [
@@ -458,6 +464,7 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
     from megatron_flux.tools.tune.confirm import confirm_repeats, confirm_table
     from megatron_flux.tools.tune.extend import extend_table
     from megatron_flux.tools.tune.retime import retime_table
+    from megatron_flux.tools.tune.retune import retune_table
 
     def load(rel):
         return json.load(open(os.path.join(REPO, rel)))
@@ -472,6 +479,8 @@ def test_shipped_table_is_tuned_and_confirmed_by_the_benchmark(name):
             again.extra["kernel_version"] = rel
         elif step == "add":
             again = add_tuned(again, [(T.validate_table(load(r), r), r) for r in rel])
+        elif step == "retune":
+            again = retune_table(again, T.validate_table(load(rel), rel), rel)
         elif step == "retime":
             again = retime_table(again, [(load(r), r) for r in rel])
         elif step in ("extend", "extend-transplanted"):
