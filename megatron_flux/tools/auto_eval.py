@@ -218,7 +218,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    + (f" --out {args.out}" if args.out else ""),
         "date": datetime.date.today().isoformat(), "margin": args.margin,
         "constants": {"m_weight": E.M_WEIGHT, "reach": E.REACH, "k_nearest": E.K_NEAREST,
-                      "row_shift": E.ROW_SHIFT,
+                      "row_shift": E.ROW_SHIFT, "monotone_from_m": E.MONOTONE_FROM_M,
                       "size_rule_rows_per_rank": dict(E.SIZE_RULE_ROWS_PER_RANK)},
         "size_rule_derived": derived,
         "tables": {},

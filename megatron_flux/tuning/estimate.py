@@ -24,7 +24,10 @@ of ``flux_ms / nccl_ms`` of the ``K = 2`` entries nearest to ``(m / ROW_SHIFT, n
 (current tables only, ``ROW_SHIFT = 2``): the fused kernel must have won on the neighbours with
 half the rows. The row count from which it wins differs by up to that factor between
 neighbouring models in the tables (2xH100 AG+GEMM: llama3-8b from m = 2048, llama3-70b from
-1024, gpt3-175b from 512; 4xH200: 4096, 2048, 1024), and a smaller GEMM starts later. Fused
+1024, gpt3-175b from 512; 4xH200: 4096, 2048, 1024), and a smaller GEMM starts later. Below
+:data:`MONOTONE_FROM_M` rows the ratio is not monotone in m (NCCL's latency floor: 4xH200
+AG+GEMM llama3-70b 0.92 at m = 128, 1.01 at 256), so there the prediction is the larger of
+those at ``m / ROW_SHIFT`` and at ``m``: the neighbours must have won at both. Fused
 only where
 
     predicted * allowance < 1 - margin,
@@ -56,6 +59,11 @@ REACH = 2.0
 K_NEAREST = 2
 #: the prediction for m rows comes from the neighbours of m / ROW_SHIFT rows
 ROW_SHIFT = 2.0
+#: below this many rows (global m) the prediction is also made at m itself and the larger one
+#: counts: there the fused/NCCL ratio does not fall with m (module docstring). Held out on four
+#: models at TP 4 (bench-h200x4-2026-11-28-unseen.json) the shifted prediction alone chose fused
+#: AG+GEMM at m = 256 where it ran 1.08x and 1.25x NCCL's time
+MONOTONE_FROM_M = 1024
 #: Where the estimate abstains (no current table for the machine, nothing within reach), fused
 #: from this many rows per rank (``m_total / tp``) up; None: never. Derived from the shipped
 #: tables, stale ones included (the only TP 4 data), by
@@ -122,7 +130,7 @@ class Estimate(NamedTuple):
     def why(self, limit: float) -> str:
         near = "; ".join(p.label() for p in self.neighbours)
         cmp = "<" if self.fused else ">="
-        return (f"estimate from {len(self.neighbours)} nearest at half the rows ({near}): "
+        return (f"estimate from {len(self.neighbours)} nearest ({near}): "
                 f"{self.ratio:.3f} x allowance {self.allowance:.3f} {cmp} {limit:.2f}")
 
 
@@ -138,10 +146,18 @@ class Estimator:
     def predict(self, m: int, n: int, k: int, exclude: Optional[Tuple[int, int]] = None
                 ) -> Optional[Tuple[float, Tuple[Point, ...]]]:
         """``(predicted ratio, neighbours)`` for ``m`` rows (from the neighbours of
-        ``m / ROW_SHIFT``), or None with no entry within reach. ``exclude``: leave that family
-        out (the leave-out measurement)."""
+        ``m / ROW_SHIFT``; below :data:`MONOTONE_FROM_M` the larger of that and the prediction
+        from the neighbours of ``m``), or None with no entry within reach. ``exclude``: leave
+        that family out (the leave-out measurement)."""
         pool = self.points if exclude is None else [p for p in self.points if p.family != exclude]
-        near = [p for _, p in nearest(pool, m / ROW_SHIFT, n, k)[:self.k_nearest]]
+        shifted = self._from(pool, m / ROW_SHIFT, n, k)
+        if shifted is None or m >= MONOTONE_FROM_M:
+            return shifted
+        same = self._from(pool, m, n, k)
+        return shifted if same is None or shifted[0] >= same[0] else same
+
+    def _from(self, pool, m: float, n: int, k: int) -> Optional[Tuple[float, Tuple[Point, ...]]]:
+        near = [p for _, p in nearest(pool, m, n, k)[:self.k_nearest]]
         if not near:
             return None
         return math.exp(sum(math.log(p.ratio) for p in near) / len(near)), tuple(near)

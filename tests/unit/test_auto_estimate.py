@@ -86,6 +86,21 @@ def test_prediction_comes_from_the_neighbours_at_half_the_rows():
     assert est.predict(1024, 1 << 20, 5000) is None  # nothing within reach
 
 
+def test_below_1024_rows_the_neighbours_must_win_at_the_rows_too():
+    """Small m: NCCL's latency floor makes the ratio rise from m = 128 to 256 on the tables, so
+    there the prediction is the worse of the one at half the rows and the one at the rows."""
+    pts = [P(m, n, 4096, r) for n in (4096, 8192)
+           for m, r in ((128, 0.85), (256, 1.10), (512, 0.95), (1024, 0.90))]
+    est = E.Estimator(pts)
+    ratio, near = est.predict(256, 6000, 4096)
+    assert {q.m for q in near} == {256} and ratio == pytest.approx(1.10)  # not 0.85 from m = 128
+    ratio, near = est.predict(512, 6000, 4096)
+    assert {q.m for q in near} == {256} and ratio == pytest.approx(1.10)  # the shifted one is worse
+    ratio, near = est.predict(2048, 6000, 4096)  # from 1024 rows up: half the rows only
+    assert {q.m for q in near} == {1024} and ratio == pytest.approx(0.90)
+    assert E.MONOTONE_FROM_M == 1024
+
+
 def test_allowance_turns_every_leave_out_false_fused_into_nccl():
     # family B loses at m = 4096 (1.05) where A and C, at half the rows, say 0.90: left out, B's
     # entry is a false fused unless the allowance covers 0.98 / 0.90
@@ -108,7 +123,7 @@ def test_a_clear_win_is_estimated_fused():
     pts = [P(m, n, 4096, 0.8) for m in (1024, 2048) for n in (2048, 8192)]
     got = E.Estimator(pts).decide(4096, 4096, 4096, 0.02)
     assert got.fused and got.ratio == pytest.approx(0.8) and got.allowance == 1.0
-    assert "estimate from 2 nearest at half the rows" in got.why(0.98)
+    assert "estimate from 2 nearest (" in got.why(0.98)
 
 
 def test_size_rule_by_op_and_rows_per_rank():
