@@ -140,12 +140,17 @@ def scores(records: Sequence[dict], margin: float) -> dict:
 
 def evaluate(table, margin: float) -> dict:
     records = leave_out_choices(table, margin)
-    allowance = {op: E.Estimator(points).allowance(margin) for op, points in _points(table).items()}
+    estimators = {op: E.Estimator(points) for op, points in _points(table).items()}
+
+    def rounded(a):
+        return round(a, 4) if a is not None else None
+
     return {
         "gpu": table.gpu_name, "sms": table.sms, "tp": table.tp, "dtype": table.dtype,
         "kernel_version": table.kernel_version, "stale": table.stale, "entries": len(records),
-        "allowance_from_whole_table": {op: (round(a, 4) if a is not None else None)
-                                       for op, a in allowance.items()},
+        # below MONOTONE_FROM_M rows, and from it up
+        "allowance_from_whole_table": {op: [rounded(est.allowance(margin)), rounded(est.allowance(margin, large=True))]
+                                       for op, est in estimators.items()},
         **scores(records, margin),
     }
 

@@ -101,6 +101,23 @@ def test_below_1024_rows_the_neighbours_must_win_at_the_rows_too():
     assert E.MONOTONE_FROM_M == 1024
 
 
+def test_small_m_errors_do_not_set_the_allowance_from_1024_rows_up():
+    """Latency-bound small-m ratios spread widely between models; a false fused there widens
+    the allowance below 1024 rows only."""
+    pts = []
+    for n in (2048, 4096, 8192):
+        small = 1.5 if n == 4096 else 0.7  # family B loses at m = 256-512 where the others win
+        pts += [P(256, n, 4096, small), P(512, n, 4096, small), P(2048, n, 4096, 0.85), P(4096, n, 4096, 0.85)]
+    est = E.Estimator(pts)
+    assert est.allowance(0.02) == pytest.approx(0.98 / 0.7)
+    assert est.allowance(0.02, large=True) == 1.0
+    assert E.MONOTONE_FROM_M == 1024
+    big = est.decide(4096, 4096, 4096, 0.02)
+    assert big.fused and big.allowance == 1.0
+    small = est.decide(512, 3000, 4096, 0.02)
+    assert not small.fused and small.allowance == pytest.approx(0.98 / 0.7)
+
+
 def test_allowance_turns_every_leave_out_false_fused_into_nccl():
     # family B loses at m = 4096 (1.05) where A and C, at half the rows, say 0.90: left out, B's
     # entry is a false fused unless the allowance covers 0.98 / 0.90
