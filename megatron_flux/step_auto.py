@@ -206,14 +206,31 @@ def _megatron_iteration() -> Optional[int]:
         return None
 
 
+def _megatron_train_iters() -> Optional[int]:
+    """Megatron's ``args.train_iters`` (None for jobs sized in samples, or outside
+    ``megatron.training``)."""
+    try:
+        from megatron.training.global_vars import get_args
+    except ImportError:
+        return None
+    try:
+        return getattr(get_args(), "train_iters", None)
+    except (AssertionError, AttributeError):
+        return None
+
+
 def install_step_auto(model_chunks: Sequence[Any], *, log: Callable[[str], None] = print,
                       iteration: Callable[[], Optional[int]] = _megatron_iteration,
+                      train_iters: Callable[[], Optional[int]] = _megatron_train_iters,
                       **selector_args) -> Optional[StepAutoSelector]:
     """Let ``auto`` pick the job's backend from its measured steps: a forward pre-hook on the
     first model chunk runs :meth:`StepAutoSelector.step` at the first forward of each training
     iteration (``iteration()``, default Megatron's ``args.curr_iteration``). Returns the selector,
     or ``None`` (with one log line) where there is nothing to choose: no Flux linear set to
-    ``auto``, or CUDA graphs on."""
+    ``auto``, or CUDA graphs on. A job whose iterations left at its first one (``train_iters()``,
+    default Megatron's ``args.train_iters``, less that iteration) are fewer than the selection
+    needs does not start it: rotating the candidates without a choice would only spend the
+    job's steps, so the per-op ``auto`` runs throughout (one log line says so)."""
     chunks = list(model_chunks)
     layers = [layer for layer in flux_layers(chunks) if layer.flux_backend == "auto"]
     if not layers:
@@ -233,6 +250,17 @@ def install_step_auto(model_chunks: Sequence[Any], *, log: Callable[[str], None]
         it = iteration()
         if it is None or it == state["iteration"]:
             return None
+        if state["iteration"] is None:  # the job's first training iteration here
+            total = train_iters()
+            if total is not None and total - it < selector.iterations_needed:
+                log(f"{TAG} {total - it} iterations left, fewer than the {selector.iterations_needed} "
+                    "that choosing from measured steps takes: 'auto' chooses per op from the "
+                    "tuning tables for this job")
+                selector.handle.remove()
+                return None
+            log(f"{TAG} choosing this job's backend from its steps: from its iteration "
+                f"{it + selector._start + 1} on, {', '.join(selector.candidates)} take turns "
+                f"until iteration {it + selector.iterations_needed}, then the fastest runs")
         state["iteration"] = it
         if selector.step(it) is not None:
             selector.handle.remove()

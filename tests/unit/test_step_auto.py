@@ -177,7 +177,32 @@ def test_the_forward_hook_steps_once_per_training_iteration_and_goes_away():
         assert seen == list(range(sel.iterations_needed))  # removed once decided
         assert sel.decided == "megatron"  # every candidate took one clock second
         assert model.fc1.flux_backend == model.fc2.flux_backend == "megatron"
-        assert len(logs) == 1
+        assert len(logs) == 2 and "take turns until iteration" in logs[0]
+        assert "flux_backend='megatron' for this job" in logs[1]
+
+
+def test_a_job_too_short_to_choose_runs_the_per_op_auto_throughout():
+    """The README's 30-iteration job: the selection needs more, so it does not start (rotating
+    candidates without a choice would only spend the job's steps)."""
+    with gloo_world_of_one() as group:
+        model = _flux_model(group)
+        it, logs = {"n": 0}, []
+        sel = install_step_auto([model], iteration=lambda: it["n"], train_iters=lambda: 30,
+                                log=logs.append, synchronize=lambda: None, clock=lambda: 0.0)
+        assert sel.iterations_needed > 30
+        for n in range(30):
+            it["n"] = n
+            model(torch.zeros(1))
+            assert model.fc1.flux_backend == model.fc2.flux_backend == "auto"
+        assert sel._first is None and sel.decided is None  # never stepped
+        assert len(logs) == 1 and "30 iterations left, fewer than the" in logs[0]
+        # resumed at iteration 200 of 220: 20 left
+        model2, logs2 = _flux_model(group), []
+        it["n"] = 200
+        install_step_auto([model2], iteration=lambda: it["n"], train_iters=lambda: 220,
+                          log=logs2.append, synchronize=lambda: None, clock=lambda: 0.0)
+        model2(torch.zeros(1))
+        assert "20 iterations left" in logs2[0] and model2.fc1.flux_backend == "auto"
 
 
 def test_nothing_to_choose_without_auto_layers_or_with_graphs():
