@@ -104,7 +104,7 @@ class StepAutoSelector:
             for name in order:
                 plan += [(name, None)] + [(name, r)] * (steps_per_block - 1)
         self._plan = plan
-        self._start = start_after
+        self.start_after = start_after
         self._first: Optional[int] = None  # the first iteration seen
         self._last: Optional[tuple] = None  # (iteration, its planned entry, start time)
         self.samples: Dict[str, List[float]] = {name: [] for name in self.candidates}
@@ -114,7 +114,7 @@ class StepAutoSelector:
     @property
     def iterations_needed(self) -> int:
         """Iterations from the first one seen until the choice is made."""
-        return self._start + len(self._plan) + 1
+        return self.start_after + len(self._plan) + 1
 
     def step(self, iteration: int) -> Optional[str]:
         """The start of ``iteration``: time the iteration that just ended, set the layers'
@@ -125,7 +125,7 @@ class StepAutoSelector:
             return None  # another micro-batch of the iteration already seen
         if self._first is None:
             self._first = iteration
-        index = iteration - self._first - self._start  # position in the plan
+        index = iteration - self._first - self.start_after  # position in the plan
         if index < 0:
             return None
         self._sync()
@@ -259,7 +259,7 @@ def install_step_auto(model_chunks: Sequence[Any], *, log: Callable[[str], None]
                 selector.handle.remove()
                 return None
             log(f"{TAG} choosing this job's backend from its steps: from its iteration "
-                f"{it + selector._start + 1} on, {', '.join(selector.candidates)} take turns "
+                f"{it + selector.start_after + 1} on, {', '.join(selector.candidates)} take turns "
                 f"until iteration {it + selector.iterations_needed}, then the fastest runs")
         state["iteration"] = it
         if selector.step(it) is not None:
