@@ -25,7 +25,7 @@ ARGV = ["--shapes", *SHAPES, "--ms", "64", "--max-candidates", "2", "--top", "1"
 
 
 def _tune_on_cpu(rank, world, out, fail_write_on_rank=None, extra=(), challenger_ms=None,
-                 timeout_on_rank=None):
+                 timeout_on_rank=None, watch=None):
     import torch.distributed as dist
 
     import megatron_flux.backends as backends
@@ -66,13 +66,26 @@ def _tune_on_cpu(rank, world, out, fail_write_on_rank=None, extra=(), challenger
         def broken_write(table, path):
             raise OSError(f"disk full writing {path}")
         schema_mod.write_table = broken_write
+    if watch is not None:  # record what the stall watchdog is told
+        import megatron_flux.tools.tune.watchdog as watchdog_mod
+
+        class Recording(watchdog_mod.ProgressWatchdog):
+            def watching(self, what):
+                watch.setdefault("entries", []).append(what)
+                return super().watching(what)
+
+            def progress(self):
+                watch["progress"] = watch.get("progress", 0) + 1
+                super().progress()
+
+        watchdog_mod.ProgressWatchdog = Recording
     argv = [*ARGV, *extra, "--out", out]
     args = search.parse_args(argv)
     try:
         code = search._run(args, argv, dist.group.WORLD, rank, world, torch.device("cpu"))
     except search.TuneFailed as exc:
         return f"TuneFailed: {exc}"
-    return code
+    return code if watch is None else (code, watch)
 
 
 #: the config the tables give each shape untuned, in :func:`_time_by_config`'s runs
@@ -182,3 +195,13 @@ def test_a_wait_that_timed_out_on_one_rank_stops_every_rank_at_that_candidate(tm
                                  "candidate 1 (GemmConfig("), results[0]
     assert "timed out waiting for a peer on some rank" in results[0]
     assert not os.path.exists(out)
+
+
+def test_every_entry_runs_under_the_stall_watchdog_and_reports_progress(tmp_path):
+    """Each entry is watched; each candidate's check and each timing phase count as progress
+    (two candidates, the screen and the final per entry)."""
+    out = str(tmp_path / "table.json")
+    for code, watch in run_distributed(_tune_on_cpu, 2, out, watch={}, timeout=180):
+        assert code == 0
+        assert watch["entries"] == ["ag n=128 k=64 m=64", "rs n=64 k=128 m=64"]
+        assert watch["progress"] >= 2 * 4
