@@ -2,7 +2,7 @@
 
 :mod:`.add` keeps what a table holds. When the kernels change, the configs searched with the
 earlier kernels are worth searching again (re-timing them, :mod:`.retime`, only re-measures
-them): a ``megatron-flux tune`` of the shapes the table holds, started from what each runs today
+them): a ``megatron-flux tune`` of the shapes the table holds, started from what each runs now
 (its untuned config is the table's, and a winner must beat it), **replaces** each of those
 entries, config and times; entries the run lacks stay as they are. The tuning run must come
 from the table's machine and kernel version. Each replaced entry's notes name the run
