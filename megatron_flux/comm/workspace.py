@@ -28,8 +28,9 @@ signal pad included, with a memset that runs in stream order on the legacy defau
 asynchronously to the host. A peer that is through the rendezvous may store its barrier signal
 into this rank's pad before a busy device runs that memset, which then erases it: this rank's
 barrier waits for a signal that never comes, the peer's barrier passes and its fused kernel
-waits for pushes that this rank, stuck behind its barrier, never issues (measured: a TP 4 tune
-whose rank 0 timed out waiting for signal 3 with value 0 while ranks 1-3 sat in the barrier).
+waits for pushes that this rank, stuck behind its barrier, never issues (a TP 4 tune whose
+rank 0 timed out waiting for its peers' signals with value 0 while ranks 1-3 idled; reproduced
+by benchmarks/experiments/growth_race.py).
 """
 
 from __future__ import annotations

@@ -56,11 +56,11 @@ from megatron_flux.tools.model_shapes import file_problem, load_settings, tp_gem
 
 PROG = "megatron-flux tune"
 
-#: polls a fused kernel's wait makes in a tune before it gives up (2x training's default, about
-#: 37 s on H200): each candidate's first call compiles its kernels on every rank, and a rank whose
-#: compile runs longer issues its pushes later, while its peers' kernels already wait for them.
-#: 2**28 polls (150 s on 4xH200) did not save the TP 4 tune whose wait timed out: a race in a
-#: workspace's growth had stopped the peer, since fixed (docs/design.md, "Known limits")
+#: polls a fused kernel's wait makes in a tune before it gives up (2x training's default): each
+#: candidate's first call compiles its kernels on every rank, and a rank whose compile runs longer
+#: issues its pushes later, while its peers' kernels already wait for them. 2**28 polls did not
+#: save the TP 4 tune whose waits timed out: a race in a workspace's growth had stopped the
+#: peers, since fixed (docs/design.md, "Known limits")
 TUNE_MAX_SPINS = 1 << 26
 
 #: knob -> values searched (GemmConfig fields); chunk_rows only for AG (RS ignores it)
