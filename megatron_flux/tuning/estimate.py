@@ -147,7 +147,8 @@ class Estimator:
         self.points = [p for p in points if p.ratio is not None and p.ratio > 0]
         self.k_nearest = K_NEAREST if k_nearest is None else k_nearest
         self.families = sorted({p.family for p in self.points})
-        self._allowance: Dict[float, Optional[float]] = {}
+        self._allowance: Dict[Tuple[float, bool], Optional[float]] = {}
+        self._leave_out: Optional[List[Tuple[Point, Optional[float]]]] = None  # both allowances read it
 
     def predict(self, m: int, n: int, k: int, exclude: Optional[Tuple[int, int]] = None
                 ) -> Optional[Tuple[float, Tuple[Point, ...]]]:
@@ -189,9 +190,11 @@ class Estimator:
     def _measure_allowance(self, margin: float, large: bool) -> Optional[float]:
         if len(self.families) < 2:
             return None
+        if self._leave_out is None:
+            self._leave_out = self.leave_out()
         limit = 1.0 - margin
         worst = 1.0
-        for p, pred in self.leave_out():
+        for p, pred in self._leave_out:
             if large and p.m < MONOTONE_FROM_M:
                 continue
             if pred is not None and pred < limit and p.ratio > limit:  # would be a false fused
