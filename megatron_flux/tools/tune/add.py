@@ -23,6 +23,15 @@ from megatron_flux.tools.tune.from_bench import run_table_tool, with_search
 from megatron_flux.tuning.schema import Table, TuningFileError, machine_mismatch, validate_table
 
 
+def refuse_other_machine(table: Table, run: Table, source: str) -> None:
+    """Raise :class:`TuningFileError` naming the field where the tuning run ``run`` (read from
+    ``source``) was not made on ``table``'s machine and kernel version."""
+    differ = machine_mismatch(table, run)
+    if differ is not None:
+        fld, a, b = differ
+        raise TuningFileError(source, fld, f"the table {table.path} has {a!r}, this tuning run {b!r}")
+
+
 def add_tuned(table: Table, tuned: Sequence[Tuple[Table, str]]) -> Table:
     """``table`` plus each tuning run's entries for (op, n, k, m) it lacks (an earlier run in
     ``tuned`` wins over a later one for the same key); see the module docstring."""
@@ -30,10 +39,7 @@ def add_tuned(table: Table, tuned: Sequence[Tuple[Table, str]]) -> Table:
     entries = list(table.entries)
     added_by: List[Dict[str, Any]] = list(((table.extra or {}).get("search") or {}).get("added_by") or [])
     for run, source in tuned:
-        differ = machine_mismatch(table, run)
-        if differ is not None:
-            fld, a, b = differ
-            raise TuningFileError(source, fld, f"the table {table.path} has {a!r}, this tuning run {b!r}")
+        refuse_other_machine(table, run, source)
         new = [e for e in run.entries if (e.op, e.n, e.k, e.m) not in have]
         if not new:
             raise TuningFileError(source, "entries", f"adds nothing: {table.path} holds every entry of it")

@@ -19,17 +19,15 @@ import dataclasses
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from megatron_flux.tools.tune.add import refuse_other_machine
 from megatron_flux.tools.tune.from_bench import run_table_tool, with_search
-from megatron_flux.tuning.schema import Table, TuningFileError, machine_mismatch, validate_table
+from megatron_flux.tuning.schema import Table, TuningFileError, validate_table
 
 
 def retune_table(table: Table, run: Table, source: str) -> Table:
     """``table`` with every entry of ``run`` in place of its own for the same (op, n, k, m), and
     ``run``'s other entries added (module docstring)."""
-    differ = machine_mismatch(table, run)
-    if differ is not None:
-        fld, a, b = differ
-        raise TuningFileError(source, fld, f"the table {table.path} has {a!r}, this tuning run {b!r}")
+    refuse_other_machine(table, run, source)
     if not run.entries:
         raise TuningFileError(source, "entries", "the tuning run holds no entries")
     tuned = {(e.op, e.n, e.k, e.m): dataclasses.replace(e, notes=dict(e.notes or {}, tuned_by=source))
