@@ -359,28 +359,26 @@ def test_every_config_knob_is_searched_or_says_why_not():
         assert all(c.flatten_consume == cands[0].flatten_consume for c in cands)
 
 
-def test_short_k_gemm_rs_tries_the_overlapped_epilogue_once():
-    """GEMM+RS at per-rank k <= RS_SHORT_K gets the warp-specialized kernel's seed right after
-    the common seeds (so a capped list keeps it); AG+GEMM and long-K GEMM+RS never do."""
-    for k in (2048, 3072, S.RS_SHORT_K):
-        c = S.generate_candidates("rs", 8192, 4096, k, 2, max_candidates=64)
+def test_gemm_rs_tries_the_ping_pong_kernel_at_every_k():
+    """Every GEMM+RS entry, short K or long, gets the ping-pong warp-specialized kernel's two
+    seeds (SM and copy-engine pushes) right after the common seeds, so a capped list keeps
+    them; AG+GEMM never gets the RS kernel's knob."""
+    for k in (2048, 4096, 14336, 18432):
+        c = S.generate_candidates("rs", 8192, 4096, k, 4, max_candidates=12)
         ws = [x for x in c if x.rs_warp_specialized]
-        assert len(ws) == 1, k
-        assert (ws[0].block_m, ws[0].block_n, ws[0].num_stages) == (128, 128, 5)
-        assert c.index(ws[0]) <= 3 + len(S.SEED_CONFIGS)
-        assert ws[0].rs_copy_engine == c[0].rs_copy_engine  # only the seed's fields change
-    for op, k in (("rs", S.RS_SHORT_K + 1024), ("ag", 2048)):
-        c = S.generate_candidates(op, 8192, 4096, k, 2, max_candidates=10**6)
-        assert not any(x.rs_warp_specialized for x in c), (op, k)
-    assert S.seeds_for("GEMM+RS", 2048) == S.SEED_CONFIGS + S.RS_SHORT_K_SEEDS
-    assert S.seeds_for("GEMM+RS", 14336) == S.SEED_CONFIGS
+        assert [(x.block_m, x.block_n, x.num_stages, x.num_warps, x.rs_copy_engine) for x in ws] == \
+            [(128, 128, 5, 4, False), (128, 128, 5, 4, True)], k
+        assert all(c.index(x) <= 3 + len(S.SEED_CONFIGS) + 1 for x in ws)
+    c = S.generate_candidates("ag", 8192, 4096, 2048, 2, max_candidates=10**6)
+    assert not any(x.rs_warp_specialized for x in c)
+    assert S.seeds_for("GEMM+RS") == S.seeds_for("rs") == S.SEED_CONFIGS + S.RS_SEEDS
 
 
 def test_ag_gemm_tries_both_forms_of_its_warp_specialized_kernel():
     """Every AG+GEMM entry gets the warp-specialized seeds right after the common seeds, one
     per form (ping-pong 128x128/5 with 4 warps, cooperative 128x256/3 with 8); GEMM+RS never
     gets the AG kernel's knob."""
-    assert S.seeds_for("ag", 2048) == S.seeds_for("AG+GEMM", 14336) == S.SEED_CONFIGS + S.AG_SEEDS
+    assert S.seeds_for("ag") == S.seeds_for("AG+GEMM") == S.SEED_CONFIGS + S.AG_SEEDS
     for n, k in ((2048, 4096), (14336, 4096), (28672, 8192)):
         c = S.generate_candidates("ag", 8192, n, k, 2, max_candidates=64)
         ws = [x for x in c if x.ag_warp_specialized]

@@ -97,9 +97,9 @@ NOT_SEARCHED: Dict[str, str] = {
     "rs_merge_rows": "the default at m <= 256, where the per-segment default is tried as a "
                      "seed",
     "rs_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
-                           "fixed forms); GEMM+RS at short K gets it as one seed "
-                           "(RS_SHORT_K_SEEDS), and with merged rows up to m = 512 as another "
-                           "(RS_MERGED_SEEDS)",
+                           "fixed forms); GEMM+RS gets its ping-pong form as two seeds (SM and "
+                           "copy-engine pushes, RS_SEEDS), and with merged rows up to m = 512 "
+                           "as another (RS_MERGED_SEEDS)",
     "ag_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
                            "fixed forms); AG+GEMM gets both forms as seeds (AG_SEEDS)",
     "flatten_consume": "compiles to the same GEMM+RS kernel either way (Triton does not flatten "
@@ -147,17 +147,23 @@ SEED_CONFIGS: Tuple[Dict[str, object], ...] = (
     dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, group_m=8,
          epilogue_split=1),
 )
-#: GEMM+RS with a short contraction (per-rank ``k <= RS_SHORT_K``) also tries running one
-#: tile's reduction epilogue (the peers' partials read, added and stored) beside another tile's
-#: MMAs, where a plain persistent program idles its tensor cores: the warp-specialized Gluon
-#: kernel (``rs_warp_specialized``, 5 stages). With communication off on one H200 it ran 0.92x
-#: the TP 2 table's config on the training step's proj and qkv-dgrad GEMM+RS (k = 2048 /
-#: 3072, m = 8192), where the epilogue's reads cost 6-7 %; whether it also wins with
-#: communication on is for the tune to measure.
-RS_SHORT_K = 4096
-RS_SHORT_K_SEEDS: Tuple[Dict[str, object], ...] = (
+#: GEMM+RS also tries running one tile's epilogue (its pushes to the owner, or the reduction of
+#: the peers' partials) beside another tile's MMAs, where a plain persistent program idles its
+#: tensor cores: the ping-pong warp-specialized Gluon kernel (``rs_warp_specialized``, 128x128,
+#: 5 stages), with SM pushes and with the copy engine delivering. With communication off on one
+#: H200 it ran 0.92x the TP 2 table's config on the training step's proj and qkv-dgrad GEMM+RS
+#: (k = 2048 / 3072, m = 8192); with communication on at TP 4 (4xH200, A/B against the grid's
+#: entries, tuned by a search that tried it only at short K,
+#: ``benchmarks/results/ab-rs-pingpong-h200x4-2026-11-28-*.json``) it ran 0.91-0.99x their
+#: time on 9 of 12 (k = 7168-14336 per rank, up to 7.8 waves of 128x256 tiles) and 1.03-1.06x
+#: on the three from 11.6 waves.
+RS_SEEDS: Tuple[Dict[str, object], ...] = (
     dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
-         epilogue_split=1, warp_specialize=False, rs_warp_specialized=True),
+         epilogue_split=1, warp_specialize=False, rs_warp_specialized=True,
+         rs_copy_engine=False),
+    dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
+         epilogue_split=1, warp_specialize=False, rs_warp_specialized=True,
+         rs_copy_engine=True),
 )
 
 
@@ -191,14 +197,13 @@ RS_MERGED_SEEDS: Tuple[Dict[str, object], ...] = (
 RS_MERGED_SEED_MAX_M = 512
 
 
-def seeds_for(op: str, k: int) -> Tuple[Dict[str, object], ...]:
-    """The multi-knob seeds tried for ``op`` at per-rank contraction width ``k``:
-    :data:`SEED_CONFIGS`, plus :data:`AG_SEEDS` for AG+GEMM and :data:`RS_SHORT_K_SEEDS` for a
-    short-K GEMM+RS."""
+def seeds_for(op: str) -> Tuple[Dict[str, object], ...]:
+    """The multi-knob seeds tried for ``op``: :data:`SEED_CONFIGS`, plus :data:`AG_SEEDS` for
+    AG+GEMM and :data:`RS_SEEDS` for GEMM+RS."""
     op = normalize_op(op)
     if op == "ag":
         return SEED_CONFIGS + AG_SEEDS
-    return SEED_CONFIGS + (RS_SHORT_K_SEEDS if k <= RS_SHORT_K else ())
+    return SEED_CONFIGS + RS_SEEDS
 
 
 #: Hopper: 227 KiB of shared memory per block
@@ -230,7 +235,7 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     gather_small_m=False)``), and for RS the default with the other ReduceScatter delivery
     (copy engine vs SM pushes), then
     the multi-knob seeds (``seeds``; by default :data:`RS_MERGED_SEEDS` for GEMM+RS up to
-    :data:`RS_MERGED_SEED_MAX_M` rows, then :func:`seeds_for` the op and ``k``), then
+    :data:`RS_MERGED_SEED_MAX_M` rows, then :func:`seeds_for` the op), then
     variations by distance from the default; the
     single-knob ones breadth-first (one value of each knob, comm knobs first, then the next).
 
@@ -253,7 +258,7 @@ def generate_candidates(op: str, m_total: int, n: int, k: int, tp: int, *, max_c
     base = default_config(op, m_total, n, k, tp=tp)
     if seeds is None:
         merged = op == "rs" and (base.rs_merge_rows or m_total <= RS_MERGED_SEED_MAX_M)
-        seeds = (RS_MERGED_SEEDS if merged else ()) + seeds_for(op, k)
+        seeds = (RS_MERGED_SEEDS if merged else ()) + seeds_for(op)
     m_local = m_total // tp
     for other, knobs_of_other in _OP_KNOBS.items():  # e.g. RS has no chunked copy, no side stream
         if other != op:
@@ -767,8 +772,7 @@ def table_object(args: argparse.Namespace, argv: Sequence[str], gpu_name: str, s
                        "sample_warmup": args.sample_warmup, "rs_k": args.rs_k,
                        "space": {k: list(v) for k, v in args.space.items()},
                        "seeds": [dict(s) for s in SEED_CONFIGS],
-                       "rs_short_k_seeds": {"max_k": RS_SHORT_K,
-                                            "seeds": [dict(s) for s in RS_SHORT_K_SEEDS]},
+                       "rs_seeds": [dict(s) for s in RS_SEEDS],
                        "ag_seeds": [dict(s) for s in AG_SEEDS],
                        "not_searched": {**NOT_SEARCHED, **pinned}},
             "entries": entries}
