@@ -358,19 +358,72 @@ def wave_aware_config(op: str, points: Iterable[Point], m_total: int, n: int, k:
     return best[0], best[1], True
 
 
+#: GEMM+RS at these TP sizes, for a shape no table lists, runs the ping-pong Gluon kernel
+#: (:data:`PINGPONG_RS`) from :data:`PINGPONG_MIN_M` rows while the Triton kernel's 128x256
+#: tiles would make fewer than :data:`PINGPONG_MAX_WAVES` waves (:func:`pingpong_rs_config`)
+PINGPONG_RS_TPS = (4,)
+PINGPONG_MIN_M = 1024
+PINGPONG_MAX_WAVES = 10.0
+#: the ping-pong form of the warp-specialized GEMM+RS (``kernels/gemm_rs_ws.py``): 128x128
+#: tiles on two MMA warpgroups, so one tile's epilogue (the pushes to the owner, or the
+#: reduction of the peers' partials) runs beside the other tile's MMAs; pushes from the SMs
+PINGPONG_RS = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
+                   epilogue_split=1, warp_specialize=False, rs_warp_specialized=True,
+                   rs_copy_engine=False, rs_tma_push=True, rs_spread_reduce=False,
+                   rs_merge_rows=False, stream_k=0)
+
+
+def pingpong_rs_config(base, m_total: int, n: int, k: int, tp: int, num_sms: int):
+    """``base`` (the config the other rules chose for a GEMM+RS shape no table lists) as the
+    ping-pong Gluon kernel (:data:`PINGPONG_RS`), or None to keep ``base``.
+
+    It applies at TP :data:`PINGPONG_RS_TPS`, from :data:`PINGPONG_MIN_M` rows, while
+    ``ceil(m / 128) * ceil(n / 256)`` tiles are fewer than :data:`PINGPONG_MAX_WAVES` waves
+    of ``num_sms``, where the kernel can run the shape (:func:`config_problem`) and ``base`` is
+    not already a warp-specialized or merged-rows config. Why, 4xH200, communication on, A/B
+    against the configs the tables gave (11 interleaved trials with a same-config control,
+    paired medians; ``benchmarks/results/ab-rs-pingpong-h200x4-2026-11-28-*.json``): on four
+    models outside the table (n = 4608-7168, m = 1024-8192) the ping-pong ran 0.55-1.00x the
+    time of the config the rules gave in all 13 cases under 10 waves, and 0.99x and 1.01x in
+    the two above 11; on the grid's entries, tuned without it, 0.91-0.99x in the 9 cases up
+    to 7.8 waves and 1.03-1.06x in the 3 from 11.6 waves, where the wide tile's fewer operand
+    loads per output count more than the overlapped epilogue. TP 2's tables hold the
+    ping-pong where their tunes found it faster (most GEMM+RS entries from m = 2048); TP 8 has
+    not run on GPUs.
+    """
+    if (tp not in PINGPONG_RS_TPS or m_total < PINGPONG_MIN_M or base.rs_warp_specialized
+            or base.rs_merge_rows):
+        return None
+    cfg = dataclasses.replace(base, **PINGPONG_RS)
+    if config_problem("rs", cfg, m_total, n, k, tp) is not None:
+        return None
+    wide_tiles = -(-m_total // 128) * -(-n // 256)
+    if wide_tiles >= PINGPONG_MAX_WAVES * num_sms:
+        return None
+    return cfg
+
+
 def unlisted_config(op: str, points: Iterable[Point], m_total: int, n: int, k: int, tp: int,
-                    num_sms: int, candidates: Iterable[Point] = ()) -> Tuple[object, str]:
+                    num_sms: int, candidates: Iterable[Point] = (), pingpong: bool = False
+                    ) -> Tuple[object, str]:
     """``(config, where it came from)`` for a shape no table lists: :func:`wave_aware_config`
     with ``candidates`` (none: the nearest entry's config, its stream-K tail on), else
-    ``default_config``. What the runtime runs (:func:`megatron_flux.tuning.provider.kernel_config`)
-    and what :mod:`megatron_flux.tools.tune.extend` records a benchmark ran."""
+    ``default_config``; with ``pingpong``, a GEMM+RS shape then runs the ping-pong Gluon kernel
+    where :func:`pingpong_rs_config` says so. What the runtime runs
+    (:func:`megatron_flux.tuning.provider.kernel_config`) and what
+    :mod:`megatron_flux.tools.tune.extend` records a benchmark ran."""
     hit = wave_aware_config(op, points, m_total, n, k, tp, num_sms, candidates=candidates)
     if hit is None:
-        return default_config(op, m_total, n, k, tp=tp), "default"
-    cfg, p, replaced = hit
-    if replaced:
-        return cfg, f"entry {p.label()}: fewer waves than the nearest entry's tile"
-    return cfg, f"nearest entry ({p.label()})"
+        cfg, where = default_config(op, m_total, n, k, tp=tp), "default"
+    else:
+        cfg, p, replaced = hit
+        where = (f"entry {p.label()}: fewer waves than the nearest entry's tile" if replaced
+                 else f"nearest entry ({p.label()})")
+    if pingpong and op == "rs":
+        ping = pingpong_rs_config(cfg, m_total, n, k, tp, num_sms)
+        if ping is not None:
+            return ping, f"ping-pong GEMM+RS under {PINGPONG_MAX_WAVES:g} waves (else {where})"
+    return cfg, where
 
 
 def transplanted(cfg):

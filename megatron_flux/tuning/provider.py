@@ -180,8 +180,9 @@ def kernel_config(op: str, m_total: int, n: int, k: int, dtype, tp: int, device,
     """``(GemmConfig, where it came from)`` for one call: the table entry of this exact shape
     (nearest bucket, stale tables included), else the nearest entry's that can run it, its
     stream-K tail on, or another current entry's whose tiles fill the SMs' waves better
-    (:func:`.estimate.wave_aware_config`; ``wave_aware=False``: the nearest entry's always, as
-    before that rule, for A/B runs), else ``default_config``."""
+    (:func:`.estimate.wave_aware_config`), or for GEMM+RS the ping-pong Gluon kernel
+    (:func:`.estimate.pingpong_rs_config`); ``wave_aware=False``: the nearest entry's always,
+    as before those rules, for A/B runs; else ``default_config``."""
     from megatron_flux.kernels.config import default_config
 
     op = normalize_op(op)
@@ -197,7 +198,8 @@ def kernel_config(op: str, m_total: int, n: int, k: int, dtype, tp: int, device,
         return hit[0].config, f"table (m={hit[0].m})"
     current, every = estimator(op, dtype, tp, device)
     return estimate.unlisted_config(op, every, m_total, n, k, tp, _identity(device)[1],
-                                    candidates=current.points if wave_aware else ())
+                                    candidates=current.points if wave_aware else (),
+                                    pingpong=wave_aware)
 
 
 def on_decisions_change(listener: Callable[[], None]) -> None:

@@ -487,3 +487,58 @@ def test_kernel_config_applies_the_wave_rule_on_shipped_tables():
     assert where == "table (m=1024)" and own.rs_warp_specialized
     own, where = provider.kernel_config("rs", 1024, 5120, 14336, BF16, 2, h200)
     assert where == "table (m=1024)" and (own.block_m, own.block_n) == (128, 256)
+
+
+# ------------------------------------------------------------------ the ping-pong GEMM+RS rule
+def test_pingpong_rule_runs_gemm_rs_under_ten_waves_at_tp4():
+    """A GEMM+RS shape no table lists, at TP 4 from 1024 rows, runs the ping-pong Gluon kernel
+    (SM pushes, no stream-K) while 128x256 tiles make fewer than 10 waves; from 10 waves, at
+    TP 2, below 1024 rows, where its 128-row tiles cannot split the rows per rank, and where
+    the other rules already chose a warp-specialized config, the other rules' config stays."""
+    wide_ce = dataclasses.replace(WIDE, rs_copy_engine=True)
+    near = [P(m, 4096, 7168, 0.87, wide_ce) for m in (1024, 4096, 8192)]
+    base = E.transplanted(wide_ce)  # the nearest entry's, its stream-K tail on
+    for m, n in ((1024, 5120), (4096, 4608), (8192, 5120)):  # 1.2, 4.4 and 9.7 waves
+        cfg, where = E.unlisted_config("rs", near, m, n, 6848, 4, 132, pingpong=True)
+        assert cfg == dataclasses.replace(base, **E.PINGPONG_RS), (m, n)
+        assert cfg.rs_warp_specialized and not cfg.rs_copy_engine and cfg.stream_k == 0
+        assert where.startswith("ping-pong GEMM+RS") and "nearest entry" in where
+    # 64 x 28 = 1792 tiles of 128x256 are 13.6 waves: the wide tile stays
+    assert E.unlisted_config("rs", near, 8192, 7168, 7168, 4, 132, pingpong=True)[0] == base
+    assert E.pingpong_rs_config(base, 8192, 6144, 8192, 4, 132) is None  # 11.6 waves
+    assert E.pingpong_rs_config(base, 1024, 5120, 6848, 2, 132) is None  # TP 2
+    assert E.pingpong_rs_config(base, 512, 5120, 6848, 4, 132) is None  # below 1024 rows
+    assert E.pingpong_rs_config(base, 4 * 320, 5120, 6848, 4, 132) is None  # 320 rows per rank
+    assert E.pingpong_rs_config(base, 1024, 5120, 256, 4, 132) is None  # 4 K steps < 5 stages
+    assert E.pingpong_rs_config(PINGPONG, 1024, 5120, 6848, 4, 132) is None
+    # without pingpong (A/B runs, extend without --pingpong), AG+GEMM, or no entry in reach
+    assert E.unlisted_config("rs", near, 1024, 5120, 6848, 4, 132)[0] == base
+    assert not E.unlisted_config("ag", [P(1024, 4096, 7168, 0.87, WIDE)], 1024, 5120, 6848, 4,
+                                 132, pingpong=True)[0].rs_warp_specialized
+    cfg, where = E.unlisted_config("rs", [], 1024, 5120, 6848, 4, 132, pingpong=True)
+    assert cfg.rs_warp_specialized and where.endswith("(else default)")
+
+
+def test_kernel_config_applies_the_pingpong_rule_on_the_shipped_tp4_table():
+    """On the shipped 4xH200 table, baichuan2-13b's GEMM+RS (n = 5120, k = 6848 per rank; no
+    entry) runs the ping-pong kernel at m = 1024-8192 (at some m an adopted ping-pong entry's
+    config, by the wave rule); n = 10240, k = 12288 at m = 8192 (19.4 waves) the nearest
+    entry's 128x256 tile (gpt3-175b's); ``wave_aware=False`` gives the nearest entry's everywhere,
+    and a shape the table lists keeps its entry's config."""
+    T.use_table_files(registry.shipped_table_files())
+    h200 = ("NVIDIA H200", 132)
+    n_rule = 0
+    for m in (1024, 2048, 4096, 8192):
+        cfg, where = provider.kernel_config("rs", m, 5120, 6848, BF16, 4, h200)
+        assert cfg.rs_warp_specialized and (cfg.block_m, cfg.block_n) == (128, 128), m
+        # the rule's, or an adopted ping-pong entry's (the nearest, or the wave rule's pick)
+        assert not where.startswith("table"), where
+        if where.startswith("ping-pong"):  # at m = 1024 and 4096
+            old, where = provider.kernel_config("rs", m, 5120, 6848, BF16, 4, h200, wave_aware=False)
+            assert where.startswith("nearest entry") and not old.rs_warp_specialized
+            n_rule += 1
+    assert n_rule == 2
+    cfg, where = provider.kernel_config("rs", 8192, 10240, 12288, BF16, 4, h200)  # 19.4 waves
+    assert where.startswith("nearest entry (n=12288") and (cfg.block_m, cfg.block_n) == (128, 256)
+    own, where = provider.kernel_config("rs", 4096, 4096, 3584, BF16, 4, h200)
+    assert where == "table (m=4096)"

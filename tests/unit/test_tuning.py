@@ -72,6 +72,9 @@ SHIPPED = {
         # grid's benchmark (m = 64-8192) made with the re-searched configs
         ("retune", R + "tune-h200x4-2026-11-28-grid.json"),
         ("confirm", R + "bench-h200x4-2026-11-28-grid-retuned.json"),
+        # the ping-pong Gluon GEMM+RS (which that search tried only at short K) where an A/B
+        # over the grid's m >= 1024 timed it faster than the re-searched configs
+        ("adopt", [R + "ab-rs-pingpong-h200x4-2026-11-28-grid.json"]),
     ]),
     # 2xH100: the m >= 1024 grid and the small m tuned into one table, then three benchmarks
     # made with it, taken jointly (a list: tuning.confirm.confirm_repeats)
@@ -885,6 +888,10 @@ def test_extend_refuses_waves_without_the_stream_k_transplant(tmp_path):
     with pytest.raises(ValueError, match="transplant"):
         extend_table(t, bench, "b.json", transplant=False, waves=True)
     assert len(extend_table(t, bench, "b.json", waves=True).entries) == len(t.entries)
+    # the ping-pong GEMM+RS rule came after the wave rule
+    with pytest.raises(ValueError, match="waves=True"):
+        extend_table(t, bench, "b.json", pingpong=True)
+    assert len(extend_table(t, bench, "b.json", waves=True, pingpong=True).entries) == len(t.entries)
 
 
 def _ab_bench(tp, rows, variant=None, gpu="NVIDIA H200"):

@@ -11,11 +11,13 @@ shape, :func:`~megatron_flux.tuning.estimate.nearest_config`, its stream-K tail 
 runtime picks it; else the default) and the benchmark's median times. Entries the table holds are left as they are; the
 notes say where each new one came from (``measured_by``, ``config_from``, every trial).
 
-``python -m megatron_flux.tools.tune.extend [--no-transplant | --waves] TABLE.json BENCH.json [BENCH2.json ...] OUT.json``
+``python -m megatron_flux.tools.tune.extend [--no-transplant | --waves [--pingpong]] TABLE.json BENCH.json [BENCH2.json ...] OUT.json``
 (``--no-transplant``: benchmarks made before the stream-K transplant, which ran the nearest
 entry's config as it stands; ``--waves``: benchmarks made with the wave rule,
 :func:`~megatron_flux.tuning.estimate.wave_aware_config`, every one of them with ``TABLE`` as
-it stands, so each is read against ``TABLE``, not against the entries an earlier one added)
+it stands, so each is read against ``TABLE``, not against the entries an earlier one added;
+``--pingpong`` with it: made with the ping-pong GEMM+RS rule too,
+:func:`~megatron_flux.tuning.estimate.pingpong_rs_config`, as the runtime runs today)
 """
 
 from __future__ import annotations
@@ -41,17 +43,21 @@ def _points(table: Table, op: str, ratios: bool = False):
 
 
 def extend_table(table: Table, bench: Dict[str, Any], bench_source: str, *,
-                 transplant: bool = True, waves: bool = False,
+                 transplant: bool = True, waves: bool = False, pingpong: bool = False,
                  ran_with: Optional[Table] = None) -> Table:
     """``table`` plus an untuned entry for each case of ``bench`` it lacks (module docstring).
     ``transplant=False``: the benchmark ran the nearest entry's config as it stands (before
     :func:`~megatron_flux.tuning.estimate.transplanted` existed). ``waves``: it ran the wave
     rule's choice (:func:`~megatron_flux.tuning.estimate.wave_aware_config`, the stream-K tail
-    transplanted). ``ran_with``: the table the benchmark ran with, whose entries chose its
+    transplanted); ``pingpong`` with it: and the ping-pong GEMM+RS rule's
+    (:func:`~megatron_flux.tuning.estimate.pingpong_rs_config`). ``ran_with``: the table the benchmark ran with, whose entries chose its
     configs (default ``table``)."""
     if waves and not transplant:
         raise ValueError("extend_table: the wave rule's configs carry the stream-K transplant "
                          "(waves=True needs transplant=True)")
+    if pingpong and not waves:
+        raise ValueError("extend_table: the ping-pong rule came after the wave rule "
+                         "(pingpong=True needs waves=True)")
     check_same_machine(bench, table, bench_source)
     tp = int(bench["tp"])
     have = {(e.op, e.n, e.k, e.m) for e in table.entries}
@@ -70,7 +76,7 @@ def extend_table(table: Table, bench: Dict[str, Any], bench_source: str, *,
             continue
         if transplant:  # as the runtime picks it (with the wave rule when ``waves``)
             config, where = estimate.unlisted_config(op, points[op], int(m), ln, lk, tp, source.sms,
-                                                     candidates=candidates[op])
+                                                     candidates=candidates[op], pingpong=pingpong)
         else:  # the nearest entry's config as it stands
             near = estimate.nearest_config(op, points[op], int(m), ln, lk, tp)
             config, where = ((default_config(op, int(m), ln, lk, tp=tp), "default") if near is None
@@ -91,19 +97,22 @@ def extend_table(table: Table, bench: Dict[str, Any], bench_source: str, *,
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     transplant = "--no-transplant" not in argv
-    waves = "--waves" in argv
+    waves, pingpong = "--waves" in argv, "--pingpong" in argv
     if waves and not transplant:
         print("--waves and --no-transplant exclude each other", file=sys.stderr)
+        return 2
+    if pingpong and not waves:
+        print("--pingpong needs --waves (the runtime's rules came in that order)", file=sys.stderr)
         return 2
 
     def extend_all(t, runs):
         base = t
         for bench, source in runs:
             t = extend_table(t, bench, source, transplant=transplant, waves=waves,
-                             ran_with=base if waves else None)
+                             pingpong=pingpong, ran_with=base if waves else None)
         return t
 
-    return run_table_tool([a for a in argv if a not in ("--no-transplant", "--waves")], __doc__, extend_all,
+    return run_table_tool([a for a in argv if a not in ("--no-transplant", "--waves", "--pingpong")], __doc__, extend_all,
                           lambda old, t: f"{len(t.entries)} entries "
                                          f"({len(t.entries) - len(old.entries)} measured, untuned)")
 
