@@ -946,3 +946,31 @@ def test_model_config_benchmarks_exactly_the_configs_tp_gemms(tp):
     assert args.ms == [8192] and len(args.cases) == 5
     with pytest.raises(ValueError, match="--model-config nope.json: no such file"):
         resolve_args(build_parser().parse_args(["--model-config", "nope.json"]), tp=tp)
+
+
+def test_a_fused_rows_notes_name_the_config_it_ran_and_the_rule_that_chose_it(monkeypatch):
+    """``config_notes``: the config a fused method's backend runs on the case (its global rows,
+    per-rank n and k, as the backend asks for them) and, for a tables-configured backend, which
+    rule of ``provider.kernel_config`` chose it."""
+    from megatron_flux.kernels.config import GemmConfig, default_config
+    from megatron_flux.tuning import provider
+
+    asked = []
+
+    class Backend:
+        def config(self, op, m_total, n, k, *, dtype=None, tp=None, device=None):
+            asked.append((op, m_total, n, k, dtype, tp))
+            return default_config(op, m_total, n, k, tp=tp)
+
+    monkeypatch.setattr(provider, "kernel_config",
+                        lambda op, m, n, k, dtype, tp, device: (GemmConfig(), f"rule for {op} m={m}"))
+    model = G.ModelShape("tiny", 64, 512, 256)  # hidden, fc1, ffn
+    for op, m_total, n, k in ((G.AG_GEMM, 256, 128, 64), (G.GEMM_RS, 256, 64, 128)):  # TP 4
+        inp = M.make_inputs(G.case_for(op, model, m_total), 4, 0, dtype=torch.float32,
+                            device=torch.device("cpu"), seed=0)
+        short = "ag" if op == G.AG_GEMM else "rs"
+        notes = M.config_notes(Backend(), inp, with_source=True)
+        assert asked[-1] == (short, m_total, n, k, torch.float32, 4)
+        assert notes["kernel_config"] == default_config(short, m_total, n, k, tp=4).to_dict()
+        assert notes["config_from"] == f"rule for {short} m={m_total}"
+        assert "config_from" not in M.config_notes(Backend(), inp, with_source=False)

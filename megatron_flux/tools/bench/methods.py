@@ -218,10 +218,29 @@ def _default_config_backend(backend_cls, default_config):
     return _DEFAULT_CONFIG_BACKEND[0]
 
 
+def config_notes(backend, inp: CaseInputs, with_source: bool) -> Dict[str, object]:
+    """For a fused method's JSON row: ``kernel_config``, the config ``backend`` runs on the case,
+    and with ``with_source`` (a backend configured by the tables) ``config_from``, which rule of
+    :func:`megatron_flux.tuning.provider.kernel_config` chose it (a table entry, the nearest
+    entry, the wave or ping-pong rule, the default)."""
+    from megatron_flux.tuning import provider
+
+    a, b = inp.a, inp.b
+    op = "ag" if inp.case.op == AG_GEMM else "rs"
+    m_total = a.shape[0] * inp.tp if op == "ag" else a.shape[0]
+    n, k = b.shape[1], a.shape[1]
+    notes: Dict[str, object] = {"kernel_config": backend.config(
+        op, m_total, n, k, dtype=a.dtype, tp=inp.tp, device=a.device).to_dict()}
+    if with_source:
+        notes["config_from"] = provider.kernel_config(op, m_total, n, k, a.dtype, inp.tp, a.device)[1]
+    return notes
+
+
 def build_method(
     name: str, inp: CaseInputs, group: dist.ProcessGroup
-) -> Tuple[Callable[[], torch.Tensor], Dict[str, str]]:
-    """The callable for method ``name`` on ``inp`` and notes for its JSON row.
+) -> Tuple[Callable[[], torch.Tensor], Dict[str, object]]:
+    """The callable for method ``name`` on ``inp`` and notes for its JSON row (the fused
+    methods': :func:`config_notes`).
 
     Raises :class:`MethodSkipped` when the method cannot run here (no CUDA, backend not
     registered, operands unsupported); any other exception is a real error.
@@ -272,10 +291,13 @@ def build_method(
         reason = backend.unsupported_reason(a, b, group)
         if reason is not None:
             raise MethodSkipped(f"flux backend does not support these operands: {reason}")
-        return _backend_fn(backend, inp, group, out), {}
+        return _backend_fn(backend, inp, group, out), config_notes(backend, inp, with_source=name == "flux")
     if name == "auto":
         backend = backends.resolve_backend("auto", a, b, group, op="ag" if case.op == AG_GEMM else "rs")
-        return _backend_fn(backend, inp, group, out), {"resolved_backend": backend.name}
+        notes = {"resolved_backend": backend.name}
+        if hasattr(backend, "config"):
+            notes.update(config_notes(backend, inp, with_source=True))
+        return _backend_fn(backend, inp, group, out), notes
     raise ValueError(f"unknown method {name!r}; expected one of {METHODS}")
 
 
