@@ -101,21 +101,24 @@ def test_below_1024_rows_the_neighbours_must_win_at_the_rows_too():
     assert E.MONOTONE_FROM_M == 1024
 
 
-def test_small_m_errors_do_not_set_the_allowance_from_1024_rows_up():
-    """Latency-bound small-m ratios spread widely between models; a false fused there widens
-    the allowance below 1024 rows only."""
+def test_small_m_errors_do_not_set_the_allowance_from_2048_rows_up():
+    """Latency-bound small-m ratios spread widely between models, and m = 1024 is predicted
+    from neighbours at 512 (another schedule): a false fused up to 1024 rows widens the
+    allowance below 2048 rows only."""
     pts = []
     for n in (2048, 4096, 8192):
-        small = 1.5 if n == 4096 else 0.7  # family B loses at m = 256-512 where the others win
-        pts += [P(256, n, 4096, small), P(512, n, 4096, small), P(2048, n, 4096, 0.85), P(4096, n, 4096, 0.85)]
+        small = 1.5 if n == 4096 else 0.7  # family B loses at m = 256-1024 where the others win
+        pts += [P(256, n, 4096, small), P(512, n, 4096, small), P(1024, n, 4096, small),
+                P(2048, n, 4096, 0.85), P(4096, n, 4096, 0.85)]
     est = E.Estimator(pts)
     assert est.allowance(0.02) == pytest.approx(0.98 / 0.7)
     assert est.allowance(0.02, large=True) == 1.0
-    assert E.MONOTONE_FROM_M == 1024
+    assert E.LARGE_M == 2048
     big = est.decide(4096, 4096, 4096, 0.02)
     assert big.fused and big.allowance == 1.0
-    small = est.decide(512, 3000, 4096, 0.02)
-    assert not small.fused and small.allowance == pytest.approx(0.98 / 0.7)
+    for m in (512, 1024):
+        small = est.decide(m, 3000, 4096, 0.02)
+        assert not small.fused and small.allowance == pytest.approx(0.98 / 0.7)
 
 
 def test_allowance_turns_every_leave_out_false_fused_into_nccl():
@@ -520,24 +523,27 @@ def test_pingpong_rule_runs_gemm_rs_under_ten_waves_at_tp4():
 
 
 def test_kernel_config_applies_the_pingpong_rule_on_the_shipped_tp4_table():
-    """On the shipped 4xH200 table, baichuan2-13b's GEMM+RS (n = 5120, k = 6848 per rank; no
-    entry) runs the ping-pong kernel at m = 1024-8192 (at some m an adopted ping-pong entry's
-    config, by the wave rule); n = 10240, k = 12288 at m = 8192 (19.4 waves) the nearest
-    entry's 128x256 tile (gpt3-175b's); ``wave_aware=False`` gives the nearest entry's everywhere,
-    and a shape the table lists keeps its entry's config."""
+    """On the shipped 4xH200 table, gemma2-27b's GEMM+RS as the benchmark shapes it (n = 4608,
+    k = 18432 per rank; no entry) runs the ping-pong kernel at m = 1024-8192: by the rule
+    where the nearest entry's config is a 128x256 Triton one (m = 1024, 4096, 8192), as the
+    nearest entry's own where that entry adopted it (m = 2048). n = 10240, k = 12288 at
+    m = 8192 (19.4 waves) keeps the nearest entry's 128x256 tile (gpt3-175b's);
+    ``wave_aware=False`` gives the nearest entry's config, and a shape the table lists keeps
+    its entry's."""
     T.use_table_files(registry.shipped_table_files())
     h200 = ("NVIDIA H200", 132)
-    n_rule = 0
+    by_rule = []
     for m in (1024, 2048, 4096, 8192):
-        cfg, where = provider.kernel_config("rs", m, 5120, 6848, BF16, 4, h200)
+        cfg, where = provider.kernel_config("rs", m, 4608, 18432, BF16, 4, h200)
         assert cfg.rs_warp_specialized and (cfg.block_m, cfg.block_n) == (128, 128), m
-        # the rule's, or an adopted ping-pong entry's (the nearest, or the wave rule's pick)
-        assert not where.startswith("table"), where
-        if where.startswith("ping-pong"):  # at m = 1024 and 4096
-            old, where = provider.kernel_config("rs", m, 5120, 6848, BF16, 4, h200, wave_aware=False)
+        assert not cfg.rs_copy_engine and cfg.stream_k == 0
+        if where.startswith("ping-pong"):
+            by_rule.append(m)
+            old, where = provider.kernel_config("rs", m, 4608, 18432, BF16, 4, h200, wave_aware=False)
             assert where.startswith("nearest entry") and not old.rs_warp_specialized
-            n_rule += 1
-    assert n_rule == 2
+        else:
+            assert where.startswith("nearest entry (n=3072 k=12288 m=2048"), where
+    assert by_rule == [1024, 4096, 8192]
     cfg, where = provider.kernel_config("rs", 8192, 10240, 12288, BF16, 4, h200)  # 19.4 waves
     assert where.startswith("nearest entry (n=12288") and (cfg.block_m, cfg.block_n) == (128, 256)
     own, where = provider.kernel_config("rs", 4096, 4096, 3584, BF16, 4, h200)

@@ -75,6 +75,8 @@ SHIPPED = {
         # the ping-pong Gluon GEMM+RS (which that search tried only at short K) where an A/B
         # over the grid's m >= 1024 timed it faster than the re-searched configs
         ("adopt", [R + "ab-rs-pingpong-h200x4-2026-11-28-grid.json"]),
+        # and on the eight models the table holds with borrowed configs (m = 1024-4096)
+        ("adopt", [R + "ab-rs-pingpong-h200x4-2026-11-28-extended.json"]),
     ]),
     # 2xH100: the m >= 1024 grid and the small m tuned into one table, then three benchmarks
     # made with it, taken jointly (a list: tuning.confirm.confirm_repeats)
