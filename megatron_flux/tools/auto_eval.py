@@ -148,7 +148,7 @@ def evaluate(table, margin: float) -> dict:
     return {
         "gpu": table.gpu_name, "sms": table.sms, "tp": table.tp, "dtype": table.dtype,
         "kernel_version": table.kernel_version, "stale": table.stale, "entries": len(records),
-        # below MONOTONE_FROM_M rows, and from it up
+        # below LARGE_M rows, and from it up
         "allowance_from_whole_table": {op: [rounded(est.allowance(margin)), rounded(est.allowance(margin, large=True))]
                                        for op, est in estimators.items()},
         **scores(records, margin),
@@ -223,7 +223,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    + (f" --out {args.out}" if args.out else ""),
         "date": datetime.date.today().isoformat(), "margin": args.margin,
         "constants": {"m_weight": E.M_WEIGHT, "reach": E.REACH, "k_nearest": E.K_NEAREST,
-                      "row_shift": E.ROW_SHIFT, "monotone_from_m": E.MONOTONE_FROM_M,
+                      "row_shift": E.ROW_SHIFT, "monotone_from_m": E.MONOTONE_FROM_M, "large_m": E.LARGE_M,
                       "size_rule_rows_per_rank": dict(E.SIZE_RULE_ROWS_PER_RANK)},
         "size_rule_derived": derived,
         "tables": {},
