@@ -17,7 +17,9 @@ warp-specialized kernels need the rows per rank to be a multiple of ``block_m`` 
 ``num_stages`` K steps; no tile larger than the shape, as the tuner's candidates), with its
 stream-K tail on where its kernel has one (:func:`transplanted`), unless another winning
 entry's config fills the SMs' waves of tiles clearly better on the new shape
-(:func:`wave_work`). None within reach: ``default_config``.
+(:func:`wave_work`). None within reach: ``default_config``. At TP 4 a GEMM+RS shape then runs
+the ping-pong Gluon kernel where few waves of wide tiles make its overlapped epilogue pay
+(:func:`pingpong_rs_config`); :func:`unlisted_config` applies the rules in that order.
 
 **Fused or NCCL** (:class:`Estimator`): the predicted ratio for ``m`` rows is the geometric mean
 of ``flux_ms / nccl_ms`` of the ``K = 2`` entries nearest to ``(m / ROW_SHIFT, n, k)``
