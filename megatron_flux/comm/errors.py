@@ -3,9 +3,12 @@
 Each fused op owns an int32[4] device word ``(op, rank, signal index, value seen)`` that a kernel
 fills when a wait runs out of spins (see :mod:`megatron_flux.kernels.signals`). After a launch the
 word is copied asynchronously into pinned host memory every ``interval`` calls; the next call (or
-:meth:`DeviceErrorWord.check`) reads the host copy without synchronising and raises."""
+:meth:`DeviceErrorWord.check`) reads the host copy without synchronising and raises, with what
+the word's ``describe`` callback reports (the backend's: this rank's signal words)."""
 
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 
@@ -21,10 +24,15 @@ class FusedOpTimeout(RuntimeError):
 
 
 class DeviceErrorWord:
-    def __init__(self, device: torch.device, interval: int = 16):
+    #: called when a timeout is raised; its text is appended to the message (never raises)
+    describe: Optional[Callable[[], str]] = None
+
+    def __init__(self, device: torch.device, interval: int = 16,
+                 describe: Optional[Callable[[], str]] = None):
         self.device_word = torch.zeros(4, dtype=torch.int32, device=device)
         self.host_word = torch.zeros(4, dtype=torch.int32, pin_memory=True)
         self.interval = max(1, interval)
+        self.describe = describe
         self._calls = 0
 
     def after_launch(self) -> None:
@@ -50,29 +58,34 @@ class DeviceErrorWord:
             self.host_word.copy_(self.device_word, non_blocking=True)
             torch.cuda.current_stream(self.device_word.device).synchronize()
         op, rank, index, seen = (int(v) for v in self.host_word.tolist())
-        if op == OP_AG_READY:
-            raise FusedOpTimeout(
-                f"megatron-flux ready barrier: rank {rank} timed out waiting for rank {index}'s "
+        if op:
+            raise FusedOpTimeout(_message(op, rank, index, seen) + self._state())
+
+    def _state(self) -> str:
+        if self.describe is None:
+            return ""
+        try:
+            text = self.describe()
+        except Exception as exc:  # the timeout is the error to report, not this
+            text = f"(could not read them: {exc!r})"
+        return f" This rank's signal words: {text}" if text else ""
+
+
+def _message(op: int, rank: int, index: int, seen: int) -> str:
+    if op == OP_AG_READY:
+        return (f"megatron-flux ready barrier: rank {rank} timed out waiting for rank {index}'s "
                 f"signal (last value seen {seen}); that rank died, diverged (different shapes, "
                 f"configs or call order across the TP group) or is stalled. Outputs since then "
-                f"are invalid."
-            )
-        if op == OP_GATHER:
-            raise FusedOpTimeout(
-                f"megatron-flux all-gather (copy engine): rank {rank} timed out waiting for rank "
+                f"are invalid.")
+    if op == OP_GATHER:
+        return (f"megatron-flux all-gather (copy engine): rank {rank} timed out waiting for rank "
                 f"{index}'s rows (last value seen {seen}); that rank died, diverged (different "
                 f"shapes or call order across the TP group) or is stalled. Outputs since then "
-                f"are invalid."
-            )
-        if op == OP_GRAPH_FENCE:
-            raise FusedOpTimeout(
-                f"megatron-flux CUDA graph fence: rank {rank} timed out waiting for rank {index} "
+                f"are invalid.")
+    if op == OP_GRAPH_FENCE:
+        return (f"megatron-flux CUDA graph fence: rank {rank} timed out waiting for rank {index} "
                 f"at a captured graph's first fused call (last value seen {seen}); that rank "
-                f"died, replays other graphs or is stalled. Outputs since then are invalid."
-            )
-        if op:
-            raise FusedOpTimeout(
-                f"megatron-flux {_OPS.get(op, op)}: rank {rank} timed out waiting for signal "
-                f"{index} (last value seen {seen}); a peer died, diverged (different shapes or "
-                f"call order across the TP group) or is stalled. Outputs since then are invalid."
-            )
+                f"died, replays other graphs or is stalled. Outputs since then are invalid.")
+    return (f"megatron-flux {_OPS.get(op, op)}: rank {rank} timed out waiting for signal "
+            f"{index} (last value seen {seen}); a peer died, diverged (different shapes or "
+            f"call order across the TP group) or is stalled. Outputs since then are invalid.")

@@ -123,6 +123,55 @@ def test_polling_the_error_word_reports_one_poll_late_without_synchronising():
         err.poll()
 
 
+def test_a_timeout_report_carries_this_ranks_signal_words():
+    """A timed-out wait's exception ends with what the error word's ``describe`` reports (the
+    backend's: every workspace's signal words); a ``describe`` that fails does not hide the
+    timeout."""
+    from megatron_flux.comm.errors import DeviceErrorWord, FusedOpTimeout
+
+    err = DeviceErrorWord.__new__(DeviceErrorWord)
+    err.host_word = torch.tensor([2, 3, 1, 143], dtype=torch.int32)
+    err.describe = lambda: "rs bfloat16 epoch 145: parity 1 [145, 143, 145, 145, 7, 0]"
+    with pytest.raises(FusedOpTimeout, match=r"GEMM\+RS: rank 3 timed out waiting for signal 1 "
+                       r".* This rank's signal words: rs bfloat16 epoch 145: parity 1 "
+                       r"\[145, 143, 145, 145, 7, 0\]$"):
+        err.check()
+
+    def broken():
+        raise RuntimeError("device lost")
+
+    err.describe = broken
+    with pytest.raises(FusedOpTimeout, match=r"rank 3 .*could not read them: RuntimeError"):
+        err.check()
+
+
+def test_the_signal_report_lists_every_workspace_of_the_device_and_both_parities():
+    """``DeviceResources.describe_signals``: per workspace of the device, its op, dtype, last
+    epoch and this rank's signal words of parity 0 and 1 (long regions cut, with a count)."""
+    from helpers.fake_symm import FakeWorld
+
+    from megatron_flux.backends.flux.resources import DeviceResources
+    from megatron_flux.options import FluxOptions
+
+    rs = FakeWorld(4, "rs", torch.bfloat16)
+    rs.reserve(64, 6)
+    ws = rs.ws[2]
+    ws.epoch = 145
+    ws.flags(2, 0)[:6] = torch.tensor([144, 144, 0, 144, 0, 0], dtype=torch.int32)
+    ws.flags(2, 1)[:6] = torch.tensor([145, 143, 0, 145, 7, 0], dtype=torch.int32)
+    gather = FakeWorld(4, "gather", torch.float32)
+    gather.reserve(4096, 40)
+    res = DeviceResources(FluxOptions())
+    res._workspaces[("rs", "fake-tp", None, torch.bfloat16)] = ws
+    res._workspaces[("gather", "fake-tp", None, torch.float32)] = gather.ws[2]
+    text = res.describe_signals(torch.device("cpu"))
+    gather_part, rs_part = text.split("; ")
+    more = f" +{ws.flag_count - 16} more"
+    assert rs_part == (f"rs bfloat16 epoch 145: parity 0 [144, 144, 0, 144{', 0' * 12}]{more}, "
+                       f"parity 1 [145, 143, 0, 145, 7{', 0' * 11}]{more}")
+    assert gather_part.startswith("gather float32 epoch 0: parity 0 [0, 0")
+
+
 def test_replaced_staging_stays_alive_for_captured_graphs():
     """Growing the copy-engine staging keeps the old buffer (a captured graph may address it)
     and drops the copy plans that view it."""

@@ -124,9 +124,20 @@ class DeviceResources:
         key = (op, device.index)
         word = self._errors.get(key)
         if word is None:
-            word = self._errors[key] = deps().DeviceErrorWord(device, self.options.error_check_interval)
+            word = self._errors[key] = deps().DeviceErrorWord(
+                device, self.options.error_check_interval,
+                describe=lambda: self.describe_signals(device))
         word.check_if_due()
         return word
+
+    def describe_signals(self, device) -> str:
+        """Every workspace of ``device``: this rank's signal words of both parities and its last
+        epoch (:meth:`SymmetricWorkspace.signal_state`), read once the device is idle. What a
+        timeout report appends."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return "; ".join(ws.signal_state() for key, ws in sorted(
+            self._workspaces.items(), key=lambda kv: str(kv[0])) if key[2] == device.index)
 
     def check_errors(self, sync: bool = True) -> None:
         for word in self._errors.values():
