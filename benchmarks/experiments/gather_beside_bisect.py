@@ -19,6 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 
 from gpu import test_flux_gpu as t  # noqa: E402
+from rs_beside_gather import Provider, no_pingpong  # noqa: E402  (this script's folder)
 
 from megatron_flux.backends.flux import FluxBackend  # noqa: E402
 
@@ -53,46 +54,13 @@ def changing_shapes(flux, group, rank, world, gen):
 
 def bound_backends(flux, group, rank, world, gen):
     """The test's bound-launch stage: three other backends, each its own workspaces."""
-    import dataclasses
-
-    from megatron_flux.kernels.config import GemmConfig
-
-    gluon = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
-                       chunk_rows=128, epilogue_split=1, rs_warp_specialized=True,
-                       ag_warp_specialized=True)
-    for provider in (None, lambda op, m, n, k: dataclasses.replace(
-            GemmConfig(), rs_copy_engine=True), lambda op, m, n, k: gluon):
+    for provider in t.BOUND_LAUNCH_PROVIDERS:
         t._check_bound_launches(FluxBackend(config_provider=provider), group, rank, world, gen)
 
 
 def alternating_backends(flux, group, rank, world, gen):
     """The test's back-to-back stage on four other backends."""
-    import dataclasses
-
-    from megatron_flux.kernels.config import GemmConfig
-
-    def alternating(op, m_total, n, k):
-        if n == 1024:
-            return GemmConfig(block_m=64, block_n=128, num_stages=3, num_warps=4, chunk_rows=32,
-                              epilogue_split=1, rs_tma_push=False, flatten=False)
-        return GemmConfig(block_m=128, block_n=128, num_stages=3, num_warps=8, chunk_rows=128,
-                          epilogue_split=1)
-
-    def alternating_ce(op, m_total, n, k):
-        return dataclasses.replace(alternating(op, m_total, n, k), rs_copy_engine=n == 1024)
-
-    def alternating_ws(op, m_total, n, k):
-        return dataclasses.replace(alternating(op, m_total, n, k), rs_warp_specialized=n == 1024)
-
-    def alternating_forms(op, m_total, n, k):
-        cfg = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
-                         chunk_rows=128, epilogue_split=1)
-        if n != 1024:
-            cfg = dataclasses.replace(cfg, block_n=256, num_stages=3, num_warps=8)
-        return dataclasses.replace(cfg, rs_warp_specialized=op == "rs",
-                                   ag_warp_specialized=op == "ag")
-
-    for provider in (alternating, alternating_ce, alternating_ws, alternating_forms):
+    for provider in t.ALTERNATING_PROVIDERS:
         other = FluxBackend(config_provider=provider)
         t._check_back_to_back(other, group, rank, world, gen)
         other.check_errors()
@@ -114,25 +82,6 @@ VARIANTS = {
 }
 
 
-class NoPingPong:
-    """The tables' configs with the Gluon GEMM+RS (per-segment) replaced by the Triton one."""
-
-    accepts_context = True
-
-    def __init__(self):
-        from megatron_flux.tuning.provider import TableConfigProvider
-
-        self._table = TableConfigProvider()
-
-    def __call__(self, op, m_total, n, k, **ctx):
-        import dataclasses
-
-        cfg = self._table(op, m_total, n, k, **ctx)
-        if cfg.rs_warp_specialized and not cfg.rs_merge_rows:
-            cfg = dataclasses.replace(cfg, rs_warp_specialized=False)
-        return cfg
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json", required=True)
@@ -146,7 +95,7 @@ def main():
     gen.manual_seed(1000 + rank)
     records = []
     for name in args.variants:
-        flux = FluxBackend(config_provider=NoPingPong() if "no ping-pong" in name else None)
+        flux = FluxBackend(config_provider=Provider(no_pingpong) if "no ping-pong" in name else None)
         t0 = time.perf_counter()
         status, where = "ok", "before"
         try:

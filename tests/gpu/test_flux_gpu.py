@@ -242,6 +242,59 @@ def _check_bound_launches(flux, group, rank, world, gen, calls=10):
     return 2 * calls
 
 
+def _gluon_config(op, m_total, n, k):  # both Gluon kernels, ping-pong form
+    from megatron_flux.kernels.config import GemmConfig
+
+    return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
+                      chunk_rows=128, epilogue_split=1, rs_warp_specialized=True,
+                      ag_warp_specialized=True)
+
+
+def _default_with_copy_engine(op, m_total, n, k):
+    from megatron_flux.kernels.config import GemmConfig
+
+    return dataclasses.replace(GemmConfig(), rs_copy_engine=True)
+
+
+#: the bound-launch section's backends: the tables', copy-engine RS, the Gluon kernels
+BOUND_LAUNCH_PROVIDERS = (None, _default_with_copy_engine, _gluon_config)
+
+
+# consecutive calls under different signal layouts (chunks per segment, tiles per segment): at
+# TP >= 3 a peer may signal the next call while this rank still waits on a third rank (the
+# workspace keeps the two calls' signals apart by parity)
+def _alternating(op, m_total, n, k):  # AG alternates chunk layouts, RS TMA and vector pushes
+    from megatron_flux.kernels.config import GemmConfig
+
+    if n == 1024:
+        return GemmConfig(block_m=64, block_n=128, num_stages=3, num_warps=4, chunk_rows=32,
+                          epilogue_split=1, rs_tma_push=False, flatten=False)
+    return GemmConfig(block_m=128, block_n=128, num_stages=3, num_warps=8, chunk_rows=128,
+                      epilogue_split=1)
+
+
+def _alternating_ce(op, m_total, n, k):  # RS alternates copy-engine and SM pushes
+    return dataclasses.replace(_alternating(op, m_total, n, k), rs_copy_engine=n == 1024)
+
+
+def _alternating_ws(op, m_total, n, k):  # RS alternates the Gluon and the Triton kernel
+    return dataclasses.replace(_alternating(op, m_total, n, k), rs_warp_specialized=n == 1024)
+
+
+def _alternating_forms(op, m_total, n, k):  # both ops alternate the Gluon kernels' forms
+    from megatron_flux.kernels.config import GemmConfig
+
+    cfg = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
+                     chunk_rows=128, epilogue_split=1)
+    if n != 1024:
+        cfg = dataclasses.replace(cfg, block_n=256, num_stages=3, num_warps=8)
+    return dataclasses.replace(cfg, rs_warp_specialized=op == "rs", ag_warp_specialized=op == "ag")
+
+
+#: the back-to-back section's backends, in its order
+ALTERNATING_PROVIDERS = (_alternating, _alternating_ce, _alternating_ws, _alternating_forms)
+
+
 def _stage(rank, t0, name):
     """Rank 0 prints which check section starts, with the seconds since the worker began, to
     stderr (unbuffered under ``pytest -s``): a section that compiles or waits long shows
@@ -271,13 +324,7 @@ def _worker(rank, world, port, env):
                           with_bias=(m_local % 2 == 0))
                 n_checks += 2
     _stage(rank, t0, "bound launches: operands at distinct addresses")
-    from megatron_flux.kernels.config import GemmConfig
-
-    gluon = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
-                       chunk_rows=128, epilogue_split=1, rs_warp_specialized=True,
-                       ag_warp_specialized=True)
-    for provider in (None, lambda op, m, n, k: dataclasses.replace(
-            GemmConfig(), rs_copy_engine=True), lambda op, m, n, k: gluon):
+    for provider in BOUND_LAUNCH_PROVIDERS:
         flux_bound = FluxBackend(config_provider=provider)
         n_checks += _check_bound_launches(flux_bound, group, rank, world, gen)
     _stage(rank, t0, "60 calls with changing shapes")
@@ -287,44 +334,11 @@ def _worker(rank, world, port, env):
         _check_ag(flux, group, rank, world, m_local, k, n, torch.bfloat16, "nk", 2e-2, gen)
         _check_rs(flux, group, rank, world, m_local, k, n, torch.bfloat16, "nk", 2e-2, gen, False)
         n_checks += 2
-    # consecutive calls under different signal layouts (chunks per segment, tiles per
-    # segment): at TP >= 3 a peer may signal the next call while this rank still waits on a
-    # third rank (the workspace keeps the two calls' signals apart by parity)
-
-    def alternating(op, m_total, n, k):  # AG alternates chunk layouts, RS TMA and vector
-        if n == 1024:                    # pushes
-            return GemmConfig(block_m=64, block_n=128, num_stages=3, num_warps=4, chunk_rows=32,
-                              epilogue_split=1, rs_tma_push=False, flatten=False)
-        return GemmConfig(block_m=128, block_n=128, num_stages=3, num_warps=8, chunk_rows=128,
-                          epilogue_split=1)
-
     _stage(rank, t0, "back to back: alternating layouts")
-    flux_alt = FluxBackend(config_provider=alternating)
-    n_checks += _check_back_to_back(flux_alt, group, rank, world, gen)
-    flux_alt.check_errors()
-
-    def alternating_ce(op, m_total, n, k):  # RS alternates copy-engine and SM pushes
-        return dataclasses.replace(alternating(op, m_total, n, k), rs_copy_engine=n == 1024)
-
-    flux_alt_ce = FluxBackend(config_provider=alternating_ce)
-    n_checks += _check_back_to_back(flux_alt_ce, group, rank, world, gen)
-    flux_alt_ce.check_errors()
-
-    def alternating_ws(op, m_total, n, k):  # RS alternates the Gluon and the Triton kernel
-        return dataclasses.replace(alternating(op, m_total, n, k), rs_warp_specialized=n == 1024)
-
-    def alternating_forms(op, m_total, n, k):  # both ops alternate the Gluon kernels' forms
-        cfg = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
-                         chunk_rows=128, epilogue_split=1)
-        if n != 1024:
-            cfg = dataclasses.replace(cfg, block_n=256, num_stages=3, num_warps=8)
-        return dataclasses.replace(cfg, rs_warp_specialized=op == "rs",
-                                   ag_warp_specialized=op == "ag")
-
-    for provider in (alternating_ws, alternating_forms):
-        flux_alt_ws = FluxBackend(config_provider=provider)
-        n_checks += _check_back_to_back(flux_alt_ws, group, rank, world, gen)
-        flux_alt_ws.check_errors()
+    for provider in ALTERNATING_PROVIDERS:
+        flux_alt = FluxBackend(config_provider=provider)
+        n_checks += _check_back_to_back(flux_alt, group, rank, world, gen)
+        flux_alt.check_errors()
     _stage(rank, t0, "gather beside GEMM+RS, column dgrad modes")
     n_checks += _check_gather_beside_rs(flux, group, rank, world, gen)
     # column_regather="nccl": NCCL's asynchronous all-gather beside the fused GEMM+RS grid
