@@ -157,15 +157,15 @@ class SymmetricWorkspace:
         """This rank's signal words of both parities and the last epoch, as one line (what a
         timeout report appends: a peer's word still at an old epoch, or an arrival counter left
         non-zero, tells why a wait ran out). Reads device memory: call it with the device idle."""
+        name = f"{self.op} {str(self.dtype).replace('torch.', '')}"
         if self._buffer is None:
-            return f"{self.op} {str(self.dtype).replace('torch.', '')}: not allocated"
+            return f"{name}: not allocated"
         words = []
         for parity in (0, 1):
             flags = self.flags(self.rank, parity).tolist()
             more = f" +{len(flags) - max_words} more" if len(flags) > max_words else ""
             words.append(f"parity {parity} {flags[:max_words]}{more}")
-        return (f"{self.op} {str(self.dtype).replace('torch.', '')} epoch {self.epoch}: "
-                + ", ".join(words))
+        return f"{name} epoch {self.epoch}: " + ", ".join(words)
 
     def next_epoch(self) -> int:
         """Epoch of the next call (1, 2, ...; int32 signals allow 2**31 - 1 calls per op)."""

@@ -136,8 +136,8 @@ class DeviceResources:
         timeout report appends."""
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return "; ".join(ws.signal_state() for key, ws in sorted(
-            self._workspaces.items(), key=lambda kv: str(kv[0])) if key[2] == device.index)
+        return "; ".join(ws.signal_state() for _, ws in sorted(
+            self._workspaces.items(), key=lambda kv: str(kv[0])) if ws.device == device)
 
     def check_errors(self, sync: bool = True) -> None:
         for word in self._errors.values():
