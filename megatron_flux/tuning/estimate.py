@@ -375,10 +375,12 @@ def wave_aware_config(op: str, points: Iterable[Point], m_total: int, n: int, k:
 
 #: GEMM+RS at these TP sizes, for a shape no table lists, runs the ping-pong Gluon kernel
 #: (:data:`PINGPONG_RS`) from :data:`PINGPONG_MIN_M` rows while the Triton kernel's 128x256
-#: tiles would make fewer than :data:`PINGPONG_MAX_WAVES` waves (:func:`pingpong_rs_config`)
-PINGPONG_RS_TPS = (4,)
+#: tiles would make fewer than :data:`PINGPONG_MAX_WAVES` waves and the per-rank K is below
+#: :data:`PINGPONG_MAX_K` (:func:`pingpong_rs_config`)
+PINGPONG_RS_TPS = (2, 4)
 PINGPONG_MIN_M = 1024
 PINGPONG_MAX_WAVES = 10.0
+PINGPONG_MAX_K = 32768
 #: the ping-pong form of the warp-specialized GEMM+RS (``kernels/gemm_rs_ws.py``): 128x128
 #: tiles on two MMA warpgroups, so one tile's epilogue (the pushes to the owner, or the
 #: reduction of the peers' partials) runs beside the other tile's MMAs; pushes from the SMs
@@ -394,20 +396,25 @@ def pingpong_rs_config(base, m_total: int, n: int, k: int, tp: int, num_sms: int
 
     It applies at TP :data:`PINGPONG_RS_TPS`, from :data:`PINGPONG_MIN_M` rows, while
     ``ceil(m / 128) * ceil(n / 256)`` tiles are fewer than :data:`PINGPONG_MAX_WAVES` waves
-    of ``num_sms``, where the kernel can run the shape (:func:`config_problem`) and ``base`` is
-    not already a warp-specialized or merged-rows config. Why, 4xH200, communication on, A/B
-    against the configs the tables gave (11 interleaved trials with a same-config control,
-    paired medians; ``benchmarks/results/ab-rs-pingpong-h200x4-2026-11-28-*.json``): on four
-    models outside the table (n = 4608-7168, m = 1024-8192) the ping-pong ran 0.55-1.00x the
-    time of the config the rules gave in all 13 cases under 10 waves, and 0.99x and 1.01x in
-    the two above 11; on the grid's entries, tuned without it, 0.91-0.99x in the 9 cases up
-    to 7.8 waves and 1.03-1.06x in the 3 from 11.6 waves, where the wide tile's fewer operand
-    loads per output count more than the overlapped epilogue. TP 2's tables hold the
-    ping-pong where their tunes found it faster (most GEMM+RS entries from m = 2048); TP 8 has
-    not run on GPUs.
+    of ``num_sms`` and the per-rank ``k`` is below :data:`PINGPONG_MAX_K`, where the kernel
+    can run the shape (:func:`config_problem`) and ``base`` is not already a
+    warp-specialized or merged-rows config. Why (A/B against the configs the tables gave, 11
+    interleaved trials with a same-config control, paired medians):
+
+    * 4xH200, TP 4 (``benchmarks/results/ab-rs-pingpong-h200x4-2026-11-28-*.json``): on four
+      models outside the table (n = 4608-7168, m = 1024-8192) the ping-pong ran 0.55-1.00x the
+      time of the config the rules gave in all 13 cases under 10 waves, and 0.99x and 1.01x
+      in the two above 11; on the grid's entries, tuned without it, 0.91-0.99x in the 9 cases
+      up to 7.8 waves and 1.03-1.06x in the 3 from 11.6 waves, where the wide tile's fewer
+      operand loads per output count more than the overlapped epilogue.
+    * 2xH200, TP 2 (``ab-rs-pingpong-h200x2-2026-11-28.json``, six models at m = 1024-4096):
+      at m = 1024, where the tables and the nearest entries gave 128x256 tiles, the ping-pong
+      ran 1.04-1.35x their speed in the four cases at per-rank K = 12288-27392, and 0.84x at
+      K = 36864 (gemma2-27b), where the long main loop favours the wide tile; from m = 2048
+      (and internlm2-20b's m = 1024) the entries already run it.
     """
-    if (tp not in PINGPONG_RS_TPS or m_total < PINGPONG_MIN_M or base.rs_warp_specialized
-            or base.rs_merge_rows):
+    if (tp not in PINGPONG_RS_TPS or m_total < PINGPONG_MIN_M or k >= PINGPONG_MAX_K
+            or base.rs_warp_specialized or base.rs_merge_rows):
         return None
     cfg = dataclasses.replace(base, **PINGPONG_RS)
     if config_problem("rs", cfg, m_total, n, k, tp) is not None:

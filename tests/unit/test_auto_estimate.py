@@ -405,9 +405,14 @@ def test_a_config_transplanted_to_an_unseen_shape_gets_its_stream_k_tail():
     h200 = ("NVIDIA H200", 132)
     own, where = provider.kernel_config("rs", 1024, 5120, 14336, torch.bfloat16, 2, h200)
     assert where == "table (m=1024)" and own.stream_k == 0 and not own.rs_warp_specialized
-    cfg, where = provider.kernel_config("rs", 1024, 5120, 15360, torch.bfloat16, 2, h200)
+    cfg, where = provider.kernel_config("rs", 1024, 5120, 15360, torch.bfloat16, 2, h200,
+                                        wave_aware=False)
     assert where.startswith("nearest entry (n=5120 k=14336 m=1024")
     assert cfg == dataclasses.replace(own, stream_k=1)
+    # with the rules the runtime applies, this shape runs the ping-pong instead
+    cfg, where = provider.kernel_config("rs", 1024, 5120, 15360, torch.bfloat16, 2, h200)
+    assert where.startswith("ping-pong GEMM+RS") and "nearest entry (n=5120 k=14336" in where
+    assert cfg.rs_warp_specialized and cfg.stream_k == 0
     ws = next(e.config for e in schema.load_table(registry.shipped_table_files()[1]).entries
               if e.config.rs_warp_specialized)
     assert E.transplanted(ws) is ws
@@ -493,11 +498,12 @@ def test_kernel_config_applies_the_wave_rule_on_shipped_tables():
 
 
 # ------------------------------------------------------------------ the ping-pong GEMM+RS rule
-def test_pingpong_rule_runs_gemm_rs_under_ten_waves_at_tp4():
-    """A GEMM+RS shape no table lists, at TP 4 from 1024 rows, runs the ping-pong Gluon kernel
-    (SM pushes, no stream-K) while 128x256 tiles make fewer than 10 waves; from 10 waves, at
-    TP 2, below 1024 rows, where its 128-row tiles cannot split the rows per rank, and where
-    the other rules already chose a warp-specialized config, the other rules' config stays."""
+def test_pingpong_rule_runs_gemm_rs_under_ten_waves_at_tp2_and_tp4():
+    """A GEMM+RS shape no table lists, at TP 2 and 4 from 1024 rows, runs the ping-pong Gluon
+    kernel (SM pushes, no stream-K) while 128x256 tiles make fewer than 10 waves and the
+    per-rank K is below 32768; from 10 waves, from that K, at TP 8, below 1024 rows, where its
+    128-row tiles cannot split the rows per rank, and where the other rules already chose a
+    warp-specialized config, the other rules' config stays."""
     wide_ce = dataclasses.replace(WIDE, rs_copy_engine=True)
     near = [P(m, 4096, 7168, 0.87, wide_ce) for m in (1024, 4096, 8192)]
     base = E.transplanted(wide_ce)  # the nearest entry's, its stream-K tail on
@@ -509,7 +515,11 @@ def test_pingpong_rule_runs_gemm_rs_under_ten_waves_at_tp4():
     # 64 x 28 = 1792 tiles of 128x256 are 13.6 waves: the wide tile stays
     assert E.unlisted_config("rs", near, 8192, 7168, 7168, 4, 132, pingpong=True)[0] == base
     assert E.pingpong_rs_config(base, 8192, 6144, 8192, 4, 132) is None  # 11.6 waves
-    assert E.pingpong_rs_config(base, 1024, 5120, 6848, 2, 132) is None  # TP 2
+    assert E.pingpong_rs_config(base, 1024, 5120, 13696, 2, 132) == cfg  # TP 2
+    assert E.pingpong_rs_config(base, 1024, 5120, 27392, 2, 132) == cfg
+    assert E.pingpong_rs_config(base, 1024, 4608, 36864, 2, 132) is None  # long K
+    assert E.pingpong_rs_config(base, 1024, 4608, 32768, 4, 132) is None
+    assert E.pingpong_rs_config(base, 1024, 5120, 6848, 8, 132) is None  # TP 8
     assert E.pingpong_rs_config(base, 512, 5120, 6848, 4, 132) is None  # below 1024 rows
     assert E.pingpong_rs_config(base, 4 * 320, 5120, 6848, 4, 132) is None  # 320 rows per rank
     assert E.pingpong_rs_config(base, 1024, 5120, 256, 4, 132) is None  # 4 K steps < 5 stages

@@ -54,6 +54,9 @@ SHIPPED = {
         # of all ten of its shapes at m = 4096 and 8192 made with the table so extended
         ("add", [R + "tune-h200x2-2026-11-28-train-shapes.json"]),
         ("confirm", [R + "bench-h200x2-2026-11-28-train-shapes.json"]),
+        # the Gluon ping-pong GEMM+RS against six models' entries at m = 1024-4096, where the
+        # A/B timed it faster than their (mostly 128x256) configs
+        ("adopt", [R + "ab-rs-pingpong-h200x2-2026-11-28.json"]),
     ]),
     "h200-sm132-tp4-bf16.json": ("h200", 4, R + "tune-h200x4-2026-11-22.json", [
         ("confirm", R + "bench-h200x4-2026-11-22.json"),

@@ -11,6 +11,7 @@ import pytest
 from megatron_flux.tools import cli
 from megatron_flux.kernels.config import GemmConfig, default_config
 from megatron_flux.tools.tune import search as S
+from megatron_flux.tuning import estimate as E
 from megatron_flux.tools.model_shapes import tokens_per_microbatch, tp_gemms
 from megatron_flux.tools.tune.progress import NullProgress, SimpleProgress, progress
 
@@ -510,7 +511,11 @@ def test_a_tune_starts_from_what_the_shipped_tables_run_untuned():
     assert inc.config != default_config("rs", 4096, 6656, 8960, tp=2)
     assert S.untuned_config("rs", 4096, 4096, 7168, torch.bfloat16, 2, ident).source == "table (m=4096)"
     none = S.untuned_config("rs", 4096, 6656, 8960, torch.bfloat16, 2, ("NVIDIA B200", 148))
-    assert none == S.Incumbent(default_config("rs", 4096, 6656, 8960, tp=2), "default")
+    assert none.source.endswith("(else default)")  # the ping-pong rule, on the default
+    assert none.config == dataclasses.replace(default_config("rs", 4096, 6656, 8960, tp=2),
+                                              **E.PINGPONG_RS)
+    ag = S.untuned_config("ag", 4096, 6656, 8960, torch.bfloat16, 2, ("NVIDIA B200", 148))
+    assert ag == S.Incumbent(default_config("ag", 4096, 6656, 8960, tp=2), "default")
 
 
 def test_a_tune_waits_longer_than_training_but_keeps_a_longer_bound():
