@@ -50,14 +50,34 @@ def nccl_worker(body):
     return worker
 
 
-def run_nccl_world(worker, world, *args, timeout=600):
-    """Run ``worker`` on ``world`` spawned ranks; return the ranks' payloads in arrival order."""
+def run_nccl_world(worker, world, *args, timeout=600, env=None):
+    """Run ``worker`` on ``world`` spawned ranks; return the ranks' payloads in arrival order.
+
+    ``env``: variables the ranks start with, over :data:`NO_MULTICAST_ENV` and Megatron's
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (an empty value unsets one), in their environment from
+    the first instruction: CUDA reads ``CUDA_DEVICE_MAX_CONNECTIONS`` when it initialises,
+    which importing a test module (its skip marks) already does, so :func:`init_rank` setting
+    it would be too late."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
+    env = {**NO_MULTICAST_ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1", **(env or {})}
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        for k, v in env.items():
+            if v == "":
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     results = []
     try:
         for _ in range(world):
