@@ -84,9 +84,11 @@ use_carried_megatron() {  # megatron-core 0.19 from the carried wheel, on PYTHON
     fi
 }
 
-with_connections() {  # with_connections CMD...: CMD under BENCH_CONNECTIONS (default 1)
+with_connections() {  # with_connections CMD...: CMD under BENCH_CONNECTIONS (default 1); with
+    # "unset" the fused backend is allowed several hardware queues (the benchmark runs no other
+    # rank-spanning kernel beside a fused one; docs/design.md, "Known limits")
     if [ "${BENCH_CONNECTIONS:-1}" = unset ]; then
-        env -u CUDA_DEVICE_MAX_CONNECTIONS "$@"
+        env -u CUDA_DEVICE_MAX_CONNECTIONS MEGATRON_FLUX_ALLOW_SEVERAL_QUEUES=1 "$@"
     else
         CUDA_DEVICE_MAX_CONNECTIONS="${BENCH_CONNECTIONS:-1}" "$@"
     fi

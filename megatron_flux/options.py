@@ -36,6 +36,14 @@ field                     environment default                   meaning
                                                                  capture run fused (on
                                                                  workspaces reserved for
                                                                  graphs); 0: they run on NCCL
+``allow_several_queues``  ``MEGATRON_FLUX_ALLOW_SEVERAL_QUEUES``  run fused also where
+                                                                 ``CUDA_DEVICE_MAX_CONNECTIONS
+                                                                 =1`` is not in effect on
+                                                                 every rank (a grid spinning on
+                                                                 its peers can then deadlock
+                                                                 beside another rank-spanning
+                                                                 kernel); 0: such a group runs
+                                                                 NCCL, with one log line
 ========================  ====================================  ==========================
 """
 
@@ -73,6 +81,7 @@ ENV = {
     "host_descriptors": "MEGATRON_FLUX_HOST_DESCRIPTORS",
     "auto_margin": "MEGATRON_FLUX_AUTO_MARGIN",
     "capture": "MEGATRON_FLUX_CAPTURE",
+    "allow_several_queues": "MEGATRON_FLUX_ALLOW_SEVERAL_QUEUES",
 }
 
 
@@ -90,6 +99,7 @@ class FluxOptions:
     host_descriptors: bool = True
     auto_margin: float = 0.02
     capture: bool = True
+    allow_several_queues: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("column_dgrad", self.column_dgrad, COLUMN_DGRAD_CHOICES)
@@ -169,6 +179,7 @@ _PARSE: dict = {
     "host_descriptors": _parse_bool,
     "auto_margin": _parse_float,
     "capture": _parse_bool,
+    "allow_several_queues": _parse_bool,
 }
 
 _LOCK = threading.Lock()

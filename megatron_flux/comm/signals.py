@@ -49,14 +49,19 @@ def wait_signal_on_stream(flags_u32: torch.Tensor, index: int, value: int,
     (unsigned), then go on with the stream's later work (``cuStreamWaitValue32``, GEQ). The word
     must be raised by work that does not itself wait for this stream, or the stream never moves
     again: the fused GEMM+RS raises it from a producer phase that waits for nothing."""
-    fn, why_not = _load_wait_value32()
-    if fn is None:
-        raise RuntimeError(f"megatron-flux: stream wait unavailable: {why_not}")
     if flags_u32.dtype not in (torch.uint32, torch.int32) or not flags_u32.is_cuda:
         raise ValueError("wait_signal_on_stream: flags must be a CUDA int32/uint32 tensor")
     if stream is None:
         stream = torch.cuda.current_stream(flags_u32.device)
-    addr = flags_u32.data_ptr() + 4 * index
+    wait_address_on_stream(flags_u32.data_ptr() + 4 * index, value, stream)
+
+
+def wait_address_on_stream(addr: int, value: int, stream: torch.cuda.Stream) -> None:
+    """:func:`wait_signal_on_stream` on the 32-bit word at ``addr`` (device memory, or pinned
+    host memory, which the host can then release)."""
+    fn, why_not = _load_wait_value32()
+    if fn is None:
+        raise RuntimeError(f"megatron-flux: stream wait unavailable: {why_not}")
     rc = fn(ctypes.c_void_p(stream.cuda_stream), ctypes.c_uint64(addr), ctypes.c_uint32(value),
             _CU_STREAM_WAIT_VALUE_GEQ)
     if rc != 0:

@@ -484,9 +484,36 @@ def test_fused_ops_match_nccl(max_connections):
     if max_connections != "default":
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = max_connections
     else:
-        env["CUDA_DEVICE_MAX_CONNECTIONS"] = ""
-    n_checks = run_nccl_world(_worker, world, env, timeout=600)
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = ""  # unset: several hardware queues
+        if world > 2:  # a group fed through several queues runs NCCL (docs/design.md)
+            assert run_nccl_world(_several_queues_worker, world, env, env=env, timeout=120)
+            return
+        # at TP 2 no wait cycle can close (the only peer's signal needs nothing from this
+        # rank): the fused kernels are checked under several queues too
+        env["MEGATRON_FLUX_ALLOW_SEVERAL_QUEUES"] = "1"
+    n_checks = run_nccl_world(_worker, world, env, env=env, timeout=600)
     assert all(n > 100 for n in n_checks)
+
+
+@nccl_worker
+def _several_queues_worker(rank, world, port, env):
+    """Several hardware queues at TP >= 3: every rank's fused backend refuses the group with the
+    reason naming the variable, and a fused call raises it instead of running."""
+    init_rank(rank, world, port, env)
+    from megatron_flux.backends.flux import FluxBackend
+    from megatron_flux.comm.queues import SEVERAL, hardware_queues
+
+    dev = torch.device("cuda", rank)
+    assert hardware_queues(dev) == SEVERAL
+    flux = FluxBackend()
+    group = torch.distributed.group.WORLD
+    x = torch.randn(256, 512, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(1024, 512, device=dev, dtype=torch.bfloat16)
+    reason = flux.unsupported_reason(x, w.t(), group)
+    assert reason is not None and "CUDA_DEVICE_MAX_CONNECTIONS=1 is not in effect" in reason
+    with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS=1 is not in effect"):
+        flux.all_gather_matmul(x, w.t(), group)
+    return True
 
 
 

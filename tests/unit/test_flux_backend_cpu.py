@@ -393,6 +393,65 @@ def test_every_helper_the_fused_calls_use_resolves():
     assert used and used == provided, (sorted(used - provided), sorted(provided - used))
 
 
+def test_a_group_fed_through_several_hardware_queues_runs_nccl_unless_allowed():
+    """A rank whose context has several hardware queues (CUDA_DEVICE_MAX_CONNECTIONS=1 not in
+    effect) makes the whole group's reason, the same on every rank since each rank's answer is
+    gathered: the persistent grids could deadlock beside another rank-spanning kernel. The
+    option lets it run fused; an answer the probe could not give does not refuse."""
+    from megatron_flux.backends.flux.support import group_reason
+
+    def gather_of(*ranks):
+        def gather(out, mine, group):
+            out[:] = list(ranks)
+        return gather
+
+    dev = torch.device("cuda", 0)
+    asked = []
+    kw = dict(peer_access=lambda i, j: True, queues=lambda device: asked.append(device) or "one")
+    mixed = gather_of(("a", 0, "one"), ("a", 1, "several"), ("a", 2, "one"), ("a", 3, "several"))
+    why = group_reason(_Group(4), dev, gather=mixed, **kw)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1 is not in effect on group rank(s) 1, 3" in why
+    assert "MEGATRON_FLUX_ALLOW_SEVERAL_QUEUES=1" in why and asked == [dev]
+    assert group_reason(_Group(4), dev, gather=mixed, allow_several_queues=True, **kw) is None
+    unknown = gather_of(("a", 0, "one"), ("a", 1, "unknown (asked inside a capture)"))
+    assert group_reason(_Group(2), dev, gather=unknown, **kw) is None
+    # the backend passes its option, and asks again after the option changes
+    import megatron_flux.backends.flux.backend as FB
+    from megatron_flux.options import FluxOptions
+
+    seen = []
+    real = FB.group_reason
+    FB.group_reason = lambda group, device, **k: seen.append(k["allow_several_queues"]) or None
+    try:
+        be = FluxBackend(options=FluxOptions())
+        group = _Group(2)
+        assert be._group_reason(group, dev) is None and be._group_reason(group, dev) is None
+        be.set_options(be.options.replace(allow_several_queues=True))
+        assert be._group_reason(group, dev) is None
+        assert seen == [False, True]
+    finally:
+        FB.group_reason = real
+
+
+def test_hardware_queues_needs_cuda_and_is_asked_once_per_device(monkeypatch):
+    """The probe's answer is cached per device; where the driver's stream wait is missing it
+    says why instead of guessing."""
+    from megatron_flux.comm import queues
+
+    monkeypatch.setattr(queues, "_cache", {})
+    monkeypatch.setattr(queues.torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(queues, "stream_wait_unavailable_reason", lambda: "libcuda has none")
+    probes = []
+    monkeypatch.setattr(queues, "_probe", lambda device: probes.append(device) or "one")
+    assert queues.hardware_queues(torch.device("cuda", 1)) == "unknown (libcuda has none)"
+    monkeypatch.setattr(queues, "_cache", {})
+    monkeypatch.setattr(queues, "stream_wait_unavailable_reason", lambda: None)
+    assert queues.hardware_queues(torch.device("cuda", 1)) == "one"
+    assert queues.hardware_queues(torch.device("cuda", 1)) == "one" and len(probes) == 1
+    monkeypatch.setattr(queues.torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert queues.hardware_queues(torch.device("cuda", 2)).startswith("unknown (asked inside")
+
+
 def test_groups_across_hosts_or_without_peer_access_are_refused_with_a_reason():
     """``auto`` falls back to NCCL (and ``flux`` raises) where symmetric memory cannot map the
     peers: a TP group over several hosts, or a GPU pair without P2P; asked once per group."""
@@ -404,14 +463,15 @@ def test_groups_across_hosts_or_without_peer_access_are_refused_with_a_reason():
         return gather
 
     dev = torch.device("cuda", 0)
-    ok = group_reason(_Group(2), dev, gather=gather_of(("a", 0), ("a", 1)),
-                      peer_access=lambda i, j: True)
+    one = dict(queues=lambda device: "one")
+    ok = group_reason(_Group(2), dev, gather=gather_of(("a", 0, "one"), ("a", 1, "one")),
+                      peer_access=lambda i, j: True, **one)
     assert ok is None
-    hosts = group_reason(_Group(2), dev, gather=gather_of(("a", 0), ("b", 0)),
-                         peer_access=lambda i, j: True)
+    hosts = group_reason(_Group(2), dev, gather=gather_of(("a", 0, "one"), ("b", 0, "one")),
+                         peer_access=lambda i, j: True, **one)
     assert "spans 2 hosts (a, b)" in hosts
-    p2p = group_reason(_Group(2), dev, gather=gather_of(("a", 0), ("a", 1)),
-                       peer_access=lambda i, j: False)
+    p2p = group_reason(_Group(2), dev, gather=gather_of(("a", 0, "one"), ("a", 1, "one")),
+                       peer_access=lambda i, j: False, **one)
     assert "no peer access to GPU 1" in p2p
 
     be = FluxBackend()
@@ -419,7 +479,7 @@ def test_groups_across_hosts_or_without_peer_access_are_refused_with_a_reason():
     import megatron_flux.backends.flux.backend as FB
 
     real = FB.group_reason
-    FB.group_reason = lambda group, device: asked.append(group) or "no P2P"
+    FB.group_reason = lambda group, device, **kw: asked.append(group) or "no P2P"
     real_sig = FB.signature_reason
     FB.signature_reason = lambda a, b, group, capability: None
     try:

@@ -109,6 +109,9 @@ class FluxBackend(TPOverlapBackend):
 
     def set_options(self, options: FluxOptions) -> None:
         """Run with ``options`` from the next call on (workspaces and configs are kept)."""
+        if options.allow_several_queues != self._options.allow_several_queues:
+            self._group_reasons.clear()  # asked again (collectively) at the next call
+            self._reasons.clear()
         self._options = options
         self.resources.set_options(options)
         self._call_plan_cache.clear()
@@ -159,7 +162,8 @@ class FluxBackend(TPOverlapBackend):
         """:func:`~megatron_flux.backends.flux.support.group_reason`, once per group."""
         key = id(group)
         if key not in self._group_reasons:
-            self._group_reasons[key] = group_reason(group, device)
+            self._group_reasons[key] = group_reason(
+                group, device, allow_several_queues=self._options.allow_several_queues)
         return self._group_reasons[key]
 
     def check(self, op: str, a, b, group) -> None:

@@ -42,22 +42,36 @@ def signature_reason(a, b, group, capability) -> Optional[str]:
     return None
 
 
-def group_reason(group, device, *, gather: Callable = dist.all_gather_object,
-                 peer_access: Callable = torch.cuda.can_device_access_peer) -> Optional[str]:
+def group_reason(group, device, *, allow_several_queues: bool = False,
+                 gather: Callable = dist.all_gather_object,
+                 peer_access: Callable = torch.cuda.can_device_access_peer,
+                 queues: Optional[Callable] = None) -> Optional[str]:
     """Why the fused kernels cannot span ``group`` from ``device``: its ranks on more than one
-    host (torch symmetric memory maps peers' memory within a host), or a peer's GPU without
-    peer access from this one; or ``None``. A collective over ``group``: its ranks ask at their
-    first fused call, which they make in the same order (the same shapes, in SPMD)."""
-    here = (socket.gethostname(), device.index)
+    host (torch symmetric memory maps peers' memory within a host), a peer's GPU without peer
+    access from this one, or a rank whose GPU is fed through several hardware queues
+    (:func:`~megatron_flux.comm.queues.hardware_queues`, ``queues`` here; unless
+    ``allow_several_queues``); or ``None``. A collective over ``group``: its ranks ask at their
+    first fused call, which they make in the same order (the same shapes, in SPMD), and all of
+    them get the same answer."""
+    if queues is None:
+        from megatron_flux.comm.queues import hardware_queues as queues
+    here = (socket.gethostname(), device.index, queues(device))
     ranks = [None] * group.size()
     gather(ranks, here, group=group)
-    hosts = sorted({host for host, _ in ranks})
+    hosts = sorted({host for host, _, _ in ranks})
     if len(hosts) > 1:
         return (f"the tensor-parallel group spans {len(hosts)} hosts ({', '.join(hosts)}); "
                 "symmetric memory maps peers' memory within one host")
-    for _, index in ranks:
+    for _, index, _ in ranks:
         if index != device.index and not peer_access(device.index, index):
             return f"GPU {device.index} has no peer access to GPU {index} (P2P)"
+    several = [rank for rank, (_, _, answer) in enumerate(ranks) if answer == "several"]
+    if several and not allow_several_queues:
+        return (f"CUDA_DEVICE_MAX_CONNECTIONS=1 is not in effect on group rank(s) "
+                f"{', '.join(map(str, several))}: with several hardware queues a fused grid "
+                "waiting on its peers can deadlock beside another kernel that waits across "
+                "ranks. Set it before the process starts (setting it after CUDA initialised "
+                "has no effect), or MEGATRON_FLUX_ALLOW_SEVERAL_QUEUES=1 to run fused anyway")
     return None
 
 
