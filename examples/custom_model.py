@@ -23,10 +23,14 @@ import argparse
 import os
 import time
 
-import torch
-import torch.nn.functional as F
+# one hardware queue, as Megatron requires for tensor parallelism on Hopper: set before CUDA
+# initialises (later it has no effect), or the fused backend runs the TP group on NCCL
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
-from megatron_flux import (
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from megatron_flux import (  # noqa: E402
     get_flux_final_norm,
     get_gpt_layer_flux_spec,
     swap_output_layer,

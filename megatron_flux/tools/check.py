@@ -189,8 +189,9 @@ def verdict(info: Dict[str, Any]) -> Dict[str, Any]:
                    "first fused call would fail the same way")
     env = info["env"]
     if env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
-        notes.append("CUDA_DEVICE_MAX_CONNECTIONS is not 1 (Megatron sets it for sequence "
-                     "parallelism; the fused ops work either way)")
+        notes.append("CUDA_DEVICE_MAX_CONNECTIONS is not 1 (Megatron requires it for tensor "
+                     "parallelism on Hopper): set it before the processes start, or a TP group "
+                     "runs NCCL unless MEGATRON_FLUX_ALLOW_SEVERAL_QUEUES=1")
     if env.get("NCCL_NVLS_ENABLE") != "0" or env.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") != "1":
         notes.append("NVLink multicast is not turned off (NCCL_NVLS_ENABLE=0, "
                      "TORCH_SYMM_MEM_DISABLE_MULTICAST=1): harmless where the fabric has none")
