@@ -526,6 +526,7 @@ def test_a_tune_waits_longer_than_training_but_keeps_a_longer_bound():
 
     assert S.TUNE_MAX_SPINS > get_options().max_spins
     assert S.tune_options().max_spins == S.TUNE_MAX_SPINS
+    assert S.tune_options().allow_several_queues  # no other rank-spanning kernel beside it
     set_options(FluxOptions(max_spins=1 << 30))
     try:
         assert S.tune_options().max_spins == 1 << 30

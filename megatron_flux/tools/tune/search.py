@@ -706,11 +706,12 @@ def tune_one(op, n, k, m, model, args, group, rank, tp, device, dtype, flux, hol
 
 def tune_options():
     """The process's fused-backend options with waits of at least :data:`TUNE_MAX_SPINS` polls
-    (a user's longer bound is kept)."""
+    (a user's longer bound is kept), allowed several hardware queues: a tune queues nothing that
+    waits across ranks beside a candidate (docs/design.md, "Known limits")."""
     from megatron_flux.options import get_options
 
     opts = get_options()
-    return opts.replace(max_spins=max(opts.max_spins, TUNE_MAX_SPINS))
+    return opts.replace(max_spins=max(opts.max_spins, TUNE_MAX_SPINS), allow_several_queues=True)
 
 
 def timeout_message(what: str, where: str) -> str:
