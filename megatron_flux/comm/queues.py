@@ -13,9 +13,9 @@ set before the driver initialises: setting it after ``torch.cuda.is_available()`
 
 :func:`hardware_queues` asks the context, not the environment: stream A waits
 (``cuStreamWaitValue32``) on a word in pinned host memory, and a small kernel and an event
-queued after it on stream B are watched for :data:`PROBE_SECONDS`. With one queue the wait at its head holds the
-event; with several the event completes at once. The host then writes the word, so neither
-stream stays held.
+queued after it on stream B are watched for :data:`PROBE_SECONDS`. With one queue the wait at
+its head holds them; with several the event completes at once. The host then writes the word,
+so neither stream stays held.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from megatron_flux.comm.signals import stream_wait_unavailable_reason, wait_address_on_stream
 
-#: how long the probe watches stream B's event (an idle stream's event completes in microseconds)
+#: how long the probe watches stream B (its kernel, not held, completes in microseconds)
 PROBE_SECONDS = 0.1
 
 ONE = "one"
