@@ -35,7 +35,8 @@ class GemmConfig:
     * ``epilogue_split``: store the output tile in 1 or 2 column halves (less shared memory).
     * ``flatten``: ask Triton to flatten the persistent tile loop into the K loop.
     * ``warp_specialize``: Triton's automatic warp specialization (same PTX either way on sm_90a).
-    * ``stream_k``: 1 splits a small partial last wave along K over the grid (:mod:`.stream_k`).
+    * ``stream_k``: 1 splits a small partial last wave along K over the grid (:mod:`.stream_k`;
+      the Gluon GEMM+RS cuts each tail tile into equal K-parts, ``gemm_rs_ws.split_tail_plan``).
 
     AG:
 

@@ -47,6 +47,18 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
   bitwise repeatable (fixed order, no atomics on data); the sum is the same expression as
   :mod:`.gemm_rs`'s, though not necessarily the same bits (another MMA instruction shape).
 
+* **Split tail** (``stream_k=1``, SPLIT_TAIL; :func:`split_tail_plan`): the partial last wave's
+  ``tail`` tiles (own tiles, at the end of the flat order) leave the tile loop and each is cut
+  along K into ``parts`` equal ranges of at least ``num_stages`` K-steps, ``tail * parts`` units
+  at most one per program: program ``u`` runs unit ``u`` (part ``u % parts`` of tail tile
+  ``u // parts``) as its tile after its last, on the ring and partition that tile index gives
+  (one wgmma site: a second one, for the tail, made ptxas serialise every wgmma of the kernel,
+  C7515). A unit's epilogue rounds its part, TMA-stores it into its scratch slot, drains the
+  store and counts in at the tail tile's counter (acq_rel, GPU scope); the last part to arrive
+  resets the counter, waits (bounded) for the peers' signals if its partition has not, and sums
+  the parts in part order, then the peers' partials in rank order, bias once, in 32-row chunks
+  of plain loads and stores. Nobody waits for another program's part. Each part is rounded to
+  the output dtype, as a peer's partial is.
 * **Merged rows** (``rs_merge_rows``, MERGE_ROWS; small m): no steps. The flat tile ``t``
   walks every rank's rows ``[W * m_local, K]`` as one GROUP_M-grouped tile space, so a row tile
   may span owners. Each tile is rounded into the partition's epilogue buffer and stored into
@@ -71,7 +83,7 @@ from typing import Optional
 # (no `from __future__ import annotations`: Triton 3.6 checks an aggregate's attribute types
 # against its class annotations, which that import would turn into strings)
 
-from megatron_flux.kernels import gluon_ws
+from megatron_flux.kernels import gluon_ws, stream_k
 from megatron_flux.kernels.config import interpreting
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
@@ -81,8 +93,9 @@ from megatron_flux.kernels.signals import OP_GEMM_RS, fence_async_proxy, wait_si
 from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step, serpentine
 
 if gluon is not None:
-    from megatron_flux.kernels.gluon_ws import b_operand, load_ab, mma_tile, partition_barrier, \
-        ring_barriers, tiles_of_program, tiles_per_segment, tma_descriptor, tma_load, tma_store
+    from megatron_flux.kernels.gluon_ws import b_operand, load_ab, mma_steps, mma_tile, \
+        partition_barrier, ring_barriers, tiles_of_program, tiles_per_segment, tma_descriptor, \
+        tma_load, tma_store
 
     _OP_GEMM_RS = gl.constexpr(OP_GEMM_RS)
 
@@ -105,12 +118,16 @@ if gluon is not None:
         flag_ptrs: gl.tensor
         bias_ptr: gl.tensor
         err_ptr: gl.tensor
+        parts_ptr: gl.tensor
+        counters_ptr: gl.tensor
         m_local: gl.tensor
         N: gl.tensor
         K: gl.tensor
         rank: gl.tensor
         epoch: gl.tensor
         max_spins: gl.tensor
+        sk_tiles: gl.tensor
+        sk_split: gl.tensor
         WORLD: gl.constexpr
         B_KN: gl.constexpr
         HAS_BIAS: gl.constexpr
@@ -119,13 +136,15 @@ if gluon is not None:
         NUM_PROGRAMS: gl.constexpr
         PARTITIONS: gl.constexpr
         MERGE_ROWS: gl.constexpr
+        SPLIT_TAIL: gl.constexpr
         OWNER_STEPS: gl.constexpr
 
         @gluon.constexpr_function
         def __init__(self, a_desc, b_desc, out_desc, slots_desc, a_bufs, b_bufs, c_bufs, ready,
                      empty, handoff, pload, data_ptr, out_ptr, data_ptrs, flag_ptrs, bias_ptr,
-                     err_ptr, m_local, N, K, rank, epoch, max_spins, WORLD, B_KN, HAS_BIAS,
-                     CE_PUSH, GROUP_M, NUM_PROGRAMS, PARTITIONS, MERGE_ROWS):
+                     err_ptr, parts_ptr, counters_ptr, m_local, N, K, rank, epoch, max_spins,
+                     sk_tiles, sk_split, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M, NUM_PROGRAMS,
+                     PARTITIONS, MERGE_ROWS, SPLIT_TAIL):
             self.a_desc = a_desc
             self.b_desc = b_desc
             self.out_desc = out_desc
@@ -143,12 +162,16 @@ if gluon is not None:
             self.flag_ptrs = flag_ptrs
             self.bias_ptr = bias_ptr
             self.err_ptr = err_ptr
+            self.parts_ptr = parts_ptr
+            self.counters_ptr = counters_ptr
             self.m_local = m_local
             self.N = N
             self.K = K
             self.rank = rank
             self.epoch = epoch
             self.max_spins = max_spins
+            self.sk_tiles = sk_tiles
+            self.sk_split = sk_split
             self.WORLD = gl.constexpr(WORLD)
             self.B_KN = gl.constexpr(B_KN)
             self.HAS_BIAS = gl.constexpr(HAS_BIAS)
@@ -157,6 +180,7 @@ if gluon is not None:
             self.NUM_PROGRAMS = gl.constexpr(NUM_PROGRAMS)
             self.PARTITIONS = gl.constexpr(PARTITIONS)
             self.MERGE_ROWS = gl.constexpr(MERGE_ROWS)
+            self.SPLIT_TAIL = gl.constexpr(SPLIT_TAIL)
             # owners whose signal the grid's last arrival raises: the peers, and with merged
             # rows (whose own partial is pushed to the own slot too) this rank
             self.OWNER_STEPS = gl.constexpr(WORLD if MERGE_ROWS else WORLD - 1)
@@ -165,9 +189,13 @@ if gluon is not None:
     def _tile(p, j):
         """This program's ``j``-th tile: ``(step, seg, a_row, off_m, off_n)`` (``off_m`` inside
         the segment, ``a_row`` in A)."""
+        return _flat_tile(p, gl.program_id(0) + j * p.NUM_PROGRAMS)
+
+    @gluon.jit
+    def _flat_tile(p, t):
+        """Flat tile ``t``'s ``(step, seg, a_row, off_m, off_n)``."""
         BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
-        t = gl.program_id(0) + j * p.NUM_PROGRAMS
         if p.MERGE_ROWS:  # one tile space over every rank's rows; off_m = a_row is global
             pid_m, pid_n = grouped_tile(t, gl.cdiv(p.WORLD * p.m_local, BLOCK_M),
                                         gl.cdiv(p.N, BLOCK_N), p.GROUP_M)
@@ -192,10 +220,30 @@ if gluon is not None:
         if p.MERGE_ROWS:
             n = tiles_of_program(gl.cdiv(p.WORLD * p.m_local, BLOCK_M) * gl.cdiv(p.N, BLOCK_N), 1,
                                  p.NUM_PROGRAMS)
+        elif p.SPLIT_TAIL:  # the whole tiles before the split tail
+            dp_end = p.WORLD * tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N) - p.sk_tiles
+            n = gl.cdiv(dp_end - gl.program_id(0), p.NUM_PROGRAMS)
         else:
             n = tiles_of_program(tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N), p.WORLD,
                                  p.NUM_PROGRAMS)
         return n
+
+    @gluon.jit
+    def _tail_unit(p):
+        """SPLIT_TAIL: this program's part of the split tail, ``(has one, flat tile, part,
+        first K-step, K-steps)``: unit ``u = program`` (there are ``sk_tiles * sk_split <=
+        NUM_PROGRAMS`` units) is part ``u % sk_split`` of tail tile ``u // sk_split``, an
+        equal share of the K-steps."""
+        BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
+        BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
+        k_tiles = gl.cdiv(p.K, BLOCK_K)
+        u = gl.program_id(0)
+        dp_end = p.WORLD * tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N) - p.sk_tiles
+        part = u % p.sk_split
+        k0 = part * k_tiles // p.sk_split
+        k1 = (part + 1) * k_tiles // p.sk_split
+        return u < p.sk_tiles * p.sk_split, dp_end + u // p.sk_split, part, k0, k1 - k0
 
     @gluon.jit
     def _load_partition(p):
@@ -208,6 +256,14 @@ if gluon is not None:
                 load_ab(p.a_desc, a_row, p.b_desc, off_n, p.a_bufs, p.b_bufs, p.ready, p.empty,
                         pos, kk, p.B_KN)
                 pos += 1
+        if p.SPLIT_TAIL:
+            has_unit, t, part, k0, steps = _tail_unit(p)
+            if has_unit:
+                step, seg, a_row, off_m, off_n = _flat_tile(p, t)
+                for kk in range(steps):
+                    load_ab(p.a_desc, a_row, p.b_desc, off_n, p.a_bufs, p.b_bufs, p.ready,
+                            p.empty, pos, k0 + kk, p.B_KN)
+                    pos += 1
 
     @gluon.jit
     def _arrive(p, layout: gl.constexpr):
@@ -350,78 +406,202 @@ if gluon is not None:
         arrived = 0
         waited = 0
         nload = 0
-        for j in range(C, _num_tiles(p), p.PARTITIONS):
-            step, seg, a_row, off_m, off_n = _tile(p, j)
+        n_tiles = _num_tiles(p)
+        n_work = n_tiles
+        if p.SPLIT_TAIL:  # the program's part of the split tail, as its tile after the last
+            n_work = n_tiles + _tail_unit(p)[0].to(gl.int32)
+        for j in range(C, n_work, p.PARTITIONS):
+            steps = k_tiles
+            if p.SPLIT_TAIL:
+                has_unit, unit_t, part, k0, unit_steps = _tail_unit(p)
+                if j == n_tiles:
+                    step, seg, a_row, off_m, off_n = _flat_tile(p, unit_t)
+                    steps = unit_steps
+                else:
+                    step, seg, a_row, off_m, off_n = _tile(p, j)
+            else:
+                step, seg, a_row, off_m, off_n = _tile(p, j)
             own = step == p.WORLD - 1
             if own and arrived == 0:
                 _arrive(p, one_layout)
                 arrived = 1
             prefetched = 0
-            if own and waited == 1:
+            if own and waited == 1 and j < n_tiles:  # (not the split tail's part)
                 # the peers' signals were acquired at an earlier own tile: load the first peer's
                 # partial into the epilogue buffer now, beside this tile's MMAs
                 tma.store_wait(0)
                 mbarrier.expect(p.pload.index(C), nbytes)
                 tma_load(p.slots_desc, [src0 * p.m_local + off_m, off_n], p.pload.index(C), c_buf)
                 prefetched = 1
-            acc = mma_tile(p.a_bufs, p.b_bufs, p.ready, p.empty, p.handoff, j, k_tiles, C,
-                           p.PARTITIONS, p.B_KN, BLOCK_M, BLOCK_N, acc_layout)
-            if own:
-                if waited == 0:
-                    my_flags = gl.load(p.flag_ptrs + p.rank).to(gl.pointer_type(gl.int32))
-                    for src in range(p.WORLD):
-                        if src != p.rank:
-                            wait_signal(my_flags + src, p.epoch, p.max_spins, p.err_ptr, _OP_GEMM_RS,
-                                        p.rank, src)
-                    fence_async_proxy(p.epoch, True)  # the TMA reads below follow the acquire
-                    waited = 1
-                for src in gl.static_range(p.WORLD):  # rank order; the own partial is acc
-                    if src != p.rank:
-                        if (prefetched == 0) | (src != src0):
-                            tma.store_wait(0)
-                            mbarrier.expect(p.pload.index(C), nbytes)
-                            tma_load(p.slots_desc, [src * p.m_local + off_m, off_n],
-                                      p.pload.index(C), c_buf)
-                        mbarrier.wait(p.pload.index(C), nload & 1)
-                        nload += 1
-                        acc += c_buf.load(acc_layout).to(gl.float32)
-                        partition_barrier()  # every thread has read the buffer before reuse
-                        fence_async_shared()
-                if p.HAS_BIAS:
-                    cols = off_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, acc_layout))
-                    acc += gl.load(p.bias_ptr + cols, mask=cols < p.N, other=0.0).to(gl.float32)[None, :]
-                tma.store_wait(0)
-                c_buf.store(acc.to(dtype))
-                fence_async_shared()
-                tma_store(p.out_desc, [off_m, off_n], c_buf)
-            else:
-                tma.store_wait(0)
-                c_buf.store(acc.to(dtype))
-                fence_async_shared()
-                if p.WORLD == 2:
-                    tma_store(push0, [off_m, off_n], c_buf)
+            acc = mma_steps(p.a_bufs, p.b_bufs, p.ready, p.empty, p.handoff, j, j * k_tiles, steps,
+                            C, p.PARTITIONS, p.B_KN, BLOCK_M, BLOCK_N, acc_layout)
+            if p.SPLIT_TAIL:
+                if j == n_tiles:
+                    tile_index = _tail_unit(p)[1] - (
+                        p.WORLD * tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N) - p.sk_tiles)
+                    if _publish_part(p, acc, gl.program_id(0), tile_index, c_buf, one_layout):
+                        _finish_split_tile(p, tile_index, off_m, off_n, waited)
+                elif own:
+                    waited, nload = _reduce_own(p, acc, off_m, off_n, c_buf, C, src0, prefetched,
+                                                waited, nload, acc_layout)
                 else:
-                    dst = gl.load(p.data_ptrs + seg).to(gl.pointer_type(dtype)) + slot
-                    push = tma.make_tensor_descriptor(dst, [p.m_local, p.N], [p.N, 1],
-                                                      [BLOCK_M, BLOCK_N], p.out_desc.layout)
-                    tma_store(push, [off_m, off_n], c_buf)
+                    _push_partial(p, acc, seg, off_m, off_n, c_buf, push0, slot)
+            else:
+                if own:
+                    waited, nload = _reduce_own(p, acc, off_m, off_n, c_buf, C, src0, prefetched,
+                                                waited, nload, acc_layout)
+                else:
+                    _push_partial(p, acc, seg, off_m, off_n, c_buf, push0, slot)
         if arrived == 0:  # no own tile: count in anyway
             _arrive(p, one_layout)
         tma.store_wait(0)
 
     @gluon.jit
+    def _push_partial(p, acc, seg, off_m, off_n, c_buf, push0, slot):
+        """A producer tile's epilogue: round, TMA-store into owner ``seg``'s slot ``rank``."""
+        BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
+        dtype: gl.constexpr = p.out_desc.dtype
+        tma.store_wait(0)
+        c_buf.store(acc.to(dtype))
+        fence_async_shared()
+        if p.WORLD == 2:
+            tma_store(push0, [off_m, off_n], c_buf)
+        else:
+            dst = gl.load(p.data_ptrs + seg).to(gl.pointer_type(dtype)) + slot
+            push = tma.make_tensor_descriptor(dst, [p.m_local, p.N], [p.N, 1],
+                                              [BLOCK_M, BLOCK_N], p.out_desc.layout)
+            tma_store(push, [off_m, off_n], c_buf)
+
+    @gluon.jit
+    def _reduce_own(p, acc, off_m, off_n, c_buf, C: gl.constexpr, src0, prefetched, waited, nload,
+                    acc_layout: gl.constexpr):
+        """The reduction epilogue of an own tile: at the partition's first, wait (bounded) for
+        every peer's signal; then each peer's partial tile TMA-loaded into ``c_buf`` (the first
+        peer's already, when ``prefetched``) and added in rank order, bias once, the sum stored
+        to ``out``. Returns ``(waited, nload)``."""
+        BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
+        dtype: gl.constexpr = p.out_desc.dtype
+        nbytes: gl.constexpr = p.slots_desc.block_type.nbytes
+        if waited == 0:
+            my_flags = gl.load(p.flag_ptrs + p.rank).to(gl.pointer_type(gl.int32))
+            for src in range(p.WORLD):
+                if src != p.rank:
+                    wait_signal(my_flags + src, p.epoch, p.max_spins, p.err_ptr, _OP_GEMM_RS,
+                                p.rank, src)
+            fence_async_proxy(p.epoch, True)  # the TMA reads below follow the acquire
+            waited = 1
+        for src in gl.static_range(p.WORLD):  # rank order; the own partial is acc
+            if src != p.rank:
+                if (prefetched == 0) | (src != src0):
+                    tma.store_wait(0)
+                    mbarrier.expect(p.pload.index(C), nbytes)
+                    tma_load(p.slots_desc, [src * p.m_local + off_m, off_n], p.pload.index(C),
+                             c_buf)
+                mbarrier.wait(p.pload.index(C), nload & 1)
+                nload += 1
+                acc += c_buf.load(acc_layout).to(gl.float32)
+                partition_barrier()  # every thread has read the buffer before reuse
+                fence_async_shared()
+        if p.HAS_BIAS:
+            cols = off_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, acc_layout))
+            acc += gl.load(p.bias_ptr + cols, mask=cols < p.N, other=0.0).to(gl.float32)[None, :]
+        tma.store_wait(0)
+        c_buf.store(acc.to(dtype))
+        fence_async_shared()
+        tma_store(p.out_desc, [off_m, off_n], c_buf)
+        return waited, nload
+
+    @gluon.jit
+    def _publish_part(p, acc, unit, tile_index, c_buf, one_layout: gl.constexpr):
+        """Round this unit's part of a split tail tile to the output dtype (as a peer's partial
+        is) and TMA-store it into its scratch slot, drained (complete, not merely read out of
+        shared memory) and ordered before the count; then count it in at the tile's counter
+        (acq_rel, GPU scope, after every thread of the partition). True for the tile's last
+        part, which then owns the tile and has reset the counter for the next launch. The one
+        thread that ran the atomics writes the answer to the unit's word after the tile
+        counters, and every thread reads it back (only that thread holds the atomic's
+        result)."""
+        BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
+        dtype: gl.constexpr = p.out_desc.dtype
+        tma.store_wait(0)
+        c_buf.store(acc.to(dtype))
+        fence_async_shared()
+        parts = p.parts_ptr.to(gl.pointer_type(dtype), bitcast=True)
+        desc = tma.make_tensor_descriptor(parts, [p.sk_tiles * p.sk_split * BLOCK_M, BLOCK_N],
+                                          [BLOCK_N, 1], [BLOCK_M, BLOCK_N], p.out_desc.layout)
+        tma_store(desc, [unit * BLOCK_M, 0], c_buf)
+        zero = gl.arange(0, 1, one_layout)
+        gl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, $1;",
+            "=r,r", [zero], dtype=gl.int32, is_pure=False, pack=1)
+        partition_barrier()
+        counter = p.counters_ptr + tile_index + zero
+        seen = gl.atomic_add(counter, 1 + zero, sem="acq_rel", scope="gpu")
+        last = seen == p.sk_split - 1
+        gl.atomic_xchg(counter, zero, mask=last, sem="relaxed", scope="gpu")
+        word = p.counters_ptr + p.sk_tiles + unit + zero
+        gl.store(word, last.to(gl.int32))
+        partition_barrier()
+        return gl.max(gl.load(word, volatile=True), axis=0) > 0
+
+    @gluon.jit
+    def _finish_split_tile(p, tile_index, off_m, off_n, waited):
+        """The last part of split tail tile ``tile_index`` to arrive: wait (bounded) for every
+        peer's signal unless this partition has, then per ``32 x BLOCK_N`` chunk the tile's
+        ``sk_split`` parts summed in fp32 in part order (fixed, so launches are bitwise
+        repeatable), the peers' partials added in rank order, bias once, stored to ``out``.
+        Plain loads and stores in a small blocked layout: few registers beside the
+        accumulators."""
+        BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
+        RED_M: gl.constexpr = 32
+        dtype: gl.constexpr = p.out_desc.dtype
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8 // p.PARTITIONS, 1], [1, 0])
+        if waited == 0:
+            my_flags = gl.load(p.flag_ptrs + p.rank).to(gl.pointer_type(gl.int32))
+            for src in range(p.WORLD):
+                if src != p.rank:
+                    wait_signal(my_flags + src, p.epoch, p.max_spins, p.err_ptr, _OP_GEMM_RS,
+                                p.rank, src)
+        parts = p.parts_ptr.to(gl.pointer_type(dtype), bitcast=True)
+        first = (tile_index * p.sk_split).to(gl.int64) * (BLOCK_M * BLOCK_N)
+        for r0 in range(0, BLOCK_M, RED_M):
+            r = r0 + gl.arange(0, RED_M, gl.SliceLayout(1, layout))
+            c = gl.arange(0, BLOCK_N, gl.SliceLayout(0, layout))
+            part = r[:, None] * BLOCK_N + c[None, :]
+            rows = off_m + r
+            cols = off_n + c
+            mask = (rows[:, None] < p.m_local) & (cols[None, :] < p.N)
+            acc = gl.zeros([RED_M, BLOCK_N], gl.float32, layout)
+            for q in range(p.sk_split):
+                acc += gl.load(parts + first + q * (BLOCK_M * BLOCK_N) + part,
+                               cache_modifier=".cg").to(gl.float32)
+            offs = rows.to(gl.int64)[:, None] * p.N + cols[None, :]
+            for src in gl.static_range(p.WORLD):  # rank order; the own partial is the parts' sum
+                if src != p.rank:
+                    acc += gl.load(p.data_ptr + (p.m_local * src).to(gl.int64) * p.N + offs,
+                                   mask=mask, other=0.0).to(gl.float32)
+            if p.HAS_BIAS:
+                acc += gl.load(p.bias_ptr + cols, mask=cols < p.N, other=0.0).to(gl.float32)[None, :]
+            gl.store(p.out_ptr + offs, acc.to(dtype), mask=mask)
+
+    @gluon.jit
     def _mma_partition_1(p):
         _mma_partition(p, 1)
 
-    @gluon.jit(do_not_specialize=["rank", "epoch", "max_spins"])
+    @gluon.jit(do_not_specialize=["rank", "epoch", "max_spins", "sk_tiles", "sk_split"])
     def gemm_rs_ws_kernel(a_ptr, b_ptr, out_ptr, data_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr,
-                          a_hd, b_hd, out_hd, slots_hd,
-                          m_local, N, K, ldb, rank, epoch, max_spins, WORLD: gl.constexpr,
+                          parts_ptr, counters_ptr, a_hd, b_hd, out_hd, slots_hd,
+                          m_local, N, K, ldb, rank, epoch, max_spins, sk_tiles, sk_split,
+                          WORLD: gl.constexpr,
                           B_KN: gl.constexpr, HAS_BIAS: gl.constexpr, CE_PUSH: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                           PARTITIONS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          MERGE_ROWS: gl.constexpr = False, HOST_DESC: gl.constexpr = False):
+                          MERGE_ROWS: gl.constexpr = False, HOST_DESC: gl.constexpr = False,
+                          SPLIT_TAIL: gl.constexpr = False):
         """``a`` ``[WORLD * m_local, K]``; ``b`` ``[K, N]`` row-major (B_KN) or a transposed
         row-major ``[N, K]`` (leading stride ``ldb``); ``out`` ``[m_local, N]``; ``data_ptr``
         this rank's ``[WORLD, m_local, N]`` slot region of this call's parity; ``data_ptrs`` /
@@ -431,7 +611,10 @@ if gluon is not None:
         the device, or with HOST_DESC are ``a_hd`` / ``b_hd`` / ``out_hd`` / ``slots_hd``,
         encoded on the host with the same views and layouts (:func:`_host_descriptors`; the
         peers' push descriptors stay device-built). MERGE_ROWS: one tile space over every
-        rank's rows, pushed by owner, then the spread reduction (:func:`_merged_mma_partition`)."""
+        rank's rows, pushed by owner, then the spread reduction (:func:`_merged_mma_partition`).
+        SPLIT_TAIL: the last ``sk_tiles`` flat tiles (own ones) are split along K in
+        ``sk_split`` parts, one per program, their fp32 parts summed through ``parts_ptr`` /
+        ``counters_ptr`` (:func:`split_tail_plan`); without it those are unused."""
         dtype: gl.constexpr = a_ptr.dtype.element_ty
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
@@ -453,8 +636,9 @@ if gluon is not None:
             mbarrier.init(pload.index(i), count=1)
         p = _Args(a_desc, b_desc, out_desc, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty,
                   handoff, pload, data_ptr, out_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr,
-                  m_local, N, K, rank, epoch, max_spins, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M,
-                  NUM_PROGRAMS, PARTITIONS, MERGE_ROWS)
+                  parts_ptr, counters_ptr, m_local, N, K, rank, epoch, max_spins, sk_tiles,
+                  sk_split, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M, NUM_PROGRAMS, PARTITIONS,
+                  MERGE_ROWS, SPLIT_TAIL)
         if PARTITIONS == 2:
             gl.warp_specialize([(_mma_partition, (p, 0)), (_mma_partition_1, (p, )),
                                 (_load_partition, (p, ))], [4, 1], [CONSUMER_REGS, 24])
@@ -502,15 +686,44 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
     host_desc = bool(host_descriptors)
     descs = (_host_descriptors(a, b, out, data, world, m_local, n, k, ldb, b_kn, cfg)
              if host_desc else (err, err, err, err))  # unused without HOST_DESC
+    sk_tiles, sk_split = (0, 1) if cfg.rs_merge_rows or not cfg.stream_k else split_tail_plan(
+        world, m_local, n, k, cfg, grid)
+    parts = counters = err  # never touched without a split tail
+    if sk_split > 1:
+        scratch = stream_k.stream_k_scratch(a.device, grid, cfg.block_m, cfg.block_n)
+        parts, counters = scratch.partials, scratch.counters
     ensure_descriptor_allocator()
     _LAUNCH(grid, (a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
-                   *descs, m_local, n, k, ldb, rank, epoch, max_spins),
+                   parts, counters, *descs, m_local, n, k, ldb, rank, epoch, max_spins, sk_tiles,
+                   sk_split),
             dict(HOST_DESC=host_desc, WORLD=world, B_KN=b_kn, HAS_BIAS=bias is not None,
                  CE_PUSH=cfg.rs_copy_engine, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                  BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
                  NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg),
-                 CONSUMER_REGS=CONSUMER_REGS, MERGE_ROWS=cfg.rs_merge_rows),
+                 CONSUMER_REGS=CONSUMER_REGS, MERGE_ROWS=cfg.rs_merge_rows,
+                 SPLIT_TAIL=sk_split > 1),
             num_stages=None, direct=direct, **gluon_ws.launch_options(cfg))
+
+
+#: at most this many K-parts per split tail tile
+MAX_TAIL_SPLIT = 8
+
+
+def split_tail_plan(world: int, m_local: int, n: int, k: int, cfg, grid: int):
+    """``(tail tiles, parts)`` of a launch with ``stream_k`` on, or ``(0, 1)`` for none: the
+    partial last wave's ``T % grid`` tiles (``T = world * tiles per segment``), when they lie in
+    the own segment, each split along K into as many equal parts as fit one per program
+    (``tail * parts <= grid``), each of at least ``num_stages`` K-steps (the ping-pong ring
+    protocol needs that), at most :data:`MAX_TAIL_SPLIT`; fewer than two parts (a tail over
+    half the grid): no split."""
+    tiles_per_segment = -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
+    total = world * tiles_per_segment
+    tail = total % grid if total > grid else 0
+    if not tail or tail > tiles_per_segment:
+        return 0, 1
+    k_tiles = -(-k // cfg.block_k)
+    parts = min(grid // tail, k_tiles // cfg.num_stages, MAX_TAIL_SPLIT)
+    return (tail, parts) if parts >= 2 else (0, 1)
 
 
 _LAUNCH = KernelLauncher(gemm_rs_ws_kernel) if gemm_rs_ws_kernel is not None else None

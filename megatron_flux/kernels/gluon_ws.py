@@ -72,7 +72,17 @@ if gluon is not None:
     def mma_tile(a_bufs, b_bufs, ready, empty, handoff, j, k_tiles, C: gl.constexpr,
                  PARTITIONS: gl.constexpr, B_KN: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, acc_layout: gl.constexpr):
-        """MMA partition ``C``'s tile ``j`` (the program's ``j``-th): in ping-pong
+        """MMA partition ``C``'s tile ``j`` (the program's ``j``-th, every tile ``k_tiles``
+        K-steps): :func:`mma_steps` from ring position ``j * k_tiles``."""
+        return mma_steps(a_bufs, b_bufs, ready, empty, handoff, j, j * k_tiles, k_tiles, C,
+                         PARTITIONS, B_KN, BLOCK_M, BLOCK_N, acc_layout)
+
+    @gluon.jit
+    def mma_steps(a_bufs, b_bufs, ready, empty, handoff, j, pos0, n_steps, C: gl.constexpr,
+                  PARTITIONS: gl.constexpr, B_KN: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, acc_layout: gl.constexpr):
+        """MMA partition ``C``'s tile ``j`` (the program's ``j``-th), ``n_steps`` K-steps from
+        ring position ``pos0`` (at least ``STAGES`` of them in ping-pong): in ping-pong
         (``PARTITIONS == 2``) first wait until the other partition's tile ``j - 1`` has all its
         slots; then per K-step wait ``ready``, issue an async ``wgmma``, keep one in flight and
         release the previous step's slot; returns the fp32 accumulator, every slot released."""
@@ -82,13 +92,13 @@ if gluon is not None:
             mbarrier.wait(handoff.index(C), ((j - 2 + C) // 2) & 1, pred=j > 0)
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
         prev = 0
-        for kk in range(k_tiles):
-            pos = j * k_tiles + kk
+        for kk in range(n_steps):
+            pos = pos0 + kk
             s = pos % STAGES
             mbarrier.wait(ready.index(s), (pos // STAGES) & 1)
             if PARTITIONS == 2:
                 # the tile's last slot has landed: the other partition may start its next tile
-                mbarrier.arrive(handoff.index(1 - C), count=1, pred=kk == k_tiles - 1)
+                mbarrier.arrive(handoff.index(1 - C), count=1, pred=kk == n_steps - 1)
             a_s = a_bufs.index(s)
             if B_KN:
                 b_s = b_bufs.index(s)

@@ -5,6 +5,8 @@ where only one GPU is lent, and cover what the CPU interpreter cannot see: the c
 kernels' flattened and warp-specialized loops, TMA clipping of ragged tiles, and bitwise
 repeatability."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -292,6 +294,65 @@ def test_gemm_rs_ws_bias_layouts_and_signals(world, b_kn, dtype, copy_engine, fo
         pushed_ref = full[s * m_local:(s + 1) * m_local]
         rel_p = float((pushed[s].float() - pushed_ref).norm() / pushed_ref.norm())
         assert rel_p < 1e-2, (s, rel_p)
+
+
+# (world, m_local, n, k, num_sms): a partial last wave of own tiles, split along K
+_SPLIT_TAIL_CASES = {
+    "pingpong": [(2, 512, 384, 640, 11), (4, 256, 1152, 2048, 33), (2, 384, 1024, 1024, 44)],
+    "coop": [(2, 512, 384, 640, 7), (4, 256, 1280, 2048, 12)],
+}
+
+
+@pytest.mark.parametrize("form, case", [(f, c) for f, cases in _SPLIT_TAIL_CASES.items()
+                                        for c in cases],
+                         ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v)))
+def test_gemm_rs_ws_split_tail(form, case):
+    """The warp-specialized GEMM+RS with ``stream_k=1``: the partial last wave's own tiles split
+    along K into equal parts, one per program, summed in part order by the last part to arrive,
+    then reduced with the peers' slots. Rank 0 of ``world`` on one GPU against fp32 math and
+    against the same config unsplit; the split happened (``split_tail_plan``); repeated
+    launches bitwise identical; every tile counter back at zero; the producer tiles pushed."""
+    import warnings
+
+    from megatron_flux.kernels import stream_k
+    from megatron_flux.kernels.config import GemmConfig
+    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+    from megatron_flux.kernels.gemm_rs_ws import split_tail_plan
+
+    world, m_local, n, k, num_sms = case
+    dtype = torch.bfloat16
+    a, w, bias, out, data, pushed, flags, data_ptrs, flag_ptrs, err = _rank0_rs_wiring(
+        world, m_local, n, k, dtype, seed=11)
+    b = w.t()
+    cfg = GemmConfig(**WS_FORMS[form], num_stages=3, epilogue_split=1, rs_warp_specialized=True,
+                     stream_k=1)
+    tiles = world * -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
+    tail, parts = split_tail_plan(world, m_local, n, k, cfg, min(num_sms, tiles))
+    assert tail > 0 and parts >= 2 and tail * parts <= num_sms, (tail, parts)
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the Triton kernel would warn
+        for epoch, c in ((1, cfg), (2, cfg), (3, dataclasses.replace(cfg, stream_k=0))):
+            out.fill_(float("nan"))
+            pushed.fill_(float("nan"))
+            launch_gemm_rs(a, b, out, data, data_ptrs, flag_ptrs, bias, err, rank=0, world=world,
+                           epoch=epoch, cfg=c, num_sms=num_sms, max_spins=1 << 20)
+            torch.cuda.synchronize()
+            results.append(out.clone())
+            assert int(err[0]) == 0 and int(flags[world]) == 0
+    scratch = stream_k.current_scratch(a.device)
+    assert scratch is not None and int(scratch.counters[:tail].abs().sum()) == 0
+    full = a.float() @ w.t().float()
+    ref = full[:m_local] + data[1:].float().sum(0) + bias.float()
+    rel = float((results[0].float() - ref).norm() / ref.norm())
+    assert rel < 1e-2, rel
+    assert torch.equal(results[0], results[1]), "repeated split-tail launches differ"
+    unsplit = float((results[0].float() - results[2].float()).norm() / results[2].float().norm())
+    assert unsplit < 1e-2, unsplit
+    for s_ in range(1, world):
+        pushed_ref = full[s_ * m_local:(s_ + 1) * m_local]
+        rel_p = float((pushed[s_].float() - pushed_ref).norm() / pushed_ref.norm())
+        assert rel_p < 1e-2, (s_, rel_p)
 
 
 @pytest.mark.parametrize("world", [2, 4])
