@@ -52,8 +52,8 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
   along K into ``parts`` equal ranges of at least ``num_stages`` K-steps, ``tail * parts`` units
   at most one per program: program ``u`` runs unit ``u`` (part ``u % parts`` of tail tile
   ``u // parts``) as its tile after its last, on the ring and partition that tile index gives
-  (one wgmma site: a second one, for the tail, made ptxas serialise every wgmma of the kernel,
-  C7515). A unit's epilogue rounds its part, TMA-stores it into its scratch slot, drains the
+  (one wgmma site: running the tail after the tile loop, through a second one, made ptxas
+  serialise every wgmma of the kernel, C7515; ``test_kernels_compile.py`` checks). A unit's epilogue rounds its part, TMA-stores it into its scratch slot, drains the
   store and counts in at the tail tile's counter (acq_rel, GPU scope); the last part to arrive
   resets the counter, waits (bounded) for the peers' signals if its partition has not, and sums
   the parts in part order, then the peers' partials in rank order, bias once, in 32-row chunks

@@ -200,6 +200,56 @@ def test_gemm_rs_ws_compiles_for_hopper_within_its_shared_memory_bound(world):
             (kernel.metadata.shared, W.smem_bytes(cfg))
 
 
+@pytest.mark.parametrize("tile", [_PINGPONG5, _COOP], ids=["pingpong", "coop"])
+def test_gemm_rs_ws_split_tail_compiles_without_serialised_wgmma(tile):
+    """The warp-specialized GEMM+RS with its split tail (SPLIT_TAIL) builds for sm_90 within its
+    shared-memory bound, and ptxas pipelines its wgmma: a form that ran the tail after the tile
+    loop, through a second wgmma site, made ptxas serialise every wgmma of the kernel (warning
+    C7515), and the kernel ran 2x slower on an H200 (this test fails on that form). Skipped
+    without a ptxas that takes sm_90a."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    from megatron_flux.kernels import gemm_rs_ws as W
+    from megatron_flux.kernels.config import GemmConfig
+
+    if W.gemm_rs_ws_kernel is None:
+        pytest.skip(W.GLUON_ERROR)
+    cfg = GemmConfig(*tile, rs_warp_specialized=True, stream_k=1)
+    consts = dict(WORLD=4, B_KN=False, HAS_BIAS=True, CE_PUSH=False,
+                  CONSUMER_REGS=W.CONSUMER_REGS, MERGE_ROWS=False, SPLIT_TAIL=True)
+    kernel = _compile_gluon(W.gemm_rs_ws_kernel, cfg, consts,
+                            {"data_ptrs": "*i64", "flag_ptrs": "*i64", "err_ptr": "*i32",
+                             "parts_ptr": "*fp32", "counters_ptr": "*i32"}, "bf16")
+    assert kernel.metadata.shared <= W.smem_bytes(cfg) <= _HOPPER_SMEM
+    import triton.backends.nvidia as nvidia
+
+    ptxas = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("no ptxas in this Triton")
+    def assemble(ptx):
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "k.ptx"), "w") as f:
+                f.write(ptx)
+            return subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"),
+                                   "-o", os.path.join(tmp, "k.cubin")], capture_output=True,
+                                  text=True)
+
+    ptx = kernel.asm["ptx"]
+    done = assemble(ptx)
+    older = re.search(r"Unsupported \.version [\d.]+; current version is '([\d.]+)'", done.stderr)
+    if done.returncode != 0 and older:  # a ptxas older than this Triton's PTX: the kernel uses
+        # nothing newer than sm_90a's instructions, so the lower version assembles it the same
+        done = assemble(re.sub(r"^\.version \d+\.\d+", f".version {older.group(1)}", ptx,
+                               flags=re.M))
+    if done.returncode != 0 and re.search(r"not supported|Unsupported", done.stderr):
+        pytest.skip(f"this ptxas does not take the PTX: {done.stderr[-200:]}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "C7515" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_ag_gemm_ws_compiles_for_hopper_within_its_shared_memory_bound(world):
     """The warp-specialized Gluon AG+GEMM builds for sm_90 (both B layouts, bf16 and fp16,
