@@ -202,3 +202,31 @@ def test_host_descriptors_carry_the_layouts_of_the_kernels_buffers():
                                          True, cfg)
     assert [list(d.shape) for d in descs] == [[256, 512], [512, 512], [512, 384], [512, 384]]
     assert list(descs[2].block_shape) == [64, 128]  # B as [K, N]: boxes [BK, BN]
+
+
+def test_split_tail_plan_cuts_only_a_partial_last_wave_of_own_tiles():
+    """``stream_k=1`` on the warp-specialized GEMM+RS: the partial last wave's tiles (inside the
+    own segment) are cut into equal K-parts, one unit per program at most, each of at least
+    ``num_stages`` K-steps, at most ``MAX_TAIL_SPLIT``; no full wave before it, no tail, a tail
+    over half the grid or longer than the own segment, or too short a K: no split."""
+    import itertools
+
+    plan = gemm_rs_ws.split_tail_plan
+    cfg = GemmConfig(**WS, stream_k=1)
+    # gemma2-27b's fc2 at TP 4, m = 1024 (per-rank K 18432): 288 tiles, 24 in the last wave
+    assert plan(4, 256, 4608, 18432, cfg, 132) == (24, 5)
+    assert plan(4, 256, 5120, 13696, cfg, 132) == (56, 2)  # qwen1.5-32b: 320 tiles
+    assert plan(4, 256, 4096, 18432, cfg, 132) == (0, 1)   # 256 tiles: 124 left, over half
+    assert plan(4, 256, 4608, 18432, cfg, 288) == (0, 1)   # one whole wave: no tail
+    assert plan(2, 128, 1024, 18432, cfg, 132) == (0, 1)   # 16 tiles: no full wave
+    assert plan(4, 256, 4608, 4 * 64, cfg, 132) == (0, 1)  # 4 K-steps: no part of 5 stages
+    for world, rows, n, k, grid in itertools.product((2, 4, 8), (128, 256, 512, 1024),
+                                                     (1024, 4608, 7168), (1024, 8192), (66, 132)):
+        tail, parts = plan(world, rows, n, k, cfg, grid)
+        per_segment = -(-rows // 128) * -(-n // 128)
+        if parts == 1:
+            assert tail == 0
+            continue
+        assert tail == (world * per_segment) % grid and world * per_segment > grid
+        assert 2 <= parts <= gemm_rs_ws.MAX_TAIL_SPLIT and tail * parts <= grid
+        assert tail <= per_segment and (k // 64) // parts >= cfg.num_stages
