@@ -9,12 +9,11 @@ TP >= 3. This runs one variant per process (a timeout leaves the workspaces unus
 ``--rounds`` calls of gather start, GEMM+RS, wait, back to back, then checks every output
 against NCCL's gather and an fp32 matmul + all-reduce.
 
-    CUDA_DEVICE_MAX_CONNECTIONS= torchrun --nproc-per-node 4 \
+    PYTHONPATH=.:benchmarks/experiments env -u CUDA_DEVICE_MAX_CONNECTIONS torchrun --nproc-per-node 4 \
         benchmarks/experiments/gather_beside_rs_sms.py --gather nccl --reserved-sms 0 --json x.json
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -22,9 +21,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from rs_beside_gather import Provider, cases as make_cases, no_pingpong  # this script's folder
+
 from megatron_flux.backends.flux import FluxBackend
 from megatron_flux.options import get_options
-from megatron_flux.tuning.provider import TableConfigProvider
 
 
 def main():
@@ -32,7 +32,8 @@ def main():
     p.add_argument("--json", required=True)
     p.add_argument("--gather", choices=("nccl", "copy_engine"), default="nccl")
     p.add_argument("--reserved-sms", type=int, default=0)
-    p.add_argument("--triton-rs", action="store_true", help="the Triton GEMM+RS, not the Gluon one")
+    p.add_argument("--triton-rs", action="store_true",
+                   help="the Triton GEMM+RS, not the Gluon one (rs_beside_gather.no_pingpong)")
     p.add_argument("--rounds", type=int, default=300)
     p.add_argument("--shape", default="1024,2048,3072", help="m_local,k,n")
     p.add_argument("--max-spins", type=int, default=1 << 22)
@@ -42,30 +43,13 @@ def main():
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     dev = torch.device("cuda", torch.cuda.current_device())
     m_local, k, n = (int(v) for v in args.shape.split(","))
-    table = TableConfigProvider()
-
-    def provider(op, m_total, n_, k_, **ctx):
-        cfg = table(op, m_total, n_, k_, **ctx)
-        if args.triton_rs and op == "rs":
-            cfg = dataclasses.replace(cfg, rs_warp_specialized=False)
-        return cfg
-
-    provider.accepts_context = True
+    provider = Provider(no_pingpong if args.triton_rs else None)
     # several hardware queues allowed: the case this looks at (the backend refuses it otherwise)
     opts = get_options().replace(max_spins=args.max_spins, reserved_sms=args.reserved_sms,
                                  column_regather=args.gather, allow_several_queues=True)
     flux = FluxBackend(config_provider=provider, options=opts)
     gen = torch.Generator(device=dev).manual_seed(1234 + rank)
-    cases = []
-    for _ in range(4):  # cycled over the rounds
-        x = torch.randn(m_local, k, generator=gen, device=dev).to(torch.bfloat16)
-        g_ref = torch.empty(world * m_local, k, dtype=x.dtype, device=dev)
-        dist.all_gather_into_tensor(g_ref, x)
-        a = torch.randn(world * m_local, k, generator=gen, device=dev).to(torch.bfloat16)
-        w = torch.randn(n, k, generator=gen, device=dev).to(torch.bfloat16)
-        full = a.float() @ w.t().float()
-        dist.all_reduce(full)
-        cases.append((x, g_ref, a, w.t(), full[rank * m_local:(rank + 1) * m_local]))
+    cases = make_cases(rank, world, [(m_local, k, n)], 4, gen, False)  # cycled over the rounds
     cfg = provider("rs", world * m_local, n, k)
     # one warm-up call of each op (compiles), then the rounds
     flux.matmul_reduce_scatter(cases[0][2], cases[0][3], dist.group.WORLD)
