@@ -205,8 +205,9 @@ def test_gemm_rs_ws_split_tail_compiles_without_serialised_wgmma(tile):
     """The warp-specialized GEMM+RS with its split tail (SPLIT_TAIL) builds for sm_90 within its
     shared-memory bound, and ptxas pipelines its wgmma: a form that ran the tail after the tile
     loop, through a second wgmma site, made ptxas serialise every wgmma of the kernel (warning
-    C7515), and the kernel ran 2x slower on an H200 (this test fails on that form). Skipped
-    without a ptxas that takes sm_90a."""
+    C7515), and the kernel ran 1.94-2.21x cuBLAS's time on an H200 where it split, against
+    1.12-1.37x unsplit (``kernel-vs-cublas-h200-2026-11-28-split-tail-c7515.json``; this test
+    fails on that form). Skipped without a ptxas that takes sm_90a."""
     import os
     import re
     import subprocess
