@@ -707,6 +707,16 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
 
 #: at most this many K-parts per split tail tile
 MAX_TAIL_SPLIT = 8
+#: A tail tile cut into ``parts`` costs its programs about this many ``/ parts`` of a whole
+#: tile's time (the parts' stores, the count and the sum): 2xH200, TP 2, communication on, the
+#: split alone (same config otherwise, A/B with a same-config control) ran 0.895-0.919x the
+#: unsplit time at 3.4-4.4 waves with two parts, (3 + 0.58-0.60) / 4 and (4 + 0.50-0.60) / 5
+#: waves' worth (``benchmarks/results/ab-rs-split-h200x2-2026-11-28.json``)
+SPLIT_PART_COST = 1.2
+#: Split only where that model saves at least this share of the launch's whole waves: at 17-28
+#: waves two to six parts saved a tile's 0.4-0.8 of 18-28 (2-3 %) and ran 0.95-1.03x the
+#: unsplit time, within the control's spread (``...-split-h200x2-2026-11-28-m8192.json``)
+MIN_SPLIT_GAIN = 0.04
 
 
 def split_tail_plan(world: int, m_local: int, n: int, k: int, cfg, grid: int):
@@ -715,7 +725,9 @@ def split_tail_plan(world: int, m_local: int, n: int, k: int, cfg, grid: int):
     the own segment, each split along K into as many equal parts as fit one per program
     (``tail * parts <= grid``), each of at least ``num_stages`` K-steps (the ping-pong ring
     protocol needs that), at most :data:`MAX_TAIL_SPLIT`; fewer than two parts (a tail over
-    half the grid): no split."""
+    half the grid), or a saving under :data:`MIN_SPLIT_GAIN` of the ``ceil(T / grid)`` waves
+    (the last wave taking :data:`SPLIT_PART_COST` ``/ parts`` of one instead of a whole one):
+    no split."""
     tiles_per_segment = -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
     total = world * tiles_per_segment
     tail = total % grid if total > grid else 0
@@ -723,7 +735,9 @@ def split_tail_plan(world: int, m_local: int, n: int, k: int, cfg, grid: int):
         return 0, 1
     k_tiles = -(-k // cfg.block_k)
     parts = min(grid // tail, k_tiles // cfg.num_stages, MAX_TAIL_SPLIT)
-    return (tail, parts) if parts >= 2 else (0, 1)
+    if parts < 2 or (1.0 - SPLIT_PART_COST / parts) < MIN_SPLIT_GAIN * -(-total // grid):
+        return 0, 1
+    return tail, parts
 
 
 _LAUNCH = KernelLauncher(gemm_rs_ws_kernel) if gemm_rs_ws_kernel is not None else None

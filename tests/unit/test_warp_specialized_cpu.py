@@ -208,7 +208,8 @@ def test_split_tail_plan_cuts_only_a_partial_last_wave_of_own_tiles():
     """``stream_k=1`` on the warp-specialized GEMM+RS: the partial last wave's tiles (inside the
     own segment) are cut into equal K-parts, one unit per program at most, each of at least
     ``num_stages`` K-steps, at most ``MAX_TAIL_SPLIT``; no full wave before it, no tail, a tail
-    over half the grid or longer than the own segment, or too short a K: no split."""
+    over half the grid or longer than the own segment, too short a K, or too small a saving
+    of the launch's waves: no split."""
     import itertools
 
     plan = gemm_rs_ws.split_tail_plan
@@ -220,6 +221,10 @@ def test_split_tail_plan_cuts_only_a_partial_last_wave_of_own_tiles():
     assert plan(4, 256, 4608, 18432, cfg, 288) == (0, 1)   # one whole wave: no tail
     assert plan(2, 128, 1024, 18432, cfg, 132) == (0, 1)   # 16 tiles: no full wave
     assert plan(4, 256, 4608, 4 * 64, cfg, 132) == (0, 1)  # 4 K-steps: no part of 5 stages
+    # many waves: a split must save MIN_SPLIT_GAIN of them (1 - SPLIT_PART_COST / parts)
+    assert plan(2, 1024, 14848, 29696, cfg, 132) == (8, 8)  # 15 waves: 0.85 >= 0.6
+    assert plan(2, 4096, 4544, 9088, cfg, 132) == (0, 1)    # 18 waves: 0.4 < 0.72
+    assert plan(2, 4096, 7168, 14336, cfg, 132) == (0, 1)   # 28 waves, 6 parts: 0.8 < 1.12
     for world, rows, n, k, grid in itertools.product((2, 4, 8), (128, 256, 512, 1024),
                                                      (1024, 4608, 7168), (1024, 8192), (66, 132)):
         tail, parts = plan(world, rows, n, k, cfg, grid)
@@ -230,3 +235,5 @@ def test_split_tail_plan_cuts_only_a_partial_last_wave_of_own_tiles():
         assert tail == (world * per_segment) % grid and world * per_segment > grid
         assert 2 <= parts <= gemm_rs_ws.MAX_TAIL_SPLIT and tail * parts <= grid
         assert tail <= per_segment and (k // 64) // parts >= cfg.num_stages
+        assert 1 - gemm_rs_ws.SPLIT_PART_COST / parts >= \
+            gemm_rs_ws.MIN_SPLIT_GAIN * -(-world * per_segment // grid)
