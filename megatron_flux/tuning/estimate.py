@@ -93,9 +93,10 @@ LARGE_M = 2048
 #: of flux/nccl over the op's entries at and above it <= 0.98) and no entry is slower than NCCL
 #: by more than the 8 % the same NCCL op varied between two runs. AG+GEMM: 1024 (from 512,
 #: llama3-8b at m = 1024 ran 1.215x NCCL's time on 2xH100 and at m = 2048 1.312x on 4xH200).
-#: GEMM+RS: no bucket qualifies (from 512 rows per rank: 0.992 on 4xH200; from 4096: 0.999 on
-#: 2xH100), and at 512 rows per rank (m = 1024, TP 2) two models outside the grid ran
-#: 0.86-0.87x NCCL's speed on 2xH200 with the default config (2026-11-27): NCCL.
+#: GEMM+RS: from 512 rows per rank by the tables' own configs (since the 2xH200 entries at
+#: m = 1024 adopted the ping-pong with its split tail), but where the estimate abstains the
+#: default config runs, not those, and at 512 rows per rank (m = 1024, TP 2) two models outside
+#: the grid ran 0.86-0.87x NCCL's speed on 2xH200 with it (2026-11-27): NCCL.
 SIZE_RULE_ROWS_PER_RANK: Dict[str, Optional[int]] = {"ag": 1024, "rs": None}
 
 
@@ -309,11 +310,20 @@ def _tile_space(op: str, cfg, m_total: int, n: int, tp: int) -> Tuple[int, int, 
             sk and bool(cfg.stream_k))
 
 
+def _splits_tail(op: str, cfg) -> bool:
+    """Whether ``cfg`` is the warp-specialized GEMM+RS with its split tail on
+    (``kernels/gemm_rs_ws.py``, :func:`~megatron_flux.kernels.gemm_rs_ws.split_tail_plan`)."""
+    return (op == "rs" and bool(cfg.stream_k) and cfg.rs_warp_specialized
+            and not cfg.rs_merge_rows)
+
+
 def wave_work(op: str, cfg, m_total: int, n: int, tp: int, num_sms: int,
-              split_tail: bool = True) -> float:
+              split_tail: bool = True, k: int = 1 << 16) -> float:
     """The work ``cfg`` leaves the busiest SM on the shape, in output elements: tile area x
     the waves of tiles it runs (whole waves; with ``split_tail``, a stream-K tail that the
-    kernel would split as :data:`STREAM_K_TAIL_COST` times its share). The time of one K step
+    kernel would split as :data:`STREAM_K_TAIL_COST` times its share, and the
+    warp-specialized GEMM+RS's split tail as the kernel plans it for K = ``k``, its last wave
+    as ``SPLIT_PART_COST / parts`` of one). The time of one K step
     per element is taken as equal across the configs compared (they are all at least
     :data:`MIN_TILE_AREA`), so this orders them by time where wave quantisation separates
     them. Comm off on one H200 at
@@ -329,12 +339,19 @@ def wave_work(op: str, cfg, m_total: int, n: int, tp: int, num_sms: int,
     if split_tail and sk and stream_k_plan(tiles, num_sms, 1, per_segment)[1]:
         full = math.floor(waves)
         whole = min(whole, full + STREAM_K_TAIL_COST * (waves - full))
+    elif split_tail and _splits_tail(op, cfg):
+        from megatron_flux.kernels.gemm_rs_ws import SPLIT_PART_COST, split_tail_plan
+
+        m_local = max(1, m_total // max(1, tp))
+        parts = split_tail_plan(max(1, tp), m_local, n, k, cfg, min(num_sms, tiles))[1]
+        if parts > 1:
+            whole = math.floor(waves) + SPLIT_PART_COST / parts
     return cfg.block_m * cfg.block_n * whole
 
 
 def wave_aware_config(op: str, points: Iterable[Point], m_total: int, n: int, k: int, tp: int,
-                      num_sms: int, candidates: Optional[Iterable[Point]] = None
-                      ) -> Optional[Tuple[object, Point, bool]]:
+                      num_sms: int, candidates: Optional[Iterable[Point]] = None,
+                      ws_split: bool = True) -> Optional[Tuple[object, Point, bool]]:
     """The config for a shape no table lists: ``(config, the entry it comes from, whether it
     replaced the nearest entry's)``, or None with no entry within reach.
 
@@ -349,13 +366,15 @@ def wave_aware_config(op: str, points: Iterable[Point], m_total: int, n: int, k:
     with communication on (2xH200) one of them (128x128 tiles at n = 2560, m = 1024) ran 1.02x.
     The least work wins, nearer entries first among equals. ``candidates``: the entries whose
     configs may replace it (default ``points``; the provider passes the current tables'
-    entries, so only configs measured with the current kernels, communication on, compete)."""
+    entries, so only configs measured with the current kernels, communication on, compete).
+    ``ws_split``: :func:`transplanted`'s, False as the rules ran before the warp-specialized
+    GEMM+RS's split tail."""
     points = list(points)
     near = nearest_config(op, points, m_total, n, k, tp)
     if near is None:
         return None
-    base = transplanted(near.config)
-    best, best_work = None, wave_work(op, base, m_total, n, tp, num_sms) * (1.0 - WAVE_GAIN)
+    base = transplanted(near.config, op, ws_split=ws_split)
+    best, best_work = None, wave_work(op, base, m_total, n, tp, num_sms, k=k) * (1.0 - WAVE_GAIN)
     pool = points if candidates is None else list(candidates)
     ranked = sorted(pool, key=lambda p: (round(distance(m_total, n, k, p), 9), p.n, p.k, p.m))
     for p in ranked:
@@ -364,7 +383,7 @@ def wave_aware_config(op: str, points: Iterable[Point], m_total: int, n: int, k:
                 or cfg.block_m < MIN_TILE_ROWS
                 or config_problem(op, cfg, m_total, n, k, tp) is not None):
             continue
-        cfg = transplanted(cfg)
+        cfg = transplanted(cfg, op, ws_split=ws_split)
         work = wave_work(op, cfg, m_total, n, tp, num_sms, split_tail=False)
         if work < best_work - 1e-9:
             best, best_work = (cfg, p), work
@@ -383,11 +402,18 @@ PINGPONG_MAX_WAVES = 10.0
 PINGPONG_MAX_K = 32768
 #: the ping-pong form of the warp-specialized GEMM+RS (``kernels/gemm_rs_ws.py``): 128x128
 #: tiles on two MMA warpgroups, so one tile's epilogue (the pushes to the owner, or the
-#: reduction of the peers' partials) runs beside the other tile's MMAs; pushes from the SMs
+#: reduction of the peers' partials) runs beside the other tile's MMAs; pushes from the SMs;
+#: the split tail on (``stream_k=1``: a partial last wave of own tiles cut along K where
+#: ``split_tail_plan`` says it pays). 2xH200, TP 2, ten cases of five models outside the
+#: tables at m = 1024-2048 against the configs the rules gave (the ping-pong unsplit, or the
+#: entries' configs), A/B with a same-config control: 1.118x NCCL's speed (geomean) against
+#: 1.022x, none slower against four, 0.67-0.91x the time where the ping-pong replaced a
+#: 128x256 tile (``ab-rs-split-h200x2-2026-11-28-unseen.json``). At TP 4 the split was
+#: measured with communication off only (``kernel-vs-cublas-h200-2026-11-28-split-tail.json``)
 PINGPONG_RS = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
                    epilogue_split=1, warp_specialize=False, rs_warp_specialized=True,
                    rs_copy_engine=False, rs_tma_push=True, rs_spread_reduce=False,
-                   rs_merge_rows=False, stream_k=0)
+                   rs_merge_rows=False, stream_k=1)
 
 
 def pingpong_rs_config(base, m_total: int, n: int, k: int, tp: int, num_sms: int):
@@ -426,15 +452,17 @@ def pingpong_rs_config(base, m_total: int, n: int, k: int, tp: int, num_sms: int
 
 
 def unlisted_config(op: str, points: Iterable[Point], m_total: int, n: int, k: int, tp: int,
-                    num_sms: int, candidates: Iterable[Point] = (), pingpong: bool = False
-                    ) -> Tuple[object, str]:
+                    num_sms: int, candidates: Iterable[Point] = (), pingpong: bool = False,
+                    ws_split: bool = True) -> Tuple[object, str]:
     """``(config, where it came from)`` for a shape no table lists: :func:`wave_aware_config`
     with ``candidates`` (none: the nearest entry's config, its stream-K tail on), else
     ``default_config``; with ``pingpong``, a GEMM+RS shape then runs the ping-pong Gluon kernel
     where :func:`pingpong_rs_config` says so. What the runtime runs
     (:func:`megatron_flux.tuning.provider.kernel_config`) and what
-    :mod:`megatron_flux.tools.tune.extend` records a benchmark ran."""
-    hit = wave_aware_config(op, points, m_total, n, k, tp, num_sms, candidates=candidates)
+    :mod:`megatron_flux.tools.tune.extend` records a benchmark ran (``ws_split=False``: as the
+    rules ran before the warp-specialized GEMM+RS's split tail, :func:`transplanted`)."""
+    hit = wave_aware_config(op, points, m_total, n, k, tp, num_sms, candidates=candidates,
+                            ws_split=ws_split)
     if hit is None:
         cfg, where = default_config(op, m_total, n, k, tp=tp), "default"
     else:
@@ -444,20 +472,37 @@ def unlisted_config(op: str, points: Iterable[Point], m_total: int, n: int, k: i
     if pingpong and op == "rs":
         ping = pingpong_rs_config(cfg, m_total, n, k, tp, num_sms)
         if ping is not None:
+            if not ws_split:
+                ping = dataclasses.replace(ping, stream_k=0)
             return ping, f"ping-pong GEMM+RS under {PINGPONG_MAX_WAVES:g} waves (else {where})"
     return cfg, where
 
 
-def transplanted(cfg):
-    """``cfg`` (the nearest entry's, for a shape it was not tuned on) with the stream-K tail
-    on where the config's kernel has one (the persistent Triton kernels, not the Gluon
-    warp-specialized ones, nor merged rows or the spread reduction). A tuned entry may turn it
-    off because its own shape has no small partial last wave; the new shape may have one
-    (``default_config`` turns it on for the same reason). 2xH200, GEMM+RS at m = 1024 on
-    three models whose 128x256 tiles leave 21 % of a last wave (n = 5120): 0.73x -> 0.87x
-    NCCL's speed, level where the tail is too large to split (n = 6144; A/B with a same-config
-    control, ``benchmarks/results/ab-stream-k-h200x2-2026-11-27.json``)."""
-    if (cfg.stream_k or cfg.rs_warp_specialized or cfg.ag_warp_specialized or cfg.rs_merge_rows
+def transplanted(cfg, op: str = "rs", ws_split: bool = True):
+    """``cfg`` (the nearest entry's, for a shape it was not tuned on) with its kernel's tail
+    split on: the persistent Triton kernels' stream-K tail, and for GEMM+RS the
+    warp-specialized kernel's split tail (not merged rows, the spread reduction, or the
+    warp-specialized AG+GEMM, which have none). A tuned entry may turn it off because its own
+    shape has no small partial last wave; the new shape may have one (``default_config`` turns
+    it on for the same reason), and each kernel plans the split only where it pays
+    (:func:`~megatron_flux.kernels.stream_k.stream_k_plan`,
+    :func:`~megatron_flux.kernels.gemm_rs_ws.split_tail_plan`). A/Bs with a same-config control
+    on 2xH200:
+
+    * Triton, GEMM+RS at m = 1024 on three models whose 128x256 tiles leave 21 % of a last wave
+      (n = 5120): 0.73x -> 0.87x NCCL's speed, level where the tail is too large to split
+      (n = 6144; ``benchmarks/results/ab-stream-k-h200x2-2026-11-27.json``);
+    * warp-specialized GEMM+RS, split alone: 0.89-0.92x the unsplit time at 3.4-4.4 waves
+      (four models at m = 2048, ``ab-rs-split-h200x2-2026-11-28.json``), 0.91x on falcon-180b's
+      nearest entry at m = 1024 (7 waves, a tail of 4 tiles in 8 parts) and 0.96x at 2048
+      (``...-unseen.json``); 1.035x on phi-2 at m = 2048 (per-rank K 5120, 2.4 waves).
+
+    ``ws_split=False``: the warp-specialized GEMM+RS left alone, as before its split tail."""
+    if cfg.stream_k:
+        return cfg
+    if op == "rs" and cfg.rs_warp_specialized and ws_split:
+        return cfg if cfg.rs_merge_rows else dataclasses.replace(cfg, stream_k=1)
+    if (cfg.rs_warp_specialized or cfg.ag_warp_specialized or cfg.rs_merge_rows
             or cfg.rs_spread_reduce or cfg.ag_merge_local):
         return cfg
     return dataclasses.replace(cfg, stream_k=1)

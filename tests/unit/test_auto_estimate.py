@@ -13,6 +13,7 @@ import torch
 
 from megatron_flux import tuning as T
 from megatron_flux.kernels.config import GemmConfig, default_config
+from megatron_flux.kernels.gemm_rs_ws import SPLIT_PART_COST
 from megatron_flux.kernels.version import KERNEL_VERSION
 from megatron_flux.tuning import estimate as E
 from megatron_flux.tuning import provider, registry, schema
@@ -153,13 +154,18 @@ def test_size_rule_by_op_and_rows_per_rank():
     assert not any(E.size_rule("rs", m, 2) for m in (64, 1024, 8192, 1 << 20))
 
 
-def test_size_rule_is_what_the_shipped_tables_give():
-    """The constants are derive_size_rule of the shipped tables: when a table is added or
-    re-tuned, re-derive them (python -m megatron_flux.tools.auto_eval prints both)."""
+def test_size_rule_is_no_bolder_than_the_shipped_tables_give():
+    """The constants are derive_size_rule of the shipped tables, or more cautious where the
+    docs say why (GEMM+RS: the tables' configs win from 512 rows per rank, the default config
+    that runs where the estimate abstains did not): when a table is added or re-tuned,
+    re-derive them (python -m megatron_flux.tools.auto_eval prints both)."""
     from megatron_flux.tools.auto_eval import derive_size_rule
 
     tables = [schema.load_table(p) for p in registry.shipped_table_files()]
-    assert derive_size_rule(tables) == E.SIZE_RULE_ROWS_PER_RANK
+    derived = derive_size_rule(tables)
+    assert derived["ag"] == E.SIZE_RULE_ROWS_PER_RANK["ag"]
+    for op, rows in E.SIZE_RULE_ROWS_PER_RANK.items():
+        assert rows is None or (derived[op] is not None and rows >= derived[op]), op
 
 
 # ------------------------------------------------------------------ configs of other shapes
@@ -396,26 +402,33 @@ def test_the_committed_evaluation_is_current():
 def test_a_config_transplanted_to_an_unseen_shape_gets_its_stream_k_tail():
     """The nearest entry's config runs a shape it was not tuned on with the stream-K tail on
     (its own shape may have had no partial last wave to split); a table's own shape keeps its
-    config as tuned, and kernels without the tail (Gluon warp-specialized) are left alone."""
+    config as tuned, and kernels without a tail to split (the Gluon warp-specialized AG+GEMM,
+    merged rows) are left alone."""
     import torch
 
     from megatron_flux.tuning import provider
 
     T.use_table_files(registry.shipped_table_files())
     h200 = ("NVIDIA H200", 132)
-    own, where = provider.kernel_config("rs", 1024, 5120, 14336, torch.bfloat16, 2, h200)
+    own, where = provider.kernel_config("rs", 1024, 4096, 14336, torch.bfloat16, 2, h200)
     assert where == "table (m=1024)" and own.stream_k == 0 and not own.rs_warp_specialized
-    cfg, where = provider.kernel_config("rs", 1024, 5120, 15360, torch.bfloat16, 2, h200,
+    cfg, where = provider.kernel_config("rs", 1024, 4096, 15360, torch.bfloat16, 2, h200,
                                         wave_aware=False)
-    assert where.startswith("nearest entry (n=5120 k=14336 m=1024")
+    assert where.startswith("nearest entry (n=4096 k=14336 m=1024")
     assert cfg == dataclasses.replace(own, stream_k=1)
     # with the rules the runtime applies, this shape runs the ping-pong instead
-    cfg, where = provider.kernel_config("rs", 1024, 5120, 15360, torch.bfloat16, 2, h200)
-    assert where.startswith("ping-pong GEMM+RS") and "nearest entry (n=5120 k=14336" in where
-    assert cfg.rs_warp_specialized and cfg.stream_k == 0
+    cfg, where = provider.kernel_config("rs", 1024, 4096, 15360, torch.bfloat16, 2, h200)
+    assert where.startswith("ping-pong GEMM+RS") and "nearest entry (n=4096 k=14336" in where
+    assert cfg.rs_warp_specialized and cfg.stream_k == 1  # with its split tail
     ws = next(e.config for e in schema.load_table(registry.shipped_table_files()[1]).entries
-              if e.config.rs_warp_specialized)
-    assert E.transplanted(ws) is ws
+              if e.config.rs_warp_specialized and not e.config.stream_k)
+    # the warp-specialized GEMM+RS has a split tail; its AG+GEMM and merged rows have none
+    assert E.transplanted(ws, "rs") == dataclasses.replace(ws, stream_k=1)
+    ag_ws = dataclasses.replace(ws, ag_warp_specialized=True)
+    assert E.transplanted(ag_ws, "ag") is ag_ws
+    merged = dataclasses.replace(ws, rs_merge_rows=True, rs_spread_reduce=True,
+                                 rs_tma_push=False, rs_copy_engine=False)
+    assert E.transplanted(merged, "rs") is merged
 
 
 # ------------------------------------------------------------------ the wave rule
@@ -436,6 +449,13 @@ def test_wave_work_counts_whole_waves_and_a_split_tail():
     assert E.wave_work("rs", sk, 1024, 6144, 2, 132) == 2 * 128 * 256
     # fewer tiles than SMs: one wave, split or not
     assert E.wave_work("rs", sk, 1024, 2048, 2, 132) == 128 * 256
+    # the warp-specialized GEMM+RS's split tail, as the kernel plans it: at n = 5120 its 320
+    # tiles are 2.42 waves; the 56-tile tail in two parts makes the last wave 1.2 / 2 of one
+    split = dataclasses.replace(PINGPONG, stream_k=1)
+    assert E.wave_work("rs", split, 1024, 5120, 2, 132, k=13824) == pytest.approx(
+        128 * 128 * (2 + SPLIT_PART_COST / 2))
+    # at m = 8192 (19.4 waves) the kernel does not split: whole waves
+    assert E.wave_work("rs", split, 8192, 5120, 2, 132, k=13824) == 20 * 128 * 128
     # AG+GEMM's merged rows are one tile space over the gathered rows: 2 x 64 rows fill one
     # row of 128-row tiles, where each rank's segment takes its own
     merged = dataclasses.replace(CFG, ag_merge_local=True, ag_merge_lead=0)
@@ -451,7 +471,7 @@ def test_wave_rule_replaces_a_tile_that_quantises_badly():
     near = P(1024, 6144, 14336, 1.3, WIDE)
     far = P(2048, 4096, 28672, 0.85, PINGPONG)
     cfg, src, replaced = E.wave_aware_config("rs", [near, far], 1024, 6144, 16384, 2, 132)
-    assert replaced and cfg is PINGPONG and src is far
+    assert replaced and cfg == dataclasses.replace(PINGPONG, stream_k=1) and src is far
     # the same tile that lost to NCCL is no candidate
     lost = P(2048, 4096, 28672, 1.01, PINGPONG)
     cfg, src, replaced = E.wave_aware_config("rs", [near, lost], 1024, 6144, 16384, 2, 132)
@@ -478,29 +498,30 @@ def test_wave_rule_replaces_a_tile_that_quantises_badly():
 
 
 def test_kernel_config_applies_the_wave_rule_on_shipped_tables():
-    """On the shipped 2xH200 TP 2 table, GEMM+RS at m = 1024 with n = 5376 and k = 14336 (a
-    model no table lists): the nearest entry is a 128x256 one (168 tiles, 1.27 waves); the
-    wave rule runs a winning 128x128 Gluon entry's config instead (2xH200: 0.86x the nearest
-    config's time, level with NCCL where that ran 0.85x). ``wave_aware=False`` gives the
-    nearest entry's; a shape with its own entry (internlm2-20b's, which the rule chose for
-    when it was measured) keeps that entry's config."""
+    """On the shipped 2xH200 TP 2 table, GEMM+RS at m = 1024 with n = 6144 and k = 28672 (no
+    entry): the nearest entry is llama3-70b's 128x256 one (192 tiles, 1.45 waves run as 2);
+    the wave rule runs a winning 128x128 Gluon entry's config instead (384 tiles, 2.91 waves
+    run as 3: 0.75 of the work), with its split tail. ``wave_aware=False`` gives the nearest
+    entry's; a shape with its own entry (internlm2-20b's, which the rule chose for when it was
+    measured; llama3-8b's, tuned) keeps that entry's config."""
     T.use_table_files(registry.shipped_table_files())
     h200 = ("NVIDIA H200", 132)
-    cfg, where = provider.kernel_config("rs", 1024, 5376, 14336, BF16, 2, h200)
-    assert cfg.rs_warp_specialized and (cfg.block_m, cfg.block_n) == (128, 128)
+    cfg, where = provider.kernel_config("rs", 1024, 6144, 28672, BF16, 2, h200)
+    assert cfg.rs_warp_specialized and (cfg.block_m, cfg.block_n) == (128, 128) and cfg.stream_k
     assert "fewer waves" in where
-    old, where = provider.kernel_config("rs", 1024, 5376, 14336, BF16, 2, h200, wave_aware=False)
-    assert where.startswith("nearest entry") and (old.block_m, old.block_n) == (128, 256)
+    old, where = provider.kernel_config("rs", 1024, 6144, 28672, BF16, 2, h200, wave_aware=False)
+    assert where.startswith("nearest entry (n=8192 k=28672 m=1024")
+    assert (old.block_m, old.block_n) == (128, 256)
     own, where = provider.kernel_config("rs", 1024, 6144, 16384, BF16, 2, h200)
     assert where == "table (m=1024)" and own.rs_warp_specialized
-    own, where = provider.kernel_config("rs", 1024, 5120, 14336, BF16, 2, h200)
+    own, where = provider.kernel_config("rs", 1024, 4096, 14336, BF16, 2, h200)
     assert where == "table (m=1024)" and (own.block_m, own.block_n) == (128, 256)
 
 
 # ------------------------------------------------------------------ the ping-pong GEMM+RS rule
 def test_pingpong_rule_runs_gemm_rs_under_ten_waves_at_tp2_and_tp4():
     """A GEMM+RS shape no table lists, at TP 2 and 4 from 1024 rows, runs the ping-pong Gluon
-    kernel (SM pushes, no stream-K) while 128x256 tiles make fewer than 10 waves and the
+    kernel (SM pushes, its split tail on) while 128x256 tiles make fewer than 10 waves and the
     per-rank K is below 32768; from 10 waves, from that K, at TP 8, below 1024 rows, where its
     128-row tiles cannot split the rows per rank, and where the other rules already chose a
     warp-specialized config, the other rules' config stays."""
@@ -510,7 +531,7 @@ def test_pingpong_rule_runs_gemm_rs_under_ten_waves_at_tp2_and_tp4():
     for m, n in ((1024, 5120), (4096, 4608), (8192, 5120)):  # 1.2, 4.4 and 9.7 waves
         cfg, where = E.unlisted_config("rs", near, m, n, 6848, 4, 132, pingpong=True)
         assert cfg == dataclasses.replace(base, **E.PINGPONG_RS), (m, n)
-        assert cfg.rs_warp_specialized and not cfg.rs_copy_engine and cfg.stream_k == 0
+        assert cfg.rs_warp_specialized and not cfg.rs_copy_engine and cfg.stream_k == 1
         assert where.startswith("ping-pong GEMM+RS") and "nearest entry" in where
     # 64 x 28 = 1792 tiles of 128x256 are 13.6 waves: the wide tile stays
     assert E.unlisted_config("rs", near, 8192, 7168, 7168, 4, 132, pingpong=True)[0] == base
@@ -546,7 +567,7 @@ def test_kernel_config_applies_the_pingpong_rule_on_the_shipped_tp4_table():
     for m in (1024, 2048, 4096, 8192):
         cfg, where = provider.kernel_config("rs", m, 4608, 18432, BF16, 4, h200)
         assert cfg.rs_warp_specialized and (cfg.block_m, cfg.block_n) == (128, 128), m
-        assert not cfg.rs_copy_engine and cfg.stream_k == 0
+        assert not cfg.rs_copy_engine and cfg.stream_k == 1  # the split tail, rule or transplant
         if where.startswith("ping-pong"):
             by_rule.append(m)
             old, where = provider.kernel_config("rs", m, 4608, 18432, BF16, 4, h200, wave_aware=False)

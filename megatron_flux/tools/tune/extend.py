@@ -11,13 +11,15 @@ shape, :func:`~megatron_flux.tuning.estimate.nearest_config`, its stream-K tail 
 runtime picks it; else the default) and the benchmark's median times. Entries the table holds are left as they are; the
 notes say where each new one came from (``measured_by``, ``config_from``, every trial).
 
-``python -m megatron_flux.tools.tune.extend [--no-transplant | --waves [--pingpong]] TABLE.json BENCH.json [BENCH2.json ...] OUT.json``
+``python -m megatron_flux.tools.tune.extend [--no-transplant | --waves [--pingpong]] [--no-split-tail] TABLE.json BENCH.json [BENCH2.json ...] OUT.json``
 (``--no-transplant``: benchmarks made before the stream-K transplant, which ran the nearest
 entry's config as it stands; ``--waves``: benchmarks made with the wave rule,
 :func:`~megatron_flux.tuning.estimate.wave_aware_config`, every one of them with ``TABLE`` as
 it stands, so each is read against ``TABLE``, not against the entries an earlier one added;
 ``--pingpong`` with it: made with the ping-pong GEMM+RS rule too,
-:func:`~megatron_flux.tuning.estimate.pingpong_rs_config`, as the runtime runs today)
+:func:`~megatron_flux.tuning.estimate.pingpong_rs_config`, as the runtime runs today;
+``--no-split-tail``: benchmarks made before the warp-specialized GEMM+RS's split tail, which
+ran those configs with ``stream_k=0``, :func:`~megatron_flux.tuning.estimate.transplanted`)
 """
 
 from __future__ import annotations
@@ -44,14 +46,15 @@ def _points(table: Table, op: str, ratios: bool = False):
 
 def extend_table(table: Table, bench: Dict[str, Any], bench_source: str, *,
                  transplant: bool = True, waves: bool = False, pingpong: bool = False,
-                 ran_with: Optional[Table] = None) -> Table:
+                 ran_with: Optional[Table] = None, ws_split: bool = True) -> Table:
     """``table`` plus an untuned entry for each case of ``bench`` it lacks (module docstring).
     ``transplant=False``: the benchmark ran the nearest entry's config as it stands (before
     :func:`~megatron_flux.tuning.estimate.transplanted` existed). ``waves``: it ran the wave
     rule's choice (:func:`~megatron_flux.tuning.estimate.wave_aware_config`, the stream-K tail
     transplanted); ``pingpong`` with it: and the ping-pong GEMM+RS rule's
-    (:func:`~megatron_flux.tuning.estimate.pingpong_rs_config`). ``ran_with``: the table the benchmark ran with, whose entries chose its
-    configs (default ``table``)."""
+    (:func:`~megatron_flux.tuning.estimate.pingpong_rs_config`). ``ran_with``: the table the
+    benchmark ran with, whose entries chose its configs (default ``table``). ``ws_split=False``:
+    it ran before the warp-specialized GEMM+RS's split tail (``stream_k=0`` on those configs)."""
     if waves and not transplant:
         raise ValueError("extend_table: the wave rule's configs carry the stream-K transplant "
                          "(waves=True needs transplant=True)")
@@ -76,7 +79,8 @@ def extend_table(table: Table, bench: Dict[str, Any], bench_source: str, *,
             continue
         if transplant:  # as the runtime picks it (with the wave rule when ``waves``)
             config, where = estimate.unlisted_config(op, points[op], int(m), ln, lk, tp, source.sms,
-                                                     candidates=candidates[op], pingpong=pingpong)
+                                                     candidates=candidates[op], pingpong=pingpong,
+                                                     ws_split=ws_split)
         else:  # the nearest entry's config as it stands
             near = estimate.nearest_config(op, points[op], int(m), ln, lk, tp)
             config, where = ((default_config(op, int(m), ln, lk, tp=tp), "default") if near is None
@@ -98,6 +102,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     transplant = "--no-transplant" not in argv
     waves, pingpong = "--waves" in argv, "--pingpong" in argv
+    ws_split = "--no-split-tail" not in argv
     if waves and not transplant:
         print("--waves and --no-transplant exclude each other", file=sys.stderr)
         return 2
@@ -109,10 +114,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         base = t
         for bench, source in runs:
             t = extend_table(t, bench, source, transplant=transplant, waves=waves,
-                             pingpong=pingpong, ran_with=base if waves else None)
+                             pingpong=pingpong, ran_with=base if waves else None,
+                             ws_split=ws_split)
         return t
 
-    return run_table_tool([a for a in argv if a not in ("--no-transplant", "--waves", "--pingpong")], __doc__, extend_all,
+    flags = ("--no-transplant", "--waves", "--pingpong", "--no-split-tail")
+    return run_table_tool([a for a in argv if a not in flags], __doc__, extend_all,
                           lambda old, t: f"{len(t.entries)} entries "
                                          f"({len(t.entries) - len(old.entries)} measured, untuned)")
 
