@@ -69,8 +69,9 @@ ROW_SHIFT = 2.0
 #: below this many rows (global m) the prediction is also made at m itself and the larger one
 #: counts: there the fused/NCCL ratio does not fall with m (module docstring); from it up the
 #: allowance comes from those rows only. Held out on four models at TP 4
-#: (bench-h200x4-2026-11-28-unseen.json) the shifted prediction alone chose fused AG+GEMM at
-#: m = 256 where it ran 1.08x and 1.25x NCCL's time. 2048 was measured and rejected: TP 4
+#: (bench-h200x4-2026-11-28-unseen-rerun.json) the shifted prediction alone chooses fused
+#: AG+GEMM at m = 256 for three of them, where it ran 1.27-1.54x NCCL's time; with this, none.
+#: 2048 was measured and rejected: TP 4
 #: leave-out 0.921x NCCL's time instead of 0.934x, but held out it chose fused GEMM+RS for
 #: gemma2-27b at m = 8192, which ran 1.014x NCCL's time
 MONOTONE_FROM_M = 1024
@@ -400,6 +401,9 @@ PINGPONG_RS_TPS = (2, 4)
 PINGPONG_MIN_M = 1024
 PINGPONG_MAX_WAVES = 10.0
 PINGPONG_MAX_K = 32768
+#: ... with copy-engine pushes at these TP sizes from this many rows (:func:`pingpong_rs_config`)
+PINGPONG_CE_TPS = (2,)
+PINGPONG_CE_MIN_M = 2048
 #: the ping-pong form of the warp-specialized GEMM+RS (``kernels/gemm_rs_ws.py``): 128x128
 #: tiles on two MMA warpgroups, so one tile's epilogue (the pushes to the owner, or the
 #: reduction of the peers' partials) runs beside the other tile's MMAs; pushes from the SMs;
@@ -438,6 +442,15 @@ def pingpong_rs_config(base, m_total: int, n: int, k: int, tp: int, num_sms: int
       ran 1.04-1.35x their speed in the four cases at per-rank K = 12288-27392, and 0.84x at
       K = 36864 (gemma2-27b), where the long main loop favours the wide tile; from m = 2048
       (and internlm2-20b's m = 1024) the entries already run it.
+
+    At TP :data:`PINGPONG_CE_TPS` from :data:`PINGPONG_CE_MIN_M` rows the copy engine delivers
+    the pushes (``rs_copy_engine``), as the tuned TP 2 entries from m = 2048 do: 2xH200, six
+    models outside the tables, the ping-pong with its split tail, 0.913-0.989x the time with
+    SM pushes in the five cases from m = 4096 the rule gave it (same-config control
+    0.995-1.003x); at m = 1024 0.92-0.96x on three models and 1.147x on phi-2 (per-rank K
+    5120), so not there (``ab-rs-pingpong-ce-h200x2-2026-11-29-unseen.json``). At TP 4 the
+    ping-pong with copy-engine pushes ran up to 1.75x cuBLAS's time
+    (``ab-rs-pingpong-ce-h200x4-2026-11-28-*.json``).
     """
     if (tp not in PINGPONG_RS_TPS or m_total < PINGPONG_MIN_M or k >= PINGPONG_MAX_K
             or base.rs_warp_specialized or base.rs_merge_rows):
@@ -448,6 +461,8 @@ def pingpong_rs_config(base, m_total: int, n: int, k: int, tp: int, num_sms: int
     wide_tiles = -(-m_total // 128) * -(-n // 256)
     if wide_tiles >= PINGPONG_MAX_WAVES * num_sms:
         return None
+    if tp in PINGPONG_CE_TPS and m_total >= PINGPONG_CE_MIN_M:
+        cfg = dataclasses.replace(cfg, rs_copy_engine=True)
     return cfg
 
 

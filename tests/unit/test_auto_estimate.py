@@ -537,6 +537,10 @@ def test_pingpong_rule_runs_gemm_rs_under_ten_waves_at_tp2_and_tp4():
     assert E.unlisted_config("rs", near, 8192, 7168, 7168, 4, 132, pingpong=True)[0] == base
     assert E.pingpong_rs_config(base, 8192, 6144, 8192, 4, 132) is None  # 11.6 waves
     assert E.pingpong_rs_config(base, 1024, 5120, 13696, 2, 132) == cfg  # TP 2
+    # at TP 2 from 2048 rows the copy engine delivers the pushes (not at 1024, nor at TP 4)
+    assert E.pingpong_rs_config(base, 2048, 5120, 13696, 2, 132) == dataclasses.replace(
+        cfg, rs_copy_engine=True)
+    assert not E.pingpong_rs_config(base, 2048, 5120, 6848, 4, 132).rs_copy_engine
     assert E.pingpong_rs_config(base, 1024, 5120, 27392, 2, 132) == cfg
     assert E.pingpong_rs_config(base, 1024, 4608, 36864, 2, 132) is None  # long K
     assert E.pingpong_rs_config(base, 1024, 4608, 32768, 4, 132) is None
