@@ -496,6 +496,44 @@ def test_fused_ops_match_nccl(max_connections):
 
 
 @nccl_worker
+def _split_tail_worker(rank, world, port, env):
+    """The warp-specialized GEMM+RS's split tail with real peers (SM and copy-engine pushes,
+    with and without a bias) against NCCL + fp32 math; the launch's plan does split."""
+    init_rank(rank, world, port, env)
+    from megatron_flux.kernels.config import default_config
+    from megatron_flux.kernels.gemm_rs_ws import split_tail_plan
+
+    group = torch.distributed.group.WORLD
+    gen = torch.Generator(device=torch.device("cuda", rank)).manual_seed(17)
+    sms = torch.cuda.get_device_properties(rank).multi_processor_count
+    # 4 x 20 own tiles of 128x128 per rank: at TP 2 a tail of 28 of 160, at TP 4 of 56 of 320
+    m_local, k, n = 512, 4096, 2560
+    ws = dict(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4,
+              epilogue_split=1, rs_warp_specialized=True, stream_k=1)
+    checks = 0
+    for variant in (ws, dict(ws, rs_copy_engine=True)):
+        flux = _default_with(**variant)
+        cfg = dataclasses.replace(default_config("rs", world * m_local, n, k), **variant)
+        tiles = world * (m_local // 128) * (n // 128)
+        assert split_tail_plan(world, m_local, n, k, cfg, min(sms, tiles))[1] > 1
+        for with_bias in (False, True):
+            _check_rs(flux, group, rank, world, m_local, k, n, torch.bfloat16, "nk", 2e-2, gen,
+                      with_bias=with_bias)
+            checks += 1
+        flux.check_errors()
+    return checks
+
+
+@_NEEDS_2_GPUS
+def test_gemm_rs_split_tail_with_real_peers():
+    world = torch.cuda.device_count()
+    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1", "MEGATRON_FLUX_MAX_SPINS": str(1 << 24)}
+    assert all(n == 4 for n in run_nccl_world(_split_tail_worker, world, env, env=env,
+                                              timeout=300))
+
+
+@nccl_worker
 def _several_queues_worker(rank, world, port, env):
     """Several hardware queues at TP >= 3: every rank's fused backend refuses the group with the
     reason naming the variable, and a fused call raises it instead of running."""

@@ -303,15 +303,17 @@ _SPLIT_TAIL_CASES = {
 }
 
 
+@pytest.mark.parametrize("copy_engine", [False, True], ids=["sm_push", "ce_push"])
 @pytest.mark.parametrize("form, case", [(f, c) for f, cases in _SPLIT_TAIL_CASES.items()
                                         for c in cases],
                          ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v)))
-def test_gemm_rs_ws_split_tail(form, case):
+def test_gemm_rs_ws_split_tail(form, case, copy_engine):
     """The warp-specialized GEMM+RS with ``stream_k=1``: the partial last wave's own tiles split
     along K into equal parts, one per program, summed in part order by the last part to arrive,
     then reduced with the peers' slots. Rank 0 of ``world`` on one GPU against fp32 math and
-    against the same config unsplit; the split happened (``split_tail_plan``); repeated
-    launches bitwise identical; every tile counter back at zero; the producer tiles pushed."""
+    against the same config unsplit, producer tiles pushed from the SMs or staged for the copy
+    engine; the split happened (``split_tail_plan``); repeated launches bitwise identical;
+    every tile counter back at zero; the producer tiles pushed."""
     import warnings
 
     from megatron_flux.kernels import stream_k
@@ -325,7 +327,7 @@ def test_gemm_rs_ws_split_tail(form, case):
         world, m_local, n, k, dtype, seed=11)
     b = w.t()
     cfg = GemmConfig(**WS_FORMS[form], num_stages=3, epilogue_split=1, rs_warp_specialized=True,
-                     stream_k=1)
+                     stream_k=1, rs_copy_engine=copy_engine)
     tiles = world * -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
     tail, parts = split_tail_plan(world, m_local, n, k, cfg, min(num_sms, tiles))
     assert tail > 0 and parts >= 2 and tail * parts <= num_sms, (tail, parts)
