@@ -266,13 +266,37 @@ if gluon is not None:
                     pos += 1
 
     @gluon.jit
-    def _arrive(p, layout: gl.constexpr):
-        """Count this partition in at the grid barrier (see the module docstring)."""
-        zero = gl.arange(0, 1, layout)  # a [1] tensor of 0: one thread owns its atomics
-        # every thread waits for its own bulk groups (the issuing thread's are the stores)
+    def _stage(c_buf, acc, dtype: gl.constexpr):
+        """``acc`` rounded to ``dtype`` into the epilogue buffer ``c_buf`` once its last TMA
+        store has read it out, fenced for the async proxy (a TMA store of it follows)."""
+        tma.store_wait(0)
+        c_buf.store(acc.to(dtype))
+        fence_async_shared()
+
+    @gluon.jit
+    def _drain_stores(zero):
+        """Every thread waits for its own bulk groups to complete (the issuing thread's are the
+        TMA stores: complete, not merely read out of shared memory) and orders them before its
+        later global accesses; ``zero`` is a ``[1]`` tensor the asm is applied to."""
         gl.inline_asm_elementwise(
             "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, $1;",
             "=r,r", [zero], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _wait_peers(p):
+        """Wait (acquire, bounded; a timeout names the op and both ranks) for every peer's
+        signal of this call's epoch."""
+        my_flags = gl.load(p.flag_ptrs + p.rank).to(gl.pointer_type(gl.int32))
+        for src in range(p.WORLD):
+            if src != p.rank:
+                wait_signal(my_flags + src, p.epoch, p.max_spins, p.err_ptr, _OP_GEMM_RS,
+                            p.rank, src)
+
+    @gluon.jit
+    def _arrive(p, layout: gl.constexpr):
+        """Count this partition in at the grid barrier (see the module docstring)."""
+        zero = gl.arange(0, 1, layout)  # a [1] tensor of 0: one thread owns its atomics
+        _drain_stores(zero)
         partition_barrier()
         my_flags = gl.load(p.flag_ptrs + p.rank + zero).to(gl.pointer_type(gl.int32))
         counter = my_flags + p.WORLD
@@ -320,9 +344,7 @@ if gluon is not None:
             step, seg, a_row, off_m, off_n = _tile(p, j)
             acc = mma_tile(p.a_bufs, p.b_bufs, p.ready, p.empty, p.handoff, j, k_tiles, C,
                            p.PARTITIONS, p.B_KN, BLOCK_M, BLOCK_N, acc_layout)
-            tma.store_wait(0)
-            c_buf.store(acc.to(dtype))
-            fence_async_shared()
+            _stage(c_buf, acc, dtype)
             for owner in gl.static_range(p.WORLD):
                 first = owner * p.m_local
                 if (a_row < first + p.m_local) & (a_row + BLOCK_M > first):
@@ -462,9 +484,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
         dtype: gl.constexpr = p.out_desc.dtype
-        tma.store_wait(0)
-        c_buf.store(acc.to(dtype))
-        fence_async_shared()
+        _stage(c_buf, acc, dtype)
         if p.WORLD == 2:
             tma_store(push0, [off_m, off_n], c_buf)
         else:
@@ -484,11 +504,7 @@ if gluon is not None:
         dtype: gl.constexpr = p.out_desc.dtype
         nbytes: gl.constexpr = p.slots_desc.block_type.nbytes
         if waited == 0:
-            my_flags = gl.load(p.flag_ptrs + p.rank).to(gl.pointer_type(gl.int32))
-            for src in range(p.WORLD):
-                if src != p.rank:
-                    wait_signal(my_flags + src, p.epoch, p.max_spins, p.err_ptr, _OP_GEMM_RS,
-                                p.rank, src)
+            _wait_peers(p)
             fence_async_proxy(p.epoch, True)  # the TMA reads below follow the acquire
             waited = 1
         for src in gl.static_range(p.WORLD):  # rank order; the own partial is acc
@@ -506,9 +522,7 @@ if gluon is not None:
         if p.HAS_BIAS:
             cols = off_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, acc_layout))
             acc += gl.load(p.bias_ptr + cols, mask=cols < p.N, other=0.0).to(gl.float32)[None, :]
-        tma.store_wait(0)
-        c_buf.store(acc.to(dtype))
-        fence_async_shared()
+        _stage(c_buf, acc, dtype)
         tma_store(p.out_desc, [off_m, off_n], c_buf)
         return waited, nload
 
@@ -525,17 +539,13 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
         dtype: gl.constexpr = p.out_desc.dtype
-        tma.store_wait(0)
-        c_buf.store(acc.to(dtype))
-        fence_async_shared()
+        _stage(c_buf, acc, dtype)
         parts = p.parts_ptr.to(gl.pointer_type(dtype), bitcast=True)
         desc = tma.make_tensor_descriptor(parts, [p.sk_tiles * p.sk_split * BLOCK_M, BLOCK_N],
                                           [BLOCK_N, 1], [BLOCK_M, BLOCK_N], p.out_desc.layout)
         tma_store(desc, [unit * BLOCK_M, 0], c_buf)
         zero = gl.arange(0, 1, one_layout)
-        gl.inline_asm_elementwise(
-            "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, $1;",
-            "=r,r", [zero], dtype=gl.int32, is_pure=False, pack=1)
+        _drain_stores(zero)
         partition_barrier()
         counter = p.counters_ptr + tile_index + zero
         seen = gl.atomic_add(counter, 1 + zero, sem="acq_rel", scope="gpu")
@@ -560,11 +570,7 @@ if gluon is not None:
         dtype: gl.constexpr = p.out_desc.dtype
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8 // p.PARTITIONS, 1], [1, 0])
         if waited == 0:
-            my_flags = gl.load(p.flag_ptrs + p.rank).to(gl.pointer_type(gl.int32))
-            for src in range(p.WORLD):
-                if src != p.rank:
-                    wait_signal(my_flags + src, p.epoch, p.max_spins, p.err_ptr, _OP_GEMM_RS,
-                                p.rank, src)
+            _wait_peers(p)
         parts = p.parts_ptr.to(gl.pointer_type(dtype), bitcast=True)
         first = (tile_index * p.sk_split).to(gl.int64) * (BLOCK_M * BLOCK_N)
         for r0 in range(0, BLOCK_M, RED_M):
