@@ -41,7 +41,7 @@ _listeners: List[Callable[[], None]] = []
 
 class Decision(NamedTuple):
     """``auto``'s choice for one call shape: ``fused``, where it came from (``source``: ``"table"``,
-    ``"estimate"`` or ``"size rule"``) and why, in words."""
+    ``"rule"``, ``"estimate"`` or ``"size rule"``) and why, in words."""
 
     fused: bool
     source: str
@@ -139,8 +139,10 @@ def estimator(op: str, dtype, tp: int, device: DeviceLike) -> Tuple[estimate.Est
 
 def decide(op: str, m_total: int, n: int, k: int, dtype, tp: int, device) -> Decision:
     """``auto``'s :class:`Decision` for one op and global row count: a current table's entry
-    (with the margin) where one lies within :data:`TABLE_REACH_OCTAVES` of ``m_total``, else the
-    estimate from the nearest current entries (:mod:`.estimate`), else the size rule. Cached."""
+    (with the margin) where one lies within :data:`TABLE_REACH_OCTAVES` of ``m_total``; else
+    fused for a GEMM+RS on a (GPU, TP) of :data:`.estimate.PINGPONG_FUSED` whose config is the
+    ping-pong rule's (source ``"rule"``); else the estimate from the nearest current entries
+    (:mod:`.estimate`), else the size rule. Cached."""
     margin = auto_margin()
     op = normalize_op(op)
     ck = ("decide", op, m_total, n, k, str(dtype), tp, margin,
@@ -157,6 +159,18 @@ def decide(op: str, m_total: int, n: int, k: int, dtype, tp: int, device) -> Dec
             fused = e.flux_ms <= (1.0 - margin) * e.nccl_ms
             out = Decision(fused, "table", f"table ({e.flux_ms / e.nccl_ms:.3f} at m={e.m}, "
                                            f"margin {margin:.0%})")
+    if out is None and op == "rs" and (_identity(device)[0], tp) in estimate.PINGPONG_FUSED:
+        try:
+            where = kernel_config(op, m_total, n, k, dtype, tp, device)[1]
+        except ValueError as exc:  # a dtype the tables have no key for
+            from megatron_flux.tuning.schema import TuningFileError
+
+            if isinstance(exc, TuningFileError):
+                raise
+            where = ""
+        if where.startswith(estimate.PINGPONG_SOURCE):
+            out = Decision(True, "rule", f"the {estimate.PINGPONG_SOURCE} rule's config, faster "
+                                         f"than NCCL wherever it ran on this GPU at TP {tp}")
     if out is None:
         try:
             est = estimator(op, dtype, tp, device)[0].decide(m_total, n, k, margin)

@@ -583,3 +583,28 @@ def test_kernel_config_applies_the_pingpong_rule_on_the_shipped_tp4_table():
     assert where.startswith("nearest entry (n=12288") and (cfg.block_m, cfg.block_n) == (128, 256)
     own, where = provider.kernel_config("rs", 4096, 4096, 3584, BF16, 4, h200)
     assert where == "table (m=4096)"
+
+
+def test_auto_runs_the_pingpong_rules_config_fused_on_h200_at_tp2():
+    """On the shipped tables, a GEMM+RS shape no table lists whose config is the ping-pong
+    rule's (gemma3-12b's fc2 at m = 1024, n = 3840, k = 15360 per rank) runs fused on an H200
+    at TP 2
+    (source "rule": every such case measured there beat NCCL); below the rule's 1024 rows, at
+    TP 4, on another GPU, and for a shape a table lists, the usual sources decide."""
+    T.use_table_files(registry.shipped_table_files())
+    h200, h100 = ("NVIDIA H200", 132), ("NVIDIA H100 80GB HBM3", 132)
+    assert provider.kernel_config("rs", 1024, 3840, 15360, BF16, 2, h200)[1].startswith(
+        E.PINGPONG_SOURCE)
+    d = provider.decide("rs", 1024, 3840, 15360, BF16, 2, h200)
+    assert d.fused and d.source == "rule" and "ping-pong" in d.why
+    # from m = 2048 the nearest entry's own Gluon config runs it: the estimate decides
+    assert not provider.kernel_config("rs", 2048, 3840, 15360, BF16, 2, h200)[1].startswith(
+        E.PINGPONG_SOURCE)
+    assert provider.decide("rs", 2048, 3840, 15360, BF16, 2, h200).source == "estimate"
+    assert provider.decide("rs", 512, 3840, 15360, BF16, 2, h200).source != "rule"
+    # gemma2-27b's fc2 at TP 4 runs the rule's config, but the estimate decides there
+    assert provider.kernel_config("rs", 1024, 4608, 18432, BF16, 4, h200)[1].startswith(
+        E.PINGPONG_SOURCE)
+    assert provider.decide("rs", 1024, 4608, 18432, BF16, 4, h200).source != "rule"
+    assert provider.decide("rs", 1024, 3840, 15360, BF16, 2, h100).source != "rule"
+    assert provider.decide("rs", 1024, 5120, 13824, BF16, 2, h200).source == "table"
