@@ -595,9 +595,9 @@ def test_resolve_backend_auto_consults_the_table(fake_fused):
     assert nccl.calls == ["ag"] and fused.calls == []
     large = resolve_backend("auto", torch.empty(2048, 4096, dtype=bf), torch.empty(4096, 14336, dtype=bf), g)
     assert _picked(large, "ag") is fused      # m=4096: fused 0.872x nccl
-    # no RS entry for (n, k) = (14336, 4096) and none within the estimate's reach: the size
-    # rule, which without an estimate keeps GEMM+RS on NCCL
-    assert _picked(large, "rs") is nccl
+    # no RS entry for (n, k) = (14336, 4096) and none within the estimate's reach: the
+    # ping-pong GEMM+RS rule's config, which runs fused on an H200 at TP 2
+    assert _picked(large, "rs") is fused
     # GEMM+RS gpt3-175b m=8192: [8192, 24576] @ [24576, 12288]: what the shipped entry says
     (e,) = [e for e in _shipped_tp2_entries() if (e.op, e.n, e.k, e.m) == ("rs", 12288, 24576, 8192)]
     want = fused if e.flux_ms <= 0.98 * e.nccl_ms else nccl

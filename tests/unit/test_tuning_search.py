@@ -513,7 +513,8 @@ def test_a_tune_starts_from_what_the_shipped_tables_run_untuned():
     none = S.untuned_config("rs", 4096, 6656, 8960, torch.bfloat16, 2, ("NVIDIA B200", 148))
     assert none.source.endswith("(else default)")  # the ping-pong rule, on the default
     assert none.config == dataclasses.replace(default_config("rs", 4096, 6656, 8960, tp=2),
-                                              **E.PINGPONG_RS)
+                                              **dict(E.PINGPONG_RS, rs_copy_engine=True))
+    # (copy-engine pushes: TP 2 from m = 2048)
     ag = S.untuned_config("ag", 4096, 6656, 8960, torch.bfloat16, 2, ("NVIDIA B200", 148))
     assert ag == S.Incumbent(default_config("ag", 4096, 6656, 8960, tp=2), "default")
 
