@@ -408,15 +408,15 @@ PINGPONG_CE_MIN_M = 2048
 PINGPONG_SOURCE = "ping-pong GEMM+RS"
 #: On these (GPU, TP) ``auto`` runs a GEMM+RS shape fused where its config is the ping-pong
 #: rule's (``megatron_flux.tuning.provider.decide``), without the estimate. 2xH200,
-#: communication on, models no table holds: the rule's config as it stands ran 1.037-1.317x
-#: NCCL + cuBLAS's speed (paired 1.046-1.318x) in all 11 cases measured (7 models, m =
-#: 1024-8192), its form before copy-engine pushes from m = 2048 1.013-1.271x in 9 more
-#: (``bench-h200x2-2026-11-29-unseen-g.json``; the rule's rows and variant rows of
-#: ``ab-rs-split-h200x2-2026-11-28-unseen.json`` and ``ab-rs-pingpong-ce-h200x2-2026-11-29-unseen.json``),
-#: where the estimate, predicting from neighbours at half the rows, took NCCL in 4 of the
-#: first run's 5. At TP 4 the rule's config ran with communication on only before its split
-#: tail (0.85x and 0.97x at m = 1024 on two of nine models), and no other GPU ran it: the
-#: estimate decides there.
+#: communication on, models no table holds: the rule's config as it stands ran 1.019-1.317x
+#: NCCL + cuBLAS's speed (paired 1.019-1.318x) in all 16 cases measured (12 models, m =
+#: 1024-8192), its form before copy-engine pushes from m = 2048 1.013-1.271x in 6 more
+#: (``bench-h200x2-2026-11-29-unseen-h.json``; the rule's rows and variant rows of
+#: ``ab-rs-split-h200x2-2026-11-28-unseen.json`` and ``ab-rs-pingpong-ce-h200x2-2026-11-29-unseen.json``).
+#: The estimate, predicting from neighbours at half the rows, is conservative for GEMM+RS
+#: (``docs/tuning.md``, "Leave-out error"). At TP 4 the rule's config ran with communication on
+#: only before its split tail (0.85x and 0.97x at m = 1024 on two of nine models), and no other
+#: GPU ran it: the estimate decides there.
 PINGPONG_FUSED = (("h200", 2),)
 #: the ping-pong form of the warp-specialized GEMM+RS (``kernels/gemm_rs_ws.py``): 128x128
 #: tiles on two MMA warpgroups, so one tile's epilogue (the pushes to the owner, or the

@@ -62,6 +62,9 @@ SHIPPED = {
         # have entries to adopt into)
         ("adopt", [R + "ab-rs-split-h200x2-2026-11-28-unseen.json",
                    R + "ab-rs-split-h200x2-2026-11-28.json"]),
+        # and with copy-engine pushes, on two entries whose 128x256 configs measured near or
+        # above NCCL's time (falcon-7b m = 4096, yi-34b m = 4096; m = 8192 beside them)
+        ("adopt", [R + "ab-rs-split-ce-h200x2-2026-11-29-outliers.json"]),
     ]),
     "h200-sm132-tp4-bf16.json": ("h200", 4, R + "tune-h200x4-2026-11-22.json", [
         ("confirm", R + "bench-h200x4-2026-11-22.json"),
