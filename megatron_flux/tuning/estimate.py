@@ -15,11 +15,14 @@ m alone, of 4 in n or k alone): farther, the tables say nothing about the shape.
 included: their configs run) whose config can run the shape (:func:`config_problem`: the Gluon
 warp-specialized kernels need the rows per rank to be a multiple of ``block_m`` and at least
 ``num_stages`` K steps; no tile larger than the shape, as the tuner's candidates), with its
-stream-K tail on where its kernel has one (:func:`transplanted`), unless another winning
-entry's config fills the SMs' waves of tiles clearly better on the new shape
-(:func:`wave_work`). None within reach: ``default_config``. At TP 4 a GEMM+RS shape then runs
-the ping-pong Gluon kernel where few waves of wide tiles make its overlapped epilogue pay
-(:func:`pingpong_rs_config`); :func:`unlisted_config` applies the rules in that order.
+tail split on where its kernel has one (the Triton kernels' stream-K tail, the warp-specialized
+GEMM+RS's split tail: :func:`transplanted`), unless another winning entry's config fills the
+SMs' waves of tiles clearly better on the new shape (:func:`wave_work`). None within reach:
+``default_config``. At TP 2 and 4 a GEMM+RS shape then runs the ping-pong Gluon kernel with its
+split tail where few waves of wide tiles make its overlapped epilogue pay (at TP 2 from 2048
+rows with copy-engine pushes; :func:`pingpong_rs_config`); :func:`unlisted_config` applies the
+rules in that order. Where that rule gives the config on an H200 at TP 2, ``auto`` runs it
+fused without an estimate (:data:`PINGPONG_FUSED`).
 
 **Fused or NCCL** (:class:`Estimator`): the predicted ratio for ``m`` rows is the geometric mean
 of ``flux_ms / nccl_ms`` of the ``K = 2`` entries nearest to ``(m / ROW_SHIFT, n, k)``
