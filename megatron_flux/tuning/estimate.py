@@ -21,7 +21,7 @@ SMs' waves of tiles clearly better on the new shape (:func:`wave_work`). None wi
 ``default_config``. At TP 2 and 4 a GEMM+RS shape then runs the ping-pong Gluon kernel with its
 split tail where few waves of wide tiles make its overlapped epilogue pay (at TP 2 from 2048
 rows with copy-engine pushes; :func:`pingpong_rs_config`); :func:`unlisted_config` applies the
-rules in that order. Where that rule gives the config on an H200 at TP 2, ``auto`` runs it
+rules in that order. Where that rule gives the config on an H200 at TP 2 (bf16), ``auto`` runs it
 fused without an estimate (:data:`PINGPONG_FUSED`).
 
 **Fused or NCCL** (:class:`Estimator`): the predicted ratio for ``m`` rows is the geometric mean
@@ -409,8 +409,8 @@ PINGPONG_CE_TPS = (2,)
 PINGPONG_CE_MIN_M = 2048
 #: how :func:`unlisted_config` names the ping-pong rule as a config's source
 PINGPONG_SOURCE = "ping-pong GEMM+RS"
-#: On these (GPU, TP) ``auto`` runs a GEMM+RS shape fused where its config is the ping-pong
-#: rule's (``megatron_flux.tuning.provider.decide``), without the estimate. 2xH200,
+#: On these (GPU, TP, dtype) ``auto`` runs a GEMM+RS shape fused where its config is the
+#: ping-pong rule's (``megatron_flux.tuning.provider.decide``), without the estimate. 2xH200, bf16,
 #: communication on, models no table holds: the rule's config as it stands ran 1.019-1.317x
 #: NCCL + cuBLAS's speed (paired 1.019-1.318x) in all 16 cases measured (12 models, m =
 #: 1024-8192), its form before copy-engine pushes from m = 2048 1.013-1.271x in 6 more
@@ -419,8 +419,8 @@ PINGPONG_SOURCE = "ping-pong GEMM+RS"
 #: The estimate, predicting from neighbours at half the rows, is conservative for GEMM+RS
 #: (``docs/tuning.md``, "Leave-out error"). At TP 4 the rule's config ran with communication on
 #: only before its split tail (0.85x and 0.97x at m = 1024 on two of nine models), and no other
-#: GPU ran it: the estimate decides there.
-PINGPONG_FUSED = (("h200", 2),)
+#: GPU or dtype ran it: the estimate decides there.
+PINGPONG_FUSED = (("h200", 2, "bf16"),)
 #: the ping-pong form of the warp-specialized GEMM+RS (``kernels/gemm_rs_ws.py``): 128x128
 #: tiles on two MMA warpgroups, so one tile's epilogue (the pushes to the owner, or the
 #: reduction of the peers' partials) runs beside the other tile's MMAs; pushes from the SMs;

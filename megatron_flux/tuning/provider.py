@@ -137,11 +137,21 @@ def estimator(op: str, dtype, tp: int, device: DeviceLike) -> Tuple[estimate.Est
     return hit
 
 
+def _pingpong_fused(dtype, tp: int, device) -> bool:
+    """Whether ``(GPU, TP, dtype)`` is one where the ping-pong GEMM+RS rule's config was
+    measured faster than NCCL wherever it ran (:data:`.estimate.PINGPONG_FUSED`)."""
+    try:
+        key = dtype_key(dtype)
+    except ValueError:  # a dtype the tables have no key for
+        return False
+    return (_identity(device)[0], int(tp), key) in estimate.PINGPONG_FUSED
+
+
 def decide(op: str, m_total: int, n: int, k: int, dtype, tp: int, device) -> Decision:
     """``auto``'s :class:`Decision` for one op and global row count: a current table's entry
     (with the margin) where one lies within :data:`TABLE_REACH_OCTAVES` of ``m_total``; else
-    fused for a GEMM+RS on a (GPU, TP) of :data:`.estimate.PINGPONG_FUSED` whose config is the
-    ping-pong rule's (source ``"rule"``); else the estimate from the nearest current entries
+    fused for a GEMM+RS on a (GPU, TP, dtype) of :data:`.estimate.PINGPONG_FUSED` whose config
+    is the ping-pong rule's (source ``"rule"``); else the estimate from the nearest current entries
     (:mod:`.estimate`), else the size rule. Cached."""
     margin = auto_margin()
     op = normalize_op(op)
@@ -159,15 +169,8 @@ def decide(op: str, m_total: int, n: int, k: int, dtype, tp: int, device) -> Dec
             fused = e.flux_ms <= (1.0 - margin) * e.nccl_ms
             out = Decision(fused, "table", f"table ({e.flux_ms / e.nccl_ms:.3f} at m={e.m}, "
                                            f"margin {margin:.0%})")
-    if out is None and op == "rs" and (_identity(device)[0], tp) in estimate.PINGPONG_FUSED:
-        try:
-            where = kernel_config(op, m_total, n, k, dtype, tp, device)[1]
-        except ValueError as exc:  # a dtype the tables have no key for
-            from megatron_flux.tuning.schema import TuningFileError
-
-            if isinstance(exc, TuningFileError):
-                raise
-            where = ""
+    if out is None and op == "rs" and _pingpong_fused(dtype, tp, device):
+        where = kernel_config(op, m_total, n, k, dtype, tp, device)[1]
         if where.startswith(estimate.PINGPONG_SOURCE):
             out = Decision(True, "rule", f"the {estimate.PINGPONG_SOURCE} rule's config, faster "
                                          f"than NCCL wherever it ran on this GPU at TP {tp}")

@@ -591,7 +591,7 @@ def test_auto_runs_the_pingpong_rules_config_fused_on_h200_at_tp2():
     rule's (gemma3-12b's fc2 at m = 1024, n = 3840, k = 15360 per rank) runs fused on an H200
     at TP 2
     (source "rule": every such case measured there beat NCCL); below the rule's 1024 rows, at
-    TP 4, on another GPU, and for a shape a table lists, the usual sources decide."""
+    TP 4, on another GPU or dtype, and for a shape a table lists, the usual sources decide."""
     T.use_table_files(registry.shipped_table_files())
     h200, h100 = ("NVIDIA H200", 132), ("NVIDIA H100 80GB HBM3", 132)
     assert provider.kernel_config("rs", 1024, 3840, 15360, BF16, 2, h200)[1].startswith(
@@ -608,4 +608,7 @@ def test_auto_runs_the_pingpong_rules_config_fused_on_h200_at_tp2():
         E.PINGPONG_SOURCE)
     assert provider.decide("rs", 1024, 4608, 18432, BF16, 4, h200).source != "rule"
     assert provider.decide("rs", 1024, 3840, 15360, BF16, 2, h100).source != "rule"
+    # measured in bf16 only: fp16 (no table) and a dtype the tables have no key for do not
+    assert provider.decide("rs", 1024, 3840, 15360, torch.float16, 2, h200).source != "rule"
+    assert provider.decide("rs", 1024, 3840, 15360, torch.int8, 2, h200).source == "size rule"
     assert provider.decide("rs", 1024, 5120, 13824, BF16, 2, h200).source == "table"
