@@ -510,7 +510,7 @@ def unlisted_config(op: str, points: Iterable[Point], m_total: int, n: int, k: i
     return cfg, where
 
 
-def transplanted(cfg, op: str = "rs", ws_split: bool = True):
+def transplanted(cfg, op: str, ws_split: bool = True):
     """``cfg`` (the nearest entry's, for a shape it was not tuned on) with its kernel's tail
     split on: the persistent Triton kernels' stream-K tail, and for GEMM+RS the
     warp-specialized kernel's split tail (not merged rows, the spread reduction, or the

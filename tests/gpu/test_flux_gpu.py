@@ -104,13 +104,19 @@ def _check_rs_start_every_shape(flux, group, rank, world, gen):
     return len(SHAPES)
 
 
+def _default_config_with(op, m_total, n, k, **fields):
+    """The heuristic default config of a shape with ``fields`` changed."""
+    from megatron_flux.kernels.config import default_config
+
+    return dataclasses.replace(default_config(op, m_total, n, k), **fields)
+
+
 def _default_with(**fields):
     """A FluxBackend whose every config is the heuristic default with ``fields`` changed."""
     from megatron_flux.backends.flux import FluxBackend
-    from megatron_flux.kernels.config import default_config
 
-    return FluxBackend(config_provider=lambda op, m_total, n, k: dataclasses.replace(
-        default_config(op, m_total, n, k), **fields))
+    return FluxBackend(config_provider=lambda op, m_total, n, k: _default_config_with(
+        op, m_total, n, k, **fields))
 
 
 def _check_ag_every_shape(flux, group, rank, world, gen):
@@ -500,7 +506,6 @@ def _split_tail_worker(rank, world, port, env):
     """The warp-specialized GEMM+RS's split tail with real peers (SM and copy-engine pushes,
     with and without a bias) against NCCL + fp32 math; the launch's plan does split."""
     init_rank(rank, world, port, env)
-    from megatron_flux.kernels.config import default_config
     from megatron_flux.kernels.gemm_rs_ws import split_tail_plan
 
     group = torch.distributed.group.WORLD
@@ -513,7 +518,7 @@ def _split_tail_worker(rank, world, port, env):
     checks = 0
     for variant in (ws, dict(ws, rs_copy_engine=True)):
         flux = _default_with(**variant)
-        cfg = dataclasses.replace(default_config("rs", world * m_local, n, k), **variant)
+        cfg = _default_config_with("rs", world * m_local, n, k, **variant)
         tiles = world * (m_local // 128) * (n // 128)
         assert split_tail_plan(world, m_local, n, k, cfg, min(sms, tiles))[1] > 1
         for with_bias in (False, True):

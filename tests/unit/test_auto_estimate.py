@@ -528,7 +528,7 @@ def test_pingpong_rule_runs_gemm_rs_under_ten_waves_at_tp2_and_tp4():
     warp-specialized config, the other rules' config stays."""
     wide_ce = dataclasses.replace(WIDE, rs_copy_engine=True)
     near = [P(m, 4096, 7168, 0.87, wide_ce) for m in (1024, 4096, 8192)]
-    base = E.transplanted(wide_ce)  # the nearest entry's, its stream-K tail on
+    base = E.transplanted(wide_ce, "rs")  # the nearest entry's, its stream-K tail on
     for m, n in ((1024, 5120), (4096, 4608), (8192, 5120)):  # 1.2, 4.4 and 9.7 waves
         cfg, where = E.unlisted_config("rs", near, m, n, 6848, 4, 132, pingpong=True)
         assert cfg == dataclasses.replace(base, **E.PINGPONG_RS), (m, n)
