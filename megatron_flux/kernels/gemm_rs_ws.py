@@ -92,12 +92,22 @@ from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, aggregat
 from megatron_flux.kernels.signals import OP_GEMM_RS, fence_async_proxy, wait_signal
 from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step, serpentine
 
+#: TRACE: int64 words per program of the trace buffer, and what the kernel stamps there
+#: (``%globaltimer``, ns): per MMA partition ``c`` at ``6 c + i`` its start, its last work item's
+#: start and MMAs' end, that item's epilogue issued (a split part's: published, and summed
+#: when it was the last), the time it counted in as a split tile's last part, its end; the
+#: load partition's start and end at 12 and 13; a split tile's last part, the peers' signals
+#: acquired, at 14
+WS_TRACE_SLOTS = 16
+WS_RS_PHASES = ("start", "last_item", "last_mma_done", "last_epilogue", "last_part_in", "end")
+
 if gluon is not None:
     from megatron_flux.kernels.gluon_ws import b_operand, load_ab, mma_steps, mma_tile, \
         partition_barrier, ring_barriers, tiles_of_program, tiles_per_segment, tma_descriptor, \
         tma_load, tma_store
 
     _OP_GEMM_RS = gl.constexpr(OP_GEMM_RS)
+    _WS_TRACE_SLOTS = gl.constexpr(WS_TRACE_SLOTS)
 
     @aggregate
     class _Args:
@@ -118,6 +128,7 @@ if gluon is not None:
         flag_ptrs: gl.tensor
         bias_ptr: gl.tensor
         err_ptr: gl.tensor
+        trace_ptr: gl.tensor
         parts_ptr: gl.tensor
         counters_ptr: gl.tensor
         m_local: gl.tensor
@@ -137,14 +148,17 @@ if gluon is not None:
         PARTITIONS: gl.constexpr
         MERGE_ROWS: gl.constexpr
         SPLIT_TAIL: gl.constexpr
+        TAIL_ROWS: gl.constexpr
+        TAIL_PARTS: gl.constexpr
+        TRACE: gl.constexpr
         OWNER_STEPS: gl.constexpr
 
         @gluon.constexpr_function
         def __init__(self, a_desc, b_desc, out_desc, slots_desc, a_bufs, b_bufs, c_bufs, ready,
                      empty, handoff, pload, data_ptr, out_ptr, data_ptrs, flag_ptrs, bias_ptr,
-                     err_ptr, parts_ptr, counters_ptr, m_local, N, K, rank, epoch, max_spins,
-                     sk_tiles, sk_split, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M, NUM_PROGRAMS,
-                     PARTITIONS, MERGE_ROWS, SPLIT_TAIL):
+                     err_ptr, trace_ptr, parts_ptr, counters_ptr, m_local, N, K, rank, epoch,
+                     max_spins, sk_tiles, sk_split, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M,
+                     NUM_PROGRAMS, PARTITIONS, MERGE_ROWS, SPLIT_TAIL, TAIL_ROWS, TAIL_PARTS, TRACE):
             self.a_desc = a_desc
             self.b_desc = b_desc
             self.out_desc = out_desc
@@ -162,6 +176,7 @@ if gluon is not None:
             self.flag_ptrs = flag_ptrs
             self.bias_ptr = bias_ptr
             self.err_ptr = err_ptr
+            self.trace_ptr = trace_ptr
             self.parts_ptr = parts_ptr
             self.counters_ptr = counters_ptr
             self.m_local = m_local
@@ -181,6 +196,9 @@ if gluon is not None:
             self.PARTITIONS = gl.constexpr(PARTITIONS)
             self.MERGE_ROWS = gl.constexpr(MERGE_ROWS)
             self.SPLIT_TAIL = gl.constexpr(SPLIT_TAIL)
+            self.TAIL_ROWS = gl.constexpr(TAIL_ROWS)
+            self.TAIL_PARTS = gl.constexpr(TAIL_PARTS)
+            self.TRACE = gl.constexpr(TRACE)
             # owners whose signal the grid's last arrival raises: the peers, and with merged
             # rows (whose own partial is pushed to the own slot too) this rank
             self.OWNER_STEPS = gl.constexpr(WORLD if MERGE_ROWS else WORLD - 1)
@@ -249,6 +267,8 @@ if gluon is not None:
     def _load_partition(p):
         BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
         k_tiles = gl.cdiv(p.K, BLOCK_K)
+        loader_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        _stamp(p, 12, loader_layout)
         pos = 0
         for j in range(_num_tiles(p)):
             step, seg, a_row, off_m, off_n = _tile(p, j)
@@ -264,6 +284,7 @@ if gluon is not None:
                     load_ab(p.a_desc, a_row, p.b_desc, off_n, p.a_bufs, p.b_bufs, p.ready,
                             p.empty, pos, k0 + kk, p.B_KN)
                     pos += 1
+        _stamp(p, 13, loader_layout)
 
     @gluon.jit
     def _stage(c_buf, acc, dtype: gl.constexpr):
@@ -281,6 +302,17 @@ if gluon is not None:
         gl.inline_asm_elementwise(
             "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, $1;",
             "=r,r", [zero], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _stamp(p, slot, layout: gl.constexpr):
+        """TRACE: ``%globaltimer`` into ``trace[program, slot]`` (:data:`WS_RS_PHASES`; every
+        thread of the partition stores the same word); without TRACE nothing."""
+        if p.TRACE:
+            zero = gl.arange(0, 1, layout)
+            now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [zero],
+                                            dtype=gl.int64, is_pure=False, pack=1)
+            gl.store(p.trace_ptr.to(gl.pointer_type(gl.int64), bitcast=True)
+                     + gl.program_id(0) * _WS_TRACE_SLOTS + slot + zero, now)
 
     @gluon.jit
     def _wait_peers(p):
@@ -431,11 +463,12 @@ if gluon is not None:
         n_tiles = _num_tiles(p)
         n_work = n_tiles
         if p.SPLIT_TAIL:  # the program's part of the split tail, as its tile after the last
-            n_work = n_tiles + _tail_unit(p)[0].to(gl.int32)
+            has_unit, unit_t, part, k0, unit_steps = _tail_unit(p)
+            n_work = n_tiles + has_unit.to(gl.int32)
+        _stamp(p, 6 * C, one_layout)  # start
         for j in range(C, n_work, p.PARTITIONS):
             steps = k_tiles
             if p.SPLIT_TAIL:
-                has_unit, unit_t, part, k0, unit_steps = _tail_unit(p)
                 if j == n_tiles:
                     step, seg, a_row, off_m, off_n = _flat_tile(p, unit_t)
                     steps = unit_steps
@@ -455,13 +488,15 @@ if gluon is not None:
                 mbarrier.expect(p.pload.index(C), nbytes)
                 tma_load(p.slots_desc, [src0 * p.m_local + off_m, off_n], p.pload.index(C), c_buf)
                 prefetched = 1
+            _stamp(p, 6 * C + 1, one_layout)  # the last work item's start
             acc = mma_steps(p.a_bufs, p.b_bufs, p.ready, p.empty, p.handoff, j, j * k_tiles, steps,
                             C, p.PARTITIONS, p.B_KN, BLOCK_M, BLOCK_N, acc_layout)
+            _stamp(p, 6 * C + 2, one_layout)  # its MMAs done
             if p.SPLIT_TAIL:
                 if j == n_tiles:
-                    tile_index = _tail_unit(p)[1] - (
-                        p.WORLD * tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N) - p.sk_tiles)
+                    tile_index = gl.program_id(0) // p.sk_split  # (unit = program, _tail_unit)
                     if _publish_part(p, acc, gl.program_id(0), tile_index, c_buf, one_layout):
+                        _stamp(p, 6 * C + 4, one_layout)  # counted in, last part
                         _finish_split_tile(p, tile_index, off_m, off_n, waited)
                 elif own:
                     waited, nload = _reduce_own(p, acc, off_m, off_n, c_buf, C, src0, prefetched,
@@ -474,9 +509,11 @@ if gluon is not None:
                                                 waited, nload, acc_layout)
                 else:
                     _push_partial(p, acc, seg, off_m, off_n, c_buf, push0, slot)
+            _stamp(p, 6 * C + 3, one_layout)  # its epilogue issued (a split part: summed)
         if arrived == 0:  # no own tile: count in anyway
             _arrive(p, one_layout)
         tma.store_wait(0)
+        _stamp(p, 6 * C + 5, one_layout)  # end
 
     @gluon.jit
     def _push_partial(p, acc, seg, off_m, off_n, c_buf, push0, slot):
@@ -566,11 +603,12 @@ if gluon is not None:
         accumulators."""
         BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
-        RED_M: gl.constexpr = 32
+        RED_M: gl.constexpr = p.TAIL_ROWS
         dtype: gl.constexpr = p.out_desc.dtype
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8 // p.PARTITIONS, 1], [1, 0])
         if waited == 0:
             _wait_peers(p)
+        _stamp(p, 14, gl.BlockedLayout([1], [32], [8 // p.PARTITIONS], [0]))  # peers acquired
         parts = p.parts_ptr.to(gl.pointer_type(dtype), bitcast=True)
         first = (tile_index * p.sk_split).to(gl.int64) * (BLOCK_M * BLOCK_N)
         for r0 in range(0, BLOCK_M, RED_M):
@@ -581,9 +619,15 @@ if gluon is not None:
             cols = off_n + c
             mask = (rows[:, None] < p.m_local) & (cols[None, :] < p.N)
             acc = gl.zeros([RED_M, BLOCK_N], gl.float32, layout)
-            for q in range(p.sk_split):
-                acc += gl.load(parts + first + q * (BLOCK_M * BLOCK_N) + part,
-                               cache_modifier=".cg").to(gl.float32)
+            if p.TAIL_PARTS > 0:  # every part's load issued at once (masked past sk_split)
+                for q in gl.static_range(p.TAIL_PARTS):
+                    acc += gl.load(parts + first + q * (BLOCK_M * BLOCK_N) + part,
+                                   mask=part < (q < p.sk_split).to(gl.int32) * (BLOCK_M * BLOCK_N),
+                                   other=0.0, cache_modifier=".cg").to(gl.float32)
+            else:
+                for q in range(p.sk_split):
+                    acc += gl.load(parts + first + q * (BLOCK_M * BLOCK_N) + part,
+                                   cache_modifier=".cg").to(gl.float32)
             offs = rows.to(gl.int64)[:, None] * p.N + cols[None, :]
             for src in gl.static_range(p.WORLD):  # rank order; the own partial is the parts' sum
                 if src != p.rank:
@@ -592,6 +636,8 @@ if gluon is not None:
             if p.HAS_BIAS:
                 acc += gl.load(p.bias_ptr + cols, mask=cols < p.N, other=0.0).to(gl.float32)[None, :]
             gl.store(p.out_ptr + offs, acc.to(dtype), mask=mask)
+            if r0 == 0:
+                _stamp(p, 15, gl.BlockedLayout([1], [32], [8 // p.PARTITIONS], [0]))
 
     @gluon.jit
     def _mma_partition_1(p):
@@ -599,7 +645,7 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["rank", "epoch", "max_spins", "sk_tiles", "sk_split"])
     def gemm_rs_ws_kernel(a_ptr, b_ptr, out_ptr, data_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr,
-                          parts_ptr, counters_ptr, a_hd, b_hd, out_hd, slots_hd,
+                          trace_ptr, parts_ptr, counters_ptr, a_hd, b_hd, out_hd, slots_hd,
                           m_local, N, K, ldb, rank, epoch, max_spins, sk_tiles, sk_split,
                           WORLD: gl.constexpr,
                           B_KN: gl.constexpr, HAS_BIAS: gl.constexpr, CE_PUSH: gl.constexpr,
@@ -607,7 +653,8 @@ if gluon is not None:
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                           PARTITIONS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           MERGE_ROWS: gl.constexpr = False, HOST_DESC: gl.constexpr = False,
-                          SPLIT_TAIL: gl.constexpr = False):
+                          SPLIT_TAIL: gl.constexpr = False, TAIL_ROWS: gl.constexpr = 32,
+                          TAIL_PARTS: gl.constexpr = 0, TRACE: gl.constexpr = False):
         """``a`` ``[WORLD * m_local, K]``; ``b`` ``[K, N]`` row-major (B_KN) or a transposed
         row-major ``[N, K]`` (leading stride ``ldb``); ``out`` ``[m_local, N]``; ``data_ptr``
         this rank's ``[WORLD, m_local, N]`` slot region of this call's parity; ``data_ptrs`` /
@@ -642,9 +689,9 @@ if gluon is not None:
             mbarrier.init(pload.index(i), count=1)
         p = _Args(a_desc, b_desc, out_desc, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty,
                   handoff, pload, data_ptr, out_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr,
-                  parts_ptr, counters_ptr, m_local, N, K, rank, epoch, max_spins, sk_tiles,
-                  sk_split, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M, NUM_PROGRAMS, PARTITIONS,
-                  MERGE_ROWS, SPLIT_TAIL)
+                  trace_ptr, parts_ptr, counters_ptr, m_local, N, K, rank, epoch, max_spins,
+                  sk_tiles, sk_split, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M, NUM_PROGRAMS,
+                  PARTITIONS, MERGE_ROWS, SPLIT_TAIL, TAIL_ROWS, TAIL_PARTS, TRACE)
         if PARTITIONS == 2:
             gl.warp_specialize([(_mma_partition, (p, 0)), (_mma_partition_1, (p, )),
                                 (_load_partition, (p, ))], [4, 1], [CONSUMER_REGS, 24])
@@ -680,7 +727,7 @@ def _host_descriptors(a, b, out, data, world, m_local, n, k, ldb, b_kn, cfg):
 
 
 def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, world, epoch,
-                      cfg, num_sms, max_spins, host_descriptors=True, direct=True):
+                      cfg, num_sms, max_spins, host_descriptors=True, direct=True, trace=None):
     """:func:`gemm_rs_ws_kernel` on the current stream, with :func:`.gemm_rs.launch_gemm_rs`'s
     arguments (the caller has checked :func:`unsupported_reason`). ``cfg`` gives block_m/n/k,
     num_stages, group_m and rs_copy_engine, and its num_warps the form (4: ping-pong, 8:
@@ -700,19 +747,24 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
         parts, counters = scratch.partials, scratch.counters
     ensure_descriptor_allocator()
     _LAUNCH(grid, (a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
-                   parts, counters, *descs, m_local, n, k, ldb, rank, epoch, max_spins, sk_tiles,
+                   trace if trace is not None else err, parts, counters, *descs, m_local, n, k, ldb, rank, epoch, max_spins, sk_tiles,
                    sk_split),
             dict(HOST_DESC=host_desc, WORLD=world, B_KN=b_kn, HAS_BIAS=bias is not None,
                  CE_PUSH=cfg.rs_copy_engine, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                  BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
                  NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg),
                  CONSUMER_REGS=CONSUMER_REGS, MERGE_ROWS=cfg.rs_merge_rows,
-                 SPLIT_TAIL=sk_split > 1),
+                 SPLIT_TAIL=sk_split > 1, TAIL_ROWS=TAIL_SUM_ROWS,
+                 TAIL_PARTS=MAX_TAIL_SPLIT if TAIL_SUM_AT_ONCE else 0, TRACE=trace is not None),
             num_stages=None, direct=direct, **gluon_ws.launch_options(cfg))
 
 
 #: at most this many K-parts per split tail tile
 MAX_TAIL_SPLIT = 8
+#: the last part of a split tail tile sums the parts in chunks of this many rows
+TAIL_SUM_ROWS = 32
+#: ... each chunk's parts loaded at once (unrolled to MAX_TAIL_SPLIT, masked), not one by one
+TAIL_SUM_AT_ONCE = False
 #: A tail tile cut into ``parts`` costs its programs about this many ``/ parts`` of a whole
 #: tile's time (the parts' stores, the count and the sum): 2xH200, TP 2, communication on, the
 #: split alone (same config otherwise, A/B with a same-config control) ran 0.895-0.919x the
