@@ -8,9 +8,7 @@ start and end (``gemm_rs_ws.WS_TRACE_SLOTS`` words per program). Per launch, sta
 relative to the earliest start of any partition; per phase and partition the record keeps the
 earliest, median and latest program (µs), then the median of each over ``--launches``
 launches. It also times each form with and without the stamps and cuBLAS beside them (CUDA
-events, launches alternating), so the cost of tracing is on record. ``--tail-sums`` adds split
-forms whose last part sums the parts another way (``gemm_rs_ws.TAIL_SUM_ROWS``,
-``TAIL_SUM_AT_ONCE``).
+events, launches alternating), so the cost of tracing is on record.
 
     PYTHONPATH=.:benchmarks/experiments python benchmarks/experiments/phase_trace_ws.py \
         --shapes 1024x2304x5760 1024x2048x5760 --json ws-trace.json
@@ -48,8 +46,7 @@ def summarize(traces, partitions):
     out = {}
     names = [(f"mma{c}.{phase}", 6 * c + i) for c in range(partitions)
              for i, phase in enumerate(gemm_rs_ws.WS_RS_PHASES)]
-    names += [("load.start", 12), ("load.end", 13), ("last_part.peers_acquired", 14),
-              ("last_part.first_chunk", 15)]
+    names += [("load.start", 12), ("load.end", 13), ("split.all_parts_in", 14)]
     per = {name: {"first": [], "median": [], "last": [], "programs": []} for name, _ in names}
     spans = []
     for tr in traces:
@@ -81,21 +78,10 @@ def main(argv=None):
     p.add_argument("--launches", type=int, default=21)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--tail-sums", nargs="*", default=[], metavar="ROWS:ONCE",
-                   help="more split forms, the tail summed in chunks of ROWS rows, each chunk's "
-                        "parts loaded at once (ONCE=1) or one by one (gemm_rs_ws.TAIL_SUM_ROWS, "
-                        "TAIL_SUM_AT_ONCE)")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    forms = {"nosplit": (GemmConfig(**{**PINGPONG_RS, "stream_k": 0}), None),
-             "split": (GemmConfig(**PINGPONG_RS), None)}
-    for spec in args.tail_sums:
-        rows_, once = (int(v) for v in spec.split(":"))
-        forms[f"split-sum{rows_}x{once}"] = (GemmConfig(**PINGPONG_RS), (rows_, bool(once)))
-    sum_defaults = (gemm_rs_ws.TAIL_SUM_ROWS, gemm_rs_ws.TAIL_SUM_AT_ONCE)
-
-    def tail_sum(setting):
-        gemm_rs_ws.TAIL_SUM_ROWS, gemm_rs_ws.TAIL_SUM_AT_ONCE = setting or sum_defaults
+    forms = {"nosplit": GemmConfig(**{**PINGPONG_RS, "stream_k": 0}),
+             "split": GemmConfig(**PINGPONG_RS)}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for spec in args.shapes:
@@ -104,13 +90,9 @@ def main(argv=None):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         row = {"m": m, "n": n, "k": k, "tp": args.tp, "forms": {}}
         fns = {"cublas": lambda: torch.matmul(a, w.t())}
-        for label, (cfg, setting) in forms.items():
+        for label, cfg in forms.items():
             err = torch.zeros(4, dtype=torch.int32, device="cuda")
-            launch0, out, data = rs_on_one_gpu(a, w, args.tp, err, ws_launcher, sms)
-
-            def launch(cfg, trace=None, launch0=launch0, setting=setting):
-                tail_sum(setting)
-                launch0(cfg, trace=trace)
+            launch, out, data = rs_on_one_gpu(a, w, args.tp, err, ws_launcher, sms)
 
             trace = torch.full((sms, gemm_rs_ws.WS_TRACE_SLOTS), -1, dtype=torch.int64,
                                device="cuda")

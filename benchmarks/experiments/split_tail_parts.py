@@ -1,18 +1,15 @@
-"""Experiment: how many K-parts should the warp-specialized GEMM+RS cut its tail tiles into, and
-how should the last part sum them?
+"""Experiment: how many K-parts should the warp-specialized GEMM+RS cut its tail tiles into?
 
 One GPU, communication off (``kernel_vs_cublas``'s one-GPU wiring, rank 0 of ``--tp``). Per
 shape, launches alternating round by round (``kernel_vs_cublas._time_alternating``): cuBLAS,
 the ping-pong GEMM+RS (``estimate.PINGPONG_RS``) without a split tail, with it at
-each ``--variants`` ``P:ROWS:ONCE``: ``MAX_TAIL_SPLIT = P`` (the plan's ``(tail, parts)`` is
-recorded: the grid or the K-steps may allow fewer), the parts summed in chunks of ``ROWS`` rows
-(``TAIL_SUM_ROWS``), each chunk's parts loaded one by one or, ``ONCE = 1``, all at once
-(``TAIL_SUM_AT_ONCE``); and the ping-pong AG+GEMM kernel at ``WORLD = 1`` with the same
+``MAX_TAIL_SPLIT`` = each of ``--parts`` (the plan's ``(tail, parts)`` is recorded: the grid or
+the K-steps may allow fewer), and the ping-pong AG+GEMM kernel at ``WORLD = 1`` with the same
 tile (a plain warp-specialized GEMM: no pushes, no reduction, no split; the floor of the tile
 loop). Prints each one's time / cuBLAS (median over trials of per-round ratios).
 
     PYTHONPATH=.:benchmarks/experiments python benchmarks/experiments/split_tail_parts.py \
-        --shapes 1024x2304x5760 1024x4608x9216 --variants 8:32:0 4:32:0 8:32:1 --json parts.json
+        --shapes 1024x2304x5760 1024x4608x9216 --parts 2 4 8 --json parts.json
 """
 
 import argparse
@@ -35,8 +32,7 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", required=True, metavar="MxNxK",
                    help="per-rank GEMM: m rows of all ranks, n the hidden size, k per rank")
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--variants", nargs="+", default=["2:32:0", "4:32:0", "8:32:0"],
-                   metavar="P:ROWS:ONCE", help="MAX_TAIL_SPLIT, TAIL_SUM_ROWS, TAIL_SUM_AT_ONCE")
+    p.add_argument("--parts", nargs="+", type=int, default=[2, 3, 4, 6, 8])
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--warmup", type=int, default=10)
@@ -46,12 +42,10 @@ def main(argv=None):
     split = dataclasses.replace(base, stream_k=1)
     plain = dataclasses.replace(base, rs_warp_specialized=False, ag_warp_specialized=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    knobs = ("MAX_TAIL_SPLIT", "TAIL_SUM_ROWS", "TAIL_SUM_AT_ONCE")
-    defaults = {name: getattr(gemm_rs_ws, name) for name in knobs}
+    default_parts = gemm_rs_ws.MAX_TAIL_SPLIT
 
-    def setting(values):
-        for name, value in zip(knobs, values):
-            setattr(gemm_rs_ws, name, value)
+    def setting(parts):
+        gemm_rs_ws.MAX_TAIL_SPLIT = parts
 
     rows = []
     for spec in args.shapes:
@@ -59,10 +53,9 @@ def main(argv=None):
         fns, checks, plans = {}, {}, {}
         fused, cublas, check, err = _rs_runner(m, n, k, args.tp, base, torch.bfloat16)
         fns["cublas"], fns["nosplit"], checks["nosplit"] = cublas, fused, check
-        for variant in args.variants:
-            values = tuple(int(v) for v in variant.split(":"))
-            values = (values[0], values[1], bool(values[2]))
-            name = "split" + variant
+        for parts in args.parts:
+            values = parts
+            name = f"split{parts}"
             setting(values)
             plans[name] = gemm_rs_ws.split_tail_plan(args.tp, m // args.tp, n, k, split, sms)
             fn, _, chk, _ = _rs_runner(m, n, k, args.tp, split, torch.bfloat16)
@@ -72,14 +65,14 @@ def main(argv=None):
                 fn()
 
             fns[name], checks[name] = run, chk
-        setting(defaults.values())
+        setting(default_parts)
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         launch, out = ag_on_one_gpu(a, w, 1, plain, err)
         fns["plain_ws"] = launch
         checks["plain_ws"] = lambda: (out.float(), a.float() @ w.t().float())
         times, ratios = _time_alternating(fns, args.trials, args.rounds, args.warmup, 0, 5.0)
-        setting(defaults.values())
+        setting(default_parts)
         row = {"m": m, "n": n, "k": k, "tp": args.tp, "cublas_ms": statistics.median(times["cublas"]),
                "plans": plans, "methods": {}}
         for name in fns:
@@ -99,7 +92,7 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 json.dump({"what": __doc__.splitlines()[0], "gpu": torch.cuda.get_device_name(),
                            "torch": torch.__version__, "triton": __import__("triton").__version__,
-                           "config": dataclasses.asdict(split), "defaults": defaults,
+                           "config": dataclasses.asdict(split), "default_max_tail_split": default_parts,
                            "rows": rows}, f, indent=1)
 
 

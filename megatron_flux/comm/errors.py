@@ -13,10 +13,11 @@ from typing import Callable, Optional
 import torch
 
 from megatron_flux.kernels.signals import (OP_AG_GEMM, OP_AG_READY, OP_GATHER, OP_GEMM_RS,
-                                           OP_GRAPH_FENCE)
+                                           OP_GRAPH_FENCE, OP_SPLIT_TAIL)
 
 _OPS = {OP_AG_GEMM: "AG+GEMM", OP_GEMM_RS: "GEMM+RS", OP_AG_READY: "ready barrier",
-        OP_GATHER: "all-gather (copy engine)", OP_GRAPH_FENCE: "CUDA graph fence"}
+        OP_GATHER: "all-gather (copy engine)", OP_GRAPH_FENCE: "CUDA graph fence",
+        OP_SPLIT_TAIL: "GEMM+RS split tail"}
 
 
 class FusedOpTimeout(RuntimeError):
@@ -86,6 +87,11 @@ def _message(op: int, rank: int, index: int, seen: int) -> str:
         return (f"megatron-flux CUDA graph fence: rank {rank} timed out waiting for rank {index} "
                 f"at a captured graph's first fused call (last value seen {seen}); that rank "
                 f"died, replays other graphs or is stalled. Outputs since then are invalid.")
+    if op == OP_SPLIT_TAIL:
+        return (f"megatron-flux GEMM+RS split tail: rank {rank} timed out waiting for the K-parts "
+                f"of its tail tile {index} (count seen {seen}): a program of its grid never "
+                f"published its part, because it was itself waiting for a peer that died or is "
+                f"stalled, or by a kernel bug. Outputs since then are invalid.")
     return (f"megatron-flux {_OPS.get(op, op)}: rank {rank} timed out waiting for signal "
             f"{index} (last value seen {seen}); a peer died, diverged (different shapes or "
             f"call order across the TP group) or is stalled. Outputs since then are invalid.")

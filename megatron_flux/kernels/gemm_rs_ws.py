@@ -53,12 +53,17 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
   at most one per program: program ``u`` runs unit ``u`` (part ``u % parts`` of tail tile
   ``u // parts``) as its tile after its last, on the ring and partition that tile index gives
   (one wgmma site: running the tail after the tile loop, through a second one, made ptxas
-  serialise every wgmma of the kernel, C7515; ``test_kernels_compile.py`` checks). A unit's epilogue rounds its part, TMA-stores it into its scratch slot, drains the
-  store and counts in at the tail tile's counter (acq_rel, GPU scope); the last part to arrive
-  resets the counter, waits (bounded) for the peers' signals if its partition has not, and sums
-  the parts in part order, then the peers' partials in rank order, bias once, in 32-row chunks
-  of plain loads and stores. Nobody waits for another program's part. Each part is rounded to
-  the output dtype, as a peer's partial is.
+  serialise every wgmma of the kernel, C7515; ``test_kernels_compile.py`` checks). A unit's
+  epilogue rounds its part, TMA-stores it into its scratch slot, drains the store and counts in
+  at the tail tile's counter (acq_rel, GPU scope). Then every part of the tile waits (acquire,
+  bounded) until all have counted in, and for the peers' signals if its partition has not, and
+  sums a share of the tile's rows (chunks of 16 rows, 32 cooperative, dealt round-robin over
+  the parts): the parts in part order, then the peers' partials in rank order, bias once, plain
+  loads and stores; the last to count out resets the counter. The parts' programs share the
+  sum because one program summing the whole tile took 8-10 us after the last part arrived
+  (2-2.5 us per 32-row chunk, whether a chunk's parts loaded one by one or at once; one H200,
+  comm off, ``benchmarks/experiments/phase_trace_ws.py``). Each part is rounded to the output
+  dtype, as a peer's partial is.
 * **Merged rows** (``rs_merge_rows``, MERGE_ROWS; small m): no steps. The flat tile ``t``
   walks every rank's rows ``[W * m_local, K]`` as one GROUP_M-grouped tile space, so a row tile
   may span owners. Each tile is rounded into the partition's epilogue buffer and stored into
@@ -89,17 +94,16 @@ from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, aggregate,
                                             fence_async_shared, gl, gluon, mbarrier, tma)
-from megatron_flux.kernels.signals import OP_GEMM_RS, fence_async_proxy, wait_signal
+from megatron_flux.kernels.signals import OP_GEMM_RS, OP_SPLIT_TAIL, fence_async_proxy, wait_signal
 from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step, serpentine
 
 #: TRACE: int64 words per program of the trace buffer, and what the kernel stamps there
 #: (``%globaltimer``, ns): per MMA partition ``c`` at ``6 c + i`` its start, its last work item's
-#: start and MMAs' end, that item's epilogue issued (a split part's: published, and summed
-#: when it was the last), the time it counted in as a split tile's last part, its end; the
-#: load partition's start and end at 12 and 13; a split tile's last part, the peers' signals
-#: acquired, at 14
+#: start and MMAs' end, that item's epilogue issued (a split part's: published and its rows
+#: summed), the time it counted in as a split tile's part, its end; the load partition's start
+#: and end at 12 and 13; a split part's wait for every part and the peers' signals done, at 14
 WS_TRACE_SLOTS = 16
-WS_RS_PHASES = ("start", "last_item", "last_mma_done", "last_epilogue", "last_part_in", "end")
+WS_RS_PHASES = ("start", "last_item", "last_mma_done", "last_epilogue", "part_in", "end")
 
 if gluon is not None:
     from megatron_flux.kernels.gluon_ws import b_operand, load_ab, mma_steps, mma_tile, \
@@ -107,6 +111,7 @@ if gluon is not None:
         tma_load, tma_store
 
     _OP_GEMM_RS = gl.constexpr(OP_GEMM_RS)
+    _OP_SPLIT_TAIL = gl.constexpr(OP_SPLIT_TAIL)
     _WS_TRACE_SLOTS = gl.constexpr(WS_TRACE_SLOTS)
 
     @aggregate
@@ -148,8 +153,6 @@ if gluon is not None:
         PARTITIONS: gl.constexpr
         MERGE_ROWS: gl.constexpr
         SPLIT_TAIL: gl.constexpr
-        TAIL_ROWS: gl.constexpr
-        TAIL_PARTS: gl.constexpr
         TRACE: gl.constexpr
         OWNER_STEPS: gl.constexpr
 
@@ -158,7 +161,7 @@ if gluon is not None:
                      empty, handoff, pload, data_ptr, out_ptr, data_ptrs, flag_ptrs, bias_ptr,
                      err_ptr, trace_ptr, parts_ptr, counters_ptr, m_local, N, K, rank, epoch,
                      max_spins, sk_tiles, sk_split, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M,
-                     NUM_PROGRAMS, PARTITIONS, MERGE_ROWS, SPLIT_TAIL, TAIL_ROWS, TAIL_PARTS, TRACE):
+                     NUM_PROGRAMS, PARTITIONS, MERGE_ROWS, SPLIT_TAIL, TRACE):
             self.a_desc = a_desc
             self.b_desc = b_desc
             self.out_desc = out_desc
@@ -196,8 +199,6 @@ if gluon is not None:
             self.PARTITIONS = gl.constexpr(PARTITIONS)
             self.MERGE_ROWS = gl.constexpr(MERGE_ROWS)
             self.SPLIT_TAIL = gl.constexpr(SPLIT_TAIL)
-            self.TAIL_ROWS = gl.constexpr(TAIL_ROWS)
-            self.TAIL_PARTS = gl.constexpr(TAIL_PARTS)
             self.TRACE = gl.constexpr(TRACE)
             # owners whose signal the grid's last arrival raises: the peers, and with merged
             # rows (whose own partial is pushed to the own slot too) this rank
@@ -495,9 +496,9 @@ if gluon is not None:
             if p.SPLIT_TAIL:
                 if j == n_tiles:
                     tile_index = gl.program_id(0) // p.sk_split  # (unit = program, _tail_unit)
-                    if _publish_part(p, acc, gl.program_id(0), tile_index, c_buf, one_layout):
-                        _stamp(p, 6 * C + 4, one_layout)  # counted in, last part
-                        _finish_split_tile(p, tile_index, off_m, off_n, waited)
+                    _publish_part(p, acc, gl.program_id(0), tile_index, c_buf, one_layout)
+                    _stamp(p, 6 * C + 4, one_layout)  # counted in
+                    _sum_split_rows(p, tile_index, part, off_m, off_n, waited, one_layout)
                 elif own:
                     waited, nload = _reduce_own(p, acc, off_m, off_n, c_buf, C, src0, prefetched,
                                                 waited, nload, acc_layout)
@@ -568,11 +569,7 @@ if gluon is not None:
         """Round this unit's part of a split tail tile to the output dtype (as a peer's partial
         is) and TMA-store it into its scratch slot, drained (complete, not merely read out of
         shared memory) and ordered before the count; then count it in at the tile's counter
-        (acq_rel, GPU scope, after every thread of the partition). True for the tile's last
-        part, which then owns the tile and has reset the counter for the next launch. The one
-        thread that ran the atomics writes the answer to the unit's word after the tile
-        counters, and every thread reads it back (only that thread holds the atomic's
-        result)."""
+        (acq_rel, GPU scope, after every thread of the partition)."""
         BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
         dtype: gl.constexpr = p.out_desc.dtype
@@ -584,50 +581,44 @@ if gluon is not None:
         zero = gl.arange(0, 1, one_layout)
         _drain_stores(zero)
         partition_barrier()
-        counter = p.counters_ptr + tile_index + zero
-        seen = gl.atomic_add(counter, 1 + zero, sem="acq_rel", scope="gpu")
-        last = seen == p.sk_split - 1
-        gl.atomic_xchg(counter, zero, mask=last, sem="relaxed", scope="gpu")
-        word = p.counters_ptr + p.sk_tiles + unit + zero
-        gl.store(word, last.to(gl.int32))
-        partition_barrier()
-        return gl.max(gl.load(word, volatile=True), axis=0) > 0
+        gl.atomic_add(p.counters_ptr + tile_index + zero, 1 + zero, sem="acq_rel", scope="gpu")
 
     @gluon.jit
-    def _finish_split_tile(p, tile_index, off_m, off_n, waited):
-        """The last part of split tail tile ``tile_index`` to arrive: wait (bounded) for every
-        peer's signal unless this partition has, then per ``32 x BLOCK_N`` chunk the tile's
-        ``sk_split`` parts summed in fp32 in part order (fixed, so launches are bitwise
-        repeatable), the peers' partials added in rank order, bias once, stored to ``out``.
-        Plain loads and stores in a small blocked layout: few registers beside the
-        accumulators."""
+    def _sum_split_rows(p, tile_index, part, off_m, off_n, waited, one_layout: gl.constexpr):
+        """Part ``part`` of split tail tile ``tile_index``, its own part published: wait
+        (acquire, bounded) until all ``sk_split`` parts have counted in, and for every peer's
+        signal unless this partition has; then sum its share of the tile's rows, chunks of
+        ``RED_M`` rows dealt round-robin over the parts: per chunk the ``sk_split`` parts in
+        fp32 in part order (fixed, so launches are bitwise repeatable), the peers' partials in
+        rank order, bias once, stored to ``out``. Then count out; the last part out resets the
+        counter for the next launch. The wait cannot deadlock: every program of the grid runs
+        at once (one per SM) and publishes its part before it waits, and every partition has
+        counted in at the grid barrier before its split tail's part (an own tile), so the
+        peers' signals never wait for a split tail."""
         BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
-        RED_M: gl.constexpr = p.TAIL_ROWS
+        RED_M: gl.constexpr = 4 * (8 // p.PARTITIONS)  # one row per thread row of the layout
         dtype: gl.constexpr = p.out_desc.dtype
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8 // p.PARTITIONS, 1], [1, 0])
+        counter = p.counters_ptr + tile_index
+        wait_signal(counter, p.sk_split, p.max_spins, p.err_ptr, _OP_SPLIT_TAIL, p.rank,
+                    tile_index)
         if waited == 0:
             _wait_peers(p)
-        _stamp(p, 14, gl.BlockedLayout([1], [32], [8 // p.PARTITIONS], [0]))  # peers acquired
+        _stamp(p, 14, one_layout)  # every part in, peers acquired
         parts = p.parts_ptr.to(gl.pointer_type(dtype), bitcast=True)
         first = (tile_index * p.sk_split).to(gl.int64) * (BLOCK_M * BLOCK_N)
-        for r0 in range(0, BLOCK_M, RED_M):
-            r = r0 + gl.arange(0, RED_M, gl.SliceLayout(1, layout))
+        for chunk in range(part, BLOCK_M // RED_M, p.sk_split):
+            r = chunk * RED_M + gl.arange(0, RED_M, gl.SliceLayout(1, layout))
             c = gl.arange(0, BLOCK_N, gl.SliceLayout(0, layout))
-            part = r[:, None] * BLOCK_N + c[None, :]
+            in_tile = r[:, None] * BLOCK_N + c[None, :]
             rows = off_m + r
             cols = off_n + c
             mask = (rows[:, None] < p.m_local) & (cols[None, :] < p.N)
             acc = gl.zeros([RED_M, BLOCK_N], gl.float32, layout)
-            if p.TAIL_PARTS > 0:  # every part's load issued at once (masked past sk_split)
-                for q in gl.static_range(p.TAIL_PARTS):
-                    acc += gl.load(parts + first + q * (BLOCK_M * BLOCK_N) + part,
-                                   mask=part < (q < p.sk_split).to(gl.int32) * (BLOCK_M * BLOCK_N),
-                                   other=0.0, cache_modifier=".cg").to(gl.float32)
-            else:
-                for q in range(p.sk_split):
-                    acc += gl.load(parts + first + q * (BLOCK_M * BLOCK_N) + part,
-                                   cache_modifier=".cg").to(gl.float32)
+            for q in range(p.sk_split):
+                acc += gl.load(parts + first + q * (BLOCK_M * BLOCK_N) + in_tile,
+                               cache_modifier=".cg").to(gl.float32)
             offs = rows.to(gl.int64)[:, None] * p.N + cols[None, :]
             for src in gl.static_range(p.WORLD):  # rank order; the own partial is the parts' sum
                 if src != p.rank:
@@ -636,8 +627,11 @@ if gluon is not None:
             if p.HAS_BIAS:
                 acc += gl.load(p.bias_ptr + cols, mask=cols < p.N, other=0.0).to(gl.float32)[None, :]
             gl.store(p.out_ptr + offs, acc.to(dtype), mask=mask)
-            if r0 == 0:
-                _stamp(p, 15, gl.BlockedLayout([1], [32], [8 // p.PARTITIONS], [0]))
+        zero = gl.arange(0, 1, one_layout)
+        partition_barrier()  # every thread's loads of the parts are done
+        out_count = gl.atomic_add(counter + zero, 1 + zero, sem="relaxed", scope="gpu")
+        gl.atomic_xchg(counter + zero, zero, mask=out_count == 2 * p.sk_split - 1,
+                       sem="relaxed", scope="gpu")
 
     @gluon.jit
     def _mma_partition_1(p):
@@ -653,8 +647,7 @@ if gluon is not None:
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                           PARTITIONS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           MERGE_ROWS: gl.constexpr = False, HOST_DESC: gl.constexpr = False,
-                          SPLIT_TAIL: gl.constexpr = False, TAIL_ROWS: gl.constexpr = 32,
-                          TAIL_PARTS: gl.constexpr = 0, TRACE: gl.constexpr = False):
+                          SPLIT_TAIL: gl.constexpr = False, TRACE: gl.constexpr = False):
         """``a`` ``[WORLD * m_local, K]``; ``b`` ``[K, N]`` row-major (B_KN) or a transposed
         row-major ``[N, K]`` (leading stride ``ldb``); ``out`` ``[m_local, N]``; ``data_ptr``
         this rank's ``[WORLD, m_local, N]`` slot region of this call's parity; ``data_ptrs`` /
@@ -691,7 +684,7 @@ if gluon is not None:
                   handoff, pload, data_ptr, out_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr,
                   trace_ptr, parts_ptr, counters_ptr, m_local, N, K, rank, epoch, max_spins,
                   sk_tiles, sk_split, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M, NUM_PROGRAMS,
-                  PARTITIONS, MERGE_ROWS, SPLIT_TAIL, TAIL_ROWS, TAIL_PARTS, TRACE)
+                  PARTITIONS, MERGE_ROWS, SPLIT_TAIL, TRACE)
         if PARTITIONS == 2:
             gl.warp_specialize([(_mma_partition, (p, 0)), (_mma_partition_1, (p, )),
                                 (_load_partition, (p, ))], [4, 1], [CONSUMER_REGS, 24])
@@ -754,17 +747,12 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
                  BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
                  NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg),
                  CONSUMER_REGS=CONSUMER_REGS, MERGE_ROWS=cfg.rs_merge_rows,
-                 SPLIT_TAIL=sk_split > 1, TAIL_ROWS=TAIL_SUM_ROWS,
-                 TAIL_PARTS=MAX_TAIL_SPLIT if TAIL_SUM_AT_ONCE else 0, TRACE=trace is not None),
+                 SPLIT_TAIL=sk_split > 1, TRACE=trace is not None),
             num_stages=None, direct=direct, **gluon_ws.launch_options(cfg))
 
 
 #: at most this many K-parts per split tail tile
 MAX_TAIL_SPLIT = 8
-#: the last part of a split tail tile sums the parts in chunks of this many rows
-TAIL_SUM_ROWS = 32
-#: ... each chunk's parts loaded at once (unrolled to MAX_TAIL_SPLIT, masked), not one by one
-TAIL_SUM_AT_ONCE = False
 #: A tail tile cut into ``parts`` costs its programs about this many ``/ parts`` of a whole
 #: tile's time (the parts' stores, the count and the sum): 2xH200, TP 2, communication on, the
 #: split alone (same config otherwise, A/B with a same-config control) ran 0.895-0.919x the

@@ -105,3 +105,7 @@ def publish_when_grid_done(counter_ptr, grid, flag_ptr, epoch, ASYNC_STORES: tl.
 #: barrier's words in the fence workspace; the index is the peer's rank (defined after the
 #: kernels so that adding it moved none of them)
 OP_GRAPH_FENCE = 5
+
+#: op code of the warp-specialized GEMM+RS's wait for every K-part of a split tail tile (one
+#: GPU's programs; :mod:`.gemm_rs_ws`): the index is the tail tile
+OP_SPLIT_TAIL = 6

@@ -309,8 +309,8 @@ _SPLIT_TAIL_CASES = {
                          ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v)))
 def test_gemm_rs_ws_split_tail(form, case, copy_engine):
     """The warp-specialized GEMM+RS with ``stream_k=1``: the partial last wave's own tiles split
-    along K into equal parts, one per program, summed in part order by the last part to arrive,
-    then reduced with the peers' slots. Rank 0 of ``world`` on one GPU against fp32 math and
+    along K into equal parts, one per program, once all have arrived each part summing a share
+    of the tile's rows in part order, then the peers' slots. Rank 0 of ``world`` on one GPU against fp32 math and
     against the same config unsplit, producer tiles pushed from the SMs or staged for the copy
     engine; the split happened (``split_tail_plan``); repeated launches bitwise identical;
     every tile counter back at zero; the producer tiles pushed."""
@@ -355,6 +355,42 @@ def test_gemm_rs_ws_split_tail(form, case, copy_engine):
         pushed_ref = full[s_ * m_local:(s_ + 1) * m_local]
         rel_p = float((pushed[s_].float() - pushed_ref).norm() / pushed_ref.norm())
         assert rel_p < 1e-2, (s_, rel_p)
+
+
+@pytest.mark.parametrize("form", list(WS_FORMS))
+def test_gemm_rs_ws_split_tail_wait_times_out_loudly(form):
+    """A K-part of a split tail tile that never counts in (its counter set one short): the
+    parts' bounded wait gives up and records (op split tail, rank, tail tile, count seen)
+    instead of hanging; the other tail tiles' parts are not held up."""
+    from megatron_flux.kernels import stream_k
+    from megatron_flux.kernels.config import GemmConfig
+    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+    from megatron_flux.kernels.gemm_rs_ws import split_tail_plan
+    from megatron_flux.kernels.signals import OP_SPLIT_TAIL
+
+    world, m_local, n, k, num_sms = _SPLIT_TAIL_CASES[form][0]
+    a, w, bias, out, data, pushed, flags, data_ptrs, flag_ptrs, err = _rank0_rs_wiring(
+        world, m_local, n, k, torch.bfloat16, seed=13)
+    cfg = GemmConfig(**WS_FORMS[form], num_stages=3, epilogue_split=1, rs_warp_specialized=True,
+                     stream_k=1)
+    tiles = world * -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
+    tail, parts = split_tail_plan(world, m_local, n, k, cfg, min(num_sms, tiles))
+    assert tail >= 1 and parts >= 2
+
+    def launch(epoch, max_spins):
+        launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, bias, err, rank=0, world=world,
+                       epoch=epoch, cfg=cfg, num_sms=num_sms, max_spins=max_spins)
+        torch.cuda.synchronize()
+
+    launch(1, 1 << 20)  # allocates the scratch; a clean run
+    assert err.tolist() == [0, 0, 0, 0]
+    counters = stream_k.current_scratch(a.device).counters
+    try:
+        counters[tail - 1] = -1  # the last tail tile: one count short of its parts
+        launch(2, 1 << 12)
+        assert err.tolist() == [OP_SPLIT_TAIL, 0, tail - 1, parts - 1], err.tolist()
+    finally:
+        counters.zero_()
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -94,10 +94,13 @@ def test_reserved_sms_from_the_options():
     ([3, 2, 1, 4], r"ready barrier: rank 2 timed out waiting for rank 1's signal"),
     ([4, 0, 1, 6], r"all-gather \(copy engine\): rank 0 timed out waiting for rank 1's rows"),
     ([5, 1, 0, 0], r"CUDA graph fence: rank 1 timed out waiting for rank 0 at a captured graph"),
+    ([6, 0, 3, 2], r"GEMM\+RS split tail: rank 0 timed out waiting for the K-parts of its tail "
+                   r"tile 3 \(count seen 2\)"),
 ])
 def test_a_timed_out_wait_names_the_op_the_rank_and_what_it_waited_for(word, expected):
     """The error word a kernel fills becomes an exception naming op, rank and signal (or, for
-    the ready barrier and the copy-engine all-gather's wait, the peer whose signal never came)."""
+    the ready barrier and the copy-engine all-gather's wait, the peer whose signal never came;
+    for a split tail's wait for its K-parts, the tile)."""
     from megatron_flux.comm.errors import DeviceErrorWord, FusedOpTimeout
 
     err = DeviceErrorWord.__new__(DeviceErrorWord)  # no pinned memory on a CPU-only build
