@@ -57,8 +57,8 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
   epilogue rounds its part, TMA-stores it into its scratch slot, drains the store and counts in
   at the tail tile's counter (acq_rel, GPU scope). Then every part of the tile waits (acquire,
   bounded) until all have counted in, and for the peers' signals if its partition has not, and
-  sums a share of the tile's rows (chunks of 16 rows, 32 cooperative, dealt round-robin over
-  the parts): the parts in part order, then the peers' partials in rank order, bias once, plain
+  sums a share of the tile's rows (chunks dealt round-robin over the parts, one each where
+  :func:`tail_sum_rows` can): the parts in part order, then the peers' partials in rank order, bias once, plain
   loads and stores; the last to count out resets the counter. The parts' programs share the
   sum because one program summing the whole tile took 8-10 us after the last part arrived
   (2-2.5 us per 32-row chunk, whether a chunk's parts loaded one by one or at once; one H200,
@@ -153,6 +153,7 @@ if gluon is not None:
         PARTITIONS: gl.constexpr
         MERGE_ROWS: gl.constexpr
         SPLIT_TAIL: gl.constexpr
+        TAIL_ROWS: gl.constexpr
         TRACE: gl.constexpr
         OWNER_STEPS: gl.constexpr
 
@@ -161,7 +162,7 @@ if gluon is not None:
                      empty, handoff, pload, data_ptr, out_ptr, data_ptrs, flag_ptrs, bias_ptr,
                      err_ptr, trace_ptr, parts_ptr, counters_ptr, m_local, N, K, rank, epoch,
                      max_spins, sk_tiles, sk_split, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M,
-                     NUM_PROGRAMS, PARTITIONS, MERGE_ROWS, SPLIT_TAIL, TRACE):
+                     NUM_PROGRAMS, PARTITIONS, MERGE_ROWS, SPLIT_TAIL, TAIL_ROWS, TRACE):
             self.a_desc = a_desc
             self.b_desc = b_desc
             self.out_desc = out_desc
@@ -199,6 +200,7 @@ if gluon is not None:
             self.PARTITIONS = gl.constexpr(PARTITIONS)
             self.MERGE_ROWS = gl.constexpr(MERGE_ROWS)
             self.SPLIT_TAIL = gl.constexpr(SPLIT_TAIL)
+            self.TAIL_ROWS = gl.constexpr(TAIL_ROWS)
             self.TRACE = gl.constexpr(TRACE)
             # owners whose signal the grid's last arrival raises: the peers, and with merged
             # rows (whose own partial is pushed to the own slot too) this rank
@@ -588,7 +590,7 @@ if gluon is not None:
         """Part ``part`` of split tail tile ``tile_index``, its own part published: wait
         (acquire, bounded) until all ``sk_split`` parts have counted in, and for every peer's
         signal unless this partition has; then sum its share of the tile's rows, chunks of
-        ``RED_M`` rows dealt round-robin over the parts: per chunk the ``sk_split`` parts in
+        ``TAIL_ROWS`` rows (:func:`tail_sum_rows`) dealt round-robin over the parts: per chunk the ``sk_split`` parts in
         fp32 in part order (fixed, so launches are bitwise repeatable), the peers' partials in
         rank order, bias once, stored to ``out``. Then count out; the last part out resets the
         counter for the next launch. The wait cannot deadlock: every program of the grid runs
@@ -597,7 +599,7 @@ if gluon is not None:
         peers' signals never wait for a split tail."""
         BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
-        RED_M: gl.constexpr = 4 * (8 // p.PARTITIONS)  # one row per thread row of the layout
+        RED_M: gl.constexpr = p.TAIL_ROWS
         dtype: gl.constexpr = p.out_desc.dtype
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8 // p.PARTITIONS, 1], [1, 0])
         counter = p.counters_ptr + tile_index
@@ -647,7 +649,8 @@ if gluon is not None:
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                           PARTITIONS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           MERGE_ROWS: gl.constexpr = False, HOST_DESC: gl.constexpr = False,
-                          SPLIT_TAIL: gl.constexpr = False, TRACE: gl.constexpr = False):
+                          SPLIT_TAIL: gl.constexpr = False, TAIL_ROWS: gl.constexpr = 16,
+                          TRACE: gl.constexpr = False):
         """``a`` ``[WORLD * m_local, K]``; ``b`` ``[K, N]`` row-major (B_KN) or a transposed
         row-major ``[N, K]`` (leading stride ``ldb``); ``out`` ``[m_local, N]``; ``data_ptr``
         this rank's ``[WORLD, m_local, N]`` slot region of this call's parity; ``data_ptrs`` /
@@ -684,7 +687,7 @@ if gluon is not None:
                   handoff, pload, data_ptr, out_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr,
                   trace_ptr, parts_ptr, counters_ptr, m_local, N, K, rank, epoch, max_spins,
                   sk_tiles, sk_split, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M, NUM_PROGRAMS,
-                  PARTITIONS, MERGE_ROWS, SPLIT_TAIL, TRACE)
+                  PARTITIONS, MERGE_ROWS, SPLIT_TAIL, TAIL_ROWS, TRACE)
         if PARTITIONS == 2:
             gl.warp_specialize([(_mma_partition, (p, 0)), (_mma_partition_1, (p, )),
                                 (_load_partition, (p, ))], [4, 1], [CONSUMER_REGS, 24])
@@ -747,12 +750,23 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
                  BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
                  NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg),
                  CONSUMER_REGS=CONSUMER_REGS, MERGE_ROWS=cfg.rs_merge_rows,
-                 SPLIT_TAIL=sk_split > 1, TRACE=trace is not None),
+                 SPLIT_TAIL=sk_split > 1, TAIL_ROWS=tail_sum_rows(cfg, sk_split),
+                 TRACE=trace is not None),
             num_stages=None, direct=direct, **gluon_ws.launch_options(cfg))
 
 
 #: at most this many K-parts per split tail tile
 MAX_TAIL_SPLIT = 8
+
+
+def tail_sum_rows(cfg, parts: int) -> int:
+    """Rows per chunk of a split tail tile's sum (TAIL_ROWS): few enough chunks that each of
+    the ``parts`` programs sums at most one (a chunk costs its program about one load latency,
+    2-2.5 us on an H200, whatever its size), at most 64 rows (registers) and at least the sum
+    layout's rows (16 in ping-pong, 32 cooperative)."""
+    least = 4 * (8 // gluon_ws.mma_partitions(cfg))
+    rows = 1 << max(0, -(-cfg.block_m // max(1, parts)) - 1).bit_length()
+    return max(least, min(64, rows, cfg.block_m))
 #: A tail tile cut into ``parts`` costs its programs about this many ``/ parts`` of a whole
 #: tile's time (the parts' stores, the count and the sum): 2xH200, TP 2, communication on, the
 #: split alone (same config otherwise, A/B with a same-config control) ran 0.895-0.919x the

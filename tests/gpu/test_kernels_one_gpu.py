@@ -296,10 +296,13 @@ def test_gemm_rs_ws_bias_layouts_and_signals(world, b_kn, dtype, copy_engine, fo
         assert rel_p < 1e-2, (s, rel_p)
 
 
-# (world, m_local, n, k, num_sms): a partial last wave of own tiles, split along K
+# (world, m_local, n, k, num_sms): a partial last wave of own tiles, split along K into 3, 5, 5,
+# 8 (ping-pong) and 3, 3, 7 (cooperative) parts, so the parts sum chunks of 64, 32 and 16 rows
+# (cooperative: 64 and 32; gemm_rs_ws.tail_sum_rows)
 _SPLIT_TAIL_CASES = {
-    "pingpong": [(2, 512, 384, 640, 11), (4, 256, 1152, 2048, 33), (2, 384, 1024, 1024, 44)],
-    "coop": [(2, 512, 384, 640, 7), (4, 256, 1280, 2048, 12)],
+    "pingpong": [(2, 512, 384, 640, 11), (4, 256, 1152, 2048, 33), (2, 384, 1024, 1024, 44),
+                 (2, 256, 640, 2048, 18)],
+    "coop": [(2, 512, 384, 640, 7), (4, 256, 1280, 2048, 12), (2, 256, 512, 2048, 7)],
 }
 
 
