@@ -14,6 +14,9 @@ GEMM+RS pushes into local slots and reduces them). Prints time / cuBLAS.
     git show HEAD:megatron_flux/kernels/ag_gemm_ws.py > /tmp/ag_ws_prev.py  # a Gluon kernel
     python benchmarks/experiments/kernel_ab.py --op ag --prev /tmp/ag_ws_prev.py \
         --launcher launch_ag_gemm_ws --forms '{"pp": {"ag_warp_specialized": true, ...}}'
+    git show HEAD:megatron_flux/kernels/gemm_rs_ws.py > /tmp/rs_ws_prev.py
+    python benchmarks/experiments/kernel_ab.py --op rs --prev /tmp/rs_ws_prev.py \
+        --launcher launch_gemm_rs_ws --forms '{"pp": {"rs_warp_specialized": true, ...}}'
 
 (run as scripts, with the repository root on ``PYTHONPATH``: they import ``common`` beside them)
 """
@@ -58,6 +61,11 @@ def main(argv=None):
     for spec in args.variant:
         name, path = spec.split("=", 1)
         launchers[name] = getattr(load_module(path, f"kernel_{name}"), launcher)
+    if launcher == "launch_gemm_rs_ws":  # copies of the Gluon GEMM+RS: its own launcher, for
+        from megatron_flux.kernels import gemm_rs_ws  # "new" too, without the split phases
+
+        launchers["new"] = gemm_rs_ws.launch_gemm_rs_ws
+        launchers = {name: _without_phases(fn) for name, fn in launchers.items()}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     table = TableConfigProvider()
     rows = []
@@ -87,6 +95,16 @@ def main(argv=None):
                                         "config_label": label, "config": cfg.to_dict()})
                 assert err.tolist() == [0, 0, 0, 0], err.tolist()
     write_record(args.json, rows, tp=args.tp)
+
+
+def _without_phases(launch_gemm_rs_ws):
+    """``launch_gemm_rs``'s signature (``produce`` / ``consume``, which the Gluon kernel does
+    not split) onto a copy of the Gluon GEMM+RS launcher, for ``rs_on_one_gpu``."""
+    def launch(*args, produce=True, consume=True, **kwargs):
+        assert produce and consume
+        return launch_gemm_rs_ws(*args, **kwargs)
+
+    return launch
 
 
 def _wire(op, a, w, full, tp, cfg, err, launch_fn):
