@@ -237,3 +237,28 @@ def test_split_tail_plan_cuts_only_a_partial_last_wave_of_own_tiles():
         assert tail <= per_segment and (k // 64) // parts >= cfg.num_stages
         assert 1 - gemm_rs_ws.SPLIT_PART_COST / parts >= \
             gemm_rs_ws.MIN_SPLIT_GAIN * -(-world * per_segment // grid)
+
+
+@pytest.mark.parametrize("form", ["pingpong", "coop"])
+def test_split_tail_sum_chunks_give_each_part_at_most_one_where_they_can(form):
+    """``tail_sum_rows``: the rows per chunk of a split tile's sum are a power of two that
+    divides the tile, within the sum layout's rows (16 ping-pong, 32 cooperative) and 64, and
+    the smallest such that each part's program sums at most one chunk (a chunk costs its
+    program a load latency whatever its size; smaller chunks keep registers free)."""
+    tiles = {"pingpong": [(128, 128, 4), (64, 128, 4)], "coop": [(128, 256, 8)]}[form]
+    for block_m, block_n, warps in tiles:
+        cfg = GemmConfig(block_m=block_m, block_n=block_n, block_k=64, num_stages=3,
+                         num_warps=warps, group_m=8, epilogue_split=1, rs_warp_specialized=True,
+                         stream_k=1)
+        least = 16 if warps == 4 else 32
+        for parts in range(2, gemm_rs_ws.MAX_TAIL_SPLIT + 1):
+            rows = gemm_rs_ws.tail_sum_rows(cfg, parts)
+            assert rows & (rows - 1) == 0 and block_m % rows == 0, (block_m, parts, rows)
+            assert least <= rows <= 64
+            chunks = block_m // rows
+            if rows < min(64, block_m):  # not held down by the register bound: one chunk each
+                assert chunks <= parts, (block_m, parts, rows)
+            if rows > least:  # and no smaller: half the rows would leave some part two chunks
+                assert block_m // (rows // 2) > parts, (block_m, parts, rows)
+    assert gemm_rs_ws.tail_sum_rows(GemmConfig(**WS, stream_k=1), 8) == 16
+    assert gemm_rs_ws.tail_sum_rows(GemmConfig(**WS, stream_k=1), 2) == 64
