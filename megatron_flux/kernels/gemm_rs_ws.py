@@ -767,11 +767,14 @@ def tail_sum_rows(cfg, parts: int) -> int:
     least = 4 * (8 // gluon_ws.mma_partitions(cfg))
     rows = 1 << max(0, -(-cfg.block_m // max(1, parts)) - 1).bit_length()
     return max(least, min(64, rows, cfg.block_m))
+
+
 #: A tail tile cut into ``parts`` costs its programs about this many ``/ parts`` of a whole
 #: tile's time (the parts' stores, the count and the sum): 2xH200, TP 2, communication on, the
 #: split alone (same config otherwise, A/B with a same-config control) ran 0.895-0.919x the
 #: unsplit time at 3.4-4.4 waves with two parts, (3 + 0.58-0.60) / 4 and (4 + 0.50-0.60) / 5
-#: waves' worth (``benchmarks/results/ab-rs-split-h200x2-2026-11-28.json``)
+#: waves' worth (``benchmarks/results/ab-rs-split-h200x2-2026-11-28.json``; measured while
+#: the last part summed the tile alone, before the parts shared the sum)
 SPLIT_PART_COST = 1.2
 #: Split only where that model saves at least this share of the launch's whole waves: at 17-28
 #: waves two to six parts saved a tile's 0.4-0.8 of 18-28 (2-3 %) and ran 0.95-1.03x the
