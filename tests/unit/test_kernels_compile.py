@@ -251,6 +251,30 @@ def test_gemm_rs_ws_split_tail_compiles_without_serialised_wgmma(tile):
     assert "C7515" not in done.stderr, done.stderr
 
 
+def test_gemm_rs_ws_phase_stamps_exist_only_in_a_trace_build():
+    """TRACE (``gemm_rs_ws.WS_RS_PHASES``, read by ``benchmarks/experiments/phase_trace_ws.py``):
+    the warp-specialized GEMM+RS with its split tail builds with the stamps, which read
+    ``%globaltimer``; without TRACE (every production launch) the kernel reads no timer."""
+    from megatron_flux.kernels import gemm_rs_ws as W
+    from megatron_flux.kernels.config import GemmConfig
+
+    if W.gemm_rs_ws_kernel is None:
+        pytest.skip(W.GLUON_ERROR)
+    cfg = GemmConfig(*_PINGPONG5, rs_warp_specialized=True, stream_k=1)
+    ptx = {}
+    for trace in (False, True):
+        consts = dict(WORLD=2, B_KN=False, HAS_BIAS=False, CE_PUSH=False,
+                      CONSUMER_REGS=W.CONSUMER_REGS, MERGE_ROWS=False, SPLIT_TAIL=True,
+                      TAIL_ROWS=W.tail_sum_rows(cfg, 4), TRACE=trace)
+        ptx[trace] = _compile_gluon(W.gemm_rs_ws_kernel, cfg, consts,
+                                    {"data_ptrs": "*i64", "flag_ptrs": "*i64", "err_ptr": "*i32",
+                                     "parts_ptr": "*fp32", "counters_ptr": "*i32",
+                                     "trace_ptr": "*i64"}, "bf16").asm["ptx"]
+    assert "%globaltimer" not in ptx[False]
+    # every partition's stamps: two MMA partitions' six phases, the loader's two, the split's one
+    assert ptx[True].count("%globaltimer") >= 2 * len(W.WS_RS_PHASES) + 3
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_ag_gemm_ws_compiles_for_hopper_within_its_shared_memory_bound(world):
     """The warp-specialized Gluon AG+GEMM builds for sm_90 (both B layouts, bf16 and fp16,
