@@ -593,10 +593,12 @@ if gluon is not None:
         ``TAIL_ROWS`` rows (:func:`tail_sum_rows`) dealt round-robin over the parts: per chunk the ``sk_split`` parts in
         fp32 in part order (fixed, so launches are bitwise repeatable), the peers' partials in
         rank order, bias once, stored to ``out``. Then count out; the last part out resets the
-        counter for the next launch. The wait cannot deadlock: every program of the grid runs
-        at once (one per SM) and publishes its part before it waits, and every partition has
-        counted in at the grid barrier before its split tail's part (an own tile), so the
-        peers' signals never wait for a split tail."""
+        counter for the next launch. The wait needs every program of the grid resident at
+        once, as the waits for the peers' signals already do (``docs/design.md``, "Other
+        kernels beside a fused grid"); then it cannot deadlock: each program publishes its
+        part before it waits, and every partition has counted in at the grid barrier before
+        its split tail's part (an own tile), so the peers' signals never wait for a split
+        tail."""
         BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
         RED_M: gl.constexpr = p.TAIL_ROWS
