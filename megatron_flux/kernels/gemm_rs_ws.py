@@ -57,9 +57,9 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
   epilogue rounds its part, TMA-stores it into its scratch slot, drains the store and counts in
   at the tail tile's counter (acq_rel, GPU scope). Then every part of the tile waits (acquire,
   bounded) until all have counted in, and for the peers' signals if its partition has not, and
-  sums a share of the tile's rows (chunks dealt round-robin over the parts, one each where
-  :func:`tail_sum_rows` can): the parts in part order, then the peers' partials in rank order, bias once, plain
-  loads and stores; the last to count out resets the counter. The parts' programs share the
+  sums a share of the tile's rows (chunks dealt round-robin, one per part where
+  :func:`tail_sum_rows` can): parts in part order, then the peers' partials in rank order, bias
+  once, plain loads and stores; the last to count out resets the counter. The parts share the
   sum because one program summing the whole tile took 8-10 us after the last part arrived
   (2-2.5 us per 32-row chunk, whether a chunk's parts loaded one by one or at once; one H200,
   comm off, ``benchmarks/experiments/phase_trace_ws.py``). Each part is rounded to the output
@@ -590,7 +590,7 @@ if gluon is not None:
         """Part ``part`` of split tail tile ``tile_index``, its own part published: wait
         (acquire, bounded) until all ``sk_split`` parts have counted in, and for every peer's
         signal unless this partition has; then sum its share of the tile's rows, chunks of
-        ``TAIL_ROWS`` rows (:func:`tail_sum_rows`) dealt round-robin over the parts: per chunk the ``sk_split`` parts in
+        ``TAIL_ROWS`` rows (:func:`tail_sum_rows`) dealt round-robin: per chunk the parts in
         fp32 in part order (fixed, so launches are bitwise repeatable), the peers' partials in
         rank order, bias once, stored to ``out``. Then count out; the last part out resets the
         counter for the next launch. The wait needs every program of the grid resident at
@@ -745,8 +745,8 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
         parts, counters = scratch.partials, scratch.counters
     ensure_descriptor_allocator()
     _LAUNCH(grid, (a, b, out, data, data_ptrs, flag_ptrs, bias if bias is not None else data, err,
-                   trace if trace is not None else err, parts, counters, *descs, m_local, n, k, ldb, rank, epoch, max_spins, sk_tiles,
-                   sk_split),
+                   trace if trace is not None else err, parts, counters, *descs, m_local, n, k,
+                   ldb, rank, epoch, max_spins, sk_tiles, sk_split),
             dict(HOST_DESC=host_desc, WORLD=world, B_KN=b_kn, HAS_BIAS=bias is not None,
                  CE_PUSH=cfg.rs_copy_engine, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                  BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
