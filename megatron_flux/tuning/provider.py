@@ -104,17 +104,22 @@ def _device_cache_key(device) -> tuple:
     return (t, getattr(device, "index", None)) if t is not None else (str(device),)
 
 
+def _keyed_dtype(dtype) -> bool:
+    """Whether the tables have a key for ``dtype`` (else every lookup for it misses: the
+    callers fall back instead of raising; a broken table file still raises)."""
+    try:
+        dtype_key(dtype)
+    except ValueError:
+        return False
+    return True
+
+
 def _current_entry(op, m, n, k, dtype, tp, device):
     """``(Entry, Table)`` of a current table at the nearest bucket, or None (also for a dtype
     the tables have no key for)."""
-    try:
-        return get_index().lookup(shape_key(op, n, k, dtype, tp, device), int(m), current=True)
-    except ValueError as exc:
-        from megatron_flux.tuning.schema import TuningFileError
-
-        if isinstance(exc, TuningFileError):
-            raise
+    if not _keyed_dtype(dtype):
         return None
+    return get_index().lookup(shape_key(op, n, k, dtype, tp, device), int(m), current=True)
 
 
 def _points(key: ShapeKey, current: bool) -> List[estimate.Point]:
@@ -140,11 +145,9 @@ def estimator(op: str, dtype, tp: int, device: DeviceLike) -> Tuple[estimate.Est
 def _pingpong_fused(dtype, tp: int, device) -> bool:
     """Whether ``(GPU, TP, dtype)`` is one where the ping-pong GEMM+RS rule's config was
     measured faster than NCCL wherever it ran (:data:`.estimate.PINGPONG_FUSED`)."""
-    try:
-        key = dtype_key(dtype)
-    except ValueError:  # a dtype the tables have no key for
+    if not _keyed_dtype(dtype):
         return False
-    return (_identity(device)[0], int(tp), key) in estimate.PINGPONG_FUSED
+    return (_identity(device)[0], int(tp), dtype_key(dtype)) in estimate.PINGPONG_FUSED
 
 
 def decide(op: str, m_total: int, n: int, k: int, dtype, tp: int, device) -> Decision:
@@ -174,15 +177,8 @@ def decide(op: str, m_total: int, n: int, k: int, dtype, tp: int, device) -> Dec
         if where.startswith(estimate.PINGPONG_SOURCE):
             out = Decision(True, "rule", f"the {estimate.PINGPONG_SOURCE} rule's config, faster "
                                          f"than NCCL wherever it ran on this GPU at TP {tp}")
-    if out is None:
-        try:
-            est = estimator(op, dtype, tp, device)[0].decide(m_total, n, k, margin)
-        except ValueError as exc:  # a dtype the tables have no key for
-            from megatron_flux.tuning.schema import TuningFileError
-
-            if isinstance(exc, TuningFileError):
-                raise
-            est = None
+    if out is None and _keyed_dtype(dtype):
+        est = estimator(op, dtype, tp, device)[0].decide(m_total, n, k, margin)
         if est is not None:
             out = Decision(est.fused, "estimate", est.why(1.0 - margin))
     if out is None:
@@ -203,14 +199,9 @@ def kernel_config(op: str, m_total: int, n: int, k: int, dtype, tp: int, device,
     from megatron_flux.kernels.config import default_config
 
     op = normalize_op(op)
-    try:
-        hit = lookup_entry(op, m_total, n, k, dtype, tp, device)
-    except ValueError as exc:
-        from megatron_flux.tuning.schema import TuningFileError
-
-        if isinstance(exc, TuningFileError):
-            raise
+    if not _keyed_dtype(dtype):
         return default_config(op, m_total, n, k, tp=tp), "default"
+    hit = lookup_entry(op, m_total, n, k, dtype, tp, device)
     if hit is not None:
         return hit[0].config, f"table (m={hit[0].m})"
     current, every = estimator(op, dtype, tp, device)

@@ -343,6 +343,13 @@ def test_user_table_for_another_machine_is_a_clear_error(tmp_path):
     T.use_table_files([path])
     with pytest.raises(T.TuningFileError, match="'tp'"):
         T.prefer_fused("ag", 64, 512, 256, torch.bfloat16, 4, TEST_GPU)
+    # auto's decision and the kernel config raise it too, not a silent fallback
+    for call in (lambda: T.provider.decide("rs", 64, 512, 256, torch.bfloat16, 2, H200),
+                 lambda: T.provider.kernel_config("rs", 64, 512, 256, torch.bfloat16, 2, H200)):
+        T.reset()
+        T.use_table_files([path])
+        with pytest.raises(T.TuningFileError, match="gpu.name"):
+            call()
 
 
 def test_user_table_wins_over_shipped_and_env_var(tmp_path, monkeypatch):
