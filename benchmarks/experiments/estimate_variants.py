@@ -29,8 +29,8 @@ HELD_OUT = ["benchmarks/results/bench-h200x2-2026-11-27-unseen-b.json",
 MARGIN = 0.02
 
 
-def _q(op, cfg, m, n, tp, sms):
-    return E.wave_work(op, cfg, m, n, tp, sms) * sms / (m * n)
+def _q(op, cfg, m, n, k, tp, sms):
+    return E.wave_work(op, cfg, m, n, k, tp, sms) * sms / (m * n)
 
 
 class WaveScaled(E.Estimator):
@@ -46,8 +46,8 @@ class WaveScaled(E.Estimator):
         near = [p for _, p in E.nearest(pool, m / E.ROW_SHIFT, n, k)[:self.k_nearest]]
         if not near:
             return None
-        q = _q(self.op, cfg, m, n, self.tp, self.sms) if cfg is not None else None
-        logs = [math.log(p.ratio * ((q / _q(self.op, p.config, p.m, p.n, self.tp, self.sms)) ** self.alpha
+        q = _q(self.op, cfg, m, n, k, self.tp, self.sms) if cfg is not None else None
+        logs = [math.log(p.ratio * ((q / _q(self.op, p.config, p.m, p.n, p.k, self.tp, self.sms)) ** self.alpha
                                     if q is not None else 1.0)) for p in near]
         return math.exp(sum(logs) / len(logs)), tuple(near)
 

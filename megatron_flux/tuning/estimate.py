@@ -321,12 +321,12 @@ def _splits_tail(op: str, cfg) -> bool:
             and not cfg.rs_merge_rows)
 
 
-def wave_work(op: str, cfg, m_total: int, n: int, tp: int, num_sms: int,
-              split_tail: bool = True, k: int = 1 << 16) -> float:
+def wave_work(op: str, cfg, m_total: int, n: int, k: int, tp: int, num_sms: int,
+              split_tail: bool = True) -> float:
     """The work ``cfg`` leaves the busiest SM on the shape, in output elements: tile area x
     the waves of tiles it runs (whole waves; with ``split_tail``, a stream-K tail that the
     kernel would split as :data:`STREAM_K_TAIL_COST` times its share, and the
-    warp-specialized GEMM+RS's split tail as the kernel plans it for K = ``k``, its last wave
+    warp-specialized GEMM+RS's split tail as the kernel plans it, its last wave
     as ``SPLIT_PART_COST / parts`` of one). The time of one K step
     per element is taken as equal across the configs compared (they are all at least
     :data:`MIN_TILE_AREA`), so this orders them by time where wave quantisation separates
@@ -378,7 +378,7 @@ def wave_aware_config(op: str, points: Iterable[Point], m_total: int, n: int, k:
     if near is None:
         return None
     base = transplanted(near.config, op, ws_split=ws_split)
-    best, best_work = None, wave_work(op, base, m_total, n, tp, num_sms, k=k) * (1.0 - WAVE_GAIN)
+    best, best_work = None, wave_work(op, base, m_total, n, k, tp, num_sms) * (1.0 - WAVE_GAIN)
     pool = points if candidates is None else list(candidates)
     ranked = sorted(pool, key=lambda p: (round(distance(m_total, n, k, p), 9), p.n, p.k, p.m))
     for p in ranked:
@@ -388,7 +388,7 @@ def wave_aware_config(op: str, points: Iterable[Point], m_total: int, n: int, k:
                 or config_problem(op, cfg, m_total, n, k, tp) is not None):
             continue
         cfg = transplanted(cfg, op, ws_split=ws_split)
-        work = wave_work(op, cfg, m_total, n, tp, num_sms, split_tail=False)
+        work = wave_work(op, cfg, m_total, n, k, tp, num_sms, split_tail=False)
         if work < best_work - 1e-9:
             best, best_work = (cfg, p), work
     if best is None:

@@ -440,28 +440,28 @@ PINGPONG = GemmConfig(128, 128, 64, 5, 4, 8, epilogue_split=1, rs_warp_specializ
 def test_wave_work_counts_whole_waves_and_a_split_tail():
     # GEMM+RS at m = 1024, n = 5120, TP 2 on 132 SMs: 128x256 tiles are 160 (1.21 waves, run
     # as 2); 128x128 ones 320 (2.42 waves, run as 3)
-    assert E.wave_work("rs", WIDE, 1024, 5120, 2, 132) == 2 * 128 * 256
-    assert E.wave_work("rs", PINGPONG, 1024, 5120, 2, 132) == 3 * 128 * 128
+    assert E.wave_work("rs", WIDE, 1024, 5120, 13824, 2, 132) == 2 * 128 * 256
+    assert E.wave_work("rs", PINGPONG, 1024, 5120, 13824, 2, 132) == 3 * 128 * 128
     # the stream-K tail of 28 tiles (0.21 of a wave) is split: one wave + 2.7 x 0.21
     sk = dataclasses.replace(WIDE, stream_k=1)
-    assert E.wave_work("rs", sk, 1024, 5120, 2, 132) == pytest.approx(
+    assert E.wave_work("rs", sk, 1024, 5120, 13824, 2, 132) == pytest.approx(
         128 * 256 * (1 + E.STREAM_K_TAIL_COST * 28 / 132))
     # a tail of 60 tiles (0.45 of a wave) is not split: whole waves again
-    assert E.wave_work("rs", sk, 1024, 6144, 2, 132) == 2 * 128 * 256
+    assert E.wave_work("rs", sk, 1024, 6144, 13824, 2, 132) == 2 * 128 * 256
     # fewer tiles than SMs: one wave, split or not
-    assert E.wave_work("rs", sk, 1024, 2048, 2, 132) == 128 * 256
+    assert E.wave_work("rs", sk, 1024, 2048, 13824, 2, 132) == 128 * 256
     # the warp-specialized GEMM+RS's split tail, as the kernel plans it: at n = 5120 its 320
     # tiles are 2.42 waves; the 56-tile tail in two parts makes the last wave 1.2 / 2 of one
     split = dataclasses.replace(PINGPONG, stream_k=1)
-    assert E.wave_work("rs", split, 1024, 5120, 2, 132, k=13824) == pytest.approx(
+    assert E.wave_work("rs", split, 1024, 5120, 13824, 2, 132) == pytest.approx(
         128 * 128 * (2 + SPLIT_PART_COST / 2))
     # at m = 8192 (19.4 waves) the kernel does not split: whole waves
-    assert E.wave_work("rs", split, 8192, 5120, 2, 132, k=13824) == 20 * 128 * 128
+    assert E.wave_work("rs", split, 8192, 5120, 13824, 2, 132) == 20 * 128 * 128
     # AG+GEMM's merged rows are one tile space over the gathered rows: 2 x 64 rows fill one
     # row of 128-row tiles, where each rank's segment takes its own
     merged = dataclasses.replace(CFG, ag_merge_local=True, ag_merge_lead=0)
-    assert E.wave_work("ag", merged, 2 * 64, 128 * 132, 2, 132) == 1 * 128 * 128
-    assert E.wave_work("ag", CFG, 2 * 64, 128 * 132, 2, 132) == 2 * 128 * 128
+    assert E.wave_work("ag", merged, 2 * 64, 128 * 132, 4096, 2, 132) == 1 * 128 * 128
+    assert E.wave_work("ag", CFG, 2 * 64, 128 * 132, 4096, 2, 132) == 2 * 128 * 128
 
 
 def test_wave_rule_replaces_a_tile_that_quantises_badly():
@@ -490,8 +490,8 @@ def test_wave_rule_replaces_a_tile_that_quantises_badly():
     # work with the credit), two whole waves without it
     near2560 = P(1024, 2560, 13824, 1.1, WIDE)
     triton = P(2048, 4096, 28672, 0.85, CFG)
-    assert E.wave_work("rs", dataclasses.replace(CFG, stream_k=1), 1024, 2560, 2, 132) < \
-        0.9 * E.wave_work("rs", WIDE, 1024, 2560, 2, 132)
+    assert E.wave_work("rs", dataclasses.replace(CFG, stream_k=1), 1024, 2560, 5120, 2, 132) < \
+        0.9 * E.wave_work("rs", WIDE, 1024, 2560, 5120, 2, 132)
     assert not E.wave_aware_config("rs", [near2560, triton], 1024, 2560, 6912, 2, 132)[2]
     # only the candidates given may replace it
     assert not E.wave_aware_config("rs", [near, far], 1024, 6144, 16384, 2, 132, candidates=())[2]
