@@ -18,6 +18,8 @@ import argparse
 import itertools
 import json
 import math
+import os
+import sys
 
 from megatron_flux.tools import auto_eval as A
 from megatron_flux.tuning import estimate as E
@@ -110,7 +112,9 @@ def main():
     tables = [schema.load_table(f) for f in registry.shipped_table_files()]
     h200_tp2 = next(t for t in tables if t.tp == 2 and t.gpu.startswith("h200"))
     benches = [(json.load(open(b)), b) for b in HELD_OUT]
-    result = {"what": __doc__.split("\n\n")[0], "margin": MARGIN, "held_out": HELD_OUT,
+    result = {"what": __doc__.split("\n\n")[0], "command": " ".join(["python"] + sys.argv),
+              "tables": [os.path.basename(f) for f in registry.shipped_table_files()],
+              "margin": MARGIN, "held_out": HELD_OUT,
               "shipped": {"M_WEIGHT": E.M_WEIGHT, "ROW_SHIFT": E.ROW_SHIFT, "K_NEAREST": E.K_NEAREST},
               "wave_scaling": wave_scaling(tables, (0.0, 0.5, 1.0)),
               "constants": constants(tables, benches, h200_tp2)}
