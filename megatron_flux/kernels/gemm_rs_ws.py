@@ -706,7 +706,8 @@ warn_fallback = gluon_ws.FallbackWarning("GEMM+RS", "rs_warp_specialized")
 def unsupported_reason(a, m_local: int, cfg, *, trace=None, produce=True, consume=True) -> Optional[str]:
     """Why this call cannot run :func:`gemm_rs_ws_kernel` (None: it can)."""
     if GLUON_ERROR is None and not interpreting() and (trace is not None or not (produce and consume)):
-        return "phase traces and split phases exist only in the Triton kernel"
+        return ("RS_PHASES phase traces and split phases exist only in the Triton kernel (this "
+                "one's own stamps: launch_gemm_rs_ws(trace=...), WS_RS_PHASES)")
     if cfg.rs_merge_rows and m_local == 1:  # Triton makes an argument equal to 1 a constant,
         return "1 row per rank"  # which the kernel's arguments (tensors) cannot hold
     # merged rows: row tiles may span segments, so any m_local
