@@ -106,8 +106,7 @@ def main(argv=None):
                 data[src].float() for src in range(1, args.tp))
             fns[label] = lambda launch=launch, cfg=cfg: launch(cfg)
             fns[label + "+trace"] = lambda launch=launch, cfg=cfg, trace=trace: launch(cfg, trace=trace)
-            plan = gemm_rs_ws.split_tail_plan(args.tp, m // args.tp, n, k, cfg, sms) \
-                if cfg.stream_k else (0, 1)
+            plan = gemm_rs_ws.split_tail_plan(args.tp, m // args.tp, n, k, cfg, sms)
             row["forms"][label] = {"config": dataclasses.asdict(cfg), "plan": plan,
                                    "rel_err": rel_err(out.float(), ref), "err": err.tolist(),
                                    "phases": summarize(traces, 2 if cfg.num_warps == 4 else 1)}

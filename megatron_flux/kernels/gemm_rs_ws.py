@@ -738,8 +738,7 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
     host_desc = bool(host_descriptors)
     descs = (_host_descriptors(a, b, out, data, world, m_local, n, k, ldb, b_kn, cfg)
              if host_desc else (err, err, err, err))  # unused without HOST_DESC
-    sk_tiles, sk_split = (0, 1) if cfg.rs_merge_rows or not cfg.stream_k else split_tail_plan(
-        world, m_local, n, k, cfg, grid)
+    sk_tiles, sk_split = split_tail_plan(world, m_local, n, k, cfg, grid)
     parts = counters = err  # never touched without a split tail
     if sk_split > 1:
         scratch = stream_k.stream_k_scratch(a.device, grid, cfg.block_m, cfg.block_n)
@@ -786,14 +785,16 @@ MIN_SPLIT_GAIN = 0.04
 
 
 def split_tail_plan(world: int, m_local: int, n: int, k: int, cfg, grid: int):
-    """``(tail tiles, parts)`` of a launch with ``stream_k`` on, or ``(0, 1)`` for none: the
-    partial last wave's ``T % grid`` tiles (``T = world * tiles per segment``), when they lie in
+    """``(tail tiles, parts)`` of a launch, or ``(0, 1)`` for none (``stream_k`` off, or merged
+    rows, which have no segments): the partial last wave's ``T % grid`` tiles (``T = world * tiles per segment``), when they lie in
     the own segment, each split along K into as many equal parts as fit one per program
     (``tail * parts <= grid``), each of at least ``num_stages`` K-steps (the ping-pong ring
     protocol needs that), at most :data:`MAX_TAIL_SPLIT`; fewer than two parts (a tail over
     half the grid), or a saving under :data:`MIN_SPLIT_GAIN` of the ``ceil(T / grid)`` waves
     (the last wave taking :data:`SPLIT_PART_COST` ``/ parts`` of one instead of a whole one):
     no split."""
+    if not cfg.stream_k or cfg.rs_merge_rows:
+        return 0, 1
     tiles_per_segment = -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
     total = world * tiles_per_segment
     tail = total % grid if total > grid else 0

@@ -314,13 +314,6 @@ def _tile_space(op: str, cfg, m_total: int, n: int, tp: int) -> Tuple[int, int, 
             sk and bool(cfg.stream_k))
 
 
-def _splits_tail(op: str, cfg) -> bool:
-    """Whether ``cfg`` is the warp-specialized GEMM+RS with its split tail on
-    (``kernels/gemm_rs_ws.py``, :func:`~megatron_flux.kernels.gemm_rs_ws.split_tail_plan`)."""
-    return (op == "rs" and bool(cfg.stream_k) and cfg.rs_warp_specialized
-            and not cfg.rs_merge_rows)
-
-
 def wave_work(op: str, cfg, m_total: int, n: int, k: int, tp: int, num_sms: int,
               split_tail: bool = True) -> float:
     """The work ``cfg`` leaves the busiest SM on the shape, in output elements: tile area x
@@ -343,7 +336,7 @@ def wave_work(op: str, cfg, m_total: int, n: int, k: int, tp: int, num_sms: int,
     if split_tail and sk and stream_k_plan(tiles, num_sms, 1, per_segment)[1]:
         full = math.floor(waves)
         whole = min(whole, full + STREAM_K_TAIL_COST * (waves - full))
-    elif split_tail and _splits_tail(op, cfg):
+    elif split_tail and op == "rs" and cfg.rs_warp_specialized:  # the plan reads stream_k
         from megatron_flux.kernels.gemm_rs_ws import SPLIT_PART_COST, split_tail_plan
 
         m_local = max(1, m_total // max(1, tp))

@@ -6,6 +6,7 @@ The Gluon kernels have no interpreter: they are compiled for sm_90 in
 a config with them runs the Triton kernels under the interpreter is
 ``interpret_checks.check_ws_configs_run_the_triton_kernels``."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -221,6 +222,10 @@ def test_split_tail_plan_cuts_only_a_partial_last_wave_of_own_tiles():
     assert plan(4, 256, 4608, 18432, cfg, 288) == (0, 1)   # one whole wave: no tail
     assert plan(2, 128, 1024, 18432, cfg, 132) == (0, 1)   # 16 tiles: no full wave
     assert plan(4, 256, 4608, 4 * 64, cfg, 132) == (0, 1)  # 4 K-steps: no part of 5 stages
+    # stream_k off, or merged rows (no segments): no split wherever the shape would have one
+    assert plan(4, 256, 4608, 18432, dataclasses.replace(cfg, stream_k=0), 132) == (0, 1)
+    merged = dataclasses.replace(cfg, rs_merge_rows=True, rs_spread_reduce=True, rs_tma_push=False)
+    assert plan(4, 256, 4608, 18432, merged, 132) == (0, 1)
     # many waves: a split must save MIN_SPLIT_GAIN of them (1 - SPLIT_PART_COST / parts)
     assert plan(2, 1024, 14848, 29696, cfg, 132) == (8, 8)  # 15 waves: 0.85 >= 0.6
     assert plan(2, 4096, 4544, 9088, cfg, 132) == (0, 1)    # 18 waves: 0.4 < 0.72
