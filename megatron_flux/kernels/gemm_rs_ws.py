@@ -242,12 +242,18 @@ if gluon is not None:
             n = tiles_of_program(gl.cdiv(p.WORLD * p.m_local, BLOCK_M) * gl.cdiv(p.N, BLOCK_N), 1,
                                  p.NUM_PROGRAMS)
         elif p.SPLIT_TAIL:  # the whole tiles before the split tail
-            dp_end = p.WORLD * tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N) - p.sk_tiles
-            n = gl.cdiv(dp_end - gl.program_id(0), p.NUM_PROGRAMS)
+            n = gl.cdiv(_tail_start(p) - gl.program_id(0), p.NUM_PROGRAMS)
         else:
             n = tiles_of_program(tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N), p.WORLD,
                                  p.NUM_PROGRAMS)
         return n
+
+    @gluon.jit
+    def _tail_start(p):
+        """SPLIT_TAIL: the flat index of the first split tail tile (the whole tiles end there)."""
+        BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
+        return p.WORLD * tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N) - p.sk_tiles
 
     @gluon.jit
     def _tail_unit(p):
@@ -255,16 +261,13 @@ if gluon is not None:
         first K-step, K-steps)``: unit ``u = program`` (there are ``sk_tiles * sk_split <=
         NUM_PROGRAMS`` units) is part ``u % sk_split`` of tail tile ``u // sk_split``, an
         equal share of the K-steps."""
-        BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
-        BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
         k_tiles = gl.cdiv(p.K, BLOCK_K)
         u = gl.program_id(0)
-        dp_end = p.WORLD * tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N) - p.sk_tiles
         part = u % p.sk_split
         k0 = part * k_tiles // p.sk_split
         k1 = (part + 1) * k_tiles // p.sk_split
-        return u < p.sk_tiles * p.sk_split, dp_end + u // p.sk_split, part, k0, k1 - k0
+        return u < p.sk_tiles * p.sk_split, _tail_start(p) + u // p.sk_split, part, k0, k1 - k0
 
     @gluon.jit
     def _load_partition(p):
@@ -664,8 +667,9 @@ if gluon is not None:
         peers' push descriptors stay device-built). MERGE_ROWS: one tile space over every
         rank's rows, pushed by owner, then the spread reduction (:func:`_merged_mma_partition`).
         SPLIT_TAIL: the last ``sk_tiles`` flat tiles (own ones) are split along K in
-        ``sk_split`` parts, one per program, their fp32 parts summed through ``parts_ptr`` /
-        ``counters_ptr`` (:func:`split_tail_plan`); without it those are unused."""
+        ``sk_split`` parts, one per program, each rounded to the output dtype in ``parts_ptr``,
+        counted at ``counters_ptr`` and summed in fp32 (:func:`split_tail_plan`); without it
+        those are unused."""
         dtype: gl.constexpr = a_ptr.dtype.element_ty
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
