@@ -46,7 +46,8 @@ def summarize(traces, partitions):
     out = {}
     names = [(f"mma{c}.{phase}", 6 * c + i) for c in range(partitions)
              for i, phase in enumerate(gemm_rs_ws.WS_RS_PHASES)]
-    names += [("load.start", 12), ("load.end", 13), ("split.all_parts_in", 14)]
+    names += [("load.start", 12), ("load.end", 13), ("split.all_parts_in", 14),
+              ("split.share_summed", 15)]
     per = {name: {"first": [], "median": [], "last": [], "programs": []} for name, _ in names}
     spans = []
     for tr in traces:

@@ -51,19 +51,24 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
   ``tail`` tiles (own tiles, at the end of the flat order) leave the tile loop and each is cut
   along K into ``parts`` equal ranges of at least ``num_stages`` K-steps, ``tail * parts`` units
   at most one per program: program ``u`` runs unit ``u`` (part ``u % parts`` of tail tile
-  ``u // parts``) as its tile after its last, on the ring and partition that tile index gives
-  (one wgmma site: running the tail after the tile loop, through a second one, made ptxas
-  serialise every wgmma of the kernel, C7515; ``test_kernels_compile.py`` checks). A unit's
-  epilogue rounds its part, TMA-stores it into its scratch slot, drains the store and counts in
-  at the tail tile's counter (acq_rel, GPU scope). Then every part of the tile waits (acquire,
-  bounded) until all have counted in, and for the peers' signals if its partition has not, and
-  sums a share of the tile's rows (chunks dealt round-robin, one per part where
-  :func:`tail_sum_rows` can): parts in part order, then the peers' partials in rank order, bias
-  once, plain loads and stores; the last to count out resets the counter. The parts share the
-  sum because one program summing the whole tile took 8-10 us after the last part arrived
-  (2-2.5 us per 32-row chunk, whether a chunk's parts loaded one by one or at once; one H200,
-  comm off, ``benchmarks/experiments/phase_trace_ws.py``). Each part is rounded to the output
-  dtype, as a peer's partial is.
+  ``u // parts``) as its first work item (TAIL_FIRST, :func:`split_tail_first`) or its last,
+  on the ring and partition that item index gives (one wgmma site: running the tail after the
+  tile loop, through a second one, made ptxas serialise every wgmma of the kernel, C7515;
+  ``test_kernels_compile.py`` checks). A unit's epilogue rounds its part, TMA-stores it into
+  its scratch slot, drains the store and counts in at the tail tile's counter (acq_rel, GPU
+  scope). A part run first does not count in at the grid barrier (whole tiles, maybe
+  producers, follow it). After its last work item and its count-in at the grid barrier, the
+  program's MMA partition that did not run that item (the earlier to finish in ping-pong)
+  waits (acquire, bounded) until all parts of the unit's tile have counted in, and for the
+  peers' signals if it has not, and sums a share of the tile's rows (chunks dealt round-robin
+  over the parts, one per part where :func:`tail_sum_rows` can): parts in part order, then
+  the peers' partials in rank order, bias once, plain loads and stores; the last to count out
+  resets the counter. The parts share the sum because one program summing the whole tile took
+  8-10 us after the last part arrived (2-2.5 us per 32-row chunk, whether a chunk's parts
+  loaded one by one or at once); run first, a part's epilogue and its share of the sum run
+  beside the whole tiles' MMAs instead of after them (one H200, comm off,
+  ``benchmarks/experiments/phase_trace_ws.py``). Each part is rounded to the output dtype, as
+  a peer's partial is.
 * **Merged rows** (``rs_merge_rows``, MERGE_ROWS; small m): no steps. The flat tile ``t``
   walks every rank's rows ``[W * m_local, K]`` as one GROUP_M-grouped tile space, so a row tile
   may span owners. Each tile is rounded into the partition's epilogue buffer and stored into
@@ -99,9 +104,9 @@ from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step, serp
 
 #: TRACE: int64 words per program of the trace buffer, and what the kernel stamps there
 #: (``%globaltimer``, ns): per MMA partition ``c`` at ``6 c + i`` its start, its last work item's
-#: start and MMAs' end, that item's epilogue issued (a split part's: published and its rows
-#: summed), the time it counted in as a split tile's part, its end; the load partition's start
-#: and end at 12 and 13; a split part's wait for every part and the peers' signals done, at 14
+#: start and MMAs' end, that item's epilogue issued, the time it counted in as a split tile's
+#: part, its end; the load partition's start and end at 12 and 13; the split sum's wait for
+#: every part and the peers' signals done, at 14, and its share summed, at 15
 WS_TRACE_SLOTS = 16
 WS_RS_PHASES = ("start", "last_item", "last_mma_done", "last_epilogue", "part_in", "end")
 
@@ -154,6 +159,7 @@ if gluon is not None:
         MERGE_ROWS: gl.constexpr
         SPLIT_TAIL: gl.constexpr
         TAIL_ROWS: gl.constexpr
+        TAIL_FIRST: gl.constexpr
         TRACE: gl.constexpr
         OWNER_STEPS: gl.constexpr
 
@@ -162,7 +168,8 @@ if gluon is not None:
                      empty, handoff, pload, data_ptr, out_ptr, data_ptrs, flag_ptrs, bias_ptr,
                      err_ptr, trace_ptr, parts_ptr, counters_ptr, m_local, N, K, rank, epoch,
                      max_spins, sk_tiles, sk_split, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M,
-                     NUM_PROGRAMS, PARTITIONS, MERGE_ROWS, SPLIT_TAIL, TAIL_ROWS, TRACE):
+                     NUM_PROGRAMS, PARTITIONS, MERGE_ROWS, SPLIT_TAIL, TAIL_ROWS, TAIL_FIRST,
+                     TRACE):
             self.a_desc = a_desc
             self.b_desc = b_desc
             self.out_desc = out_desc
@@ -201,6 +208,7 @@ if gluon is not None:
             self.MERGE_ROWS = gl.constexpr(MERGE_ROWS)
             self.SPLIT_TAIL = gl.constexpr(SPLIT_TAIL)
             self.TAIL_ROWS = gl.constexpr(TAIL_ROWS)
+            self.TAIL_FIRST = gl.constexpr(TAIL_FIRST)
             self.TRACE = gl.constexpr(TRACE)
             # owners whose signal the grid's last arrival raises: the peers, and with merged
             # rows (whose own partial is pushed to the own slot too) this rank
@@ -241,7 +249,7 @@ if gluon is not None:
         if p.MERGE_ROWS:
             n = tiles_of_program(gl.cdiv(p.WORLD * p.m_local, BLOCK_M) * gl.cdiv(p.N, BLOCK_N), 1,
                                  p.NUM_PROGRAMS)
-        elif p.SPLIT_TAIL:  # the whole tiles before the split tail
+        elif p.SPLIT_TAIL:  # the whole tiles, without the split tail
             n = gl.cdiv(_tail_start(p) - gl.program_id(0), p.NUM_PROGRAMS)
         else:
             n = tiles_of_program(tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N), p.WORLD,
@@ -276,21 +284,30 @@ if gluon is not None:
         loader_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         _stamp(p, 12, loader_layout)
         pos = 0
+        if p.SPLIT_TAIL and p.TAIL_FIRST:
+            pos = _load_tail_unit(p, pos)
         for j in range(_num_tiles(p)):
             step, seg, a_row, off_m, off_n = _tile(p, j)
             for kk in range(k_tiles):
                 load_ab(p.a_desc, a_row, p.b_desc, off_n, p.a_bufs, p.b_bufs, p.ready, p.empty,
                         pos, kk, p.B_KN)
                 pos += 1
-        if p.SPLIT_TAIL:
-            has_unit, t, part, k0, steps = _tail_unit(p)
-            if has_unit:
-                step, seg, a_row, off_m, off_n = _flat_tile(p, t)
-                for kk in range(steps):
-                    load_ab(p.a_desc, a_row, p.b_desc, off_n, p.a_bufs, p.b_bufs, p.ready,
-                            p.empty, pos, k0 + kk, p.B_KN)
-                    pos += 1
+        if p.SPLIT_TAIL and not p.TAIL_FIRST:
+            pos = _load_tail_unit(p, pos)
         _stamp(p, 13, loader_layout)
+
+    @gluon.jit
+    def _load_tail_unit(p, pos):
+        """The load warp's K-steps of this program's split tail part (if it has one) from ring
+        position ``pos``; returns the next position."""
+        has_unit, t, part, k0, steps = _tail_unit(p)
+        if has_unit:
+            step, seg, a_row, off_m, off_n = _flat_tile(p, t)
+            for kk in range(steps):
+                load_ab(p.a_desc, a_row, p.b_desc, off_n, p.a_bufs, p.b_bufs, p.ready, p.empty,
+                        pos, k0 + kk, p.B_KN)
+                pos += 1
+        return pos
 
     @gluon.jit
     def _stage(c_buf, acc, dtype: gl.constexpr):
@@ -467,27 +484,38 @@ if gluon is not None:
         waited = 0
         nload = 0
         n_tiles = _num_tiles(p)
-        n_work = n_tiles
-        if p.SPLIT_TAIL:  # the program's part of the split tail, as its tile after the last
+        first = 0  # work items before the whole tiles: the split tail part, TAIL_FIRST
+        if p.SPLIT_TAIL:
             has_unit, unit_t, part, k0, unit_steps = _tail_unit(p)
+            unit_j = n_tiles  # the part's work item: the program's first or last
+            if p.TAIL_FIRST:
+                first = has_unit.to(gl.int32)
+                unit_j = 0
             n_work = n_tiles + has_unit.to(gl.int32)
+        else:
+            n_work = n_tiles
         _stamp(p, 6 * C, one_layout)  # start
         for j in range(C, n_work, p.PARTITIONS):
             steps = k_tiles
+            pos0 = j * k_tiles  # (also the part's, first or last)
+            is_unit = False
             if p.SPLIT_TAIL:
-                if j == n_tiles:
+                is_unit = has_unit & (j == unit_j)
+                if is_unit:
                     step, seg, a_row, off_m, off_n = _flat_tile(p, unit_t)
                     steps = unit_steps
                 else:
-                    step, seg, a_row, off_m, off_n = _tile(p, j)
+                    step, seg, a_row, off_m, off_n = _tile(p, j - first)
+                    pos0 = (j - first) * k_tiles + first * unit_steps
             else:
                 step, seg, a_row, off_m, off_n = _tile(p, j)
             own = step == p.WORLD - 1
-            if own and arrived == 0:
+            # (a split part first counts in at the end: whole tiles, maybe producers, follow)
+            if own and j >= first and arrived == 0:
                 _arrive(p, one_layout)
                 arrived = 1
             prefetched = 0
-            if own and waited == 1 and j < n_tiles:  # (not the split tail's part)
+            if own and not is_unit and waited == 1:
                 # the peers' signals were acquired at an earlier own tile: load the first peer's
                 # partial into the epilogue buffer now, beside this tile's MMAs
                 tma.store_wait(0)
@@ -495,15 +523,14 @@ if gluon is not None:
                 tma_load(p.slots_desc, [src0 * p.m_local + off_m, off_n], p.pload.index(C), c_buf)
                 prefetched = 1
             _stamp(p, 6 * C + 1, one_layout)  # the last work item's start
-            acc = mma_steps(p.a_bufs, p.b_bufs, p.ready, p.empty, p.handoff, j, j * k_tiles, steps,
-                            C, p.PARTITIONS, p.B_KN, BLOCK_M, BLOCK_N, acc_layout)
+            acc = mma_steps(p.a_bufs, p.b_bufs, p.ready, p.empty, p.handoff, j, pos0, steps, C,
+                            p.PARTITIONS, p.B_KN, BLOCK_M, BLOCK_N, acc_layout)
             _stamp(p, 6 * C + 2, one_layout)  # its MMAs done
             if p.SPLIT_TAIL:
-                if j == n_tiles:
-                    tile_index = gl.program_id(0) // p.sk_split  # (unit = program, _tail_unit)
-                    _publish_part(p, acc, gl.program_id(0), tile_index, c_buf, one_layout)
+                if is_unit:
+                    _publish_part(p, acc, gl.program_id(0), gl.program_id(0) // p.sk_split,
+                                  c_buf, one_layout)  # (unit = program, _tail_unit)
                     _stamp(p, 6 * C + 4, one_layout)  # counted in
-                    _sum_split_rows(p, tile_index, part, off_m, off_n, waited, one_layout)
                 elif own:
                     waited, nload = _reduce_own(p, acc, off_m, off_n, c_buf, C, src0, prefetched,
                                                 waited, nload, acc_layout)
@@ -515,9 +542,17 @@ if gluon is not None:
                                                 waited, nload, acc_layout)
                 else:
                     _push_partial(p, acc, seg, off_m, off_n, c_buf, push0, slot)
-            _stamp(p, 6 * C + 3, one_layout)  # its epilogue issued (a split part: summed)
-        if arrived == 0:  # no own tile: count in anyway
+            _stamp(p, 6 * C + 3, one_layout)  # its epilogue issued
+        if arrived == 0:  # no whole own tile: count in anyway
             _arrive(p, one_layout)
+        if p.SPLIT_TAIL:
+            # the split part's share of its tile's sum, by the partition that does not run the
+            # program's last work item (ping-pong: the earlier to finish), after its count-in
+            if has_unit & (n_work % p.PARTITIONS == C):
+                step, seg, a_row, off_m, off_n = _flat_tile(p, unit_t)
+                _sum_split_rows(p, gl.program_id(0) // p.sk_split, part, off_m, off_n, waited,
+                                one_layout)
+                _stamp(p, 15, one_layout)  # its share summed
         tma.store_wait(0)
         _stamp(p, 6 * C + 5, one_layout)  # end
 
@@ -590,7 +625,7 @@ if gluon is not None:
 
     @gluon.jit
     def _sum_split_rows(p, tile_index, part, off_m, off_n, waited, one_layout: gl.constexpr):
-        """Part ``part`` of split tail tile ``tile_index``, its own part published: wait
+        """Part ``part``'s share of split tail tile ``tile_index``'s sum: wait
         (acquire, bounded) until all ``sk_split`` parts have counted in, and for every peer's
         signal unless this partition has; then sum its share of the tile's rows, chunks of
         ``TAIL_ROWS`` rows (:func:`tail_sum_rows`) dealt round-robin: per chunk the parts in
@@ -598,10 +633,10 @@ if gluon is not None:
         rank order, bias once, stored to ``out``. Then count out; the last part out resets the
         counter for the next launch. The wait needs every program of the grid resident at
         once, as the waits for the peers' signals already do (``docs/design.md``, "Other
-        kernels beside a fused grid"); then it cannot deadlock: each program publishes its
-        part before it waits, and every partition has counted in at the grid barrier before
-        its split tail's part (an own tile), so the peers' signals never wait for a split
-        tail."""
+        kernels beside a fused grid"); then it cannot deadlock: a part is published right
+        after its MMAs, which wait for nothing but the program's own loads, and the sum runs
+        after the partition's last work item and its count-in at the grid barrier, so the
+        peers' signals never wait for a split tail."""
         BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
         RED_M: gl.constexpr = p.TAIL_ROWS
@@ -655,7 +690,7 @@ if gluon is not None:
                           PARTITIONS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           MERGE_ROWS: gl.constexpr = False, HOST_DESC: gl.constexpr = False,
                           SPLIT_TAIL: gl.constexpr = False, TAIL_ROWS: gl.constexpr = 16,
-                          TRACE: gl.constexpr = False):
+                          TAIL_FIRST: gl.constexpr = False, TRACE: gl.constexpr = False):
         """``a`` ``[WORLD * m_local, K]``; ``b`` ``[K, N]`` row-major (B_KN) or a transposed
         row-major ``[N, K]`` (leading stride ``ldb``); ``out`` ``[m_local, N]``; ``data_ptr``
         this rank's ``[WORLD, m_local, N]`` slot region of this call's parity; ``data_ptrs`` /
@@ -668,8 +703,9 @@ if gluon is not None:
         rank's rows, pushed by owner, then the spread reduction (:func:`_merged_mma_partition`).
         SPLIT_TAIL: the last ``sk_tiles`` flat tiles (own ones) are split along K in
         ``sk_split`` parts, one per program, each rounded to the output dtype in ``parts_ptr``,
-        counted at ``counters_ptr`` and summed in fp32 (:func:`split_tail_plan`); without it
-        those are unused."""
+        counted at ``counters_ptr`` and summed in fp32 (:func:`split_tail_plan`), each part its
+        program's first work item with TAIL_FIRST, else its last (:func:`split_tail_first`);
+        without SPLIT_TAIL those are unused."""
         dtype: gl.constexpr = a_ptr.dtype.element_ty
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
@@ -693,7 +729,7 @@ if gluon is not None:
                   handoff, pload, data_ptr, out_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr,
                   trace_ptr, parts_ptr, counters_ptr, m_local, N, K, rank, epoch, max_spins,
                   sk_tiles, sk_split, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M, NUM_PROGRAMS,
-                  PARTITIONS, MERGE_ROWS, SPLIT_TAIL, TAIL_ROWS, TRACE)
+                  PARTITIONS, MERGE_ROWS, SPLIT_TAIL, TAIL_ROWS, TAIL_FIRST, TRACE)
         if PARTITIONS == 2:
             gl.warp_specialize([(_mma_partition, (p, 0)), (_mma_partition_1, (p, )),
                                 (_load_partition, (p, ))], [4, 1], [CONSUMER_REGS, 24])
@@ -757,6 +793,7 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
                  NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg),
                  CONSUMER_REGS=CONSUMER_REGS, MERGE_ROWS=cfg.rs_merge_rows,
                  SPLIT_TAIL=sk_split > 1, TAIL_ROWS=tail_sum_rows(cfg, sk_split),
+                 TAIL_FIRST=sk_split > 1 and split_tail_first(world, m_local, n, cfg, grid),
                  TRACE=trace is not None),
             num_stages=None, direct=direct, **gluon_ws.launch_options(cfg))
 
@@ -773,6 +810,21 @@ def tail_sum_rows(cfg, parts: int) -> int:
     least = 4 * (8 // gluon_ws.mma_partitions(cfg))
     rows = 1 << max(0, -(-cfg.block_m // max(1, parts)) - 1).bit_length()
     return max(least, min(64, rows, cfg.block_m))
+
+
+def split_tail_first(world: int, m_local: int, n: int, cfg, grid: int) -> bool:
+    """Whether a split tail's parts run as their programs' first work item (TAIL_FIRST) rather
+    than their last: at TP 2, and below two waves at any TP. Run first, a part's epilogue and
+    its share of the sum run beside the whole tiles' MMAs instead of after them. One H200,
+    communication off, the ping-pong at 1.09-4.36 waves: first ran 0.88-1.00x the time of last
+    on the 10 split TP 2 shapes and 0.92-0.94x on the two TP 4 shapes below two waves
+    (``benchmarks/results/kernel-ab-split-first-h200-2026-11-29-tp{2,4}.json``); but with the
+    parts first at every TP, six of nine TP 4 shapes of two waves or more ran 1.014-1.066x the
+    time of last, three 0.977-0.992x (``kernel-ab-part-first-tp4-h200-2026-11-29.json``; why is
+    not established: a phase trace of one showed its whole tiles' MMAs about 9 us slower in
+    all, not a longer end)."""
+    tiles = world * -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
+    return world == 2 or tiles < 2 * grid
 
 
 #: A tail tile cut into ``parts`` costs its programs about this many ``/ parts`` of a whole

@@ -306,13 +306,15 @@ _SPLIT_TAIL_CASES = {
 }
 
 
+@pytest.mark.parametrize("part_first", [True, False], ids=["part_first", "part_last"])
 @pytest.mark.parametrize("copy_engine", [False, True], ids=["sm_push", "ce_push"])
 @pytest.mark.parametrize("form, case", [(f, c) for f, cases in _SPLIT_TAIL_CASES.items()
                                         for c in cases],
                          ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v)))
-def test_gemm_rs_ws_split_tail(form, case, copy_engine):
+def test_gemm_rs_ws_split_tail(form, case, copy_engine, part_first, monkeypatch):
     """The warp-specialized GEMM+RS with ``stream_k=1``: the partial last wave's own tiles split
-    along K into equal parts, one per program, once all have arrived each part summing a share
+    along K into equal parts, one per program, each its program's first or last work item
+    (``split_tail_first`` forced either way), once all have arrived each part summing a share
     of the tile's rows in part order, then the peers' slots. Rank 0 of ``world`` on one GPU against fp32 math and
     against the same config unsplit, producer tiles pushed from the SMs or staged for the copy
     engine; the split happened (``split_tail_plan``); repeated launches bitwise identical;
@@ -324,6 +326,9 @@ def test_gemm_rs_ws_split_tail(form, case, copy_engine):
     from megatron_flux.kernels.gemm_rs import launch_gemm_rs
     from megatron_flux.kernels.gemm_rs_ws import split_tail_plan
 
+    from megatron_flux.kernels import gemm_rs_ws
+
+    monkeypatch.setattr(gemm_rs_ws, "split_tail_first", lambda *args: part_first)
     world, m_local, n, k, num_sms = case
     dtype = torch.bfloat16
     a, w, bias, out, data, pushed, flags, data_ptrs, flag_ptrs, err = _rank0_rs_wiring(

@@ -200,9 +200,11 @@ def test_gemm_rs_ws_compiles_for_hopper_within_its_shared_memory_bound(world):
             (kernel.metadata.shared, W.smem_bytes(cfg))
 
 
+@pytest.mark.parametrize("tail_first", [True, False], ids=["part_first", "part_last"])
 @pytest.mark.parametrize("tile", [_PINGPONG5, _COOP], ids=["pingpong", "coop"])
-def test_gemm_rs_ws_split_tail_compiles_without_serialised_wgmma(tile):
-    """The warp-specialized GEMM+RS with its split tail (SPLIT_TAIL) builds for sm_90 within its
+def test_gemm_rs_ws_split_tail_compiles_without_serialised_wgmma(tile, tail_first):
+    """The warp-specialized GEMM+RS with its split tail (SPLIT_TAIL), the parts run first or
+    last (TAIL_FIRST), builds for sm_90 within its
     shared-memory bound, and ptxas pipelines its wgmma: a form that ran the tail after the tile
     loop, through a second wgmma site, made ptxas serialise every wgmma of the kernel (warning
     C7515), and the kernel ran 1.94-2.21x cuBLAS's time on an H200 where it split, against
@@ -220,7 +222,8 @@ def test_gemm_rs_ws_split_tail_compiles_without_serialised_wgmma(tile):
         pytest.skip(W.GLUON_ERROR)
     cfg = GemmConfig(*tile, rs_warp_specialized=True, stream_k=1)
     consts = dict(WORLD=4, B_KN=False, HAS_BIAS=True, CE_PUSH=False,
-                  CONSUMER_REGS=W.CONSUMER_REGS, MERGE_ROWS=False, SPLIT_TAIL=True)
+                  CONSUMER_REGS=W.CONSUMER_REGS, MERGE_ROWS=False, SPLIT_TAIL=True,
+                  TAIL_FIRST=tail_first)
     kernel = _compile_gluon(W.gemm_rs_ws_kernel, cfg, consts,
                             {"data_ptrs": "*i64", "flag_ptrs": "*i64", "err_ptr": "*i32",
                              "parts_ptr": "*fp32", "counters_ptr": "*i32"}, "bf16")

@@ -244,6 +244,22 @@ def test_split_tail_plan_cuts_only_a_partial_last_wave_of_own_tiles():
             gemm_rs_ws.MIN_SPLIT_GAIN * -(-world * per_segment // grid)
 
 
+def test_split_tail_parts_run_first_at_tp2_and_below_two_waves():
+    """``split_tail_first``: the split parts run as their programs' first work item at TP 2
+    and, at any TP, below two waves of tiles; at TP 4 and 8 from two waves on they run last
+    (there, first ran slower on six of nine shapes measured)."""
+    first = gemm_rs_ws.split_tail_first
+    cfg = GemmConfig(**WS, stream_k=1)
+    assert first(2, 512, 2304, cfg, 132)        # minicpm-2b, m = 1024: 144 tiles
+    assert first(2, 1024, 2304, cfg, 132)       # m = 2048: 288 tiles, 2.2 waves
+    assert first(4, 256, 2304, cfg, 132)        # TP 4, 144 tiles: 1.09 waves
+    assert not first(4, 512, 2304, cfg, 132)    # TP 4, 288 tiles
+    assert not first(4, 256, 5120, cfg, 132)    # qwen1.5-32b, TP 4, m = 1024: 320 tiles
+    assert first(4, 256, 4096, cfg, 132) and not first(4, 256, 4224, cfg, 132)  # 256, 264 tiles
+    assert not first(8, 256, 2304, cfg, 132)    # 288 tiles at TP 8
+    assert first(8, 128, 2304, cfg, 132)        # 144
+
+
 @pytest.mark.parametrize("form", ["pingpong", "coop"])
 def test_split_tail_sum_chunks_give_each_part_at_most_one_where_they_can(form):
     """``tail_sum_rows``: the rows per chunk of a split tile's sum are a power of two that
