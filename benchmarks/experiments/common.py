@@ -29,6 +29,18 @@ def add_timing_args(p):
     p.add_argument("--json")
 
 
+def without_phases(launch_gemm_rs_ws):
+    """``launch_gemm_rs``'s signature (``produce`` / ``consume``, which the Gluon kernel does
+    not split) onto the Gluon GEMM+RS launcher or a copy of it, for ``rs_on_one_gpu``; other
+    keywords (``trace``) pass through (the package's dispatch runs traces on the Triton
+    kernel)."""
+    def launch(*args, produce=True, consume=True, **kwargs):
+        assert produce and consume
+        return launch_gemm_rs_ws(*args, **kwargs)
+
+    return launch
+
+
 def parse_shape(spec):
     """``"MxNxK"`` -> ``(m, n, k)``."""
     m, n, k = map(int, spec.split("x"))

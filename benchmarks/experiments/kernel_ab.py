@@ -27,7 +27,8 @@ import json
 
 import torch
 
-from common import add_timing_args, load_module, named_configs, problem, time_and_check, write_record
+from common import add_timing_args, load_module, named_configs, problem, time_and_check, \
+    without_phases, write_record
 from megatron_flux.tools.diagnostics.kernel_vs_cublas import add_model_args, ag_on_one_gpu, model_shapes, rs_on_one_gpu
 from megatron_flux.tools.diagnostics.plain_gemm import launch_plain_gemm
 from megatron_flux.tuning.provider import TableConfigProvider
@@ -65,7 +66,7 @@ def main(argv=None):
         from megatron_flux.kernels import gemm_rs_ws  # "new" too, without the split phases
 
         launchers["new"] = gemm_rs_ws.launch_gemm_rs_ws
-        launchers = {name: _without_phases(fn) for name, fn in launchers.items()}
+        launchers = {name: without_phases(fn) for name, fn in launchers.items()}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     table = TableConfigProvider()
     rows = []
@@ -95,16 +96,6 @@ def main(argv=None):
                                         "config_label": label, "config": cfg.to_dict()})
                 assert err.tolist() == [0, 0, 0, 0], err.tolist()
     write_record(args.json, rows, tp=args.tp)
-
-
-def _without_phases(launch_gemm_rs_ws):
-    """``launch_gemm_rs``'s signature (``produce`` / ``consume``, which the Gluon kernel does
-    not split) onto a copy of the Gluon GEMM+RS launcher, for ``rs_on_one_gpu``."""
-    def launch(*args, produce=True, consume=True, **kwargs):
-        assert produce and consume
-        return launch_gemm_rs_ws(*args, **kwargs)
-
-    return launch
 
 
 def _wire(op, a, w, full, tp, cfg, err, launch_fn):

@@ -21,22 +21,12 @@ import statistics
 
 import torch
 
-from common import parse_shape
+from common import parse_shape, without_phases
 from megatron_flux.kernels import gemm_rs_ws
 from megatron_flux.kernels.config import GemmConfig
 from megatron_flux.tools.diagnostics.kernel_vs_cublas import _time_alternating, rel_err, \
     rs_on_one_gpu
 from megatron_flux.tuning.estimate import PINGPONG_RS
-
-
-def ws_launcher(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank, world, epoch, cfg,
-                num_sms, max_spins, produce=True, consume=True, trace=None):
-    """``launch_gemm_rs``'s signature onto the Gluon kernel's launcher, so ``rs_on_one_gpu``
-    wires it and a trace reaches it (the package's dispatch runs traces on the Triton kernel)."""
-    assert produce and consume
-    gemm_rs_ws.launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, rank=rank,
-                                 world=world, epoch=epoch, cfg=cfg, num_sms=num_sms,
-                                 max_spins=max_spins, trace=trace)
 
 
 def summarize(traces, partitions):
@@ -93,7 +83,8 @@ def main(argv=None):
         fns = {"cublas": lambda: torch.matmul(a, w.t())}
         for label, cfg in forms.items():
             err = torch.zeros(4, dtype=torch.int32, device="cuda")
-            launch, out, data = rs_on_one_gpu(a, w, args.tp, err, ws_launcher, sms)
+            launch, out, data = rs_on_one_gpu(a, w, args.tp, err,
+                                              without_phases(gemm_rs_ws.launch_gemm_rs_ws), sms)
 
             trace = torch.full((sms, gemm_rs_ws.WS_TRACE_SLOTS), -1, dtype=torch.int64,
                                device="cuda")

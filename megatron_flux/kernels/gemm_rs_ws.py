@@ -94,7 +94,7 @@ from typing import Optional
 # against its class annotations, which that import would turn into strings)
 
 from megatron_flux.kernels import gluon_ws, stream_k
-from megatron_flux.kernels.config import interpreting
+from megatron_flux.kernels.config import interpreting, launch_tiles
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, aggregate,
@@ -823,8 +823,7 @@ def split_tail_first(world: int, m_local: int, n: int, cfg, grid: int) -> bool:
     time of last, three 0.977-0.992x (``kernel-ab-part-first-tp4-h200-2026-11-29.json``; why is
     not established: a phase trace of one showed its whole tiles' MMAs about 9 us slower in
     all, not a longer end)."""
-    tiles = world * -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
-    return world == 2 or tiles < 2 * grid
+    return world == 2 or launch_tiles(m_local, n, world, cfg) < 2 * grid
 
 
 #: A tail tile cut into ``parts`` costs its programs about this many ``/ parts`` of a whole
@@ -851,10 +850,9 @@ def split_tail_plan(world: int, m_local: int, n: int, k: int, cfg, grid: int):
     no split."""
     if not cfg.stream_k or cfg.rs_merge_rows:
         return 0, 1
-    tiles_per_segment = -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
-    total = world * tiles_per_segment
+    total = launch_tiles(m_local, n, world, cfg)
     tail = total % grid if total > grid else 0
-    if not tail or tail > tiles_per_segment:
+    if not tail or tail > total // world:  # (a tail longer than the own segment)
         return 0, 1
     k_tiles = -(-k // cfg.block_k)
     parts = min(grid // tail, k_tiles // cfg.num_stages, MAX_TAIL_SPLIT)
