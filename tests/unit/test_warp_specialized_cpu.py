@@ -222,6 +222,7 @@ def test_split_tail_plan_cuts_only_a_partial_last_wave_of_own_tiles():
     assert plan(4, 256, 4608, 18432, cfg, 288) == (0, 1)   # one whole wave: no tail
     assert plan(2, 128, 1024, 18432, cfg, 132) == (0, 1)   # 16 tiles: no full wave
     assert plan(4, 256, 4608, 4 * 64, cfg, 132) == (0, 1)  # 4 K-steps: no part of 5 stages
+    assert plan(8, 128, 1280, 18432, cfg, 66) == (0, 1)  # a tail of 14 over a segment of 10
     # stream_k off, or merged rows (no segments): no split wherever the shape would have one
     assert plan(4, 256, 4608, 18432, dataclasses.replace(cfg, stream_k=0), 132) == (0, 1)
     merged = dataclasses.replace(cfg, rs_merge_rows=True, rs_spread_reduce=True, rs_tma_push=False)
