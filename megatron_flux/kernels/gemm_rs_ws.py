@@ -50,25 +50,27 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
 * **Split tail** (``stream_k=1``, SPLIT_TAIL; :func:`split_tail_plan`): the partial last wave's
   ``tail`` tiles (own tiles, at the end of the flat order) leave the tile loop and each is cut
   along K into ``parts`` equal ranges of at least ``num_stages`` K-steps, ``tail * parts`` units
-  at most one per program: program ``u`` runs unit ``u`` (part ``u % parts`` of tail tile
-  ``u // parts``) as its first work item (TAIL_FIRST, :func:`split_tail_first`) or its last,
-  on the ring and partition that item index gives (one wgmma site: running the tail after the
-  tile loop, through a second one, made ptxas serialise every wgmma of the kernel, C7515;
-  ``test_kernels_compile.py`` checks). A unit's epilogue rounds its part, TMA-stores it into
-  its scratch slot, drains the store and counts in at the tail tile's counter (acq_rel, GPU
-  scope). A part run first does not count in at the grid barrier (whole tiles, maybe
-  producers, follow it). After its last work item and its count-in at the grid barrier, the
-  program's MMA partition that did not run that item (the earlier to finish in ping-pong)
-  waits (acquire, bounded) until all parts of the unit's tile have counted in, and for the
-  peers' signals if it has not, and sums a share of the tile's rows (chunks dealt round-robin
-  over the parts, one per part where :func:`tail_sum_rows` can): parts in part order, then
-  the peers' partials in rank order, bias once, plain loads and stores; the last to count out
-  resets the counter. The parts share the sum because one program summing the whole tile took
-  8-10 us after the last part arrived (2-2.5 us per 32-row chunk, whether a chunk's parts
-  loaded one by one or at once); run first, a part's epilogue and its share of the sum run
-  beside the whole tiles' MMAs instead of after them (one H200, comm off,
-  ``benchmarks/experiments/phase_trace_ws.py``). Each part is rounded to the output dtype, as
-  a peer's partial is.
+  dealt round-robin: program ``p`` runs units ``p, p + G, ...`` (unit ``u`` is part ``u %
+  parts`` of tail tile ``u // parts``; the plan gives one a program) as its first work items
+  (TAIL_FIRST, :func:`split_tail_first`) or its last, on the ring and partition their item
+  indices give (one wgmma site: running the tail after the tile loop, through a second one, made
+  ptxas serialise every wgmma of the kernel, C7515; ``test_kernels_compile.py`` checks). A
+  unit's tile, part and K range are recomputed where they are used, not held across the tile
+  loop (held, they cost the MMA partitions 12 spilled registers). A unit's epilogue rounds its
+  part, TMA-stores it into its scratch slot, drains the store and counts in at the tail tile's
+  counter (acq_rel, GPU scope). A part run first does not count in at the grid barrier (whole
+  tiles, maybe producers, follow it). After its last work item and its count-in at the grid
+  barrier, the program's MMA partition that did not run that item (the earlier to finish in
+  ping-pong) waits, for each of the program's units, (acquire, bounded) until all parts of the
+  unit's tile have counted in, and for the peers' signals if it has not, and sums a share of the
+  tile's rows (chunks dealt round-robin over the parts, one per part where :func:`tail_sum_rows`
+  can): parts in part order, then the peers' partials in rank order, bias once, plain loads and
+  stores; the last to count out resets the counter. The parts share the sum because one program
+  summing the whole tile took 8-10 us after the last part arrived (2-2.5 us per 32-row chunk,
+  whether a chunk's parts loaded one by one or at once); run first, a part's epilogue and its
+  share of the sum run beside the whole tiles' MMAs instead of after them (one H200, comm off,
+  ``benchmarks/experiments/phase_trace_ws.py``). Each part is rounded to the output dtype, as a
+  peer's partial is.
 * **Merged rows** (``rs_merge_rows``, MERGE_ROWS; small m): no steps. The flat tile ``t``
   walks every rank's rows ``[W * m_local, K]`` as one GROUP_M-grouped tile space, so a row tile
   may span owners. Each tile is rounded into the partition's epilogue buffer and stored into
@@ -264,18 +266,34 @@ if gluon is not None:
         return p.WORLD * tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N) - p.sk_tiles
 
     @gluon.jit
-    def _tail_unit(p):
-        """SPLIT_TAIL: this program's part of the split tail, ``(has one, flat tile, part,
-        first K-step, K-steps)``: unit ``u = program`` (there are ``sk_tiles * sk_split <=
-        NUM_PROGRAMS`` units) is part ``u % sk_split`` of tail tile ``u // sk_split``, an
+    def _tail_unit(p, i):
+        """SPLIT_TAIL: this program's ``i``-th unit of the split tail, ``(has it, flat tile,
+        part, first K-step, K-steps, unit)``: unit ``u = program + i * NUM_PROGRAMS`` (of
+        ``sk_tiles * sk_split``) is part ``u % sk_split`` of tail tile ``u // sk_split``, an
         equal share of the K-steps."""
         BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
         k_tiles = gl.cdiv(p.K, BLOCK_K)
-        u = gl.program_id(0)
+        u = gl.program_id(0) + i * p.NUM_PROGRAMS
         part = u % p.sk_split
         k0 = part * k_tiles // p.sk_split
         k1 = (part + 1) * k_tiles // p.sk_split
-        return u < p.sk_tiles * p.sk_split, _tail_start(p) + u // p.sk_split, part, k0, k1 - k0
+        return (u < p.sk_tiles * p.sk_split, _tail_start(p) + u // p.sk_split, part, k0, k1 - k0,
+                u)
+
+    @gluon.jit
+    def _tail_units(p):
+        """SPLIT_TAIL: how many units of the split tail this program runs (program ``< G``, so
+        the numerator is never negative)."""
+        return (p.sk_tiles * p.sk_split - gl.program_id(0) + p.NUM_PROGRAMS - 1) // p.NUM_PROGRAMS
+
+    @gluon.jit
+    def _tail_steps(p, count):
+        """SPLIT_TAIL: the K-steps of this program's first ``count`` units (ring positions)."""
+        steps = 0
+        for i in range(count):
+            _, _, _, _, unit_steps, _ = _tail_unit(p, i)
+            steps += unit_steps
+        return steps
 
     @gluon.jit
     def _load_partition(p):
@@ -285,7 +303,7 @@ if gluon is not None:
         _stamp(p, 12, loader_layout)
         pos = 0
         if p.SPLIT_TAIL and p.TAIL_FIRST:
-            pos = _load_tail_unit(p, pos)
+            pos = _load_tail_units(p, pos)
         for j in range(_num_tiles(p)):
             step, seg, a_row, off_m, off_n = _tile(p, j)
             for kk in range(k_tiles):
@@ -293,15 +311,15 @@ if gluon is not None:
                         pos, kk, p.B_KN)
                 pos += 1
         if p.SPLIT_TAIL and not p.TAIL_FIRST:
-            pos = _load_tail_unit(p, pos)
+            pos = _load_tail_units(p, pos)
         _stamp(p, 13, loader_layout)
 
     @gluon.jit
-    def _load_tail_unit(p, pos):
-        """The load warp's K-steps of this program's split tail part (if it has one) from ring
+    def _load_tail_units(p, pos):
+        """The load warp's K-steps of this program's split tail units, in unit order, from ring
         position ``pos``; returns the next position."""
-        has_unit, t, part, k0, steps = _tail_unit(p)
-        if has_unit:
+        for i in range(_tail_units(p)):
+            _, t, _, k0, steps, _ = _tail_unit(p, i)
             step, seg, a_row, off_m, off_n = _flat_tile(p, t)
             for kk in range(steps):
                 load_ab(p.a_desc, a_row, p.b_desc, off_n, p.a_bufs, p.b_bufs, p.ready, p.empty,
@@ -484,29 +502,33 @@ if gluon is not None:
         waited = 0
         nload = 0
         n_tiles = _num_tiles(p)
-        first = 0  # work items before the whole tiles: the split tail part, TAIL_FIRST
+        first = 0  # work items before the whole tiles: the split tail units, TAIL_FIRST
         if p.SPLIT_TAIL:
-            has_unit, unit_t, part, k0, unit_steps = _tail_unit(p)
-            unit_j = n_tiles  # the part's work item: the program's first or last
+            n_units = _tail_units(p)
+            unit0 = n_tiles  # the units' work items: the program's first or last
             if p.TAIL_FIRST:
-                first = has_unit.to(gl.int32)
-                unit_j = 0
-            n_work = n_tiles + has_unit.to(gl.int32)
+                first = n_units
+                unit0 = 0
+                units_steps = _tail_steps(p, n_units)
+            n_work = n_tiles + n_units
         else:
             n_work = n_tiles
         _stamp(p, 6 * C, one_layout)  # start
         for j in range(C, n_work, p.PARTITIONS):
             steps = k_tiles
-            pos0 = j * k_tiles  # (also the part's, first or last)
+            pos0 = j * k_tiles
             is_unit = False
+            unit = gl.program_id(0)  # (a tensor: reassigned below)
             if p.SPLIT_TAIL:
-                is_unit = has_unit & (j == unit_j)
+                is_unit = (j >= unit0) & (j < unit0 + n_units)
                 if is_unit:
+                    _, unit_t, _, _, steps, unit = _tail_unit(p, j - unit0)
                     step, seg, a_row, off_m, off_n = _flat_tile(p, unit_t)
-                    steps = unit_steps
+                    pos0 = unit0 * k_tiles + _tail_steps(p, j - unit0)
                 else:
                     step, seg, a_row, off_m, off_n = _tile(p, j - first)
-                    pos0 = (j - first) * k_tiles + first * unit_steps
+                    if p.TAIL_FIRST:
+                        pos0 = (j - first) * k_tiles + units_steps
             else:
                 step, seg, a_row, off_m, off_n = _tile(p, j)
             own = step == p.WORLD - 1
@@ -528,8 +550,7 @@ if gluon is not None:
             _stamp(p, 6 * C + 2, one_layout)  # its MMAs done
             if p.SPLIT_TAIL:
                 if is_unit:
-                    _publish_part(p, acc, gl.program_id(0), gl.program_id(0) // p.sk_split,
-                                  c_buf, one_layout)  # (unit = program, _tail_unit)
+                    _publish_part(p, acc, unit, unit // p.sk_split, c_buf, one_layout)
                     _stamp(p, 6 * C + 4, one_layout)  # counted in
                 elif own:
                     waited, nload = _reduce_own(p, acc, off_m, off_n, c_buf, C, src0, prefetched,
@@ -546,13 +567,15 @@ if gluon is not None:
         if arrived == 0:  # no whole own tile: count in anyway
             _arrive(p, one_layout)
         if p.SPLIT_TAIL:
-            # the split part's share of its tile's sum, by the partition that does not run the
+            # each unit's share of its tile's sum, by the partition that does not run the
             # program's last work item (ping-pong: the earlier to finish), after its count-in
-            if has_unit & (n_work % p.PARTITIONS == C):
-                step, seg, a_row, off_m, off_n = _flat_tile(p, unit_t)
-                _sum_split_rows(p, gl.program_id(0) // p.sk_split, part, off_m, off_n, waited,
-                                one_layout)
-                _stamp(p, 15, one_layout)  # its share summed
+            if n_work % p.PARTITIONS == C:
+                for i in range(n_units):
+                    _, unit_t, part, _, _, unit = _tail_unit(p, i)
+                    step, seg, a_row, off_m, off_n = _flat_tile(p, unit_t)
+                    waited = _sum_split_rows(p, unit // p.sk_split, part, off_m, off_n, waited,
+                                             one_layout)
+                _stamp(p, 15, one_layout)  # its shares summed
         tma.store_wait(0)
         _stamp(p, 6 * C + 5, one_layout)  # end
 
@@ -625,18 +648,18 @@ if gluon is not None:
 
     @gluon.jit
     def _sum_split_rows(p, tile_index, part, off_m, off_n, waited, one_layout: gl.constexpr):
-        """Part ``part``'s share of split tail tile ``tile_index``'s sum: wait
-        (acquire, bounded) until all ``sk_split`` parts have counted in, and for every peer's
-        signal unless this partition has; then sum its share of the tile's rows, chunks of
-        ``TAIL_ROWS`` rows (:func:`tail_sum_rows`) dealt round-robin: per chunk the parts in
-        fp32 in part order (fixed, so launches are bitwise repeatable), the peers' partials in
-        rank order, bias once, stored to ``out``. Then count out; the last part out resets the
-        counter for the next launch. The wait needs every program of the grid resident at
-        once, as the waits for the peers' signals already do (``docs/design.md``, "Other
-        kernels beside a fused grid"); then it cannot deadlock: a part is published right
-        after its MMAs, which wait for nothing but the program's own loads, and the sum runs
-        after the partition's last work item and its count-in at the grid barrier, so the
-        peers' signals never wait for a split tail."""
+        """Part ``part``'s share of split tail tile ``tile_index``'s sum: wait (acquire, bounded)
+        until all ``sk_split`` parts have counted in, and for every peer's signal unless this
+        partition has; then sum its share of the tile's rows, chunks of ``TAIL_ROWS`` rows
+        (:func:`tail_sum_rows`) dealt round-robin: per chunk the parts in fp32 in part order
+        (fixed, so launches are bitwise repeatable), the peers' partials in rank order, bias once,
+        stored to ``out``. Then count out; the last part out resets the counter for the next
+        launch. Returns 1: the peers' signals are acquired. The wait needs every program of the
+        grid resident at once, as the waits for the peers' signals already do (``docs/design.md``,
+        "Other kernels beside a fused grid"); then it cannot deadlock: a part is published right
+        after its MMAs, which wait for nothing but the program's own loads, and the sum runs after
+        the partition's last work item and its count-in at the grid barrier, so the peers' signals
+        never wait for a split tail."""
         BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
         RED_M: gl.constexpr = p.TAIL_ROWS
@@ -674,6 +697,7 @@ if gluon is not None:
         out_count = gl.atomic_add(counter + zero, 1 + zero, sem="relaxed", scope="gpu")
         gl.atomic_xchg(counter + zero, zero, mask=out_count == 2 * p.sk_split - 1,
                        sem="relaxed", scope="gpu")
+        return 1  # the peers' signals acquired
 
     @gluon.jit
     def _mma_partition_1(p):
@@ -701,11 +725,11 @@ if gluon is not None:
         encoded on the host with the same views and layouts (:func:`_host_descriptors`; the
         peers' push descriptors stay device-built). MERGE_ROWS: one tile space over every
         rank's rows, pushed by owner, then the spread reduction (:func:`_merged_mma_partition`).
-        SPLIT_TAIL: the last ``sk_tiles`` flat tiles (own ones) are split along K in
-        ``sk_split`` parts, one per program, each rounded to the output dtype in ``parts_ptr``,
-        counted at ``counters_ptr`` and summed in fp32 (:func:`split_tail_plan`), each part its
-        program's first work item with TAIL_FIRST, else its last (:func:`split_tail_first`);
-        without SPLIT_TAIL those are unused."""
+        SPLIT_TAIL: the last ``sk_tiles`` flat tiles (own ones) are split along K in ``sk_split``
+        parts, dealt round-robin over the programs, each rounded to the output dtype in
+        ``parts_ptr``, counted at ``counters_ptr`` and summed in fp32 (:func:`split_tail_plan`),
+        each part its program's first work item with TAIL_FIRST, else its last
+        (:func:`split_tail_first`); without SPLIT_TAIL those are unused."""
         dtype: gl.constexpr = a_ptr.dtype.element_ty
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
@@ -800,6 +824,13 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
 
 #: at most this many K-parts per split tail tile
 MAX_TAIL_SPLIT = 8
+#: at most this many split tail units per program. The kernel runs up to four (the stream-K
+#: scratch holds ``4 * grid`` tiles in the output dtype: :func:`.stream_k.stream_k_scratch`),
+#: which lets tails over half the grid split; one H200, communication off, that lost where K is
+#: short (two units of 5-14 K-steps: 1.02-1.53x the unsplit time) and gained at most 5 % where
+#: it is long (two to four units of 40-112 K-steps: 0.95-1.06x;
+#: ``benchmarks/results/kernel-ab-tail-units*-h200-2026-11-29*.json``)
+MAX_TAIL_UNITS = 1
 
 
 def tail_sum_rows(cfg, parts: int) -> int:
@@ -839,15 +870,27 @@ SPLIT_PART_COST = 1.2
 MIN_SPLIT_GAIN = 0.04
 
 
+def tail_units(tail: int, parts: int, grid: int) -> int:
+    """Split tail units a program runs at most: ``tail * parts`` units dealt over ``grid``."""
+    return -(-tail * parts // grid)
+
+
+def split_tail_wave(tail: int, parts: int, grid: int) -> float:
+    """The modelled cost of a split tail, in whole tiles per program: its programs' most units,
+    each :data:`SPLIT_PART_COST` ``/ parts`` of a tile."""
+    return tail_units(tail, parts, grid) * SPLIT_PART_COST / parts
+
+
 def split_tail_plan(world: int, m_local: int, n: int, k: int, cfg, grid: int):
     """``(tail tiles, parts)`` of a launch, or ``(0, 1)`` for none (``stream_k`` off, or merged
-    rows, which have no segments): the partial last wave's ``T % grid`` tiles (``T = world * tiles per segment``), when they lie in
-    the own segment, each split along K into as many equal parts as fit one per program
-    (``tail * parts <= grid``), each of at least ``num_stages`` K-steps (the ping-pong ring
-    protocol needs that), at most :data:`MAX_TAIL_SPLIT`; fewer than two parts (a tail over
-    half the grid), or a saving under :data:`MIN_SPLIT_GAIN` of the ``ceil(T / grid)`` waves
-    (the last wave taking :data:`SPLIT_PART_COST` ``/ parts`` of one instead of a whole one):
-    no split."""
+    rows, which have no segments): the partial last wave's ``T % grid`` tiles (``T = world *
+    tiles per segment``), when they lie in the own segment, each split along K into equal
+    parts of at least ``num_stages`` K-steps (the ping-pong ring protocol needs that), at most
+    :data:`MAX_TAIL_SPLIT`. A tail of at most half the grid: as many parts as fit one per
+    program. A longer one: the parts count whose units, dealt round-robin over the programs
+    (:data:`MAX_TAIL_UNITS` at most each), leave the least work per program
+    (:func:`split_tail_wave`; the fewest parts of equals). No split where the last wave would
+    not save :data:`MIN_SPLIT_GAIN` of the ``ceil(T / grid)`` waves."""
     if not cfg.stream_k or cfg.rs_merge_rows:
         return 0, 1
     total = launch_tiles(m_local, n, world, cfg)
@@ -855,8 +898,13 @@ def split_tail_plan(world: int, m_local: int, n: int, k: int, cfg, grid: int):
     if not tail or tail > total // world:  # (a tail longer than the own segment)
         return 0, 1
     k_tiles = -(-k // cfg.block_k)
-    parts = min(grid // tail, k_tiles // cfg.num_stages, MAX_TAIL_SPLIT)
-    if parts < 2 or (1.0 - SPLIT_PART_COST / parts) < MIN_SPLIT_GAIN * -(-total // grid):
+    most = min(k_tiles // cfg.num_stages, MAX_TAIL_SPLIT)
+    if 2 * tail <= grid:
+        parts = min(grid // tail, most)
+    else:
+        fits = [q for q in range(2, most + 1) if tail_units(tail, q, grid) <= MAX_TAIL_UNITS]
+        parts = min(fits, key=lambda q: (split_tail_wave(tail, q, grid), q), default=1)
+    if parts < 2 or 1.0 - split_tail_wave(tail, parts, grid) < MIN_SPLIT_GAIN * -(-total // grid):
         return 0, 1
     return tail, parts
 

@@ -319,8 +319,8 @@ def wave_work(op: str, cfg, m_total: int, n: int, k: int, tp: int, num_sms: int,
     """The work ``cfg`` leaves the busiest SM on the shape, in output elements: tile area x
     the waves of tiles it runs (whole waves; with ``split_tail``, a stream-K tail that the
     kernel would split as :data:`STREAM_K_TAIL_COST` times its share, and the
-    warp-specialized GEMM+RS's split tail as the kernel plans it, its last wave
-    as ``SPLIT_PART_COST / parts`` of one). The time of one K step
+    warp-specialized GEMM+RS's split tail as the kernel plans it, its last wave as
+    :func:`~megatron_flux.kernels.gemm_rs_ws.split_tail_wave` of one). The time of one K step
     per element is taken as equal across the configs compared (they are all at least
     :data:`MIN_TILE_AREA`), so this orders them by time where wave quantisation separates
     them. Comm off on one H200 at
@@ -337,12 +337,13 @@ def wave_work(op: str, cfg, m_total: int, n: int, k: int, tp: int, num_sms: int,
         full = math.floor(waves)
         whole = min(whole, full + STREAM_K_TAIL_COST * (waves - full))
     elif split_tail and op == "rs" and cfg.rs_warp_specialized:  # the plan reads stream_k
-        from megatron_flux.kernels.gemm_rs_ws import SPLIT_PART_COST, split_tail_plan
+        from megatron_flux.kernels.gemm_rs_ws import split_tail_plan, split_tail_wave
 
         m_local = max(1, m_total // max(1, tp))
-        parts = split_tail_plan(max(1, tp), m_local, n, k, cfg, min(num_sms, tiles))[1]
+        grid = min(num_sms, tiles)
+        tail, parts = split_tail_plan(max(1, tp), m_local, n, k, cfg, grid)
         if parts > 1:
-            whole = math.floor(waves) + SPLIT_PART_COST / parts
+            whole = math.floor(waves) + split_tail_wave(tail, parts, grid)
     return cfg.block_m * cfg.block_n * whole
 
 

@@ -297,12 +297,16 @@ def test_gemm_rs_ws_bias_layouts_and_signals(world, b_kn, dtype, copy_engine, fo
 
 
 # (world, m_local, n, k, num_sms): a partial last wave of own tiles, split along K into 3, 5, 5,
-# 8 (ping-pong) and 3, 3, 7 (cooperative) parts, so the parts sum chunks of 64, 32 and 16 rows
-# (cooperative: 64 and 32; gemm_rs_ws.tail_sum_rows)
+# 8 (ping-pong) and 3, 3, 7 (cooperative) parts, one per program, so the parts sum chunks of 64,
+# 32 and 16 rows (cooperative: 64 and 32; gemm_rs_ws.tail_sum_rows); then tails over half the
+# grid, planned with two units a program at most (MAX_TAIL_UNITS = 2: the kernel runs several,
+# the shipped plan gives one), in 3 parts: 8 tiles over 12 programs, 12 over 22 (one row of
+# tiles), cooperative 6 over 10
 _SPLIT_TAIL_CASES = {
     "pingpong": [(2, 512, 384, 640, 11), (4, 256, 1152, 2048, 33), (2, 384, 1024, 1024, 44),
-                 (2, 256, 640, 2048, 18)],
-    "coop": [(2, 512, 384, 640, 7), (4, 256, 1280, 2048, 12), (2, 256, 512, 2048, 7)],
+                 (2, 256, 640, 2048, 18), (2, 256, 640, 2048, 12), (2, 128, 2176, 2048, 22)],
+    "coop": [(2, 512, 384, 640, 7), (4, 256, 1280, 2048, 12), (2, 256, 512, 2048, 7),
+             (2, 256, 1024, 2048, 10)],
 }
 
 
@@ -313,12 +317,13 @@ _SPLIT_TAIL_CASES = {
                          ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v)))
 def test_gemm_rs_ws_split_tail(form, case, copy_engine, part_first, monkeypatch):
     """The warp-specialized GEMM+RS with ``stream_k=1``: the partial last wave's own tiles split
-    along K into equal parts, one per program, each its program's first or last work item
+    along K into equal parts, one per program (two, for a tail over half the grid, with the
+    plan's ``MAX_TAIL_UNITS`` raised), each its program's first or last work items
     (``split_tail_first`` forced either way), once all have arrived each part summing a share
-    of the tile's rows in part order, then the peers' slots. Rank 0 of ``world`` on one GPU against fp32 math and
-    against the same config unsplit, producer tiles pushed from the SMs or staged for the copy
-    engine; the split happened (``split_tail_plan``); repeated launches bitwise identical;
-    every tile counter back at zero; the producer tiles pushed."""
+    of the tile's rows in part order, then the peers' slots. Rank 0 of ``world`` on one GPU
+    against fp32 math and against the same config unsplit, producer tiles pushed from the SMs
+    or staged for the copy engine; the split happened (``split_tail_plan``); repeated launches
+    bitwise identical; every tile counter back at zero; the producer tiles pushed."""
     import warnings
 
     from megatron_flux.kernels import stream_k
@@ -329,6 +334,7 @@ def test_gemm_rs_ws_split_tail(form, case, copy_engine, part_first, monkeypatch)
     from megatron_flux.kernels import gemm_rs_ws
 
     monkeypatch.setattr(gemm_rs_ws, "split_tail_first", lambda *args: part_first)
+    monkeypatch.setattr(gemm_rs_ws, "MAX_TAIL_UNITS", 2)  # plans of shorter tails: the same
     world, m_local, n, k, num_sms = case
     dtype = torch.bfloat16
     a, w, bias, out, data, pushed, flags, data_ptrs, flag_ptrs, err = _rank0_rs_wiring(
@@ -338,7 +344,8 @@ def test_gemm_rs_ws_split_tail(form, case, copy_engine, part_first, monkeypatch)
                      stream_k=1, rs_copy_engine=copy_engine)
     tiles = world * -(-m_local // cfg.block_m) * -(-n // cfg.block_n)
     tail, parts = split_tail_plan(world, m_local, n, k, cfg, min(num_sms, tiles))
-    assert tail > 0 and parts >= 2 and tail * parts <= num_sms, (tail, parts)
+    assert tail > 0 and parts >= 2, (tail, parts)
+    assert (tail * parts <= num_sms) == (2 * tail <= num_sms), (tail, parts)
     results = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback to the Triton kernel would warn

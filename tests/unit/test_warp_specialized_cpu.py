@@ -209,8 +209,8 @@ def test_split_tail_plan_cuts_only_a_partial_last_wave_of_own_tiles():
     """``stream_k=1`` on the warp-specialized GEMM+RS: the partial last wave's tiles (inside the
     own segment) are cut into equal K-parts, one unit per program at most, each of at least
     ``num_stages`` K-steps, at most ``MAX_TAIL_SPLIT``; no full wave before it, no tail, a tail
-    over half the grid or longer than the own segment, too short a K, or too small a saving
-    of the launch's waves: no split."""
+    over half the grid (as shipped, ``MAX_TAIL_UNITS = 1``) or longer than the own segment, too
+    short a K, or too small a saving of the launch's waves: no split."""
     import itertools
 
     plan = gemm_rs_ws.split_tail_plan
@@ -218,7 +218,9 @@ def test_split_tail_plan_cuts_only_a_partial_last_wave_of_own_tiles():
     # gemma2-27b's fc2 at TP 4, m = 1024 (per-rank K 18432): 288 tiles, 24 in the last wave
     assert plan(4, 256, 4608, 18432, cfg, 132) == (24, 5)
     assert plan(4, 256, 5120, 13696, cfg, 132) == (56, 2)  # qwen1.5-32b: 320 tiles
-    assert plan(4, 256, 4096, 18432, cfg, 132) == (0, 1)   # 256 tiles: 124 left, over half
+    assert plan(4, 256, 4096, 18432, cfg, 132) == (0, 1)   # 256 tiles: 124 left, over 64 own
+    assert gemm_rs_ws.MAX_TAIL_UNITS == 1
+    assert plan(2, 512, 5376, 10752, cfg, 132) == (0, 1)  # gemma3-27b: 336 tiles, 72 left
     assert plan(4, 256, 4608, 18432, cfg, 288) == (0, 1)   # one whole wave: no tail
     assert plan(2, 128, 1024, 18432, cfg, 132) == (0, 1)   # 16 tiles: no full wave
     assert plan(4, 256, 4608, 4 * 64, cfg, 132) == (0, 1)  # 4 K-steps: no part of 5 stages
@@ -232,17 +234,59 @@ def test_split_tail_plan_cuts_only_a_partial_last_wave_of_own_tiles():
     assert plan(2, 4096, 4544, 9088, cfg, 132) == (0, 1)    # 18 waves: 0.4 < 0.72
     assert plan(2, 4096, 7168, 14336, cfg, 132) == (0, 1)   # 28 waves, 6 parts: 0.8 < 1.12
     for world, rows, n, k, grid in itertools.product((2, 4, 8), (128, 256, 512, 1024),
-                                                     (1024, 4608, 7168), (1024, 8192), (66, 132)):
+                                                     (1024, 3840, 4608, 5376, 7168), (1024, 8192),
+                                                     (66, 132)):
         tail, parts = plan(world, rows, n, k, cfg, grid)
         per_segment = -(-rows // 128) * -(-n // 128)
         if parts == 1:
             assert tail == 0
             continue
         assert tail == (world * per_segment) % grid and world * per_segment > grid
-        assert 2 <= parts <= gemm_rs_ws.MAX_TAIL_SPLIT and tail * parts <= grid
+        assert 2 <= parts <= gemm_rs_ws.MAX_TAIL_SPLIT
         assert tail <= per_segment and (k // 64) // parts >= cfg.num_stages
+        assert tail * parts <= grid  # one unit per program
         assert 1 - gemm_rs_ws.SPLIT_PART_COST / parts >= \
             gemm_rs_ws.MIN_SPLIT_GAIN * -(-world * per_segment // grid)
+
+
+@pytest.mark.parametrize("units", [2, 4])
+def test_split_tail_plan_over_half_the_grid_with_several_units_a_program(units, monkeypatch):
+    """With ``MAX_TAIL_UNITS`` raised (the kernel runs any count of units a program; the plan
+    ships with one), a tail over half the grid is cut into the parts count whose units, dealt
+    over the programs, leave each the least work, the fewest parts of equals; a tail up to
+    half the grid is planned as before."""
+    import itertools
+
+    monkeypatch.setattr(gemm_rs_ws, "MAX_TAIL_UNITS", units)
+    plan = gemm_rs_ws.split_tail_plan
+    cfg = GemmConfig(**WS, stream_k=1)
+    # gemma3-27b's fc2 at TP 2, m = 1024 (336 tiles, 72 left): 3 parts (216 units, two a
+    # program: 2/3 of a tile), with four a program 7 parts (504 units: 4/7); qwen2.5-7b's
+    # (224, 92): 2 or 3 parts leave a whole tile a program, 4 parts need three units
+    assert plan(2, 512, 5376, 10752, cfg, 132) == ((72, 3) if units == 2 else (72, 7))
+    assert plan(2, 512, 3584, 9472, cfg, 132) == ((0, 1) if units == 2 else (92, 4))
+    assert plan(4, 256, 4608, 18432, cfg, 132) == (24, 5)  # a short tail: as before
+    seen = 0
+    for world, rows, n, k, grid in itertools.product((2, 4, 8), (128, 256, 512, 1024),
+                                                     (1024, 3840, 4608, 5376, 7168), (1024, 8192),
+                                                     (66, 132)):
+        tail, parts = plan(world, rows, n, k, cfg, grid)
+        if parts == 1:
+            continue
+        if 2 * tail <= grid:  # as with one unit a program
+            assert tail * parts <= grid
+            continue
+        seen += 1
+        most = min((k // 64) // cfg.num_stages, gemm_rs_ws.MAX_TAIL_SPLIT)
+        per_program = -(-tail * parts // grid)  # the most units a program runs, counted here
+        assert 2 <= parts <= most and per_program <= units
+        for q in range(2, most + 1):  # no other fitting count leaves less work a program
+            if -(-tail * q // grid) <= units:
+                assert (per_program / parts, parts) <= (-(-tail * q // grid) / q, q)
+        waves = -(-world * -(-rows // 128) * -(-n // 128) // grid)
+        assert 1 - per_program * gemm_rs_ws.SPLIT_PART_COST / parts >= \
+            gemm_rs_ws.MIN_SPLIT_GAIN * waves
+    assert seen
 
 
 def test_split_tail_parts_run_first_at_tp2_and_below_two_waves():
