@@ -408,6 +408,48 @@ def test_gemm_rs_ws_split_tail_wait_times_out_loudly(form):
         counters.zero_()
 
 
+def test_gemm_rs_ws_builds_spill_no_registers(monkeypatch):
+    """Every build of the warp-specialized GEMM+RS compiled in this process keeps its registers:
+    ping-pong and cooperative, with and without a split tail (its parts first and last), with
+    SM and copy-engine pushes, merged rows, and whatever earlier tests built. Holding a split
+    unit's tile, part and K range across the tile loop spilled 12 registers, and the kernel ran
+    up to 5 % slower where it split (``docs/performance.md``, "No registers spilled")."""
+    import dataclasses
+
+    from megatron_flux.kernels import gemm_rs_ws
+    from megatron_flux.kernels.config import GemmConfig
+    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+
+    world, m_local, n, k = 2, 512, 4608, 2048  # tails to split: 288 and 144 tiles, 24 and 12 left
+    a, w, bias, out, data, pushed, flags, data_ptrs, flag_ptrs, err = _rank0_rs_wiring(
+        world, m_local, n, k, torch.bfloat16, seed=17)
+    launches = 0
+    for form in WS_FORMS:
+        base = GemmConfig(**WS_FORMS[form], num_stages=3, epilogue_split=1,
+                          rs_warp_specialized=True)
+        for cfg, first in ((base, False), (dataclasses.replace(base, rs_copy_engine=True), False),
+                           (dataclasses.replace(base, stream_k=1), True),
+                           (dataclasses.replace(base, stream_k=1), False)):
+            monkeypatch.setattr(gemm_rs_ws, "split_tail_first", lambda *args, f=first: f)
+            launches += 1
+            launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, bias, err, rank=0,
+                           world=world, epoch=launches, cfg=cfg, num_sms=132, max_spins=1 << 20)
+    merged = GemmConfig(**WS_FORMS["pingpong"], num_stages=3, epilogue_split=1,
+                        rs_warp_specialized=True, rs_merge_rows=True, rs_spread_reduce=True,
+                        rs_tma_push=False)
+    a40, w40, bias40, out40, data40, _, _, ptrs40, fptrs40, err40 = _rank0_rs_wiring(
+        world, 40, 384, 640, torch.bfloat16, seed=18)
+    launch_gemm_rs(a40, w40.t(), out40, data40, ptrs40, fptrs40, bias40, err40, rank=0,
+                   world=world, epoch=1, cfg=merged, num_sms=132, max_spins=1 << 20)
+    torch.cuda.synchronize()
+    assert int(err[0]) == 0 and int(err40[0]) == 0
+    builds = [kern for caches in gemm_rs_ws.gemm_rs_ws_kernel.device_caches.values()
+              for kern in caches[0].values()]
+    assert len(builds) >= 7
+    spilled = [(kern.n_spills, kern.metadata.num_warps) for kern in builds if kern.n_spills]
+    assert not spilled, f"{len(spilled)} of {len(builds)} builds spill registers: {spilled}"
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("form", list(WS_FORMS))
