@@ -850,10 +850,10 @@ def split_tail_first(world: int, m_local: int, n: int, cfg, grid: int) -> bool:
     communication off, the ping-pong at 1.09-4.36 waves: first ran 0.88-1.00x the time of last
     on the 10 split TP 2 shapes and 0.92-0.94x on the two TP 4 shapes below two waves
     (``benchmarks/results/kernel-ab-split-first-h200-2026-11-29-tp{2,4}.json``); but with the
-    parts first at every TP, six of nine TP 4 shapes of two waves or more ran 1.014-1.066x the
-    time of last, three 0.977-0.992x (``kernel-ab-part-first-tp4-h200-2026-11-29.json``; why is
-    not established: a phase trace of one showed its whole tiles' MMAs about 9 us slower in
-    all, not a longer end)."""
+    parts first at every TP, eight of nine TP 4 shapes of two waves or more ran 1.018-1.118x
+    the time of last, one 0.999x, no register spilled in either order
+    (``kernel-ab-part-first-tp4-h200-2026-11-29.json``; why is not established: a phase trace
+    of one showed its whole tiles' MMAs about 9 us slower in all, not a longer end)."""
     return world == 2 or launch_tiles(m_local, n, world, cfg) < 2 * grid
 
 
