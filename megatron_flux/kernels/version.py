@@ -20,6 +20,16 @@ whose default keeps the old code, removing knobs no table sets, documentation.
 
 History: 0 = tables that record no version (measured before it existed); 1 = the kernels the
 shipped TP 2 tables (2xH200, 2xH100) were measured and confirmed with.
+
+Not bumped for the warp-specialized GEMM+RS's split tail (its parts sharing the sum, running
+first at TP 2, keeping their registers): that moves only the shipped entries of that kernel
+with ``stream_k=1`` (21 in the 2xH200 TP 2 table, 3 in the TP 4 one), while a bump would stale
+every table, the H100 one included. With communication off, on the shapes measured, the
+kernel ran 0.78-1.03x its earlier time, the slower ones within the harness's floor
+(``docs/performance.md``, "Communication off on shapes no table lists"). So those entries'
+times may be longer than the kernel's, and ``auto``'s choice on them errs toward NCCL if at
+all; with communication on the change is not measured, and re-tuning those shapes
+(``megatron-flux tune``) is what settles it.
 """
 
 KERNEL_VERSION = 1
