@@ -824,12 +824,14 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
 
 #: at most this many K-parts per split tail tile
 MAX_TAIL_SPLIT = 8
-#: at most this many split tail units per program. The kernel runs up to four (the stream-K
-#: scratch holds ``4 * grid`` tiles in the output dtype: :func:`.stream_k.stream_k_scratch`),
-#: which lets tails over half the grid split; one H200, communication off, that lost where K is
-#: short (two units of 5-14 K-steps: 1.02-1.53x the unsplit time) and gained at most 5 % where
-#: it is long (two to four units of 40-112 K-steps: 0.95-1.06x;
-#: ``benchmarks/results/kernel-ab-tail-units*-h200-2026-11-29*.json``)
+#: split tail units a program's scratch slots hold: :func:`.stream_k.stream_k_scratch` keeps
+#: ``[grid, 2, block_m * block_n]`` fp32, four tiles a program in a 2-byte output dtype
+SCRATCH_UNITS = 4
+#: at most this many split tail units per program (never more than :data:`SCRATCH_UNITS`). The
+#: kernel runs several, which lets tails over half the grid split; one H200, communication off,
+#: that lost where K is short (two units of 5-14 K-steps: 1.02-1.53x the unsplit time) and
+#: gained at most 5 % where it is long (two to four units of 40-112 K-steps: 0.95-1.06x;
+#: ``benchmarks/results/kernel-ab-tail-units-h200-2026-11-29.json``)
 MAX_TAIL_UNITS = 1
 
 
@@ -902,7 +904,8 @@ def split_tail_plan(world: int, m_local: int, n: int, k: int, cfg, grid: int):
     if 2 * tail <= grid:
         parts = min(grid // tail, most)
     else:
-        fits = [q for q in range(2, most + 1) if tail_units(tail, q, grid) <= MAX_TAIL_UNITS]
+        cap = min(MAX_TAIL_UNITS, SCRATCH_UNITS)
+        fits = [q for q in range(2, most + 1) if tail_units(tail, q, grid) <= cap]
         parts = min(fits, key=lambda q: (split_tail_wave(tail, q, grid), q), default=1)
     if parts < 2 or 1.0 - split_tail_wave(tail, parts, grid) < MIN_SPLIT_GAIN * -(-total // grid):
         return 0, 1

@@ -249,15 +249,17 @@ def test_split_tail_plan_cuts_only_a_partial_last_wave_of_own_tiles():
             gemm_rs_ws.MIN_SPLIT_GAIN * -(-world * per_segment // grid)
 
 
-@pytest.mark.parametrize("units", [2, 4])
+@pytest.mark.parametrize("units", [2, 4, 8])
 def test_split_tail_plan_over_half_the_grid_with_several_units_a_program(units, monkeypatch):
-    """With ``MAX_TAIL_UNITS`` raised (the kernel runs any count of units a program; the plan
-    ships with one), a tail over half the grid is cut into the parts count whose units, dealt
-    over the programs, leave each the least work, the fewest parts of equals; a tail up to
-    half the grid is planned as before."""
+    """With ``MAX_TAIL_UNITS`` raised (the kernel runs several units a program; the plan ships
+    with one), a tail over half the grid is cut into the parts count whose units, dealt over
+    the programs, leave each the least work, the fewest parts of equals, never more units a
+    program than its scratch slots hold (``SCRATCH_UNITS``, also when asked for eight); a tail
+    up to half the grid is planned as before."""
     import itertools
 
     monkeypatch.setattr(gemm_rs_ws, "MAX_TAIL_UNITS", units)
+    units = min(units, gemm_rs_ws.SCRATCH_UNITS)
     plan = gemm_rs_ws.split_tail_plan
     cfg = GemmConfig(**WS, stream_k=1)
     # gemma3-27b's fc2 at TP 2, m = 1024 (336 tiles, 72 left): 3 parts (216 units, two a
