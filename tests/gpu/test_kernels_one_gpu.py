@@ -420,27 +420,30 @@ def test_gemm_rs_ws_builds_spill_no_registers(monkeypatch):
     from megatron_flux.kernels.config import GemmConfig
     from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
-    world, m_local, n, k = 2, 512, 4608, 2048  # tails to split: 288 and 144 tiles, 24 and 12 left
+    # tails to split on a grid of 34 (any Hopper part holds it): 288 and 144 tiles, 16 and 8 left
+    world, m_local, n, k, num_sms = 2, 512, 4608, 2048, 34
     a, w, bias, out, data, pushed, flags, data_ptrs, flag_ptrs, err = _rank0_rs_wiring(
         world, m_local, n, k, torch.bfloat16, seed=17)
     launches = 0
     for form in WS_FORMS:
         base = GemmConfig(**WS_FORMS[form], num_stages=3, epilogue_split=1,
                           rs_warp_specialized=True)
+        split = dataclasses.replace(base, stream_k=1)
+        assert gemm_rs_ws.split_tail_plan(world, m_local, n, k, split, num_sms)[1] > 1
         for cfg, first in ((base, False), (dataclasses.replace(base, rs_copy_engine=True), False),
-                           (dataclasses.replace(base, stream_k=1), True),
-                           (dataclasses.replace(base, stream_k=1), False)):
+                           (split, True), (split, False)):
             monkeypatch.setattr(gemm_rs_ws, "split_tail_first", lambda *args, f=first: f)
             launches += 1
             launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, bias, err, rank=0,
-                           world=world, epoch=launches, cfg=cfg, num_sms=132, max_spins=1 << 20)
+                           world=world, epoch=launches, cfg=cfg, num_sms=num_sms,
+                           max_spins=1 << 20)
     merged = GemmConfig(**WS_FORMS["pingpong"], num_stages=3, epilogue_split=1,
                         rs_warp_specialized=True, rs_merge_rows=True, rs_spread_reduce=True,
                         rs_tma_push=False)
     a40, w40, bias40, out40, data40, _, _, ptrs40, fptrs40, err40 = _rank0_rs_wiring(
         world, 40, 384, 640, torch.bfloat16, seed=18)
     launch_gemm_rs(a40, w40.t(), out40, data40, ptrs40, fptrs40, bias40, err40, rank=0,
-                   world=world, epoch=1, cfg=merged, num_sms=132, max_spins=1 << 20)
+                   world=world, epoch=1, cfg=merged, num_sms=num_sms, max_spins=1 << 20)
     torch.cuda.synchronize()
     assert int(err[0]) == 0 and int(err40[0]) == 0
     builds = [kern for caches in gemm_rs_ws.gemm_rs_ws_kernel.device_caches.values()
