@@ -10,7 +10,8 @@ gradient (:mod:`megatron_flux.tools.model_shapes`):
   ``$MEGATRON_FLUX_AUTO_MARGIN``), the estimate from the nearest measured entries, or the size
   rule (:func:`megatron_flux.tuning.provider.decide`);
 * the fused kernel's settings for that shape and where they came from (the table's, the
-  nearest entry's, or the heuristic default);
+  nearest entry's, or the heuristic default), and in the text output the kernel they run in
+  a few words (:func:`kernel_summary`: form, tile, and the tail it splits on that shape);
 * how many of the GEMMs have a current table entry, and the ``megatron-flux tune`` command for
   the rest (``--offer``: only that, one line, nothing when all have one).
 
@@ -34,8 +35,10 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 def plan_rows(config_path: str, tp: int, m: int, device, dtype) -> List[Dict[str, object]]:
     """One row per TP GEMM of the config (see the module docstring); ``device`` is a CUDA device
     or ``(gpu name, SM count)``."""
+    from megatron_flux.tuning.device import device_identity
     from megatron_flux.tuning.provider import decide, kernel_config, lookup_entry
 
+    sms = int(device[1]) if isinstance(device, tuple) else device_identity(device)[1]
     rows = []
     for g in tp_gemms(config_path, tp, backward=True):
         hit = lookup_entry(g.op, m, g.n, g.k, dtype, tp, device)
@@ -43,7 +46,8 @@ def plan_rows(config_path: str, tp: int, m: int, device, dtype) -> List[Dict[str
         config, config_from = kernel_config(g.op, m, g.n, g.k, dtype, tp, device)
         row = {"gemm": g.label, "op": g.op, "m": m, "n": g.n, "k": g.k,
                "auto": "fused" if d.fused else "nccl", "source": d.source, "why": d.why,
-               "config": config.to_dict(), "config_from": config_from}
+               "config": config.to_dict(), "config_from": config_from,
+               "kernel": kernel_summary(g.op, config, m, g.n, g.k, tp, sms)}
         if hit is not None:
             entry, table = hit
             row.update(table_m=entry.m, flux_ms=entry.flux_ms, nccl_ms=entry.nccl_ms,
@@ -53,8 +57,45 @@ def plan_rows(config_path: str, tp: int, m: int, device, dtype) -> List[Dict[str
     return rows
 
 
+def kernel_summary(op: str, cfg, m: int, n: int, k: int, tp: int, sms: int) -> str:
+    """The fused kernel ``cfg`` runs for one TP GEMM, in a few words: its form (the Gluon
+    warp-specialized ping-pong or cooperative kernel, or the Triton one) and tile, copy-engine
+    pushes ("ce push") or merged rows, and the partial last wave it splits on this shape and
+    ``sms`` SMs, as the launchers plan it (the warp-specialized GEMM+RS's split tail: tiles x
+    parts, run first or last; the Triton kernels' stream-K tail: tiles)."""
+    from megatron_flux.kernels import gemm_rs_ws
+    from megatron_flux.kernels.config import launch_tiles
+    from megatron_flux.kernels.stream_k import stream_k_plan
+    from megatron_flux.tuning.estimate import tile_space
+
+    rs = op == "rs"
+    ws = cfg.rs_warp_specialized if rs else cfg.ag_warp_specialized
+    form = ("ping-pong" if cfg.num_warps == 4 else "cooperative") if ws else "triton"
+    words = [f"{form} {cfg.block_m}x{cfg.block_n}"]
+    if rs and cfg.rs_copy_engine:
+        words.append("ce push")
+    if rs and cfg.rs_merge_rows:
+        words.append("merged rows")
+    if not rs and cfg.ag_merge_local:
+        words.append("merged local rows")
+    m_local = max(1, m // max(1, tp))
+    if rs and ws:
+        grid = min(sms, launch_tiles(m_local, n, tp, cfg, cfg.rs_merge_rows))
+        tail, parts = gemm_rs_ws.split_tail_plan(tp, m_local, n, k, cfg, grid)
+        if parts > 1:
+            order = "first" if gemm_rs_ws.split_tail_first(tp, m_local, n, cfg, grid) else "last"
+            words.append(f"split tail {tail}x{parts} {order}")
+    else:
+        tiles, per_segment, possible = tile_space(op, cfg, m, n, tp)
+        split = stream_k_plan(tiles, sms, 1, per_segment)[1] if possible else 0
+        if split:
+            words.append(f"stream-K tail {split}")
+    return ", ".join(words)
+
+
 def _format(rows: Sequence[Dict[str, object]]) -> str:
-    head = f"{'gemm':28s} {'op':3s} {'n':>6s} {'k':>6s} {'m':>6s} {'table m':>7s} {'flux/nccl':>9s}  {'auto':5s} why"
+    head = (f"{'gemm':28s} {'op':3s} {'n':>6s} {'k':>6s} {'m':>6s} {'table m':>7s} "
+            f"{'flux/nccl':>9s}  {'kernel':49s} {'auto':5s} why")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.get("flux_ms") and r.get("nccl_ms"):
@@ -63,7 +104,7 @@ def _format(rows: Sequence[Dict[str, object]]) -> str:
             ratio = "-"
         table_m = str(r.get("table_m", "-")) + ("*" if r.get("stale") else "")
         lines.append(f"{r['gemm']:28s} {r['op']:3s} {r['n']:>6d} {r['k']:>6d} {r['m']:>6d} {table_m:>7s} "
-                     f"{ratio:>9s}  {r['auto']:5s} {r['why']}")
+                     f"{ratio:>9s}  {r['kernel']:49s} {r['auto']:5s} {r['why']}")
     if any(r.get("stale") for r in rows):
         lines.append("* a stale table (measured with other kernels): its config runs, its times do not decide")
     return "\n".join(lines)

@@ -299,7 +299,7 @@ MIN_TILE_ROWS = 128
 STREAM_K_TAIL_COST = 2.7
 
 
-def _tile_space(op: str, cfg, m_total: int, n: int, tp: int) -> Tuple[int, int, bool]:
+def tile_space(op: str, cfg, m_total: int, n: int, tp: int) -> Tuple[int, int, bool]:
     """``(tiles, tiles per segment, stream-K possible)`` of ``cfg``'s launch on the shape, as
     :func:`megatron_flux.kernels.config.launch_geometry` lays it out."""
     world = max(1, tp)
@@ -330,7 +330,7 @@ def wave_work(op: str, cfg, m_total: int, n: int, k: int, tp: int, num_sms: int,
     128x128 tiles 2.42, run as 3 (1.23x)."""
     from megatron_flux.kernels.stream_k import stream_k_plan
 
-    tiles, per_segment, sk = _tile_space(op, cfg, m_total, n, tp)
+    tiles, per_segment, sk = tile_space(op, cfg, m_total, n, tp)
     waves = tiles / num_sms
     whole = math.ceil(waves)
     if split_tail and sk and stream_k_plan(tiles, num_sms, 1, per_segment)[1]:

@@ -91,3 +91,43 @@ def test_bad_invocations_say_what_is_missing(capsys):
         assert "--gpu NAME --sms N" in capsys.readouterr().err
     assert cli.main(["plan", "--model-config", LLAMA, "--tp", "3", "--gpu", "NVIDIA H200", "--sms", "132"]) == 2
     assert "not divisible by TP = 3" in capsys.readouterr().err
+
+
+def test_the_kernel_column_names_form_tile_and_split_tail(capsys):
+    """The text output's kernel column: the form and tile of the row's config, copy-engine
+    pushes, and the tail its launcher splits on that shape, worked out here by hand."""
+    import torch
+
+    from megatron_flux.kernels.config import GemmConfig
+
+    rows = P.plan_rows(LLAMA1_30B, 2, 2048, H200, torch.bfloat16)
+    proj = next(r for r in rows if r["gemm"].endswith(":proj"))
+    cfg = proj["config"]
+    assert (cfg["rs_warp_specialized"], cfg["num_warps"], cfg["block_m"], cfg["block_n"],
+            cfg["stream_k"], cfg["rs_copy_engine"]) == (True, 4, 128, 128, 1, True)
+    # 1024 rows a rank in 8 row tiles, n = 6656 in 52: 2 x 8 x 52 = 832 tiles on 132 SMs, 40
+    # left (under half the grid): 132 // 40 = 3 parts, each 52 // 3 >= 5 stages of K; TP 2: first
+    assert proj["kernel"] == "ping-pong 128x128, ce push, split tail 40x3 first"
+    assert cli.main(["plan", "--model-config", LLAMA1_30B, "--tp", "2", "--gpu", "NVIDIA H200",
+                     "--sms", "132"]) == 0
+    assert "ping-pong 128x128, ce push, split tail 40x3 first" in capsys.readouterr().out
+    # TP 4 from two waves on: the parts run last (qwen1.5-32b's fc2 at m = 1024: 320 tiles, 56
+    # left, 132 // 56 = 2 parts)
+    pp = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4,
+                    epilogue_split=1, rs_warp_specialized=True, stream_k=1)
+    assert P.kernel_summary("rs", pp, 1024, 5120, 13696, 4, 132) == \
+        "ping-pong 128x128, split tail 56x2 last"
+    # the Triton kernel's stream-K tail: n = 5120 at m = 1024, TP 2, 128x256 tiles make 160, 28
+    # left (at most 0.35 of a wave); with stream_k off, none
+    tr = GemmConfig(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8,
+                    epilogue_split=2, stream_k=1)
+    assert P.kernel_summary("rs", tr, 1024, 5120, 13824, 2, 132) == \
+        "triton 128x256, stream-K tail 28"
+    tr_off = GemmConfig(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8,
+                        epilogue_split=2, stream_k=0)
+    assert P.kernel_summary("rs", tr_off, 1024, 5120, 13824, 2, 132) == "triton 128x256"
+    # the form follows the op's own switch: the Gluon AG+GEMM (no split tail), else Triton's
+    ag_pp = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4,
+                       epilogue_split=1, ag_warp_specialized=True, stream_k=1)
+    assert P.kernel_summary("ag", ag_pp, 1024, 5120, 13824, 2, 132) == "ping-pong 128x128"
+    assert P.kernel_summary("ag", pp, 1024, 5120, 13824, 2, 132).startswith("triton 128x128")
