@@ -901,10 +901,12 @@ def split_tail_plan(world: int, m_local: int, n: int, k: int, cfg, grid: int):
         return 0, 1
     k_tiles = -(-k // cfg.block_k)
     most = min(k_tiles // cfg.num_stages, MAX_TAIL_SPLIT)
+    cap = min(MAX_TAIL_UNITS, SCRATCH_UNITS)
     if 2 * tail <= grid:
         parts = min(grid // tail, most)
+    elif cap < 2:  # two parts of a tail over half the grid already take two units somewhere
+        return 0, 1
     else:
-        cap = min(MAX_TAIL_UNITS, SCRATCH_UNITS)
         fits = [q for q in range(2, most + 1) if tail_units(tail, q, grid) <= cap]
         parts = min(fits, key=lambda q: (split_tail_wave(tail, q, grid), q), default=1)
     if parts < 2 or 1.0 - split_tail_wave(tail, parts, grid) < MIN_SPLIT_GAIN * -(-total // grid):
