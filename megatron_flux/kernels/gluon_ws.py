@@ -246,13 +246,19 @@ def unsupported_reason(a, m_local: Optional[int], cfg) -> Optional[str]:
         return "the CPU interpreter runs no Gluon"
     if a.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {a.dtype} (bf16 or fp16 only)"
+    return shape_reason(m_local, a.shape[1], cfg, a.element_size())
+
+
+def shape_reason(m_local: Optional[int], k: int, cfg, element_size: int = 2) -> Optional[str]:
+    """The part of :func:`unsupported_reason` that depends on the shape and the config alone
+    (``megatron-flux plan`` asks it without a GPU): rows per rank a multiple of ``block_m``
+    (unless ``m_local`` is None), at least ``num_stages`` K-steps, shared memory."""
     if m_local is not None and m_local % cfg.block_m:
         return f"{m_local} rows per rank are not a multiple of block_m={cfg.block_m}"
-    if -(-a.shape[1] // cfg.block_k) < cfg.num_stages:  # (triton.cdiv is slow on the host)
-        return (f"K={a.shape[1]} has fewer than num_stages={cfg.num_stages} steps of "
-                f"block_k={cfg.block_k}")
-    if smem_bytes(cfg, a.element_size()) > SMEM_LIMIT:
-        return f"needs {smem_bytes(cfg, a.element_size())} B of shared memory"
+    if -(-k // cfg.block_k) < cfg.num_stages:  # (triton.cdiv is slow on the host)
+        return f"K={k} has fewer than num_stages={cfg.num_stages} steps of block_k={cfg.block_k}"
+    if smem_bytes(cfg, element_size) > SMEM_LIMIT:
+        return f"needs {smem_bytes(cfg, element_size)} B of shared memory"
     return None
 
 

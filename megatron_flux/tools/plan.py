@@ -21,6 +21,7 @@ gradient (:mod:`megatron_flux.tools.model_shapes`):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Dict, List, Optional, Sequence
@@ -65,20 +66,30 @@ def kernel_summary(op: str, cfg, m: int, n: int, k: int, tp: int, sms: int) -> s
     parts, run first or last; the Triton kernels' stream-K tail: tiles)."""
     from megatron_flux.kernels import gemm_rs_ws
     from megatron_flux.kernels.config import launch_tiles
+    from megatron_flux.kernels.gluon_ws import shape_reason
     from megatron_flux.kernels.stream_k import stream_k_plan
     from megatron_flux.tuning.estimate import tile_space
 
     rs = op == "rs"
+    m_local = max(1, m // max(1, tp))
     ws = cfg.rs_warp_specialized if rs else cfg.ag_warp_specialized
+    fallback = ""
+    if ws:  # the launcher runs the Triton kernel where the shape does not fit the Gluon one
+        if rs and cfg.rs_merge_rows and m_local == 1:
+            reason = "1 row per rank"
+        else:
+            reason = shape_reason(None if rs and cfg.rs_merge_rows else m_local, k, cfg)
+        if reason is not None:
+            ws, fallback = False, f" (Gluon form falls back: {reason})"
+            cfg = dataclasses.replace(cfg, rs_warp_specialized=False, ag_warp_specialized=False)
     form = ("ping-pong" if cfg.num_warps == 4 else "cooperative") if ws else "triton"
-    words = [f"{form} {cfg.block_m}x{cfg.block_n}"]
+    words = [f"{form} {cfg.block_m}x{cfg.block_n}{fallback}"]
     if rs and cfg.rs_copy_engine:
         words.append("ce push")
     if rs and cfg.rs_merge_rows:
         words.append("merged rows")
     if not rs and cfg.ag_merge_local:
         words.append("merged local rows")
-    m_local = max(1, m // max(1, tp))
     if rs and ws:
         grid = min(sms, launch_tiles(m_local, n, tp, cfg, cfg.rs_merge_rows))
         tail, parts = gemm_rs_ws.split_tail_plan(tp, m_local, n, k, cfg, grid)

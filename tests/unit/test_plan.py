@@ -131,3 +131,10 @@ def test_the_kernel_column_names_form_tile_and_split_tail(capsys):
                        epilogue_split=1, ag_warp_specialized=True, stream_k=1)
     assert P.kernel_summary("ag", ag_pp, 1024, 5120, 13824, 2, 132) == "ping-pong 128x128"
     assert P.kernel_summary("ag", pp, 1024, 5120, 13824, 2, 132).startswith("triton 128x128")
+    # a shape the Gluon kernel cannot take runs the Triton one: 1000 rows a rank, not a multiple
+    # of 128 (the launcher warns and falls back), or K of 4 steps under 5 stages
+    assert P.kernel_summary("rs", pp, 2000, 5120, 13696, 2, 132) == (
+        "triton 128x128 (Gluon form falls back: 1000 rows per rank are not a multiple of "
+        "block_m=128)")
+    assert P.kernel_summary("ag", ag_pp, 1024, 5120, 256, 2, 132).startswith(
+        "triton 128x128 (Gluon form falls back: K=256 has fewer than num_stages=5")
