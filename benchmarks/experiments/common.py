@@ -12,6 +12,29 @@ import torch
 from megatron_flux.tools.diagnostics.kernel_vs_cublas import _time, add_sample_args, rel_err
 
 
+def flux_backend_under_torchrun(override=None):
+    """Under torchrun: this rank's GPU selected, the NCCL process group started, and the
+    registered ``flux`` backend, as a layer would call it, every config it picks with
+    ``override``'s GemmConfig fields (a dict) replaced. ``(group, rank, world, dev, backend)``."""
+    import dataclasses
+    import os
+
+    import torch.distributed as dist
+
+    from megatron_flux import backends
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    dev = torch.device("cuda", local_rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", device_id=dev)
+    group = dist.group.WORLD
+    backend = backends.get_backend("flux")
+    if override:
+        picked = backend.config
+        backend.config = lambda *a, **kw: dataclasses.replace(picked(*a, **kw), **override)
+    return group, group.rank(), group.size(), dev, backend
+
+
 def load_module(path, name):
     """The Python file at ``path`` as a module (an earlier copy of ``kernels/*.py``)."""
     spec = importlib.util.spec_from_file_location(name, path)

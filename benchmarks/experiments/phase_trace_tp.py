@@ -24,14 +24,12 @@ crosses NVLink, so a difference between the two runs is the communication's, not
 """
 
 import argparse
-import dataclasses
 import json
-import os
 
 import torch
 import torch.distributed as dist
 
-from common import next_rank_buffer, write_record
+from common import flux_backend_under_torchrun, next_rank_buffer, write_record
 from megatron_flux.tools.diagnostics.kernel_vs_cublas import ag_on_one_gpu, grid_shape, mean_ms, rs_on_one_gpu
 from megatron_flux.kernels import ag_gemm as ag_module
 from megatron_flux.kernels import gemm_rs as rs_module
@@ -132,21 +130,10 @@ def main(argv=None):
     p.add_argument("--json")
     args = p.parse_args(argv)
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    group = dist.group.WORLD
-    rank, world = group.rank(), group.size()
-    from megatron_flux import backends
-
-    backend = backends.get_backend("flux")
-    if args.override:
-        picked = backend.config
-        backend.config = lambda *a, **kw: dataclasses.replace(picked(*a, **kw), **args.override)
+    group, rank, world, dev, backend = flux_backend_under_torchrun(args.override)
     launcher = (TracedLauncher(ag_module, "launch_ag_gemm") if args.op == "ag"
                 else TracedLauncher(rs_module, "launch_gemm_rs"))
     phases = ag_module.AG_PHASES if args.op == "ag" else rs_module.RS_PHASES
-    dev = torch.device("cuda", local_rank)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     trickle = Trickle(args.trickle_kib, group, dev) if args.trickle_kib else None
     rows = []

@@ -23,17 +23,15 @@ rank's per-trial times; the record's ratio is the median over trials of the slow
 """
 
 import argparse
-import dataclasses
 import functools
 import json
-import os
 import random
 import statistics
 
 import torch
 import torch.distributed as dist
 
-from common import write_record
+from common import flux_backend_under_torchrun, write_record
 from megatron_flux.kernels import gemm_rs_ws
 from megatron_flux.kernels.config import launch_tiles
 from megatron_flux.tools.diagnostics.kernel_vs_cublas import add_model_args, mean_ms, model_shapes
@@ -54,18 +52,8 @@ def main(argv=None):
     p.add_argument("--json")
     args = p.parse_args(argv)
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    group = dist.group.WORLD
-    rank, world = group.rank(), group.size()
+    group, rank, world, dev, backend = flux_backend_under_torchrun(args.override)
     args.tp = world  # model_shapes gives per-rank widths at args.tp
-    from megatron_flux import backends
-
-    backend = backends.get_backend("flux")
-    picked = backend.config
-    backend.config = lambda *a, **kw: dataclasses.replace(picked(*a, **kw), **args.override)
-    dev = torch.device("cuda", local_rank)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     shuffle = random.Random(args.seed)  # the same order on every rank
     real_first = gemm_rs_ws.split_tail_first
