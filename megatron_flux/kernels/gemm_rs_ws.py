@@ -772,10 +772,17 @@ def unsupported_reason(a, m_local: int, cfg, *, trace=None, produce=True, consum
     if GLUON_ERROR is None and not interpreting() and (trace is not None or not (produce and consume)):
         return ("RS_PHASES phase traces and split phases exist only in the Triton kernel (this "
                 "one's own stamps: launch_gemm_rs_ws(trace=...), WS_RS_PHASES)")
+    return gluon_ws.environment_reason(a) or shape_reason(m_local, a.shape[1], cfg,
+                                                          a.element_size())
+
+
+def shape_reason(m_local: int, k: int, cfg, element_size: int = 2) -> Optional[str]:
+    """The part of :func:`unsupported_reason` that depends on the shape and the config alone
+    (``megatron-flux plan`` asks it without a GPU)."""
     if cfg.rs_merge_rows and m_local == 1:  # Triton makes an argument equal to 1 a constant,
         return "1 row per rank"  # which the kernel's arguments (tensors) cannot hold
     # merged rows: row tiles may span segments, so any m_local
-    return gluon_ws.unsupported_reason(a, None if cfg.rs_merge_rows else m_local, cfg)
+    return gluon_ws.shape_reason(None if cfg.rs_merge_rows else m_local, k, cfg, element_size)
 
 
 def _host_descriptors(a, b, out, data, world, m_local, n, k, ldb, b_kn, cfg):

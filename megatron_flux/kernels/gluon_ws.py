@@ -238,6 +238,12 @@ def unsupported_reason(a, m_local: Optional[int], cfg) -> Optional[str]:
     """Why a call with A ``a`` (``[rows, K]``) and ``m_local`` rows per rank cannot run on a
     warp-specialized kernel with ``cfg`` (None: it can). ``m_local=None``: a tile space over
     every rank's rows, where tiles may span segments, so any row count works."""
+    return environment_reason(a) or shape_reason(m_local, a.shape[1], cfg, a.element_size())
+
+
+def environment_reason(a) -> Optional[str]:
+    """The part of :func:`unsupported_reason` that does not depend on the shape: a Triton with
+    Gluon, not the CPU interpreter, A in bf16 or fp16."""
     import torch
 
     if GLUON_ERROR is not None:
@@ -246,7 +252,7 @@ def unsupported_reason(a, m_local: Optional[int], cfg) -> Optional[str]:
         return "the CPU interpreter runs no Gluon"
     if a.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {a.dtype} (bf16 or fp16 only)"
-    return shape_reason(m_local, a.shape[1], cfg, a.element_size())
+    return None
 
 
 def shape_reason(m_local: Optional[int], k: int, cfg, element_size: int = 2) -> Optional[str]:

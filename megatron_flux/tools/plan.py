@@ -75,10 +75,7 @@ def kernel_summary(op: str, cfg, m: int, n: int, k: int, tp: int, sms: int) -> s
     ws = cfg.rs_warp_specialized if rs else cfg.ag_warp_specialized
     fallback = ""
     if ws:  # the launcher runs the Triton kernel where the shape does not fit the Gluon one
-        if rs and cfg.rs_merge_rows and m_local == 1:
-            reason = "1 row per rank"
-        else:
-            reason = shape_reason(None if rs and cfg.rs_merge_rows else m_local, k, cfg)
+        reason = (gemm_rs_ws.shape_reason if rs else shape_reason)(m_local, k, cfg)
         if reason is not None:
             ws, fallback = False, f" (Gluon form falls back: {reason})"
             cfg = dataclasses.replace(cfg, rs_warp_specialized=False, ag_warp_specialized=False)
