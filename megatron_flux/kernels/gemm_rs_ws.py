@@ -509,7 +509,6 @@ if gluon is not None:
             if p.TAIL_FIRST:
                 first = n_units
                 unit0 = 0
-                units_steps = _tail_steps(p, n_units)
             n_work = n_tiles + n_units
         else:
             n_work = n_tiles
@@ -527,8 +526,8 @@ if gluon is not None:
                     pos0 = unit0 * k_tiles + _tail_steps(p, j - unit0)
                 else:
                     step, seg, a_row, off_m, off_n = _tile(p, j - first)
-                    if p.TAIL_FIRST:
-                        pos0 = (j - first) * k_tiles + units_steps
+                    if p.TAIL_FIRST:  # the units' K-steps, recomputed (not held: spills)
+                        pos0 = (j - first) * k_tiles + _tail_steps(p, first)
             else:
                 step, seg, a_row, off_m, off_n = _tile(p, j)
             own = step == p.WORLD - 1
