@@ -15,7 +15,7 @@ import os
 import warnings
 from typing import Any, Callable, Optional
 
-from megatron_flux.backends.registry import BACKEND_CHOICES
+from megatron_flux.backends.registry import BACKEND_CHOICES, MEGATRON_PASSTHROUGH
 from megatron_flux.options import (
     COLUMN_DGRAD_CHOICES,
     COLUMN_REGATHER_CHOICES,
@@ -360,11 +360,13 @@ def flux_pre_wrap_hooks(args: argparse.Namespace) -> list:
     * with ``--flux-backend auto`` and ``--flux-step-auto`` (the defaults), one that lets the
       job's first iterations choose its backend (:func:`megatron_flux.step_auto.install_step_auto`),
       unless the job rotates backends itself (``--flux-interleave-backends``);
-    * with CUDA graphs on (``--cuda-graph-impl`` other than ``none``), one that checks the fused
-      kernels' error words once per forward (:func:`megatron_flux.backends.poll_fused_errors`):
-      calls replayed inside graphs never reach the per-call checks. With ``full_iteration`` the
-      forward itself replays inside the graph, so the hook also checks them before every
-      optimizer step (outside the graph; :func:`install_optimizer_error_poll`).
+    * with CUDA graphs on (``--cuda-graph-impl`` other than ``none``), one that polls the fused
+      kernels' error words once per forward (:func:`megatron_flux.backends.poll_fused_errors`,
+      no synchronisation): calls replayed inside graphs never reach the per-call checks;
+    * unless ``--flux-backend`` is ``nccl`` or ``megatron``, one that checks them before every
+      optimizer step (:func:`install_optimizer_error_check`), so a timed-out wait raises before
+      the update it would corrupt, with or without graphs (the per-call checks and the poll
+      report it up to one step late).
 
     Empty otherwise, so ``model_cfg.pre_wrap_hooks.extend(flux_pre_wrap_hooks(args))`` is always
     safe."""
@@ -384,9 +386,9 @@ def flux_pre_wrap_hooks(args: argparse.Namespace) -> list:
     from megatron_flux.step_auto import graphs_enabled
 
     if graphs_enabled(args):
-        hooks.append(_full_iteration_error_poll_hook
-                     if getattr(args, "cuda_graph_impl", None) == "full_iteration"
-                     else _graph_error_poll_hook)
+        hooks.append(_graph_error_poll_hook)
+    if backend not in ("nccl", MEGATRON_PASSTHROUGH):  # the fused kernels may run
+        hooks.append(_optimizer_error_check_hook)
     return hooks
 
 
@@ -403,34 +405,35 @@ def _graph_error_poll_hook(model_chunks):
     return model_chunks
 
 
-def _full_iteration_error_poll_hook(model_chunks):
-    """:func:`_graph_error_poll_hook` plus :func:`install_optimizer_error_poll`: under
-    ``--cuda-graph-impl full_iteration`` the forward pre-hook runs only in the eager warm-up
-    iterations and the capture, and the optimizer step is the first eager code of each step."""
-    install_optimizer_error_poll()
-    return _graph_error_poll_hook(model_chunks)
+def _optimizer_error_check_hook(model_chunks):
+    """A pre-wrap hook that installs :func:`install_optimizer_error_check` (once per process)."""
+    install_optimizer_error_check()
+    return model_chunks
 
 
-_OPTIMIZER_POLL = None
+_OPTIMIZER_CHECK = None
 
 
-def install_optimizer_error_poll():
+def install_optimizer_error_check():
     """Check the fused kernels' error words before every ``torch.optim.Optimizer`` step of this
-    process (a global step pre-hook; Megatron's optimizers step a torch optimizer inside), so a
-    timed-out wait replayed inside a whole-iteration CUDA graph raises before the update that
-    follows it, at the latest one step later (the check does not synchronise). Installed once
-    per process; returns the hook's handle."""
-    global _OPTIMIZER_POLL
-    if _OPTIMIZER_POLL is None:
+    process (:func:`megatron_flux.backends.check_fused_errors`, a global step pre-hook:
+    Megatron's optimizers step a torch optimizer inside), so a timed-out wait raises before the
+    update that would apply its invalid outputs, and before any checkpoint of it. The check
+    synchronises the current stream; Megatron's optimizer reaches the torch step after its
+    gradient norm's ``.item()``, which has already waited for the backward, so little is left
+    to wait for. Outside the graph under ``full_iteration``, the first eager code after a replay.
+    Installed once per process; returns the hook's handle."""
+    global _OPTIMIZER_CHECK
+    if _OPTIMIZER_CHECK is None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        from megatron_flux.backends import poll_fused_errors
-
         def pre_step(optimizer, args, kwargs):
-            poll_fused_errors()
+            from megatron_flux.backends import check_fused_errors
 
-        _OPTIMIZER_POLL = register_optimizer_step_pre_hook(pre_step)
-    return _OPTIMIZER_POLL
+            check_fused_errors()
+
+        _OPTIMIZER_CHECK = register_optimizer_step_pre_hook(pre_step)
+    return _OPTIMIZER_CHECK
 
 
 def _step_auto_hook(model_chunks):

@@ -189,6 +189,21 @@ def poll_fused_errors() -> None:
         fused.poll_errors()
 
 
+def check_fused_errors() -> None:
+    """Raise a timed-out fused wait that any kernel of this process reported so far: each error
+    word is copied to the host and the current stream synchronised (so it waits for the work
+    queued on it). A no-op before the fused backend is built, and during a CUDA graph capture
+    (nothing may synchronise there). The Megatron integration runs it before every optimizer
+    step, so a step never applies gradients computed from a timed-out wait."""
+    with _LOCK:
+        fused = _INSTANCES.get("flux")
+    if fused is None or not hasattr(fused, "check_errors"):
+        return
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    fused.check_errors(sync=True)
+
+
 def _ensure_blas_handle(device: torch.device) -> None:
     """Create this thread's cuBLAS handle for ``device`` now, outside any capture."""
     with torch.cuda.device(device):

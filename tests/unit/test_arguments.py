@@ -371,6 +371,7 @@ def test_auto_adds_the_step_selection_hook_unless_told_not_to():
     """``--flux-backend auto`` (the default) also installs the step-time selection
     (megatron_flux.step_auto); not with --no-flux-step-auto, another backend, or when the job
     rotates backends itself."""
+    from megatron_flux import arguments
     from megatron_flux.arguments import _step_auto_hook
 
     def hooks(argv, **extra):
@@ -379,10 +380,11 @@ def test_auto_adds_the_step_selection_hook_unless_told_not_to():
             setattr(args, k, v)
         return flux_pre_wrap_hooks(args)
 
-    assert hooks([]) == [_step_auto_hook]
-    assert hooks(["--no-flux-step-auto"]) == []
-    assert hooks(["--flux-backend", "flux"]) == []
-    assert hooks([], flux_interleave_backends=["megatron", "flux"]) == []
+    check = arguments._optimizer_error_check_hook
+    assert hooks([]) == [_step_auto_hook, check]
+    assert hooks(["--no-flux-step-auto"]) == [check]
+    assert hooks(["--flux-backend", "flux"]) == [check]
+    assert hooks([], flux_interleave_backends=["megatron", "flux"]) == [check]
 
 
 @pytest.mark.parametrize("flag,field,value", [("--flux-column-dgrad", "column_dgrad", "fused"),
@@ -427,7 +429,7 @@ def test_graphs_add_the_fused_error_poll_hook(monkeypatch):
     flags = ["--flux-tp-overlap", "--flux-backend", "flux", "--no-flux-output-layer"]
     assert arguments._graph_error_poll_hook not in flux_pre_wrap_hooks(megatron_like_args(flags))
     hooks = flux_pre_wrap_hooks(megatron_like_args(flags, cuda_graph_impl="local"))
-    assert hooks == [arguments._graph_error_poll_hook]
+    assert hooks == [arguments._graph_error_poll_hook, arguments._optimizer_error_check_hook]
     polls = []
     monkeypatch.setattr(registry, "poll_fused_errors", lambda: polls.append(1))
     monkeypatch.setattr("megatron_flux.backends.poll_fused_errors", lambda: polls.append(1))
@@ -439,46 +441,52 @@ def test_graphs_add_the_fused_error_poll_hook(monkeypatch):
     assert polls == [1], "one poll per training forward"
 
 
-def test_full_iteration_graphs_poll_before_every_optimizer_step(monkeypatch):
-    """Under ``full_iteration`` the forward replays inside the graph, so the error words are
-    also checked before each optimizer step (eager code): a timed-out wait reported there
-    raises before the update is applied."""
+@pytest.mark.parametrize("graphs", ["none", "local", "full_iteration"])
+def test_every_optimizer_step_checks_the_error_words_first(monkeypatch, graphs):
+    """With the fused kernels possible, the error words are read synchronously before every
+    optimizer step, graphs or not: a wait that timed out in the step's forward or backward
+    raises before the update (the per-call checks report it up to 16 calls late, the graphs'
+    poll one forward late); not with the NCCL or megatron-core backends."""
     import torch
 
     from megatron_flux import arguments
+    from megatron_flux.backends import registry
     from megatron_flux.comm.errors import FusedOpTimeout
 
-    flags = ["--flux-tp-overlap", "--flux-backend", "flux", "--no-flux-output-layer"]
-    hooks = flux_pre_wrap_hooks(megatron_like_args(flags, cuda_graph_impl="full_iteration"))
-    assert hooks == [arguments._full_iteration_error_poll_hook]
-    assert arguments._full_iteration_error_poll_hook not in flux_pre_wrap_hooks(
-        megatron_like_args(flags, cuda_graph_impl="local"))
-    report = []
+    flags = ["--flux-tp-overlap", "--no-flux-output-layer", "--no-flux-step-auto"]
+    hooks = flux_pre_wrap_hooks(megatron_like_args(flags, cuda_graph_impl=graphs))
+    assert hooks[-1] is arguments._optimizer_error_check_hook
+    for backend in ("nccl", "megatron"):
+        assert arguments._optimizer_error_check_hook not in flux_pre_wrap_hooks(
+            megatron_like_args(flags + ["--flux-backend", backend], cuda_graph_impl=graphs))
 
-    def poll():
-        report.append("poll")
-        if len(report) == 3:
-            raise FusedOpTimeout("GEMM+RS: rank 1 timed out")
+    class Fused:  # the fused backend's error check: the second one finds a timed-out wait
+        checks = []
 
-    monkeypatch.setattr("megatron_flux.backends.poll_fused_errors", poll)
-    monkeypatch.setattr(arguments, "_OPTIMIZER_POLL", None)
+        def check_errors(self, sync):
+            self.checks.append(sync)
+            if len(self.checks) == 2:
+                raise FusedOpTimeout("GEMM+RS: rank 1 timed out")
+
+    monkeypatch.setitem(registry._INSTANCES, "flux", Fused())
+    monkeypatch.setattr(arguments, "_OPTIMIZER_CHECK", None)
     model = torch.nn.Linear(2, 2)
     try:
-        assert hooks[0]([model]) == [model]
-        handle = arguments._OPTIMIZER_POLL
-        assert handle is not None, "the pre-wrap hook installs the optimizer poll"
-        assert arguments.install_optimizer_error_poll() is handle, "once per process"
+        assert hooks[-1]([model]) == [model]
+        handle = arguments._OPTIMIZER_CHECK
+        assert handle is not None, "the pre-wrap hook installs the optimizer check"
+        assert arguments.install_optimizer_error_check() is handle, "once per process"
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         model(torch.ones(1, 2)).sum().backward()
         opt.step()
-        assert report == ["poll", "poll"], "the forward pre-hook's, then the optimizer's"
+        assert Fused.checks == [True], "one synchronous check per step"
         before = model.weight.detach().clone()
         with pytest.raises(FusedOpTimeout, match="rank 1"):
             opt.step()
         assert torch.equal(model.weight, before), "no update after a reported timeout"
     finally:
-        if arguments._OPTIMIZER_POLL is not None:
-            arguments._OPTIMIZER_POLL.remove()
+        if arguments._OPTIMIZER_CHECK is not None:
+            arguments._OPTIMIZER_CHECK.remove()
 
 
 def test_layers_built_for_cuda_graphs_reserve_for_capture(flux_linears, world_of_one, monkeypatch):
