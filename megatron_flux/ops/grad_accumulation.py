@@ -116,7 +116,6 @@ def accumulate_weight_grad(
 
 def _accumulate(main_grad: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor) -> None:
     """``main_grad += grad_outputᵀ @ total_input`` (apex on CUDA when present, else torch)."""
-    global _FP32_ACCUMULATE_REFUSED
     if main_grad.shape != (grad_output.shape[1], total_input.shape[1]):
         raise RuntimeError(
             f"weight.main_grad has shape {tuple(main_grad.shape)}, expected "
@@ -137,20 +136,8 @@ def _accumulate(main_grad: torch.Tensor, grad_output: torch.Tensor, total_input:
         main_grad.addmm_(grad_output.t(), total_input)
         return
     if main_grad.dtype == torch.float32 and main_grad.is_cuda and not _FP32_ACCUMULATE_REFUSED:
-        try:
-            # one GEMM: bf16/fp16 operands, fp32 accumulator read and written in its epilogue
-            # (beta = 1), as apex's wgrad_gemm_accum_fp32
-            torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=torch.float32,
-                        out=main_grad)
+        if _accumulate_fp32_product(main_grad, grad_output, total_input):
             return
-        except (RuntimeError, TypeError, NotImplementedError) as exc:
-            # this torch cannot (its dtype checks run before any work: main_grad is untouched)
-            _FP32_ACCUMULATE_REFUSED = True
-            warnings.warn(
-                "megatron-flux: torch.addmm(..., out_dtype=torch.float32) cannot accumulate "
-                f"into an fp32 main_grad here ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
-                "the weight gradient is computed in the activation dtype and added instead",
-                RuntimeWarning, stacklevel=3)
     # e.g. bf16 activations into an fp32 main_grad without a mixed-dtype GEMM: the GEMM runs in
     # the activation dtype and is added in main_grad's -- the numerics of megatron without the
     # fusion (DDP adds the bf16 .grad into main_grad).
@@ -161,6 +148,32 @@ def _accumulate(main_grad: torch.Tensor, grad_output: torch.Tensor, total_input:
 #: ``main_grad`` once; tried on CUDA only (torch's CPU build has no kernel for
 #: ``addmm.dtype_out``)
 _FP32_ACCUMULATE_REFUSED = False
+
+
+def _accumulate_fp32_product(main_grad, grad_output, total_input) -> bool:
+    """``main_grad += grad_outputᵀ total_input`` as one GEMM with bf16/fp16 operands and the
+    fp32 accumulator read and written in its epilogue (beta = 1), as apex's
+    ``wgrad_gemm_accum_fp32``. Returns False, once per process with a warning, where this torch
+    refuses the mixed-dtype ``addmm`` (its dtype checks run before any work, so ``main_grad``
+    is untouched); a failure of the device (out of memory, a CUDA or cuBLAS error) is raised,
+    not taken for a refusal."""
+    global _FP32_ACCUMULATE_REFUSED
+    try:
+        torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=torch.float32,
+                    out=main_grad)
+        return True
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        text = str(exc)
+        if isinstance(exc, torch.OutOfMemoryError) or "CUDA error" in text or (
+                "CUBLAS_STATUS" in text and "NOT_SUPPORTED" not in text):
+            raise
+        _FP32_ACCUMULATE_REFUSED = True
+        warnings.warn(
+            "megatron-flux: torch.addmm(..., out_dtype=torch.float32) cannot accumulate "
+            f"into an fp32 main_grad here ({type(exc).__name__}: {text.splitlines()[0]}); "
+            "the weight gradient is computed in the activation dtype and added instead",
+            RuntimeWarning, stacklevel=4)
+        return False
 
 
 class LinearWithMainGradAccumulation(torch.autograd.Function):

@@ -316,3 +316,47 @@ def world_results():
 def test_grad_accumulation_in_layers(world_results, check):
     failure = world_results[check.__name__]
     assert failure is None, failure
+
+
+@pytest.mark.parametrize("failure", ["oom", "cuda", "cublas"])
+def test_a_device_failure_is_raised_not_taken_for_a_refused_mixed_dtype_gemm(monkeypatch,
+                                                                             failure):
+    """The fp32 accumulation GEMM (``addmm`` with ``out_dtype``) falls back to the activation
+    dtype only where torch refuses it (once per process, with a warning): an out-of-memory, a
+    CUDA or a cuBLAS error is raised, and the fallback stays off."""
+    from megatron_flux.ops import grad_accumulation as ga
+
+    errors = {"oom": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+              "cuda": RuntimeError("CUDA error: an illegal memory access was encountered"),
+              "cublas": RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling "
+                                     "cublasGemmEx")}
+
+    def addmm(*args, **kwargs):
+        raise errors[failure]
+
+    monkeypatch.setattr(ga, "_FP32_ACCUMULATE_REFUSED", False)
+    monkeypatch.setattr(ga.torch, "addmm", addmm)
+    main_grad = torch.zeros(3, 4)
+    with pytest.raises(type(errors[failure])):
+        ga._accumulate_fp32_product(main_grad, torch.ones(2, 3, dtype=torch.bfloat16),
+                                    torch.ones(2, 4, dtype=torch.bfloat16))
+    assert ga._FP32_ACCUMULATE_REFUSED is False
+
+
+def test_a_refused_mixed_dtype_gemm_falls_back_once_with_a_warning(monkeypatch):
+    """Where this torch refuses ``addmm(..., out_dtype=torch.float32)``, the product is
+    computed in the activation dtype and added (``main_grad`` untouched by the refusal), and
+    the refusal is remembered."""
+    from megatron_flux.ops import grad_accumulation as ga
+
+    def addmm(*args, **kwargs):
+        raise RuntimeError("addmm: out_dtype is not supported for these inputs")
+
+    monkeypatch.setattr(ga, "_FP32_ACCUMULATE_REFUSED", False)
+    monkeypatch.setattr(ga.torch, "addmm", addmm)
+    main_grad = torch.zeros(3, 4)
+    with pytest.warns(RuntimeWarning, match="cannot accumulate"):
+        assert ga._accumulate_fp32_product(main_grad, torch.ones(2, 3, dtype=torch.bfloat16),
+                                           torch.ones(2, 4, dtype=torch.bfloat16)) is False
+    assert ga._FP32_ACCUMULATE_REFUSED is True
+    assert torch.equal(main_grad, torch.zeros(3, 4))
