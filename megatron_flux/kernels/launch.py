@@ -448,7 +448,8 @@ def bind_last_launch(roles: Sequence[Optional[torch.Tensor]], int_roles: Sequenc
             if role is not None:
                 cache = {a.base.data_ptr(): encoded}
                 slots.append((_DESC, len(flat), role,
-                              (a.base.dtype, tuple(a.base.shape), a, j, len(encoded), cache)))
+                              (a.base.dtype, tuple(a.base.shape), a, j, len(encoded), cache,
+                               a.base.stride())))
             flat.extend(encoded)
         else:
             if names[pos] in int_roles:
@@ -472,7 +473,8 @@ class BoundLaunch:
     address (and, as a descriptor's base, a lookup of its encoding by address, encoded on a
     miss); the fixed operands' addresses and encodings are those of the launch it was bound
     from. Answers ``False`` without launching where the call would need another
-    specialisation (a tensor role's dtype, alignment or shape, an int role's width), where a
+    specialisation (a tensor role's dtype, alignment, shape or, as a descriptor's base, strides;
+    an int role's width), where a
     launch hook is active, the raw launch is switched off, another device is current, or, for
     a launch that passes the stream-K scratch, another stream is current or the scratch was
     replaced; the caller then launches as usual (and may bind that launch instead)."""
@@ -507,7 +509,9 @@ class BoundLaunch:
                     return False
                 flat[at] = ptr
                 continue
-            _, shape, template, j, width, cache = facts
+            _, shape, template, j, width, cache, strides = facts
+            if v.stride() != strides:  # the template's strides are what would be encoded
+                return False
             encoded = cache.get(ptr)
             if encoded is None:
                 if ptr & 15 or tuple(v.shape) != shape:

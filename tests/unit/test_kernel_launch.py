@@ -437,14 +437,19 @@ def test_a_bound_launch_passes_what_the_raw_launch_would_with_only_the_roles_cha
 
 
 def test_a_bound_launch_steps_aside_where_the_call_would_specialise_otherwise(monkeypatch):
-    """Another dtype, a 2-byte offset, another shape, an int64 epoch, the raw launch off, a
-    launch hook, another current device: ``False`` and nothing launched."""
+    """Another dtype, a 2-byte offset, another shape, the same shape with other strides (a
+    padded or a transposed view: its descriptor would be encoded with the bound one's strides),
+    an int64 epoch, the raw launch off, a launch hook, another current device: ``False`` and
+    nothing launched."""
     launcher, c, _, x, y = _bound_setup(monkeypatch)
     bound = L.bind_last_launch((x,), ("epoch",), (y,))
     n = len(c.calls)
     big = torch.zeros(32 * 32 + 1, dtype=torch.float16)
+    padded = torch.zeros(32, 48, dtype=torch.float16)[:, :32]
+    transposed = torch.zeros(32, 32, dtype=torch.float16).t()
     for values in [(x.float(), 5), (big[1:].view(32, 32), 5),
-                   (torch.zeros(16, 64, dtype=torch.float16), 5), (x, 2**31 + 5)]:
+                   (torch.zeros(16, 64, dtype=torch.float16), 5), (padded, 5), (transposed, 5),
+                   (x, 2**31 + 5)]:
         assert not bound(values)
     launcher.raw = False
     assert not bound((x, 5))
