@@ -838,3 +838,64 @@ def test_eager_calls_launch_through_their_plans_bound_launch_per_parity(monkeypa
     for _ in range(3):
         fresh.matmul_reduce_scatter(a, b, group) if op == "rs" else fresh.all_gather_matmul(a, b, group)
     assert len(binds) == n and len(launched3) == 3
+
+
+def test_copy_engine_configs_push_from_the_sms_where_the_driver_has_no_stream_wait(monkeypatch):
+    """Where libcuda lacks ``cuStreamWaitValue32`` no copy-engine delivery can be queued, so an
+    ``rs_copy_engine`` config runs as its SM-push twin (one warning): a kernel compiled for
+    copy-engine delivery with no side stream would never raise its peers' signals. With the
+    stream wait the plan keeps the config and queues the side stream."""
+    import warnings
+
+    from megatron_flux.backends.flux import rs
+    from megatron_flux.backends.flux.resources import deps
+    from megatron_flux.kernels.config import GemmConfig
+
+    class _Ws:
+        generation = 0
+
+        def data(self, rank, parity, n):
+            return torch.zeros(n)
+
+        def data_ptrs(self, parity):
+            return f"data_ptrs{parity}"
+
+        def flag_ptrs(self, parity):
+            return f"flag_ptrs{parity}"
+
+        def flags(self, rank, parity, dtype=torch.int32):
+            return torch.zeros(4, dtype=dtype)
+
+        def memo(self, key, make):
+            return ("table", "copies", "my_flags")
+
+    cfg = GemmConfig(rs_copy_engine=True)
+    be = FluxBackend()
+    monkeypatch.setattr(be, "check", lambda *a: None)
+    monkeypatch.setattr(be, "config", lambda *a, **k: cfg)
+    monkeypatch.setattr(be.resources, "sms", lambda device: 132)
+    monkeypatch.setattr(rs, "rs_workspace", lambda *a, **k: (_Ws(), None))
+    monkeypatch.setattr(deps(), "stream_wait_unavailable_reason", lambda: "libcuda has none")
+    a = torch.zeros(64, 32, dtype=torch.bfloat16)
+    b = torch.zeros(32, 16, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = rs.rs_plan(be, a, b, _Group(2), None)
+        again = rs.rs_plan(be, a, b, _Group(2), None)
+    assert [str(w.message) for w in caught] == [
+        "megatron-flux GEMM+RS: rs_copy_engine configs push from the SMs instead "
+        "(libcuda has none)"]
+    assert plan.side is None and not plan.cfg.rs_copy_engine and not again.cfg.rs_copy_engine
+    assert plan.cfg == GemmConfig(rs_copy_engine=False)
+    assert plan.parities[0][1] == "data_ptrs0", "the kernel pushes to the peers' slots"
+
+    with_wait = FluxBackend()
+    monkeypatch.setattr(with_wait, "check", lambda *a: None)
+    monkeypatch.setattr(with_wait, "config", lambda *a, **k: cfg)
+    monkeypatch.setattr(with_wait.resources, "sms", lambda device: 132)
+    monkeypatch.setattr(with_wait.resources, "side_stream", lambda *a: "side")
+    monkeypatch.setattr(with_wait.resources, "staging", lambda *a: torch.zeros(8))
+    monkeypatch.setattr(deps(), "stream_wait_unavailable_reason", lambda: None)
+    plan = rs.rs_plan(with_wait, a, b, _Group(2), None)
+    assert plan.side == "side" and plan.cfg.rs_copy_engine
+    assert plan.parities[0][1:4] == ("table", "flag_ptrs0", "copies")

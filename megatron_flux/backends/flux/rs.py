@@ -92,12 +92,15 @@ def rs_plan(backend, a, b, group, bias, graph: bool = False) -> RsPlan:
     m_local = rs_rows(m, n, world, bias)
     device = a.device
     cfg = backend.config("rs", m, n, k, dtype=a.dtype, tp=world, device=device)
-    if graph and cfg.rs_copy_engine:  # see _build
+    # captured calls push from the SMs (see _build), and so do all calls where the driver lacks
+    # the stream wait: a kernel compiled for copy-engine delivery with none queued never
+    # raises its peers' signals
+    if cfg.rs_copy_engine and (graph or not _stream_wait_ok(backend)):
         cfg = backend.config_without_copy_engine(cfg)
     ws, err = rs_workspace(res, group, device, a.dtype, m_local, n, graph=graph)
     side = done = None
     parities = []
-    if cfg.rs_copy_engine and _stream_wait_ok(backend):
+    if cfg.rs_copy_engine:
         side = res.side_stream(device, -1, "rs")
         done = res.order(device, "rs-done")
         staging = res.staging(device, a.dtype, (world - 1) * m_local * n, side)
