@@ -238,6 +238,7 @@ def test_a_capture_keeps_the_choice_unless_capture_is_off_and_cublas_is_ready_be
         threading.get_ident()))
     monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
     monkeypatch.setattr(registry, "_TLS", threading.local())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     B.clear_resolution_cache()
     a, b = _CudaLike(4096, 512), _CudaLike(512, 1024)
 
@@ -484,7 +485,9 @@ def test_groups_across_hosts_or_without_peer_access_are_refused_with_a_reason():
     real = FB.group_reason
     FB.group_reason = lambda group, device, **kw: asked.append(group) or "no P2P"
     real_sig = FB.signature_reason
-    FB.signature_reason = lambda a, b, group, capability: None
+    FB.signature_reason = lambda a, b, group, capability, current: None
+    real_current = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0
     try:
         group = _Group(2)
         a, b = _CudaLike(4096, 512), _CudaLike(512, 1024)
@@ -492,6 +495,7 @@ def test_groups_across_hosts_or_without_peer_access_are_refused_with_a_reason():
         assert be._group_reason(group, dev) == "no P2P" and len(asked) == 1
     finally:
         FB.group_reason, FB.signature_reason = real, real_sig
+        torch.cuda.current_device = real_current
 
 
 class _PlanWorkspace:
@@ -899,3 +903,88 @@ def test_copy_engine_configs_push_from_the_sms_where_the_driver_has_no_stream_wa
     plan = rs.rs_plan(with_wait, a, b, _Group(2), None)
     assert plan.side == "side" and plan.cfg.rs_copy_engine
     assert plan.parities[0][1:4] == ("table", "flag_ptrs0", "copies")
+
+
+class _OnDevice:
+    """Stands in for a contiguous bfloat16 CUDA tensor on ``device`` (its signature only)."""
+
+    is_cuda = True
+    dtype = torch.bfloat16
+
+    def __init__(self, device, *shape):
+        self.device, self.shape = torch.device(device), torch.Size(shape)
+
+    def stride(self, dim=None):
+        strides = (self.shape[1], 1)
+        return strides if dim is None else strides[dim]
+
+    def dim(self):
+        return len(self.shape)
+
+    def is_contiguous(self):
+        return True
+
+
+def test_operands_off_the_current_device_run_on_nccl_with_one_log_line(monkeypatch, caplog):
+    """The kernels launch on the current device's stream while the workspaces, events, side
+    streams and copies follow the operands' device: operands on another device (or on two)
+    are a reason, so ``auto`` runs NCCL with one log line and ``flux`` says why; the answer
+    follows the current device (not cached across ``set_device``). A bias on another device
+    than the input is refused by name, and so is the copy-engine re-gather."""
+    import logging
+    import threading
+
+    import megatron_flux.backends.flux.backend as FB
+    from megatron_flux.backends import registry
+    from megatron_flux.backends.flux import regather, rs
+    from megatron_flux.backends.flux.support import signature_reason
+
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    cap = lambda: (9, 0)  # noqa: E731
+    a, b = _OnDevice("cuda:1", 4096, 512), _OnDevice("cuda:1", 512, 1024)
+    assert signature_reason(a, b, _Group(2), cap, 1) is None
+    why = signature_reason(a, b, _Group(2), cap, 0)
+    assert why.startswith("operands are on cuda:1 but the current CUDA device is cuda:0")
+    assert signature_reason(a, _OnDevice("cuda:0", 512, 1024), _Group(2), cap, 1) == (
+        "operands are on different devices (cuda:1 and cuda:0)")
+
+    fused = FluxBackend()
+    monkeypatch.setattr(FB, "group_reason", lambda group, device, **kw: None)
+    monkeypatch.setattr(fused.resources, "capability", lambda device: (9, 0))
+    monkeypatch.setitem(registry._INSTANCES, "flux", fused)
+    monkeypatch.setitem(registry._REGISTRY, "flux", fused)
+    monkeypatch.setattr(registry, "fused_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(registry, "_choose_auto", lambda fused, nccl, a, b, tp, op, log: fused)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    tls = threading.local()
+    tls.blas = True  # the cuBLAS handle is made
+    monkeypatch.setattr(registry, "_TLS", tls)
+    registry.clear_resolution_cache()
+    group = _Group(2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="megatron_flux"):
+            for _ in range(3):
+                assert registry.resolve_backend("auto", a, b, group, op="rs").name == "nccl"
+        logged = [r.getMessage() for r in caplog.records if "current CUDA device" in r.getMessage()]
+        assert logged == [f"megatron-flux: flux_backend='auto' uses 'nccl' because {why}"]
+        with pytest.raises(RuntimeError, match="'flux' cannot run this op: operands are on cuda:1 "
+                                               "but the current CUDA device is cuda:0"):
+            registry.resolve_backend("flux", a, b, group, op="rs")
+        current[0] = 1  # torch.cuda.set_device(1)
+        assert registry.resolve_backend("auto", a, b, group, op="rs") is fused
+        assert registry.resolve_backend("flux", a, b, group, op="ag") is fused
+        current[0] = 0
+        assert registry.resolve_backend("auto", a, b, group, op="rs").name == "nccl"
+    finally:
+        registry.clear_resolution_cache()
+
+    x = torch.zeros(8, 4, dtype=torch.bfloat16)
+    bias = torch.zeros(4, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match=r"GEMM\+RS: bias must be contiguous \(4,\) on cpu, "
+                                         r"got \(4,\) on meta"):
+        rs.rs_rows(x, 4, 2, bias)
+    assert rs.rs_rows(x, 4, 2, torch.zeros(4, dtype=torch.bfloat16)) == 4
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    current[0] = 1
+    assert regather.unsupported_reason(x, group) == "not on the current CUDA device"

@@ -146,13 +146,16 @@ class FluxBackend(TPOverlapBackend):
     def unsupported_reason(self, a, b, group) -> Optional[str]:
         if not a.is_cuda:
             return f"input is on {a.device.type}, not CUDA"
-        # depends on the operands' signature only: asked on every call, answered once
+        # depends on the operands' signature and the current device only: asked on every
+        # call, answered once
+        current = torch.cuda.current_device()
         key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-               group.size() if group is not None else 1)
+               current, group.size() if group is not None else 1)
         try:
             return self._reasons[key]
         except KeyError:
-            reason = signature_reason(a, b, group, lambda: self.resources.capability(a.device))
+            reason = signature_reason(a, b, group, lambda: self.resources.capability(a.device),
+                                      current)
             if reason is None:
                 reason = self._group_reason(group, a.device)
             self._reasons[key] = reason

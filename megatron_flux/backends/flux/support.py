@@ -10,10 +10,13 @@ import torch
 import torch.distributed as dist
 
 
-def signature_reason(a, b, group, capability) -> Optional[str]:
+def signature_reason(a, b, group, capability, current_device: int) -> Optional[str]:
     """Why the fused kernels cannot run ``a @ b`` over ``group``, from the operands' signature
-    alone (shapes, strides, dtypes, device), or ``None``. ``capability()`` gives the device's
-    compute capability (asked last: it is the only query that touches the driver)."""
+    alone (shapes, strides, dtypes, device) and the index of the current CUDA device, or
+    ``None``. The kernels launch on the current device's stream (Triton's rule) while the
+    workspaces, events, side streams and copies follow the operands' device, so both operands
+    must be on the current device. ``capability()`` gives the device's compute capability
+    (asked last: it is the only query that touches the driver)."""
     world = group.size() if group is not None else 1
     if world < 2:
         return "tensor-parallel group has one rank"
@@ -21,6 +24,11 @@ def signature_reason(a, b, group, capability) -> Optional[str]:
         return f"dtype {a.dtype} (fused kernels take bfloat16/float16)"
     if b.dtype != a.dtype:
         return f"operand dtypes differ ({a.dtype} vs {b.dtype})"
+    if b.device != a.device:
+        return f"operands are on different devices ({a.device} and {b.device})"
+    if a.device.index != current_device:
+        return (f"operands are on {a.device} but the current CUDA device is cuda:{current_device} "
+                "(the kernels launch on the current device: torch.cuda.set_device first)")
     if a.dim() != 2 or b.dim() != 2:
         return "operands must be 2-D"
     if not a.is_contiguous():
