@@ -411,13 +411,16 @@ def test_a_group_fed_through_several_hardware_queues_runs_nccl_unless_allowed():
 
     dev = torch.device("cuda", 0)
     asked = []
-    kw = dict(peer_access=lambda i, j: True, queues=lambda device: asked.append(device) or "one")
-    mixed = gather_of(("a", 0, "one"), ("a", 1, "several"), ("a", 2, "one"), ("a", 3, "several"))
+    kw = dict(peers=lambda device: ("GPU-0", {}),
+              queues=lambda device: asked.append(device) or "one")
+    mixed = gather_of(("a", "GPU-0", "one", {}), ("a", "GPU-1", "several", {}),
+                      ("a", "GPU-2", "one", {}), ("a", "GPU-3", "several", {}))
     why = group_reason(_Group(4), dev, gather=mixed, **kw)
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1 is not in effect on group rank(s) 1, 3" in why
     assert "MEGATRON_FLUX_ALLOW_SEVERAL_QUEUES=1" in why and asked == [dev]
     assert group_reason(_Group(4), dev, gather=mixed, allow_several_queues=True, **kw) is None
-    unknown = gather_of(("a", 0, "one"), ("a", 1, "unknown (asked inside a capture)"))
+    unknown = gather_of(("a", "GPU-0", "one", {}),
+                        ("a", "GPU-1", "unknown (asked inside a capture)", {}))
     assert group_reason(_Group(2), dev, gather=unknown, **kw) is None
     # the backend passes its option, and asks again after the option changes
     import megatron_flux.backends.flux.backend as FB
@@ -467,16 +470,18 @@ def test_groups_across_hosts_or_without_peer_access_are_refused_with_a_reason():
         return gather
 
     dev = torch.device("cuda", 0)
-    one = dict(queues=lambda device: "one")
-    ok = group_reason(_Group(2), dev, gather=gather_of(("a", 0, "one"), ("a", 1, "one")),
-                      peer_access=lambda i, j: True, **one)
+    one = dict(queues=lambda device: "one", peers=lambda device: ("GPU-a", {}))
+    ok = group_reason(_Group(2), dev, gather=gather_of(("a", "GPU-a", "one", {"GPU-b": True}),
+                                                       ("a", "GPU-b", "one", {"GPU-a": True})),
+                      **one)
     assert ok is None
-    hosts = group_reason(_Group(2), dev, gather=gather_of(("a", 0, "one"), ("b", 0, "one")),
-                         peer_access=lambda i, j: True, **one)
+    hosts = group_reason(_Group(2), dev, gather=gather_of(("a", "GPU-a", "one", {}),
+                                                          ("b", "GPU-b", "one", {})), **one)
     assert "spans 2 hosts (a, b)" in hosts
-    p2p = group_reason(_Group(2), dev, gather=gather_of(("a", 0, "one"), ("a", 1, "one")),
-                       peer_access=lambda i, j: False, **one)
-    assert "no peer access to GPU 1" in p2p
+    p2p = group_reason(_Group(2), dev, gather=gather_of(("a", "GPU-a", "one", {"GPU-b": False}),
+                                                        ("a", "GPU-b", "one", {"GPU-a": False})),
+                       **one)
+    assert p2p == "no peer access (P2P) between the GPUs of group ranks 0 (GPU-a) and 1 (GPU-b)"
 
     be = FluxBackend()
     asked = []
@@ -496,6 +501,64 @@ def test_groups_across_hosts_or_without_peer_access_are_refused_with_a_reason():
     finally:
         FB.group_reason, FB.signature_reason = real, real_sig
         torch.cuda.current_device = real_current
+
+
+def test_peer_access_is_judged_by_gpu_uuid_and_every_rank_reaches_the_same_verdict(monkeypatch):
+    """Device indices are process-local (per-rank ``CUDA_VISIBLE_DEVICES`` makes every rank's
+    GPU ``cuda:0``), so ranks exchange GPU UUIDs and each one's peer access to the GPUs it sees,
+    and decide from the gathered views alone: the same verdict on every rank, even where only
+    one rank can see the pair. A pair no rank sees is not refused; a rank whose query failed
+    makes the reason on every rank (after the gather, which it still joins)."""
+    from megatron_flux.backends.flux import support
+    from megatron_flux.backends.flux.support import group_reason
+
+    def world(*views):
+        """group_reason on every rank, each with its own ``(uuid, access)`` view (or the
+        exception its query raises), over one gather of what the ranks sent."""
+        sent = []
+
+        def ask(view, gather):
+            def peers(device):
+                if isinstance(view, Exception):
+                    raise view
+                return view
+            return group_reason(_Group(len(views)), torch.device("cuda", 0), gather=gather,
+                                peers=peers, queues=lambda device: "one")
+
+        def send(out, here, group):
+            sent.append(here)
+            out[:] = [here] * len(views)
+
+        def receive(out, here, group):
+            out[:] = sent
+
+        for view in views:
+            ask(view, send)
+        answers = {ask(view, receive) for view in views}
+        assert len(answers) == 1, answers
+        return answers.pop()
+
+    # every rank on cuda:0 of its own process, no P2P: refused although the indices agree
+    why = world(("GPU-a", {"GPU-b": False}), ("GPU-b", {"GPU-a": False}))
+    assert why == "no peer access (P2P) between the GPUs of group ranks 0 (GPU-a) and 1 (GPU-b)"
+    # only rank 1 sees rank 0's GPU (and has no access): both ranks refuse
+    assert world(("GPU-a", {}), ("GPU-b", {"GPU-a": False})) == why
+    # rank 0 sees the pair with access, rank 1 does not see it: both run fused
+    assert world(("GPU-a", {"GPU-b": True}), ("GPU-b", {})) is None
+    # isolated processes: nothing can be asked, nothing refused (as before)
+    assert world(("GPU-a", {}), ("GPU-b", {}), ("GPU-c", {})) is None
+    # a rank whose query raised still joins the gather; every rank names it
+    assert world(("GPU-a", {}), RuntimeError("driver gone")) == (
+        "group rank 1 could not query its GPUs' peer access (RuntimeError: driver gone)")
+
+    # the default view: this GPU's UUID and peer access to every other visible GPU, by UUID
+    props = {0: "GPU-x", 1: "GPU-y", 2: "GPU-z"}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("P", (), {"uuid": props[i]})())
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: (i, j) != (1, 2))
+    assert support.local_peer_access(torch.device("cuda", 1)) == (
+        "GPU-y", {"GPU-x": True, "GPU-z": False})
 
 
 class _PlanWorkspace:
