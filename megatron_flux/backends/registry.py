@@ -154,7 +154,7 @@ def resolve_backend(
         if not capturing and not getattr(_TLS, "blas", False):
             _ensure_blas_handle(a.device)
     key = (requested, op, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype,
-           b.device, current, id(group), capturing)
+           b.device, current, group, capturing)
     hit = _RESOLVED.get(key)
     if hit is not None:
         return hit

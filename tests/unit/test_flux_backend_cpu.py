@@ -1051,3 +1051,62 @@ def test_operands_off_the_current_device_run_on_nccl_with_one_log_line(monkeypat
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     current[0] = 1
     assert regather.unsupported_reason(x, group) == "not on the current CUDA device"
+
+
+def test_each_group_object_is_asked_its_own_collective_once(monkeypatch):
+    """The operands' part of the verdict is cached per signature, the group's per group object:
+    a second group of the same size (other GPUs, other hosts) runs its own collective check
+    rather than inheriting the first's verdict; a rank that met another group first must not
+    skip the collective its peers of this group run. Each group is asked once, and again after
+    the queue option changes; a dropped group's answer goes with it, and ``resolve_backend``
+    keys its answers by the group object too."""
+    import gc
+
+    import megatron_flux.backends.flux.backend as FB
+    from megatron_flux.backends import registry
+
+    class _Named(_Group):
+        def __init__(self, name):
+            super().__init__(2)
+            self.name = name
+
+    asked = []
+    verdicts = {"intra-host": None, "cross-host": "the tensor-parallel group spans 2 hosts"}
+    monkeypatch.setattr(FB, "group_reason",
+                        lambda group, device, **kw: asked.append(group.name) or verdicts[group.name])
+    monkeypatch.setattr(FB, "signature_reason",
+                        lambda a, b, group, capability, current: None if a.shape[0] > 8 else "small")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    be = FluxBackend()
+    a, b = _CudaLike(4096, 512), _CudaLike(512, 1024)
+    intra, cross = _Named("intra-host"), _Named("cross-host")
+    assert be.unsupported_reason(a, b, intra) is None
+    assert be.unsupported_reason(a, b, cross) == "the tensor-parallel group spans 2 hosts"
+    assert be.unsupported_reason(a, b, intra) is None
+    assert be.unsupported_reason(_CudaLike(8, 512), b, _Named("other")) == "small"
+    assert asked == ["intra-host", "cross-host"], "each group once; no group asked for 'small'"
+    be.set_options(be.options.replace(allow_several_queues=True))
+    assert be.unsupported_reason(a, b, cross) == "the tensor-parallel group spans 2 hosts"
+    assert be.unsupported_reason(a, b, intra) is None
+    assert asked[2:] == ["cross-host", "intra-host"]
+    del cross
+    gc.collect()
+    assert [g.name for g in be._group_reasons] == ["intra-host"]
+
+    fused = FluxBackend()
+    monkeypatch.setitem(registry._INSTANCES, "flux", fused)
+    monkeypatch.setitem(registry._REGISTRY, "flux", fused)
+    monkeypatch.setattr(registry, "fused_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(registry, "_choose_auto", lambda fused, nccl, a, b, tp, op, log: fused)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(registry._TLS, "blas", True, raising=False)
+    registry.clear_resolution_cache()
+    try:
+        first, second = _Named("intra-host"), _Named("cross-host")
+        assert registry.resolve_backend("auto", a, b, first, op="rs") is fused
+        assert registry.resolve_backend("auto", a, b, second, op="rs").name == "nccl"
+        assert asked[-2:] == ["intra-host", "cross-host"]
+        assert all(key[-2] is not None and not isinstance(key[-2], int)
+                   for key in registry._RESOLVED), "keyed by the group, not its id"
+    finally:
+        registry.clear_resolution_cache()
