@@ -175,6 +175,68 @@ def test_the_signal_report_lists_every_workspace_of_the_device_and_both_parities
     assert gather_part.startswith("gather float32 epoch 0: parity 0 [0, 0")
 
 
+def test_a_timeout_report_reads_the_signal_words_without_waiting_for_the_device(monkeypatch):
+    """Work queued before a timeout report may itself wait on the stalled peer, so the report
+    never synchronises the device: on CUDA it reads the signal words through a bounded copy to
+    the host (its own stream, an event polled until a deadline) and, where they do not arrive
+    in time, says so; the timeout is raised either way."""
+    from helpers.fake_symm import FakeWorld
+
+    from megatron_flux.backends.flux.resources import DeviceResources
+    from megatron_flux.comm import errors
+    from megatron_flux.comm.errors import DeviceErrorWord, FusedOpTimeout, read_without_blocking
+    from megatron_flux.options import FluxOptions
+
+    def blocks(*args, **kwargs):
+        raise AssertionError("the report waited for the device")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", blocks)
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", blocks, raising=False)
+    cuda = torch.device("cuda", 0)
+    world = FakeWorld(2, "rs", torch.bfloat16)
+    world.reserve(64, 3)
+    ws = world.ws[1]
+    ws.device, ws.epoch = cuda, 9
+    ws.flags(1, 1)[:3] = torch.tensor([9, 7, 0], dtype=torch.int32)
+    res = DeviceResources(FluxOptions())
+    res._workspaces[("rs", "fake-tp", 0, torch.bfloat16)] = ws
+    asked = []
+
+    def arrived(tensors):
+        asked.append(len(tensors))
+        return [t.tolist() for t in tensors]
+
+    text = res.describe_signals(cuda, read=arrived)
+    assert asked == [2] and text.startswith("rs bfloat16 epoch 9: parity 0 [0, 0, 0")
+    assert "parity 1 [9, 7, 0" in text
+    stuck = res.describe_signals(cuda, read=lambda tensors: None)
+    assert stuck.startswith("not read (the copy to the host did not finish within 2 s")
+
+    err = DeviceErrorWord.__new__(DeviceErrorWord)
+    err.host_word = torch.tensor([2, 1, 0, 8], dtype=torch.int32)
+    err.describe = lambda: res.describe_signals(cuda, read=lambda tensors: None)
+    with pytest.raises(FusedOpTimeout, match=r"rank 1 timed out .* This rank's signal words: "
+                                             r"not read \(the copy"):
+        err.check()
+
+    # the bounded read: polls the copy's event until the deadline, never longer
+    now, polls = [0.0], []
+
+    def never_done(tensors):
+        return [torch.zeros(2)], lambda: polls.append(now[0]) or False
+
+    def sleep(seconds):
+        now[0] += seconds
+
+    t = [torch.ones(2)]
+    assert read_without_blocking(t, 0.01, queue=never_done, clock=lambda: now[0],
+                                 sleep=sleep) is None
+    assert 5 <= len(polls) <= 12 and now[0] < 0.02
+    assert read_without_blocking(t, 0.01, queue=lambda ts: ([torch.ones(2)], lambda: True)) == [
+        [1.0, 1.0]]
+    assert read_without_blocking([]) == [] and errors.REPORT_READ_SECONDS == 2.0
+
+
 def test_replaced_staging_stays_alive_for_captured_graphs():
     """Growing the copy-engine staging keeps the old buffer (a captured graph may address it)
     and drops the copy plans that view it."""
