@@ -421,6 +421,38 @@ def test_new_process_options_reach_the_built_backends():
         set_options(saved if saved != FluxOptions.from_env() else None)
 
 
+def test_column_settings_given_to_a_backend_survive_new_options():
+    """``column_dgrad`` / ``column_regather`` given to the constructor, or set through the
+    properties, belong to that backend: new options (process options reach every built backend
+    through ``set_options``) change everything else and keep them; settings not given follow
+    the options. A bad value is refused before anything is kept."""
+    from megatron_flux.backends import registry
+    from megatron_flux.options import FluxOptions, get_options, set_options
+
+    be = FluxBackend(column_dgrad="fused", column_regather="copy_engine")
+    be.set_options(FluxOptions(max_spins=1 << 20))
+    assert (be.column_dgrad, be.column_regather, be.max_spins) == ("fused", "copy_engine", 1 << 20)
+    half = FluxBackend(column_dgrad="copy_engine")
+    half.set_options(FluxOptions(column_dgrad="nccl", column_regather="copy_engine"))
+    assert (half.column_dgrad, half.column_regather) == ("copy_engine", "copy_engine")
+    half.column_regather = "nccl"
+    half.set_options(FluxOptions(column_regather="copy_engine", max_spins=3))
+    assert (half.column_dgrad, half.column_regather, half.max_spins) == ("copy_engine", "nccl", 3)
+    with pytest.raises(ValueError, match="column_dgrad"):
+        half.column_dgrad = "cublas"
+    half.set_options(FluxOptions())
+    assert half.column_dgrad == "copy_engine"
+
+    saved = get_options()
+    registry._INSTANCES["flux-test"] = be
+    try:
+        set_options(saved.replace(column_dgrad="nccl", column_regather="nccl", max_spins=7))
+        assert (be.column_dgrad, be.column_regather, be.max_spins) == ("fused", "copy_engine", 7)
+    finally:
+        registry._INSTANCES.pop("flux-test")
+        set_options(saved if saved != FluxOptions.from_env() else None)
+
+
 def test_auto_dispatch_starts_the_dgrad_on_the_backend_it_chose_for_rs():
     """The column backward's overlapped form goes to the GEMM+RS side of an ``auto`` split, so an
     NCCL choice keeps its reduce-scatter running beside the wgrad GEMM (not run to completion)."""

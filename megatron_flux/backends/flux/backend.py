@@ -84,6 +84,10 @@ class FluxBackend(TPOverlapBackend):
             config_provider = TableConfigProvider()
         base = get_options() if options is None else options
         self._options = base.replace(column_dgrad=column_dgrad, column_regather=column_regather)
+        #: the column settings given to this backend (here or by its properties): they keep
+        #: overriding the options' through :meth:`set_options`
+        self._own = {k: v for k, v in (("column_dgrad", column_dgrad),
+                                        ("column_regather", column_regather)) if v is not None}
         self._config_provider = config_provider
         self._provider_context = bool(getattr(config_provider, "accepts_context", False))
         self.resources = DeviceResources(self._options)
@@ -112,7 +116,11 @@ class FluxBackend(TPOverlapBackend):
         return self._options
 
     def set_options(self, options: FluxOptions) -> None:
-        """Run with ``options`` from the next call on (workspaces and configs are kept)."""
+        """Run with ``options`` from the next call on (workspaces and configs are kept), except
+        for the ``column_dgrad`` / ``column_regather`` given to this backend (constructor or
+        property), which keep theirs: new process options (``megatron_flux.options.set_options``
+        reaches every built backend) do not undo a setting made for this backend alone."""
+        options = options.replace(**self._own)
         if options.allow_several_queues != self._options.allow_several_queues:
             self._group_reasons.clear()  # asked again (collectively) at the next call
         self._options = options
@@ -125,7 +133,10 @@ class FluxBackend(TPOverlapBackend):
 
     @column_dgrad.setter
     def column_dgrad(self, value: str) -> None:
-        self.set_options(self._options.replace(column_dgrad=value))
+        """This backend's ``column_dgrad`` from now on, whatever later options say."""
+        options = self._options.replace(column_dgrad=value)  # checks the value
+        self._own["column_dgrad"] = value
+        self.set_options(options)
 
     @property
     def column_regather(self) -> str:
@@ -133,7 +144,10 @@ class FluxBackend(TPOverlapBackend):
 
     @column_regather.setter
     def column_regather(self, value: str) -> None:
-        self.set_options(self._options.replace(column_regather=value))
+        """This backend's ``column_regather`` from now on, whatever later options say."""
+        options = self._options.replace(column_regather=value)  # checks the value
+        self._own["column_regather"] = value
+        self.set_options(options)
 
     @property
     def max_spins(self) -> int:
