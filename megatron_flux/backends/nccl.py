@@ -12,7 +12,7 @@ caller holds it, which satisfies the contract's weaker promise).
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def _is_unsupported_collective(exc: BaseException) -> bool:
-    """Whether ``exc`` says the process group lacks the collective (older gloo on CPU raises
-    ``... does not support _reduce_scatter_base``), as opposed to a real failure."""
+    """Whether ``exc`` says the process group lacks the collective (gloo before torch 2.3
+    raised ``... does not support _reduce_scatter_base``), as opposed to another failure."""
     if isinstance(exc, NotImplementedError):
         return True
     return isinstance(exc, RuntimeError) and "not support" in str(exc).lower()
@@ -39,11 +39,6 @@ class NcclBackend(TPOverlapBackend):
     """``torch.distributed`` collectives + ``torch.matmul``; device- and process-group-agnostic."""
 
     name = "nccl"
-
-    def __init__(self) -> None:
-        # Process-group backend names ("gloo", ...) found not to implement the tensor
-        # reduce-scatter; they use all-reduce + slice instead. Decided on the first call.
-        self._no_reduce_scatter: Dict[str, bool] = {}
 
     # ----------------------------------------------------------------------------- collectives
     def all_gather(
@@ -85,35 +80,33 @@ class NcclBackend(TPOverlapBackend):
         if tp == 1:
             return out.copy_(x)
         target = out if out.is_contiguous() else torch.empty(shape, dtype=x.dtype, device=x.device)
-        self._reduce_scatter_into(target, x, group, tp)
+        self._reduce_scatter_into(target, x, group)
         if target is not out:
             out.copy_(target)
         return out
 
     def _reduce_scatter_into(
-        self, out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup, tp: int,
+        self, out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup,
         async_op: bool = False,
     ):
-        """Sum ``x`` over the group into this rank's rows ``out`` (both contiguous).
+        """Sum ``x`` over the group into this rank's rows ``out`` (both contiguous) by the
+        tensor reduce-scatter, returning its work handle with ``async_op`` (else ``None``).
 
-        Uses the tensor reduce-scatter when the process group implements it, returning its work
-        handle with ``async_op`` (else ``None``); otherwise (gloo on some torch versions) an
-        all-reduce of a copy followed by taking this rank's rows, always to completion: more
-        traffic, same result.
+        A process group without it (torch >= 2.6's NCCL and gloo have it) raises a clear error:
+        no rank switches to another collective on its own, which would pair its collective
+        with its peers' reduce-scatters (a hang or wrong sums), since an error that one rank
+        meets, its peers need not.
         """
-        kind = str(dist.get_backend(group))
-        if not self._no_reduce_scatter.get(kind, False):
-            try:
-                return _reduce_scatter_single(out, x, group=group, async_op=async_op)
-            except (RuntimeError, NotImplementedError) as exc:
-                if not _is_unsupported_collective(exc):
-                    raise
-                self._no_reduce_scatter[kind] = True
-        summed = x.clone()
-        dist.all_reduce(summed, group=group)
-        rank = dist.get_rank(group=group)
-        out.copy_(summed.narrow(0, rank * out.shape[0], out.shape[0]))
-        return None
+        try:
+            return _reduce_scatter_single(out, x, group=group, async_op=async_op)
+        except (RuntimeError, NotImplementedError) as exc:
+            if not _is_unsupported_collective(exc):
+                raise
+            raise RuntimeError(
+                f"megatron-flux nccl reduce_scatter: the {dist.get_backend(group)!r} process "
+                f"group on rank {dist.get_rank()} does not run the tensor reduce-scatter "
+                f"({exc}); megatron-flux needs it (torch >= 2.6's NCCL and gloo have it)"
+            ) from exc
 
     # ------------------------------------------------------------------------------ fused ops
     def all_gather_matmul(
@@ -158,8 +151,7 @@ class NcclBackend(TPOverlapBackend):
     def matmul_reduce_scatter_start(self, a, b, group, *, bias=None) -> PendingGather:
         """The GEMM, then the reduce-scatter issued with ``async_op=True`` (megatron-core's
         column backward: the input gradient's reduce-scatter runs beside the weight-gradient
-        GEMM). Where the group lacks the tensor reduce-scatter (some gloo builds), it runs to
-        completion here."""
+        GEMM)."""
         tp = dist.get_world_size(group=group)
         _check_reduce_scatter_operands(a, b, tp, bias)
         partial = torch.matmul(a.contiguous(), b)
@@ -168,7 +160,7 @@ class NcclBackend(TPOverlapBackend):
         if tp == 1:
             out.copy_(partial)
         else:
-            work = self._reduce_scatter_into(out, partial, group, tp, async_op=True)
+            work = self._reduce_scatter_into(out, partial, group, async_op=True)
         then = (lambda r: r.add_(bias)) if bias is not None else None
         return PendingGather(out, work, then)
 

@@ -142,18 +142,19 @@ def resolve_backend(
     (``cublasCreate`` fails inside a capture; the fused kernels need no cuBLAS, so a thread that
     ran only them eagerly would otherwise meet cuBLAS for the first time in the capture).
 
-    The answer depends only on the operands' shapes, strides, dtypes and devices, the group
-    and whether the stream is capturing, so it is cached per those (and dropped when the
+    The answer depends only on the operands' shapes, strides, dtypes and devices, the current
+    CUDA device, the group and whether the stream is capturing, so it is cached per those (and dropped when the
     tables, the options or the registry change): a training step asks the same few questions
     hundreds of times, and the layers' host cost per call is what bounds host-heavy steps.
     """
-    capturing = False
+    capturing, current = False, None
     if a.is_cuda:
         capturing = torch.cuda.is_current_stream_capturing()
+        current = torch.cuda.current_device()
         if not capturing and not getattr(_TLS, "blas", False):
             _ensure_blas_handle(a.device)
     key = (requested, op, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype,
-           b.device, id(group), capturing)
+           b.device, current, group, capturing)
     hit = _RESOLVED.get(key)
     if hit is not None:
         return hit

@@ -8,7 +8,8 @@ the word's ``describe`` callback reports (the backend's: this rank's signal word
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import time
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -20,8 +21,44 @@ _OPS = {OP_AG_GEMM: "AG+GEMM", OP_GEMM_RS: "GEMM+RS", OP_AG_READY: "ready barrie
         OP_SPLIT_TAIL: "GEMM+RS split tail"}
 
 
+#: how long a timeout report waits for this rank's signal words to reach the host
+REPORT_READ_SECONDS = 2.0
+
+
 class FusedOpTimeout(RuntimeError):
     """A fused kernel gave up waiting for a peer's signal."""
+
+
+def read_without_blocking(tensors: Sequence[torch.Tensor], seconds: float = REPORT_READ_SECONDS,
+                          *, queue: Optional[Callable] = None, clock: Callable = time.monotonic,
+                          sleep: Callable = time.sleep) -> Optional[List[list]]:
+    """The values of the CUDA ``tensors`` (of one device) as lists, or ``None`` where they did
+    not reach the host within ``seconds``. They are copied on a stream of their own into pinned
+    memory, and the copy's event is polled: neither the device nor a stream is synchronised,
+    since work queued before a timeout report (an NCCL collective, a kernel behind a stream
+    wait) may itself wait on the stalled peer, and waiting for it would keep the report from
+    ever being raised. ``queue(tensors) -> (host tensors, done())`` queues the copies."""
+    if not tensors:
+        return []
+    hosts, done = (queue or _queue_host_copies)(tensors)
+    deadline = clock() + seconds
+    while not done():
+        if clock() >= deadline:
+            return None
+        sleep(0.001)
+    return [h.tolist() for h in hosts]
+
+
+def _queue_host_copies(tensors):
+    """Copies of ``tensors`` into pinned memory on a new stream, and their event's ``query``."""
+    stream = torch.cuda.Stream(device=tensors[0].device)
+    hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    with torch.cuda.stream(stream):
+        for host, t in zip(hosts, tensors):
+            host.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return hosts, done.query
 
 
 class DeviceErrorWord:

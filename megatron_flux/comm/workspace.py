@@ -153,19 +153,27 @@ class SymmetricWorkspace:
             del self._views[key]
         self.generation += 1
 
-    def signal_state(self, max_words: int = 16) -> str:
+    def signal_words(self) -> Tuple[torch.Tensor, ...]:
+        """This rank's signal words of parity 0 and 1 (device views; none before allocation)."""
+        if self._buffer is None:
+            return ()
+        return self.flags(self.rank, 0), self.flags(self.rank, 1)
+
+    def signal_state(self, max_words: int = 16, words=None) -> str:
         """This rank's signal words of both parities and the last epoch, as one line (what a
         timeout report appends: a peer's word still at an old epoch, or an arrival counter left
-        non-zero, tells why a wait ran out). Reads device memory: call it with the device idle."""
+        non-zero, tells why a wait ran out). ``words``: the values of :meth:`signal_words`, read
+        by the caller; without them they are read here, which waits for the current stream."""
         name = f"{self.op} {str(self.dtype).replace('torch.', '')}"
         if self._buffer is None:
             return f"{name}: not allocated"
-        words = []
-        for parity in (0, 1):
-            flags = self.flags(self.rank, parity).tolist()
+        if words is None:
+            words = [t.tolist() for t in self.signal_words()]
+        parts = []
+        for parity, flags in enumerate(words):
             more = f" +{len(flags) - max_words} more" if len(flags) > max_words else ""
-            words.append(f"parity {parity} {flags[:max_words]}{more}")
-        return f"{name} epoch {self.epoch}: " + ", ".join(words)
+            parts.append(f"parity {parity} {flags[:max_words]}{more}")
+        return f"{name} epoch {self.epoch}: " + ", ".join(parts)
 
     def next_epoch(self) -> int:
         """Epoch of the next call (1, 2, ...; int32 signals allow 2**31 - 1 calls per op)."""

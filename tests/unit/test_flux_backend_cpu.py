@@ -175,6 +175,68 @@ def test_the_signal_report_lists_every_workspace_of_the_device_and_both_parities
     assert gather_part.startswith("gather float32 epoch 0: parity 0 [0, 0")
 
 
+def test_a_timeout_report_reads_the_signal_words_without_waiting_for_the_device(monkeypatch):
+    """Work queued before a timeout report may itself wait on the stalled peer, so the report
+    never synchronises the device: on CUDA it reads the signal words through a bounded copy to
+    the host (its own stream, an event polled until a deadline) and, where they do not arrive
+    in time, says so; the timeout is raised either way."""
+    from helpers.fake_symm import FakeWorld
+
+    from megatron_flux.backends.flux.resources import DeviceResources
+    from megatron_flux.comm import errors
+    from megatron_flux.comm.errors import DeviceErrorWord, FusedOpTimeout, read_without_blocking
+    from megatron_flux.options import FluxOptions
+
+    def blocks(*args, **kwargs):
+        raise AssertionError("the report waited for the device")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", blocks)
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", blocks, raising=False)
+    cuda = torch.device("cuda", 0)
+    world = FakeWorld(2, "rs", torch.bfloat16)
+    world.reserve(64, 3)
+    ws = world.ws[1]
+    ws.device, ws.epoch = cuda, 9
+    ws.flags(1, 1)[:3] = torch.tensor([9, 7, 0], dtype=torch.int32)
+    res = DeviceResources(FluxOptions())
+    res._workspaces[("rs", "fake-tp", 0, torch.bfloat16)] = ws
+    asked = []
+
+    def arrived(tensors):
+        asked.append(len(tensors))
+        return [t.tolist() for t in tensors]
+
+    text = res.describe_signals(cuda, read=arrived)
+    assert asked == [2] and text.startswith("rs bfloat16 epoch 9: parity 0 [0, 0, 0")
+    assert "parity 1 [9, 7, 0" in text
+    stuck = res.describe_signals(cuda, read=lambda tensors: None)
+    assert stuck.startswith("not read (the copy to the host did not finish within 2 s")
+
+    err = DeviceErrorWord.__new__(DeviceErrorWord)
+    err.host_word = torch.tensor([2, 1, 0, 8], dtype=torch.int32)
+    err.describe = lambda: res.describe_signals(cuda, read=lambda tensors: None)
+    with pytest.raises(FusedOpTimeout, match=r"rank 1 timed out .* This rank's signal words: "
+                                             r"not read \(the copy"):
+        err.check()
+
+    # the bounded read: polls the copy's event until the deadline, never longer
+    now, polls = [0.0], []
+
+    def never_done(tensors):
+        return [torch.zeros(2)], lambda: polls.append(now[0]) or False
+
+    def sleep(seconds):
+        now[0] += seconds
+
+    t = [torch.ones(2)]
+    assert read_without_blocking(t, 0.01, queue=never_done, clock=lambda: now[0],
+                                 sleep=sleep) is None
+    assert 5 <= len(polls) <= 12 and now[0] < 0.02
+    assert read_without_blocking(t, 0.01, queue=lambda ts: ([torch.ones(2)], lambda: True)) == [
+        [1.0, 1.0]]
+    assert read_without_blocking([]) == [] and errors.REPORT_READ_SECONDS == 2.0
+
+
 def test_replaced_staging_stays_alive_for_captured_graphs():
     """Growing the copy-engine staging keeps the old buffer (a captured graph may address it)
     and drops the copy plans that view it."""
@@ -238,6 +300,7 @@ def test_a_capture_keeps_the_choice_unless_capture_is_off_and_cublas_is_ready_be
         threading.get_ident()))
     monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
     monkeypatch.setattr(registry, "_TLS", threading.local())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     B.clear_resolution_cache()
     a, b = _CudaLike(4096, 512), _CudaLike(512, 1024)
 
@@ -358,6 +421,38 @@ def test_new_process_options_reach_the_built_backends():
         set_options(saved if saved != FluxOptions.from_env() else None)
 
 
+def test_column_settings_given_to_a_backend_survive_new_options():
+    """``column_dgrad`` / ``column_regather`` given to the constructor, or set through the
+    properties, belong to that backend: new options (process options reach every built backend
+    through ``set_options``) change everything else and keep them; settings not given follow
+    the options. A bad value is refused before anything is kept."""
+    from megatron_flux.backends import registry
+    from megatron_flux.options import FluxOptions, get_options, set_options
+
+    be = FluxBackend(column_dgrad="fused", column_regather="copy_engine")
+    be.set_options(FluxOptions(max_spins=1 << 20))
+    assert (be.column_dgrad, be.column_regather, be.max_spins) == ("fused", "copy_engine", 1 << 20)
+    half = FluxBackend(column_dgrad="copy_engine")
+    half.set_options(FluxOptions(column_dgrad="nccl", column_regather="copy_engine"))
+    assert (half.column_dgrad, half.column_regather) == ("copy_engine", "copy_engine")
+    half.column_regather = "nccl"
+    half.set_options(FluxOptions(column_regather="copy_engine", max_spins=3))
+    assert (half.column_dgrad, half.column_regather, half.max_spins) == ("copy_engine", "nccl", 3)
+    with pytest.raises(ValueError, match="column_dgrad"):
+        half.column_dgrad = "cublas"
+    half.set_options(FluxOptions())
+    assert half.column_dgrad == "copy_engine"
+
+    saved = get_options()
+    registry._INSTANCES["flux-test"] = be
+    try:
+        set_options(saved.replace(column_dgrad="nccl", column_regather="nccl", max_spins=7))
+        assert (be.column_dgrad, be.column_regather, be.max_spins) == ("fused", "copy_engine", 7)
+    finally:
+        registry._INSTANCES.pop("flux-test")
+        set_options(saved if saved != FluxOptions.from_env() else None)
+
+
 def test_auto_dispatch_starts_the_dgrad_on_the_backend_it_chose_for_rs():
     """The column backward's overlapped form goes to the GEMM+RS side of an ``auto`` split, so an
     NCCL choice keeps its reduce-scatter running beside the wgrad GEMM (not run to completion)."""
@@ -410,13 +505,16 @@ def test_a_group_fed_through_several_hardware_queues_runs_nccl_unless_allowed():
 
     dev = torch.device("cuda", 0)
     asked = []
-    kw = dict(peer_access=lambda i, j: True, queues=lambda device: asked.append(device) or "one")
-    mixed = gather_of(("a", 0, "one"), ("a", 1, "several"), ("a", 2, "one"), ("a", 3, "several"))
+    kw = dict(peers=lambda device: ("GPU-0", {}),
+              queues=lambda device: asked.append(device) or "one")
+    mixed = gather_of(("a", "GPU-0", "one", {}), ("a", "GPU-1", "several", {}),
+                      ("a", "GPU-2", "one", {}), ("a", "GPU-3", "several", {}))
     why = group_reason(_Group(4), dev, gather=mixed, **kw)
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1 is not in effect on group rank(s) 1, 3" in why
     assert "MEGATRON_FLUX_ALLOW_SEVERAL_QUEUES=1" in why and asked == [dev]
     assert group_reason(_Group(4), dev, gather=mixed, allow_several_queues=True, **kw) is None
-    unknown = gather_of(("a", 0, "one"), ("a", 1, "unknown (asked inside a capture)"))
+    unknown = gather_of(("a", "GPU-0", "one", {}),
+                        ("a", "GPU-1", "unknown (asked inside a capture)", {}))
     assert group_reason(_Group(2), dev, gather=unknown, **kw) is None
     # the backend passes its option, and asks again after the option changes
     import megatron_flux.backends.flux.backend as FB
@@ -466,16 +564,18 @@ def test_groups_across_hosts_or_without_peer_access_are_refused_with_a_reason():
         return gather
 
     dev = torch.device("cuda", 0)
-    one = dict(queues=lambda device: "one")
-    ok = group_reason(_Group(2), dev, gather=gather_of(("a", 0, "one"), ("a", 1, "one")),
-                      peer_access=lambda i, j: True, **one)
+    one = dict(queues=lambda device: "one", peers=lambda device: ("GPU-a", {}))
+    ok = group_reason(_Group(2), dev, gather=gather_of(("a", "GPU-a", "one", {"GPU-b": True}),
+                                                       ("a", "GPU-b", "one", {"GPU-a": True})),
+                      **one)
     assert ok is None
-    hosts = group_reason(_Group(2), dev, gather=gather_of(("a", 0, "one"), ("b", 0, "one")),
-                         peer_access=lambda i, j: True, **one)
+    hosts = group_reason(_Group(2), dev, gather=gather_of(("a", "GPU-a", "one", {}),
+                                                          ("b", "GPU-b", "one", {})), **one)
     assert "spans 2 hosts (a, b)" in hosts
-    p2p = group_reason(_Group(2), dev, gather=gather_of(("a", 0, "one"), ("a", 1, "one")),
-                       peer_access=lambda i, j: False, **one)
-    assert "no peer access to GPU 1" in p2p
+    p2p = group_reason(_Group(2), dev, gather=gather_of(("a", "GPU-a", "one", {"GPU-b": False}),
+                                                        ("a", "GPU-b", "one", {"GPU-a": False})),
+                       **one)
+    assert p2p == "no peer access (P2P) between the GPUs of group ranks 0 (GPU-a) and 1 (GPU-b)"
 
     be = FluxBackend()
     asked = []
@@ -484,7 +584,9 @@ def test_groups_across_hosts_or_without_peer_access_are_refused_with_a_reason():
     real = FB.group_reason
     FB.group_reason = lambda group, device, **kw: asked.append(group) or "no P2P"
     real_sig = FB.signature_reason
-    FB.signature_reason = lambda a, b, group, capability: None
+    FB.signature_reason = lambda a, b, group, capability, current: None
+    real_current = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0
     try:
         group = _Group(2)
         a, b = _CudaLike(4096, 512), _CudaLike(512, 1024)
@@ -492,6 +594,65 @@ def test_groups_across_hosts_or_without_peer_access_are_refused_with_a_reason():
         assert be._group_reason(group, dev) == "no P2P" and len(asked) == 1
     finally:
         FB.group_reason, FB.signature_reason = real, real_sig
+        torch.cuda.current_device = real_current
+
+
+def test_peer_access_is_judged_by_gpu_uuid_and_every_rank_reaches_the_same_verdict(monkeypatch):
+    """Device indices are process-local (per-rank ``CUDA_VISIBLE_DEVICES`` makes every rank's
+    GPU ``cuda:0``), so ranks exchange GPU UUIDs and each one's peer access to the GPUs it sees,
+    and decide from the gathered views alone: the same verdict on every rank, even where only
+    one rank can see the pair. A pair no rank sees is not refused; a rank whose query failed
+    makes the reason on every rank (after the gather, which it still joins)."""
+    from megatron_flux.backends.flux import support
+    from megatron_flux.backends.flux.support import group_reason
+
+    def world(*views):
+        """group_reason on every rank, each with its own ``(uuid, access)`` view (or the
+        exception its query raises), over one gather of what the ranks sent."""
+        sent = []
+
+        def ask(view, gather):
+            def peers(device):
+                if isinstance(view, Exception):
+                    raise view
+                return view
+            return group_reason(_Group(len(views)), torch.device("cuda", 0), gather=gather,
+                                peers=peers, queues=lambda device: "one")
+
+        def send(out, here, group):
+            sent.append(here)
+            out[:] = [here] * len(views)
+
+        def receive(out, here, group):
+            out[:] = sent
+
+        for view in views:
+            ask(view, send)
+        answers = {ask(view, receive) for view in views}
+        assert len(answers) == 1, answers
+        return answers.pop()
+
+    # every rank on cuda:0 of its own process, no P2P: refused although the indices agree
+    why = world(("GPU-a", {"GPU-b": False}), ("GPU-b", {"GPU-a": False}))
+    assert why == "no peer access (P2P) between the GPUs of group ranks 0 (GPU-a) and 1 (GPU-b)"
+    # only rank 1 sees rank 0's GPU (and has no access): both ranks refuse
+    assert world(("GPU-a", {}), ("GPU-b", {"GPU-a": False})) == why
+    # rank 0 sees the pair with access, rank 1 does not see it: both run fused
+    assert world(("GPU-a", {"GPU-b": True}), ("GPU-b", {})) is None
+    # isolated processes: nothing can be asked, nothing refused (as before)
+    assert world(("GPU-a", {}), ("GPU-b", {}), ("GPU-c", {})) is None
+    # a rank whose query raised still joins the gather; every rank names it
+    assert world(("GPU-a", {}), RuntimeError("driver gone")) == (
+        "group rank 1 could not query its GPUs' peer access (RuntimeError: driver gone)")
+
+    # the default view: this GPU's UUID and peer access to every other visible GPU, by UUID
+    props = {0: "GPU-x", 1: "GPU-y", 2: "GPU-z"}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("P", (), {"uuid": props[i]})())
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: (i, j) != (1, 2))
+    assert support.local_peer_access(torch.device("cuda", 1)) == (
+        "GPU-y", {"GPU-x": True, "GPU-z": False})
 
 
 class _PlanWorkspace:
@@ -838,3 +999,208 @@ def test_eager_calls_launch_through_their_plans_bound_launch_per_parity(monkeypa
     for _ in range(3):
         fresh.matmul_reduce_scatter(a, b, group) if op == "rs" else fresh.all_gather_matmul(a, b, group)
     assert len(binds) == n and len(launched3) == 3
+
+
+def test_copy_engine_configs_push_from_the_sms_where_the_driver_has_no_stream_wait(monkeypatch):
+    """Where libcuda lacks ``cuStreamWaitValue32`` no copy-engine delivery can be queued, so an
+    ``rs_copy_engine`` config runs as its SM-push twin (one warning): a kernel compiled for
+    copy-engine delivery with no side stream would never raise its peers' signals. With the
+    stream wait the plan keeps the config and queues the side stream."""
+    import warnings
+
+    from megatron_flux.backends.flux import rs
+    from megatron_flux.backends.flux.resources import deps
+    from megatron_flux.kernels.config import GemmConfig
+
+    class _Ws:
+        generation = 0
+
+        def data(self, rank, parity, n):
+            return torch.zeros(n)
+
+        def data_ptrs(self, parity):
+            return f"data_ptrs{parity}"
+
+        def flag_ptrs(self, parity):
+            return f"flag_ptrs{parity}"
+
+        def flags(self, rank, parity, dtype=torch.int32):
+            return torch.zeros(4, dtype=dtype)
+
+        def memo(self, key, make):
+            return ("table", "copies", "my_flags")
+
+    cfg = GemmConfig(rs_copy_engine=True)
+    be = FluxBackend()
+    monkeypatch.setattr(be, "check", lambda *a: None)
+    monkeypatch.setattr(be, "config", lambda *a, **k: cfg)
+    monkeypatch.setattr(be.resources, "sms", lambda device: 132)
+    monkeypatch.setattr(rs, "rs_workspace", lambda *a, **k: (_Ws(), None))
+    monkeypatch.setattr(deps(), "stream_wait_unavailable_reason", lambda: "libcuda has none")
+    a = torch.zeros(64, 32, dtype=torch.bfloat16)
+    b = torch.zeros(32, 16, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = rs.rs_plan(be, a, b, _Group(2), None)
+        again = rs.rs_plan(be, a, b, _Group(2), None)
+    assert [str(w.message) for w in caught] == [
+        "megatron-flux GEMM+RS: rs_copy_engine configs push from the SMs instead "
+        "(libcuda has none)"]
+    assert plan.side is None and not plan.cfg.rs_copy_engine and not again.cfg.rs_copy_engine
+    assert plan.cfg == GemmConfig(rs_copy_engine=False)
+    assert plan.parities[0][1] == "data_ptrs0", "the kernel pushes to the peers' slots"
+
+    with_wait = FluxBackend()
+    monkeypatch.setattr(with_wait, "check", lambda *a: None)
+    monkeypatch.setattr(with_wait, "config", lambda *a, **k: cfg)
+    monkeypatch.setattr(with_wait.resources, "sms", lambda device: 132)
+    monkeypatch.setattr(with_wait.resources, "side_stream", lambda *a: "side")
+    monkeypatch.setattr(with_wait.resources, "staging", lambda *a: torch.zeros(8))
+    monkeypatch.setattr(deps(), "stream_wait_unavailable_reason", lambda: None)
+    plan = rs.rs_plan(with_wait, a, b, _Group(2), None)
+    assert plan.side == "side" and plan.cfg.rs_copy_engine
+    assert plan.parities[0][1:4] == ("table", "flag_ptrs0", "copies")
+
+
+class _OnDevice:
+    """Stands in for a contiguous bfloat16 CUDA tensor on ``device`` (its signature only)."""
+
+    is_cuda = True
+    dtype = torch.bfloat16
+
+    def __init__(self, device, *shape):
+        self.device, self.shape = torch.device(device), torch.Size(shape)
+
+    def stride(self, dim=None):
+        strides = (self.shape[1], 1)
+        return strides if dim is None else strides[dim]
+
+    def dim(self):
+        return len(self.shape)
+
+    def is_contiguous(self):
+        return True
+
+
+def test_operands_off_the_current_device_run_on_nccl_with_one_log_line(monkeypatch, caplog):
+    """The kernels launch on the current device's stream while the workspaces, events, side
+    streams and copies follow the operands' device: operands on another device (or on two)
+    are a reason, so ``auto`` runs NCCL with one log line and ``flux`` says why; the answer
+    follows the current device (not cached across ``set_device``). A bias on another device
+    than the input is refused by name, and so is the copy-engine re-gather."""
+    import logging
+    import threading
+
+    import megatron_flux.backends.flux.backend as FB
+    from megatron_flux.backends import registry
+    from megatron_flux.backends.flux import regather, rs
+    from megatron_flux.backends.flux.support import signature_reason
+
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    cap = lambda: (9, 0)  # noqa: E731
+    a, b = _OnDevice("cuda:1", 4096, 512), _OnDevice("cuda:1", 512, 1024)
+    assert signature_reason(a, b, _Group(2), cap, 1) is None
+    why = signature_reason(a, b, _Group(2), cap, 0)
+    assert why.startswith("operands are on cuda:1 but the current CUDA device is cuda:0")
+    assert signature_reason(a, _OnDevice("cuda:0", 512, 1024), _Group(2), cap, 1) == (
+        "operands are on different devices (cuda:1 and cuda:0)")
+
+    fused = FluxBackend()
+    monkeypatch.setattr(FB, "group_reason", lambda group, device, **kw: None)
+    monkeypatch.setattr(fused.resources, "capability", lambda device: (9, 0))
+    monkeypatch.setitem(registry._INSTANCES, "flux", fused)
+    monkeypatch.setitem(registry._REGISTRY, "flux", fused)
+    monkeypatch.setattr(registry, "fused_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(registry, "_choose_auto", lambda fused, nccl, a, b, tp, op, log: fused)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    tls = threading.local()
+    tls.blas = True  # the cuBLAS handle is made
+    monkeypatch.setattr(registry, "_TLS", tls)
+    registry.clear_resolution_cache()
+    group = _Group(2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="megatron_flux"):
+            for _ in range(3):
+                assert registry.resolve_backend("auto", a, b, group, op="rs").name == "nccl"
+        logged = [r.getMessage() for r in caplog.records if "current CUDA device" in r.getMessage()]
+        assert logged == [f"megatron-flux: flux_backend='auto' uses 'nccl' because {why}"]
+        with pytest.raises(RuntimeError, match="'flux' cannot run this op: operands are on cuda:1 "
+                                               "but the current CUDA device is cuda:0"):
+            registry.resolve_backend("flux", a, b, group, op="rs")
+        current[0] = 1  # torch.cuda.set_device(1)
+        assert registry.resolve_backend("auto", a, b, group, op="rs") is fused
+        assert registry.resolve_backend("flux", a, b, group, op="ag") is fused
+        current[0] = 0
+        assert registry.resolve_backend("auto", a, b, group, op="rs").name == "nccl"
+    finally:
+        registry.clear_resolution_cache()
+
+    x = torch.zeros(8, 4, dtype=torch.bfloat16)
+    bias = torch.zeros(4, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match=r"GEMM\+RS: bias must be contiguous \(4,\) on cpu, "
+                                         r"got \(4,\) on meta"):
+        rs.rs_rows(x, 4, 2, bias)
+    assert rs.rs_rows(x, 4, 2, torch.zeros(4, dtype=torch.bfloat16)) == 4
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    current[0] = 1
+    assert regather.unsupported_reason(x, group) == "not on the current CUDA device"
+
+
+def test_each_group_object_is_asked_its_own_collective_once(monkeypatch):
+    """The operands' part of the verdict is cached per signature, the group's per group object:
+    a second group of the same size (other GPUs, other hosts) runs its own collective check
+    rather than inheriting the first's verdict; a rank that met another group first must not
+    skip the collective its peers of this group run. Each group is asked once, and again after
+    the queue option changes; a dropped group's answer goes with it, and ``resolve_backend``
+    keys its answers by the group object too."""
+    import gc
+
+    import megatron_flux.backends.flux.backend as FB
+    from megatron_flux.backends import registry
+
+    class _Named(_Group):
+        def __init__(self, name):
+            super().__init__(2)
+            self.name = name
+
+    asked = []
+    verdicts = {"intra-host": None, "cross-host": "the tensor-parallel group spans 2 hosts"}
+    monkeypatch.setattr(FB, "group_reason",
+                        lambda group, device, **kw: asked.append(group.name) or verdicts[group.name])
+    monkeypatch.setattr(FB, "signature_reason",
+                        lambda a, b, group, capability, current: None if a.shape[0] > 8 else "small")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    be = FluxBackend()
+    a, b = _CudaLike(4096, 512), _CudaLike(512, 1024)
+    intra, cross = _Named("intra-host"), _Named("cross-host")
+    assert be.unsupported_reason(a, b, intra) is None
+    assert be.unsupported_reason(a, b, cross) == "the tensor-parallel group spans 2 hosts"
+    assert be.unsupported_reason(a, b, intra) is None
+    assert be.unsupported_reason(_CudaLike(8, 512), b, _Named("other")) == "small"
+    assert asked == ["intra-host", "cross-host"], "each group once; no group asked for 'small'"
+    be.set_options(be.options.replace(allow_several_queues=True))
+    assert be.unsupported_reason(a, b, cross) == "the tensor-parallel group spans 2 hosts"
+    assert be.unsupported_reason(a, b, intra) is None
+    assert asked[2:] == ["cross-host", "intra-host"]
+    del cross
+    gc.collect()
+    assert [g.name for g in be._group_reasons] == ["intra-host"]
+
+    fused = FluxBackend()
+    monkeypatch.setitem(registry._INSTANCES, "flux", fused)
+    monkeypatch.setitem(registry._REGISTRY, "flux", fused)
+    monkeypatch.setattr(registry, "fused_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(registry, "_choose_auto", lambda fused, nccl, a, b, tp, op, log: fused)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(registry._TLS, "blas", True, raising=False)
+    registry.clear_resolution_cache()
+    try:
+        first, second = _Named("intra-host"), _Named("cross-host")
+        assert registry.resolve_backend("auto", a, b, first, op="rs") is fused
+        assert registry.resolve_backend("auto", a, b, second, op="rs").name == "nccl"
+        assert asked[-2:] == ["intra-host", "cross-host"]
+        assert all(key[-2] is not None and not isinstance(key[-2], int)
+                   for key in registry._RESOLVED), "keyed by the group, not its id"
+    finally:
+        registry.clear_resolution_cache()

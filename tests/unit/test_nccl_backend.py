@@ -156,8 +156,10 @@ def check_all_gather_start(rank, world):
         be.all_gather_start(mine, dist.group.WORLD, out=torch.empty(1, dtype=full.dtype))
 
 
-def check_reduce_scatter_fallback_without_tensor_collective(rank, world):
-    """A process group without the tensor reduce-scatter (older gloo) gets all-reduce + slice."""
+def check_reduce_scatter_without_tensor_collective_raises_on_every_call(rank, world):
+    """A process group without the tensor reduce-scatter gets a clear error naming the op, the
+    backend and the rank, on every call: no rank switches to another collective on its own
+    (its peers, not seeing the error, would run the reduce-scatter against it)."""
     calls = []
 
     def unsupported(out, inp, group=None, async_op=False):
@@ -168,16 +170,21 @@ def check_reduce_scatter_fallback_without_tensor_collective(rank, world):
     nccl_mod._reduce_scatter_single = unsupported
     try:
         be = NcclBackend()
-        m = M_LOCAL * world
-        partials = [_full(m, K, seed=300 + r) for r in range(world)]
-        b = _weight_layouts(10)["weight_t"]
-        ref = sum(p @ b for p in partials)
-        for _ in range(2):
-            c = be.matmul_reduce_scatter(partials[rank], b, dist.group.WORLD)
-            torch.testing.assert_close(c, _rows(ref, rank, M_LOCAL), **TOL)
-        assert len(calls) == 1, "the unsupported collective should be probed once, then skipped"
+        a, b = _full(M_LOCAL * world, K, seed=300 + rank), _weight_layouts(10)["weight_t"]
+        expected = (f"megatron-flux nccl reduce_scatter: the 'gloo' process group on rank "
+                    f"{rank} does not run the tensor reduce-scatter")
+        with pytest.raises(RuntimeError, match=expected):
+            be.matmul_reduce_scatter(a, b, dist.group.WORLD)
+        with pytest.raises(RuntimeError, match=expected):
+            be.matmul_reduce_scatter_start(a, b, dist.group.WORLD)
+        assert len(calls) == 2, "asked again, not switched to another collective"
     finally:
         nccl_mod._reduce_scatter_single = original
+    # the world is still in step: the real reduce-scatter runs on gloo, in every dtype
+    for dtype in (torch.float64, torch.bfloat16):
+        x = torch.full((world, 2), float(rank + 1), dtype=dtype)
+        got = NcclBackend().reduce_scatter(x, dist.group.WORLD)
+        torch.testing.assert_close(got, torch.full((1, 2), world * (world + 1) / 2, dtype=dtype))
 
 
 def check_reduce_scatter_real_errors_propagate(rank, world):
@@ -243,7 +250,7 @@ CHECKS = [
     check_matmul_reduce_scatter_start,
     check_plain_collectives,
     check_all_gather_start,
-    check_reduce_scatter_fallback_without_tensor_collective,
+    check_reduce_scatter_without_tensor_collective_raises_on_every_call,
     check_reduce_scatter_real_errors_propagate,
     check_single_rank_group,
     check_invalid_inputs,

@@ -22,6 +22,7 @@ backend's.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -83,13 +84,20 @@ class FluxBackend(TPOverlapBackend):
             config_provider = TableConfigProvider()
         base = get_options() if options is None else options
         self._options = base.replace(column_dgrad=column_dgrad, column_regather=column_regather)
+        #: the column settings given to this backend (here or by its properties): they keep
+        #: overriding the options' through :meth:`set_options`
+        self._own = {k: v for k, v in (("column_dgrad", column_dgrad),
+                                        ("column_regather", column_regather)) if v is not None}
         self._config_provider = config_provider
         self._provider_context = bool(getattr(config_provider, "accepts_context", False))
         self.resources = DeviceResources(self._options)
         self._plans: Dict[Tuple, object] = {}
         self._call_plan_cache: Dict[Tuple, object] = {}
+        #: signature_reason's answers per operand signature, current device and TP size
         self._reasons: Dict[Tuple, Optional[str]] = {}
-        self._group_reasons: Dict[int, Optional[str]] = {}
+        #: group_reason's answers per group object (not its size or id: another group of the
+        #: same size, or one made where a destroyed one lived, is asked again, collectively)
+        self._group_reasons: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._stream_wait: Optional[bool] = None
         self._nccl = None
         #: eager calls also reserve the graph workspaces of their shapes (:meth:`expect_capture`)
@@ -108,10 +116,13 @@ class FluxBackend(TPOverlapBackend):
         return self._options
 
     def set_options(self, options: FluxOptions) -> None:
-        """Run with ``options`` from the next call on (workspaces and configs are kept)."""
+        """Run with ``options`` from the next call on (workspaces and configs are kept), except
+        for the ``column_dgrad`` / ``column_regather`` given to this backend (constructor or
+        property), which keep theirs: new process options (``megatron_flux.options.set_options``
+        reaches every built backend) do not undo a setting made for this backend alone."""
+        options = options.replace(**self._own)
         if options.allow_several_queues != self._options.allow_several_queues:
             self._group_reasons.clear()  # asked again (collectively) at the next call
-            self._reasons.clear()
         self._options = options
         self.resources.set_options(options)
         self._call_plan_cache.clear()
@@ -122,7 +133,10 @@ class FluxBackend(TPOverlapBackend):
 
     @column_dgrad.setter
     def column_dgrad(self, value: str) -> None:
-        self.set_options(self._options.replace(column_dgrad=value))
+        """This backend's ``column_dgrad`` from now on, whatever later options say."""
+        options = self._options.replace(column_dgrad=value)  # checks the value
+        self._own["column_dgrad"] = value
+        self.set_options(options)
 
     @property
     def column_regather(self) -> str:
@@ -130,7 +144,10 @@ class FluxBackend(TPOverlapBackend):
 
     @column_regather.setter
     def column_regather(self, value: str) -> None:
-        self.set_options(self._options.replace(column_regather=value))
+        """This backend's ``column_regather`` from now on, whatever later options say."""
+        options = self._options.replace(column_regather=value)  # checks the value
+        self._own["column_regather"] = value
+        self.set_options(options)
 
     @property
     def max_spins(self) -> int:
@@ -146,25 +163,30 @@ class FluxBackend(TPOverlapBackend):
     def unsupported_reason(self, a, b, group) -> Optional[str]:
         if not a.is_cuda:
             return f"input is on {a.device.type}, not CUDA"
-        # depends on the operands' signature only: asked on every call, answered once
+        # the operands' part depends on their signature and the current device only: asked on
+        # every call, answered once
+        current = torch.cuda.current_device()
         key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-               group.size() if group is not None else 1)
+               current, group.size() if group is not None else 1)
         try:
-            return self._reasons[key]
+            reason = self._reasons[key]
         except KeyError:
-            reason = signature_reason(a, b, group, lambda: self.resources.capability(a.device))
-            if reason is None:
-                reason = self._group_reason(group, a.device)
-            self._reasons[key] = reason
-            return reason
+            reason = self._reasons[key] = signature_reason(
+                a, b, group, lambda: self.resources.capability(a.device), current)
+        if reason is None:
+            reason = self._group_reason(group, a.device)
+        return reason
 
     def _group_reason(self, group, device) -> Optional[str]:
-        """:func:`~megatron_flux.backends.flux.support.group_reason`, once per group."""
-        key = id(group)
-        if key not in self._group_reasons:
-            self._group_reasons[key] = group_reason(
+        """:func:`~megatron_flux.backends.flux.support.group_reason`, once per group object: its
+        first ask on each rank is the collective, which the ranks of an SPMD program reach at
+        the same call (the operands' part, asked first, is the same on all of them)."""
+        try:
+            return self._group_reasons[group]
+        except KeyError:
+            reason = self._group_reasons[group] = group_reason(
                 group, device, allow_several_queues=self._options.allow_several_queues)
-        return self._group_reasons[key]
+            return reason
 
     def check(self, op: str, a, b, group) -> None:
         """Raise for operands the kernels cannot take."""

@@ -29,6 +29,8 @@ def unsupported_reason(x, group) -> Optional[str]:
     """Why the copy-engine re-gather cannot take ``x`` (then NCCL's runs), or ``None``."""
     if not x.is_cuda:
         return "not CUDA"
+    if x.device.index != torch.cuda.current_device():  # its wait launches on the current one
+        return "not on the current CUDA device"
     if group is None or group.size() < 2:
         return "one rank"
     if torch.cuda.is_current_stream_capturing():

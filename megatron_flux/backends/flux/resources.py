@@ -130,14 +130,30 @@ class DeviceResources:
         word.check_if_due()
         return word
 
-    def describe_signals(self, device) -> str:
+    def describe_signals(self, device, read=None) -> str:
         """Every workspace of ``device``: this rank's signal words of both parities and its last
-        epoch (:meth:`SymmetricWorkspace.signal_state`), read once the device is idle. What a
-        timeout report appends."""
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return "; ".join(ws.signal_state() for _, ws in sorted(
-            self._workspaces.items(), key=lambda kv: str(kv[0])) if ws.device == device)
+        epoch (:meth:`SymmetricWorkspace.signal_state`). What a timeout report appends. On CUDA
+        the words are read without waiting for the device (``read``, default
+        :func:`~megatron_flux.comm.errors.read_without_blocking`, bounded in time); where they
+        do not arrive in time the text says so instead."""
+        spaces = [ws for _, ws in sorted(self._workspaces.items(), key=lambda kv: str(kv[0]))
+                  if ws.device == device]
+        if device.type != "cuda":
+            return "; ".join(ws.signal_state() for ws in spaces)
+        from megatron_flux.comm.errors import REPORT_READ_SECONDS, read_without_blocking
+
+        read = read or read_without_blocking
+        views = [ws.signal_words() for ws in spaces]
+        words = read([t for v in views for t in v])
+        if words is None:
+            return (f"not read (the copy to the host did not finish within "
+                    f"{REPORT_READ_SECONDS:g} s: work queued on the device before this report "
+                    f"is still waiting, likely on the same peer)")
+        parts, at = [], 0
+        for ws, v in zip(spaces, views):
+            parts.append(ws.signal_state(words=words[at:at + len(v)]))
+            at += len(v)
+        return "; ".join(parts)
 
     def check_errors(self, sync: bool = True) -> None:
         for word in self._errors.values():

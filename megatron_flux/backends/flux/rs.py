@@ -27,12 +27,16 @@ from megatron_flux.backends.flux.resources import deps
 from megatron_flux.backends.flux.support import aligned
 
 
-def rs_rows(m: int, n: int, world: int, bias) -> int:
-    """This rank's output rows of a GEMM+RS of ``m`` rows (checked, as the bias is)."""
+def rs_rows(a, n: int, world: int, bias) -> int:
+    """This rank's output rows of a GEMM+RS of ``a``'s rows (checked, as the bias is: a
+    contiguous ``(n,)`` tensor on ``a``'s device, which the kernel reads)."""
+    m = a.shape[0]
     if m % world:
         raise ValueError(f"megatron-flux GEMM+RS: {m} rows are not divisible by TP={world}")
-    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"megatron-flux GEMM+RS: bias must be contiguous ({n},)")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()
+                             or bias.device != a.device):
+        raise ValueError(f"megatron-flux GEMM+RS: bias must be contiguous ({n},) on {a.device}, "
+                         f"got {tuple(bias.shape)} on {bias.device}")
     return m // world
 
 
@@ -89,15 +93,18 @@ def rs_plan(backend, a, b, group, bias, graph: bool = False) -> RsPlan:
     world, rank = group.size(), group.rank()
     m, k = a.shape
     n = b.shape[1]
-    m_local = rs_rows(m, n, world, bias)
+    m_local = rs_rows(a, n, world, bias)
     device = a.device
     cfg = backend.config("rs", m, n, k, dtype=a.dtype, tp=world, device=device)
-    if graph and cfg.rs_copy_engine:  # see _build
+    # captured calls push from the SMs (see _build), and so do all calls where the driver lacks
+    # the stream wait: a kernel compiled for copy-engine delivery with none queued never
+    # raises its peers' signals
+    if cfg.rs_copy_engine and (graph or not _stream_wait_ok(backend)):
         cfg = backend.config_without_copy_engine(cfg)
     ws, err = rs_workspace(res, group, device, a.dtype, m_local, n, graph=graph)
     side = done = None
     parities = []
-    if cfg.rs_copy_engine and _stream_wait_ok(backend):
+    if cfg.rs_copy_engine:
         side = res.side_stream(device, -1, "rs")
         done = res.order(device, "rs-done")
         staging = res.staging(device, a.dtype, (world - 1) * m_local * n, side)
@@ -171,7 +178,7 @@ def _run(backend, plan, a, b, out, bias, epoch, parity, eager):
     or not): this rank's signals of the parity are reset after it
     (:mod:`megatron_flux.comm.capture`)."""
     if bias is not None:  # its shape and layout, which the key does not hold
-        rs_rows(a.shape[0], plan.n, plan.world, bias)
+        rs_rows(a, plan.n, plan.world, bias)
     a, b = aligned(a), aligned(b)
     err = plan.err
     data, table, flag_ptrs, copies, my_flags = plan.parities[parity]
@@ -256,7 +263,7 @@ def reduce_scatter_copy_engine_start(backend, a, b, group, bias):
     backend.check("GEMM+RS", a, b, group)
     world, rank = group.size(), group.rank()
     n, device = b.shape[1], a.device
-    m_local = rs_rows(a.shape[0], n, world, bias)
+    m_local = rs_rows(a, n, world, bias)
     ws, err, epoch, parity = rs_call(res, group, device, a.dtype, m_local, n)
     partial = torch.matmul(a, b).contiguous()
     copies = ws.memo(("rs-ce-dgrad", rank, world, parity, m_local, n),

@@ -4,16 +4,19 @@ and the alignment fix-up every call applies."""
 from __future__ import annotations
 
 import socket
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 
-def signature_reason(a, b, group, capability) -> Optional[str]:
+def signature_reason(a, b, group, capability, current_device: int) -> Optional[str]:
     """Why the fused kernels cannot run ``a @ b`` over ``group``, from the operands' signature
-    alone (shapes, strides, dtypes, device), or ``None``. ``capability()`` gives the device's
-    compute capability (asked last: it is the only query that touches the driver)."""
+    alone (shapes, strides, dtypes, device) and the index of the current CUDA device, or
+    ``None``. The kernels launch on the current device's stream (Triton's rule) while the
+    workspaces, events, side streams and copies follow the operands' device, so both operands
+    must be on the current device. ``capability()`` gives the device's compute capability
+    (asked last: it is the only query that touches the driver)."""
     world = group.size() if group is not None else 1
     if world < 2:
         return "tensor-parallel group has one rank"
@@ -21,6 +24,11 @@ def signature_reason(a, b, group, capability) -> Optional[str]:
         return f"dtype {a.dtype} (fused kernels take bfloat16/float16)"
     if b.dtype != a.dtype:
         return f"operand dtypes differ ({a.dtype} vs {b.dtype})"
+    if b.device != a.device:
+        return f"operands are on different devices ({a.device} and {b.device})"
+    if a.device.index != current_device:
+        return (f"operands are on {a.device} but the current CUDA device is cuda:{current_device} "
+                "(the kernels launch on the current device: torch.cuda.set_device first)")
     if a.dim() != 2 or b.dim() != 2:
         return "operands must be 2-D"
     if not a.is_contiguous():
@@ -42,30 +50,64 @@ def signature_reason(a, b, group, capability) -> Optional[str]:
     return None
 
 
+def local_peer_access(device) -> Tuple[str, Dict[str, bool]]:
+    """This process's view of its GPUs: ``device``'s UUID and, for every other GPU visible to
+    this process, its UUID: whether ``device`` has peer access to it. UUIDs name a GPU alike in
+    every process, where device indices need not (per-rank ``CUDA_VISIBLE_DEVICES``)."""
+
+    def uuid(index: int) -> str:
+        return str(torch.cuda.get_device_properties(index).uuid)
+
+    return uuid(device.index), {
+        uuid(j): bool(torch.cuda.can_device_access_peer(device.index, j))
+        for j in range(torch.cuda.device_count()) if j != device.index}
+
+
 def group_reason(group, device, *, allow_several_queues: bool = False,
                  gather: Callable = dist.all_gather_object,
-                 peer_access: Callable = torch.cuda.can_device_access_peer,
+                 peers: Callable = local_peer_access,
                  queues: Optional[Callable] = None) -> Optional[str]:
     """Why the fused kernels cannot span ``group`` from ``device``: its ranks on more than one
-    host (torch symmetric memory maps peers' memory within a host), a peer's GPU without peer
-    access from this one, or a rank whose GPU is fed through several hardware queues
+    host (torch symmetric memory maps peers' memory within a host), a pair of its GPUs without
+    peer access, or a rank whose GPU is fed through several hardware queues
     (:func:`~megatron_flux.comm.queues.hardware_queues`, ``queues`` here; unless
     ``allow_several_queues``); or ``None``. A collective over ``group``: its ranks ask at their
-    first fused call, which they make in the same order (the same shapes, in SPMD), and all of
-    them get the same answer."""
+    first fused call, which they make in the same order (the same shapes, in SPMD).
+
+    Every rank gathers what every rank sees (host, GPU UUID, hardware queues, and the peer
+    access from its GPU to each GPU visible to it: ``peers``, :func:`local_peer_access`) and
+    decides from that alone, so all of them reach the same verdict whatever each process can
+    see. A pair is judged by the first rank's view of the second's GPU, else (not visible to
+    it, as under per-rank ``CUDA_VISIBLE_DEVICES``) by the second's view of the first's; a
+    pair that neither sees is not refused (nothing here can ask). A rank whose query failed
+    makes the reason."""
     if queues is None:
         from megatron_flux.comm.queues import hardware_queues as queues
-    here = (socket.gethostname(), device.index, queues(device))
+    try:
+        gpu, access = peers(device)
+    except Exception as exc:  # reported through the gather: every rank must reach it
+        gpu, access = None, f"{type(exc).__name__}: {exc}"
+    here = (socket.gethostname(), gpu, queues(device), access)
     ranks = [None] * group.size()
     gather(ranks, here, group=group)
-    hosts = sorted({host for host, _, _ in ranks})
+    hosts = sorted({host for host, _, _, _ in ranks})
     if len(hosts) > 1:
         return (f"the tensor-parallel group spans {len(hosts)} hosts ({', '.join(hosts)}); "
                 "symmetric memory maps peers' memory within one host")
-    for _, index, _ in ranks:
-        if index != device.index and not peer_access(device.index, index):
-            return f"GPU {device.index} has no peer access to GPU {index} (P2P)"
-    several = [rank for rank, (_, _, answer) in enumerate(ranks) if answer == "several"]
+    for rank, (_, _, _, access) in enumerate(ranks):
+        if isinstance(access, str):
+            return f"group rank {rank} could not query its GPUs' peer access ({access})"
+    for rank, (_, gpu, _, access) in enumerate(ranks):
+        for peer, (_, other, _, other_access) in enumerate(ranks):
+            if other == gpu:
+                continue
+            ok = access.get(other)
+            if ok is None:
+                ok = other_access.get(gpu)
+            if ok is False:
+                return (f"no peer access (P2P) between the GPUs of group ranks {rank} ({gpu}) "
+                        f"and {peer} ({other})")
+    several = [rank for rank, (_, _, answer, _) in enumerate(ranks) if answer == "several"]
     if several and not allow_several_queues:
         return (f"CUDA_DEVICE_MAX_CONNECTIONS=1 is not in effect on group rank(s) "
                 f"{', '.join(map(str, several))}: with several hardware queues a fused grid "
