@@ -88,3 +88,18 @@ def test_without_pyyaml_a_yaml_config_says_so_and_other_names_get_the_json_error
     err = capsys.readouterr().err
     assert err.startswith(f"megatron-flux plan: {cfg}: not valid JSON: Expecting value at line 1")
     assert "YAML" not in err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["tune", "--dry-run", "--ops", "gemm"], "argument --ops: unknown op 'gemm'; expected one of"),
+    (["bench", "--list-grid", "--flux-variant", "{bad"], "argument --flux-variant: not valid JSON ("),
+    (["bench", "--list-grid", "--flux-variant", "[1]"],
+     "argument --flux-variant: expected a JSON object of GemmConfig fields, got '[1]'"),
+])
+def test_a_bad_typed_value_says_what_is_wrong_not_which_function_parsed_it(argv, said, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and "invalid" not in err, err
+

@@ -450,6 +450,16 @@ def plan_shapes(args: argparse.Namespace, tp: int) -> List[Tuple[str, int, int, 
     return out
 
 
+def op_arg(value: str) -> str:
+    """``--ops``' type: ``ag`` / ``rs`` from any spelling :func:`normalize_op` knows; an
+    :class:`argparse.ArgumentTypeError` saying which (argparse's own message would name this
+    function)."""
+    try:
+        return normalize_op(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from megatron_flux.tools.bench import grid as G
 
@@ -467,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shapes", nargs="+", default=[], metavar="OP:N:K",
                    help="explicit per-rank weight shapes as the table keys them (ag: n=fc1/tp, k=hidden; "
                    "rs: n=hidden, k=fc2_in/tp)")
-    g.add_argument("--ops", nargs="+", default=list(OPS), type=normalize_op, help="ag and/or rs (AG+GEMM, GEMM+RS)")
+    g.add_argument("--ops", nargs="+", default=list(OPS), type=op_arg, help="ag and/or rs (AG+GEMM, GEMM+RS)")
     g.add_argument("--ms", "--m", dest="m", nargs="+", type=int, default=None,
                    help="m-buckets (global tokens; spell it --ms after torchrun: torchrun's own "
                    "parser rejects --m as an ambiguous abbreviation of its options). Default: with "
