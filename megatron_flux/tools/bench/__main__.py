@@ -491,4 +491,6 @@ def _run(args, argv, group, rank, tp, device) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_flux.tools.cli import quiet_on_broken_pipe
+
+    sys.exit(quiet_on_broken_pipe(main))
