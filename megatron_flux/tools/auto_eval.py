@@ -197,8 +197,9 @@ def format_result(name: str, res: dict) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from megatron_flux.tools.tune.from_bench import read_json
     from megatron_flux.tuning.registry import shipped_table_files
-    from megatron_flux.tuning.schema import load_table
+    from megatron_flux.tuning.schema import TuningFileError, load_table
 
     p = argparse.ArgumentParser(prog="python -m megatron_flux.tools.auto_eval",
                                 description=__doc__.split("\n\n")[0])
@@ -212,7 +213,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not 0.0 <= args.margin < 1.0:
         p.error("--margin must be in [0, 1)")
     files = args.tables or shipped_table_files()
-    tables = [load_table(path) for path in files]
+    try:  # a missing or malformed file: one line naming it, exit 2
+        tables = [load_table(path) for path in files]
+        held_out = [(read_json(path), path) for path in args.held_out]
+    except TuningFileError as exc:
+        p.exit(2, f"{p.prog}: {exc}\n")
     derived = derive_size_rule(tables, args.margin)
     print(f"size rule derived from these tables (rows per rank from which fused): {derived}; "
           f"in use: {E.SIZE_RULE_ROWS_PER_RANK}")
@@ -233,7 +238,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         name = os.path.basename(path)
         print(format_result(name, res))
         record["tables"][name] = res
-    held_out = [(json.load(open(path, encoding="utf-8")), path) for path in args.held_out]
     if held_out:
         record["held_out_benches"] = list(args.held_out)
         record["held_out"] = {}
@@ -249,9 +253,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           f"{s['oracle_geomean_vs_nccl']:.3f}x), slower than nccl "
                           f"{est['fused_slower_than_nccl']}, worst {est['worst_vs_nccl']:.3f}x")
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=1)
-            f.write("\n")
+        try:
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump(record, f, indent=1)
+                f.write("\n")
+        except OSError as exc:
+            p.exit(2, f"{p.prog}: --out {args.out}: {exc.strerror}\n")
     return 0
 
 

@@ -19,24 +19,22 @@ log); this only says it before the job starts.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-#: the plugin's own environment variables that change which tables, backends or launch paths
-#: run (also recorded with every benchmark run, :mod:`megatron_flux.tools.bench.report`)
-PLUGIN_ENV_VARS = (
-    "MEGATRON_FLUX_CONFIG",
-    "MEGATRON_FLUX_SHIPPED_TABLES",
-    "MEGATRON_FLUX_AUTO_MARGIN",
-    "MEGATRON_FLUX_COLUMN_DGRAD",
-    "MEGATRON_FLUX_COLUMN_REGATHER",
-    "MEGATRON_FLUX_HOST_DESCRIPTORS",
-    "MEGATRON_FLUX_DIRECT_LAUNCH",
-    "MEGATRON_FLUX_RESERVED_SMS",
-)
+from megatron_flux.options import ENV as OPTIONS_ENV
+from megatron_flux.options import FluxOptions
+from megatron_flux.tuning.registry import ENV_CACHED, ENV_FILES, ENV_SHIPPED
+
+#: the plugin's own environment variables (also recorded with every benchmark run,
+#: :mod:`megatron_flux.tools.bench.report`): the tables' (:mod:`megatron_flux.tuning.registry`)
+#: and every default of :class:`~megatron_flux.options.FluxOptions` (``options.ENV``), taken from
+#: where they are read so that a new one is reported without a change here
+PLUGIN_ENV_VARS = (ENV_FILES, ENV_SHIPPED, ENV_CACHED) + tuple(OPTIONS_ENV.values())
 #: environment variables that change what the plugin, NCCL or torch symmetric memory do
 ENV_VARS = (
     "CUDA_DEVICE_MAX_CONNECTIONS",
@@ -97,6 +95,21 @@ def _tables(devices: List[Dict[str, Any]], tp: int) -> List[str]:
             for t in index.tables if (t.gpu, t.sms, t.tp) == (gpu, sms, tp)]
 
 
+def invalid_settings(environ: Mapping[str, str]) -> List[str]:
+    """One message per ``MEGATRON_FLUX_*`` option variable in ``environ`` whose value
+    :class:`~megatron_flux.options.FluxOptions` rejects, as it does when the job starts
+    (``validate_flux_args``) and when the layers first read their options."""
+    bad = []
+    for var in OPTIONS_ENV.values():
+        if environ.get(var, "") == "":
+            continue
+        try:
+            FluxOptions.from_env({var: environ[var]})
+        except ValueError as exc:
+            bad.append(str(exc))
+    return bad
+
+
 def collect(tp: Optional[int] = None) -> Dict[str, Any]:
     """The report as a dict (see the module docstring); ``tp`` defaults to the visible GPUs."""
     import torch
@@ -114,6 +127,7 @@ def collect(tp: Optional[int] = None) -> Dict[str, Any]:
         },
         "gluon": _gluon() or "available",
         "env": {name: os.environ.get(name) for name in ENV_VARS},
+        "invalid_settings": invalid_settings(os.environ),
         "optional": {
             "apex_wgrad_kernel": _apex_wgrad(),
             "transformer_engine": _version("transformer-engine", "transformer_engine"),
@@ -143,7 +157,7 @@ def symmetric_memory_status(torch, devices: List[Dict[str, Any]]) -> str:
     if not torch.distributed.is_available():
         return "not usable: this torch is built without torch.distributed"
     try:
-        from torch.distributed import _symmetric_memory  # noqa: F401
+        importlib.import_module("torch.distributed._symmetric_memory")
     except ImportError as exc:
         return f"not usable: torch.distributed._symmetric_memory does not import ({exc})"
     if not devices:
@@ -189,9 +203,12 @@ def verdict(info: Dict[str, Any]) -> Dict[str, Any]:
                    "first fused call would fail the same way")
     env = info["env"]
     if env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        several = env.get(OPTIONS_ENV["allow_several_queues"]) == "1"
         notes.append("CUDA_DEVICE_MAX_CONNECTIONS is not 1 (Megatron requires it for tensor "
                      "parallelism on Hopper): set it before the processes start, or a TP group "
-                     "runs NCCL unless MEGATRON_FLUX_ALLOW_SEVERAL_QUEUES=1")
+                     + ("runs fused anyway, as MEGATRON_FLUX_ALLOW_SEVERAL_QUEUES=1 asks (a fused "
+                        "grid can then deadlock beside another kernel that waits across ranks)"
+                        if several else "runs NCCL unless MEGATRON_FLUX_ALLOW_SEVERAL_QUEUES=1"))
     if env.get("NCCL_NVLS_ENABLE") != "0" or env.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") != "1":
         notes.append("NVLink multicast is not turned off (NCCL_NVLS_ENABLE=0, "
                      "TORCH_SYMM_MEM_DISABLE_MULTICAST=1): harmless where the fabric has none")
@@ -243,6 +260,9 @@ def format_report(info: Dict[str, Any]) -> str:
     if fb["notes"]:
         lines.append("notes:")
         lines += [f"  - {n}" for n in fb["notes"]]
+    if info.get("invalid_settings"):
+        lines.append("INVALID settings: the job stops at start-up on each of these (fix or unset it):")
+        lines += [f"  - {b}" for b in info["invalid_settings"]]
     return "\n".join(lines)
 
 
@@ -256,7 +276,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"--tp {args.tp}: must be >= 1")
     info = collect(args.tp)
     print(json.dumps(info, indent=1) if args.json else format_report(info))
-    return 0
+    return 2 if info["invalid_settings"] else 0
 
 
 if __name__ == "__main__":

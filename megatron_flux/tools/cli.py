@@ -7,8 +7,9 @@ owns its own options (``megatron-flux bench --help``). Under torchrun use
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 USAGE = """usage: megatron-flux {bench,tune,plan,check} [options]
 
@@ -24,8 +25,26 @@ subcommands:
 """
 
 
+def quiet_on_broken_pipe(run: Callable[[], int]) -> int:
+    """``run()`` with its output flushed, or 1 when the reader of stdout went away (``... |
+    head``): the rest of the output goes to ``os.devnull``, as the Python documentation advises
+    for SIGPIPE, so neither a traceback nor the interpreter's own flush error follows."""
+    try:
+        status = run()
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Dispatch ``argv`` (default ``sys.argv[1:]``); returns the process exit code."""
+    return quiet_on_broken_pipe(lambda: _dispatch(argv))
+
+
+def _dispatch(argv: Optional[Sequence[str]]) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr, end="")

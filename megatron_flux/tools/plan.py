@@ -145,10 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-config", required=True, metavar="PATH")
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--m", type=int, default=None,
-                   help="global rows of the TP GEMMs (default: seq-length x micro-batch-size of the config)")
+                   help="global rows of the TP GEMMs, a positive multiple of --tp (default: seq-length x "
+                   "micro-batch-size of the config)")
     p.add_argument("--gpu", default=None, help="GPU name as the tables key it, e.g. 'NVIDIA H200' "
                    "(default: the local GPU)")
-    p.add_argument("--sms", type=int, default=None, help="SM count (with --gpu)")
+    p.add_argument("--sms", type=int, default=None, help="SM count, >= 1 (with --gpu)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--offer", action="store_true",
@@ -166,6 +167,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("--tp must be >= 1")
     if (args.gpu is None) != (args.sms is None):
         p.error("--gpu and --sms go together")
+    if args.sms is not None and args.sms < 1:
+        p.error(f"--sms {args.sms}: must be >= 1")
+    if args.m is not None:
+        from megatron_flux.tools.tune.search import m_buckets
+
+        try:  # the rule megatron-flux tune applies to the --ms the plan suggests
+            m_buckets([args.m], args.tp)
+        except ValueError:
+            p.error(f"--m {args.m}: must be a positive multiple of --tp {args.tp}")
     if args.gpu is not None:
         device = (args.gpu, args.sms)
     elif torch.cuda.is_available():
@@ -177,7 +187,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{PROG}: --model-config {args.model_config}: {problem}", file=sys.stderr)
         return 2
     try:
-        m = args.m or tokens_per_microbatch(args.model_config)
+        m = args.m if args.m is not None else tokens_per_microbatch(args.model_config)
         if not m:
             p.error(f"{args.model_config} has no seq-length: give --m")
         rows = plan_rows(args.model_config, args.tp, m, device, getattr(torch, _DTYPES[args.dtype]))

@@ -88,3 +88,34 @@ def test_without_pyyaml_a_yaml_config_says_so_and_other_names_get_the_json_error
     err = capsys.readouterr().err
     assert err.startswith(f"megatron-flux plan: {cfg}: not valid JSON: Expecting value at line 1")
     assert "YAML" not in err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["tune", "--dry-run", "--ops", "gemm"], "argument --ops: unknown op 'gemm'; expected one of"),
+    (["bench", "--list-grid", "--flux-variant", "{bad"], "argument --flux-variant: not valid JSON ("),
+    (["bench", "--list-grid", "--flux-variant", "[1]"],
+     "argument --flux-variant: expected a JSON object of GemmConfig fields, got '[1]'"),
+])
+def test_a_bad_typed_value_says_what_is_wrong_not_which_function_parsed_it(argv, said, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and "invalid" not in err, err
+
+
+@pytest.mark.parametrize("module", ["megatron_flux.tools.cli", "megatron_flux.tools.bench"])
+def test_output_into_a_closed_pipe_ends_quietly(module):
+    """``megatron-flux bench --list-grid | head``: the reader goes away, the writer stops without
+    a BrokenPipeError traceback (exit status 1, as the Python docs' SIGPIPE recipe)."""
+    import subprocess
+
+    from helpers.paths import REPO
+
+    argv = (["bench"] if module.endswith("cli") else []) + ["--list-grid"]
+    proc = subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the child has written anything: every write meets EPIPE
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1
+    assert "BrokenPipeError" not in err and "Traceback" not in err, err

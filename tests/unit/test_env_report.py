@@ -129,3 +129,72 @@ def test_cli(capsys):
         cli.main(["check", "--tp", "0"])
     assert cli.main(["--help"]) == 0
     assert "check" in capsys.readouterr().out
+
+
+def _plugin_variables():
+    """Every variable the plugin reads: the options' defaults and the tables' switches."""
+    from megatron_flux import options
+    from megatron_flux.tuning import registry
+
+    return list(options.ENV.values()) + [registry.ENV_FILES, registry.ENV_SHIPPED, registry.ENV_CACHED]
+
+
+def test_every_variable_the_plugin_reads_is_reported(tmp_path, monkeypatch):
+    """check's report and the benchmark JSON's env_vars list each variable options.py (and the
+    table registry) reads: set alone (to a valid value), it shows on check's env line."""
+    import dataclasses
+
+    from megatron_flux.options import ENV, FluxOptions
+    from megatron_flux.tools.check import ENV_VARS
+    from megatron_flux.tools.bench.report import ENV_VARS as BENCH_ENV_VARS
+    from megatron_flux.tuning import registry
+
+    defaults = {f.name: f.default for f in dataclasses.fields(FluxOptions)}
+    values = {var: str(int(defaults[name])) if isinstance(defaults[name], bool) else str(defaults[name])
+              for name, var in ENV.items()}
+    values.update({registry.ENV_FILES: str(tmp_path), registry.ENV_SHIPPED: "0", registry.ENV_CACHED: "0"})
+    assert set(values) == set(_plugin_variables()) and len(values) == 13
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in values.items():
+        assert var in BENCH_ENV_VARS, var
+        monkeypatch.setenv(var, value)
+        registry.reset()
+        try:
+            info = collect(2)
+        finally:
+            monkeypatch.delenv(var)
+            registry.reset()
+        assert info["env"][var] == value and info["invalid_settings"] == [], var
+        assert f"env: {var}={value}" in format_report(info), var
+
+
+def test_allow_several_queues_set_is_not_asked_for_again():
+    info = _machine(env={"MEGATRON_FLUX_ALLOW_SEVERAL_QUEUES": "1"})
+    (note,) = [n for n in verdict(info)["notes"] if "CUDA_DEVICE_MAX_CONNECTIONS" in n]
+    assert "runs fused anyway, as MEGATRON_FLUX_ALLOW_SEVERAL_QUEUES=1 asks" in note
+
+
+@pytest.mark.parametrize("var, value, expected", [
+    ("MEGATRON_FLUX_AUTO_MARGIN", "2", "auto_margin: expected a number in [0, 1)"),
+    ("MEGATRON_FLUX_COLUMN_DGRAD", "bogus", "column_dgrad: must be one of"),
+    ("MEGATRON_FLUX_RESERVED_SMS", "-4", "reserved_sms: must be >= 0"),
+    ("MEGATRON_FLUX_CAPTURE", "yes", "must be 0 or 1"),
+])
+def test_an_invalid_setting_is_reported_and_fails_check(var, value, expected, monkeypatch, capsys):
+    """check validates the variables through FluxOptions, as the job's start-up does: the
+    report names the variable, its value and the rule, and the exit status is 2."""
+    from megatron_flux.options import FluxOptions
+
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError) as startup:
+        FluxOptions.from_env()
+    assert cli.main(["check", "--tp", "2"]) == 2
+    out = capsys.readouterr().out
+    assert "INVALID settings" in out and f"${var}={value!r}" in out and expected in out
+    assert str(startup.value) in out
+    assert cli.main(["check", "--tp", "2", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["invalid_settings"] == [str(startup.value)]
+    monkeypatch.delenv(var)
+    assert cli.main(["check", "--tp", "2"]) == 0
+    assert "INVALID" not in capsys.readouterr().out

@@ -138,3 +138,22 @@ def test_the_kernel_column_names_form_tile_and_split_tail(capsys):
         "block_m=128)")
     assert P.kernel_summary("ag", ag_pp, 1024, 5120, 256, 2, 132).startswith(
         "triton 128x128 (Gluon form falls back: K=256 has fewer than num_stages=5")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--sms", "0", "--sms 0: must be >= 1"),
+    ("--sms", "-1", "--sms -1: must be >= 1"),
+    ("--m", "0", "--m 0: must be a positive multiple of --tp 2"),
+    ("--m", "-5", "--m -5: must be a positive multiple of --tp 2"),
+    ("--m", "3", "--m 3: must be a positive multiple of --tp 2"),
+])
+def test_bad_sms_and_m_are_usage_errors(flag, value, message, capsys):
+    """Rejected as argparse does (exit 2, the flag named) instead of a ZeroDivisionError, a
+    silent default (--m 0) or a plan whose tune suggestion tune itself rejects."""
+    flags = {"--model-config": LLAMA, "--tp": "2", "--gpu": "NVIDIA H200", "--sms": "132", flag: value}
+    argv = ["plan"] + [a for item in flags.items() for a in item]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

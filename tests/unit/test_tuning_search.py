@@ -221,7 +221,7 @@ def test_model_config_errors_name_the_file_and_field(tmp_path):
 
 def test_tune_cli_arg_parsing():
     a = S.parse_args([])
-    assert a.ops == ["ag", "rs"] and a.dtype == "bf16" and a.m is None and a.m_set == "all"
+    assert a.ops == ["ag", "rs"] and a.dtype == "bf16" and a.m is None and a.m_set is None
     assert S.resolve_ms(a, 2) == [64, 128, 256, 512, 1024, 2048, 4096, 8192]
     a = S.parse_args(["--ops", "GEMM+RS", "--m", "4096", "1024", "--dtype", "fp16", "--out", "x.json",
                       "--max-candidates", "8", "--top", "2", "--trials", "3", "--no-merge"])
@@ -231,6 +231,26 @@ def test_tune_cli_arg_parsing():
     for bad in (["--trials", "0"], ["--ops", "allreduce"], ["--shapes", "ag:1"], ["--dtype", "int8"]):
         with pytest.raises(SystemExit):
             S.parse_args(bad)
+
+
+def test_model_config_buckets_default_to_its_tokens_per_microbatch(capsys):
+    """Like bench --model-config and plan, tune --model-config without --ms tunes the config's
+    seq-length x micro-batch (llama3_8b_16l: 4096); an explicit --m-set or --ms still wins."""
+    llama = os.path.join(REPO, "configs", "llama3_8b_16l.json")
+    assert S.resolve_ms(S.parse_args(["--model-config", llama]), 2) == [tokens_per_microbatch(llama)] == [4096]
+    assert S.resolve_ms(S.parse_args(["--model-config", llama, "--m-set", "small"]), 2) == [64, 128, 256, 512]
+    assert S.resolve_ms(S.parse_args(["--model-config", llama, "--ms", "1024"]), 2) == [1024]
+    assert cli.main(["tune", "--dry-run", "--tp", "2", "--model-config", llama, "--max-candidates", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "x 1 m-buckets" in out and "m=4096" in out and "m=64 " not in out
+
+
+def test_help_states_the_real_defaults(capsys):
+    with pytest.raises(SystemExit):
+        S.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "both (all, the default)" in text
+    assert "replaces the untuned config" in text and "replaces the default config" not in text
 
 
 def test_dry_run_and_cli_dispatch(capsys):

@@ -62,6 +62,18 @@ def _split(values: Optional[Sequence[str]]) -> List[str]:
     return [p for v in values or () for p in v.split(",") if p]
 
 
+def json_object(text: str) -> dict:
+    """``--flux-variant``'s type: a JSON object; an :class:`argparse.ArgumentTypeError` saying
+    what is wrong (argparse's own message would name this function)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of GemmConfig fields, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
@@ -88,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"any of {', '.join(M.METHODS)}. cublas_gemm is the local non-split GEMM "
                    "alone (torch.mm): cuBLAS on CUDA; with --device cpu torch's CPU matmul runs "
                    "and the table prints it as local_gemm (the JSON keeps the name cublas_gemm)")
-    g.add_argument("--flux-variant", type=json.loads, default=None, metavar="JSON",
+    g.add_argument("--flux-variant", type=json_object, default=None, metavar="JSON",
                    help="GemmConfig fields the flux_variant method changes in the tables' configs, "
                         "e.g. '{\"rs_copy_engine\": true}' (required by that method)")
     g.add_argument("--rs-k", choices=G.RS_K_CHOICES, default=G.RS_K_CHOICES[0],
@@ -479,4 +491,6 @@ def _run(args, argv, group, rank, tp, device) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_flux.tools.cli import quiet_on_broken_pipe
+
+    sys.exit(quiet_on_broken_pipe(main))

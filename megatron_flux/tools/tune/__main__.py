@@ -5,4 +5,6 @@ from megatron_flux.tools.tune.search import main
 if __name__ == "__main__":
     import sys
 
-    sys.exit(main())
+    from megatron_flux.tools.cli import quiet_on_broken_pipe
+
+    sys.exit(quiet_on_broken_pipe(main))

@@ -57,7 +57,8 @@ def _load_runs(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> Tabl
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     return run_table_tool(argv, __doc__, _load_runs, lambda old, t: (
-        f"{len(t.entries)} entries, {len(t.entries) - len(old.entries)} added"))
+        f"{len(t.entries)} entries, {len(t.entries) - len(old.entries)} added"),
+                          prog="python -m megatron_flux.tools.tune.add")
 
 
 if __name__ == "__main__":

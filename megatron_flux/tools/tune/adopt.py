@@ -91,7 +91,8 @@ def adopt_variant(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> T
 def main(argv: Optional[Sequence[str]] = None) -> int:
     return run_table_tool(argv, __doc__, adopt_variant, lambda old, t: (
         f"{len(t.entries)} entries, variant adopted in "
-        f"{sum(1 for e in t.entries if 'adopted' in (e.notes or {}))}"))
+        f"{sum(1 for e in t.entries if 'adopted' in (e.notes or {}))}"),
+                          prog="python -m megatron_flux.tools.tune.adopt")
 
 
 if __name__ == "__main__":

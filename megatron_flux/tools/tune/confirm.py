@@ -98,7 +98,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     and e.flux_ms <= e.nccl_ms)
         return f"{len(t.entries)} entries, {n} confirmed, fused not slower in {fused}"
 
-    return run_table_tool(argv, __doc__, confirm_repeats, describe)
+    return run_table_tool(argv, __doc__, confirm_repeats, describe,
+                          prog="python -m megatron_flux.tools.tune.confirm")
 
 
 if __name__ == "__main__":

@@ -121,7 +121,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     flags = ("--no-transplant", "--waves", "--pingpong", "--no-split-tail")
     return run_table_tool([a for a in argv if a not in flags], __doc__, extend_all,
                           lambda old, t: f"{len(t.entries)} entries "
-                                         f"({len(t.entries) - len(old.entries)} measured, untuned)")
+                                         f"({len(t.entries) - len(old.entries)} measured, untuned)",
+                          prog="python -m megatron_flux.tools.tune.extend")
 
 
 if __name__ == "__main__":

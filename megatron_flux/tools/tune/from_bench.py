@@ -157,52 +157,87 @@ def table_from_bench(bench: Dict[str, Any], source: str) -> Table:
                  source=source, entries=entries, extra=extra)
 
 
+def read_json(path: str) -> Any:
+    """The JSON object in ``path``; :class:`TuningFileError` naming the file when it cannot be
+    read or is not JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise TuningFileError(path, "<file>", exc.strerror or str(exc)) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TuningFileError(path, "<file>", f"not valid JSON ({exc})") from None
+
+
+def usage_or_none(argv: Sequence[str], doc: str, wrong_count: bool) -> Optional[int]:
+    """The exit status after printing ``doc`` for ``--help`` (stdout, 0) or a wrong number of
+    arguments (stderr, 2); ``None`` to go on."""
+    if "-h" in argv or "--help" in argv:
+        print(doc)
+        return 0
+    if wrong_count:
+        print(doc, file=sys.stderr)
+        return 2
+    return None
+
+
+def user_error(prog: str, exc: Exception) -> int:
+    """Print an expected user error (a file that cannot be read or written, a tuning file or
+    benchmark that does not fit) as one line on stderr; exit status 2."""
+    if isinstance(exc, OSError) and exc.filename is not None:
+        exc = f"{exc.filename}: {exc.strerror}"
+    print(f"{prog}: {exc}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or len(argv) > 2:
-        print(__doc__)
-        return 0 if argv else 2
+    status = usage_or_none(argv, __doc__, not 1 <= len(argv) <= 2)
+    if status is not None:
+        return status
     src = argv[0]
-    with open(src, encoding="utf-8") as f:
-        bench = json.load(f)
-    t = table_from_bench(bench, os.path.relpath(src) if not os.path.isabs(src) else src)
-    from megatron_flux.tuning.registry import SHIPPED_DIR
+    try:
+        bench = read_json(src)
+        t = table_from_bench(bench, os.path.relpath(src) if not os.path.isabs(src) else src)
+        from megatron_flux.tuning.registry import SHIPPED_DIR
 
-    out = argv[1] if len(argv) > 1 else os.path.join(SHIPPED_DIR, default_filename(t.gpu_name, t.sms, t.tp, t.dtype))
-    write_table(t, out)
+        out = argv[1] if len(argv) > 1 else os.path.join(SHIPPED_DIR, default_filename(t.gpu_name, t.sms, t.tp, t.dtype))
+        write_table(t, out)
+    except (OSError, TuningFileError) as exc:
+        return user_error("python -m megatron_flux.tools.tune.from_bench", exc)
     print(f"wrote {out}: {len(t.entries)} entries, fused slower than nccl in "
           f"{sum(e.flux_ms > e.nccl_ms for e in t.entries)}")
     return 0
 
 
-def table_benches_out(argv, doc: str):
+def table_benches_out(argv):
     """The command line ``TABLE BENCH_JSON... OUT`` of :func:`run_table_tool`'s tools:
-    ``(table path, [(bench JSON, its path)], out path)``, or ``None`` after printing ``doc``
-    when too few arguments were given."""
-    if len(argv) < 3:
-        print(doc)
-        return None
-    runs = []
-    for path in argv[1:-1]:
-        with open(path, encoding="utf-8") as f:
-            runs.append((json.load(f), path))
-    return argv[0], runs, argv[-1]
+    ``(table path, [(bench JSON, its path)], out path)``; :class:`TuningFileError` naming a
+    benchmark that cannot be read."""
+    return argv[0], [(read_json(path), path) for path in argv[1:-1]], argv[-1]
 
 
-def run_table_tool(argv, doc: str, transform, describe) -> int:
+def run_table_tool(argv, doc: str, transform, describe, *, prog: str) -> int:
     """``main`` of the tools that turn a table and benchmarks into a table (:mod:`.confirm`,
-    :mod:`.adopt`, :mod:`.retime`, :mod:`.extend`): read ``TABLE BENCH_JSON... OUT``, write
-    ``transform(table, runs)`` to ``OUT`` and print ``describe(old, new)``."""
-    args = table_benches_out(list(sys.argv[1:] if argv is None else argv), doc)
-    if args is None:
-        return 2
-    table_path, runs, out = args
-    old = load_table(table_path)
-    new = transform(old, runs)
-    write_table(new, out)
+    :mod:`.adopt`, :mod:`.retime`, :mod:`.extend`, :mod:`.add`, :mod:`.retune`): read ``TABLE
+    BENCH_JSON... OUT``, write ``transform(table, runs)`` to ``OUT`` and print
+    ``describe(old, new)``. ``--help`` prints ``doc`` (exit 0), too few arguments print it to
+    stderr (exit 2); a file that cannot be read or written, or a table or run that does not fit
+    (:class:`TuningFileError`, e.g. a benchmark from another machine), is one line on stderr
+    naming ``prog`` and the file (exit 2)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    status = usage_or_none(argv, doc, len(argv) < 3)
+    if status is not None:
+        return status
+    try:
+        table_path, runs, out = table_benches_out(argv)
+        old = load_table(table_path)
+        new = transform(old, runs)
+        write_table(new, out)
+    except (OSError, TuningFileError) as exc:
+        return user_error(prog, exc)
     print(f"wrote {out}: {describe(old, new)}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -58,7 +58,8 @@ def retime_table(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> Ta
 def main(argv: Optional[Sequence[str]] = None) -> int:
     return run_table_tool(argv, __doc__, retime_table, lambda old, t: (
         f"{len(t.entries)} of {len(old.entries)} entries re-timed with kernel version "
-        f"{t.kernel_version}; fused not slower in {sum(1 for e in t.entries if e.flux_ms <= e.nccl_ms)}"))
+        f"{t.kernel_version}; fused not slower in {sum(1 for e in t.entries if e.flux_ms <= e.nccl_ms)}"),
+                          prog="python -m megatron_flux.tools.tune.retime")
 
 
 if __name__ == "__main__":

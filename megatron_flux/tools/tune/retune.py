@@ -52,7 +52,8 @@ def _load_run(table: Table, runs: Sequence[Tuple[Dict[str, Any], str]]) -> Table
 def main(argv: Optional[Sequence[str]] = None) -> int:
     return run_table_tool(argv, __doc__, _load_run, lambda old, t: (
         f"{len(t.entries)} entries, {t.extra['search']['retuned_by'][-1]['replaced']} re-searched, "
-        f"{len(t.entries) - len(old.entries)} added"))
+        f"{len(t.entries) - len(old.entries)} added"),
+                          prog="python -m megatron_flux.tools.tune.retune")
 
 
 if __name__ == "__main__":

@@ -450,6 +450,16 @@ def plan_shapes(args: argparse.Namespace, tp: int) -> List[Tuple[str, int, int, 
     return out
 
 
+def op_arg(value: str) -> str:
+    """``--ops``' type: ``ag`` / ``rs`` from any spelling :func:`normalize_op` knows; an
+    :class:`argparse.ArgumentTypeError` saying which (argparse's own message would name this
+    function)."""
+    try:
+        return normalize_op(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from megatron_flux.tools.bench import grid as G
 
@@ -467,12 +477,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shapes", nargs="+", default=[], metavar="OP:N:K",
                    help="explicit per-rank weight shapes as the table keys them (ag: n=fc1/tp, k=hidden; "
                    "rs: n=hidden, k=fc2_in/tp)")
-    g.add_argument("--ops", nargs="+", default=list(OPS), type=normalize_op, help="ag and/or rs (AG+GEMM, GEMM+RS)")
+    g.add_argument("--ops", nargs="+", default=list(OPS), type=op_arg, help="ag and/or rs (AG+GEMM, GEMM+RS)")
     g.add_argument("--ms", "--m", dest="m", nargs="+", type=int, default=None,
                    help="m-buckets (global tokens; spell it --ms after torchrun: torchrun's own "
-                   "parser rejects --m as an ambiguous abbreviation of its options)")
-    g.add_argument("--m-set", choices=("all", "large", "small"), default="all",
-                   help="default buckets: the benchmark grid's m (large), small m, or both")
+                   "parser rejects --m as an ambiguous abbreviation of its options). Default: with "
+                   "--model-config and no --m-set, the configs' seq-length x micro-batch-size; "
+                   "else --m-set's")
+    g.add_argument("--m-set", choices=("all", "large", "small"), default=None,
+                   help="buckets without --ms: the benchmark grid's m (large), small m, or both "
+                   "(all, the default)")
     g.add_argument("--rs-k", choices=G.RS_K_CHOICES, default=G.RS_K_CHOICES[0])
     g.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     s = p.add_argument_group("search")
@@ -486,8 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="untimed calls of a candidate right before each timed block (screen and "
                         "final): see megatron_flux.tools.bench.timing")
     s.add_argument("--min-gain", type=float, default=0.01,
-                   help="a finalist replaces the default config only when its median is at least this "
-                   "fraction faster (the fastest of several noisy medians is biased low)")
+                   help="a finalist replaces the untuned config (what the shape runs without this "
+                   "tune) only when its median is at least this fraction faster (the fastest of "
+                   "several noisy medians is biased low)")
     s.add_argument("--max-rel-err", type=float, default=None, help="default: the benchmark's threshold for the dtype")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--timeout-s", type=float, default=900.0)
@@ -513,11 +527,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_ms(args: argparse.Namespace, tp: int) -> List[int]:
+    """The m-buckets to tune: ``--ms``; else, with ``--model-config`` and no ``--m-set``, each
+    config's own tokens per micro-batch (as ``megatron-flux bench`` and ``plan`` default to);
+    else ``--m-set``'s (default ``all``). ``ValueError`` for one that is not a positive multiple
+    of ``tp``."""
     from megatron_flux.tools.bench import grid as G
+    from megatron_flux.tools.model_shapes import tokens_per_microbatch
 
     if args.m:
         return m_buckets(args.m, tp)
-    ms = {"large": G.LARGE_M, "small": G.SMALL_M, "all": G.SMALL_M + G.LARGE_M}[args.m_set]
+    if args.m_set is None and args.model_config:
+        ms = {tokens_per_microbatch(path) for path in args.model_config} - {None}
+        if ms:
+            return m_buckets(ms, tp)
+    ms = {"large": G.LARGE_M, "small": G.SMALL_M, "all": G.SMALL_M + G.LARGE_M}[args.m_set or "all"]
     return m_buckets(ms, tp)
 
 
@@ -857,10 +880,10 @@ def _run(args, argv: Sequence[str], group, rank, tp, device) -> int:
         return 2
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     _, sms, gpu_name = device_identity(device)
-    ms = resolve_ms(args, tp)
     try:
+        ms = resolve_ms(args, tp)
         shapes = plan_shapes(args, tp)
-    except ValueError as exc:  # a config whose widths do not split over this TP size
+    except ValueError as exc:  # m-buckets or a config's widths that do not split over this TP size
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     args.space, pinned = search_space_for(torch.cuda.get_device_capability(device))
