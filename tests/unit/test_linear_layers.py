@@ -410,8 +410,9 @@ def check_converted_output_layer_tied_weight(rank, tp):
 
 def check_swap_output_layer_converts_only_stock_column_layers(rank, tp):
     """Every ``output_layer`` of megatron-core's exact class is converted, through wrappers and
-    in every chunk; subclasses (Transformer Engine's LM head stands for these), Flux layers and
-    other modules are left alone; ``convert_`` refuses them."""
+    in every chunk; Flux layers are re-targeted to the backend asked for (as swap_tp_linears
+    does in a spec); subclasses (Transformer Engine's LM head stands for these) and other
+    modules are left alone; ``convert_`` refuses all but megatron-core's class."""
     from megatron_flux.output_layer import output_layers, swap_output_layer
 
     _, _, stock_col, stock_row, flux_col, flux_row = _imports()
@@ -430,8 +431,24 @@ def check_swap_output_layer_converts_only_stock_column_layers(rank, tp):
     swap_output_layer(chunks, flux_backend="auto")
     assert type(chunks[0].module.output_layer) is flux_col.with_backend("auto")
     assert type(chunks[1].output_layer) is LMHead
-    assert chunks[2].output_layer.flux_backend == "nccl"
+    assert type(chunks[2].output_layer) is flux_col.with_backend("auto")
+    assert chunks[2].output_layer.flux_backend == "auto"
     assert type(chunks[3].linear) is stock_col
+    # a second call with another backend switches every Flux output layer, the converted one too
+    swap_output_layer(chunks, flux_backend="megatron")
+    for layer in (chunks[0].module.output_layer, chunks[2].output_layer):
+        assert type(layer) is flux_col.with_backend("megatron") and layer.flux_backend == "megatron"
+    with pytest.raises(ValueError, match="unknown megatron-flux backend"):
+        swap_output_layer(chunks, flux_backend="nope")
+
+    class MyHead(flux_col):  # a user's own Flux subclass keeps its class, re-targeted
+        pass
+
+    mine = torch.nn.Module()
+    mine.output_layer = _column(MyHead, tp, cfg=cfg, flux_backend="nccl")
+    swap_output_layer(mine, flux_backend="scratch")
+    assert isinstance(mine.output_layer, MyHead) and type(mine.output_layer) is MyHead.with_backend("scratch")
+    assert mine.output_layer.flux_backend == "scratch"
     for layer, cls in ((chunks[1].output_layer, flux_col), (chunks[2].output_layer, flux_col),
                        (_column(stock_col, tp, cfg=cfg), flux_row)):
         with pytest.raises(TypeError, match="convert_: expected megatron-core's"):
