@@ -319,6 +319,21 @@ def test_custom_model_spec(mode):
     assert sub.pre_mlp_layernorm is SequenceParallelRMSNorm
 
 
+def test_custom_model_backend_choices_are_the_registrys(capsys):
+    from megatron_flux.backends import BACKEND_CHOICES
+
+    cm = _load_example("custom_model")
+    for name in BACKEND_CHOICES:
+        assert cm.parse_args(["--backend", name]).backend == name
+    assert cm.parse_args([]).backend == "auto"
+    with pytest.raises(SystemExit):
+        cm.parse_args(["--backend", "fast"])
+    assert "invalid choice: 'fast'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cm.parse_args(["--help"])
+    assert "megatron" in capsys.readouterr().out.split("--backend", 1)[1]
+
+
 def test_custom_model_says_it_needs_gpus():
     import torch
 
