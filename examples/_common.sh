@@ -9,9 +9,13 @@
 #   NPROC         processes = GPUs = tensor-parallel size (default: all local GPUs)
 #   FLUX_BACKEND  backend of --flux-tp-overlap: auto (default), flux, nccl or megatron
 #   FLUX_TP_OVERLAP=0  run without the flag: megatron-core's own linears (the baseline)
+#   MODEL_CONFIG  the model config; relative: from the directory the launcher is started in,
+#                 else from this checkout (configs/...)
+# The job runs in the caller's directory: relative paths in its arguments mean what they say there.
 
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CALLER_DIR="$(pwd)"  # the launchers run from here (no cd): relative paths keep their meaning
 PYTHON="${PYTHON:-python3}"
 
 die() { echo "error: $*" >&2; exit 2; }
@@ -136,32 +140,54 @@ flux_megatron_args() {
     fi
 }
 
+# A model config as given (MODEL_CONFIG or the launcher's default), as an absolute path: a
+# relative one is looked up from the directory the launcher was started in, then from this
+# checkout (so MODEL_CONFIG=configs/tiny_smoke.json works from anywhere).
+resolve_model_config() {  # resolve_model_config PATH: prints the absolute path
+    local path="$1"
+    case "${path}" in
+        /*) ;;
+        *) if [ -e "${CALLER_DIR}/${path}" ]; then path="${CALLER_DIR}/${path}"
+           elif [ -e "${REPO}/${path}" ]; then path="${REPO}/${path}"
+           else path="${CALLER_DIR}/${path}"; fi ;;
+    esac
+    [ -f "${path}" ] || die "model config ${1} not found (looked in ${CALLER_DIR} and ${REPO})"
+    printf '%s/%s\n' "$(cd "$(dirname "${path}")" && pwd)" "$(basename "${path}")"
+}
+
 # With the flag: what `megatron-flux check` says of this node at this TP size (its verdict and
 # notes), so the log shows up front whether the fused backend can run here; and, given the model
 # config, `megatron-flux plan --offer`'s one line when some of the model's TP GEMMs have no
 # current tuning-table entry on this GPU: how many, and the tune command for the rest (planned
-# on the CPU from the config; never fatal).
-flux_preflight() {  # flux_preflight [MODEL_CONFIG]
+# on the CPU from the config, at the job's tokens per micro-batch: the config's seq-length x
+# micro-batch-size, or the command line's where it overrides them; never fatal). Other
+# overrides of the model's shape (--hidden-size, ...) are not seen: the plan reads the config.
+flux_preflight() {  # flux_preflight [MODEL_CONFIG [megatron args...]]
     [ "${#FLUX_ARGS[@]}" -gt 0 ] || return 0
     "${PYTHON}" -m megatron_flux.tools.cli check --tp "${NPROC}" 2>/dev/null \
         | sed -n '/^fused backend/,$p' | sed 's/^/> megatron-flux check: /' || true
     [ -n "${1:-}" ] || return 0
-    "${PYTHON}" -W ignore -m megatron_flux.tools.cli plan --model-config "$1" --tp "${NPROC}" --offer \
-        2>/dev/null | sed 's/^/> megatron-flux plan: /' || true
+    local config="$1" m
+    shift
+    m="$("${PYTHON}" "${REPO}/examples/pretrain_support.py" --tokens-per-microbatch \
+        --model-config "${config}" "$@" 2>/dev/null)" || m=""
+    "${PYTHON}" -W ignore -m megatron_flux.tools.cli plan --model-config "${config}" --tp "${NPROC}" \
+        ${m:+--m "${m}"} --offer 2>/dev/null | sed 's/^/> megatron-flux plan: /' || true
 }
 
 run_pretrain() {  # run_pretrain MODEL_CONFIG [extra megatron args...]
-    local config="$1"; shift
+    local config
+    config="$(resolve_model_config "$1")"
+    shift
     export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
     common_megatron_args
-    cd "${REPO}"
     if [ "${FLUX_DRY_RUN:-0}" = 1 ]; then  # the environment it sets, then the arguments
         printf 'ENV %s\n' "CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS}" "WORLD_SIZE=${NPROC}"
         printf '%s\n' --model-config "${config}" "${COMMON_ARGS[@]}" "$@"
         return 0
     fi
-    flux_preflight "${config}"
+    flux_preflight "${config}" "$@"
     set -x
     "${PYTHON}" -m torch.distributed.run --standalone --nproc-per-node "${NPROC}" \
-        examples/pretrain_gpt.py --model-config "${config}" "${COMMON_ARGS[@]}" "$@"
+        "${REPO}/examples/pretrain_gpt.py" --model-config "${config}" "${COMMON_ARGS[@]}" "$@"
 }

@@ -113,7 +113,13 @@ def build_model(config, block_spec, vocab_size: int, seq_length: int):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--backend", default="auto", help="auto | flux | nccl")
+    from megatron_flux.backends import BACKEND_CHOICES, available_backends
+
+    backends = list(BACKEND_CHOICES) + sorted(set(available_backends()) - set(BACKEND_CHOICES))
+    p.add_argument("--backend", default="auto", choices=backends,
+                   help="flux_backend of every megatron-flux linear: auto (default), flux (the "
+                        "fused kernels), nccl (the reference), megatron (megatron-core's own "
+                        "code in the same layers)")
     p.add_argument("--spec", dest="spec_mode", choices=["flux", "swap"], default="flux")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=1024)

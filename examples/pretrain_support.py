@@ -22,7 +22,8 @@ Kept out of the pretrain script so that they import with megatron-core alone (no
   (:func:`stock_layer_spec_hook`, the baseline the flux runs are compared with).
 
 ``python examples/pretrain_support.py configs/X.json`` prints the config's arguments, one per
-line (what the launchers use).
+line. ``python examples/pretrain_support.py --tokens-per-microbatch ARGS...`` prints
+:func:`tokens_per_microbatch` of a Megatron command line (the launchers' pre-flight plan uses it).
 """
 
 from __future__ import annotations
@@ -111,6 +112,23 @@ def expand_model_config_argv(argv: Sequence[str]) -> List[str]:
         rest.append(arg)
         i += 1
     return from_configs + rest
+
+
+def tokens_per_microbatch(argv: Sequence[str]) -> Optional[int]:
+    """``seq-length x micro-batch-size`` of a Megatron command line: the global rows (m) of the
+    model's TP GEMMs. ``--model-config`` is expanded first and the last value of each wins, as
+    in Megatron's parser (which takes no abbreviations). None without a ``--seq-length``."""
+    values: Dict[str, str] = {}
+    args = expand_model_config_argv(argv)
+    for i, arg in enumerate(args):
+        for flag in ("--seq-length", "--micro-batch-size"):
+            if arg == flag and i + 1 < len(args):
+                values[flag] = args[i + 1]
+            elif arg.startswith(flag + "="):
+                values[flag] = arg.split("=", 1)[1]
+    if "--seq-length" not in values:
+        return None
+    return int(values["--seq-length"]) * int(values.get("--micro-batch-size", 1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -571,8 +589,21 @@ def flux_layer_spec_hook(args: Any) -> Optional[Callable[..., Any]]:
 
 
 def main(argv: Sequence[str]) -> int:
+    if argv[:1] == ["--tokens-per-microbatch"]:
+        try:
+            tokens = tokens_per_microbatch(argv[1:])
+        except (ModelConfigError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        if tokens is None:
+            print("error: no --seq-length (in the model config or the arguments)", file=sys.stderr)
+            return 1
+        print(tokens)
+        return 0
     if len(argv) != 1:
-        print("usage: python examples/pretrain_support.py configs/<model>.json", file=sys.stderr)
+        print("usage: python examples/pretrain_support.py configs/<model>.json\n"
+              "       python examples/pretrain_support.py --tokens-per-microbatch "
+              "[--model-config PATH] [megatron args...]", file=sys.stderr)
         return 2
     try:
         for arg in config_to_argv(load_model_config(argv[0])):

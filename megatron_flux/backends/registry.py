@@ -44,7 +44,19 @@ _TLS = threading.local()
 
 
 def register_backend(name: str, impl: BackendOrFactory, *, override: bool = False) -> None:
-    """Register ``impl`` under ``name``. Re-registering a name needs ``override=True``."""
+    """Register ``impl`` under ``name``. Re-registering a name needs ``override=True``.
+
+    ``impl`` is a :class:`~megatron_flux.backends.base.TPOverlapBackend` or a zero-argument
+    callable returning one (a subclass, say); anything else raises ``TypeError`` here, rather
+    than at the first forward that names the backend.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"register_backend: the name must be a str, got {type(name).__name__}")
+    if not (isinstance(impl, TPOverlapBackend) or callable(impl)):
+        raise TypeError(
+            f"register_backend({name!r}, ...): expected a TPOverlapBackend instance or a "
+            f"zero-argument factory returning one, got {type(impl).__name__} {impl!r}"
+        )
     if not name or name in ("auto", MEGATRON_PASSTHROUGH):
         raise ValueError(
             f"invalid backend name {name!r}: 'auto' and {MEGATRON_PASSTHROUGH!r} are layer "

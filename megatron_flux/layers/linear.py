@@ -26,6 +26,11 @@ Differences from stock, each deliberate:
 
 * The column layer keeps its all-gathered input for the weight gradient by default
   (``flux_keep_gathered_input``), where stock gathers it a second time in backward.
+* A column layer whose ``output_dtype`` (megatron-core after 0.19: fp32 logits with
+  ``--output-logit-dtype fp32``) differs from its input's dtype runs megatron-core's own
+  sequence-parallel matmul, which computes the GEMM's output in that dtype; megatron-flux's ops
+  produce the input's dtype. The torch fallback for gradient accumulation without apex computes
+  that dtype itself.
 
 ``flux_backend="megatron"`` turns all of that off: the layer runs its parent's code, exactly as
 stock megatron-core would. ``flux_backend`` is read on every forward (and checked when set), so
@@ -45,6 +50,7 @@ from megatron.core.tensor_parallel import layers as _mcore_layers
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from megatron_flux.backends import MEGATRON_PASSTHROUGH, expect_cuda_graphs, validate_backend_name
+from megatron_flux.backends.registry import log_once
 from megatron_flux.ops import (
     LinearWithMainGradAccumulation,
     column_parallel_linear,
@@ -81,6 +87,13 @@ def _without_grad_accumulation_fusion(config, hide: bool):
         yield
     finally:
         config.gradient_accumulation_fusion = True
+
+
+def _other_output_dtype(input: torch.Tensor, kwargs: dict) -> bool:
+    """Whether a ``_forward_impl`` call asks for an output dtype other than its input's
+    (megatron-core after 0.19 passes ``output_dtype``; earlier versions never do)."""
+    output_dtype = kwargs.get("output_dtype")
+    return output_dtype is not None and output_dtype != input.dtype
 
 
 def _mark_activation_offloading(config, input_: torch.Tensor) -> None:
@@ -214,9 +227,13 @@ class _FluxLinearMixin:
             and (fused_wgrad_kernel() is None or not weight.is_cuda)
         ):
             if kwargs.get("sequence_parallel"):
-                why = ("flux_backend='megatron' runs megatron-core's own sequence-parallel matmul"
-                       if self.flux_backend == MEGATRON_PASSTHROUGH
-                       else "the sequence-parallel matmul with wgrad deferral is megatron-core's")
+                if self.flux_backend == MEGATRON_PASSTHROUGH:
+                    why = "flux_backend='megatron' runs megatron-core's own sequence-parallel matmul"
+                elif _other_output_dtype(input, kwargs):
+                    why = (f"output_dtype={kwargs['output_dtype']} (inputs {input.dtype}) runs "
+                           "megatron-core's own sequence-parallel matmul")
+                else:
+                    why = "the sequence-parallel matmul with wgrad deferral is megatron-core's"
                 raise RuntimeError(
                     f"megatron-flux {type(self).__name__}: {why}, which needs apex's "
                     "fused_weight_gradient_mlp_cuda for gradient_accumulation_fusion; install "
@@ -224,7 +241,7 @@ class _FluxLinearMixin:
                 )
             return LinearWithMainGradAccumulation.apply(
                 input, weight, kwargs.get("bias"), kwargs.get("allreduce_dgrad", False),
-                kwargs.get("tp_group"),
+                kwargs.get("tp_group"), kwargs.get("output_dtype"),
             )
         return super()._forward_impl(input, weight, *args, **kwargs)
 
@@ -291,6 +308,17 @@ class FluxColumnParallelLinear(_FluxLinearMixin, ColumnParallelLinear):
             and kwargs.get("grad_output_buffer") is None
             and kwargs.get("gtp_remat_size", 1) <= 1
         ):
+            if _other_output_dtype(input, kwargs):
+                # megatron-core after 0.19 passes output_dtype (fp32 logits): its own matmul
+                # computes the GEMM's output in that dtype, megatron-flux's ops in the input's
+                log_once(
+                    f"output_dtype:{kwargs['output_dtype']}:{input.dtype}",
+                    f"megatron-flux: a {type(self).__name__} asks for output_dtype="
+                    f"{kwargs['output_dtype']} from {input.dtype} inputs; megatron-flux's ops "
+                    "produce the input dtype, so it runs megatron-core's own sequence-parallel "
+                    "matmul (not overlapped)",
+                )
+                return super()._forward_impl(input, weight, *args, **kwargs)
             return column_parallel_linear(
                 input,
                 weight,

@@ -183,15 +183,26 @@ class LinearWithMainGradAccumulation(torch.autograd.Function):
     ``gradient_accumulation_fusion`` is on but apex's kernel cannot run; megatron's own function
     would raise ``NameError`` on the missing extension. ``allreduce_dgrad`` all-reduces the input
     gradient over ``tp_group`` (column layers with SP off), as megatron does.
+
+    ``output_dtype`` (megatron-core after 0.19 passes it; fp32 logits from bf16 inputs): ``Y``
+    in that dtype, computed from the operands cast to it (exact for a wider dtype: no rounding
+    to the input dtype first), as megatron-core's GEMM with that output dtype does; backward
+    casts ``dY`` to the input dtype first, as megatron-core does.
     """
 
     @staticmethod
-    def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group):
+    def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group, output_dtype=None):
         ctx.save_for_backward(input, weight)
         ctx.wgrad_target = wgrad_target(weight, True)
         ctx.use_bias = bias is not None
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.tp_group = tp_group
+        ctx.input_dtype = input.dtype
+        if output_dtype is not None and output_dtype != input.dtype:
+            output = torch.matmul(input.to(output_dtype), weight.to(output_dtype).t())
+            if bias is not None:
+                output = output + bias.to(output_dtype)
+            return output
         output = torch.matmul(input, weight.t())
         if bias is not None:
             output = output + bias
@@ -200,6 +211,7 @@ class LinearWithMainGradAccumulation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
+        grad_output = grad_output.to(ctx.input_dtype)
         grad_input = grad_output.matmul(weight)
         handle = None
         if ctx.allreduce_dgrad:
@@ -210,4 +222,4 @@ class LinearWithMainGradAccumulation(torch.autograd.Function):
         grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
         if handle is not None:
             handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None

@@ -270,10 +270,14 @@ def test_core_attention_sdpa_in_stock_and_flux_specs(monkeypatch):
         attn = spec.layer_specs[0].submodules.self_attention.submodules
         assert attn.core_attention is SDPACoreAttention
         assert issubclass(attn.linear_qkv, linear)
-    # the shipped model configs ask for it, without a dataloader mask (so flash can run)
-    for name in ("llama3_8b_16l.json", "gpt3_175b_4l.json"):
-        cfg = ps.load_model_config(str(REPO / "configs" / name))
-        assert cfg["core-attention"] == "sdpa" and cfg["no-create-attention-mask-in-dataloader"]
+    # the shipped model configs ask for it, without a dataloader mask (so flash can run), all
+    # but the tiny smoke config, which README and docs/reference.md name as the exception
+    for path in CONFIGS:
+        cfg = ps.load_model_config(str(path))
+        if path.name == "tiny_smoke.json":
+            assert "core-attention" not in cfg
+        else:
+            assert cfg["core-attention"] == "sdpa" and cfg["no-create-attention-mask-in-dataloader"], path.name
 
 
 def test_stock_spec_hook_is_megatrons_default_where_nothing_needs_changing():
@@ -313,6 +317,21 @@ def test_custom_model_spec(mode):
     assert issubclass(mlp_sub.linear_fc2, FluxRowParallelLinear)
     assert sub.input_layernorm is SequenceParallelRMSNorm
     assert sub.pre_mlp_layernorm is SequenceParallelRMSNorm
+
+
+def test_custom_model_backend_choices_are_the_registrys(capsys):
+    from megatron_flux.backends import BACKEND_CHOICES
+
+    cm = _load_example("custom_model")
+    for name in BACKEND_CHOICES:
+        assert cm.parse_args(["--backend", name]).backend == name
+    assert cm.parse_args([]).backend == "auto"
+    with pytest.raises(SystemExit):
+        cm.parse_args(["--backend", "fast"])
+    assert "invalid choice: 'fast'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cm.parse_args(["--help"])
+    assert "megatron" in capsys.readouterr().out.split("--backend", 1)[1]
 
 
 def test_custom_model_says_it_needs_gpus():
@@ -446,6 +465,67 @@ def test_launcher_preflight_prints_the_check_verdict_with_the_flag_only():
     with_flag, without = res.stdout.split("---\n")
     assert with_flag.startswith("> megatron-flux check: fused backend: ")
     assert without == ""
+
+
+def _dry_run_config(cwd, **env):
+    """The ``--model-config`` value of pretrain_llama.sh's dry run, started in ``cwd``."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("FLUX_", "MODEL_CONFIG"))}
+    res = subprocess.run(["bash", str(EXAMPLES / "pretrain_llama.sh")], capture_output=True,
+                         text=True, cwd=cwd, env={**full, **env, "FLUX_DRY_RUN": "1"})
+    lines = res.stdout.splitlines()
+    return res, (lines[lines.index("--model-config") + 1] if "--model-config" in lines else None)
+
+
+def test_launcher_resolves_a_relative_model_config_from_the_callers_directory(tmp_path):
+    """A relative MODEL_CONFIG means the file in the directory the launcher was started in
+    (it used to be read from the checkout, which the launcher changed into); one only the
+    checkout has (``configs/...``) is found there; one nowhere stops the launcher."""
+    mine = tmp_path / "my.json"
+    mine.write_text((REPO / "configs/tiny_smoke.json").read_text())
+    (tmp_path / "configs").mkdir()
+    theirs = tmp_path / "configs" / "tiny_smoke.json"
+    theirs.write_text(mine.read_text())
+    for given, expected in (("my.json", mine), ("./my.json", mine), ("configs/../my.json", mine),
+                            ("configs/tiny_smoke.json", theirs),
+                            ("configs/llama3_8b_16l.json", REPO / "configs/llama3_8b_16l.json"),
+                            (str(mine), mine)):
+        res, config = _dry_run_config(tmp_path, MODEL_CONFIG=given)
+        assert res.returncode == 0, res.stderr
+        assert config == str(expected), given
+    res, config = _dry_run_config(tmp_path)  # the launcher's default, from anywhere
+    assert config == str(REPO / "configs/llama3_8b_16l.json")
+    res, _ = _dry_run_config(tmp_path, MODEL_CONFIG="nope.json")
+    assert res.returncode == 2 and "model config nope.json not found" in res.stderr
+
+
+def test_tokens_per_microbatch_follows_the_command_line_over_the_config(tmp_path):
+    tiny = str(REPO / "configs/tiny_smoke.json")  # seq-length 512, micro-batch-size 2
+    assert ps.tokens_per_microbatch(["--model-config", tiny]) == 1024
+    assert ps.tokens_per_microbatch(["--model-config", tiny, "--micro-batch-size", "4"]) == 2048
+    assert ps.tokens_per_microbatch(["--seq-length=256", "--model-config", tiny]) == 512
+    assert ps.tokens_per_microbatch(["--seq-length", "128"]) == 128
+    assert ps.tokens_per_microbatch(["--micro-batch-size", "2"]) is None
+    out = subprocess.run([sys.executable, str(EXAMPLES / "pretrain_support.py"),
+                          "--tokens-per-microbatch", "--model-config", tiny, "--flux-tp-overlap",
+                          "--seq-length", "2048"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "4096"
+
+
+def test_launcher_preflight_plans_the_jobs_tokens_per_microbatch(tmp_path):
+    """The pre-flight plan gets the m the job runs: with --micro-batch-size or --seq-length
+    after the script name, the command line's, else the config's."""
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/bash\ncase " $* " in *" check "*) exit 0;; *" plan "*) echo "$*"; exit 0;; esac\n'
+                    f'exec "{sys.executable}" "$@"\n')
+    fake.chmod(0o755)
+    tiny = REPO / "configs/tiny_smoke.json"
+    for extra, m in (("", "1024"), ("--micro-batch-size 4", "2048"),
+                     ("--seq-length 2048 --micro-batch-size 1", "2048")):
+        script = (f'source "{EXAMPLES}/_common.sh"; PYTHON="{fake}"; NPROC=2; '
+                  f'FLUX_ARGS=(--flux-tp-overlap); flux_preflight "{tiny}" "${{FLUX_ARGS[@]}}" {extra}')
+        res = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.strip().endswith(f"plan --model-config {tiny} --tp 2 --m {m} --offer"), res.stdout
 
 
 # ---------------------------------------------------------------- megatron.training flow

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.dist_harness import run_distributed
+from helpers.paths import REPO
 
 TP = 2
 VOCAB, SEQ, BATCH = 128, 16, 2
@@ -218,6 +219,11 @@ def _flux_tp2(rank, world, tie, full_params, recompute="none", main_grad=False, 
 # dicts, four ranks run both pipeline schedules. Each case runs as it would alone (its own
 # config, model and seed); a case that raises is reported by its own test.
 
+#: the README's spec-swap snippets' reference: untied, 2 layers, one batch, dense
+README_REFERENCE = (False, 2, 0, False)
+#: the README's two spec-swap forms: the plugin's block spec, and a rewritten layer spec of one's own
+README_FORMS = ("block", "layer")
+
 #: the pipeline tests' reference: untied, 4 layers, 2 micro-batches, dense
 PP_REFERENCE = (False, 4, 2, False)
 PP_LAYERS, PP_MICROBATCHES = 4, 2
@@ -246,11 +252,13 @@ def _stock_references(rank, world, keys):
     return _each(lambda key: _stock_tp1(rank, world, *key), keys)
 
 
-def _tp2_world(rank, world, full_params, cases, moes):
+def _tp2_world(rank, world, full_params, cases, moes, readme_forms):
     flux = _each(lambda case: _flux_tp2(rank, world, CASES[case][0], full_params[_reference_key(case)],
                                         *CASES[case][1:]), cases)
     sharded = _each(lambda moe: _sharded_state_dicts(rank, world, moe), moes)
-    return flux, sharded
+    readme = _each(lambda form: _readme_tp2(rank, world, full_params[README_REFERENCE], form),
+                   readme_forms)
+    return flux, sharded, readme
 
 
 def _pp_world(rank, world, full_params, virtuals):
@@ -268,7 +276,7 @@ def _value(result, what):
 @pytest.fixture(scope="module")
 def references():
     """``{(tie, layers, micro-batches, moe): (loss, full params, grads)}`` of stock TP 1."""
-    keys = sorted({_reference_key(case) for case in CASES} | {PP_REFERENCE})
+    keys = sorted({_reference_key(case) for case in CASES} | {PP_REFERENCE, README_REFERENCE})
     (refs,) = run_distributed(_stock_references, 1, keys, tensor_model_parallel_size=1, timeout=300)
     return refs
 
@@ -277,8 +285,8 @@ def references():
 def tp2_world(references):
     """Every rank's results of every whole-model case and of both sharded state dicts."""
     full = {key: _value(references[key], f"stock TP 1 {key}")[1]
-            for key in {_reference_key(case) for case in CASES}}
-    return run_distributed(_tp2_world, TP, full, list(CASES), [False, True],
+            for key in {_reference_key(case) for case in CASES} | {README_REFERENCE}}
+    return run_distributed(_tp2_world, TP, full, list(CASES), [False, True], list(README_FORMS),
                            tensor_model_parallel_size=TP, timeout=600)
 
 
@@ -299,7 +307,7 @@ def test_gpt_model_tp2_sp_through_the_plugin_matches_stock_tp1(case, references,
     their own: the token dispatcher gathers the sequence)."""
     tie, recompute, main_grad, moe = CASES[case]
     ref_loss, full_params, ref_grads = _value(references[_reference_key(case)], "stock TP 1")
-    per_rank = [_value(flux[case], f"rank {rank}") for rank, (flux, _) in enumerate(tp2_world)]
+    per_rank = [_value(flux[case], f"rank {rank}") for rank, (flux, _, _) in enumerate(tp2_world)]
     output_weight = "embedding.word_embeddings.weight" if tie else "output_layer.weight"
     # (an expert's linears run without sequence parallelism, so on megatron-core's own path,
     # whose accumulation fusion needs apex: their gradients reach .grad, as in stock)
@@ -320,6 +328,74 @@ def test_gpt_model_tp2_sp_through_the_plugin_matches_stock_tp1(case, references,
         for name, ref in ref_grads.items():
             assert grads[name] is not None, (rank, name)
             # (the stock TP 1 model's torch RMSNorm keeps float32 weights whatever params_dtype)
+            torch.testing.assert_close(grads[name], _shard(name, ref, rank), **tol, check_dtype=False,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def readme_spec_swap_snippets():
+    """The Python blocks of the README's "3. A spec swap" paragraph, as written."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("**3. A spec swap"):text.index("Or use the layers directly")]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def _readme_tp2(rank, world, full_params, form):
+    """The README's spec-swap snippets run as written at TP 2 with sequence parallelism (no
+    apex, no Transformer Engine): ``block`` runs the first (the plugin's block spec, GPTModel,
+    ``swap_output_layer``); ``layer`` runs the second on megatron-core's local layer spec, then
+    the first's model lines. Core attention stays megatron-core's ``DotProductAttention``, as
+    in the snippet; only its default causal mask, which it makes on ``"cuda"``, is made on the
+    CPU."""
+    _stub_cuda_only_helpers()
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from test_specs import allreduce_sp_grads
+
+    from megatron_flux.layers.linear import FluxColumnParallelLinear
+    from megatron_flux.layers.norms import SequenceParallelRMSNorm
+
+    fused_softmax.get_default_causal_mask = lambda sq: torch.ones(sq, sq).triu(1).bool()
+    block, layer = readme_spec_swap_snippets()
+    cfg = _config(world)
+    ns = dict(config=cfg, vocab_size=VOCAB, seq_length=SEQ)
+    torch.manual_seed(0)
+    if form == "block":
+        exec(block, ns)
+    else:
+        ns["my_layer_spec"] = get_gpt_layer_local_spec()
+        exec(layer, ns)
+        exec("\n".join(line for line in block.splitlines() if not line.startswith("spec =")), ns)
+    model = ns["model"]
+    assert isinstance(model.decoder.final_layernorm, SequenceParallelRMSNorm)
+    assert isinstance(model.output_layer, FluxColumnParallelLinear)
+    assert isinstance(model.decoder.layers[0].self_attention.linear_qkv, FluxColumnParallelLinear)
+    assert sorted(n for n, _ in model.named_parameters()) == sorted(full_params)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(_shard(n, full_params[n], rank, world))
+    loss = _run(model)
+    allreduce_sp_grads(model, cfg)
+    return loss, {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_readme_has_the_two_spec_swap_snippets():
+    block, layer = readme_spec_swap_snippets()
+    assert "get_gpt_decoder_block_flux_spec(config" in block and "swap_output_layer(model" in block
+    assert "get_flux_final_norm(" in layer and "swap_norms(my_layer_spec" in layer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", README_FORMS)
+def test_readme_spec_swap_snippets_run_at_tp2_sp_and_match_stock_tp1(form, references, tp2_world):
+    """The README's spec-swap snippets, run as written (backend ``auto``: ``nccl`` on the
+    CPU), build a model that runs under sequence parallelism without apex or Transformer Engine
+    (megatron-core's own final norm would refuse it) and computes stock's loss and gradients."""
+    ref_loss, _, ref_grads = _value(references[README_REFERENCE], "stock TP 1")
+    tol = dict(rtol=1e-5, atol=1e-6)
+    for rank, (_, _, readme) in enumerate(tp2_world):
+        loss, grads = _value(readme[form], f"rank {rank} README {form}")
+        torch.testing.assert_close(loss, ref_loss, **tol, msg=lambda m: f"rank {rank} loss: {m}")
+        for name, ref in ref_grads.items():
             torch.testing.assert_close(grads[name], _shard(name, ref, rank), **tol, check_dtype=False,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
 
@@ -490,7 +566,7 @@ def test_sharded_state_dict_is_megatron_cores(moe, tp2_world):
     """A distributed checkpoint of the plugin's model has exactly the keys, global shapes,
     offsets and replica ids of megatron-core's own linears at TP 2 (MoE experts included), so
     either loads the other's checkpoint and Megatron can reshard it."""
-    for rank, (_, sharded) in enumerate(tp2_world):
+    for rank, (_, sharded, _) in enumerate(tp2_world):
         stock, flux = _value(sharded[moe], f"rank {rank}")
         assert list(flux) == list(stock), rank
         for key in stock:

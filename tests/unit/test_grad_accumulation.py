@@ -121,6 +121,27 @@ def test_non_sp_linear_with_main_grad():
     torch.testing.assert_close(bias.grad, 2 * br.grad, **TOL)
 
 
+def test_non_sp_linear_with_main_grad_and_a_wider_output_dtype():
+    """``output_dtype`` (megatron-core after 0.19): the output in that dtype from the operands
+    cast to it, not rounded to the input dtype first; backward in the input dtype."""
+    x = _randn(3, 2, 5, seed=3, dtype=torch.float32).requires_grad_()
+    weight = torch.nn.Parameter(_randn(4, 5, seed=4, dtype=torch.float32))
+    bias = torch.nn.Parameter(_randn(4, seed=5, dtype=torch.float32))
+    weight.main_grad = torch.zeros(4, 5, dtype=torch.float32)
+    g = _randn(3, 2, 4, seed=6)
+    out = LinearWithMainGradAccumulation.apply(x, weight, bias, False, None, torch.float64)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, x.double() @ weight.double().t() + bias.double(), **TOL)
+    out.backward(g)
+    g32 = g.float()
+    assert x.grad.dtype == torch.float32 and bias.grad.dtype == torch.float32
+    torch.testing.assert_close(x.grad, g32 @ weight.detach())
+    torch.testing.assert_close(weight.main_grad, g32.reshape(-1, 4).t() @ x.detach().reshape(-1, 5))
+    torch.testing.assert_close(bias.grad, g32.reshape(-1, 4).sum(0))
+    same = LinearWithMainGradAccumulation.apply(x, weight, bias, False, None, torch.float32)
+    assert same.dtype == torch.float32
+
+
 def test_apex_is_absent_here():
     """The distributed checks below exercise the torch fallback; they mean that only without apex."""
     assert fused_wgrad_kernel() is None
@@ -293,7 +314,37 @@ def check_construction_without_apex(rank, tp):
     assert cfg.gradient_accumulation_fusion is True
 
 
+def check_column_output_dtype_with_fusion_and_no_apex(rank, tp):
+    """A column layer asked for an output dtype other than its input's (megatron-core after
+    0.19 passes ``output_dtype``; 0.16 cannot, so the test passes it as that forward does),
+    with the fusion on and no apex: SP off, the torch fallback returns that dtype and
+    accumulates; SP on, megatron-core's own matmul would run, which needs apex: a clear error."""
+    from test_linear_layers import _with_output_dtype
+
+    flux_col = _layers()[2]
+    layer = _build(flux_col, 0, H, F, config=_config(tp, False, torch.float32), bias=True,
+                   gather_output=False, flux_backend="nccl")
+    _with_output_dtype(_with_main_grad(layer, torch.float32), torch.float64)
+    x = _randn(S_LOCAL * tp, B, H, seed=70, dtype=torch.float32).requires_grad_()
+    g = _randn(S_LOCAL * tp, B, F // tp, seed=71 + rank)
+    out, _ = layer(x)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, x.double() @ layer.weight.double().t() + layer.bias.double(), **TOL)
+    out.backward(g)
+    g32 = g.float()
+    torch.testing.assert_close(layer.weight.main_grad, g32.reshape(-1, F // tp).t() @ x.detach().reshape(-1, H))
+    dgrad = g32 @ layer.weight.detach()
+    dist.all_reduce(dgrad)  # the column layer all-reduces its input gradient with SP off
+    torch.testing.assert_close(x.grad, dgrad)
+    sp = _with_output_dtype(_build(flux_col, 0, H, F, config=_config(tp, True, torch.float32),
+                                   flux_backend="nccl"), torch.float64)
+    with pytest.raises(RuntimeError, match=r"output_dtype=torch.float64 \(inputs torch.float32\) "
+                                           "runs megatron-core's own sequence-parallel matmul"):
+        sp(_randn(S_LOCAL, B, H, seed=72, dtype=torch.float32))
+
+
 CHECKS = [
+    check_column_output_dtype_with_fusion_and_no_apex,
     check_column_sp_accumulates,
     check_column_sp_fp32_and_bf16_main_grad,
     check_column_sp_off_accumulates,

@@ -76,7 +76,7 @@ def test_the_launchers_print_their_command():
     assert len(LAUNCHERS) >= 2 and len(CONFIGS) >= 3
     env, argv = dry_run(os.path.join(REPO, "examples", "pretrain_llama.sh"), {})
     assert env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "WORLD_SIZE": "2"}
-    assert argv[:2] == ["--model-config", "configs/llama3_8b_16l.json"]
+    assert argv[:2] == ["--model-config", os.path.join(REPO, "configs/llama3_8b_16l.json")]
     assert "--flux-tp-overlap" in argv and "--sequence-parallel" in argv
 
 

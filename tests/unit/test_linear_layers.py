@@ -410,8 +410,9 @@ def check_converted_output_layer_tied_weight(rank, tp):
 
 def check_swap_output_layer_converts_only_stock_column_layers(rank, tp):
     """Every ``output_layer`` of megatron-core's exact class is converted, through wrappers and
-    in every chunk; subclasses (Transformer Engine's LM head stands for these), Flux layers and
-    other modules are left alone; ``convert_`` refuses them."""
+    in every chunk; Flux layers are re-targeted to the backend asked for (as swap_tp_linears
+    does in a spec); subclasses (Transformer Engine's LM head stands for these) and other
+    modules are left alone; ``convert_`` refuses all but megatron-core's class."""
     from megatron_flux.output_layer import output_layers, swap_output_layer
 
     _, _, stock_col, stock_row, flux_col, flux_row = _imports()
@@ -430,8 +431,24 @@ def check_swap_output_layer_converts_only_stock_column_layers(rank, tp):
     swap_output_layer(chunks, flux_backend="auto")
     assert type(chunks[0].module.output_layer) is flux_col.with_backend("auto")
     assert type(chunks[1].output_layer) is LMHead
-    assert chunks[2].output_layer.flux_backend == "nccl"
+    assert type(chunks[2].output_layer) is flux_col.with_backend("auto")
+    assert chunks[2].output_layer.flux_backend == "auto"
     assert type(chunks[3].linear) is stock_col
+    # a second call with another backend switches every Flux output layer, the converted one too
+    swap_output_layer(chunks, flux_backend="megatron")
+    for layer in (chunks[0].module.output_layer, chunks[2].output_layer):
+        assert type(layer) is flux_col.with_backend("megatron") and layer.flux_backend == "megatron"
+    with pytest.raises(ValueError, match="unknown megatron-flux backend"):
+        swap_output_layer(chunks, flux_backend="nope")
+
+    class MyHead(flux_col):  # a user's own Flux subclass keeps its class, re-targeted
+        pass
+
+    mine = torch.nn.Module()
+    mine.output_layer = _column(MyHead, tp, cfg=cfg, flux_backend="nccl")
+    swap_output_layer(mine, flux_backend="scratch")
+    assert isinstance(mine.output_layer, MyHead) and type(mine.output_layer) is MyHead.with_backend("scratch")
+    assert mine.output_layer.flux_backend == "scratch"
     for layer, cls in ((chunks[1].output_layer, flux_col), (chunks[2].output_layer, flux_col),
                        (_column(stock_col, tp, cfg=cfg), flux_row)):
         with pytest.raises(TypeError, match="convert_: expected megatron-core's"):
@@ -781,7 +798,65 @@ def check_constructor_arguments(rank, tp):
         _column(flux_col, tp, not_an_argument=1)
 
 
+def _with_output_dtype(layer, dtype):
+    """``layer`` as megatron-core after 0.19 builds and runs it: an ``output_dtype`` attribute
+    that its forward passes to ``_forward_impl`` (0.16 has neither)."""
+    layer.output_dtype = dtype
+    impl = layer._forward_impl
+    layer._forward_impl = lambda *a, **kw: impl(*a, **kw, output_dtype=layer.output_dtype)
+    return layer
+
+
+@contextlib.contextmanager
+def _parent_matmul_with_output_dtype(stock_col, calls):
+    """The parent's ``_forward_impl`` as megatron-core after 0.19 has it (forward only):
+    sequence-parallel gather, then the GEMM's output in ``output_dtype``."""
+
+    def forward_impl(self, input, weight, bias=None, sequence_parallel=False, tp_group=None,
+                     output_dtype=None, **_):
+        calls.append(output_dtype)
+        if sequence_parallel:
+            parts = [torch.empty_like(input) for _ in range(tp_group.size())]
+            dist.all_gather(parts, input.contiguous(), group=tp_group)
+            input = torch.cat(parts)
+        dtype = output_dtype or input.dtype
+        out = torch.matmul(input.to(dtype), weight.to(dtype).t())
+        return out if bias is None else out + bias.to(dtype)
+
+    original = stock_col.__dict__["_forward_impl"]
+    stock_col._forward_impl = forward_impl
+    try:
+        yield
+    finally:
+        stock_col._forward_impl = original
+
+
+def check_column_sp_output_dtype(rank, tp):
+    """A column layer asked for an output dtype other than its input's (megatron-core after
+    0.19: fp32 logits from bf16 inputs; float64 from float32 here) returns that dtype, computed
+    by megatron-core's own matmul, instead of megatron-flux's ops' input-dtype result; asked for
+    the input's dtype (or none), it runs megatron-flux's ops."""
+    ModelParallelConfig, _, stock_col, _, flux_col, _ = _imports()
+    cfg = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=True,
+                              use_cpu_initialization=True, params_dtype=torch.float32)
+    layer = _with_output_dtype(_column(flux_col, tp, cfg=cfg, flux_backend="scratch"), torch.float64)
+    x_full = _randn(S_LOCAL * tp, B, H, seed=60).float()
+    x = x_full[rank * S_LOCAL:(rank + 1) * S_LOCAL]
+    ref = torch.matmul(x_full.double(), layer.weight.double().t()) + layer.bias.double()
+    calls = []
+    with _parent_matmul_with_output_dtype(stock_col, calls), torch.no_grad():
+        out, _ = layer(x)
+        assert calls == [torch.float64] and out.dtype == torch.float64
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        for same in (torch.float32, None):
+            layer.output_dtype = same
+            out, _ = layer(x)
+            assert calls == [torch.float64] and out.dtype == torch.float32  # megatron-flux's ops
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
 SP_CHECKS = [
+    check_column_sp_output_dtype,
     check_column_sp_bias,
     check_column_sp_no_bias,
     check_column_sp_skip_bias_add,

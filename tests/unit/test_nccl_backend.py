@@ -284,6 +284,26 @@ def test_megatron_is_a_layer_setting_not_a_backend():
         register_backend("megatron", NcclBackend())
 
 
+@pytest.mark.parametrize("impl", [42, "nccl", None, NcclBackend])
+def test_register_backend_takes_a_backend_or_a_factory_and_refuses_the_rest(impl, monkeypatch):
+    """Something neither a TPOverlapBackend nor callable is refused when registered, naming
+    the backend, instead of failing at the first forward with a bare TypeError."""
+    from megatron_flux.backends import available_backends, get_backend, register_backend, registry
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_INSTANCES", {})
+    if impl is NcclBackend:  # a class is a factory; an instance is a backend
+        register_backend("mine", impl)
+        register_backend("mine2", impl())
+        assert isinstance(get_backend("mine"), NcclBackend) and isinstance(get_backend("mine2"), NcclBackend)
+        return
+    with pytest.raises(TypeError, match=r"register_backend\('mine', \.\.\.\): expected a TPOverlapBackend"):
+        register_backend("mine", impl)
+    assert "mine" not in available_backends()
+    with pytest.raises(TypeError, match="name must be a str"):
+        register_backend(42, NcclBackend)
+
+
 @pytest.mark.parametrize("what", ["register_backend", "provider", "options", "registry.reset",
                                   "registry.use_table_files"])
 def test_resolution_cache_is_dropped_when_its_inputs_change(what):

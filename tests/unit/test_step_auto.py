@@ -241,3 +241,20 @@ def test_by_default_fused_everywhere_is_a_candidate_too():
     assert set(sel.samples) == {"megatron", "nccl", "auto", "flux"}
     assert sel.decided == "flux" and job.ran[-1] == "flux"
     assert sel.paired_speedups()["flux"] == pytest.approx(350 / 320)
+
+
+def test_the_docs_state_the_iterations_the_default_selection_takes():
+    """README, docs/reference.md and the --flux-step-auto help say how many iterations the
+    default selection takes (start-up, warm-up and timed blocks): the number it takes."""
+    import re
+
+    from helpers.paths import REPO
+
+    needed = StepAutoSelector([], log=lambda m: None).iterations_needed
+    said = []
+    for path in ("README.md", "docs/reference.md", "megatron_flux/arguments.py"):
+        text = (REPO / path).read_text()
+        said += [(path, int(n)) for n in re.findall(r"(?:about |~)(\d+) iterations", text)]
+    # README: the introduction, the main job, Requirements; reference: --flux-backend and
+    # --flux-step-auto; the flag's help
+    assert len(said) >= 6 and {n for _, n in said} == {needed}, (needed, said)
