@@ -1082,13 +1082,15 @@ class _OnDevice:
         return True
 
 
-def test_operands_off_the_current_device_run_on_nccl_with_one_log_line(monkeypatch, caplog):
+def test_operands_off_the_current_device_raise_on_every_backend_choice(monkeypatch):
     """The kernels launch on the current device's stream while the workspaces, events, side
-    streams and copies follow the operands' device: operands on another device (or on two)
-    are a reason, so ``auto`` runs NCCL with one log line and ``flux`` says why; the answer
-    follows the current device (not cached across ``set_device``). A bias on another device
-    than the input is refused by name, and so is the copy-engine re-gather."""
-    import logging
+    streams and copies follow the operands' device. Operands off the current device raise a
+    ValueError naming ``torch.cuda.set_device``, under ``auto`` as under ``flux``: a rank that
+    ran NCCL alone there (a loop that never set the device: rank 0 on its current device, the
+    others not) would leave its peers' fused kernels or support check waiting. The answer
+    follows the current device; operands on two devices are a reason (NCCL's matmul says
+    why). A bias on another device than the input is refused by name, and the copy-engine
+    re-gather of an input off the current device raises too."""
     import threading
 
     import megatron_flux.backends.flux.backend as FB
@@ -1100,9 +1102,10 @@ def test_operands_off_the_current_device_run_on_nccl_with_one_log_line(monkeypat
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
     cap = lambda: (9, 0)  # noqa: E731
     a, b = _OnDevice("cuda:1", 4096, 512), _OnDevice("cuda:1", 512, 1024)
+    off = r"the operands are on cuda:1 but the current CUDA device is cuda:0.*set_device\(1\)"
     assert signature_reason(a, b, _Group(2), cap, 1) is None
-    why = signature_reason(a, b, _Group(2), cap, 0)
-    assert why.startswith("operands are on cuda:1 but the current CUDA device is cuda:0")
+    with pytest.raises(ValueError, match=off):
+        signature_reason(a, b, _Group(2), cap, 0)
     assert signature_reason(a, _OnDevice("cuda:0", 512, 1024), _Group(2), cap, 1) == (
         "operands are on different devices (cuda:1 and cuda:0)")
 
@@ -1120,19 +1123,15 @@ def test_operands_off_the_current_device_run_on_nccl_with_one_log_line(monkeypat
     registry.clear_resolution_cache()
     group = _Group(2)
     try:
-        with caplog.at_level(logging.WARNING, logger="megatron_flux"):
-            for _ in range(3):
-                assert registry.resolve_backend("auto", a, b, group, op="rs").name == "nccl"
-        logged = [r.getMessage() for r in caplog.records if "current CUDA device" in r.getMessage()]
-        assert logged == [f"megatron-flux: flux_backend='auto' uses 'nccl' because {why}"]
-        with pytest.raises(RuntimeError, match="'flux' cannot run this op: operands are on cuda:1 "
-                                               "but the current CUDA device is cuda:0"):
-            registry.resolve_backend("flux", a, b, group, op="rs")
+        for requested in ("auto", "flux", "auto"):
+            with pytest.raises(ValueError, match=off):
+                registry.resolve_backend(requested, a, b, group, op="rs")
         current[0] = 1  # torch.cuda.set_device(1)
         assert registry.resolve_backend("auto", a, b, group, op="rs") is fused
         assert registry.resolve_backend("flux", a, b, group, op="ag") is fused
         current[0] = 0
-        assert registry.resolve_backend("auto", a, b, group, op="rs").name == "nccl"
+        with pytest.raises(ValueError, match=off):
+            registry.resolve_backend("auto", a, b, group, op="rs")
     finally:
         registry.clear_resolution_cache()
 
@@ -1144,7 +1143,9 @@ def test_operands_off_the_current_device_run_on_nccl_with_one_log_line(monkeypat
     assert rs.rs_rows(x, 4, 2, torch.zeros(4, dtype=torch.bfloat16)) == 4
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     current[0] = 1
-    assert regather.unsupported_reason(x, group) == "not on the current CUDA device"
+    with pytest.raises(ValueError, match="the input to re-gather is on cpu but the current CUDA "
+                                         "device is cuda:1"):
+        regather.unsupported_reason(x, group)
 
 
 def test_each_group_object_is_asked_its_own_collective_once(monkeypatch):

@@ -23,14 +23,16 @@ from megatron_flux.backends.base import output_like
 from megatron_flux.backends.flux.ag import gathered_views
 from megatron_flux.backends.flux.handles import CopyEngineGather
 from megatron_flux.backends.flux.resources import deps
+from megatron_flux.backends.flux.support import off_current_device_error
 
 
 def unsupported_reason(x, group) -> Optional[str]:
     """Why the copy-engine re-gather cannot take ``x`` (then NCCL's runs), or ``None``."""
     if not x.is_cuda:
         return "not CUDA"
-    if x.device.index != torch.cuda.current_device():  # its wait launches on the current one
-        return "not on the current CUDA device"
+    current = torch.cuda.current_device()
+    if x.device.index != current:  # its wait launches on the current one: raise, not fall back
+        raise off_current_device_error("the input to re-gather is", x.device, current)
     if group is None or group.size() < 2:
         return "one rank"
     if torch.cuda.is_current_stream_capturing():

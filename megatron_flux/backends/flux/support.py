@@ -10,13 +10,25 @@ import torch
 import torch.distributed as dist
 
 
+def off_current_device_error(what: str, device, current_device: int) -> ValueError:
+    """The error for an operand off the current CUDA device. Not a reason to run NCCL instead:
+    a rank that fell back alone (say, a loop that never called ``torch.cuda.set_device``, where
+    rank 0's operands are on its current device and the others' are not) would pair an NCCL
+    collective with its peers' fused kernels or their support check, and hang."""
+    return ValueError(
+        f"megatron-flux: {what} on {device} but the current CUDA device is cuda:{current_device}: "
+        f"the fused kernels launch on the current device. Call "
+        f"torch.cuda.set_device({device.index}) first (Megatron does).")
+
+
 def signature_reason(a, b, group, capability, current_device: int) -> Optional[str]:
     """Why the fused kernels cannot run ``a @ b`` over ``group``, from the operands' signature
     alone (shapes, strides, dtypes, device) and the index of the current CUDA device, or
     ``None``. The kernels launch on the current device's stream (Triton's rule) while the
-    workspaces, events, side streams and copies follow the operands' device, so both operands
-    must be on the current device. ``capability()`` gives the device's compute capability
-    (asked last: it is the only query that touches the driver)."""
+    workspaces, events, side streams and copies follow the operands' device, so operands on
+    another device than the current one raise :func:`off_current_device_error` (every rank
+    the same way, rather than one rank running NCCL). ``capability()`` gives the device's
+    compute capability (asked last: it is the only query that touches the driver)."""
     world = group.size() if group is not None else 1
     if world < 2:
         return "tensor-parallel group has one rank"
@@ -27,8 +39,7 @@ def signature_reason(a, b, group, capability, current_device: int) -> Optional[s
     if b.device != a.device:
         return f"operands are on different devices ({a.device} and {b.device})"
     if a.device.index != current_device:
-        return (f"operands are on {a.device} but the current CUDA device is cuda:{current_device} "
-                "(the kernels launch on the current device: torch.cuda.set_device first)")
+        raise off_current_device_error("the operands are", a.device, current_device)
     if a.dim() != 2 or b.dim() != 2:
         return "operands must be 2-D"
     if not a.is_contiguous():
