@@ -164,8 +164,11 @@ def _accumulate_fp32_product(main_grad, grad_output, total_input) -> bool:
         return True
     except (RuntimeError, TypeError, NotImplementedError) as exc:
         text = str(exc)
-        if isinstance(exc, torch.OutOfMemoryError) or "CUDA error" in text or (
-                "CUBLAS_STATUS" in text and "NOT_SUPPORTED" not in text):
+        # torch words every cuBLAS failure "CUDA error: CUBLAS_STATUS_... when calling ...",
+        # so a refusal (NOT_SUPPORTED) is told apart first
+        if "CUBLAS_STATUS_NOT_SUPPORTED" not in text and (
+                isinstance(exc, torch.OutOfMemoryError) or "CUDA error" in text
+                or "CUBLAS_STATUS" in text):
             raise
         _FP32_ACCUMULATE_REFUSED = True
         warnings.warn(

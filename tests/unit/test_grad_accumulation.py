@@ -394,14 +394,20 @@ def test_a_device_failure_is_raised_not_taken_for_a_refused_mixed_dtype_gemm(mon
     assert ga._FP32_ACCUMULATE_REFUSED is False
 
 
-def test_a_refused_mixed_dtype_gemm_falls_back_once_with_a_warning(monkeypatch):
+@pytest.mark.parametrize("refusal", [
+    "addmm: out_dtype is not supported for these inputs",
+    # torch's own wording of a cuBLAS refusal (TORCH_CUDABLAS_CHECK)
+    "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasGemmEx( handle, opa, opb, m, "
+    "n, k, &falpha, a, CUDA_R_16BF, lda, b, CUDA_R_16BF, ldb, &fbeta, c, CUDA_R_32F, ldc, "
+    "compute_type, CUBLAS_GEMM_DEFAULT_TENSOR_OP)`"])
+def test_a_refused_mixed_dtype_gemm_falls_back_once_with_a_warning(monkeypatch, refusal):
     """Where this torch refuses ``addmm(..., out_dtype=torch.float32)``, the product is
     computed in the activation dtype and added (``main_grad`` untouched by the refusal), and
     the refusal is remembered."""
     from megatron_flux.ops import grad_accumulation as ga
 
     def addmm(*args, **kwargs):
-        raise RuntimeError("addmm: out_dtype is not supported for these inputs")
+        raise RuntimeError(refusal)
 
     monkeypatch.setattr(ga, "_FP32_ACCUMULATE_REFUSED", False)
     monkeypatch.setattr(ga.torch, "addmm", addmm)
