@@ -363,7 +363,8 @@ def flux_pre_wrap_hooks(args: argparse.Namespace) -> list:
     * with CUDA graphs on (``--cuda-graph-impl`` other than ``none``), one that polls the fused
       kernels' error words once per forward (:func:`megatron_flux.backends.poll_fused_errors`,
       no synchronisation): calls replayed inside graphs never reach the per-call checks;
-    * unless ``--flux-backend`` is ``nccl`` or ``megatron``, one that checks them before every
+    * unless no fused kernel can run (``--flux-backend`` ``nccl`` or ``megatron``, and no fused
+      backend or variant among the ones a job rotates), one that checks them before every
       optimizer step (:func:`install_optimizer_error_check`), so a timed-out wait raises before
       the update it would corrupt, with or without graphs (the per-call checks and the poll
       report it up to one step late).
@@ -387,7 +388,11 @@ def flux_pre_wrap_hooks(args: argparse.Namespace) -> list:
 
     if graphs_enabled(args):
         hooks.append(_graph_error_poll_hook)
-    if backend not in ("nccl", MEGATRON_PASSTHROUGH):  # the fused kernels may run
+    # the fused kernels may run: by the backend asked for, or the backends and fused variants
+    # a benchmark job rotates (examples/pretrain_support.py's --flux-interleave-*)
+    rotated = list(getattr(args, "flux_interleave_backends", None) or [])
+    if (any(name not in ("nccl", MEGATRON_PASSTHROUGH) for name in [backend, *rotated])
+            or getattr(args, "flux_interleave_variants", None)):
         hooks.append(_optimizer_error_check_hook)
     return hooks
 

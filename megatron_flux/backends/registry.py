@@ -208,13 +208,12 @@ def check_fused_errors() -> None:
     queued on it). A no-op before the fused backend is built, and during a CUDA graph capture
     (nothing may synchronise there). The Megatron integration runs it before every optimizer
     step, so a step never applies gradients computed from a timed-out wait."""
-    with _LOCK:
-        fused = _INSTANCES.get("flux")
-    if fused is None or not hasattr(fused, "check_errors"):
+    with _LOCK:  # "flux", and the fused variants a job may rotate (--flux-interleave-variants)
+        fused = [b for b in _INSTANCES.values() if hasattr(b, "check_errors")]
+    if not fused or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return
-    fused.check_errors(sync=True)
+    for backend in fused:
+        backend.check_errors(sync=True)
 
 
 def _ensure_blas_handle(device: torch.device) -> None:

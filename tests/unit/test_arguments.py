@@ -457,8 +457,14 @@ def test_every_optimizer_step_checks_the_error_words_first(monkeypatch, graphs):
     hooks = flux_pre_wrap_hooks(megatron_like_args(flags, cuda_graph_impl=graphs))
     assert hooks[-1] is arguments._optimizer_error_check_hook
     for backend in ("nccl", "megatron"):
-        assert arguments._optimizer_error_check_hook not in flux_pre_wrap_hooks(
-            megatron_like_args(flags + ["--flux-backend", backend], cuda_graph_impl=graphs))
+        args = megatron_like_args(flags + ["--flux-backend", backend], cuda_graph_impl=graphs)
+        assert arguments._optimizer_error_check_hook not in flux_pre_wrap_hooks(args)
+        args.flux_interleave_backends = ["megatron", "nccl"]
+        assert arguments._optimizer_error_check_hook not in flux_pre_wrap_hooks(args)
+        args.flux_interleave_backends = ["megatron", "flux"]  # a job rotating the fused one
+        assert arguments._optimizer_error_check_hook in flux_pre_wrap_hooks(args)
+        args.flux_interleave_backends, args.flux_interleave_variants = None, ['{"name": "v"}']
+        assert arguments._optimizer_error_check_hook in flux_pre_wrap_hooks(args)
 
     class Fused:  # the fused backend's error check: the second one finds a timed-out wait
         checks = []
@@ -468,7 +474,14 @@ def test_every_optimizer_step_checks_the_error_words_first(monkeypatch, graphs):
             if len(self.checks) == 2:
                 raise FusedOpTimeout("GEMM+RS: rank 1 timed out")
 
+    class Variant:  # a fused variant a job rotates: checked too
+        checks = []
+
+        def check_errors(self, sync):
+            self.checks.append(sync)
+
     monkeypatch.setitem(registry._INSTANCES, "flux", Fused())
+    monkeypatch.setitem(registry._INSTANCES, "flux_variant_v", Variant())
     monkeypatch.setattr(arguments, "_OPTIMIZER_CHECK", None)
     model = torch.nn.Linear(2, 2)
     try:
@@ -479,7 +492,7 @@ def test_every_optimizer_step_checks_the_error_words_first(monkeypatch, graphs):
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         model(torch.ones(1, 2)).sum().backward()
         opt.step()
-        assert Fused.checks == [True], "one synchronous check per step"
+        assert Fused.checks == [True] and Variant.checks == [True], "one synchronous check per step"
         before = model.weight.detach().clone()
         with pytest.raises(FusedOpTimeout, match="rank 1"):
             opt.step()
