@@ -227,17 +227,19 @@ class _FluxLinearMixin:
             and (fused_wgrad_kernel() is None or not weight.is_cuda)
         ):
             if kwargs.get("sequence_parallel"):
+                other_backend = ", or use flux_backend 'nccl'/'flux'/'auto'"
                 if self.flux_backend == MEGATRON_PASSTHROUGH:
                     why = "flux_backend='megatron' runs megatron-core's own sequence-parallel matmul"
                 elif _other_output_dtype(input, kwargs):
                     why = (f"output_dtype={kwargs['output_dtype']} (inputs {input.dtype}) runs "
                            "megatron-core's own sequence-parallel matmul")
+                    other_backend = ""  # every backend takes megatron-core's path there
                 else:
                     why = "the sequence-parallel matmul with wgrad deferral is megatron-core's"
                 raise RuntimeError(
                     f"megatron-flux {type(self).__name__}: {why}, which needs apex's "
                     "fused_weight_gradient_mlp_cuda for gradient_accumulation_fusion; install "
-                    "apex, turn the fusion off, or use flux_backend 'nccl'/'flux'/'auto'"
+                    f"apex or turn the fusion off{other_backend}"
                 )
             return LinearWithMainGradAccumulation.apply(
                 input, weight, kwargs.get("bias"), kwargs.get("allreduce_dgrad", False),

@@ -413,7 +413,7 @@ def test_gemm_rs_ws_builds_spill_no_registers(monkeypatch):
     can choose spills registers, at TP 2 and TP 4 on this GPU's whole grid (``NUM_PROGRAMS`` is
     a compile-time constant, so the grid is part of the build): the ping-pong (5 stages) with
     and without bias, both B layouts, SM and copy-engine pushes, a split tail with its parts
-    first and last, merged rows; the cooperative form (3 stages). Holding a split unit's tile,
+    first and last (with either push), merged rows; the cooperative form (3 stages). Holding a split unit's tile,
     part and K range across the tile loop spilled 12 registers, and the kernel ran up to 5 %
     slower where it split (``docs/performance.md``, "No registers spilled")."""
     import dataclasses
@@ -442,7 +442,9 @@ def test_gemm_rs_ws_builds_spill_no_registers(monkeypatch):
             if form == "pingpong":
                 merged = dataclasses.replace(base, rs_merge_rows=True, rs_spread_reduce=True,
                                              rs_tma_push=False)
+                ce_split = dataclasses.replace(split, rs_copy_engine=True)
                 cases += [(dataclasses.replace(base, rs_copy_engine=True), False, bias, False),
+                          (ce_split, True, bias, False), (ce_split, False, bias, False),
                           (split, True, None, False), (split, False, None, False),
                           (merged, False, bias, False)]
             for cfg, first, with_bias, b_kn in cases:

@@ -477,9 +477,9 @@ def _dry_run_config(cwd, **env):
 
 
 def test_launcher_resolves_a_relative_model_config_from_the_callers_directory(tmp_path):
-    """A relative MODEL_CONFIG means the file in the directory the launcher was started in
-    (it used to be read from the checkout, which the launcher changed into); one only the
-    checkout has (``configs/...``) is found there; one nowhere stops the launcher."""
+    """A relative MODEL_CONFIG means the file in the directory the launcher was started in,
+    even where the checkout has one of the same name; one only the checkout has
+    (``configs/...``) is found there; one nowhere stops the launcher."""
     mine = tmp_path / "my.json"
     mine.write_text((REPO / "configs/tiny_smoke.json").read_text())
     (tmp_path / "configs").mkdir()

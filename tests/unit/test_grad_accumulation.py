@@ -339,8 +339,9 @@ def check_column_output_dtype_with_fusion_and_no_apex(rank, tp):
     sp = _with_output_dtype(_build(flux_col, 0, H, F, config=_config(tp, True, torch.float32),
                                    flux_backend="nccl"), torch.float64)
     with pytest.raises(RuntimeError, match=r"output_dtype=torch.float64 \(inputs torch.float32\) "
-                                           "runs megatron-core's own sequence-parallel matmul"):
+                                           "runs megatron-core's own sequence-parallel matmul") as e:
         sp(_randn(S_LOCAL, B, H, seed=72, dtype=torch.float32))
+    assert str(e.value).endswith("install apex or turn the fusion off"), "no other backend helps"
 
 
 CHECKS = [
