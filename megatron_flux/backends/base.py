@@ -23,6 +23,11 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+#: the most answers a per-signature cache of the backends keeps (resolution, support, configs):
+#: a job whose shapes keep changing (variable sequence lengths) starts such a cache over rather
+#: than growing it without bound
+MAX_CACHED_SIGNATURES = 4096
+
 
 def output_like(
     out: Optional[torch.Tensor],

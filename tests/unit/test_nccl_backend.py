@@ -340,3 +340,30 @@ def test_registry_resolves_nccl_on_cpu():
     a = torch.zeros(2, K, dtype=torch.float64)
     assert resolve_backend("auto", a, a.t(), None) is backend
     assert resolve_backend("nccl", a, a.t(), None) is backend
+
+
+def test_the_resolution_caches_stay_bounded_when_shapes_keep_changing(monkeypatch):
+    """A job whose shapes keep changing (variable sequence lengths) asks about a new signature
+    at every call: resolve_backend's cache, auto's and the fused backend's starts over at
+    ``MAX_CACHED_SIGNATURES`` instead of growing without bound, and still answers."""
+    from megatron_flux.backends import auto, base
+    from megatron_flux.backends import registry as B
+    from megatron_flux.backends.flux import FluxBackend
+
+    monkeypatch.setattr(base, "MAX_CACHED_SIGNATURES", 8)
+    for module in (B, auto):
+        monkeypatch.setattr(module, "MAX_CACHED_SIGNATURES", 8)
+    monkeypatch.setattr("megatron_flux.backends.flux.backend.MAX_CACHED_SIGNATURES", 8)
+    B.clear_resolution_cache()
+    backend = get_backend("nccl")
+    b = torch.zeros(K, 4, dtype=torch.float64)
+    for rows in range(1, 30):
+        a = torch.zeros(rows, K, dtype=torch.float64)
+        assert resolve_backend("nccl", a, b, None) is backend
+        assert resolve_backend("auto", a, b, None) is backend
+        assert len(B._RESOLVED) <= 8
+    fused = FluxBackend(config_provider=lambda op, m, n, k: ("cfg", m))
+    for m in range(1, 30):
+        assert fused.config("rs", m, 4, K) == ("cfg", m)
+        assert len(fused._plans) <= 8
+    B.clear_resolution_cache()
