@@ -1,0 +1,85 @@
+"""How a timed-out wait reaches Python, on one GPU: the timeout report's read of device words
+never waits for the device, and the check the Megatron integration runs before every optimizer
+step raises a timeout that no per-call check has seen yet, before the update."""
+
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_the_report_read_returns_while_a_kernel_still_spins():
+    """``read_without_blocking`` (what a timeout report reads the signal words with) returns
+    within its bound while the device is busy with a kernel that waits on a peer, and reads
+    the words once the device is free. The spinning wait polls a word in pinned host memory,
+    which the test writes to end it, so nothing waits for the spin bound."""
+    from megatron_flux.comm.errors import DeviceErrorWord, read_without_blocking
+    from megatron_flux.kernels.ready_barrier import launch_ready_barrier
+    from megatron_flux.kernels.signals import OP_GATHER
+
+    dev = torch.device("cuda", 0)
+    flags = torch.zeros(2, dtype=torch.int32, pin_memory=True)  # the "peer's" words, on the host
+    ptrs = torch.tensor([flags.data_ptr()] * 2, dtype=torch.int64, device=dev)
+    word = DeviceErrorWord(dev, interval=1)
+    probe = torch.arange(4, dtype=torch.int32, device=dev)
+    torch.cuda.synchronize()
+    launch_ready_barrier(ptrs, word.device_word, rank=0, world=2, base=0, epoch=1,
+                         max_spins=1 << 26, signal=False, wait=True, op_code=OP_GATHER)
+    spinning = torch.cuda.Event()
+    spinning.record()
+    try:
+        start = time.monotonic()
+        got = read_without_blocking([probe], seconds=1.0)
+        elapsed = time.monotonic() - start
+        assert elapsed < 1.5, f"the read waited {elapsed:.2f} s"
+        assert not spinning.query(), "the kernel had stopped spinning: the test proves nothing"
+        assert got is None or got == [[0, 1, 2, 3]]
+    finally:
+        flags.fill_(1)  # the peer's signal: the wait ends
+        torch.cuda.synchronize()
+    assert word.device_word.tolist() == [0, 0, 0, 0], "the wait ended on the signal, in time"
+    assert read_without_blocking([probe, word.device_word]) == [[0, 1, 2, 3], [0, 0, 0, 0]]
+
+
+def test_the_check_before_an_optimizer_step_raises_a_timeout_before_the_update(monkeypatch):
+    """A GEMM+RS whose peer never pushes fills the fused backend's error word; no per-call check
+    has read it (the launch was never counted). The pre-step check
+    (``install_optimizer_error_check``, ``check_fused_errors``) raises it, naming the op and
+    the rank, before the optimizer changes a weight; with the word clean it lets steps run."""
+    from megatron_flux import arguments
+    from megatron_flux.backends import registry
+    from megatron_flux.backends.flux import FluxBackend
+    from megatron_flux.comm.errors import FusedOpTimeout
+    from megatron_flux.kernels.config import GemmConfig, rs_signal_count
+    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+
+    dev = torch.device("cuda", 0)
+    fused = FluxBackend()
+    word = fused.resources.error_word("GEMM+RS", dev)
+    monkeypatch.setitem(registry._INSTANCES, "flux", fused)
+    monkeypatch.setattr(arguments, "_OPTIMIZER_CHECK", None)
+    model = torch.nn.Linear(4, 4, device=dev)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    try:
+        arguments.install_optimizer_error_check()
+        model(torch.ones(2, 4, device=dev)).sum().backward()
+        opt.step()  # a clean word: the step runs
+        cfg = GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=2, num_warps=4)
+        a = torch.randn(256, 64, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(64, 128, device=dev, dtype=torch.bfloat16)
+        out = torch.empty(128, 128, device=dev, dtype=torch.bfloat16)
+        data = torch.empty(2, 128, 128, device=dev, dtype=torch.bfloat16)
+        flags = torch.zeros(rs_signal_count(2), dtype=torch.int32, device=dev)
+        ptrs = lambda t: torch.tensor([t.data_ptr()] * 2, dtype=torch.int64, device=dev)  # noqa: E731
+        launch_gemm_rs(a, b, out, data, ptrs(data), ptrs(flags), None, word.device_word, rank=0,
+                       world=2, epoch=1, cfg=cfg, num_sms=4, max_spins=1000)
+        before = model.weight.detach().clone()
+        with pytest.raises(FusedOpTimeout, match="GEMM\\+RS: rank 0 timed out"):
+            opt.step()
+        assert torch.equal(model.weight, before), "no update after the timeout"
+    finally:
+        if arguments._OPTIMIZER_CHECK is not None:
+            arguments._OPTIMIZER_CHECK.remove()
