@@ -7,6 +7,8 @@ import time
 import pytest
 import torch
 
+from helpers.gpu_harness import launch_gemm_rs_without_its_peer
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -53,8 +55,6 @@ def test_the_check_before_an_optimizer_step_raises_a_timeout_before_the_update(m
     from megatron_flux.backends import registry
     from megatron_flux.backends.flux import FluxBackend
     from megatron_flux.comm.errors import FusedOpTimeout
-    from megatron_flux.kernels.config import GemmConfig, rs_signal_count
-    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
     dev = torch.device("cuda", 0)
     fused = FluxBackend()
@@ -67,15 +67,7 @@ def test_the_check_before_an_optimizer_step_raises_a_timeout_before_the_update(m
         arguments.install_optimizer_error_check()
         model(torch.ones(2, 4, device=dev)).sum().backward()
         opt.step()  # a clean word: the step runs
-        cfg = GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=2, num_warps=4)
-        a = torch.randn(256, 64, device=dev, dtype=torch.bfloat16)
-        b = torch.randn(64, 128, device=dev, dtype=torch.bfloat16)
-        out = torch.empty(128, 128, device=dev, dtype=torch.bfloat16)
-        data = torch.empty(2, 128, 128, device=dev, dtype=torch.bfloat16)
-        flags = torch.zeros(rs_signal_count(2), dtype=torch.int32, device=dev)
-        ptrs = lambda t: torch.tensor([t.data_ptr()] * 2, dtype=torch.int64, device=dev)  # noqa: E731
-        launch_gemm_rs(a, b, out, data, ptrs(data), ptrs(flags), None, word.device_word, rank=0,
-                       world=2, epoch=1, cfg=cfg, num_sms=4, max_spins=1000)
+        launch_gemm_rs_without_its_peer(word.device_word)
         before = model.weight.detach().clone()
         with pytest.raises(FusedOpTimeout, match="GEMM\\+RS: rank 0 timed out"):
             opt.step()

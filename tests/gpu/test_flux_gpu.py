@@ -20,7 +20,8 @@ import time
 import pytest
 import torch
 
-from helpers.gpu_harness import init_rank, nccl_worker, run_nccl_world
+from helpers.gpu_harness import (init_rank, launch_gemm_rs_without_its_peer, nccl_worker,
+                                 run_nccl_world)
 
 pytestmark = pytest.mark.gpu
 
@@ -586,21 +587,9 @@ def test_wait_times_out_loudly():
 def test_rs_wait_times_out_loudly():
     """GEMM+RS whose peer never pushes: the owner's one wait per peer gives up and raises."""
     from megatron_flux.comm.errors import DeviceErrorWord, FusedOpTimeout
-    from megatron_flux.kernels.config import GemmConfig, rs_signal_count
-    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
-    dev = torch.device("cuda", 0)
-    cfg = GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=2, num_warps=4)
-    a = torch.randn(256, 64, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(64, 128, device=dev, dtype=torch.bfloat16)
-    out = torch.empty(128, 128, device=dev, dtype=torch.bfloat16)
-    data = torch.empty(2, 128, 128, device=dev, dtype=torch.bfloat16)
-    flags = torch.zeros(rs_signal_count(2), dtype=torch.int32, device=dev)
-    # both "ranks" map to this GPU's buffers: rank 0 pushes into itself, rank 1 never runs
-    ptrs = lambda t: torch.tensor([t.data_ptr()] * 2, dtype=torch.int64, device=dev)  # noqa: E731
-    word = DeviceErrorWord(dev, interval=1)
-    launch_gemm_rs(a, b, out, data, ptrs(data), ptrs(flags), None, word.device_word, rank=0,
-                   world=2, epoch=1, cfg=cfg, num_sms=4, max_spins=1000)
+    word = DeviceErrorWord(torch.device("cuda", 0), interval=1)
+    launch_gemm_rs_without_its_peer(word.device_word)
     word.after_launch()
     with pytest.raises(FusedOpTimeout, match="GEMM\\+RS: rank 0 timed out"):
         word.check(sync=True)

@@ -90,3 +90,25 @@ def run_nccl_world(worker, world, *args, timeout=600, env=None):
     errors = [str(r[2]) for r in results if r[1] != "ok"]
     assert not errors, "\n".join(errors)
     return [r[2] for r in results]
+
+
+def launch_gemm_rs_without_its_peer(err, max_spins=1000):
+    """A small GEMM+RS as rank 0 of 2 on GPU 0 whose peer never runs: both "ranks" map to this
+    GPU's buffers, rank 0 pushes into itself, and its wait for rank 1's partial runs out after
+    ``max_spins`` polls, filling the int32[4] error word ``err``."""
+    from megatron_flux.kernels.config import GemmConfig, rs_signal_count
+    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+
+    dev = torch.device("cuda", 0)
+    cfg = GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=2, num_warps=4)
+    a = torch.randn(256, 64, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(64, 128, device=dev, dtype=torch.bfloat16)
+    out = torch.empty(128, 128, device=dev, dtype=torch.bfloat16)
+    data = torch.empty(2, 128, 128, device=dev, dtype=torch.bfloat16)
+    flags = torch.zeros(rs_signal_count(2), dtype=torch.int32, device=dev)
+
+    def ptrs(t):
+        return torch.tensor([t.data_ptr()] * 2, dtype=torch.int64, device=dev)
+
+    launch_gemm_rs(a, b, out, data, ptrs(data), ptrs(flags), None, err, rank=0, world=2, epoch=1,
+                   cfg=cfg, num_sms=4, max_spins=max_spins)
