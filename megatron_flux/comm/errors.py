@@ -29,18 +29,19 @@ class FusedOpTimeout(RuntimeError):
     """A fused kernel gave up waiting for a peer's signal."""
 
 
-def read_without_blocking(tensors: Sequence[torch.Tensor], seconds: float = REPORT_READ_SECONDS,
-                          *, queue: Optional[Callable] = None, clock: Callable = time.monotonic,
+def read_without_blocking(tensors: Sequence[torch.Tensor], queue: Callable,
+                          seconds: float = REPORT_READ_SECONDS, *,
+                          clock: Callable = time.monotonic,
                           sleep: Callable = time.sleep) -> Optional[List[list]]:
-    """The values of the CUDA ``tensors`` (of one device) as lists, or ``None`` where they did
-    not reach the host within ``seconds``. They are copied on a stream of their own into pinned
-    memory, and the copy's event is polled: neither the device nor a stream is synchronised,
-    since work queued before a timeout report (an NCCL collective, a kernel behind a stream
-    wait) may itself wait on the stalled peer, and waiting for it would keep the report from
-    ever being raised. ``queue(tensors) -> (host tensors, done())`` queues the copies."""
+    """The values of the device ``tensors`` as lists, or ``None`` where they did not reach the
+    host within ``seconds``. ``queue(tensors) -> (host tensors, done())`` queues their copies
+    (:meth:`HostReader.queue`); ``done`` is polled, and neither the device nor a stream is
+    synchronised, since work queued before a timeout report (an NCCL collective, a kernel behind
+    a stream wait) may itself wait on the stalled peer, and waiting for it would keep the report
+    from ever being raised."""
     if not tensors:
         return []
-    hosts, done = (queue or _queue_host_copies)(tensors)
+    hosts, done = queue(tensors)
     deadline = clock() + seconds
     while not done():
         if clock() >= deadline:
@@ -49,16 +50,52 @@ def read_without_blocking(tensors: Sequence[torch.Tensor], seconds: float = REPO
     return [h.tolist() for h in hosts]
 
 
-def _queue_host_copies(tensors):
-    """Copies of ``tensors`` into pinned memory on a new stream, and their event's ``query``."""
-    stream = torch.cuda.Stream(device=tensors[0].device)
-    hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-    with torch.cuda.stream(stream):
-        for host, t in zip(hosts, tensors):
-            host.copy_(t, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
-    return hosts, done.query
+#: pinned bytes a :class:`HostReader` holds (the signal words a report shows fit many times)
+REPORT_BUFFER_BYTES = 1 << 16
+
+
+class HostReader:
+    """Copies small tensors of one CUDA device to the host on a stream of its own, with the
+    stream, an event and a pinned buffer made when the reader is, so that a report makes
+    nothing. Made at report time, the stream alone waited for the stalled kernel: a process's
+    first CUDA stream (torch creates its stream pool then) waited 5.4 s, the whole spin bound,
+    behind a wait on a peer on an H200, where a pinned allocation or the copy did not wait
+    (``benchmarks/experiments/report_read_probe.py``). The fused backend makes one per device
+    with the device's first error word, before its first launch."""
+
+    def __init__(self, device: torch.device, capacity: int = REPORT_BUFFER_BYTES):
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+        self.done = torch.cuda.Event()
+
+    def queue(self, tensors: Sequence[torch.Tensor]):
+        """Host views of ``tensors`` in the buffer and the ``query`` of the event after their
+        copies. Each must be contiguous and on the reader's device, and together they must fit
+        the buffer (a copy needing a device allocation or a conversion kernel could wait for
+        the device too): otherwise ValueError."""
+        hosts, at = [], 0
+        for t in tensors:
+            at = -(-at // 16) * 16
+            nbytes = t.numel() * t.element_size()
+            if not t.is_contiguous() or t.device != self.device:
+                raise ValueError(f"HostReader reads contiguous tensors of {self.device}, "
+                                 f"not a {tuple(t.shape)} view of {t.device}")
+            if at + nbytes > self.buffer.numel():
+                raise ValueError(f"HostReader: {at + nbytes} bytes exceed its "
+                                 f"{self.buffer.numel()}-byte buffer")
+            hosts.append(self.buffer[at:at + nbytes].view(t.dtype).view(t.shape))
+            at += nbytes
+        with torch.cuda.stream(self.stream):
+            for host, t in zip(hosts, tensors):
+                host.copy_(t, non_blocking=True)
+            self.done.record(self.stream)
+        return hosts, self.done.query
+
+    def read(self, tensors: Sequence[torch.Tensor],
+             seconds: float = REPORT_READ_SECONDS) -> Optional[List[list]]:
+        """:func:`read_without_blocking` through this reader."""
+        return read_without_blocking(tensors, self.queue, seconds)
 
 
 class DeviceErrorWord:

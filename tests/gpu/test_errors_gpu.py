@@ -14,11 +14,11 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_the_report_read_returns_while_a_kernel_still_spins():
-    """``read_without_blocking`` (what a timeout report reads the signal words with) returns
-    within its bound while the device is busy with a kernel that waits on a peer, and reads
-    the words once the device is free. The spinning wait polls a word in pinned host memory,
-    which the test writes to end it, so nothing waits for the spin bound."""
-    from megatron_flux.comm.errors import DeviceErrorWord, read_without_blocking
+    """A :class:`HostReader` made before the launch (what a timeout report reads the signal
+    words with) returns within its bound while the device is busy with a kernel that waits on a
+    peer, and reads the words once the device is free. The spinning wait polls a word in pinned
+    host memory, which the test writes to end it, so nothing waits for the spin bound."""
+    from megatron_flux.comm.errors import DeviceErrorWord, HostReader
     from megatron_flux.kernels.ready_barrier import launch_ready_barrier
     from megatron_flux.kernels.signals import OP_GATHER
 
@@ -27,6 +27,7 @@ def test_the_report_read_returns_while_a_kernel_still_spins():
     ptrs = torch.tensor([flags.data_ptr()] * 2, dtype=torch.int64, device=dev)
     word = DeviceErrorWord(dev, interval=1)
     probe = torch.arange(4, dtype=torch.int32, device=dev)
+    reader = HostReader(dev)
     torch.cuda.synchronize()
     launch_ready_barrier(ptrs, word.device_word, rank=0, world=2, base=0, epoch=1,
                          max_spins=1 << 26, signal=False, wait=True, op_code=OP_GATHER)
@@ -34,7 +35,7 @@ def test_the_report_read_returns_while_a_kernel_still_spins():
     spinning.record()
     try:
         start = time.monotonic()
-        got = read_without_blocking([probe], seconds=1.0)
+        got = reader.read([probe], seconds=1.0)
         elapsed = time.monotonic() - start
         assert elapsed < 1.5, f"the read waited {elapsed:.2f} s"
         assert not spinning.query(), "the kernel had stopped spinning: the test proves nothing"
@@ -43,7 +44,11 @@ def test_the_report_read_returns_while_a_kernel_still_spins():
         flags.fill_(1)  # the peer's signal: the wait ends
         torch.cuda.synchronize()
     assert word.device_word.tolist() == [0, 0, 0, 0], "the wait ended on the signal, in time"
-    assert read_without_blocking([probe, word.device_word]) == [[0, 1, 2, 3], [0, 0, 0, 0]]
+    assert reader.read([probe, word.device_word]) == [[0, 1, 2, 3], [0, 0, 0, 0]]
+    with pytest.raises(ValueError, match="contiguous"):
+        reader.queue([probe[::2]])  # a copy that needs a kernel first
+    with pytest.raises(ValueError, match="exceed"):
+        reader.queue([torch.zeros(1 << 15, dtype=torch.int32, device=dev)])
 
 
 def test_the_check_before_an_optimizer_step_raises_a_timeout_before_the_update(monkeypatch):

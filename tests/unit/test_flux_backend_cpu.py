@@ -3,6 +3,8 @@
 The kernels themselves are tested on GPUs (test_flux_gpu.py) and under the interpreter
 (test_kernels_interpret.py)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -209,6 +211,16 @@ def test_a_timeout_report_reads_the_signal_words_without_waiting_for_the_device(
     text = res.describe_signals(cuda, read=arrived)
     assert asked == [2] and text.startswith("rs bfloat16 epoch 9: parity 0 [0, 0, 0")
     assert "parity 1 [9, 7, 0" in text
+    # by default the device's reader, made with its first error word, before any launch
+    assert res.describe_signals(cuda) == "not read (no fused kernel has run on this device)"
+    from megatron_flux.backends.flux import resources
+    made = []
+    monkeypatch.setattr(resources.deps(), "HostReader",
+                        lambda device: made.append(device) or SimpleNamespace(read=arrived))
+    monkeypatch.setattr(resources.deps(), "DeviceErrorWord",
+                        lambda *a, **k: SimpleNamespace(check_if_due=lambda: None))
+    res.error_word("GEMM+RS", cuda), res.error_word("AG+GEMM", cuda)
+    assert made == [cuda] and res.describe_signals(cuda).startswith("rs bfloat16 epoch 9")
     stuck = res.describe_signals(cuda, read=lambda tensors: None)
     assert stuck.startswith("not read (the copy to the host did not finish within 2 s")
 
@@ -229,12 +241,11 @@ def test_a_timeout_report_reads_the_signal_words_without_waiting_for_the_device(
         now[0] += seconds
 
     t = [torch.ones(2)]
-    assert read_without_blocking(t, 0.01, queue=never_done, clock=lambda: now[0],
-                                 sleep=sleep) is None
+    assert read_without_blocking(t, never_done, 0.01, clock=lambda: now[0], sleep=sleep) is None
     assert 5 <= len(polls) <= 12 and now[0] < 0.02
-    assert read_without_blocking(t, 0.01, queue=lambda ts: ([torch.ones(2)], lambda: True)) == [
+    assert read_without_blocking(t, lambda ts: ([torch.ones(2)], lambda: True), 0.01) == [
         [1.0, 1.0]]
-    assert read_without_blocking([]) == [] and errors.REPORT_READ_SECONDS == 2.0
+    assert read_without_blocking([], never_done) == [] and errors.REPORT_READ_SECONDS == 2.0
 
 
 def test_replaced_staging_stays_alive_for_captured_graphs():
@@ -899,7 +910,7 @@ def test_a_grown_graph_workspace_rebuilds_the_plans_it_made_stale():
     """A graph plan whose workspace grew while another signature's graph plan was built is
     dropped, with the eager plans, so the next eager call of its signature makes it again
     (else its captures would fall back to NCCL)."""
-    from types import SimpleNamespace
+
 
     backend = FluxBackend()
     ws = SimpleNamespace(generation=1)

@@ -22,7 +22,7 @@ def deps():
         from types import SimpleNamespace
 
         from megatron_flux.comm.ag_copies import ag_copy_plan, materialize
-        from megatron_flux.comm.errors import DeviceErrorWord
+        from megatron_flux.comm.errors import DeviceErrorWord, HostReader
         from megatron_flux.comm.rs_copies import rs_copy_plan
         from megatron_flux.comm.signals import (stream_wait_unavailable_reason,
                                                 wait_signal_on_stream, write_signal)
@@ -71,6 +71,7 @@ class DeviceResources:
         self.options = options
         self._workspaces: Dict[Tuple, object] = {}
         self._errors: Dict[Tuple, object] = {}
+        self._readers: Dict[int, object] = {}
         self._streams: Dict[Tuple, torch.cuda.Stream] = {}
         self._orders: Dict[Tuple, object] = {}
         self._staging: Dict[Tuple, torch.Tensor] = {}
@@ -124,6 +125,8 @@ class DeviceResources:
         key = (op, device.index)
         word = self._errors.get(key)
         if word is None:
+            if device.type == "cuda" and device.index not in self._readers:
+                self._readers[device.index] = deps().HostReader(device)  # before any launch
             word = self._errors[key] = deps().DeviceErrorWord(
                 device, self.options.error_check_interval,
                 describe=lambda: self.describe_signals(device))
@@ -133,16 +136,20 @@ class DeviceResources:
     def describe_signals(self, device, read=None) -> str:
         """Every workspace of ``device``: this rank's signal words of both parities and its last
         epoch (:meth:`SymmetricWorkspace.signal_state`). What a timeout report appends. On CUDA
-        the words are read without waiting for the device (``read``, default
-        :func:`~megatron_flux.comm.errors.read_without_blocking`, bounded in time); where they
-        do not arrive in time the text says so instead."""
+        the words are read without waiting for the device (``read``, default: the device's
+        :class:`~megatron_flux.comm.errors.HostReader`, made with its first error word, bounded
+        in time); where they do not arrive in time the text says so instead."""
         spaces = [ws for _, ws in sorted(self._workspaces.items(), key=lambda kv: str(kv[0]))
                   if ws.device == device]
         if device.type != "cuda":
             return "; ".join(ws.signal_state() for ws in spaces)
-        from megatron_flux.comm.errors import REPORT_READ_SECONDS, read_without_blocking
+        from megatron_flux.comm.errors import REPORT_READ_SECONDS
 
-        read = read or read_without_blocking
+        if read is None:
+            reader = self._readers.get(device.index)
+            if reader is None:
+                return "not read (no fused kernel has run on this device)"
+            read = reader.read
         views = [ws.signal_words() for ws in spaces]
         words = read([t for v in views for t in v])
         if words is None:
