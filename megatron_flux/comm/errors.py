@@ -127,10 +127,16 @@ class DeviceErrorWord:
         if self._calls % self.interval == 0 and self._calls:
             self.check()
 
+    def queue_read(self) -> None:
+        """Queue the word's copy to the host on the current stream (read by :meth:`check` once
+        that stream has reached it)."""
+        self.host_word.copy_(self.device_word, non_blocking=True)
+
     def check(self, sync: bool = False) -> None:
-        """Raise :class:`FusedOpTimeout` if a kernel reported a timed-out wait."""
+        """Raise :class:`FusedOpTimeout` if a kernel reported a timed-out wait (with ``sync``,
+        after reading the word through the current stream)."""
         if sync:
-            self.host_word.copy_(self.device_word, non_blocking=True)
+            self.queue_read()
             torch.cuda.current_stream(self.device_word.device).synchronize()
         op, rank, index, seen = (int(v) for v in self.host_word.tolist())
         if op:

@@ -163,8 +163,19 @@ class DeviceResources:
         return "; ".join(parts)
 
     def check_errors(self, sync: bool = True) -> None:
-        for word in self._errors.values():
-            word.check(sync=sync)
+        """Raise a timeout that a kernel reported in any error word. With ``sync``, the words'
+        copies to the host are queued on the current streams and each device's stream is
+        synchronised once, not once per word."""
+        words = list(self._errors.values())
+        if sync:
+            devices = {}
+            for word in words:
+                word.queue_read()
+                devices[word.device_word.device] = True
+            for device in devices:
+                torch.cuda.current_stream(device).synchronize()
+        for word in words:
+            word.check()
 
     def capability(self, device) -> Tuple[int, int]:
         cap = self._caps.get(device.index)
