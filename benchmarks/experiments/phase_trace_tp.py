@@ -11,6 +11,11 @@ median and latest program (µs after that rank's first program start), median ov
 and per launch each rank's first start in ``%globaltimer`` ns. ``%globaltimer`` is not
 calibrated between GPUs, so the skew is only indicative.
 
+A GEMM+RS config of the warp-specialized kernel (``rs_warp_specialized``) runs that kernel
+with its own stamps (``gemm_rs_ws.WS_RS_PHASES`` per MMA partition, summarised as
+``phase_trace_ws.py`` does), not the Triton kernel that the package's dispatch traces. The
+backend's bound launches are off here, so every call goes through the launcher that stamps.
+
 ``--comm off`` is the control: every rank runs the same kernel and config at the same time,
 wired to its own GPU alone (``kernel_vs_cublas``'s one-GPU wiring: peers' signals pre-set,
 pushes into local scratch). Both GPUs are then as busy as with communication on, but nothing
@@ -31,25 +36,50 @@ import torch.distributed as dist
 
 from common import flux_backend_under_torchrun, next_rank_buffer, write_record
 from megatron_flux.tools.diagnostics.kernel_vs_cublas import ag_on_one_gpu, grid_shape, mean_ms, rs_on_one_gpu
+from megatron_flux.backends.flux.resources import deps
 from megatron_flux.kernels import ag_gemm as ag_module
 from megatron_flux.kernels import gemm_rs as rs_module
+from megatron_flux.kernels import gemm_rs_ws
 from megatron_flux.kernels.phase_trace import new_trace
 from phase_trace import summarize
+from phase_trace_ws import summarize as summarize_ws
 
 
 class TracedLauncher:
-    """Wraps a module's ``launch_*`` so every launch stamps into ``self.trace`` when it is set."""
+    """Wraps a module's ``launch_*`` (and the backend's reference to it, ``deps()``) so every
+    launch stamps into ``self.trace`` when it is set. With ``ws_launch`` (GEMM+RS), a traced
+    launch whose config is the warp-specialized kernel's runs ``ws_launch`` with the trace (the
+    package's dispatch would trace the Triton kernel instead)."""
 
-    def __init__(self, module, name):
-        self.module, self.name = module, name
+    def __init__(self, module, name, ws_launch=None):
+        self.module, self.name, self.ws_launch = module, name, ws_launch
         self.inner = getattr(module, name)
         self.trace = None
         setattr(module, name, self)
+        setattr(deps(), name, self)
 
     def __call__(self, *args, **kwargs):
         # the one-GPU wiring (``--comm off``) passes its own ``trace``; the backend never does
         kwargs.setdefault("trace", self.trace)
+        if (self.ws_launch is not None and kwargs["trace"] is not None
+                and ws_config(kwargs["cfg"]) and gemm_rs_ws.unsupported_reason(
+                    args[0], args[0].shape[0] // kwargs["world"], kwargs["cfg"]) is None):
+            kwargs.pop("produce", None), kwargs.pop("consume", None)
+            return self.ws_launch(*args, **kwargs)
         return self.inner(*args, **kwargs)
+
+
+def ws_config(cfg) -> bool:
+    """Whether a GEMM+RS config runs the warp-specialized kernel (traced with its own stamps)."""
+    return bool(getattr(cfg, "rs_warp_specialized", False))
+
+
+def trace_buffer(ws: bool, grid: int, dev) -> torch.Tensor:
+    """A stamp buffer of every program, every slot ``-1``: the warp-specialized kernel's
+    layout (``WS_TRACE_SLOTS``) or the Triton kernels' (:func:`new_trace`)."""
+    if ws:
+        return torch.full((grid, gemm_rs_ws.WS_TRACE_SLOTS), -1, dtype=torch.int64, device=dev)
+    return new_trace(grid, dev)
 
 
 def make_call(op, comm, backend, launcher, group, m, n, k, cfg, dev):
@@ -131,8 +161,9 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     group, rank, world, dev, backend = flux_backend_under_torchrun(args.override)
+    backend.bound_launches = False  # a bound launch would skip the launcher that stamps
     launcher = (TracedLauncher(ag_module, "launch_ag_gemm") if args.op == "ag"
-                else TracedLauncher(rs_module, "launch_gemm_rs"))
+                else TracedLauncher(rs_module, "launch_gemm_rs", gemm_rs_ws.launch_gemm_rs_ws))
     phases = ag_module.AG_PHASES if args.op == "ag" else rs_module.RS_PHASES
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     trickle = Trickle(args.trickle_kib, group, dev) if args.trickle_kib else None
@@ -142,11 +173,12 @@ def main(argv=None):
             n, k = grid_shape(args.op, model, world)
             torch.manual_seed(1234 + rank)
             cfg = backend.config(args.op, m, n, k, dtype=torch.bfloat16, tp=world, device=dev)
+            ws = args.op == "rs" and ws_config(cfg)
             call, keep = make_call(args.op, args.comm, backend, launcher, group, m, n, k, cfg, dev)
             if trickle is not None:
                 call = trickle.wrap(call)
             grid_cap = sms
-            scratch = new_trace(grid_cap, dev)
+            scratch = trace_buffer(ws, grid_cap, dev)
             for _ in range(args.warmup):
                 call(None)
             dist.barrier()
@@ -155,18 +187,24 @@ def main(argv=None):
                 call(scratch)
             dist.barrier()
             traced_ms = mean_ms(lambda call=call: call(scratch), args.iters)
-            bufs = [new_trace(grid_cap, dev) for _ in range(args.launches)]
+            bufs = [trace_buffer(ws, grid_cap, dev) for _ in range(args.launches)]
             dist.barrier()
             for buf in bufs:
                 call(buf)
             torch.cuda.synchronize()
-            summary, step = summarize(bufs, phases)
-            starts = [int(buf[:, 0][buf[:, 0] >= 0].min()) for buf in bufs]
+            if ws:
+                summary = summarize_ws([buf.cpu() for buf in bufs], 2 if cfg.num_warps == 4 else 1)
+                summary.pop("span_us")  # every phase below is {first, median, last, programs}
+                step = None
+            else:
+                summary, step = summarize(bufs, phases)
+            starts = [int(buf[buf >= 0].min()) for buf in bufs]
             mine = {"rank": rank, "phases": summary, "timer_step_ns": step,
                     "untraced_ms": untraced_ms, "traced_ms": traced_ms, "starts_ns": starts}
             every = [None] * world
             dist.all_gather_object(every, mine)
             record = {"comm": args.comm, "override": args.override,
+                      "kernel": "gemm_rs_ws" if ws else args.op,
                       "trickle_kib": args.trickle_kib, "op": args.op, "model": model,
                       "m": m, "n": n, "k": k, "tp": world, "cfg": cfg.to_dict(), "ranks": every}
             rows.append(record)
