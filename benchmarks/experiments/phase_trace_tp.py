@@ -24,6 +24,8 @@ crosses NVLink, so a difference between the two runs is the communication's, not
 
     torchrun --nproc-per-node 2 benchmarks/experiments/phase_trace_tp.py --op rs \
         --models llama3-70b --ms 8192 --json rs-tp-trace.json
+    torchrun --nproc-per-node 2 benchmarks/experiments/phase_trace_tp.py --op rs \
+        --model-shapes yi1.5-9b:4096:22016:11008 --ms 1024 --comm off --json rs-tp-trace-off.json
 
 (run as a script, with the repository root on ``PYTHONPATH``: it imports ``phase_trace`` beside it)
 """
@@ -35,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from common import flux_backend_under_torchrun, next_rank_buffer, write_record
-from megatron_flux.tools.diagnostics.kernel_vs_cublas import ag_on_one_gpu, grid_shape, mean_ms, rs_on_one_gpu
+from megatron_flux.tools.diagnostics.kernel_vs_cublas import add_model_args, ag_on_one_gpu, mean_ms, \
+    model_shapes, rs_on_one_gpu
 from megatron_flux.backends.flux.resources import deps
 from megatron_flux.kernels import ag_gemm as ag_module
 from megatron_flux.kernels import gemm_rs as rs_module
@@ -143,7 +146,7 @@ class Trickle:
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--op", choices=["ag", "rs"], default="rs")
-    p.add_argument("--models", nargs="+", default=["llama3-70b"])
+    add_model_args(p, default_models=["llama3-70b"])  # --models, --model-shapes, --rs-k
     p.add_argument("--ms", nargs="+", type=int, default=[8192],
                    help="token counts (not --m: torchrun would take that for one of its own)")
     p.add_argument("--comm", choices=["on", "off"], default="on",
@@ -168,9 +171,9 @@ def main(argv=None):
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     trickle = Trickle(args.trickle_kib, group, dev) if args.trickle_kib else None
     rows = []
-    for model in args.models:
+    args.tp = world
+    for model, n, k in model_shapes(args, args.op):
         for m in args.ms:
-            n, k = grid_shape(args.op, model, world)
             torch.manual_seed(1234 + rank)
             cfg = backend.config(args.op, m, n, k, dtype=torch.bfloat16, tp=world, device=dev)
             ws = args.op == "rs" and ws_config(cfg)
