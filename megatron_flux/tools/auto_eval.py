@@ -10,7 +10,10 @@ where ``flux_ms <= (1 - margin) * nccl_ms``). Rules:
   themselves (so the allowance never sees the hidden family), else the size rule;
 * ``size_rule``: the size rule alone (what a machine without any current table gets);
 * ``old_1024``: fused from 1024 global rows (the rule before the estimate);
-* ``nearest``: the nearest entry's own decision (same distance, no allowance).
+* ``nearest``: the nearest entry's own decision (same distance, no allowance);
+* ``ag_rows``: ``estimate``, and on a machine of :data:`~megatron_flux.tuning.estimate.AG_ROWS_FUSED`
+  an AG+GEMM fused wherever :func:`~megatron_flux.tuning.estimate.ag_rows_rule` takes it (what
+  ``auto`` does there).
 
 Per rule: decisions right, *false fused* (fused chosen where NCCL was faster by the margin: the
 error that makes ``auto`` slower than NCCL), false NCCL, fused chosen where the fused kernel
@@ -38,7 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_flux.tuning import estimate as E
 
-RULES = ("estimate", "size_rule", "old_1024", "nearest")
+RULES = ("estimate", "size_rule", "old_1024", "nearest", "ag_rows")
 
 
 def _points(table) -> Dict[str, List[E.Point]]:
@@ -49,16 +52,24 @@ def _points(table) -> Dict[str, List[E.Point]]:
     return out
 
 
+def _ag_rows_listed(table) -> bool:
+    return (table.gpu, table.tp, table.dtype) in E.AG_ROWS_FUSED
+
+
 def _choice_record(op: str, p: E.Point, known: List[E.Point], est: E.Estimator, tp: int,
-                   margin: float) -> dict:
-    """``p`` (measured) and each rule's choice for it from the ``known`` entries alone."""
+                   margin: float, ag_rows: bool = False) -> dict:
+    """``p`` (measured) and each rule's choice for it from the ``known`` entries alone
+    (``ag_rows``: the machine is one of :data:`~megatron_flux.tuning.estimate.AG_ROWS_FUSED`)."""
     got = est.decide(p.m, p.n, p.k, margin)
     near = E.nearest(known, p.m, p.n, p.k, reach=math.inf)
+    estimated = got.fused if got is not None else E.size_rule(op, p.m, tp)
     choice = {
-        "estimate": got.fused if got is not None else E.size_rule(op, p.m, tp),
+        "estimate": estimated,
         "size_rule": E.size_rule(op, p.m, tp),
         "old_1024": p.m >= 1024,
         "nearest": bool(near) and near[0][1].ratio <= 1.0 - margin,
+        "ag_rows": estimated or (ag_rows and op == "ag"
+                                 and E.ag_rows_rule(known, p.m, p.n, p.k, tp)),
     }
     return {"op": op, "n": p.n, "k": p.k, "m": p.m, "ratio": round(p.ratio, 4), "choice": choice,
             "estimate_from": ("size rule" if got is None else f"{got.ratio:.3f} x {got.allowance:.3f}")}
@@ -72,7 +83,8 @@ def leave_out_choices(table, margin: float) -> List[dict]:
             rest = [p for p in points if p.family != fam]
             est = E.Estimator(rest)
             for p in sorted((p for p in points if p.family == fam), key=lambda p: p.m):
-                records.append(_choice_record(op, p, rest, est, table.tp, margin))
+                records.append(_choice_record(op, p, rest, est, table.tp, margin,
+                                              _ag_rows_listed(table)))
     return records
 
 
@@ -90,7 +102,8 @@ def held_out_choices(table, bench: dict, drop_sources: Sequence[str], margin: fl
     records = []
     for (op, n, k, m), t in sorted(local_times(bench, "held-out benchmark").items()):
         p = E.Point(m, n, k, t["flux"] / t["nccl"], None)
-        records.append(_choice_record(op, p, known[op], estimators[op], table.tp, margin))
+        records.append(_choice_record(op, p, known[op], estimators[op], table.tp, margin,
+                                      _ag_rows_listed(table)))
     return records
 
 
@@ -229,7 +242,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "date": datetime.date.today().isoformat(), "margin": args.margin,
         "constants": {"m_weight": E.M_WEIGHT, "reach": E.REACH, "k_nearest": E.K_NEAREST,
                       "row_shift": E.ROW_SHIFT, "monotone_from_m": E.MONOTONE_FROM_M, "large_m": E.LARGE_M,
-                      "size_rule_rows_per_rank": dict(E.SIZE_RULE_ROWS_PER_RANK)},
+                      "size_rule_rows_per_rank": dict(E.SIZE_RULE_ROWS_PER_RANK),
+                      "ag_rows_fused": [list(x) for x in E.AG_ROWS_FUSED],
+                      "ag_rule_rows_per_rank": E.AG_RULE_ROWS_PER_RANK},
         "size_rule_derived": derived,
         "tables": {},
     }

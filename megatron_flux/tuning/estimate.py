@@ -87,7 +87,7 @@ MONOTONE_FROM_M = 1024
 #: NCCL's time at best; from 2048 the allowance there is 1.0. Held out on the two TP 4 sets as
 #: rerun with the current configs: 0.910x and 0.920x NCCL's time, none slower; leave-out on the
 #: table 0.897x against 0.929x, the same one false fused at m = 256
-#: (``benchmarks/results/auto-rule-eval-2026-11-28.json``)
+#: (``benchmarks/results/auto-rule-eval-2026-11-29.json``)
 LARGE_M = 2048
 #: Where the estimate abstains (no current table for the machine, nothing within reach), fused
 #: from this many rows per rank (``m_total / tp``) up; None: never. Derived from the shipped
@@ -415,6 +415,27 @@ PINGPONG_SOURCE = "ping-pong GEMM+RS"
 #: only before its split tail (0.85x and 0.97x at m = 1024 on two of nine models), and no other
 #: GPU or dtype ran it: the estimate decides there.
 PINGPONG_FUSED = (("h200", 2, "bf16"),)
+#: On these (GPU, TP, dtype) ``auto`` runs an AG+GEMM shape no table lists fused from
+#: :data:`AG_RULE_ROWS_PER_RANK` rows per rank, without the estimate, where its per-rank GEMM is
+#: no larger than a current entry's (:func:`ag_rows_rule`). 2xH200, bf16: every AG+GEMM measured
+#: there from 1024 rows per rank ran faster than NCCL + cuBLAS, the TP 2 table's entries and the
+#: cases of models no table held in the op benchmarks (``docs/tuning.md``, "Leave-out error":
+#: ``python -m megatron_flux.tools.auto_eval`` scores the rule as ``ag_rows``), where the
+#: estimate, predicting from the neighbours at half the rows, took NCCL for most of them. Not on
+#: 2xH100 (two entries ran 1.016x and 1.054x NCCL's time); at TP 4 the estimate already takes
+#: the fused kernel in every such case measured.
+AG_ROWS_FUSED = (("h200", 2, "bf16"),)
+#: the rows per rank from which :data:`AG_ROWS_FUSED` runs AG+GEMM fused
+AG_RULE_ROWS_PER_RANK = 1024
+
+
+def ag_rows_rule(points: Sequence["Point"], m_total: int, n: int, k: int, tp: int) -> bool:
+    """The AG+GEMM rule of :data:`AG_ROWS_FUSED`: fused from :data:`AG_RULE_ROWS_PER_RANK` rows
+    per rank where some entry of ``points`` has a per-rank ``n * k`` at least as large: no
+    extrapolation to larger GEMMs, where the communication's share of the time, and with it
+    the fused kernel's margin over NCCL, shrinks."""
+    return (m_total >= AG_RULE_ROWS_PER_RANK * max(1, tp)
+            and any(n * k <= p.n * p.k for p in points))
 #: the ping-pong form of the warp-specialized GEMM+RS (``kernels/gemm_rs_ws.py``): 128x128
 #: tiles on two MMA warpgroups, so one tile's epilogue (the pushes to the owner, or the
 #: reduction of the peers' partials) runs beside the other tile's MMAs; pushes from the SMs;

@@ -142,20 +142,22 @@ def estimator(op: str, dtype, tp: int, device: DeviceLike) -> Tuple[estimate.Est
     return hit
 
 
-def _pingpong_fused(dtype, tp: int, device) -> bool:
-    """Whether ``(GPU, TP, dtype)`` is one where the ping-pong GEMM+RS rule's config was
-    measured faster than NCCL wherever it ran (:data:`.estimate.PINGPONG_FUSED`)."""
+def _listed(machines, dtype, tp: int, device) -> bool:
+    """Whether ``(GPU, TP, dtype)`` is one of ``machines`` (:data:`.estimate.PINGPONG_FUSED`:
+    the ping-pong GEMM+RS rule's config ran faster than NCCL wherever it ran there;
+    :data:`.estimate.AG_ROWS_FUSED`: so did every AG+GEMM from 1024 rows per rank)."""
     if not _keyed_dtype(dtype):
         return False
-    return (_identity(device)[0], int(tp), dtype_key(dtype)) in estimate.PINGPONG_FUSED
+    return (_identity(device)[0], int(tp), dtype_key(dtype)) in machines
 
 
 def decide(op: str, m_total: int, n: int, k: int, dtype, tp: int, device) -> Decision:
     """``auto``'s :class:`Decision` for one op and global row count: a current table's entry
     (with the margin) where one lies within :data:`TABLE_REACH_OCTAVES` of ``m_total``; else
     fused for a GEMM+RS on a (GPU, TP, dtype) of :data:`.estimate.PINGPONG_FUSED` whose config
-    is the ping-pong rule's (source ``"rule"``); else the estimate from the nearest current entries
-    (:mod:`.estimate`), else the size rule. Cached."""
+    is the ping-pong rule's, or an AG+GEMM on one of :data:`.estimate.AG_ROWS_FUSED` that
+    :func:`.estimate.ag_rows_rule` takes (source ``"rule"``); else the estimate from the nearest
+    current entries (:mod:`.estimate`), else the size rule. Cached."""
     margin = auto_margin()
     op = normalize_op(op)
     ck = ("decide", op, m_total, n, k, str(dtype), tp, margin,
@@ -172,11 +174,16 @@ def decide(op: str, m_total: int, n: int, k: int, dtype, tp: int, device) -> Dec
             fused = e.flux_ms <= (1.0 - margin) * e.nccl_ms
             out = Decision(fused, "table", f"table ({e.flux_ms / e.nccl_ms:.3f} at m={e.m}, "
                                            f"margin {margin:.0%})")
-    if out is None and op == "rs" and _pingpong_fused(dtype, tp, device):
+    if out is None and op == "rs" and _listed(estimate.PINGPONG_FUSED, dtype, tp, device):
         where = kernel_config(op, m_total, n, k, dtype, tp, device)[1]
         if where.startswith(estimate.PINGPONG_SOURCE):
             out = Decision(True, "rule", f"the {estimate.PINGPONG_SOURCE} rule's config, faster "
                                          f"than NCCL wherever it ran on this GPU at TP {tp}")
+    if out is None and op == "ag" and _listed(estimate.AG_ROWS_FUSED, dtype, tp, device):
+        if estimate.ag_rows_rule(estimator(op, dtype, tp, device)[0].points, m_total, n, k, tp):
+            out = Decision(True, "rule", f"AG+GEMM from {estimate.AG_RULE_ROWS_PER_RANK} rows per "
+                                         f"rank, no larger than a measured entry: faster than "
+                                         f"NCCL wherever it ran on this GPU at TP {tp}")
     if out is None and _keyed_dtype(dtype):
         est = estimator(op, dtype, tp, device)[0].decide(m_total, n, k, margin)
         if est is not None:

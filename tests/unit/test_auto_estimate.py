@@ -586,6 +586,37 @@ def test_kernel_config_applies_the_pingpong_rule_on_the_shipped_tp4_table():
     assert where == "table (m=4096)"
 
 
+def test_auto_runs_unlisted_ag_gemm_fused_from_1024_rows_per_rank_on_h200_at_tp2():
+    """On the shipped tables an AG+GEMM shape no table lists (n = 10240, k = 5632 per rank) runs
+    fused on an H200 at TP 2 in bf16 from 1024 rows per rank (source "rule": every AG+GEMM
+    measured there from those rows beat NCCL), where the estimate, from the neighbours at half
+    the rows, says NCCL; not below those rows, not for a GEMM larger than every entry, and not
+    at TP 4, on an H100 or in fp16, where the usual sources decide."""
+    T.use_table_files(registry.shipped_table_files())
+    h200, h100 = ("NVIDIA H200", 132), ("NVIDIA H100 80GB HBM3", 132)
+    est = provider.estimator("ag", BF16, 2, h200)[0].decide(2048, 10240, 5632, 0.02)
+    assert est is not None and not est.fused  # what the estimate alone would choose
+    for m in (2048, 4096, 8192):
+        d = provider.decide("ag", m, 10240, 5632, BF16, 2, h200)
+        assert d.fused and d.source == "rule" and "1024 rows per rank" in d.why, (m, d)
+    assert provider.decide("ag", 1024, 10240, 5632, BF16, 2, h200).source == "estimate"
+    largest = max(p.n * p.k for p in provider.estimator("ag", BF16, 2, h200)[0].points)
+    assert 65536 * 16384 > largest
+    assert provider.decide("ag", 2048, 65536, 16384, BF16, 2, h200).source == "estimate"
+    assert provider.decide("ag", 4096, 10240, 5632, BF16, 4, h200).source != "rule"
+    assert provider.decide("ag", 2048, 10240, 5632, BF16, 2, h100).source != "rule"
+    assert provider.decide("ag", 2048, 10240, 5632, torch.float16, 2, h200).source != "rule"
+    assert provider.decide("ag", 2048, 3072, 4096, BF16, 2, h200).source == "table"
+    # the leave-out evaluation scores it as "ag_rows": never slower than NCCL on the TP 2 table
+    from megatron_flux.tools.auto_eval import evaluate
+
+    table = next(t for t in map(T.schema.load_table, registry.shipped_table_files())
+                 if (t.gpu, t.tp, t.dtype) == ("h200", 2, "bf16"))
+    rules = evaluate(table, 0.02)["rules"]
+    assert rules["ag_rows"]["fused_slower_than_nccl"] == 0
+    assert rules["ag_rows"]["false_nccl"] < rules["estimate"]["false_nccl"]
+
+
 def test_auto_runs_the_pingpong_rules_config_fused_on_h200_at_tp2():
     """On the shipped tables, a GEMM+RS shape no table lists whose config is the ping-pong
     rule's (gemma3-12b's fc2 at m = 1024, n = 3840, k = 15360 per rank) runs fused on an H200
