@@ -2,6 +2,12 @@
 for sm_90a without a GPU (e.g. whether a change makes ptxas serialize wgmma: warning C7515).
 
     python benchmarks/experiments/ptxas_report.py --ptxas /usr/local/cuda/bin/ptxas --out report.json
+    python benchmarks/experiments/ptxas_report.py --ptxas /usr/local/cuda/bin/ptxas --gluon --out ws.json
+
+``--gluon``: instead, the warp-specialized Gluon kernels' product forms as the launchers build
+them (host-encoded descriptors, a 132-program grid): GEMM+RS ping-pong (with bias, the split
+tail first and last, copy-engine pushes) and cooperative at TP 2 and 4, AG+GEMM ping-pong.
+Register spills there depend on the Triton version (``PYTHONPATH`` another Triton to compare).
 
 Triton compiles each kernel variant to PTX for ``GPUTarget("cuda", 90, 32)``; the given ptxas
 (``-v``) assembles it. A ptxas older than the PTX Triton emits is handled by lowering the PTX
@@ -69,12 +75,90 @@ def resources(kernel, info):
             "spill_store_bytes": int(spills.group(1)) if spills else None}
 
 
+def _gluon_desc(block):
+    """The type of a host-encoded bf16 TMA descriptor argument with a ``block`` box, in the NVMMA
+    shared layout the Gluon kernels' buffers use."""
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+    return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
+
+
+def _compile_gluon(fn, cfg, constexprs, types, ptxas, ptx_version):
+    """A Gluon kernel with ``cfg``'s tile and launch options, bf16, compiled for sm_90a."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from megatron_flux.kernels.gluon_ws import launch_options, mma_partitions
+
+    constexprs = {**{p.name: p.default for p in fn.params
+                     if p.is_constexpr and p.default is not inspect.Parameter.empty},
+                  **constexprs, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                  "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "STAGES": cfg.num_stages,
+                  "NUM_PROGRAMS": 132, "PARTITIONS": mma_partitions(cfg), "HOST_DESC": True}
+    names = [p.name for p in fn.params]
+    sig = {n: "constexpr" if n in constexprs else
+           types.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in names}
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                         attrs={})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch_options(cfg))
+    info, _ = run_ptxas(kernel, ptxas, ptx_version)
+    loads = re.search(r"(\d+) bytes spill loads", info)
+    return {**resources(kernel, info), "spill_load_bytes": int(loads.group(1)) if loads else None}
+
+
+def gluon_rows(ptxas, ptx_version):
+    """``--gluon``: the warp-specialized kernels' product forms (see the module docstring)."""
+    from megatron_flux.kernels import ag_gemm_ws, gemm_rs_ws
+    from megatron_flux.kernels.config import GemmConfig
+
+    pingpong = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8)
+    coop = dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, group_m=8)
+    rs_forms = (("ping-pong", pingpong, {}, {}),
+                ("ping-pong, bias", pingpong, {}, {"HAS_BIAS": True}),
+                ("ping-pong, split tail first", pingpong, {"stream_k": 1},
+                 {"SPLIT_TAIL": True, "TAIL_FIRST": True}),
+                ("ping-pong, split tail last", pingpong, {"stream_k": 1},
+                 {"SPLIT_TAIL": True, "TAIL_FIRST": False}),
+                ("ping-pong, copy-engine pushes", pingpong, {"rs_copy_engine": True},
+                 {"CE_PUSH": True}),
+                ("cooperative", coop, {}, {}))
+    rows = []
+    for world in (2, 4):
+        for label, tile, extra, consts in rs_forms:
+            cfg = GemmConfig(**tile, rs_warp_specialized=True, **extra)
+            bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+            types = {"data_ptrs": "*i64", "flag_ptrs": "*i64", "err_ptr": "*i32",
+                     "parts_ptr": "*fp32", "counters_ptr": "*i32", "a_hd": _gluon_desc((bm, bk)),
+                     "b_hd": _gluon_desc((bn, bk)), "out_hd": _gluon_desc((bm, bn)),
+                     "slots_hd": _gluon_desc((bm, bn))}
+            r = _compile_gluon(gemm_rs_ws.gemm_rs_ws_kernel, cfg,
+                               {**dict(WORLD=world, B_KN=False, HAS_BIAS=False, CE_PUSH=False,
+                                       CONSUMER_REGS=gemm_rs_ws.CONSUMER_REGS, MERGE_ROWS=False),
+                                **consts}, types, ptxas, ptx_version)
+            rows.append({"kernel": "gemm_rs_ws", "form": label, "world": world, **r})
+            print(json.dumps(rows[-1]), flush=True)
+        cfg = GemmConfig(**pingpong, ag_warp_specialized=True)
+        types = {"flags_ptr": "*i32", "err_ptr": "*i32", "x_hd": _gluon_desc((128, 64)),
+                 "ag_hd": _gluon_desc((128, 64)), "b_hd": _gluon_desc((128, 64)),
+                 "c_hd": _gluon_desc((128, 128))}
+        r = _compile_gluon(ag_gemm_ws.ag_gemm_ws_kernel, cfg,
+                           dict(WORLD=world, B_KN=False, CONSUMER_REGS=ag_gemm_ws.CONSUMER_REGS),
+                           types, ptxas, ptx_version)
+        rows.append({"kernel": "ag_gemm_ws", "form": "ping-pong", "world": world, **r})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ptxas", required=True)
     p.add_argument("--ptx-version", default="9.0")
+    p.add_argument("--gluon", action="store_true",
+                   help="the warp-specialized Gluon kernels' product forms instead")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.gluon:
+        return _write(args, gluon_rows(args.ptxas, args.ptx_version))
     from megatron_flux.kernels.ag_gemm import ag_gemm_kernel
     from megatron_flux.kernels.gemm_rs import gemm_rs_kernel
 
@@ -116,6 +200,10 @@ def main(argv=None):
         rows.append({"kernel": "gemm_rs", "config": cfg, "world": 8, "unroll_steps": unroll, **r})
         for row in rows[-2:]:
             print(json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)
+    return _write(args, rows)
+
+
+def _write(args, rows):
     version = subprocess.run([args.ptxas, "--version"], capture_output=True, text=True).stdout
     result = {"command": " ".join([sys.executable] + sys.argv), "triton": triton.__version__,
               "ptxas": version.strip().splitlines()[-1], "target": "sm_90a", "rows": rows}
