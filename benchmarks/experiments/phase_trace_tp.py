@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 
 from common import flux_backend_under_torchrun, next_rank_buffer, write_record
-from megatron_flux.tools.diagnostics.kernel_vs_cublas import add_model_args, ag_on_one_gpu, mean_ms, \
-    model_shapes, rs_on_one_gpu
+from megatron_flux.tools.diagnostics.kernel_vs_cublas import (add_model_args, ag_on_one_gpu,
+                                                              mean_ms, model_shapes,
+                                                              rs_on_one_gpu)
 from megatron_flux.backends.flux.resources import deps
 from megatron_flux.kernels import ag_gemm as ag_module
 from megatron_flux.kernels import gemm_rs as rs_module

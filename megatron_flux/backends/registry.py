@@ -208,9 +208,10 @@ def check_fused_errors() -> None:
     """Raise a timed-out fused wait that any kernel of this process reported so far: the error
     words are copied to the host and each backend synchronises the current stream once (so it
     waits for the work queued on it; on an idle H200 39 us for a job's three words, 58 us read
-    one by one: ``benchmarks/experiments/pre_step_check_cost.py``). A no-op before the fused backend is built, and during a CUDA graph capture
-    (nothing may synchronise there). The Megatron integration runs it before every optimizer
-    step, so a step never applies gradients computed from a timed-out wait."""
+    one by one: ``benchmarks/experiments/pre_step_check_cost.py``). A no-op before the fused
+    backend is built, and during a CUDA graph capture (nothing may synchronise there). The
+    Megatron integration runs it before every optimizer step, so a step never applies gradients
+    computed from a timed-out wait."""
     with _LOCK:  # "flux", and the fused variants a job may rotate (--flux-interleave-variants)
         fused = [b for b in _INSTANCES.values() if hasattr(b, "check_errors")]
     if not fused or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
