@@ -95,6 +95,19 @@ def _tables(devices: List[Dict[str, Any]], tp: int) -> List[str]:
             for t in index.tables if (t.gpu, t.sms, t.tp) == (gpu, sms, tp)]
 
 
+def _tables_triton(devices: List[Dict[str, Any]], tp: int) -> List[str]:
+    """The Triton versions the matching tables of :func:`_tables` were measured with."""
+    from megatron_flux.tuning import registry
+    from megatron_flux.tuning.keys import normalize_gpu_name
+
+    if not devices:
+        return []
+    gpu, sms = normalize_gpu_name(devices[0]["name"]), devices[0]["sms"]
+    return sorted({str(t.extra.get("environment", {}).get("triton"))
+                   for t in registry.get_index().tables if (t.gpu, t.sms, t.tp) == (gpu, sms, tp)
+                   and t.extra.get("environment", {}).get("triton")})
+
+
 def invalid_settings(environ: Mapping[str, str]) -> List[str]:
     """One message per ``MEGATRON_FLUX_*`` option variable in ``environ`` whose value
     :class:`~megatron_flux.options.FluxOptions` rejects, as it does when the job starts
@@ -143,6 +156,7 @@ def collect(tp: Optional[int] = None) -> Dict[str, Any]:
     info["symmetric_memory"] = symmetric_memory_status(torch, devices)
     try:
         info["tables"] = _tables(devices, tp)
+        info["tables_triton"] = _tables_triton(devices, tp)
     except Exception as exc:  # noqa: BLE001 (a bad $MEGATRON_FLUX_CONFIG: the job would fail)
         info["tables"], info["tables_error"] = [], f"{type(exc).__name__}: {exc}"
     info["fused_backend"] = verdict(info)
@@ -220,6 +234,13 @@ def verdict(info: Dict[str, Any]) -> Dict[str, Any]:
                      f"at TP {tp}: 'auto' runs AG+GEMM fused from 1024 rows per rank and "
                      "GEMM+RS on NCCL, with default configs (tune your model with `megatron-flux "
                      "tune --model-config CONFIG`; `megatron-flux plan` shows what runs)")
+    triton_here, measured = info["versions"].get("triton"), info.get("tables_triton") or []
+    if triton_here and measured and triton_here not in measured:
+        notes.append(f"triton {triton_here} is not the Triton this machine's tuning tables were "
+                     f"measured with ({', '.join(measured)}): their configs run, untimed with it "
+                     "(with 3.7-3.9 some ping-pong GEMM+RS builds spill registers: docs/design.md, "
+                     "\"Known limits\"); `megatron-flux tune --model-config CONFIG` times your "
+                     "model's GEMMs with it")
     if not info["optional"]["apex_wgrad_kernel"]:
         notes.append("apex's weight-gradient kernel is not installed: megatron-flux's linears "
                      "accumulate into main_grad with torch (--flux-gradient-accumulation-fusion)")

@@ -105,6 +105,20 @@ def test_notes_for_what_runs_but_may_not_be_meant():
         assert expected in text, text
 
 
+def test_a_triton_other_than_the_tables_is_noted():
+    """The shipped tables record the Triton they were measured with (3.6.0); another version
+    runs their configs untimed, and check says so, naming both."""
+    from megatron_flux.tools.check import _tables_triton
+
+    assert _tables_triton([H200], 2) == ["3.6.0"]
+    assert not any("triton" in n for n in verdict(_machine(tables_triton=["3.6.0"]))["notes"])
+    other = _machine(tables_triton=["3.6.0"])
+    other["versions"]["triton"] = "3.9.0"
+    (note,) = [n for n in verdict(other)["notes"] if n.startswith("triton")]
+    assert "triton 3.9.0 is not the Triton" in note and "(3.6.0)" in note
+    assert verdict(_machine())["notes"] == []  # no recorded version: nothing to compare
+
+
 def test_the_shipped_tables_are_found_for_their_machine():
     assert any("h200-sm132-tp2-bf16.json" in t for t in _tables([H200], 2))
     (tp4,) = _tables([H200], 4)
