@@ -4,7 +4,9 @@ Each variant runs in a fresh process: it launches a bounded wait on a pinned hos
 ready barrier, spin bound 2**22: about 5 s on an H200), then times, one by one, what a read of
 device words to the host does (make a stream, allocate pinned memory, queue the copy and an
 event), and whether the kernel was still spinning after them. ``--warm`` variants do some of
-those steps before the launch. Needs 1 GPU.
+those steps before the launch; the ``own`` variant makes the stream as the package's
+``HostReader`` does (``comm.errors.own_stream``: a driver stream, not torch's pool). Needs 1
+GPU.
 
     PYTHONPATH=.:benchmarks/experiments python benchmarks/experiments/report_read_probe.py \\
         --json /tmp/report-read.json
@@ -16,7 +18,7 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ["", "stream", "stream,pinned", "stream,pinned,copy"]
+VARIANTS = ["", "stream", "stream,pinned", "stream,pinned,copy", "own"]
 
 
 def one(warm: set) -> dict:
@@ -52,7 +54,12 @@ def one(warm: set) -> dict:
         seconds[name] = round(time.monotonic() - start, 4)
         return value
 
-    stream = timed("make_stream", lambda: torch.cuda.Stream(device=dev))
+    if "own" in warm:
+        from megatron_flux.comm.errors import own_stream
+
+        stream = timed("make_own_stream", lambda: own_stream(dev))
+    else:
+        stream = timed("make_stream", lambda: torch.cuda.Stream(device=dev))
     host = timed("pinned_alloc", lambda: torch.empty(4, dtype=torch.int32, pin_memory=True))
 
     def queue():

@@ -8,6 +8,7 @@ the word's ``describe`` callback reports (the backend's: this rank's signal word
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable, List, Optional, Sequence
 
@@ -58,16 +59,22 @@ class HostReader:
     """Copies small tensors of one CUDA device to the host on a stream of its own, with the
     stream, an event and a pinned buffer made when the reader is, so that a report makes
     nothing. Made at report time, the stream alone waited for the stalled kernel: a process's
-    first CUDA stream (torch creates its stream pool then) waited 5.4 s, the whole spin bound,
-    behind a wait on a peer on an H200, where a pinned allocation or the copy did not wait
-    (``benchmarks/experiments/report_read_probe.py``). The fused backend makes one per device
-    with the device's first error word, before its first launch."""
+    first CUDA stream (torch creates its stream pool then) waited 4.9 s, until the spin bound
+    ran out, behind a wait on a peer on an H200, where a pinned allocation, the copy and a
+    driver stream (:func:`own_stream`, 0.4 ms) did not wait
+    (``benchmarks/experiments/report_read_probe.py``). The stream is not one of torch's pooled
+    ones, which ``torch.cuda.Stream()`` deals out in turn (32 per priority), so no other code
+    can queue work on it that waits on the stalled peer (:func:`own_stream`). The fused backend
+    makes one per device when it first uses the device, before its first launch."""
 
     def __init__(self, device: torch.device, capacity: int = REPORT_BUFFER_BYTES):
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        self.stream = own_stream(self.device)
         self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
         self.done = torch.cuda.Event()
+        self.done.record(self.stream)  # torch creates the CUDA event at its first record
+        self._lock = threading.Lock()
 
     def queue(self, tensors: Sequence[torch.Tensor]):
         """Host views of ``tensors`` in the buffer and the ``query`` of the event after their
@@ -94,8 +101,35 @@ class HostReader:
 
     def read(self, tensors: Sequence[torch.Tensor],
              seconds: float = REPORT_READ_SECONDS) -> Optional[List[list]]:
-        """:func:`read_without_blocking` through this reader."""
-        return read_without_blocking(tensors, self.queue, seconds)
+        """:func:`read_without_blocking` through this reader (one read at a time: the buffer
+        and the event are shared)."""
+        with self._lock:
+            return read_without_blocking(tensors, self.queue, seconds)
+
+
+#: ``cuStreamCreate`` flag: the stream does not synchronise with the legacy default stream
+_CU_STREAM_NON_BLOCKING = 1
+
+
+def own_stream(device: torch.device) -> torch.cuda.Stream:
+    """A new non-blocking CUDA stream of ``device`` that only its caller uses: created by the
+    driver (``cuStreamCreate``, non-blocking like torch's own streams: the legacy default
+    stream, where torch queues work by default, does not order it) and wrapped as a
+    ``torch.cuda.ExternalStream``; never destroyed. Where the driver library cannot be loaded,
+    a pooled ``torch.cuda.Stream``."""
+    import ctypes
+
+    with torch.cuda.device(device):
+        torch.cuda.current_stream(device)  # the device's primary context, current
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return torch.cuda.Stream(device=device)
+        handle = ctypes.c_void_p()
+        rc = lib.cuStreamCreate(ctypes.byref(handle), ctypes.c_uint(_CU_STREAM_NON_BLOCKING))
+        if rc != 0:
+            raise RuntimeError(f"cuStreamCreate failed on {device} (CUresult {rc})")
+        return torch.cuda.ExternalStream(handle.value, device=device)
 
 
 class DeviceErrorWord:

@@ -15,9 +15,10 @@ pytestmark = [pytest.mark.gpu,
 
 def test_the_report_read_returns_while_a_kernel_still_spins():
     """A :class:`HostReader` made before the launch (what a timeout report reads the signal
-    words with) returns within its bound while the device is busy with a kernel that waits on a
-    peer, and reads the words once the device is free. The spinning wait polls a word in pinned
-    host memory, which the test writes to end it, so nothing waits for the spin bound."""
+    words with) reads device words while the device is busy with a kernel that waits on a peer:
+    its stream is its own (not one of torch's pooled streams) and not ordered behind the
+    default stream the kernel runs on. The spinning wait polls a word in pinned host memory,
+    which the test writes to end it, so nothing waits for the spin bound."""
     from megatron_flux.comm.errors import DeviceErrorWord, HostReader
     from megatron_flux.kernels.ready_barrier import launch_ready_barrier
     from megatron_flux.kernels.signals import OP_GATHER
@@ -39,12 +40,15 @@ def test_the_report_read_returns_while_a_kernel_still_spins():
         elapsed = time.monotonic() - start
         assert elapsed < 1.5, f"the read waited {elapsed:.2f} s"
         assert not spinning.query(), "the kernel had stopped spinning: the test proves nothing"
-        assert got is None or got == [[0, 1, 2, 3]]
+        # its own non-blocking stream: the copy is not ordered behind the spinning kernel
+        assert got == [[0, 1, 2, 3]]
     finally:
         flags.fill_(1)  # the peer's signal: the wait ends
         torch.cuda.synchronize()
     assert word.device_word.tolist() == [0, 0, 0, 0], "the wait ended on the signal, in time"
     assert reader.read([probe, word.device_word]) == [[0, 1, 2, 3], [0, 0, 0, 0]]
+    pooled = {torch.cuda.Stream(device=dev).cuda_stream for _ in range(96)}
+    assert reader.stream.cuda_stream not in pooled  # no other code is handed its stream
     with pytest.raises(ValueError, match="contiguous"):
         reader.queue([probe[::2]])  # a copy that needs a kernel first
     with pytest.raises(ValueError, match="exceed"):

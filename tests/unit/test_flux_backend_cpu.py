@@ -248,6 +248,23 @@ def test_a_timeout_report_reads_the_signal_words_without_waiting_for_the_device(
                         lambda *a, **k: SimpleNamespace(check_if_due=lambda: None))
     res.error_word("GEMM+RS", cuda), res.error_word("AG+GEMM", cuda)
     assert made == [cuda] and res.describe_signals(cuda).startswith("rs bfloat16 epoch 9")
+    # a device's first workspace makes it first, before the workspace's rendezvous
+    order = []
+    monkeypatch.setattr(resources.deps(), "HostReader", lambda device: order.append("reader"))
+    monkeypatch.setattr(resources.deps(), "SymmetricWorkspace",
+                        lambda *a: order.append("workspace"))
+    DeviceResources(FluxOptions()).workspace("ag", SimpleNamespace(group_name="g"),
+                                             torch.device("cuda", 1), torch.bfloat16)
+    assert order == ["reader", "workspace"]
+
+    def refused(device):
+        raise RuntimeError("cuStreamCreate failed")
+
+    fresh = DeviceResources(FluxOptions())
+    monkeypatch.setattr(resources.deps(), "HostReader", refused)
+    fresh.error_word("GEMM+RS", cuda)  # the call goes on; its report says why it has no words
+    assert fresh.describe_signals(cuda) == (
+        "not read (no reader: RuntimeError: cuStreamCreate failed)")
     stuck = res.describe_signals(cuda, read=lambda tensors: None)
     assert stuck.startswith("not read (the copy to the host did not finish within 2 s")
 
@@ -937,8 +954,6 @@ def test_a_grown_graph_workspace_rebuilds_the_plans_it_made_stale():
     """A graph plan whose workspace grew while another signature's graph plan was built is
     dropped, with the eager plans, so the next eager call of its signature makes it again
     (else its captures would fall back to NCCL)."""
-
-
     backend = FluxBackend()
     ws = SimpleNamespace(generation=1)
     old = SimpleNamespace(ws=ws, generation=1, group="g")

@@ -91,8 +91,19 @@ class DeviceResources:
         key = (op, group.group_name, device.index, dtype)
         ws = self._workspaces.get(key)
         if ws is None:
+            self._ensure_reader(device)  # before this workspace's first rendezvous
             ws = self._workspaces[key] = deps().SymmetricWorkspace(op, group, device, dtype)
         return ws
+
+    def _ensure_reader(self, device) -> None:
+        """The device's timeout-report reader (:class:`~megatron_flux.comm.errors.HostReader`),
+        made on the device's first use, before any kernel of this backend can wait on a peer
+        there; where it cannot be made, the reason, which a report then gives."""
+        if device.type == "cuda" and device.index not in self._readers:
+            try:
+                self._readers[device.index] = deps().HostReader(device)
+            except Exception as exc:  # noqa: BLE001 (a report without its words, not a failed call)
+                self._readers[device.index] = f"{type(exc).__name__}: {exc}"
 
     def graph_workspace(self, op: str, group, device, dtype, data_elems: int, flag_count: int):
         """The workspace of ``op``'s captured calls on ``group`` (separate from the eager one:
@@ -125,8 +136,7 @@ class DeviceResources:
         key = (op, device.index)
         word = self._errors.get(key)
         if word is None:
-            if device.type == "cuda" and device.index not in self._readers:
-                self._readers[device.index] = deps().HostReader(device)  # before any launch
+            self._ensure_reader(device)
             word = self._errors[key] = deps().DeviceErrorWord(
                 device, self.options.error_check_interval,
                 describe=lambda: self.describe_signals(device))
@@ -137,8 +147,8 @@ class DeviceResources:
         """Every workspace of ``device``: this rank's signal words of both parities and its last
         epoch (:meth:`SymmetricWorkspace.signal_state`). What a timeout report appends. On CUDA
         the words are read without waiting for the device (``read``, default: the device's
-        :class:`~megatron_flux.comm.errors.HostReader`, made with its first error word, bounded
-        in time); where they do not arrive in time the text says so instead."""
+        :class:`~megatron_flux.comm.errors.HostReader`, made on its first use, bounded in time);
+        where they do not arrive in time the text says so instead."""
         spaces = [ws for _, ws in sorted(self._workspaces.items(), key=lambda kv: str(kv[0]))
                   if ws.device == device]
         if device.type != "cuda":
@@ -149,6 +159,8 @@ class DeviceResources:
             reader = self._readers.get(device.index)
             if reader is None:
                 return "not read (no fused kernel has run on this device)"
+            if isinstance(reader, str):
+                return f"not read (no reader: {reader})"
             read = reader.read
         views = [ws.signal_words() for ws in spaces]
         words = read([t for v in views for t in v])
