@@ -12,9 +12,10 @@ and per launch each rank's first start in ``%globaltimer`` ns. ``%globaltimer`` 
 calibrated between GPUs, so the skew is only indicative.
 
 A GEMM+RS config of the warp-specialized kernel (``rs_warp_specialized``) runs that kernel
-with its own stamps (``gemm_rs_ws.WS_RS_PHASES`` per MMA partition, summarised as
+(where it can take the shape) with its own stamps (``gemm_rs_ws.WS_RS_PHASES`` per MMA partition, summarised as
 ``phase_trace_ws.py`` does), not the Triton kernel that the package's dispatch traces. The
 backend's bound launches are off here, so every call goes through the launcher that stamps.
+An AG+GEMM config of the warp-specialized kernel is still traced on the Triton kernel.
 
 ``--comm off`` is the control: every rank runs the same kernel and config at the same time,
 wired to its own GPU alone (``kernel_vs_cublas``'s one-GPU wiring: peers' signals pre-set,
@@ -66,16 +67,18 @@ class TracedLauncher:
         # the one-GPU wiring (``--comm off``) passes its own ``trace``; the backend never does
         kwargs.setdefault("trace", self.trace)
         if (self.ws_launch is not None and kwargs["trace"] is not None
-                and ws_config(kwargs["cfg"]) and gemm_rs_ws.unsupported_reason(
-                    args[0], args[0].shape[0] // kwargs["world"], kwargs["cfg"]) is None):
-            kwargs.pop("produce", None), kwargs.pop("consume", None)
+                and ws_traced(args[0], kwargs["world"], kwargs["cfg"])):
+            assert kwargs.pop("produce", True) and kwargs.pop("consume", True)
             return self.ws_launch(*args, **kwargs)
         return self.inner(*args, **kwargs)
 
 
-def ws_config(cfg) -> bool:
-    """Whether a GEMM+RS config runs the warp-specialized kernel (traced with its own stamps)."""
-    return bool(getattr(cfg, "rs_warp_specialized", False))
+def ws_traced(a, world: int, cfg) -> bool:
+    """Whether a GEMM+RS of ``a`` (all ranks' rows) with ``cfg`` runs, and is traced on, the
+    warp-specialized kernel: its config asks for it and the kernel can take the shape (else
+    the Triton kernel runs, with its own stamp layout)."""
+    return (bool(getattr(cfg, "rs_warp_specialized", False))
+            and gemm_rs_ws.unsupported_reason(a, a.shape[0] // world, cfg) is None)
 
 
 def trace_buffer(ws: bool, grid: int, dev) -> torch.Tensor:
@@ -177,8 +180,8 @@ def main(argv=None):
         for m in args.ms:
             torch.manual_seed(1234 + rank)
             cfg = backend.config(args.op, m, n, k, dtype=torch.bfloat16, tp=world, device=dev)
-            ws = args.op == "rs" and ws_config(cfg)
             call, keep = make_call(args.op, args.comm, backend, launcher, group, m, n, k, cfg, dev)
+            ws = args.op == "rs" and ws_traced(keep[0], world, cfg)  # keep[0]: all ranks' rows
             if trickle is not None:
                 call = trickle.wrap(call)
             grid_cap = sms
