@@ -57,13 +57,23 @@ def _compile(fn, constexprs, num_warps, num_stages, ptxas, ptx_version):
 
 def run_ptxas(kernel, ptxas, ptx_version):
     """Assemble a compiled kernel's PTX for sm_90a with ``ptxas -v``: ``(its stderr, which
-    carries the resource lines, warnings and errors; exit code)``. The PTX ``.version`` is lowered to ``ptx_version`` (see the module docstring)."""
-    ptx = re.sub(r"^\.version \d+\.\d+", f".version {ptx_version}", kernel.asm["ptx"], flags=re.M)
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(f"{tmp}/k.ptx", "w") as f:
-            f.write(ptx)
-        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                              capture_output=True, text=True)
+    carries the resource lines and warnings; exit code 0)``. The PTX ``.version`` is lowered to
+    ``ptx_version`` (see the module docstring), or to the newest this ptxas names when it
+    refuses that one; any other failure raises."""
+    def assemble(version):
+        ptx = re.sub(r"^\.version \d+\.\d+", f".version {version}", kernel.asm["ptx"], flags=re.M)
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(f"{tmp}/k.ptx", "w") as f:
+                f.write(ptx)
+            return subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o",
+                                   f"{tmp}/k.cubin"], capture_output=True, text=True)
+
+    done = assemble(ptx_version)
+    newest = re.search(r"current version is '([\d.]+)'", done.stderr)
+    if done.returncode != 0 and newest:
+        done = assemble(newest.group(1))
+    if done.returncode != 0:
+        raise RuntimeError(f"ptxas failed ({done.returncode}): {done.stderr[-500:]}")
     return done.stderr, done.returncode
 
 
