@@ -235,7 +235,8 @@ def verdict(info: Dict[str, Any]) -> Dict[str, Any]:
                      "GEMM+RS on NCCL, with default configs (tune your model with `megatron-flux "
                      "tune --model-config CONFIG`; `megatron-flux plan` shows what runs)")
     triton_here, measured = info["versions"].get("triton"), info.get("tables_triton") or []
-    if triton_here and measured and triton_here not in measured:
+    if triton_here and measured and triton_here.split("+")[0] not in {
+            v.split("+")[0] for v in measured}:  # a local build's suffix is the same release
         notes.append(f"triton {triton_here} is not the Triton this machine's tuning tables were "
                      f"measured with ({', '.join(measured)}): their configs run, untimed with it "
                      "(with 3.7-3.9 some ping-pong GEMM+RS builds spill registers: docs/design.md, "

@@ -117,6 +117,9 @@ def test_a_triton_other_than_the_tables_is_noted():
     (note,) = [n for n in verdict(other)["notes"] if n.startswith("triton")]
     assert "triton 3.9.0 is not the Triton" in note and "(3.6.0)" in note
     assert verdict(_machine())["notes"] == []  # no recorded version: nothing to compare
+    local = _machine(tables_triton=["3.6.0"])
+    local["versions"]["triton"] = "3.6.0+git1234abcd"  # a local build of the same release
+    assert verdict(local)["notes"] == []
 
 
 def test_the_shipped_tables_are_found_for_their_machine():
