@@ -38,6 +38,10 @@
 #   race        a workspace growth while one rank's GPU is still busy (RACE_SLEEP_CYCLES of GPU
 #               sleep, default about 6 s), with and without the device drain before the rendezvous
 #               (benchmarks/experiments/growth_race.py)                         -> race.{jsonl,log}
+#   rstrace     where the fused GEMM+RS's time goes with communication on and off, every rank
+#               (benchmarks/experiments/phase_trace_tp.py; RSTRACE_MODELS, NAME:H:FC1:FFN each,
+#               default the weakest held-out GEMM+RS cases; RSTRACE_MS, default "1024 2048")
+#                                                           -> rs-trace-{on,off}.{json,log}
 #   host        host time per layer call of megatron-core's own linears, nccl and flux
 #               (benchmarks/host_overhead.py --layers, m = 4096 and 8192), with a profile of
 #               flux's host path                                    -> host.{json,log}
@@ -202,6 +206,14 @@ for stage in "$@"; do
             echo "   ${mode}: exit $? (${SECONDS}s)"
         done
         cat "${OUT}/race.jsonl" ;;
+    rstrace)
+        for comm in on off; do
+            # shellcheck disable=SC2086
+            timeout "${RSTRACE_TIMEOUT:-240}" "${TORCHRUN[@]}" benchmarks/experiments/phase_trace_tp.py \
+                --op rs --comm "${comm}" --model-shapes ${RSTRACE_MODELS:-yi1.5-9b:4096:22016:11008 falcon2-11b:4096:16384:16384 starcoder2-7b:4608:18432:18432} \
+                --ms ${RSTRACE_MS:-1024 2048} --json "${OUT}/rs-trace-${comm}.json" > "${OUT}/rs-trace-${comm}.log" 2>&1
+            echo "   comm ${comm}: exit $? (${SECONDS}s)"; grep -E "^rs " "${OUT}/rs-trace-${comm}.log" | cut -c1-160
+        done ;;
     host)
         # host time per layer call (forward + backward) of megatron-core's own linears, nccl and
         # flux, with a profile of flux's
@@ -238,7 +250,7 @@ for stage in "$@"; do
             ! -name results.tgz -print0 | tar czf results.tgz --null -T - --remove-files)
         echo "   $(tar tzf "${OUT}/results.tgz" | wc -l) entries in ${OUT}/results.tgz" ;;
     *)
-        echo "unknown stage ${stage}; stages: main tests bench unseen ab kvc tune trainshapes modelbench race host sections launchab matrix interleave e2e cachepack bundle"
+        echo "unknown stage ${stage}; stages: main tests bench unseen ab kvc tune trainshapes modelbench race rstrace host sections launchab matrix interleave e2e cachepack bundle"
         exit 2 ;;
     esac
 done
