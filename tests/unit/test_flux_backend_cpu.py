@@ -292,6 +292,45 @@ def test_a_timeout_report_reads_the_signal_words_without_waiting_for_the_device(
     assert read_without_blocking([], never_done) == [] and errors.REPORT_READ_SECONDS == 2.0
 
 
+def test_the_report_stream_is_a_driver_stream_of_its_own(monkeypatch):
+    """``own_stream`` makes a non-blocking driver stream (``cuStreamCreate`` with flag 1) and
+    wraps it, not one of torch's pooled streams; without the driver library, a pooled stream;
+    a driver error raises, naming the device."""
+    import contextlib
+    import ctypes
+
+    from megatron_flux.comm import errors
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: ("pooled", device))
+    monkeypatch.setattr(torch.cuda, "ExternalStream",
+                        lambda ptr, device=None: ("external", ptr, device))
+    calls = []
+
+    class Driver:
+        def __init__(self, rc):
+            self.rc = rc
+
+        def cuStreamCreate(self, handle, flags):
+            calls.append(flags.value)
+            ctypes.cast(handle, ctypes.POINTER(ctypes.c_void_p))[0] = 0x1234
+            return self.rc
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Driver(0))
+    assert errors.own_stream(cuda) == ("external", 0x1234, cuda) and calls == [1]
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Driver(2))
+    with pytest.raises(RuntimeError, match="cuStreamCreate failed on cuda:0"):
+        errors.own_stream(cuda)
+
+    def no_driver(name):
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    assert errors.own_stream(cuda) == ("pooled", cuda)
+
+
 def test_replaced_staging_stays_alive_for_captured_graphs():
     """Growing the copy-engine staging keeps the old buffer (a captured graph may address it)
     and drops the copy plans that view it."""
