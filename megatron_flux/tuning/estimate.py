@@ -417,7 +417,7 @@ PINGPONG_SOURCE = "ping-pong GEMM+RS"
 PINGPONG_FUSED = (("h200", 2, "bf16"),)
 #: On these (GPU, TP, dtype) ``auto`` runs an AG+GEMM shape no table lists fused from
 #: :data:`AG_RULE_ROWS_PER_RANK` rows per rank, without the estimate, where its per-rank GEMM is
-#: no larger than a current entry's (:func:`ag_rows_rule`). 2xH200, bf16: every AG+GEMM measured
+#: within the current entries' sizes (:func:`ag_rows_rule`). 2xH200, bf16: every AG+GEMM measured
 #: there from 1024 rows per rank ran faster than NCCL + cuBLAS, the TP 2 table's entries and the
 #: cases of models no table held in the op benchmarks (``docs/tuning.md``, "Leave-out error":
 #: ``python -m megatron_flux.tools.auto_eval`` scores the rule as ``ag_rows``), where the
@@ -431,11 +431,12 @@ AG_RULE_ROWS_PER_RANK = 1024
 
 def ag_rows_rule(points: Sequence["Point"], m_total: int, n: int, k: int, tp: int) -> bool:
     """The AG+GEMM rule of :data:`AG_ROWS_FUSED`: fused from :data:`AG_RULE_ROWS_PER_RANK` rows
-    per rank where some entry of ``points`` has a per-rank ``n * k`` at least as large: no
-    extrapolation to larger GEMMs, where the communication's share of the time, and with it
-    the fused kernel's margin over NCCL, shrinks."""
-    return (m_total >= AG_RULE_ROWS_PER_RANK * max(1, tp)
-            and any(n * k <= p.n * p.k for p in points))
+    per rank where the per-rank ``n * k`` lies within the ``points``' range: no extrapolation
+    to larger GEMMs, where the communication's share of the time, and with it the fused
+    kernel's margin over NCCL, shrinks, nor to smaller ones, where fixed costs weigh more."""
+    sizes = [p.n * p.k for p in points]
+    return (m_total >= AG_RULE_ROWS_PER_RANK * max(1, tp) and bool(sizes)
+            and min(sizes) <= n * k <= max(sizes))
 #: the ping-pong form of the warp-specialized GEMM+RS (``kernels/gemm_rs_ws.py``): 128x128
 #: tiles on two MMA warpgroups, so one tile's epilogue (the pushes to the owner, or the
 #: reduction of the peers' partials) runs beside the other tile's MMAs; pushes from the SMs;

@@ -182,8 +182,8 @@ def decide(op: str, m_total: int, n: int, k: int, dtype, tp: int, device) -> Dec
     if out is None and op == "ag" and _listed(estimate.AG_ROWS_FUSED, dtype, tp, device):
         if estimate.ag_rows_rule(estimator(op, dtype, tp, device)[0].points, m_total, n, k, tp):
             out = Decision(True, "rule", f"AG+GEMM from {estimate.AG_RULE_ROWS_PER_RANK} rows per "
-                                         f"rank, no larger than a measured entry: faster than "
-                                         f"NCCL wherever it ran on this GPU at TP {tp}")
+                                         f"rank, within the measured entries' sizes: faster "
+                                         f"than NCCL wherever it ran on this GPU at TP {tp}")
     if out is None and _keyed_dtype(dtype):
         est = estimator(op, dtype, tp, device)[0].decide(m_total, n, k, margin)
         if est is not None:

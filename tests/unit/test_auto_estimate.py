@@ -590,8 +590,8 @@ def test_auto_runs_unlisted_ag_gemm_fused_from_1024_rows_per_rank_on_h200_at_tp2
     """On the shipped tables an AG+GEMM shape no table lists (n = 10240, k = 5632 per rank) runs
     fused on an H200 at TP 2 in bf16 from 1024 rows per rank (source "rule": every AG+GEMM
     measured there from those rows beat NCCL), where the estimate, from the neighbours at half
-    the rows, says NCCL; not below those rows, not for a GEMM larger than every entry, and not
-    at TP 4, on an H100 or in fp16, where the usual sources decide."""
+    the rows, says NCCL; not below those rows, not for a GEMM larger or smaller than every
+    entry, and not at TP 4, on an H100 or in fp16, where the usual sources decide."""
     T.use_table_files(registry.shipped_table_files())
     h200, h100 = ("NVIDIA H200", 132), ("NVIDIA H100 80GB HBM3", 132)
     est = provider.estimator("ag", BF16, 2, h200)[0].decide(2048, 10240, 5632, 0.02)
@@ -603,6 +603,9 @@ def test_auto_runs_unlisted_ag_gemm_fused_from_1024_rows_per_rank_on_h200_at_tp2
     largest = max(p.n * p.k for p in provider.estimator("ag", BF16, 2, h200)[0].points)
     assert 65536 * 16384 > largest
     assert provider.decide("ag", 2048, 65536, 16384, BF16, 2, h200).source == "estimate"
+    smallest = min(p.n * p.k for p in provider.estimator("ag", BF16, 2, h200)[0].points)
+    assert 1152 * 2304 < smallest  # smaller than every entry: no rule either
+    assert provider.decide("ag", 4096, 1152, 2304, BF16, 2, h200).source != "rule"
     assert provider.decide("ag", 4096, 10240, 5632, BF16, 4, h200).source != "rule"
     assert provider.decide("ag", 2048, 10240, 5632, BF16, 2, h100).source != "rule"
     assert provider.decide("ag", 2048, 10240, 5632, torch.float16, 2, h200).source != "rule"
