@@ -257,6 +257,19 @@ def test_a_timeout_report_reads_the_signal_words_without_waiting_for_the_device(
                                              torch.device("cuda", 1), torch.bfloat16)
     assert order == ["reader", "workspace"]
 
+    # not inside a CUDA graph capture (nothing may be allocated there): the next eager call
+    capturing = DeviceResources(FluxOptions())
+    made.clear()
+    monkeypatch.setattr(resources.deps(), "HostReader",
+                        lambda device: made.append(device) or SimpleNamespace(read=arrived))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    capturing.error_word("GEMM+RS", cuda)
+    assert made == [] and capturing.describe_signals(cuda).startswith("not read (no fused")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    capturing.error_word("AG+GEMM", cuda)
+    assert made == [cuda]
+
     def refused(device):
         raise RuntimeError("cuStreamCreate failed")
 

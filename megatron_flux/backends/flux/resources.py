@@ -99,11 +99,14 @@ class DeviceResources:
         """The device's timeout-report reader (:class:`~megatron_flux.comm.errors.HostReader`),
         made on the device's first use, before any kernel of this backend can wait on a peer
         there; where it cannot be made, the reason, which a report then gives."""
-        if device.type == "cuda" and device.index not in self._readers:
-            try:
-                self._readers[device.index] = deps().HostReader(device)
-            except Exception as exc:  # noqa: BLE001 (a report without its words, not a failed call)
-                self._readers[device.index] = f"{type(exc).__name__}: {exc}"
+        if device.type != "cuda" or device.index in self._readers:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # nothing may be allocated inside a capture: the next eager call makes it
+        try:
+            self._readers[device.index] = deps().HostReader(device)
+        except Exception as exc:  # noqa: BLE001 (a report without its words, not a failed call)
+            self._readers[device.index] = f"{type(exc).__name__}: {exc}"
 
     def graph_workspace(self, op: str, group, device, dtype, data_elems: int, flag_count: int):
         """The workspace of ``op``'s captured calls on ``group`` (separate from the eager one:
