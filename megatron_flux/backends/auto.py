@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Dict, Optional
 
-from megatron_flux.backends.base import MAX_CACHED_SIGNATURES, TPOverlapBackend
+from megatron_flux.backends.base import TPOverlapBackend, remember
 from megatron_flux.tuning.provider import decide, on_decisions_change
 
 _CACHE: Dict[tuple, object] = {}
@@ -105,10 +105,7 @@ def choose_auto(fused: TPOverlapBackend, nccl: TPOverlapBackend, a, b, tp: int, 
         ag = _decide("ag", rows, k, n, a.dtype, tp, a.device, log)
         rs = _decide("rs", rows, k, n, a.dtype, tp, a.device, log)
         out = (fused if ag else nccl) if ag == rs else AutoDispatch(fused, nccl, ag, rs)
-    if len(_CACHE) >= MAX_CACHED_SIGNATURES:  # variable shapes: start over, do not grow
-        _CACHE.clear()
-    _CACHE[key] = out
-    return out
+    return remember(_CACHE, key, out)  # variable shapes: started over, not grown
 
 
 def clear_cache() -> None:

@@ -29,6 +29,15 @@ import torch.distributed as dist
 MAX_CACHED_SIGNATURES = 4096
 
 
+def remember(cache: dict, key, value):
+    """``cache[key] = value``, the cache first started over where it holds
+    :data:`MAX_CACHED_SIGNATURES` answers; returns ``value``."""
+    if len(cache) >= MAX_CACHED_SIGNATURES:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 def output_like(
     out: Optional[torch.Tensor],
     shape: Tuple[int, ...],

@@ -15,7 +15,7 @@ from typing import Callable, Dict, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from megatron_flux.backends.base import MAX_CACHED_SIGNATURES, TPOverlapBackend
+from megatron_flux.backends.base import TPOverlapBackend, remember
 from megatron_flux.options import on_options_change
 from megatron_flux.tuning.provider import on_decisions_change
 
@@ -177,10 +177,7 @@ def resolve_backend(
                  "inside a capture run on 'nccl' (NCCL collectives and cuBLAS, which graphs "
                  "replay)")
         backend = get_backend("nccl")
-    if len(_RESOLVED) >= MAX_CACHED_SIGNATURES:
-        _RESOLVED.clear()
-    _RESOLVED[key] = backend
-    return backend
+    return remember(_RESOLVED, key, backend)
 
 
 def expect_cuda_graphs() -> None:

@@ -27,7 +27,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron_flux.backends.base import MAX_CACHED_SIGNATURES, TPOverlapBackend
+from megatron_flux.backends.base import TPOverlapBackend, remember
 from megatron_flux.backends.flux import ag, regather, rs
 from megatron_flux.backends.flux.resources import FENCE_SLOTS, DeviceResources
 from megatron_flux.backends.flux.support import group_reason, signature_reason
@@ -171,10 +171,8 @@ class FluxBackend(TPOverlapBackend):
         try:
             reason = self._reasons[key]
         except KeyError:
-            if len(self._reasons) >= MAX_CACHED_SIGNATURES:  # variable shapes: start over
-                self._reasons.clear()
-            reason = self._reasons[key] = signature_reason(
-                a, b, group, lambda: self.resources.capability(a.device), current)
+            reason = remember(self._reasons, key, signature_reason(
+                a, b, group, lambda: self.resources.capability(a.device), current))
         if reason is None:
             reason = self._group_reason(group, a.device)
         return reason
@@ -332,9 +330,7 @@ class FluxBackend(TPOverlapBackend):
                 cfg = self._config_provider(op, m_total, n, k, dtype=dtype, tp=tp, device=device)
             else:
                 cfg = self._config_provider(op, m_total, n, k)
-            if len(self._plans) >= MAX_CACHED_SIGNATURES:  # variable shapes: start over
-                self._plans.clear()
-            self._plans[key] = cfg
+            remember(self._plans, key, cfg)
         return cfg
 
     def clear_config_cache(self) -> None:
