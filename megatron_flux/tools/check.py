@@ -81,9 +81,9 @@ def _peer_access(torch, n: int) -> Dict[str, bool]:
             for i in range(n) for j in range(n) if i != j}
 
 
-def _tables(devices: List[Dict[str, Any]], tp: int) -> List[str]:
+def _machine_tables(devices: List[Dict[str, Any]], tp: int) -> list:
     """The tuning tables (given, cached, shipped) whose GPU, SM count and TP size match the
-    first device at ``tp``; a stale one (measured with other kernels) says so."""
+    first device at ``tp``."""
     from megatron_flux.tuning import registry
     from megatron_flux.tuning.keys import normalize_gpu_name
 
@@ -91,21 +91,19 @@ def _tables(devices: List[Dict[str, Any]], tp: int) -> List[str]:
     if not devices:
         return []
     gpu, sms = normalize_gpu_name(devices[0]["name"]), devices[0]["sms"]
+    return [t for t in index.tables if (t.gpu, t.sms, t.tp) == (gpu, sms, tp)]
+
+
+def _tables(devices: List[Dict[str, Any]], tp: int) -> List[str]:
+    """:func:`_machine_tables`, named; a stale one (measured with other kernels) says so."""
     return [f"{t.path} ({t.describe()}" + (f"; stale: kernel version {t.kernel_version})" if t.stale else ")")
-            for t in index.tables if (t.gpu, t.sms, t.tp) == (gpu, sms, tp)]
+            for t in _machine_tables(devices, tp)]
 
 
 def _tables_triton(devices: List[Dict[str, Any]], tp: int) -> List[str]:
-    """The Triton versions the matching tables of :func:`_tables` were measured with."""
-    from megatron_flux.tuning import registry
-    from megatron_flux.tuning.keys import normalize_gpu_name
-
-    if not devices:
-        return []
-    gpu, sms = normalize_gpu_name(devices[0]["name"]), devices[0]["sms"]
-    return sorted({str(t.extra.get("environment", {}).get("triton"))
-                   for t in registry.get_index().tables if (t.gpu, t.sms, t.tp) == (gpu, sms, tp)
-                   and t.extra.get("environment", {}).get("triton")})
+    """The Triton versions the tables of :func:`_machine_tables` were measured with."""
+    versions = (t.extra.get("environment", {}).get("triton") for t in _machine_tables(devices, tp))
+    return sorted({str(v) for v in versions if v})
 
 
 def invalid_settings(environ: Mapping[str, str]) -> List[str]:
