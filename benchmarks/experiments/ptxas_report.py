@@ -85,17 +85,20 @@ def resources(kernel, info):
             "spill_store_bytes": int(spills.group(1)) if spills else None}
 
 
-def _gluon_desc(block):
-    """The type of a host-encoded bf16 TMA descriptor argument with a ``block`` box, in the NVMMA
-    shared layout the Gluon kernels' buffers use."""
+def gluon_desc(*block, dtype: str = "bf16"):
+    """The type of a host-encoded TMA descriptor argument of a Gluon kernel with a ``block``
+    box, in the NVMMA shared layout the kernels' buffers use."""
     from triton.experimental.gluon import language as gl
 
-    layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-    return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
+    layout = gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, {"bf16": "bfloat16",
+                                                                        "fp16": "float16"}[dtype]))
+    return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
 
-def _compile_gluon(fn, cfg, constexprs, types, ptxas, ptx_version):
-    """A Gluon kernel with ``cfg``'s tile and launch options, bf16, compiled for sm_90a."""
+def compile_gluon(fn, cfg, constexprs, ptr_types, dtype="bf16"):
+    """A warp-specialized Gluon kernel compiled for sm_90 (no GPU needed) with ``cfg``'s tile,
+    a 132-program grid and ``cfg``'s launch options: its pointer arguments are ``dtype`` unless
+    ``ptr_types`` names them, every other argument i32."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from megatron_flux.kernels.gluon_ws import launch_options, mma_partitions
@@ -104,13 +107,18 @@ def _compile_gluon(fn, cfg, constexprs, types, ptxas, ptx_version):
                      if p.is_constexpr and p.default is not inspect.Parameter.empty},
                   **constexprs, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "STAGES": cfg.num_stages,
-                  "NUM_PROGRAMS": 132, "PARTITIONS": mma_partitions(cfg), "HOST_DESC": True}
+                  "NUM_PROGRAMS": 132, "PARTITIONS": mma_partitions(cfg)}
     names = [p.name for p in fn.params]
     sig = {n: "constexpr" if n in constexprs else
-           types.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in names}
+           ptr_types.get(n, f"*{dtype}" if n.endswith("_ptr") else "i32") for n in names}
     src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                          attrs={})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch_options(cfg))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch_options(cfg))
+
+
+def _gluon_report(fn, cfg, constexprs, types, ptxas, ptx_version):
+    """:func:`compile_gluon` with host descriptors, bf16, assembled: its resources."""
+    kernel = compile_gluon(fn, cfg, {**constexprs, "HOST_DESC": True}, types)
     info, _ = run_ptxas(kernel, ptxas, ptx_version)
     loads = re.search(r"(\d+) bytes spill loads", info)
     return {**resources(kernel, info), "spill_load_bytes": int(loads.group(1)) if loads else None}
@@ -138,20 +146,20 @@ def gluon_rows(ptxas, ptx_version):
             cfg = GemmConfig(**tile, rs_warp_specialized=True, **extra)
             bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
             types = {"data_ptrs": "*i64", "flag_ptrs": "*i64", "err_ptr": "*i32",
-                     "parts_ptr": "*fp32", "counters_ptr": "*i32", "a_hd": _gluon_desc((bm, bk)),
-                     "b_hd": _gluon_desc((bn, bk)), "out_hd": _gluon_desc((bm, bn)),
-                     "slots_hd": _gluon_desc((bm, bn))}
-            r = _compile_gluon(gemm_rs_ws.gemm_rs_ws_kernel, cfg,
+                     "parts_ptr": "*fp32", "counters_ptr": "*i32", "a_hd": gluon_desc(bm, bk),
+                     "b_hd": gluon_desc(bn, bk), "out_hd": gluon_desc(bm, bn),
+                     "slots_hd": gluon_desc(bm, bn)}
+            r = _gluon_report(gemm_rs_ws.gemm_rs_ws_kernel, cfg,
                                {**dict(WORLD=world, B_KN=False, HAS_BIAS=False, CE_PUSH=False,
                                        CONSUMER_REGS=gemm_rs_ws.CONSUMER_REGS, MERGE_ROWS=False),
                                 **consts}, types, ptxas, ptx_version)
             rows.append({"kernel": "gemm_rs_ws", "form": label, "world": world, **r})
             print(json.dumps(rows[-1]), flush=True)
         cfg = GemmConfig(**pingpong, ag_warp_specialized=True)
-        types = {"flags_ptr": "*i32", "err_ptr": "*i32", "x_hd": _gluon_desc((128, 64)),
-                 "ag_hd": _gluon_desc((128, 64)), "b_hd": _gluon_desc((128, 64)),
-                 "c_hd": _gluon_desc((128, 128))}
-        r = _compile_gluon(ag_gemm_ws.ag_gemm_ws_kernel, cfg,
+        types = {"flags_ptr": "*i32", "err_ptr": "*i32", "x_hd": gluon_desc(128, 64),
+                 "ag_hd": gluon_desc(128, 64), "b_hd": gluon_desc(128, 64),
+                 "c_hd": gluon_desc(128, 128)}
+        r = _gluon_report(ag_gemm_ws.ag_gemm_ws_kernel, cfg,
                            dict(WORLD=world, B_KN=False, CONSUMER_REGS=ag_gemm_ws.CONSUMER_REGS),
                            types, ptxas, ptx_version)
         rows.append({"kernel": "ag_gemm_ws", "form": "ping-pong", "world": world, **r})

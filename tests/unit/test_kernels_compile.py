@@ -14,6 +14,10 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+# the Gluon kernels' sm_90 build, as benchmarks/experiments/ptxas_report.py makes it
+from ptxas_report import compile_gluon as _compile_gluon  # noqa: E402
+from ptxas_report import gluon_desc as _gluon_desc  # noqa: E402
+
 _POINTERS = {"own_ptr": "*bf16", "slots_ptr": "*bf16", "x_ptr": "*bf16", "ag_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16",
              "a_ptr": "*bf16", "out_ptr": "*bf16", "data_ptr": "*bf16", "bias_ptr": "*bf16",
              "data_ptrs": "*i64", "flag_ptrs": "*i64", "flags_ptr": "*i32", "err_ptr": "*i32",
@@ -130,37 +134,6 @@ def test_ag_gemm_compiles_with_one_row_per_rank(world):
                           UNROLL_STEPS=unroll_steps(world))
         constexprs.update(variant)
         _compile(ag_gemm_kernel, constexprs, ones=("m_local", "chunk_rows"))
-
-
-def _gluon_desc(*block):
-    """The type of a host-encoded bf16 TMA descriptor argument of a Gluon kernel with a
-    ``block`` box, in the NVMMA shared layout the kernels' buffers use."""
-    from triton.experimental.gluon import language as gl
-
-    layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-    return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
-
-
-def _compile_gluon(fn, cfg, constexprs, ptr_types, dtype):
-    """A warp-specialized Gluon kernel compiled for sm_90 (no GPU needed) with ``cfg``'s launch
-    options: its pointer arguments are ``dtype`` unless ``ptr_types`` names them, every other
-    argument i32."""
-    from megatron_flux.kernels.gluon_ws import launch_options, mma_partitions
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    defaults = {p.name: p.default for p in fn.params
-                if p.is_constexpr and p.default is not inspect.Parameter.empty}
-    constexprs = dict(defaults, **constexprs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-                      NUM_PROGRAMS=132, PARTITIONS=mma_partitions(cfg))
-
-    names = [p.name for p in fn.params]
-    sig = {q: "constexpr" if q in constexprs else
-           ptr_types.get(q, f"*{dtype}" if q.endswith("_ptr") else "i32") for q in names}
-    src = GluonASTSource(fn, sig, constexprs={(names.index(q),): v for q, v in constexprs.items()},
-                         attrs={})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=launch_options(cfg))
 
 
 #: (block_m, block_n, block_k, num_stages, num_warps, group_m) of the warp-specialized kernels'
