@@ -28,7 +28,7 @@ MUTANTS = {
     # GEMM+RS: the own tiles do not wait for the peers' signals
     "rs_no_peer_wait": (
         RS, "wait_signal(my_flags + src, p.epoch, p.max_spins, p.err_ptr, _OP_GEMM_RS,\n"
-            "                                        p.rank, src)",
+            "                            p.rank, src)",
         "pass",
         "rs_ws_times_out or two_ranks_on_one_gpu and (ws-ws or coop-coop)"),
     # GEMM+RS: each peer's partial enters the sum at half weight
@@ -86,6 +86,19 @@ MUTANTS = {
         RS, "            for src in gl.static_range(p.WORLD):\n                acc += gl.load(p.data_ptr",
         "            for src in gl.static_range(p.WORLD - 1):\n                acc += gl.load(p.data_ptr",
         "ws_merged_rows_bias or two_ranks_on_one_gpu and wsmerged"),
+    # GEMM+RS split tail: a partition that sums a share of a tail tile without having waited
+    # for the peers' signals reads their slots anyway
+    "rs_split_sum_no_peer_wait": (
+        RS, "        if waited == 0:\n            _wait_peers(p)\n        _stamp(p, 14, one_layout)",
+        "        _stamp(p, 14, one_layout)",
+        "split_tail_ranks_on_one_gpu and last-late"),
+    # GEMM+RS: the owner waits for the first two ranks' signals only (TP 4 needs three)
+    "rs_wait_two_ranks_only": (
+        RS, "        for src in range(p.WORLD):\n            if src != p.rank:\n"
+            "                wait_signal(my_flags + src",
+        "        for src in range(2):\n            if src != p.rank:\n"
+        "                wait_signal(my_flags + src",
+        "four_ranks_on_one_gpu and ws-ws-ws-ws and last-late"),
     # the Triton kernels, against the same one-GPU tests
     # Triton GEMM+RS: the grid barrier of one program (every arrival raises the signals)
     "triton_rs_early_signal": (

@@ -654,12 +654,27 @@ def test_gemm_rs_two_ranks_on_one_gpu(configs, split):
     and rank 1 most of the GPU, so rank 1 sits at its wait while rank 0's programs finish
     their last producer tiles one tile apart. A signal raised before the last of them has
     stored (a grid barrier that counts wrong) lets rank 1 read poisoned slots."""
-    from megatron_flux.kernels.config import GemmConfig, rs_signal_count
+    from megatron_flux.kernels.config import GemmConfig
+
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = [total // 2] * 2 if split == "even" else [3, total - 3 - 8]
+    _gemm_rs_ranks_on_one_gpu(512, 512, 1024, [GemmConfig(**_RS_PAIR[c]) for c in configs], sms)
+
+
+def _gemm_rs_ranks_on_one_gpu(m_local, n, k, cfgs, sms, epochs=(1, 2, 3), late_ms=0.0):
+    """GEMM+RS of ``len(cfgs)`` simulated ranks on this GPU, rank ``r`` with ``cfgs[r]`` on a
+    grid of ``sms[r]`` programs and its own stream, all launched at once per epoch (the last
+    rank ``late_ms`` later, behind a sleep on its stream: every other rank then reaches its
+    waits before that rank has pushed anything); every rank's output checked against the fp32
+    sum of every rank's partial, its error word clean, its arrival counter back at zero and
+    every peer's signal at the epoch. The slots and outputs are poisoned (NaN) before each
+    epoch. The grids together must fit the GPU (every program of every rank resident), as they
+    must on a real group."""
+    from megatron_flux.tools.diagnostics.kernel_vs_cublas import _sleep_cycles_per_ms
+    from megatron_flux.kernels.config import rs_signal_count
     from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
-    world, m_local, n, k = 2, 512, 512, 1024
-    total = torch.cuda.get_device_properties(0).multi_processor_count
-    sms = [total // world] * world if split == "even" else [3, total - 3 - 8]
+    world = len(cfgs)
     gen = torch.Generator(device="cuda").manual_seed(7)
     a = [torch.randn(world * m_local, k, device="cuda", generator=gen).to(torch.bfloat16)
          for _ in range(world)]
@@ -672,37 +687,98 @@ def test_gemm_rs_two_ranks_on_one_gpu(configs, split):
     errs = [torch.zeros(4, dtype=torch.int32, device="cuda") for _ in range(world)]
     outs = [torch.empty(m_local, n, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
     streams = [torch.cuda.Stream() for _ in range(world)]
-    cfgs = [GemmConfig(**_RS_PAIR[c]) for c in configs]
     ref = sum(x.float() @ y.t().float() for x, y in zip(a, w))
-    # Load every rank's kernel binary before two grids run at once: with CUDA's lazy loading a
+    # the sleep kernel timed (and so loaded) before any grid runs: under lazy loading its first
+    # launch would wait for the grids, which wait for the rank queued behind it
+    late_cycles = int(late_ms * _sleep_cycles_per_ms()) if late_ms else 0
+
+    def launch(r, epoch):
+        launch_gemm_rs(a[r], w[r].t(), outs[r], data[r], data_ptrs, flag_ptrs, None, errs[r],
+                       rank=r, world=world, epoch=epoch, cfg=cfgs[r], num_sms=sms[r],
+                       max_spins=1 << 22)
+
+    # Load every rank's kernel binary before the grids run at once: with CUDA's lazy loading a
     # binary's first launch waits for the running grids, so a grid spinning on its peer would
     # wait for a launch queued behind it, and time out where the test selection had not loaded
     # a rank's kernel before. Epoch 0: every wait passes at once (the signals start at 0); the
-    # outputs are not checked.
+    # outputs are not checked. Each rank on its own stream, as below: the split tail's scratch
+    # is per stream.
     for r in range(world):
-        launch_gemm_rs(a[r], w[r].t(), outs[r], data[r], data_ptrs, flag_ptrs, None, errs[r],
-                       rank=r, world=world, epoch=0, cfg=cfgs[r], num_sms=sms[r],
-                       max_spins=1 << 22)
+        with torch.cuda.stream(streams[r]):
+            launch(r, 0)
         torch.cuda.synchronize()
         assert errs[r].tolist() == [0, 0, 0, 0] and int(flags[r][world]) == 0, r
-    for epoch in (1, 2, 3):
+    for epoch in epochs:
         for o in outs + data:
             o.fill_(float("nan"))
         torch.cuda.synchronize()
         for r in range(world):
             with torch.cuda.stream(streams[r]):
-                launch_gemm_rs(a[r], w[r].t(), outs[r], data[r], data_ptrs, flag_ptrs, None,
-                               errs[r], rank=r, world=world, epoch=epoch, cfg=cfgs[r],
-                               num_sms=sms[r], max_spins=1 << 22)
+                if late_cycles and r == world - 1:
+                    torch.cuda._sleep(late_cycles)
+                launch(r, epoch)
         torch.cuda.synchronize()
         for r in range(world):
             assert errs[r].tolist() == [0, 0, 0, 0], (epoch, r, errs[r].tolist())
             assert int(flags[r][world]) == 0, "arrival counter not back at zero"
-            assert int(flags[r][1 - r]) == epoch, "the peer's signal"
+            for peer in range(world):
+                if peer != r:
+                    assert int(flags[r][peer]) == epoch, ("the peer's signal", r, peer)
             got = outs[r].float()
             exp = ref[r * m_local:(r + 1) * m_local]
             rel = float((got - exp).norm() / exp.norm())
-            assert rel < 1e-2, (epoch, r, configs, rel)
+            assert rel < 1e-2, (epoch, r, cfgs[r], rel)
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["together", "last-late"])
+@pytest.mark.parametrize("configs", [("ws", "ws", "ws", "ws"), ("coop", "triton", "ws", "merged"),
+                                     ("wsmerged", "coopmerged", "merged", "ws")],
+                         ids=lambda c: "-".join(c))
+def test_gemm_rs_four_ranks_on_one_gpu(configs, late):
+    """GEMM+RS of four simulated ranks running at once, a quarter of the GPU each: three peers
+    push into every owner and the owner waits for three signals (TP 4's protocol, which the
+    two-rank test does not reach), the kernels mixed across ranks; with ``late`` the last rank
+    starts 2 ms after the others, so every owner's wait for it is a real one."""
+    from megatron_flux.kernels.config import GemmConfig
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count // 4
+    _gemm_rs_ranks_on_one_gpu(256, 512, 1024, [GemmConfig(**_RS_PAIR[c]) for c in configs],
+                              [sms] * 4, late_ms=2.0 if late else 0.0)
+
+
+# (form, world, m_local, n, k, whether the parts run first): on 132 SMs shared evenly, each
+# rank's partial last wave split along K; at TP 2 the parts run first, at TP 4 first below two
+# waves and last from two waves on (gemm_rs_ws.split_tail_first)
+_SPLIT_RANKS = [("pingpong", 2, 512, 1152, 2048, True), ("pingpong", 4, 256, 640, 2048, True),
+                ("pingpong", 4, 256, 1152, 2048, False), ("coop", 2, 512, 2304, 2048, True),
+                ("coop", 4, 256, 1152, 2048, True), ("coop", 4, 256, 2304, 2048, False)]
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["together", "last-late"])
+@pytest.mark.parametrize("form, world, m_local, n, k, first", _SPLIT_RANKS,
+                         ids=lambda v: str(v))
+def test_gemm_rs_ws_split_tail_ranks_on_one_gpu(form, world, m_local, n, k, first, late):
+    """The warp-specialized GEMM+RS with its split tail (``stream_k=1``) on ``world`` simulated
+    ranks running at once on this GPU: the tail tiles are own tiles, so a part's program and
+    the program summing a share of the tile wait for the other parts (counters in this rank's
+    scratch) and for every peer's signal (its grid barrier, raised after the peers' pushes);
+    both must hold across concurrent ranks, in either order of the parts, and the sums must be
+    right over several epochs; with ``late`` the last rank starts 2 ms after the others, so the
+    other ranks' sums wait for its signal for real. The plan is checked to split, in the
+    expected order."""
+    from megatron_flux.kernels import gemm_rs_ws
+    from megatron_flux.kernels.config import GemmConfig
+
+    if torch.cuda.get_device_properties(0).multi_processor_count < 132:
+        pytest.skip("the shapes are chosen for 132 SMs")
+    sms = 132 // world
+    cfg = GemmConfig(**WS_FORMS[form], num_stages=5 if form == "pingpong" else 3,
+                     epilogue_split=1, rs_warp_specialized=True, stream_k=1)
+    tail, parts = gemm_rs_ws.split_tail_plan(world, m_local, n, k, cfg, sms)
+    assert parts > 1 and tail > 0, (tail, parts)
+    assert gemm_rs_ws.split_tail_first(world, m_local, n, cfg, sms) == first
+    _gemm_rs_ranks_on_one_gpu(m_local, n, k, [cfg] * world, [sms] * world,
+                              late_ms=2.0 if late else 0.0)
 
 
 # (the kernel's stream, a sleep kernel first on the peer stream)
