@@ -380,16 +380,17 @@ def test_every_config_knob_is_searched_or_says_why_not():
         assert all(c.flatten_consume == cands[0].flatten_consume for c in cands)
 
 
-def test_gemm_rs_tries_the_ping_pong_kernel_at_every_k():
-    """Every GEMM+RS entry, short K or long, gets the ping-pong warp-specialized kernel's two
-    seeds (SM and copy-engine pushes) right after the common seeds, so a capped list keeps
-    them; AG+GEMM never gets the RS kernel's knob."""
+def test_gemm_rs_tries_both_forms_of_its_warp_specialized_kernel_at_every_k():
+    """Every GEMM+RS entry, short K or long, gets the warp-specialized kernel's three seeds
+    right after the common seeds, so a capped list keeps them: the ping-pong with SM and with
+    copy-engine pushes, and the cooperative form (128x256, 8 warps) with SM pushes; AG+GEMM
+    never gets the RS kernel's knob."""
     for k in (2048, 4096, 14336, 18432):
-        c = S.generate_candidates("rs", 8192, 4096, k, 4, max_candidates=12)
+        c = S.generate_candidates("rs", 8192, 4096, k, 4, max_candidates=13)
         ws = [x for x in c if x.rs_warp_specialized]
         assert [(x.block_m, x.block_n, x.num_stages, x.num_warps, x.rs_copy_engine) for x in ws] == \
-            [(128, 128, 5, 4, False), (128, 128, 5, 4, True)], k
-        assert all(c.index(x) <= 3 + len(S.SEED_CONFIGS) + 1 for x in ws)
+            [(128, 128, 5, 4, False), (128, 128, 5, 4, True), (128, 256, 3, 8, False)], k
+        assert all(c.index(x) <= 3 + len(S.SEED_CONFIGS) + 2 for x in ws)
     c = S.generate_candidates("ag", 8192, 4096, 2048, 2, max_candidates=10**6)
     assert not any(x.rs_warp_specialized for x in c)
     assert S.seeds_for("GEMM+RS") == S.seeds_for("rs") == S.SEED_CONFIGS + S.RS_SEEDS

@@ -98,8 +98,8 @@ NOT_SEARCHED: Dict[str, str] = {
                      "seed",
     "rs_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
                            "fixed forms); GEMM+RS gets its ping-pong form as two seeds (SM and "
-                           "copy-engine pushes, RS_SEEDS), and with merged rows up to m = 512 "
-                           "as another (RS_MERGED_SEEDS)",
+                           "copy-engine pushes) and its cooperative form as a third (RS_SEEDS), "
+                           "and with merged rows up to m = 512 as another (RS_MERGED_SEEDS)",
     "ag_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
                            "fixed forms); AG+GEMM gets both forms as seeds (AG_SEEDS)",
     "flatten_consume": "compiles to the same GEMM+RS kernel either way (Triton does not flatten "
@@ -156,7 +156,14 @@ SEED_CONFIGS: Tuple[Dict[str, object], ...] = (
 #: entries, tuned by a search that tried it only at short K,
 #: ``benchmarks/results/ab-rs-pingpong-h200x4-2026-11-28-*.json``) it ran 0.91-0.99x their
 #: time on 9 of 12 (k = 7168-14336 per rank, up to 7.8 waves of 128x256 tiles) and 1.03-1.06x
-#: on the three from 11.6 waves.
+#: on the three from 11.6 waves. Its cooperative form (one 8-warp partition, 128x256, 3
+#: stages, SM pushes) ran, communication off on one H200, 0.93-1.00x the TP 2 table's config's
+#: time on the training config's four fused GEMM+RS at m = 4096 and 8192 with idle gaps between
+#: launches (the SM clock near its 1.98 GHz maximum) and 0.94-1.08x back to back at the power
+#: cap, where the tuner measures (``benchmarks/results/duty-cycle-h200-2026-11-29-train-*.json``);
+#: with communication on it has not been timed against them. As a rule replacing those configs
+#: wholesale it was measured and not taken at TP 4 (``docs/tuning.md``); a tune keeps it only
+#: where it times faster.
 RS_SEEDS: Tuple[Dict[str, object], ...] = (
     dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
          epilogue_split=1, warp_specialize=False, rs_warp_specialized=True,
@@ -164,6 +171,9 @@ RS_SEEDS: Tuple[Dict[str, object], ...] = (
     dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
          epilogue_split=1, warp_specialize=False, rs_warp_specialized=True,
          rs_copy_engine=True),
+    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, group_m=8,
+         epilogue_split=1, warp_specialize=False, rs_warp_specialized=True,
+         rs_copy_engine=False),
 )
 
 
