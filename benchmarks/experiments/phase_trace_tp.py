@@ -12,8 +12,11 @@ and per launch each rank's first start in ``%globaltimer`` ns. ``%globaltimer`` 
 calibrated between GPUs, so the skew is only indicative.
 
 A GEMM+RS config of the warp-specialized kernel (``rs_warp_specialized``) runs that kernel
-(where it can take the shape) with its own stamps (``gemm_rs_ws.WS_RS_PHASES`` per MMA partition, summarised as
-``phase_trace_ws.py`` does), not the Triton kernel that the package's dispatch traces. The
+(where it can take the shape) with its own stamps (``gemm_rs_ws.WS_RS_PHASES`` and
+``WS_RS_SYNC`` per MMA partition, summarised as ``phase_trace_ws.py`` does: with communication
+on, ``counted_in`` after the last push's epilogue is the drain of the pushes over NVLink, and
+``peers_acquired`` after the first own tile's MMAs the wait for the peers' signals), not the
+Triton kernel that the package's dispatch traces. The
 backend's bound launches are off here, so every call goes through the launcher that stamps.
 An AG+GEMM config of the warp-specialized kernel is still traced on the Triton kernel.
 

@@ -3,8 +3,10 @@
 One GPU, communication off (``kernel_vs_cublas.rs_on_one_gpu``'s wiring as rank 0 of ``--tp``,
 every peer signal pre-set). Per shape, the ping-pong GEMM+RS (``estimate.PINGPONG_RS``) with
 and without its split tail runs with TRACE on: every program stamps ``%globaltimer`` at the
-points ``gemm_rs_ws.WS_RS_PHASES`` names, per MMA partition, and the load partition at its
-start and end (``gemm_rs_ws.WS_TRACE_SLOTS`` words per program). Per launch, stamps are taken
+points ``gemm_rs_ws.WS_RS_PHASES`` and ``WS_RS_SYNC`` name, per MMA partition (the last two:
+counted in at the grid barrier, its pushes drained; the peers' signals acquired at its first
+own tile), and the load partition at its start and end (``gemm_rs_ws.WS_TRACE_SLOTS`` words per
+program). Per launch, stamps are taken
 relative to the earliest start of any partition; per phase and partition the record keeps the
 earliest, median and latest program (µs), then the median of each over ``--launches``
 launches. It also times each form with and without the stamps and cuBLAS beside them (CUDA
@@ -38,6 +40,8 @@ def summarize(traces, partitions):
              for i, phase in enumerate(gemm_rs_ws.WS_RS_PHASES)]
     names += [("load.start", 12), ("load.end", 13), ("split.all_parts_in", 14),
               ("split.share_summed", 15)]
+    names += [(f"mma{c}.{phase}", 16 + 2 * c + i) for c in range(partitions)
+              for i, phase in enumerate(gemm_rs_ws.WS_RS_SYNC)]
     per = {name: {"first": [], "median": [], "last": [], "programs": []} for name, _ in names}
     spans = []
     for tr in traces:

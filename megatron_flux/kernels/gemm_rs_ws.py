@@ -107,10 +107,14 @@ from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step, serp
 #: TRACE: int64 words per program of the trace buffer, and what the kernel stamps there
 #: (``%globaltimer``, ns): per MMA partition ``c`` at ``6 c + i`` its start, its last work item's
 #: start and MMAs' end, that item's epilogue issued, the time it counted in as a split tile's
-#: part, its end; the load partition's start and end at 12 and 13; the split sum's wait for
-#: every part and the peers' signals done, at 14, and its share summed, at 15
-WS_TRACE_SLOTS = 16
+#: part, its end (:data:`WS_RS_PHASES`); the load partition's start and end at 12 and 13; the
+#: split sum's wait for every part and the peers' signals done, at 14, and its share summed, at
+#: 15; per MMA partition at ``16 + 2 c + i`` the time it had counted in at the grid barrier
+#: (its pushes drained) and the time its first own tile had the peers' signals
+#: (:data:`WS_RS_SYNC`)
+WS_TRACE_SLOTS = 20
 WS_RS_PHASES = ("start", "last_item", "last_mma_done", "last_epilogue", "part_in", "end")
+WS_RS_SYNC = ("counted_in", "peers_acquired")
 
 if gluon is not None:
     from megatron_flux.kernels.gluon_ws import b_operand, load_ab, mma_steps, mma_tile, \
@@ -429,6 +433,7 @@ if gluon is not None:
                     else:  # the tile starts in an earlier segment: TMA takes no negative row
                         _store_rows(c_buf, dst, a_row - first, off_n, p.m_local, p.N, red_layout)
         _arrive(p, one_layout)
+        _stamp(p, 16 + 2 * C, one_layout)  # counted in
         tma.store_wait(0)
         _spread_reduce(p, C, red_layout)
 
@@ -534,6 +539,7 @@ if gluon is not None:
             # (a split part first counts in at the end: whole tiles, maybe producers, follow)
             if own and j >= first and arrived == 0:
                 _arrive(p, one_layout)
+                _stamp(p, 16 + 2 * C, one_layout)  # counted in
                 arrived = 1
             prefetched = 0
             if own and not is_unit and waited == 1:
@@ -565,6 +571,7 @@ if gluon is not None:
             _stamp(p, 6 * C + 3, one_layout)  # its epilogue issued
         if arrived == 0:  # no whole own tile: count in anyway
             _arrive(p, one_layout)
+            _stamp(p, 16 + 2 * C, one_layout)  # counted in
         if p.SPLIT_TAIL:
             # each unit's share of its tile's sum, by the partition that does not run the
             # program's last work item (ping-pong: the earlier to finish), after its count-in
@@ -603,9 +610,11 @@ if gluon is not None:
         BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
         dtype: gl.constexpr = p.out_desc.dtype
         nbytes: gl.constexpr = p.slots_desc.block_type.nbytes
+        one_layout: gl.constexpr = gl.BlockedLayout([1], [32], [8 // p.PARTITIONS], [0])
         if waited == 0:
             _wait_peers(p)
             fence_async_proxy(p.epoch, True)  # the TMA reads below follow the acquire
+            _stamp(p, 17 + 2 * C, one_layout)  # the peers' signals acquired
             waited = 1
         for src in gl.static_range(p.WORLD):  # rank order; the own partial is acc
             if src != p.rank:

@@ -67,3 +67,55 @@ def test_ag_trace():
     assert int(err[0]) == 0 and torch.equal(out, plain)
     _assert_schedule(trace, AG_PHASES, ["start", "descriptors", "local_done", "last_wait",
                                         "peers_done", "end"])
+
+
+@pytest.mark.parametrize("form", ["pingpong", "coop"])
+def test_rs_ws_trace(form):
+    """The warp-specialized GEMM+RS's own stamps (``gemm_rs_ws.WS_RS_PHASES`` and ``WS_RS_SYNC``,
+    read by ``benchmarks/experiments/phase_trace_ws.py`` and ``phase_trace_tp.py``), with its
+    split tail, as rank 0 of 2 (peers' signals pre-set): the traced launch computes the right
+    sum; every MMA partition of every program stamps its start and end and counts in at the
+    grid barrier once, between them; the partitions that ran a whole own tile stamp the peers'
+    signals acquired, after their count-in and before their end."""
+    from megatron_flux.kernels import gemm_rs_ws as W
+    from megatron_flux.kernels.config import GemmConfig
+    from megatron_flux.tools.diagnostics.kernel_vs_cublas import rel_err, rs_on_one_gpu
+
+    if W.gemm_rs_ws_kernel is None:
+        pytest.skip(W.GLUON_ERROR)
+    world, m, n, k = 2, 2048, 2304, 2048
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fields = (dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4)
+              if form == "pingpong" else dict(block_m=128, block_n=256, block_k=64, num_stages=3,
+                                              num_warps=8))
+    cfg = GemmConfig(**fields, epilogue_split=1, rs_warp_specialized=True, stream_k=1)
+    assert W.split_tail_plan(world, m // world, n, k, cfg, sms)[1] > 1 or sms != 132
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    a = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+
+    def launcher(*args, produce=True, consume=True, **kwargs):
+        return W.launch_gemm_rs_ws(*args, **kwargs)
+
+    launch, out, data = rs_on_one_gpu(a, w, world, err, launcher, sms)
+    trace = torch.full((sms, W.WS_TRACE_SLOTS), -1, dtype=torch.int64, device="cuda")
+    launch(cfg, trace=trace)
+    torch.cuda.synchronize()
+    assert err.tolist() == [0, 0, 0, 0]
+    ref = (a.float() @ w.t().float())[:m // world] + data[1].float()
+    assert rel_err(out.float(), ref) < 1e-2
+    tr = trace.cpu()
+    phases, sync = len(W.WS_RS_PHASES), len(W.WS_RS_SYNC)
+    acquired = 0
+    for c in range(2 if form == "pingpong" else 1):
+        start, end = tr[:, phases * c], tr[:, phases * c + phases - 1]
+        counted = tr[:, 16 + sync * c + W.WS_RS_SYNC.index("counted_in")]
+        peers = tr[:, 16 + sync * c + W.WS_RS_SYNC.index("peers_acquired")]
+        assert bool((start >= 0).all()) and bool((end >= 0).all()), c
+        assert bool((counted >= 0).all()), f"partition {c}: a program never counted in"
+        assert bool(((start <= counted) & (counted <= end)).all()), c
+        ran = peers >= 0
+        acquired += int(ran.sum())
+        assert bool(((counted[ran] <= peers[ran]) & (peers[ran] <= end[ran])).all()), c
+    assert acquired > 0, "no partition stamped the peers' signals"

@@ -247,8 +247,9 @@ def test_gemm_rs_ws_phase_stamps_exist_only_in_a_trace_build():
                                      "parts_ptr": "*fp32", "counters_ptr": "*i32",
                                      "trace_ptr": "*i64"}, "bf16").asm["ptx"]
     assert "%globaltimer" not in ptx[False]
-    # every partition's stamps: two MMA partitions' six phases, the loader's two, the split's one
-    assert ptx[True].count("%globaltimer") >= 2 * len(W.WS_RS_PHASES) + 3
+    # every partition's stamps: two MMA partitions' six phases and their grid-barrier count-in
+    # (two sites) and peers' signals acquired (WS_RS_SYNC), the loader's two, the split's one
+    assert ptx[True].count("%globaltimer") >= 2 * (len(W.WS_RS_PHASES) + len(W.WS_RS_SYNC) + 1) + 3
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
