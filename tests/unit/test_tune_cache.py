@@ -15,7 +15,7 @@ from megatron_flux import tuning as T
 from megatron_flux.kernels.config import GemmConfig
 from megatron_flux.kernels.version import KERNEL_VERSION
 from megatron_flux.tools import plan as P
-from megatron_flux.tools.tune import search
+from megatron_flux.tools.tune import candidates, search
 from megatron_flux.tuning import provider, registry, schema
 
 from helpers.paths import REPO
@@ -189,8 +189,8 @@ def test_the_table_a_tune_merges_into(tmp_path, capsys):
 def test_the_tuned_table_object_validates_and_names_the_command():
     argv = ["--model-config", LLAMA, "--ms", "4096", "--max-candidates", "8", "--no-merge", "--out", "t.json"]
     args = search.parse_args(argv)
-    args.space, pinned = search.search_space_for((9, 0))
-    cfg = search.generate_candidates("ag", 4096, 1536, 4096, 4, max_candidates=8, space=args.space)[0]
+    args.space, pinned = candidates.search_space_for((9, 0))
+    cfg = candidates.generate_candidates("ag", 4096, 1536, 4096, 4, max_candidates=8, space=args.space)[0]
     entry = {"op": "ag", "n": 1536, "k": 4096, "m": 4096, "config": cfg.to_dict(), "tuned": True,
              "flux_ms": 0.124, "nccl_ms": 0.177, "notes": {"model": "llama3_8b_16l:qkv"}}
     obj = search.table_object(args, argv, "NVIDIA H200", 132, 4, "bf16", pinned, [entry],

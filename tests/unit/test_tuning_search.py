@@ -10,6 +10,7 @@ import pytest
 
 from megatron_flux.tools import cli
 from megatron_flux.kernels.config import GemmConfig, default_config
+from megatron_flux.tools.tune import candidates as C
 from megatron_flux.tools.tune import search as S
 from megatron_flux.tuning import estimate as E
 from megatron_flux.tools.model_shapes import tokens_per_microbatch, tp_gemms
@@ -22,34 +23,34 @@ REPO = str(paths.REPO)
 
 def test_candidates_start_with_default_are_unique_valid_and_bounded():
     for op in ("ag", "rs"):
-        c = S.generate_candidates(op, 4096, 14336, 4096, 2, max_candidates=40)
+        c = C.generate_candidates(op, 4096, 14336, 4096, 2, max_candidates=40)
         assert c[0] == default_config(op, 4096, 14336, 4096)
         assert len(c) == 40 and len(set(c)) == 40
-        assert all(isinstance(x, GemmConfig) and S.smem_bytes(x) <= S.SMEM_BYTES for x in c)
+        assert all(isinstance(x, GemmConfig) and C.smem_bytes(x) <= C.SMEM_BYTES for x in c)
 
 
 def test_candidates_order_by_distance_from_default():
     base = default_config("ag", 4096, 14336, 4096)
-    c = S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6, seeds=())
-    dist = [sum(getattr(x, f) != getattr(base, f) for f in S.SEARCH_SPACE) for x in c]
+    c = C.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6, seeds=())
+    dist = [sum(getattr(x, f) != getattr(base, f) for f in C.SEARCH_SPACE) for x in c]
     assert dist == sorted(dist) and dist[0] == 0 and dist[1] == 1
     # every single-knob change that passes the filters is there
-    singles = {(f, getattr(x, f)) for x, d in zip(c, dist) if d == 1 for f in S.SEARCH_SPACE
+    singles = {(f, getattr(x, f)) for x, d in zip(c, dist) if d == 1 for f in C.SEARCH_SPACE
                if getattr(x, f) != getattr(base, f)}
     assert ("num_stages", 4) in singles and ("warp_specialize", True) in singles and ("chunk_rows", 512) in singles
     # deterministic: every rank builds the same list
-    assert c == S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6, seeds=())
+    assert c == C.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6, seeds=())
 
 
 def test_seed_configs_come_right_after_the_default_and_respect_the_filters():
     for op, m in (("ag", 4096), ("rs", 4096), ("ag", 64), ("rs", 64)):
         base = default_config(op, m, 14336, 4096, tp=2)
-        c = S.generate_candidates(op, m, 14336, 4096, 2, max_candidates=10**6)
+        c = C.generate_candidates(op, m, 14336, 4096, 2, max_candidates=10**6)
         expected = []
         # merged rows try their own seeds first; a tile spanning segments may be as tall as
         # every rank's rows (here 64 of them, like one segment's rounded up)
-        merged_seeds = S.RS_MERGED_SEEDS if base.rs_merge_rows else ()
-        for seed in merged_seeds + S.SEED_CONFIGS:
+        merged_seeds = C.RS_MERGED_SEEDS if base.rs_merge_rows else ()
+        for seed in merged_seeds + C.SEED_CONFIGS:
             cfg = GemmConfig(**{**base.to_dict(), **seed})
             if cfg != base and cfg not in expected and cfg.block_m <= max(64, m // 2):
                 expected.append(cfg)
@@ -61,41 +62,41 @@ def test_seed_configs_come_right_after_the_default_and_respect_the_filters():
         assert c[0] == base and c[1:1 + len(twin) + len(expected)] == twin + expected, op
         assert len(c) == len(set(c))
     # the multi-knob seeds are there although they differ from the default in several knobs
-    c = S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=8)
+    c = C.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=8)
     assert any(x.warp_specialize and x.epilogue_split == 1 for x in c)
     # m = 64 on 2 ranks: 32-row segments, no 128-row seed survives; the default gathers first
-    c = S.generate_candidates("ag", 64, 14336, 4096, 2)
+    c = C.generate_candidates("ag", 64, 14336, 4096, 2)
     assert c[0].ag_merge_local and c[0].ag_merge_lead == 0
     assert all(x.block_m == 64 for x in c[2:])
 
 
 def test_candidate_filters():
     # rs never varies chunk_rows; ag keeps chunks below the rows of a segment
-    rs = S.generate_candidates("rs", 4096, 4096, 14336, 2, max_candidates=10**6)
+    rs = C.generate_candidates("rs", 4096, 4096, 14336, 2, max_candidates=10**6)
     assert {x.chunk_rows for x in rs} == {default_config("rs", 4096, 4096, 14336).chunk_rows}
-    ag = S.generate_candidates("ag", 1024, 14336, 4096, 2, max_candidates=10**6)
+    ag = C.generate_candidates("ag", 1024, 14336, 4096, 2, max_candidates=10**6)
     assert all(x.chunk_rows < 512 for x in ag[1:] if x.chunk_rows != ag[0].chunk_rows)
     # small m: no block_m above the segment rows (rounded up, at least 64); the default and
     # the per-segment default are kept as they are
-    small = S.generate_candidates("ag", 64, 14336, 4096, 2, max_candidates=10**6)
+    small = C.generate_candidates("ag", 64, 14336, 4096, 2, max_candidates=10**6)
     assert max(x.block_m for x in small[2:]) == 64
     # a tight shared-memory budget removes the big pipelines
-    tight = S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6, smem_limit=100 * 1024)
-    assert all(S.smem_bytes(x) <= 100 * 1024 for x in tight[1:])
+    tight = C.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6, smem_limit=100 * 1024)
+    assert all(C.smem_bytes(x) <= 100 * 1024 for x in tight[1:])
     with pytest.raises(ValueError, match="divisible"):
-        S.generate_candidates("ag", 65, 128, 128, 2)
+        C.generate_candidates("ag", 65, 128, 128, 2)
     with pytest.raises(ValueError, match="GemmConfig does not have"):
-        S.generate_candidates("ag", 64, 128, 128, 2, space={"pull": (True, False)})
+        C.generate_candidates("ag", 64, 128, 128, 2, space={"pull": (True, False)})
 
 
-def _brute_force_variations(op, m_total, n, k, tp, space, smem_limit=S.SMEM_BYTES):
+def _brute_force_variations(op, m_total, n, k, tp, space, smem_limit=C.SMEM_BYTES):
     """The candidates (no seeds) as the tuner first built them: every config of the product,
     filtered, sorted by (distance, single knobs breadth-first, product index). The tuner now
     builds them one distance at a time; this is the reference it must match."""
     import itertools
 
     base = default_config(op, m_total, n, k, tp=tp)
-    space = {f: ((getattr(base, f),) if any(f in knobs for o, knobs in S._OP_KNOBS.items() if o != op)
+    space = {f: ((getattr(base, f),) if any(f in knobs for o, knobs in C._OP_KNOBS.items() if o != op)
                  else values) for f, values in space.items()}  # the other op's knobs stay
     twins = ([default_config(op, m_total, n, k, tp=tp, gather_small_m=False)]
              if base.ag_merge_local or base.rs_merge_rows else [])  # small m: per segment too
@@ -112,7 +113,7 @@ def _brute_force_variations(op, m_total, n, k, tp, space, smem_limit=S.SMEM_BYTE
             continue
         spans = cfg.rs_merge_rows or (cfg.ag_merge_local and cfg.ag_merge_lead == 0)
         bm_max = max(64, 1 << ((m_total if spans else m_local) - 1).bit_length())
-        if (cfg in seen or S.smem_bytes(cfg) > smem_limit or cfg.block_m > bm_max
+        if (cfg in seen or C.smem_bytes(cfg) > smem_limit or cfg.block_m > bm_max
                 or cfg.block_n > max(64, 1 << (n - 1).bit_length())
                 or cfg.block_k > max(32, 1 << (k - 1).bit_length())):
             continue
@@ -125,8 +126,8 @@ def _brute_force_variations(op, m_total, n, k, tp, space, smem_limit=S.SMEM_BYTE
         if d == 1:
             (knob,) = changes
             nth = per_knob[knob] = per_knob.get(knob, -1) + 1
-            order = (S._VARIATION_ORDER.index(knob) if knob in S._VARIATION_ORDER
-                     else len(S._VARIATION_ORDER))
+            order = (C._VARIATION_ORDER.index(knob) if knob in C._VARIATION_ORDER
+                     else len(C._VARIATION_ORDER))
             keyed.append(((1, nth, order, i), cfg))
         else:
             keyed.append(((d, 0, 0, i), cfg))
@@ -145,7 +146,7 @@ def test_variations_by_distance_match_sorting_the_whole_product(op, m, n, k, tp)
     full = _brute_force_variations(op, m, n, k, tp, space)
     assert len(full) > 50
     for cap in (1, 2, 5, 17, 40, len(full), 10**6):
-        assert S.generate_candidates(op, m, n, k, tp, max_candidates=cap, space=space,
+        assert C.generate_candidates(op, m, n, k, tp, max_candidates=cap, space=space,
                                      seeds=()) == full[:cap], cap
 
 
@@ -304,18 +305,18 @@ def test_a_capped_list_varies_the_comm_knobs_first():
     """Single-knob variations go breadth-first, comm knobs first: 12 candidates for a large AG
     entry try a smaller chunk and the other side-stream priority (with 8 and the earlier
     product order, no tuned entry ever did)."""
-    c = S.generate_candidates("ag", 8192, 7168, 4096, 2, max_candidates=12)
+    c = C.generate_candidates("ag", 8192, 7168, 4096, 2, max_candidates=12)
     base = c[0]
-    singles = [f for x in c[1:] for f in S.SEARCH_SPACE
+    singles = [f for x in c[1:] for f in C.SEARCH_SPACE
                if getattr(x, f) != getattr(base, f)
-               and sum(getattr(x, g) != getattr(base, g) for g in S.SEARCH_SPACE) == 1]
+               and sum(getattr(x, g) != getattr(base, g) for g in C.SEARCH_SPACE) == 1]
     assert {"chunk_rows", "comm_priority"} <= set(singles)
     assert len(singles) == len(set(singles))  # one value of each knob before a second one
 
 
 def test_comm_priority_is_an_ag_knob_only():
-    ag = S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6)
-    rs = S.generate_candidates("rs", 4096, 4096, 14336, 2, max_candidates=10**6)
+    ag = C.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6)
+    rs = C.generate_candidates("rs", 4096, 4096, 14336, 2, max_candidates=10**6)
     assert {c.comm_priority for c in ag} == {-1, 0}
     assert {c.comm_priority for c in rs} == {-1}
     assert default_config("ag", 4096, 14336, 4096).comm_priority == -1
@@ -337,11 +338,11 @@ def test_spread_reduce_is_an_rs_knob_on_by_default_from_tp_8():
     for tp in (None, 1, 2, 4):
         assert default_config("rs", 1024, 4096, 7168, tp=tp).rs_spread_reduce is False
     assert default_config("ag", 1024, 14336, 4096, tp=8).rs_spread_reduce is False
-    rs = S.generate_candidates("rs", 4096, 4096, 14336, 2, max_candidates=10**6)
-    ag = S.generate_candidates("ag", 4096, 14336, 4096, 8, max_candidates=10**6)
+    rs = C.generate_candidates("rs", 4096, 4096, 14336, 2, max_candidates=10**6)
+    ag = C.generate_candidates("ag", 4096, 14336, 4096, 8, max_candidates=10**6)
     assert {c.rs_spread_reduce for c in rs} == {False, True}
     assert {c.rs_spread_reduce for c in ag} == {False}
-    assert S.generate_candidates("rs", 4096, 4096, 14336, 8, max_candidates=1)[0].rs_spread_reduce
+    assert C.generate_candidates("rs", 4096, 4096, 14336, 8, max_candidates=1)[0].rs_spread_reduce
     with pytest.raises(ValueError, match="rs_spread_reduce"):
         GemmConfig(rs_spread_reduce=1)
     d = default_config("rs", 4096, 4096, 14336).to_dict()
@@ -372,11 +373,11 @@ def test_min_gain_is_validated():
 
 def test_every_config_knob_is_searched_or_says_why_not():
     fields = {f.name for f in dataclasses.fields(GemmConfig)}
-    assert fields == set(S.SEARCH_SPACE) | set(S.NOT_SEARCHED)
-    assert not set(S.SEARCH_SPACE) & set(S.NOT_SEARCHED)
-    assert all(isinstance(why, str) and why for why in S.NOT_SEARCHED.values())
+    assert fields == set(C.SEARCH_SPACE) | set(C.NOT_SEARCHED)
+    assert not set(C.SEARCH_SPACE) & set(C.NOT_SEARCHED)
+    assert all(isinstance(why, str) and why for why in C.NOT_SEARCHED.values())
     for m in (1024, 8192):  # the candidates keep the default's value of an unsearched knob
-        cands = S.generate_candidates("rs", m, 4096, 14336, 2, max_candidates=64)
+        cands = C.generate_candidates("rs", m, 4096, 14336, 2, max_candidates=64)
         assert all(c.flatten_consume == cands[0].flatten_consume for c in cands)
 
 
@@ -386,31 +387,31 @@ def test_gemm_rs_tries_both_forms_of_its_warp_specialized_kernel_at_every_k():
     copy-engine pushes, and the cooperative form (128x256, 8 warps) with SM pushes; AG+GEMM
     never gets the RS kernel's knob."""
     for k in (2048, 4096, 14336, 18432):
-        c = S.generate_candidates("rs", 8192, 4096, k, 4, max_candidates=13)
+        c = C.generate_candidates("rs", 8192, 4096, k, 4, max_candidates=13)
         ws = [x for x in c if x.rs_warp_specialized]
         assert [(x.block_m, x.block_n, x.num_stages, x.num_warps, x.rs_copy_engine) for x in ws] == \
             [(128, 128, 5, 4, False), (128, 128, 5, 4, True), (128, 256, 3, 8, False)], k
-        assert all(c.index(x) <= 3 + len(S.SEED_CONFIGS) + 2 for x in ws)
-    c = S.generate_candidates("ag", 8192, 4096, 2048, 2, max_candidates=10**6)
+        assert all(c.index(x) <= 3 + len(C.SEED_CONFIGS) + 2 for x in ws)
+    c = C.generate_candidates("ag", 8192, 4096, 2048, 2, max_candidates=10**6)
     assert not any(x.rs_warp_specialized for x in c)
-    assert S.seeds_for("GEMM+RS") == S.seeds_for("rs") == S.SEED_CONFIGS + S.RS_SEEDS
+    assert C.seeds_for("GEMM+RS") == C.seeds_for("rs") == C.SEED_CONFIGS + C.RS_SEEDS
 
 
 def test_ag_gemm_tries_both_forms_of_its_warp_specialized_kernel():
     """Every AG+GEMM entry gets the warp-specialized seeds right after the common seeds, one
     per form (ping-pong 128x128/5 with 4 warps, cooperative 128x256/3 with 8); GEMM+RS never
     gets the AG kernel's knob."""
-    assert S.seeds_for("ag") == S.seeds_for("AG+GEMM") == S.SEED_CONFIGS + S.AG_SEEDS
+    assert C.seeds_for("ag") == C.seeds_for("AG+GEMM") == C.SEED_CONFIGS + C.AG_SEEDS
     for n, k in ((2048, 4096), (14336, 4096), (28672, 8192)):
-        c = S.generate_candidates("ag", 8192, n, k, 2, max_candidates=64)
+        c = C.generate_candidates("ag", 8192, n, k, 2, max_candidates=64)
         ws = [x for x in c if x.ag_warp_specialized]
         assert [(x.block_n, x.num_stages, x.num_warps) for x in ws] == [(128, 5, 4), (256, 3, 8)], (n, k)
         for x in ws:
-            assert c.index(x) <= 3 + len(S.SEED_CONFIGS)
+            assert c.index(x) <= 3 + len(C.SEED_CONFIGS)
             assert x.chunk_rows == c[0].chunk_rows and x.comm_priority == c[0].comm_priority
     for k in (2048, 14336):
         assert not any(x.ag_warp_specialized
-                       for x in S.generate_candidates("rs", 8192, 4096, k, 2, max_candidates=10**6))
+                       for x in C.generate_candidates("rs", 8192, 4096, k, 2, max_candidates=10**6))
 
 
 def test_hopper_search_pins_knobs_that_compile_to_the_same_kernel():
@@ -418,18 +419,18 @@ def test_hopper_search_pins_knobs_that_compile_to_the_same_kernel():
     tuner's space pins it: no candidate (seeds included) turns it on, and the seed that
     did becomes its one-store twin instead of a duplicate timing. Blackwell and an unknown GPU
     keep it."""
-    space, pinned = S.search_space_for((9, 0))
+    space, pinned = C.search_space_for((9, 0))
     assert space["warp_specialize"] == (False,) and "warp_specialize" in pinned
     assert "sm_90" in pinned["warp_specialize"]
     for op in ("ag", "rs"):
-        c = S.generate_candidates(op, 4096, 14336, 4096, 2, max_candidates=10**6, space=space)
+        c = C.generate_candidates(op, 4096, 14336, 4096, 2, max_candidates=10**6, space=space)
         assert not any(x.warp_specialize for x in c)
         assert len(set(c)) == len(c)
         assert any(x.block_n == 256 and x.epilogue_split == 1 and x.num_warps == 8 for x in c)
     for cap in ((10, 0), None):
-        space, pinned = S.search_space_for(cap)
-        assert space == S.SEARCH_SPACE and not pinned
-        c = S.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6, space=space)
+        space, pinned = C.search_space_for(cap)
+        assert space == C.SEARCH_SPACE and not pinned
+        c = C.generate_candidates("ag", 4096, 14336, 4096, 2, max_candidates=10**6, space=space)
         assert any(x.warp_specialize for x in c)
 
 
@@ -439,7 +440,7 @@ def test_tiles_spanning_segments_may_be_as_tall_as_every_ranks_rows():
     128-row tiles, which cover both ranks' rows. (The per-segment default is a candidate
     whatever its tile.)"""
     for op in ("ag", "rs"):
-        c = S.generate_candidates(op, 128, 14336, 4096, 2, max_candidates=10**6)
+        c = C.generate_candidates(op, 128, 14336, 4096, 2, max_candidates=10**6)
         twin = default_config(op, 128, 14336, 4096, tp=2, gather_small_m=False)
         spans = [x.rs_merge_rows or (x.ag_merge_local and x.ag_merge_lead == 0) for x in c]
         assert any(x.block_m == 128 for x, span in zip(c, spans) if span), op
@@ -451,21 +452,21 @@ def test_small_m_gemm_rs_also_tries_merged_rows_on_the_gluon_kernel():
     per-segment default and, first among the seeds, merged rows on the warp-specialized kernel
     (up to m = 512, where the default no longer merges); not at larger m, nor when the caller
     gives the seeds."""
-    c = S.generate_candidates("rs", 128, 4096, 14336, 2, max_candidates=8)
+    c = C.generate_candidates("rs", 128, 4096, 14336, 2, max_candidates=8)
     assert c[0].rs_merge_rows and not c[1].rs_merge_rows
-    assert c[2:3] == [dataclasses.replace(c[0], **seed) for seed in S.RS_MERGED_SEEDS]
+    assert c[2:3] == [dataclasses.replace(c[0], **seed) for seed in C.RS_MERGED_SEEDS]
     # its 128-row tile spans both ranks' 64 rows (the per-segment bound, 64 rows, would drop it)
     assert c[2].rs_warp_specialized and c[2].rs_merge_rows and c[2].block_m == 128
     # at m = 512 the default runs per segment: the seed names its merged-rows knobs and still
     # applies
-    c = S.generate_candidates("rs", 512, 12288, 24576, 2, max_candidates=8)
+    c = C.generate_candidates("rs", 512, 12288, 24576, 2, max_candidates=8)
     assert not c[0].rs_merge_rows
     assert any(x.rs_warp_specialized and x.rs_merge_rows and x.rs_spread_reduce for x in c)
     assert not any(x.rs_merge_rows
-                   for x in S.generate_candidates("rs", 1024, 12288, 24576, 2, max_candidates=8))
+                   for x in C.generate_candidates("rs", 1024, 12288, 24576, 2, max_candidates=8))
     # explicit seeds are the seeds: nothing is added to them
     assert not any(x.rs_warp_specialized
-                   for x in S.generate_candidates("rs", 128, 4096, 14336, 2, seeds=()))
+                   for x in C.generate_candidates("rs", 128, 4096, 14336, 2, seeds=()))
 
 
 def test_every_tune_option_survives_torchruns_own_parser():
@@ -508,11 +509,11 @@ def test_the_tables_configs_come_right_after_the_default_once_each():
     base = default_config("rs", 4096, 6656, 8960, tp=2)
     mine = dataclasses.replace(base, block_n=128, num_warps=4)
     other = dataclasses.replace(base, num_stages=4)
-    cands = S.generate_candidates("rs", 4096, 6656, 8960, 2, max_candidates=6,
+    cands = C.generate_candidates("rs", 4096, 6656, 8960, 2, max_candidates=6,
                                   from_tables=(mine, base, other, mine))
     assert cands[:3] == [base, mine, other] and len(cands) == 6 and len(set(cands)) == 6
     # they count toward --max-candidates, as the default does
-    assert S.generate_candidates("rs", 4096, 6656, 8960, 2, max_candidates=2,
+    assert C.generate_candidates("rs", 4096, 6656, 8960, 2, max_candidates=2,
                                  from_tables=(mine, other)) == [base, mine]
 
 
