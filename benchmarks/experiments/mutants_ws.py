@@ -99,6 +99,12 @@ MUTANTS = {
         "        for src in range(2):\n            if src != p.rank:\n"
         "                wait_signal(my_flags + src",
         "four_ranks_on_one_gpu and ws-ws-ws-ws and last-late"),
+    # merged rows in owner turns (rs_interleave_owners): every owner's turn lands on its first
+    # row tile
+    "ws_interleave_rows_collapsed": (
+        RS, "pid_m = owner * (p.m_local // BLOCK_M) + pid_m // p.WORLD",
+        "pid_m = owner * (p.m_local // BLOCK_M)",
+        "reduction_paths and 13- or wsinterleave"),
     # the Triton kernels, against the same one-GPU tests
     # Triton GEMM+RS: the grid barrier of one program (every arrival raises the signals)
     "triton_rs_early_signal": (

@@ -54,6 +54,8 @@ class GemmConfig:
     * ``rs_copy_engine``: stage the peers' partials locally; the copy engine delivers them.
     * ``rs_merge_rows``: every rank's rows in one tile space (spread reduction, vector pushes).
     * ``rs_warp_specialized``: run the warp-specialized Gluon kernel (:mod:`.gemm_rs_ws`).
+    * ``rs_interleave_owners``: with merged rows on the Gluon kernel, walk the owners' row tiles
+      in turn, so the pushes spread over the launch (``gemm_rs_ws.interleaves_owners``).
     """
 
     block_m: int = 128
@@ -77,6 +79,7 @@ class GemmConfig:
     rs_warp_specialized: bool = False
     ag_warp_specialized: bool = False
     rs_merge_rows: bool = False
+    rs_interleave_owners: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -92,7 +95,7 @@ class GemmConfig:
         for name in ("flatten", "flatten_consume", "warp_specialize", "rs_tma_push",
                      "rs_spread_reduce", "rs_copy_engine",
                      "ag_merge_local", "rs_warp_specialized", "ag_warp_specialized",
-                     "rs_merge_rows"):
+                     "rs_merge_rows", "rs_interleave_owners"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemmConfig.{name} must be a bool: {self}")
         if self.stream_k not in (0, 1) or isinstance(self.stream_k, bool):
@@ -123,6 +126,9 @@ class GemmConfig:
         if self.rs_warp_specialized and self.rs_spread_reduce and not self.rs_merge_rows:
             raise ValueError("GemmConfig.rs_warp_specialized does not implement rs_spread_reduce "
                              f"without rs_merge_rows (its merged rows reduce spread): {self}")
+        if self.rs_interleave_owners and not (self.rs_merge_rows and self.rs_warp_specialized):
+            raise ValueError("GemmConfig.rs_interleave_owners orders merged rows "
+                             f"(rs_merge_rows) on the warp-specialized kernel: {self}")
         if self.ag_warp_specialized and self.ag_merge_local:
             raise ValueError("GemmConfig.ag_warp_specialized runs the per-segment schedule: no "
                              f"ag_merge_local: {self}")

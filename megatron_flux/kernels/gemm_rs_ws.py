@@ -73,7 +73,10 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
   peer's partial is.
 * **Merged rows** (``rs_merge_rows``, MERGE_ROWS; small m): no steps. The flat tile ``t``
   walks every rank's rows ``[W * m_local, K]`` as one GROUP_M-grouped tile space, so a row tile
-  may span owners. Each tile is rounded into the partition's epilogue buffer and stored into
+  may span owners. With INTERLEAVE (``rs_interleave_owners``, where ``m_local`` is a multiple
+  of ``BLOCK_M``) logical row tile ``i`` is owner ``(r + 1 + i) % W``'s row tile ``i // W``:
+  the owners take turns, so the pushes to the peers spread over the whole launch instead of
+  coming in one stretch, which the per-segment schedule's peers-first order asks of the link. Each tile is rounded into the partition's epilogue buffer and stored into
   the slot ``r`` of every owner whose rows it reaches, the own slot included: by TMA when the
   tile starts inside the owner's segment (TMA clips the rows past its end), else by masked
   vector stores read back from the buffer (a TMA store at a negative row raised an illegal
@@ -163,6 +166,7 @@ if gluon is not None:
         NUM_PROGRAMS: gl.constexpr
         PARTITIONS: gl.constexpr
         MERGE_ROWS: gl.constexpr
+        INTERLEAVE: gl.constexpr
         SPLIT_TAIL: gl.constexpr
         TAIL_ROWS: gl.constexpr
         TAIL_FIRST: gl.constexpr
@@ -174,8 +178,8 @@ if gluon is not None:
                      empty, handoff, pload, data_ptr, out_ptr, data_ptrs, flag_ptrs, bias_ptr,
                      err_ptr, trace_ptr, parts_ptr, counters_ptr, m_local, N, K, rank, epoch,
                      max_spins, sk_tiles, sk_split, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M,
-                     NUM_PROGRAMS, PARTITIONS, MERGE_ROWS, SPLIT_TAIL, TAIL_ROWS, TAIL_FIRST,
-                     TRACE):
+                     NUM_PROGRAMS, PARTITIONS, MERGE_ROWS, INTERLEAVE, SPLIT_TAIL, TAIL_ROWS,
+                     TAIL_FIRST, TRACE):
             self.a_desc = a_desc
             self.b_desc = b_desc
             self.out_desc = out_desc
@@ -212,6 +216,7 @@ if gluon is not None:
             self.NUM_PROGRAMS = gl.constexpr(NUM_PROGRAMS)
             self.PARTITIONS = gl.constexpr(PARTITIONS)
             self.MERGE_ROWS = gl.constexpr(MERGE_ROWS)
+            self.INTERLEAVE = gl.constexpr(INTERLEAVE)
             self.SPLIT_TAIL = gl.constexpr(SPLIT_TAIL)
             self.TAIL_ROWS = gl.constexpr(TAIL_ROWS)
             self.TAIL_FIRST = gl.constexpr(TAIL_FIRST)
@@ -234,6 +239,9 @@ if gluon is not None:
         if p.MERGE_ROWS:  # one tile space over every rank's rows; off_m = a_row is global
             pid_m, pid_n = grouped_tile(t, gl.cdiv(p.WORLD * p.m_local, BLOCK_M),
                                         gl.cdiv(p.N, BLOCK_N), p.GROUP_M)
+            if p.INTERLEAVE:  # the owners' row tiles in turn, the next rank's first
+                owner = (p.rank + 1 + pid_m % p.WORLD) % p.WORLD
+                pid_m = owner * (p.m_local // BLOCK_M) + pid_m // p.WORLD
             step = 0
             seg = 0
             off_m = pid_m * BLOCK_M
@@ -720,7 +728,8 @@ if gluon is not None:
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                           PARTITIONS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          MERGE_ROWS: gl.constexpr = False, HOST_DESC: gl.constexpr = False,
+                          MERGE_ROWS: gl.constexpr = False, INTERLEAVE: gl.constexpr = False,
+                          HOST_DESC: gl.constexpr = False,
                           SPLIT_TAIL: gl.constexpr = False, TAIL_ROWS: gl.constexpr = 16,
                           TAIL_FIRST: gl.constexpr = False, TRACE: gl.constexpr = False):
         """``a`` ``[WORLD * m_local, K]``; ``b`` ``[K, N]`` row-major (B_KN) or a transposed
@@ -761,7 +770,7 @@ if gluon is not None:
                   handoff, pload, data_ptr, out_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr,
                   trace_ptr, parts_ptr, counters_ptr, m_local, N, K, rank, epoch, max_spins,
                   sk_tiles, sk_split, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M, NUM_PROGRAMS,
-                  PARTITIONS, MERGE_ROWS, SPLIT_TAIL, TAIL_ROWS, TAIL_FIRST, TRACE)
+                  PARTITIONS, MERGE_ROWS, INTERLEAVE, SPLIT_TAIL, TAIL_ROWS, TAIL_FIRST, TRACE)
         if PARTITIONS == 2:
             gl.warp_specialize([(_mma_partition, (p, 0)), (_mma_partition_1, (p, )),
                                 (_load_partition, (p, ))], [4, 1], [CONSUMER_REGS, 24])
@@ -831,10 +840,18 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
                  BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
                  NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg),
                  CONSUMER_REGS=CONSUMER_REGS, MERGE_ROWS=cfg.rs_merge_rows,
+                 INTERLEAVE=interleaves_owners(cfg, m_local),
                  SPLIT_TAIL=sk_split > 1, TAIL_ROWS=tail_sum_rows(cfg, sk_split),
                  TAIL_FIRST=sk_split > 1 and split_tail_first(world, m_local, n, cfg, grid),
                  TRACE=trace is not None),
             num_stages=None, direct=direct, **gluon_ws.launch_options(cfg))
+
+
+def interleaves_owners(cfg, m_local: int) -> bool:
+    """Whether a launch walks the owners' row tiles in turn (``rs_interleave_owners``, INTERLEAVE):
+    merged rows whose every row tile lies in one owner's rows (``m_local`` a multiple of
+    ``block_m``); elsewhere the knob leaves the order as it is."""
+    return bool(cfg.rs_interleave_owners and cfg.rs_merge_rows and m_local % cfg.block_m == 0)
 
 
 #: at most this many K-parts per split tail tile

@@ -53,6 +53,11 @@ RS_CONFIGS = [
          rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True, rs_warp_specialized=True),
     dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, epilogue_split=1,
          rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True, rs_warp_specialized=True),
+    # ... with the owners' row tiles in turn (rs_interleave_owners; on the ragged shape, whose row
+    # tiles span owners, the order stays as it is)
+    dict(WS_FORMS["pingpong"], num_stages=5, epilogue_split=1, rs_spread_reduce=True,
+         rs_tma_push=False, rs_merge_rows=True, rs_warp_specialized=True,
+         rs_interleave_owners=True),
 ]
 
 
@@ -631,6 +636,10 @@ _RS_PAIR = {
                      rs_merge_rows=True, rs_warp_specialized=True),
     "coopmerged": dict(WS_FORMS["coop"], num_stages=3, epilogue_split=1, rs_spread_reduce=True,
                        rs_tma_push=False, rs_merge_rows=True, rs_warp_specialized=True),
+    # merged rows with the owners' row tiles in turn (rs_interleave_owners)
+    "wsinterleave": dict(WS_FORMS["pingpong"], num_stages=5, epilogue_split=1,
+                         rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True,
+                         rs_warp_specialized=True, rs_interleave_owners=True),
 }
 
 
@@ -641,7 +650,8 @@ _RS_PAIR = {
     (("merged", "merged"), "even"), (("merged", "triton"), "skewed"),
     (("ws", "merged"), "skewed"),
     (("wsmerged", "wsmerged"), "even"), (("wsmerged", "merged"), "skewed"),
-    (("coopmerged", "wsmerged"), "skewed"), (("coopmerged", "triton"), "even")],
+    (("coopmerged", "wsmerged"), "skewed"), (("coopmerged", "triton"), "even"),
+    (("wsinterleave", "wsinterleave"), "even"), (("wsinterleave", "ws"), "skewed")],
     ids=lambda c: "-".join(c) if isinstance(c, tuple) else c)
 def test_gemm_rs_two_ranks_on_one_gpu(configs, split):
     """GEMM+RS of two simulated ranks running concurrently: rank ``r``'s output is rows ``r``
@@ -732,7 +742,8 @@ def _gemm_rs_ranks_on_one_gpu(m_local, n, k, cfgs, sms, epochs=(1, 2, 3), late_m
 
 @pytest.mark.parametrize("late", [False, True], ids=["together", "last-late"])
 @pytest.mark.parametrize("configs", [("ws", "ws", "ws", "ws"), ("coop", "triton", "ws", "merged"),
-                                     ("wsmerged", "coopmerged", "merged", "ws")],
+                                     ("wsmerged", "coopmerged", "merged", "ws"),
+                                     ("wsinterleave",) * 4],
                          ids=lambda c: "-".join(c))
 def test_gemm_rs_four_ranks_on_one_gpu(configs, late):
     """GEMM+RS of four simulated ranks running at once, a quarter of the GPU each: three peers

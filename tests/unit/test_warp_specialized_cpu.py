@@ -60,6 +60,24 @@ def test_merged_rows_run_on_it_with_the_spread_reduction_only():
         GemmConfig(**{**WS, **MERGED, "rs_copy_engine": True})
 
 
+def test_owners_in_turn_order_merged_rows_on_it_only():
+    """``rs_interleave_owners`` is an order of merged rows on the Gluon kernel: refused without
+    either; on it, a launch walks the owners in turn only where every row tile lies in one
+    owner's rows (``gemm_rs_ws.interleaves_owners``)."""
+    from megatron_flux.kernels.gemm_rs_ws import interleaves_owners
+
+    cfg = GemmConfig(**{**WS, **MERGED, "rs_interleave_owners": True})
+    assert GemmConfig.from_dict(cfg.to_dict()) == cfg
+    assert GemmConfig.from_dict({**WS, **MERGED}).rs_interleave_owners is False  # older tables
+    with pytest.raises(ValueError, match="rs_interleave_owners"):
+        GemmConfig(**{**WS, "rs_interleave_owners": True})
+    with pytest.raises(ValueError, match="rs_interleave_owners"):
+        GemmConfig(**{**MERGED, "rs_interleave_owners": True})
+    assert interleaves_owners(cfg, 1024) and interleaves_owners(cfg, 128)
+    assert not interleaves_owners(cfg, 300) and not interleaves_owners(cfg, 64)
+    assert not interleaves_owners(GemmConfig(**{**WS, **MERGED}), 1024)
+
+
 def test_merged_rows_take_any_row_count_but_one(monkeypatch):
     if gemm_rs_ws.gemm_rs_ws_kernel is None:
         pytest.skip(gemm_rs_ws.GLUON_ERROR)

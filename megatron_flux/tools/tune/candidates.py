@@ -52,6 +52,9 @@ NOT_SEARCHED: Dict[str, str] = {
                            "fixed forms); GEMM+RS gets its ping-pong form as two seeds (SM and "
                            "copy-engine pushes) and its cooperative form as a third (RS_SEEDS), "
                            "and with merged rows up to m = 512 as another (RS_MERGED_SEEDS)",
+    "rs_interleave_owners": "an order of merged rows (rs_merge_rows), which the search tries at "
+                            "small m only; at short K and large m it is meant for a "
+                            "communication-on A/B (--flux-interleave-variants) before any seed",
     "ag_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
                            "fixed forms); AG+GEMM gets both forms as seeds (AG_SEEDS)",
     "flatten_consume": "compiles to the same GEMM+RS kernel either way (Triton does not flatten "
