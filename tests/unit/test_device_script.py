@@ -56,3 +56,19 @@ def test_a_tune_starts_fresh_unless_told_to_resume(tmp_path):
     # the earlier table is where the tune merges, and its entries are not tuned again
     assert "--skip-tuned" in log and "--no-merge" not in log and f"--out {out}" in log
     assert out.read_text() == earlier.read_text()
+
+
+def test_every_variant_file_is_a_valid_config_change():
+    """``benchmarks/variants/*.json`` (``device.sh ab``'s ``AB_VARIANT``): each is a JSON object
+    of GemmConfig fields that the default config takes, so a GPU session never spends its time
+    on a variant that cannot run."""
+    import glob
+    import json
+
+    from megatron_flux.backends.flux.variant import check_variant_fields
+
+    files = sorted(glob.glob(os.path.join(paths.REPO, "benchmarks", "variants", "*.json")))
+    assert files
+    for path in files:
+        with open(path) as f:
+            check_variant_fields(json.load(f))
