@@ -46,7 +46,7 @@ import torch
 
 from common import write_record
 from megatron_flux.tools.diagnostics.kernel_vs_cublas import _sleep_cycles_per_ms, ag_on_one_gpu, \
-    rel_err, rs_on_one_gpu
+    mean_ms, rel_err, rs_on_one_gpu
 
 
 class Nvml:
@@ -158,15 +158,10 @@ def run_block(fn, launches, gap_cycles, nvml, sampler, lead_launches):
 
 
 def loop_ms(fn, iters=20):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    """``fn``'s back-to-back time per call after three untimed calls (sizes the blocks)."""
     for _ in range(3):
         fn()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+    return mean_ms(fn, iters)
 
 
 def shapes(args):
