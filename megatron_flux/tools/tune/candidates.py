@@ -102,6 +102,17 @@ SEED_CONFIGS: Tuple[Dict[str, object], ...] = (
     dict(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, group_m=8,
          epilogue_split=1),
 )
+#: The warp-specialized Gluon kernels' two forms as the seeds give them: ping-pong (two 4-warp
+#: MMA partitions on alternate 128x128 tiles, 5 stages) and cooperative (one 8-warp partition on
+#: 128x256 tiles, 3 stages)
+PINGPONG_FORM: Dict[str, object] = dict(block_m=128, block_n=128, block_k=64, num_stages=5,
+                                        num_warps=4, group_m=8, epilogue_split=1,
+                                        warp_specialize=False)
+COOPERATIVE_FORM: Dict[str, object] = dict(block_m=128, block_n=256, block_k=64, num_stages=3,
+                                           num_warps=8, group_m=8, epilogue_split=1,
+                                           warp_specialize=False)
+
+
 #: GEMM+RS also tries running one tile's epilogue (its pushes to the owner, or the reduction of
 #: the peers' partials) beside another tile's MMAs, where a plain persistent program idles its
 #: tensor cores: the ping-pong warp-specialized Gluon kernel (``rs_warp_specialized``, 128x128,
@@ -120,15 +131,9 @@ SEED_CONFIGS: Tuple[Dict[str, object], ...] = (
 #: wholesale it was measured and not taken at TP 4 (``docs/tuning.md``); a tune keeps it only
 #: where it times faster.
 RS_SEEDS: Tuple[Dict[str, object], ...] = (
-    dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
-         epilogue_split=1, warp_specialize=False, rs_warp_specialized=True,
-         rs_copy_engine=False),
-    dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
-         epilogue_split=1, warp_specialize=False, rs_warp_specialized=True,
-         rs_copy_engine=True),
-    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, group_m=8,
-         epilogue_split=1, warp_specialize=False, rs_warp_specialized=True,
-         rs_copy_engine=False),
+    dict(PINGPONG_FORM, rs_warp_specialized=True, rs_copy_engine=False),
+    dict(PINGPONG_FORM, rs_warp_specialized=True, rs_copy_engine=True),
+    dict(COOPERATIVE_FORM, rs_warp_specialized=True, rs_copy_engine=False),
 )
 
 
@@ -138,12 +143,8 @@ RS_SEEDS: Tuple[Dict[str, object], ...] = (
 #: 1.02-1.06x on the largest. Cooperative (128x256, 3 stages): 0.97-1.005x the table on those
 #: largest shapes, where ping-pong loses.
 AG_SEEDS: Tuple[Dict[str, object], ...] = (
-    dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, group_m=8,
-         epilogue_split=1, warp_specialize=False, ag_warp_specialized=True,
-         ag_merge_local=False),
-    dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, group_m=8,
-         epilogue_split=1, warp_specialize=False, ag_warp_specialized=True,
-         ag_merge_local=False),
+    dict(PINGPONG_FORM, ag_warp_specialized=True, ag_merge_local=False),
+    dict(COOPERATIVE_FORM, ag_warp_specialized=True, ag_merge_local=False),
 )
 
 
