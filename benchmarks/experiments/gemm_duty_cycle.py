@@ -22,7 +22,8 @@ last milliseconds of load). Blocks rotate over methods (shuffled per round) and 
 ``--rounds`` rounds. Per block: the median GPU time per launch (CUDA events around every
 launch), and the median SM clock and power of NVML samples taken every ``--sample-ms`` on a
 host thread while the block runs (NVML's total-energy counter was tried for energy per launch:
-over 300 ms blocks it gave 540-850 W at a 700 W cap, too coarse). Per regime, each method's
+over 300 ms blocks it gave 544-849 W at a 700 W cap, too coarse;
+``benchmarks/results/energy-counter-h200-2026-11-29.json``). Per regime, each method's
 time over cuBLAS's in the same round, and over its own loop time, medians over rounds.
 
     PYTHONPATH=.:benchmarks/experiments python benchmarks/experiments/gemm_duty_cycle.py \
