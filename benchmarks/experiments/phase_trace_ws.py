@@ -24,7 +24,7 @@ import statistics
 import torch
 
 from common import parse_shape, without_phases
-from megatron_flux.kernels import gemm_rs_ws
+from megatron_flux.kernels import gemm_rs_ws, split_tail
 from megatron_flux.kernels.config import GemmConfig
 from megatron_flux.tools.diagnostics.kernel_vs_cublas import _time_alternating, rel_err, \
     rs_on_one_gpu
@@ -102,7 +102,7 @@ def main(argv=None):
                 data[src].float() for src in range(1, args.tp))
             fns[label] = lambda launch=launch, cfg=cfg: launch(cfg)
             fns[label + "+trace"] = lambda launch=launch, cfg=cfg, trace=trace: launch(cfg, trace=trace)
-            plan = gemm_rs_ws.split_tail_plan(args.tp, m // args.tp, n, k, cfg, sms)
+            plan = split_tail.split_tail_plan(args.tp, m // args.tp, n, k, cfg, sms)
             row["forms"][label] = {"config": dataclasses.asdict(cfg), "plan": plan,
                                    "rel_err": rel_err(out.float(), ref), "err": err.tolist(),
                                    "phases": summarize(traces, 2 if cfg.num_warps == 4 else 1)}

@@ -20,7 +20,7 @@ import statistics
 import torch
 
 from common import parse_shape
-from megatron_flux.kernels import gemm_rs_ws
+from megatron_flux.kernels import split_tail
 from megatron_flux.kernels.config import GemmConfig
 from megatron_flux.tools.diagnostics.kernel_vs_cublas import _rs_runner, _time_alternating, \
     ag_on_one_gpu, rel_err
@@ -42,10 +42,10 @@ def main(argv=None):
     split = dataclasses.replace(base, stream_k=1)
     plain = dataclasses.replace(base, rs_warp_specialized=False, ag_warp_specialized=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    default_parts = gemm_rs_ws.MAX_TAIL_SPLIT
+    default_parts = split_tail.MAX_TAIL_SPLIT
 
     def setting(parts):
-        gemm_rs_ws.MAX_TAIL_SPLIT = parts
+        split_tail.MAX_TAIL_SPLIT = parts
 
     rows = []
     for spec in args.shapes:
@@ -57,7 +57,7 @@ def main(argv=None):
             values = parts
             name = f"split{parts}"
             setting(values)
-            plans[name] = gemm_rs_ws.split_tail_plan(args.tp, m // args.tp, n, k, split, sms)
+            plans[name] = split_tail.split_tail_plan(args.tp, m // args.tp, n, k, split, sms)
             fn, _, chk, _ = _rs_runner(m, n, k, args.tp, split, torch.bfloat16)
 
             def run(fn=fn, values=values):

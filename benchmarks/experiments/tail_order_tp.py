@@ -2,7 +2,7 @@
 GEMM+RS run faster as their programs' first work item or as their last?
 
 On one GPU, with every peer signal pre-set, first ran 0.88-1.00x the time of last at TP 2
-(``kernel_ab.py``; ``gemm_rs_ws.split_tail_first``), since a part's epilogue and its share of
+(``kernel_ab.py``; ``split_tail.split_tail_first``), since a part's epilogue and its share of
 the sum then run beside the whole tiles' MMAs. With communication on, parts run last may pay
 instead: they run while the whole tiles' pushes drain and the peers' signals travel, which
 parts run first cannot hide. This script asks the registered ``flux`` backend exactly as a
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from common import flux_backend_under_torchrun, write_record
-from megatron_flux.kernels import gemm_rs_ws
+from megatron_flux.kernels import split_tail
 from megatron_flux.kernels.config import launch_tiles
 from megatron_flux.tools.diagnostics.kernel_vs_cublas import add_model_args, mean_ms, model_shapes
 from megatron_flux.tuning.estimate import PINGPONG_RS
@@ -56,7 +56,7 @@ def main(argv=None):
     args.tp = world  # model_shapes gives per-rank widths at args.tp
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     shuffle = random.Random(args.seed)  # the same order on every rank
-    real_first = gemm_rs_ws.split_tail_first
+    real_first = split_tail.split_tail_first
     rows = []
     try:
         for model, n, k in model_shapes(args, "rs"):
@@ -64,7 +64,7 @@ def main(argv=None):
                 cfg = backend.config("rs", m, n, k, dtype=torch.bfloat16, tp=world, device=dev)
                 m_local = m // world
                 grid = min(sms, launch_tiles(m_local, n, world, cfg))
-                tail, parts = gemm_rs_ws.split_tail_plan(world, m_local, n, k, cfg, grid)
+                tail, parts = split_tail.split_tail_plan(world, m_local, n, k, cfg, grid)
                 if parts < 2:
                     if rank == 0:
                         print(f"{model} m={m}: no split tail planned, skipped", flush=True)
@@ -79,7 +79,7 @@ def main(argv=None):
                 times = {"first": [], "last": []}
                 for _ in range(args.trials):
                     for order in shuffle.sample(["first", "last"], 2):
-                        gemm_rs_ws.split_tail_first = lambda *_, f=(order == "first"): f
+                        split_tail.split_tail_first = lambda *_, f=(order == "first"): f
                         backend.clear_config_cache()
                         for _ in range(args.warmup):
                             call()
@@ -102,7 +102,7 @@ def main(argv=None):
                           flush=True)
                 del call, a, b, out
     finally:
-        gemm_rs_ws.split_tail_first = real_first
+        split_tail.split_tail_first = real_first
     dist.barrier()
     if rank == 0:
         write_record(args.json, rows, what="split tail parts first against last, communication on "

@@ -36,7 +36,7 @@ class GemmConfig:
     * ``flatten``: ask Triton to flatten the persistent tile loop into the K loop.
     * ``warp_specialize``: Triton's automatic warp specialization (same PTX either way on sm_90a).
     * ``stream_k``: 1 splits a small partial last wave along K over the grid (:mod:`.stream_k`;
-      the Gluon GEMM+RS cuts each tail tile into equal K-parts, ``gemm_rs_ws.split_tail_plan``).
+      the Gluon GEMM+RS cuts each tail tile into equal K-parts, ``split_tail.split_tail_plan``).
 
     AG:
 
@@ -200,6 +200,12 @@ def launch_tiles(m_local: int, n: int, world: int, cfg: GemmConfig, merged: bool
     if merged:
         return -(-world * m_local // cfg.block_m) * -(-n // cfg.block_n)
     return world * tiles_per_segment(m_local, n, cfg)
+
+
+def mma_partitions(cfg: GemmConfig) -> int:
+    """MMA partitions of the warp-specialized Gluon kernels' form: 2 for the ping-pong
+    (``num_warps=4``), 1 for the cooperative one (``num_warps=8``)."""
+    return 2 if cfg.num_warps == 4 else 1
 
 
 

@@ -47,12 +47,12 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
   bitwise repeatable (fixed order, no atomics on data); the sum is the same expression as
   :mod:`.gemm_rs`'s, though not necessarily the same bits (another MMA instruction shape).
 
-* **Split tail** (``stream_k=1``, SPLIT_TAIL; :func:`split_tail_plan`): the partial last wave's
+* **Split tail** (``stream_k=1``, SPLIT_TAIL; :func:`.split_tail.split_tail_plan`): the partial last wave's
   ``tail`` tiles (own tiles, at the end of the flat order) leave the tile loop and each is cut
   along K into ``parts`` equal ranges of at least ``num_stages`` K-steps, ``tail * parts`` units
   dealt round-robin: program ``p`` runs units ``p, p + G, ...`` (unit ``u`` is part ``u %
   parts`` of tail tile ``u // parts``; the plan gives one a program) as its first work items
-  (TAIL_FIRST, :func:`split_tail_first`) or its last, on the ring and partition their item
+  (TAIL_FIRST, :func:`.split_tail.split_tail_first`) or its last, on the ring and partition their item
   indices give (one wgmma site: running the tail after the tile loop, through a second one, made
   ptxas serialise every wgmma of the kernel, C7515; ``test_kernels_compile.py`` checks). A
   unit's tile, part and K range are recomputed where they are used, not held across the tile
@@ -63,7 +63,7 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
   barrier, the program's MMA partition that did not run that item (the earlier to finish in
   ping-pong) waits, for each of the program's units, (acquire, bounded) until all parts of the
   unit's tile have counted in, and for the peers' signals if it has not, and sums a share of the
-  tile's rows (chunks dealt round-robin over the parts, one per part where :func:`tail_sum_rows`
+  tile's rows (chunks dealt round-robin over the parts, one per part where :func:`.split_tail.tail_sum_rows`
   can): parts in part order, then the peers' partials in rank order, bias once, plain loads and
   stores; the last to count out resets the counter. The parts share the sum because one program
   summing the whole tile took 8-10 us after the last part arrived (2-2.5 us per 32-row chunk,
@@ -98,8 +98,8 @@ from typing import Optional
 # (no `from __future__ import annotations`: Triton 3.6 checks an aggregate's attribute types
 # against its class annotations, which that import would turn into strings)
 
-from megatron_flux.kernels import gluon_ws, stream_k
-from megatron_flux.kernels.config import interpreting, launch_tiles
+from megatron_flux.kernels import gluon_ws, split_tail, stream_k
+from megatron_flux.kernels.config import interpreting
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, aggregate,
@@ -667,7 +667,7 @@ if gluon is not None:
         """Part ``part``'s share of split tail tile ``tile_index``'s sum: wait (acquire, bounded)
         until all ``sk_split`` parts have counted in, and for every peer's signal unless this
         partition has; then sum its share of the tile's rows, chunks of ``TAIL_ROWS`` rows
-        (:func:`tail_sum_rows`) dealt round-robin: per chunk the parts in fp32 in part order
+        (:func:`.split_tail.tail_sum_rows`) dealt round-robin: per chunk the parts in fp32 in part order
         (fixed, so launches are bitwise repeatable), the peers' partials in rank order, bias once,
         stored to ``out``. Then count out; the last part out resets the counter for the next
         launch. Returns 1: the peers' signals are acquired. The wait needs every program of the
@@ -744,9 +744,9 @@ if gluon is not None:
         rank's rows, pushed by owner, then the spread reduction (:func:`_merged_mma_partition`).
         SPLIT_TAIL: the last ``sk_tiles`` flat tiles (own ones) are split along K in ``sk_split``
         parts, dealt round-robin over the programs, each rounded to the output dtype in
-        ``parts_ptr``, counted at ``counters_ptr`` and summed in fp32 (:func:`split_tail_plan`),
+        ``parts_ptr``, counted at ``counters_ptr`` and summed in fp32 (:func:`.split_tail.split_tail_plan`),
         each part its program's first work item with TAIL_FIRST, else its last
-        (:func:`split_tail_first`); without SPLIT_TAIL those are unused."""
+        (:func:`.split_tail.split_tail_first`); without SPLIT_TAIL those are unused."""
         dtype: gl.constexpr = a_ptr.dtype.element_ty
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
@@ -826,7 +826,7 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
     host_desc = bool(host_descriptors)
     descs = (_host_descriptors(a, b, out, data, world, m_local, n, k, ldb, b_kn, cfg)
              if host_desc else (err, err, err, err))  # unused without HOST_DESC
-    sk_tiles, sk_split = split_tail_plan(world, m_local, n, k, cfg, grid)
+    sk_tiles, sk_split = split_tail.split_tail_plan(world, m_local, n, k, cfg, grid)
     parts = counters = err  # never touched without a split tail
     if sk_split > 1:
         scratch = stream_k.stream_k_scratch(a.device, grid, cfg.block_m, cfg.block_n)
@@ -841,8 +841,8 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
                  NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg),
                  CONSUMER_REGS=CONSUMER_REGS, MERGE_ROWS=cfg.rs_merge_rows,
                  INTERLEAVE=interleaves_owners(cfg, m_local),
-                 SPLIT_TAIL=sk_split > 1, TAIL_ROWS=tail_sum_rows(cfg, sk_split),
-                 TAIL_FIRST=sk_split > 1 and split_tail_first(world, m_local, n, cfg, grid),
+                 SPLIT_TAIL=sk_split > 1, TAIL_ROWS=split_tail.tail_sum_rows(cfg, sk_split),
+                 TAIL_FIRST=sk_split > 1 and split_tail.split_tail_first(world, m_local, n, cfg, grid),
                  TRACE=trace is not None),
             num_stages=None, direct=direct, **gluon_ws.launch_options(cfg))
 
@@ -852,98 +852,6 @@ def interleaves_owners(cfg, m_local: int) -> bool:
     merged rows whose every row tile lies in one owner's rows (``m_local`` a multiple of
     ``block_m``); elsewhere the knob leaves the order as it is."""
     return bool(cfg.rs_interleave_owners and cfg.rs_merge_rows and m_local % cfg.block_m == 0)
-
-
-#: at most this many K-parts per split tail tile
-MAX_TAIL_SPLIT = 8
-#: split tail units a program's scratch slots hold: :func:`.stream_k.stream_k_scratch` keeps
-#: ``[grid, 2, block_m * block_n]`` fp32, four tiles a program in a 2-byte output dtype
-SCRATCH_UNITS = 4
-#: at most this many split tail units per program (never more than :data:`SCRATCH_UNITS`). The
-#: kernel runs several, which lets tails over half the grid split; one H200, communication off,
-#: that lost where K is short (two units of 5-14 K-steps: 1.02-1.53x the unsplit time) and
-#: gained at most 5 % where it is long (two to four units of 40-112 K-steps: 0.95-1.06x;
-#: ``benchmarks/results/kernel-ab-tail-units-h200-2026-11-29.json``)
-MAX_TAIL_UNITS = 1
-
-
-def tail_sum_rows(cfg, parts: int) -> int:
-    """Rows per chunk of a split tail tile's sum (TAIL_ROWS): few enough chunks that each of
-    the ``parts`` programs sums at most one (a chunk costs its program about one load latency,
-    2-2.5 us on an H200, whatever its size), at most 64 rows (registers) and at least the sum
-    layout's rows (16 in ping-pong, 32 cooperative)."""
-    least = 4 * (8 // gluon_ws.mma_partitions(cfg))
-    rows = 1 << max(0, -(-cfg.block_m // max(1, parts)) - 1).bit_length()
-    return max(least, min(64, rows, cfg.block_m))
-
-
-def split_tail_first(world: int, m_local: int, n: int, cfg, grid: int) -> bool:
-    """Whether a split tail's parts run as their programs' first work item (TAIL_FIRST) rather
-    than their last: at TP 2, and below two waves at any TP. Run first, a part's epilogue and
-    its share of the sum run beside the whole tiles' MMAs instead of after them. One H200,
-    communication off, the ping-pong at 1.09-4.36 waves: first ran 0.88-1.00x the time of last
-    on the 10 split TP 2 shapes and 0.92-0.94x on the two TP 4 shapes below two waves
-    (``benchmarks/results/kernel-ab-split-first-h200-2026-11-29-tp{2,4}.json``); but with the
-    parts first at every TP, eight of nine TP 4 shapes of two waves or more ran 1.018-1.118x
-    the time of last, one 0.999x, no register spilled in either order
-    (``kernel-ab-part-first-tp4-h200-2026-11-29.json``; why is not established: a phase trace
-    of one showed its whole tiles' MMAs about 9 us slower in all, not a longer end)."""
-    return world == 2 or launch_tiles(m_local, n, world, cfg) < 2 * grid
-
-
-#: A tail tile cut into ``parts`` costs its programs about this many ``/ parts`` of a whole
-#: tile's time (the parts' stores, the count and the sum): 2xH200, TP 2, communication on, the
-#: split alone (same config otherwise, A/B with a same-config control) ran 0.895-0.919x the
-#: unsplit time at 3.4-4.4 waves with two parts, (3 + 0.58-0.60) / 4 and (4 + 0.50-0.60) / 5
-#: waves' worth (``benchmarks/results/ab-rs-split-h200x2-2026-11-28.json``; measured while
-#: the last part summed the tile alone, before the parts shared the sum)
-SPLIT_PART_COST = 1.2
-#: Split only where that model saves at least this share of the launch's whole waves: at 17-28
-#: waves two to six parts saved a tile's 0.4-0.8 of 18-28 (2-3 %) and ran 0.95-1.03x the
-#: unsplit time, within the control's spread (``...-split-h200x2-2026-11-28-m8192.json``)
-MIN_SPLIT_GAIN = 0.04
-
-
-def tail_units(tail: int, parts: int, grid: int) -> int:
-    """Split tail units a program runs at most: ``tail * parts`` units dealt over ``grid``."""
-    return -(-tail * parts // grid)
-
-
-def split_tail_wave(tail: int, parts: int, grid: int) -> float:
-    """The modelled cost of a split tail, in whole tiles per program: its programs' most units,
-    each :data:`SPLIT_PART_COST` ``/ parts`` of a tile."""
-    return tail_units(tail, parts, grid) * SPLIT_PART_COST / parts
-
-
-def split_tail_plan(world: int, m_local: int, n: int, k: int, cfg, grid: int):
-    """``(tail tiles, parts)`` of a launch, or ``(0, 1)`` for none (``stream_k`` off, or merged
-    rows, which have no segments): the partial last wave's ``T % grid`` tiles (``T = world *
-    tiles per segment``), when they lie in the own segment, each split along K into equal
-    parts of at least ``num_stages`` K-steps (the ping-pong ring protocol needs that), at most
-    :data:`MAX_TAIL_SPLIT`. A tail of at most half the grid: as many parts as fit one per
-    program. A longer one: the parts count whose units, dealt round-robin over the programs
-    (:data:`MAX_TAIL_UNITS` at most each), leave the least work per program
-    (:func:`split_tail_wave`; the fewest parts of equals). No split where the last wave would
-    not save :data:`MIN_SPLIT_GAIN` of the ``ceil(T / grid)`` waves."""
-    if not cfg.stream_k or cfg.rs_merge_rows:
-        return 0, 1
-    total = launch_tiles(m_local, n, world, cfg)
-    tail = total % grid if total > grid else 0
-    if not tail or tail > total // world:  # (a tail longer than the own segment)
-        return 0, 1
-    k_tiles = -(-k // cfg.block_k)
-    most = min(k_tiles // cfg.num_stages, MAX_TAIL_SPLIT)
-    cap = min(MAX_TAIL_UNITS, SCRATCH_UNITS)
-    if 2 * tail <= grid:
-        parts = min(grid // tail, most)
-    elif cap < 2:  # two parts of a tail over half the grid already take two units somewhere
-        return 0, 1
-    else:
-        fits = [q for q in range(2, most + 1) if tail_units(tail, q, grid) <= cap]
-        parts = min(fits, key=lambda q: (split_tail_wave(tail, q, grid), q), default=1)
-    if parts < 2 or 1.0 - split_tail_wave(tail, parts, grid) < MIN_SPLIT_GAIN * -(-total // grid):
-        return 0, 1
-    return tail, parts
 
 
 _LAUNCH = KernelLauncher(gemm_rs_ws_kernel) if gemm_rs_ws_kernel is not None else None

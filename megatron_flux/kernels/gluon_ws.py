@@ -38,7 +38,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed Triton
     aggregate = GluonTensorDescriptor = None
     GLUON_ERROR = f"this Triton has no Gluon ({exc})"
 
-from megatron_flux.kernels.config import interpreting
+from megatron_flux.kernels.config import interpreting, mma_partitions  # noqa: F401 (re-exported)
 from megatron_flux.kernels.descriptors import bind_descriptor
 
 #: registers per thread of the whole CTA (65536 / 384 threads, a multiple of 8). Triton pads a
@@ -176,11 +176,6 @@ if gluon is not None:
             tma_load(b_desc, [kk * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
         else:
             tma_load(b_desc, [off_n, kk * BLOCK_K], ready.index(s), b_bufs.index(s))
-
-
-def mma_partitions(cfg) -> int:
-    """2 for the ping-pong form (``num_warps=4``), 1 for the cooperative one (``num_warps=8``)."""
-    return 2 if cfg.num_warps == 4 else 1
 
 
 def launch_options(cfg) -> dict:

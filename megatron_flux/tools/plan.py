@@ -64,7 +64,7 @@ def kernel_summary(op: str, cfg, m: int, n: int, k: int, tp: int, sms: int) -> s
     pushes ("ce push") or merged rows, and the partial last wave it splits on this shape and
     ``sms`` SMs, as the launchers plan it (the warp-specialized GEMM+RS's split tail: tiles x
     parts, run first or last; the Triton kernels' stream-K tail: tiles)."""
-    from megatron_flux.kernels import gemm_rs_ws
+    from megatron_flux.kernels import gemm_rs_ws, split_tail
     from megatron_flux.kernels.config import launch_tiles
     from megatron_flux.kernels.gluon_ws import shape_reason
     from megatron_flux.kernels.stream_k import stream_k_plan
@@ -89,9 +89,9 @@ def kernel_summary(op: str, cfg, m: int, n: int, k: int, tp: int, sms: int) -> s
         words.append("merged local rows")
     if rs and ws:
         grid = min(sms, launch_tiles(m_local, n, tp, cfg, cfg.rs_merge_rows))
-        tail, parts = gemm_rs_ws.split_tail_plan(tp, m_local, n, k, cfg, grid)
+        tail, parts = split_tail.split_tail_plan(tp, m_local, n, k, cfg, grid)
         if parts > 1:
-            order = "first" if gemm_rs_ws.split_tail_first(tp, m_local, n, cfg, grid) else "last"
+            order = "first" if split_tail.split_tail_first(tp, m_local, n, cfg, grid) else "last"
             words.append(f"split tail {tail}x{parts} {order}")
     else:
         tiles, per_segment, possible = tile_space(op, cfg, m, n, tp)

@@ -320,7 +320,7 @@ def wave_work(op: str, cfg, m_total: int, n: int, k: int, tp: int, num_sms: int,
     the waves of tiles it runs (whole waves; with ``split_tail``, a stream-K tail that the
     kernel would split as :data:`STREAM_K_TAIL_COST` times its share, and the
     warp-specialized GEMM+RS's split tail as the kernel plans it, its last wave as
-    :func:`~megatron_flux.kernels.gemm_rs_ws.split_tail_wave` of one). The time of one K step
+    :func:`~megatron_flux.kernels.split_tail.split_tail_wave` of one). The time of one K step
     per element is taken as equal across the configs compared (they are all at least
     :data:`MIN_TILE_AREA`), so this orders them by time where wave quantisation separates
     them. Comm off on one H200 at
@@ -337,7 +337,7 @@ def wave_work(op: str, cfg, m_total: int, n: int, k: int, tp: int, num_sms: int,
         full = math.floor(waves)
         whole = min(whole, full + STREAM_K_TAIL_COST * (waves - full))
     elif split_tail and op == "rs" and cfg.rs_warp_specialized:  # the plan reads stream_k
-        from megatron_flux.kernels.gemm_rs_ws import split_tail_plan, split_tail_wave
+        from megatron_flux.kernels.split_tail import split_tail_plan, split_tail_wave
 
         m_local = max(1, m_total // max(1, tp))
         grid = min(num_sms, tiles)
@@ -534,7 +534,7 @@ def transplanted(cfg, op: str, ws_split: bool = True):
     shape has no small partial last wave; the new shape may have one (``default_config`` turns
     it on for the same reason), and each kernel plans the split only where it pays
     (:func:`~megatron_flux.kernels.stream_k.stream_k_plan`,
-    :func:`~megatron_flux.kernels.gemm_rs_ws.split_tail_plan`). A/Bs with a same-config control
+    :func:`~megatron_flux.kernels.split_tail.split_tail_plan`). A/Bs with a same-config control
     on 2xH200:
 
     * Triton, GEMM+RS at m = 1024 on three models whose 128x256 tiles leave 21 % of a last wave

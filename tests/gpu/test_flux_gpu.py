@@ -507,7 +507,7 @@ def _split_tail_worker(rank, world, port, env):
     """The warp-specialized GEMM+RS's split tail with real peers (SM and copy-engine pushes,
     with and without a bias) against NCCL + fp32 math; the launch's plan does split."""
     init_rank(rank, world, port, env)
-    from megatron_flux.kernels.gemm_rs_ws import split_tail_plan
+    from megatron_flux.kernels.split_tail import split_tail_plan
 
     group = torch.distributed.group.WORLD
     gen = torch.Generator(device=torch.device("cuda", rank)).manual_seed(17)

@@ -303,7 +303,7 @@ def test_gemm_rs_ws_bias_layouts_and_signals(world, b_kn, dtype, copy_engine, fo
 
 # (world, m_local, n, k, num_sms): a partial last wave of own tiles, split along K into 3, 5, 5,
 # 8 (ping-pong) and 3, 3, 7 (cooperative) parts, one per program, so the parts sum chunks of 64,
-# 32 and 16 rows (cooperative: 64 and 32; gemm_rs_ws.tail_sum_rows); then tails over half the
+# 32 and 16 rows (cooperative: 64 and 32; split_tail.tail_sum_rows); then tails over half the
 # grid, planned with two units a program at most (MAX_TAIL_UNITS = 2: the kernel runs several,
 # the shipped plan gives one), in 3 parts: 8 tiles over 12 programs, 12 over 22 (one row of
 # tiles), cooperative 6 over 10
@@ -334,12 +334,11 @@ def test_gemm_rs_ws_split_tail(form, case, copy_engine, part_first, monkeypatch)
     from megatron_flux.kernels import stream_k
     from megatron_flux.kernels.config import GemmConfig
     from megatron_flux.kernels.gemm_rs import launch_gemm_rs
-    from megatron_flux.kernels.gemm_rs_ws import split_tail_plan
+    from megatron_flux.kernels import split_tail
+    from megatron_flux.kernels.split_tail import split_tail_plan
 
-    from megatron_flux.kernels import gemm_rs_ws
-
-    monkeypatch.setattr(gemm_rs_ws, "split_tail_first", lambda *args: part_first)
-    monkeypatch.setattr(gemm_rs_ws, "MAX_TAIL_UNITS", 2)  # plans of shorter tails: the same
+    monkeypatch.setattr(split_tail, "split_tail_first", lambda *args: part_first)
+    monkeypatch.setattr(split_tail, "MAX_TAIL_UNITS", 2)  # plans of shorter tails: the same
     world, m_local, n, k, num_sms = case
     dtype = torch.bfloat16
     a, w, bias, out, data, pushed, flags, data_ptrs, flag_ptrs, err = _rank0_rs_wiring(
@@ -385,7 +384,7 @@ def test_gemm_rs_ws_split_tail_wait_times_out_loudly(form):
     from megatron_flux.kernels import stream_k
     from megatron_flux.kernels.config import GemmConfig
     from megatron_flux.kernels.gemm_rs import launch_gemm_rs
-    from megatron_flux.kernels.gemm_rs_ws import split_tail_plan
+    from megatron_flux.kernels.split_tail import split_tail_plan
     from megatron_flux.kernels.signals import OP_SPLIT_TAIL
 
     world, m_local, n, k, num_sms = _SPLIT_TAIL_CASES[form][0]
@@ -423,7 +422,7 @@ def test_gemm_rs_ws_builds_spill_no_registers(monkeypatch):
     slower where it split (``docs/performance.md``, "No registers spilled")."""
     import dataclasses
 
-    from megatron_flux.kernels import gemm_rs_ws
+    from megatron_flux.kernels import gemm_rs_ws, split_tail
     from megatron_flux.kernels.config import GemmConfig
     from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
@@ -440,7 +439,7 @@ def test_gemm_rs_ws_builds_spill_no_registers(monkeypatch):
                 world, m_local, n, k, torch.bfloat16, seed=17)
             base = GemmConfig(**fields, epilogue_split=1, rs_warp_specialized=True)
             split = dataclasses.replace(base, stream_k=1)
-            assert gemm_rs_ws.split_tail_plan(world, m_local, n, k, split, num_sms)[1] > 1
+            assert split_tail.split_tail_plan(world, m_local, n, k, split, num_sms)[1] > 1
             cases = [(base, False, None, False), (base, False, bias, False),
                      (base, False, bias, True), (split, True, bias, False),
                      (split, False, bias, False)]
@@ -453,7 +452,7 @@ def test_gemm_rs_ws_builds_spill_no_registers(monkeypatch):
                           (split, True, None, False), (split, False, None, False),
                           (merged, False, bias, False)]
             for cfg, first, with_bias, b_kn in cases:
-                monkeypatch.setattr(gemm_rs_ws, "split_tail_first", lambda *args, f=first: f)
+                monkeypatch.setattr(split_tail, "split_tail_first", lambda *args, f=first: f)
                 launched.append(dict(WORLD=world, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
                                      HAS_BIAS=with_bias is not None, B_KN=b_kn,
                                      CE_PUSH=cfg.rs_copy_engine, SPLIT_TAIL=bool(cfg.stream_k),
@@ -759,7 +758,7 @@ def test_gemm_rs_four_ranks_on_one_gpu(configs, late):
 
 # (form, world, m_local, n, k, whether the parts run first): on 132 SMs shared evenly, each
 # rank's partial last wave split along K; at TP 2 the parts run first, at TP 4 first below two
-# waves and last from two waves on (gemm_rs_ws.split_tail_first)
+# waves and last from two waves on (split_tail.split_tail_first)
 _SPLIT_RANKS = [("pingpong", 2, 512, 1152, 2048, True), ("pingpong", 4, 256, 640, 2048, True),
                 ("pingpong", 4, 256, 1152, 2048, False), ("coop", 2, 512, 2304, 2048, True),
                 ("coop", 4, 256, 1152, 2048, True), ("coop", 4, 256, 2304, 2048, False)]
@@ -777,7 +776,7 @@ def test_gemm_rs_ws_split_tail_ranks_on_one_gpu(form, world, m_local, n, k, firs
     right over several epochs; with ``late`` the last rank starts 2 ms after the others, so the
     other ranks' sums wait for its signal for real. The plan is checked to split, in the
     expected order."""
-    from megatron_flux.kernels import gemm_rs_ws
+    from megatron_flux.kernels import split_tail
     from megatron_flux.kernels.config import GemmConfig
 
     if torch.cuda.get_device_properties(0).multi_processor_count < 132:
@@ -785,9 +784,9 @@ def test_gemm_rs_ws_split_tail_ranks_on_one_gpu(form, world, m_local, n, k, firs
     sms = 132 // world
     cfg = GemmConfig(**WS_FORMS[form], num_stages=5 if form == "pingpong" else 3,
                      epilogue_split=1, rs_warp_specialized=True, stream_k=1)
-    tail, parts = gemm_rs_ws.split_tail_plan(world, m_local, n, k, cfg, sms)
+    tail, parts = split_tail.split_tail_plan(world, m_local, n, k, cfg, sms)
     assert parts > 1 and tail > 0, (tail, parts)
-    assert gemm_rs_ws.split_tail_first(world, m_local, n, cfg, sms) == first
+    assert split_tail.split_tail_first(world, m_local, n, cfg, sms) == first
     _gemm_rs_ranks_on_one_gpu(m_local, n, k, [cfg] * world, [sms] * world,
                               late_ms=2.0 if late else 0.0)
 

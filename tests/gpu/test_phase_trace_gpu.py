@@ -77,7 +77,7 @@ def test_rs_ws_trace(form):
     sum; every MMA partition of every program stamps its start and end and counts in at the
     grid barrier once, between them; the partitions that ran a whole own tile stamp the peers'
     signals acquired, after their count-in and before their end."""
-    from megatron_flux.kernels import gemm_rs_ws as W
+    from megatron_flux.kernels import gemm_rs_ws as W, split_tail
     from megatron_flux.kernels.config import GemmConfig
     from megatron_flux.tools.diagnostics.kernel_vs_cublas import rel_err, rs_on_one_gpu
 
@@ -89,7 +89,7 @@ def test_rs_ws_trace(form):
               if form == "pingpong" else dict(block_m=128, block_n=256, block_k=64, num_stages=3,
                                               num_warps=8))
     cfg = GemmConfig(**fields, epilogue_split=1, rs_warp_specialized=True, stream_k=1)
-    assert W.split_tail_plan(world, m // world, n, k, cfg, sms)[1] > 1 or sms != 132
+    assert split_tail.split_tail_plan(world, m // world, n, k, cfg, sms)[1] > 1 or sms != 132
     gen = torch.Generator(device="cuda").manual_seed(3)
     a = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
     w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)

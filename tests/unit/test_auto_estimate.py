@@ -13,7 +13,7 @@ import torch
 
 from megatron_flux import tuning as T
 from megatron_flux.kernels.config import GemmConfig, default_config
-from megatron_flux.kernels.gemm_rs_ws import SPLIT_PART_COST
+from megatron_flux.kernels.split_tail import SPLIT_PART_COST
 from megatron_flux.kernels.version import KERNEL_VERSION
 from megatron_flux.tuning import estimate as E
 from megatron_flux.tuning import provider, registry, schema

@@ -233,7 +233,7 @@ def test_gemm_rs_ws_phase_stamps_exist_only_in_a_trace_build():
     """TRACE (``gemm_rs_ws.WS_RS_PHASES``, read by ``benchmarks/experiments/phase_trace_ws.py``):
     the warp-specialized GEMM+RS with its split tail builds with the stamps, which read
     ``%globaltimer``; without TRACE (every production launch) the kernel reads no timer."""
-    from megatron_flux.kernels import gemm_rs_ws as W
+    from megatron_flux.kernels import gemm_rs_ws as W, split_tail
     from megatron_flux.kernels.config import GemmConfig
 
     if W.gemm_rs_ws_kernel is None:
@@ -243,7 +243,7 @@ def test_gemm_rs_ws_phase_stamps_exist_only_in_a_trace_build():
     for trace in (False, True):
         consts = dict(WORLD=2, B_KN=False, HAS_BIAS=False, CE_PUSH=False,
                       CONSUMER_REGS=W.CONSUMER_REGS, MERGE_ROWS=False, SPLIT_TAIL=True,
-                      TAIL_ROWS=W.tail_sum_rows(cfg, 4), TRACE=trace)
+                      TAIL_ROWS=split_tail.tail_sum_rows(cfg, 4), TRACE=trace)
         ptx[trace] = _compile_gluon(W.gemm_rs_ws_kernel, cfg, consts,
                                     {"data_ptrs": "*i64", "flag_ptrs": "*i64", "err_ptr": "*i32",
                                      "parts_ptr": "*fp32", "counters_ptr": "*i32",

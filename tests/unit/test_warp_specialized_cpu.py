@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from megatron_flux.kernels import ag_gemm_ws, gemm_rs_ws, gluon_ws
+from megatron_flux.kernels import ag_gemm_ws, gemm_rs_ws, gluon_ws, split_tail
 from megatron_flux.kernels.config import GemmConfig
 
 WS = dict(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4, epilogue_split=1,
@@ -231,13 +231,13 @@ def test_split_tail_plan_cuts_only_a_partial_last_wave_of_own_tiles():
     short a K, or too small a saving of the launch's waves: no split."""
     import itertools
 
-    plan = gemm_rs_ws.split_tail_plan
+    plan = split_tail.split_tail_plan
     cfg = GemmConfig(**WS, stream_k=1)
     # gemma2-27b's fc2 at TP 4, m = 1024 (per-rank K 18432): 288 tiles, 24 in the last wave
     assert plan(4, 256, 4608, 18432, cfg, 132) == (24, 5)
     assert plan(4, 256, 5120, 13696, cfg, 132) == (56, 2)  # qwen1.5-32b: 320 tiles
     assert plan(4, 256, 4096, 18432, cfg, 132) == (0, 1)   # 256 tiles: 124 left, over 64 own
-    assert gemm_rs_ws.MAX_TAIL_UNITS == 1
+    assert split_tail.MAX_TAIL_UNITS == 1
     assert plan(2, 512, 5376, 10752, cfg, 132) == (0, 1)  # gemma3-27b: 336 tiles, 72 left
     assert plan(4, 256, 4608, 18432, cfg, 288) == (0, 1)   # one whole wave: no tail
     assert plan(2, 128, 1024, 18432, cfg, 132) == (0, 1)   # 16 tiles: no full wave
@@ -260,11 +260,11 @@ def test_split_tail_plan_cuts_only_a_partial_last_wave_of_own_tiles():
             assert tail == 0
             continue
         assert tail == (world * per_segment) % grid and world * per_segment > grid
-        assert 2 <= parts <= gemm_rs_ws.MAX_TAIL_SPLIT
+        assert 2 <= parts <= split_tail.MAX_TAIL_SPLIT
         assert tail <= per_segment and (k // 64) // parts >= cfg.num_stages
         assert tail * parts <= grid  # one unit per program
-        assert 1 - gemm_rs_ws.SPLIT_PART_COST / parts >= \
-            gemm_rs_ws.MIN_SPLIT_GAIN * -(-world * per_segment // grid)
+        assert 1 - split_tail.SPLIT_PART_COST / parts >= \
+            split_tail.MIN_SPLIT_GAIN * -(-world * per_segment // grid)
 
 
 @pytest.mark.parametrize("units", [2, 4, 8])
@@ -276,9 +276,9 @@ def test_split_tail_plan_over_half_the_grid_with_several_units_a_program(units, 
     up to half the grid is planned as before."""
     import itertools
 
-    monkeypatch.setattr(gemm_rs_ws, "MAX_TAIL_UNITS", units)
-    units = min(units, gemm_rs_ws.SCRATCH_UNITS)
-    plan = gemm_rs_ws.split_tail_plan
+    monkeypatch.setattr(split_tail, "MAX_TAIL_UNITS", units)
+    units = min(units, split_tail.SCRATCH_UNITS)
+    plan = split_tail.split_tail_plan
     cfg = GemmConfig(**WS, stream_k=1)
     # gemma3-27b's fc2 at TP 2, m = 1024 (336 tiles, 72 left): 3 parts (216 units, two a
     # program: 2/3 of a tile), with four a program 7 parts (504 units: 4/7); qwen2.5-7b's
@@ -297,15 +297,15 @@ def test_split_tail_plan_over_half_the_grid_with_several_units_a_program(units, 
             assert tail * parts <= grid
             continue
         seen += 1
-        most = min((k // 64) // cfg.num_stages, gemm_rs_ws.MAX_TAIL_SPLIT)
+        most = min((k // 64) // cfg.num_stages, split_tail.MAX_TAIL_SPLIT)
         per_program = -(-tail * parts // grid)  # the most units a program runs, counted here
         assert 2 <= parts <= most and per_program <= units
         for q in range(2, most + 1):  # no other fitting count leaves less work a program
             if -(-tail * q // grid) <= units:
                 assert (per_program / parts, parts) <= (-(-tail * q // grid) / q, q)
         waves = -(-world * -(-rows // 128) * -(-n // 128) // grid)
-        assert 1 - per_program * gemm_rs_ws.SPLIT_PART_COST / parts >= \
-            gemm_rs_ws.MIN_SPLIT_GAIN * waves
+        assert 1 - per_program * split_tail.SPLIT_PART_COST / parts >= \
+            split_tail.MIN_SPLIT_GAIN * waves
     assert seen
 
 
@@ -313,7 +313,7 @@ def test_split_tail_parts_run_first_at_tp2_and_below_two_waves():
     """``split_tail_first``: the split parts run as their programs' first work item at TP 2
     and, at any TP, below two waves of tiles; at TP 4 and 8 from two waves on they run last
     (there, first ran slower on six of nine shapes measured)."""
-    first = gemm_rs_ws.split_tail_first
+    first = split_tail.split_tail_first
     cfg = GemmConfig(**WS, stream_k=1)
     assert first(2, 512, 2304, cfg, 132)        # minicpm-2b, m = 1024: 144 tiles
     assert first(2, 1024, 2304, cfg, 132)       # m = 2048: 288 tiles, 2.2 waves
@@ -337,8 +337,8 @@ def test_split_tail_sum_chunks_give_each_part_at_most_one_where_they_can(form):
                          num_warps=warps, group_m=8, epilogue_split=1, rs_warp_specialized=True,
                          stream_k=1)
         least = 16 if warps == 4 else 32
-        for parts in range(2, gemm_rs_ws.MAX_TAIL_SPLIT + 1):
-            rows = gemm_rs_ws.tail_sum_rows(cfg, parts)
+        for parts in range(2, split_tail.MAX_TAIL_SPLIT + 1):
+            rows = split_tail.tail_sum_rows(cfg, parts)
             assert rows & (rows - 1) == 0 and block_m % rows == 0, (block_m, parts, rows)
             assert least <= rows <= 64
             chunks = block_m // rows
@@ -346,5 +346,5 @@ def test_split_tail_sum_chunks_give_each_part_at_most_one_where_they_can(form):
                 assert chunks <= parts, (block_m, parts, rows)
             if rows > least:  # and no smaller: half the rows would leave some part two chunks
                 assert block_m // (rows // 2) > parts, (block_m, parts, rows)
-    assert gemm_rs_ws.tail_sum_rows(GemmConfig(**WS, stream_k=1), 8) == 16
-    assert gemm_rs_ws.tail_sum_rows(GemmConfig(**WS, stream_k=1), 2) == 64
+    assert split_tail.tail_sum_rows(GemmConfig(**WS, stream_k=1), 8) == 16
+    assert split_tail.tail_sum_rows(GemmConfig(**WS, stream_k=1), 2) == 64
