@@ -10,7 +10,7 @@ a grid of ``--sms`` programs (``W * sms`` at most the GPU's SMs, so every progra
 is resident) on its own stream, all started by one event:
 
 * ``paired``: real signals: the ranks push into each other's slots (GPU memory) and wait for
-  each other (the wiring of ``test_gemm_rs_two_ranks_on_one_gpu``);
+  each other (``rs_ranks.SimulatedRanks``, the tests' wiring);
 * ``apart``: the same launches, each rank wired alone (``kernel_vs_cublas.rs_on_one_gpu``:
   peers' signals pre-set, pushes into a local scratch region), so nothing waits, with the same
   SMs, memory traffic and power shared;
@@ -41,9 +41,8 @@ import statistics
 import torch
 
 from common import write_record
-from megatron_flux.kernels.config import rs_signal_count
-from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 from megatron_flux.tools.diagnostics.kernel_vs_cublas import _sleep_cycles_per_ms, rel_err, rs_on_one_gpu
+from megatron_flux.tools.diagnostics.rs_ranks import SimulatedRanks
 
 MAX_SPINS = 1 << 24
 
@@ -52,42 +51,20 @@ class Paired:
     """``world`` ranks wired to each other through GPU memory (real signals, epochs rising)."""
 
     def __init__(self, a, w, cfg, sms):
-        world = len(a)
-        self.a, self.w, self.cfg, self.sms, self.world = a, w, cfg, sms, world
-        m_local, n = a[0].shape[0] // world, w[0].shape[0]
-        dev = a[0].device
-        self.data = [torch.zeros(world, m_local, n, device=dev, dtype=a[0].dtype) for _ in range(world)]
-        self.flags = [torch.zeros(rs_signal_count(world), dtype=torch.int32, device=dev)
-                      for _ in range(world)]
-        self.data_ptrs = torch.tensor([d.data_ptr() for d in self.data], dtype=torch.int64, device=dev)
-        self.flag_ptrs = torch.tensor([f.data_ptr() for f in self.flags], dtype=torch.int64, device=dev)
-        self.errs = [torch.zeros(4, dtype=torch.int32, device=dev) for _ in range(world)]
-        self.outs = [torch.empty(m_local, n, device=dev, dtype=a[0].dtype) for _ in range(world)]
+        self.ranks = SimulatedRanks(a, w, [cfg] * len(a), [sms] * len(a), max_spins=MAX_SPINS)
         self.epoch = 0
 
     def load(self):
-        """Each rank's binary loaded, one rank at a time, at epoch 0 (whose waits pass at once:
-        the signals start at 0)."""
-        for r in range(self.world):
-            self._launch(r, 0)
-            torch.cuda.synchronize()
+        self.ranks.load()
 
     def launch(self, r):
         if r == 0:
             self.epoch += 1
-        self._launch(r, self.epoch)
-
-    def _launch(self, r, epoch):
-        launch_gemm_rs(self.a[r], self.w[r].t(), self.outs[r], self.data[r], self.data_ptrs,
-                       self.flag_ptrs, None, self.errs[r], rank=r, world=self.world,
-                       epoch=self.epoch, cfg=self.cfg, num_sms=self.sms, max_spins=MAX_SPINS)
+        self.ranks.launch(r, self.epoch)
 
     def error(self, ref):
-        m_local = self.outs[0].shape[0]
-        for r, e in enumerate(self.errs):
-            if e.any():
-                raise RuntimeError(f"rank {r}: error word {e.tolist()}")
-        return max(rel_err(o.float(), ref[r * m_local:(r + 1) * m_local]) for r, o in enumerate(self.outs))
+        self.ranks.check_protocol(self.epoch)
+        return max(self.ranks.rel_errors(ref))
 
 
 class Apart:

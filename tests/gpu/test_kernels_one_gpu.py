@@ -671,71 +671,41 @@ def test_gemm_rs_two_ranks_on_one_gpu(configs, split):
 
 
 def _gemm_rs_ranks_on_one_gpu(m_local, n, k, cfgs, sms, epochs=(1, 2, 3), late_ms=0.0):
-    """GEMM+RS of ``len(cfgs)`` simulated ranks on this GPU, rank ``r`` with ``cfgs[r]`` on a
-    grid of ``sms[r]`` programs and its own stream, all launched at once per epoch (the last
-    rank ``late_ms`` later, behind a sleep on its stream: every other rank then reaches its
-    waits before that rank has pushed anything); every rank's output checked against the fp32
-    sum of every rank's partial, its error word clean, its arrival counter back at zero and
-    every peer's signal at the epoch. The slots and outputs are poisoned (NaN) before each
-    epoch. The grids together must fit the GPU (every program of every rank resident), as they
-    must on a real group."""
+    """GEMM+RS of ``len(cfgs)`` simulated ranks on this GPU (``rs_ranks.SimulatedRanks``), rank
+    ``r`` with ``cfgs[r]`` on a grid of ``sms[r]`` programs and its own stream, all launched at
+    once per epoch (the last rank ``late_ms`` later, behind a sleep on its stream: every other
+    rank then reaches its waits before that rank has pushed anything); every rank's output
+    checked against the fp32 sum of every rank's partial, its error word clean, its arrival
+    counter back at zero and every peer's signal at the epoch. The slots and outputs are
+    poisoned (NaN) before each epoch. The grids together must fit the GPU (every program of
+    every rank resident), as they must on a real group."""
     from megatron_flux.tools.diagnostics.kernel_vs_cublas import _sleep_cycles_per_ms
-    from megatron_flux.kernels.config import rs_signal_count
-    from megatron_flux.kernels.gemm_rs import launch_gemm_rs
+    from megatron_flux.tools.diagnostics.rs_ranks import SimulatedRanks
 
     world = len(cfgs)
     gen = torch.Generator(device="cuda").manual_seed(7)
     a = [torch.randn(world * m_local, k, device="cuda", generator=gen).to(torch.bfloat16)
          for _ in range(world)]
     w = [torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(world)]
-    data = [torch.zeros(world, m_local, n, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
-    flags = [torch.zeros(rs_signal_count(world), dtype=torch.int32, device="cuda")
-             for _ in range(world)]
-    data_ptrs = torch.tensor([d.data_ptr() for d in data], dtype=torch.int64, device="cuda")
-    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device="cuda")
-    errs = [torch.zeros(4, dtype=torch.int32, device="cuda") for _ in range(world)]
-    outs = [torch.empty(m_local, n, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
+    ranks = SimulatedRanks(a, w, cfgs, sms)
     streams = [torch.cuda.Stream() for _ in range(world)]
-    ref = sum(x.float() @ y.t().float() for x, y in zip(a, w))
+    ref = ranks.reference()
     # the sleep kernel timed (and so loaded) before any grid runs: under lazy loading its first
     # launch would wait for the grids, which wait for the rank queued behind it
     late_cycles = int(late_ms * _sleep_cycles_per_ms()) if late_ms else 0
-
-    def launch(r, epoch):
-        launch_gemm_rs(a[r], w[r].t(), outs[r], data[r], data_ptrs, flag_ptrs, None, errs[r],
-                       rank=r, world=world, epoch=epoch, cfg=cfgs[r], num_sms=sms[r],
-                       max_spins=1 << 22)
-
-    # Load every rank's kernel binary before the grids run at once: with CUDA's lazy loading a
-    # binary's first launch waits for the running grids, so a grid spinning on its peer would
-    # wait for a launch queued behind it, and time out where the test selection had not loaded
-    # a rank's kernel before. Epoch 0: every wait passes at once (the signals start at 0); the
-    # outputs are not checked. Each rank on its own stream, as below: the split tail's scratch
-    # is per stream.
-    for r in range(world):
-        with torch.cuda.stream(streams[r]):
-            launch(r, 0)
-        torch.cuda.synchronize()
-        assert errs[r].tolist() == [0, 0, 0, 0] and int(flags[r][world]) == 0, r
+    # every rank's binary loaded before the grids run at once (lazy loading: see ``load``)
+    ranks.load(streams)
     for epoch in epochs:
-        for o in outs + data:
-            o.fill_(float("nan"))
+        ranks.poison()
         torch.cuda.synchronize()
         for r in range(world):
             with torch.cuda.stream(streams[r]):
                 if late_cycles and r == world - 1:
                     torch.cuda._sleep(late_cycles)
-                launch(r, epoch)
+                ranks.launch(r, epoch)
         torch.cuda.synchronize()
-        for r in range(world):
-            assert errs[r].tolist() == [0, 0, 0, 0], (epoch, r, errs[r].tolist())
-            assert int(flags[r][world]) == 0, "arrival counter not back at zero"
-            for peer in range(world):
-                if peer != r:
-                    assert int(flags[r][peer]) == epoch, ("the peer's signal", r, peer)
-            got = outs[r].float()
-            exp = ref[r * m_local:(r + 1) * m_local]
-            rel = float((got - exp).norm() / exp.norm())
+        ranks.check_protocol(epoch)
+        for r, rel in enumerate(ranks.rel_errors(ref)):
             assert rel < 1e-2, (epoch, r, cfgs[r], rel)
 
 
