@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import pickle
 import warnings
 
@@ -800,8 +801,13 @@ def check_constructor_arguments(rank, tp):
 
 def _with_output_dtype(layer, dtype):
     """``layer`` as megatron-core after 0.19 builds and runs it: an ``output_dtype`` attribute
-    that its forward passes to ``_forward_impl`` (0.16 has neither)."""
+    that its forward passes to ``_forward_impl`` (0.16 has neither; where the installed
+    megatron-core takes ``output_dtype``, its forward passes it already)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
     layer.output_dtype = dtype
+    if "output_dtype" in inspect.signature(ColumnParallelLinear.__init__).parameters:
+        return layer
     impl = layer._forward_impl
     layer._forward_impl = lambda *a, **kw: impl(*a, **kw, output_dtype=layer.output_dtype)
     return layer
