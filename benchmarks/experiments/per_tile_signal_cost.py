@@ -7,7 +7,7 @@ per row block) would let the owners' rows come in turn, with each own tile reduc
 its peers' partials landed; :mod:`megatron_flux.kernels.gemm_rs`'s docstring records that in
 the Triton kernel a release per pushed tile ran 2.3-3.7x slower (the release broke the
 flattened loop). In the Gluon kernel the epilogue has its own partition, so this measures the
-same idea there, on one GPU, as two patched copies of ``kernels/gemm_rs_ws.py``:
+same idea there, on one GPU, as patched copies of ``kernels/gemm_rs_ws.py``:
 
 * ``release``: every producer tile's epilogue drains its TMA store (complete, proxy-fenced),
   meets its partition, and one thread adds 1 (release, system scope) to a word of the owner's
@@ -15,7 +15,11 @@ same idea there, on one GPU, as two patched copies of ``kernels/gemm_rs_ws.py``:
   costs the producer;
 * ``pertile``: that, and every own tile (not only a partition's first) acquires the peers'
   signals before its reduction: what a per-tile wait costs the consumer once the signal is
-  there.
+  there;
+* ``turnorder``: the tile order of owners in turn (per group of ``GROUP_M`` row tiles, the
+  peers' tiles then the own ones), signals as shipped; ``turns``: that order with the
+  per-tile signals of ``pertile``, the schedule such signals would allow (each own tile still
+  reduced in its epilogue), minus what crossing NVLink adds.
 
 Against the unpatched kernel (``new``) and the same file loaded as a copy (``prev``, a
 control), communication off (``kernel_vs_cublas``'s wiring: local slots, peers' signals
@@ -59,6 +63,29 @@ WAIT_EVERY_TILE = ("""        if waited == 0:
             _wait_peers(p)
             fence_async_proxy(p.epoch, True)""")
 
+#: the owners' row groups in turn: for each group of GROUP_M row tiles, the peers' tiles of it,
+#: then the own ones (``step`` as before, so an own tile is still reduced in its epilogue); no
+#: serpentine. Only the order: without RELEASE the grid barrier would no longer cover every
+#: push, so this is for communication off
+TURNS = ("""            tps = tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N)
+            step = t // tps
+            seg = segment_of_step(step, p.rank, p.WORLD, True)
+            pid_m, pid_n = grouped_tile(serpentine(t, step, tps), gl.cdiv(p.m_local, BLOCK_M),
+                                        gl.cdiv(p.N, BLOCK_N), p.GROUP_M)""", """            tps = tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N)
+            n_pid_m = gl.cdiv(p.m_local, BLOCK_M)
+            n_pid_n = gl.cdiv(p.N, BLOCK_N)
+            group = p.GROUP_M * n_pid_n
+            whole = (n_pid_m // p.GROUP_M) * group
+            if t < p.WORLD * whole:
+                step = (t % (p.WORLD * group)) // group
+                local = (t // (p.WORLD * group)) * group + t % group
+            else:
+                rest = tps - whole
+                step = (t - p.WORLD * whole) // rest
+                local = whole + (t - p.WORLD * whole) % rest
+            seg = segment_of_step(step, p.rank, p.WORLD, True)
+            pid_m, pid_n = grouped_tile(local, n_pid_m, n_pid_n, p.GROUP_M)""")
+
 
 def patched(src: str, patches) -> str:
     for old, new in patches:
@@ -76,7 +103,8 @@ def main(argv=None):
     tmp = tempfile.mkdtemp(prefix="per-tile-")
     paths = {}
     for name, patches in (("prev", []), ("release", [RELEASE]),
-                          ("pertile", [RELEASE, WAIT_EVERY_TILE])):
+                          ("pertile", [RELEASE, WAIT_EVERY_TILE]), ("turnorder", [TURNS]),
+                          ("turns", [TURNS, RELEASE, WAIT_EVERY_TILE])):
         paths[name] = os.path.join(tmp, f"gemm_rs_ws_{name}.py")
         with open(paths[name], "w") as f:
             f.write(patched(src, patches))
@@ -85,6 +113,7 @@ def main(argv=None):
     chosen = {k: forms[k] for k in args.forms.split()}
     kab = ["--op", "rs", "--prev", paths["prev"], "--launcher", "launch_gemm_rs_ws",
            "--variant", f"release={paths['release']}", "--variant", f"pertile={paths['pertile']}",
+           "--variant", f"turnorder={paths['turnorder']}", "--variant", f"turns={paths['turns']}",
            "--forms", json.dumps(chosen)] + rest
     print("kernel_ab.py", " ".join(kab), flush=True)
     kernel_ab.main(kab)
