@@ -46,8 +46,8 @@ import time
 import torch
 
 from common import write_record
-from megatron_flux.tools.diagnostics.kernel_vs_cublas import _sleep_cycles_per_ms, ag_on_one_gpu, \
-    mean_ms, rel_err, rs_on_one_gpu
+from megatron_flux.tools.diagnostics.kernel_vs_cublas import _ag_runner, _rs_runner, \
+    _sleep_cycles_per_ms, mean_ms, rel_err
 
 
 class Nvml:
@@ -110,26 +110,10 @@ def pci_bus_id(device) -> str:
 
 
 def problem(op, m, n, k, tp, cfg, dtype=torch.bfloat16):
-    """``(fused launch, cublas launch, check)`` of one shape on this GPU alone."""
-    a = torch.randn(m, k, device="cuda", dtype=dtype)
-    w = torch.randn(n, k, device="cuda", dtype=dtype)
-    err = torch.zeros(4, dtype=torch.int32, device="cuda")
-    if op == "ag":
-        launch, out = ag_on_one_gpu(a, w, tp, cfg, err)
-
-        def check():
-            return rel_err(out.float(), a.float() @ w.t().float())
-
-        return (lambda: launch()), (lambda: torch.matmul(a, w.t())), check, err
-    launch, out, data = rs_on_one_gpu(a, w, tp, err)
-
-    def check():
-        ref = (a.float() @ w.t().float())[:m // tp]
-        for src in range(1, tp):
-            ref = ref + data[src].float()
-        return rel_err(out.float(), ref)
-
-    return (lambda: launch(cfg)), (lambda: torch.matmul(a, w.t())), check, err
+    """``(fused launch, cublas launch, check, error word)`` of one shape on this GPU alone:
+    ``kernel_vs_cublas``'s runners, ``check`` giving the relative error."""
+    fused, cublas, outputs, err = (_ag_runner if op == "ag" else _rs_runner)(m, n, k, tp, cfg, dtype)
+    return fused, cublas, (lambda: rel_err(*outputs())), err
 
 
 def run_block(fn, launches, gap_cycles, nvml, sampler, lead_launches):

@@ -208,7 +208,6 @@ def mma_partitions(cfg: GemmConfig) -> int:
     return 2 if cfg.num_warps == 4 else 1
 
 
-
 def rs_signal_count(world: int) -> int:
     """Signal words one GEMM+RS call needs per rank and parity: ``[src]`` (raised by the peer
     ``src`` when its grid finished producing, or with ``rs_copy_engine`` by the copy engine
