@@ -105,6 +105,24 @@ MUTANTS = {
         RS, "pid_m = owner * (p.m_local // BLOCK_M) + pid_m // p.WORLD",
         "pid_m = owner * (p.m_local // BLOCK_M)",
         "reduction_paths and 13- or wsinterleave"),
+    # owners' row groups in turn (rs_row_turns): an own tile reduces without waiting for its row
+    # group's counters
+    "rs_turns_no_row_wait": (
+        RS, "            _wait_row_group(p, off_m)\n", "            pass\n",
+        "two_ranks_on_one_gpu and wsturns or four_ranks_on_one_gpu and wsturns and last-late"),
+    # ... a producer counts every tile into its first row group's counter
+    "rs_turns_wrong_group": (
+        RS, "gl.atomic_add(_row_counter(p, owner_flags, p.rank, off_m)",
+        "gl.atomic_add(_row_counter(p, owner_flags, p.rank, 0 * off_m)",
+        "two_ranks_on_one_gpu and wsturns-wsturns-even"),
+    # ... the last arrival leaves the row counters as they are (the next call would not wait)
+    "rs_turns_no_reset": (
+        RS, "groups * 0, mask=is_last)", "groups * 0, mask=is_last & (groups < 0))",
+        "two_ranks_on_one_gpu and wsturns"),
+    # ... every arrival resets them, while other programs' own tiles still wait on them
+    "rs_turns_reset_early": (
+        RS, "groups * 0, mask=is_last)", "groups * 0, mask=groups >= 0)",
+        "two_ranks_on_one_gpu and wsturns-wsturns-skewed"),
     # the Triton kernels, against the same one-GPU tests
     # Triton GEMM+RS: the grid barrier of one program (every arrival raises the signals)
     "triton_rs_early_signal": (

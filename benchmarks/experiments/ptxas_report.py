@@ -139,7 +139,9 @@ def gluon_rows(ptxas, ptx_version):
                  {"SPLIT_TAIL": True, "TAIL_FIRST": False}),
                 ("ping-pong, copy-engine pushes", pingpong, {"rs_copy_engine": True},
                  {"CE_PUSH": True}),
-                ("cooperative", coop, {}, {}))
+                ("cooperative", coop, {}, {}),
+                ("ping-pong, row turns", pingpong, {"rs_row_turns": True}, {"ROW_TURNS": True}),
+                ("cooperative, row turns", coop, {"rs_row_turns": True}, {"ROW_TURNS": True}))
     rows = []
     for world in (2, 4):
         for label, tile, extra, consts in rs_forms:

@@ -56,6 +56,9 @@ class GemmConfig:
     * ``rs_warp_specialized``: run the warp-specialized Gluon kernel (:mod:`.gemm_rs_ws`).
     * ``rs_interleave_owners``: with merged rows on the Gluon kernel, walk the owners' row tiles
       in turn, so the pushes spread over the launch (``gemm_rs_ws.interleaves_owners``).
+    * ``rs_row_turns``: on the Gluon kernel's per-segment schedule, walk the owners' row groups
+      in turn, each own tile reduced once the peers' tiles of its row group are counted in (a
+      signal per row group instead of the grid barrier), so the pushes spread over the launch.
     """
 
     block_m: int = 128
@@ -80,6 +83,7 @@ class GemmConfig:
     ag_warp_specialized: bool = False
     rs_merge_rows: bool = False
     rs_interleave_owners: bool = False
+    rs_row_turns: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -95,7 +99,7 @@ class GemmConfig:
         for name in ("flatten", "flatten_consume", "warp_specialize", "rs_tma_push",
                      "rs_spread_reduce", "rs_copy_engine",
                      "ag_merge_local", "rs_warp_specialized", "ag_warp_specialized",
-                     "rs_merge_rows", "rs_interleave_owners"):
+                     "rs_merge_rows", "rs_interleave_owners", "rs_row_turns"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemmConfig.{name} must be a bool: {self}")
         if self.stream_k not in (0, 1) or isinstance(self.stream_k, bool):
@@ -129,6 +133,11 @@ class GemmConfig:
         if self.rs_interleave_owners and not (self.rs_merge_rows and self.rs_warp_specialized):
             raise ValueError("GemmConfig.rs_interleave_owners orders merged rows "
                              f"(rs_merge_rows) on the warp-specialized kernel: {self}")
+        if self.rs_row_turns and not (self.rs_warp_specialized and not self.rs_merge_rows
+                                      and not self.rs_copy_engine and not self.stream_k):
+            raise ValueError("GemmConfig.rs_row_turns orders the per-segment schedule of the "
+                             "warp-specialized kernel with SM pushes (rs_warp_specialized, no "
+                             f"rs_merge_rows, rs_copy_engine or stream_k): {self}")
         if self.ag_warp_specialized and self.ag_merge_local:
             raise ValueError("GemmConfig.ag_warp_specialized runs the per-segment schedule: no "
                              f"ag_merge_local: {self}")
@@ -208,14 +217,21 @@ def mma_partitions(cfg: GemmConfig) -> int:
     return 2 if cfg.num_warps == 4 else 1
 
 
-def rs_signal_count(world: int) -> int:
+#: row groups (``block_m * group_m`` rows each) per rank that ``rs_row_turns`` counts in
+ROW_GROUPS = 64
+
+
+def rs_signal_count(world: int, row_turns: bool = False) -> int:
     """Signal words one GEMM+RS call needs per rank and parity: ``[src]`` (raised by the peer
     ``src`` when its grid finished producing, or with ``rs_copy_engine`` by the copy engine
     after its partial landed), then ``[world]``, the arrival counter this rank's own programs
     count up and the last one resets, then ``[world + 1]``, this rank's "produced" word
-    (``rs_copy_engine``: raised by its own grid, awaited by its copy-engine stream). The layout
-    does not depend on the shape or the kernel config."""
-    return world + 2
+    (``rs_copy_engine``: raised by its own grid, awaited by its copy-engine stream). With
+    ``row_turns`` (a call with ``rs_row_turns``) then, per rank ``src``, :data:`ROW_GROUPS`
+    counters of the tiles ``src`` pushed into each row group, reset to zero by this rank's grid
+    at the end of the call. The layout does not depend on the shape; the counters follow the
+    words every call uses, so a workspace grown for them serves every call."""
+    return world + 2 + (world * ROW_GROUPS if row_turns else 0)
 
 
 #: Largest TP size whose step loops the fused kernels unroll at compile time. Comm off on one

@@ -85,27 +85,44 @@ Tile and signal schedule (rank ``r`` of ``W``, ``G`` programs, one per SM):
   for all ``W`` signals and sums the ``W`` slots of a share of the own rows into ``out``
   (the spread reduction of :mod:`.gemm_rs`, same order).
 
+* **Row turns** (``rs_row_turns``, ROW_TURNS; per-segment schedule, SM pushes, no split tail):
+  the flat order walks the segments' row groups (``GROUP_M`` row tiles, every column) in turn,
+  for each group the peers' steps' tiles of it, then the own step's (no serpentine), so the
+  pushes spread over the launch instead of filling its first ``(W - 1) / W``. A producer tile's
+  epilogue drains its TMA store, meets its partition and counts the tile in (one thread, add,
+  release, system scope) at the owner's counter of (this rank, its row group)
+  (:func:`~megatron_flux.kernels.config.rs_signal_count`). Every own tile waits (acquire,
+  bounded) until each peer's counter of its row group holds the group's tile count, then
+  reduces in its epilogue as above (no prefetch). No grid barrier before the own tiles: each
+  partition counts in after its last tile, and the last of the grid resets this rank's row
+  counters (every own tile has read them, and every peer's tile of the call was counted in
+  before that; a peer's next use of this parity comes after this rank's next call) and raises
+  the epoch signals as above. Not under CUDA graph capture.
+
 Limits (the launcher falls back to :mod:`.gemm_rs`, with one warning naming why, when a call
 breaks one): ``m_local`` a multiple of ``block_m`` (merged rows: any but 1); at least
 ``num_stages`` K-steps; bf16 or fp16; a Triton with Gluon (3.6 and 3.9 checked); not under the
-interpreter, phase traces or the separate produce/consume test phases. ``rs_spread_reduce``
+interpreter, phase traces or the separate produce/consume test phases; ``rs_row_turns``: at
+most ``ROW_GROUPS`` row groups per rank, not under graph capture. ``rs_spread_reduce``
 without merged rows is not implemented, and ``GemmConfig`` refuses it together with this
 kernel.
 """
 
 from typing import Optional
 
+import torch
+
 # (no `from __future__ import annotations`: Triton 3.6 checks an aggregate's attribute types
 # against its class annotations, which that import would turn into strings)
 
 from megatron_flux.kernels import gluon_ws, split_tail, stream_k
-from megatron_flux.kernels.config import interpreting
+from megatron_flux.kernels.config import ROW_GROUPS, interpreting
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, aggregate,
                                             fence_async_shared, gl, gluon, mbarrier, tma)
 from megatron_flux.kernels.signals import OP_GEMM_RS, OP_SPLIT_TAIL, fence_async_proxy, wait_signal
-from megatron_flux.kernels.tile_order import grouped_tile, segment_of_step, serpentine
+from megatron_flux.kernels.tile_order import grouped_tile, row_turn, segment_of_step, serpentine
 
 #: TRACE: int64 words per program of the trace buffer, and what the kernel stamps there
 #: (``%globaltimer``, ns): per MMA partition ``c`` at ``6 c + i`` its start, its last work item's
@@ -127,6 +144,7 @@ if gluon is not None:
     _OP_GEMM_RS = gl.constexpr(OP_GEMM_RS)
     _OP_SPLIT_TAIL = gl.constexpr(OP_SPLIT_TAIL)
     _WS_TRACE_SLOTS = gl.constexpr(WS_TRACE_SLOTS)
+    _ROW_GROUPS = gl.constexpr(ROW_GROUPS)
 
     @aggregate
     class _Args:
@@ -167,6 +185,7 @@ if gluon is not None:
         PARTITIONS: gl.constexpr
         MERGE_ROWS: gl.constexpr
         INTERLEAVE: gl.constexpr
+        ROW_TURNS: gl.constexpr
         SPLIT_TAIL: gl.constexpr
         TAIL_ROWS: gl.constexpr
         TAIL_FIRST: gl.constexpr
@@ -178,8 +197,8 @@ if gluon is not None:
                      empty, handoff, pload, data_ptr, out_ptr, data_ptrs, flag_ptrs, bias_ptr,
                      err_ptr, trace_ptr, parts_ptr, counters_ptr, m_local, N, K, rank, epoch,
                      max_spins, sk_tiles, sk_split, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M,
-                     NUM_PROGRAMS, PARTITIONS, MERGE_ROWS, INTERLEAVE, SPLIT_TAIL, TAIL_ROWS,
-                     TAIL_FIRST, TRACE):
+                     NUM_PROGRAMS, PARTITIONS, MERGE_ROWS, INTERLEAVE, ROW_TURNS, SPLIT_TAIL,
+                     TAIL_ROWS, TAIL_FIRST, TRACE):
             self.a_desc = a_desc
             self.b_desc = b_desc
             self.out_desc = out_desc
@@ -217,6 +236,7 @@ if gluon is not None:
             self.PARTITIONS = gl.constexpr(PARTITIONS)
             self.MERGE_ROWS = gl.constexpr(MERGE_ROWS)
             self.INTERLEAVE = gl.constexpr(INTERLEAVE)
+            self.ROW_TURNS = gl.constexpr(ROW_TURNS)
             self.SPLIT_TAIL = gl.constexpr(SPLIT_TAIL)
             self.TAIL_ROWS = gl.constexpr(TAIL_ROWS)
             self.TAIL_FIRST = gl.constexpr(TAIL_FIRST)
@@ -248,13 +268,26 @@ if gluon is not None:
             a_row = off_m
         else:
             tps = tiles_per_segment(p.m_local, p.N, BLOCK_M, BLOCK_N)
-            step = t // tps
+            if p.ROW_TURNS:  # per row group, the peers' tiles of it, then the own ones
+                step, local = row_turn(t, tps, gl.cdiv(p.m_local, BLOCK_M), gl.cdiv(p.N, BLOCK_N),
+                                       p.GROUP_M, p.WORLD)
+            else:
+                step = t // tps
+                local = serpentine(t, step, tps)
             seg = segment_of_step(step, p.rank, p.WORLD, True)
-            pid_m, pid_n = grouped_tile(serpentine(t, step, tps), gl.cdiv(p.m_local, BLOCK_M),
-                                        gl.cdiv(p.N, BLOCK_N), p.GROUP_M)
+            pid_m, pid_n = grouped_tile(local, gl.cdiv(p.m_local, BLOCK_M), gl.cdiv(p.N, BLOCK_N),
+                                        p.GROUP_M)
             off_m = pid_m * BLOCK_M
             a_row = seg * p.m_local + off_m
         return step, seg, a_row, off_m, pid_n * BLOCK_N
+
+    @gluon.jit
+    def _row_counter(p, flags, src, off_m):
+        """ROW_TURNS: the word of ``flags`` (an owner's signal region) counting the tiles rank
+        ``src`` pushed into the row group of row ``off_m`` (:data:`ROW_GROUPS` per rank, after
+        the ``WORLD + 2`` words of the grid barrier's protocol)."""
+        BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
+        return flags + p.WORLD + 2 + src * _ROW_GROUPS + off_m // (BLOCK_M * p.GROUP_M)
 
     @gluon.jit
     def _num_tiles(p):
@@ -378,6 +411,20 @@ if gluon is not None:
                             p.rank, src)
 
     @gluon.jit
+    def _wait_row_group(p, off_m):
+        """ROW_TURNS: wait (acquire, bounded; a timeout names the op, this rank and the peer)
+        until every peer has counted in all its tiles of the row group of row ``off_m``."""
+        BLOCK_M: gl.constexpr = p.out_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = p.out_desc.block_type.shape[1]
+        g = off_m // (BLOCK_M * p.GROUP_M)
+        rows = gl.minimum(gl.cdiv(p.m_local, BLOCK_M) - g * p.GROUP_M, p.GROUP_M)
+        my_flags = gl.load(p.flag_ptrs + p.rank).to(gl.pointer_type(gl.int32))
+        for src in range(p.WORLD):
+            if src != p.rank:
+                wait_signal(_row_counter(p, my_flags, src, off_m), rows * gl.cdiv(p.N, BLOCK_N),
+                            p.max_spins, p.err_ptr, _OP_GEMM_RS, p.rank, src)
+
+    @gluon.jit
     def _arrive(p, layout: gl.constexpr):
         """Count this partition in at the grid barrier (see the module docstring)."""
         zero = gl.arange(0, 1, layout)  # a [1] tensor of 0: one thread owns its atomics
@@ -388,6 +435,14 @@ if gluon is not None:
         arrived = gl.atomic_add(counter, 1 + zero, sem="acq_rel", scope="sys")
         last = arrived == p.PARTITIONS * p.NUM_PROGRAMS - 1
         gl.atomic_xchg(counter, zero, mask=last, sem="relaxed", scope="gpu")
+        if p.ROW_TURNS:  # at the end of every partition's tiles: every own tile has read its
+            # counters, and every peer's tile of this call was counted in before that. One
+            # vector store per peer: a loop of single-thread atomics cost ~27 us per launch
+            groups = gl.arange(0, _ROW_GROUPS, layout)
+            is_last = (groups * 0 + gl.max(arrived, 0)) == p.PARTITIONS * p.NUM_PROGRAMS - 1
+            for src in range(p.WORLD):
+                gl.store(counter + 2 + src * _ROW_GROUPS + groups, groups * 0, mask=is_last)
+            partition_barrier()  # every thread's reset before the epoch signals below
         gl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, $1;", "=r,r", [zero],
                                   dtype=gl.int32, is_pure=False, pack=1)
         if p.CE_PUSH:  # the copy engine delivers; it waits for this rank's "produced" word
@@ -545,12 +600,12 @@ if gluon is not None:
                 step, seg, a_row, off_m, off_n = _tile(p, j)
             own = step == p.WORLD - 1
             # (a split part first counts in at the end: whole tiles, maybe producers, follow)
-            if own and j >= first and arrived == 0:
+            if own and j >= first and arrived == 0 and not p.ROW_TURNS:
                 _arrive(p, one_layout)
                 _stamp(p, 16 + 2 * C, one_layout)  # counted in
                 arrived = 1
             prefetched = 0
-            if own and not is_unit and waited == 1:
+            if own and not is_unit and waited == 1 and not p.ROW_TURNS:
                 # the peers' signals were acquired at an earlier own tile: load the first peer's
                 # partial into the epilogue buffer now, beside this tile's MMAs
                 tma.store_wait(0)
@@ -607,6 +662,14 @@ if gluon is not None:
             push = tma.make_tensor_descriptor(dst, [p.m_local, p.N], [p.N, 1],
                                               [BLOCK_M, BLOCK_N], p.out_desc.layout)
             tma_store(push, [off_m, off_n], c_buf)
+        if p.ROW_TURNS:  # count the tile in at the owner's counter of its row group
+            one_layout: gl.constexpr = gl.BlockedLayout([1], [32], [8 // p.PARTITIONS], [0])
+            zero = gl.arange(0, 1, one_layout)  # a [1] tensor of 0: one thread owns the atomic
+            _drain_stores(zero)  # complete, not merely read out of shared memory
+            partition_barrier()
+            owner_flags = gl.load(p.flag_ptrs + seg + zero).to(gl.pointer_type(gl.int32))
+            gl.atomic_add(_row_counter(p, owner_flags, p.rank, off_m), 1 + zero, sem="release",
+                          scope="sys")
 
     @gluon.jit
     def _reduce_own(p, acc, off_m, off_n, c_buf, C: gl.constexpr, src0, prefetched, waited, nload,
@@ -619,7 +682,10 @@ if gluon is not None:
         dtype: gl.constexpr = p.out_desc.dtype
         nbytes: gl.constexpr = p.slots_desc.block_type.nbytes
         one_layout: gl.constexpr = gl.BlockedLayout([1], [32], [8 // p.PARTITIONS], [0])
-        if waited == 0:
+        if p.ROW_TURNS:  # every own tile: the peers' tiles of its row group all counted in
+            _wait_row_group(p, off_m)
+            fence_async_proxy(p.epoch, True)
+        elif waited == 0:
             _wait_peers(p)
             fence_async_proxy(p.epoch, True)  # the TMA reads below follow the acquire
             _stamp(p, 17 + 2 * C, one_layout)  # the peers' signals acquired
@@ -729,7 +795,7 @@ if gluon is not None:
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                           PARTITIONS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           MERGE_ROWS: gl.constexpr = False, INTERLEAVE: gl.constexpr = False,
-                          HOST_DESC: gl.constexpr = False,
+                          ROW_TURNS: gl.constexpr = False, HOST_DESC: gl.constexpr = False,
                           SPLIT_TAIL: gl.constexpr = False, TAIL_ROWS: gl.constexpr = 16,
                           TAIL_FIRST: gl.constexpr = False, TRACE: gl.constexpr = False):
         """``a`` ``[WORLD * m_local, K]``; ``b`` ``[K, N]`` row-major (B_KN) or a transposed
@@ -742,6 +808,8 @@ if gluon is not None:
         encoded on the host with the same views and layouts (:func:`_host_descriptors`; the
         peers' push descriptors stay device-built). MERGE_ROWS: one tile space over every
         rank's rows, pushed by owner, then the spread reduction (:func:`_merged_mma_partition`).
+        ROW_TURNS: the owners' row groups in turn, a counter per (peer, row group) instead of
+        the grid barrier before the own tiles (the module docstring).
         SPLIT_TAIL: the last ``sk_tiles`` flat tiles (own ones) are split along K in ``sk_split``
         parts, dealt round-robin over the programs, each rounded to the output dtype in
         ``parts_ptr``, counted at ``counters_ptr`` and summed in fp32 (:func:`.split_tail.split_tail_plan`),
@@ -770,7 +838,8 @@ if gluon is not None:
                   handoff, pload, data_ptr, out_ptr, data_ptrs, flag_ptrs, bias_ptr, err_ptr,
                   trace_ptr, parts_ptr, counters_ptr, m_local, N, K, rank, epoch, max_spins,
                   sk_tiles, sk_split, WORLD, B_KN, HAS_BIAS, CE_PUSH, GROUP_M, NUM_PROGRAMS,
-                  PARTITIONS, MERGE_ROWS, INTERLEAVE, SPLIT_TAIL, TAIL_ROWS, TAIL_FIRST, TRACE)
+                  PARTITIONS, MERGE_ROWS, INTERLEAVE, ROW_TURNS, SPLIT_TAIL, TAIL_ROWS, TAIL_FIRST,
+                  TRACE)
         if PARTITIONS == 2:
             gl.warp_specialize([(_mma_partition, (p, 0)), (_mma_partition_1, (p, )),
                                 (_load_partition, (p, ))], [4, 1], [CONSUMER_REGS, 24])
@@ -789,6 +858,9 @@ def unsupported_reason(a, m_local: int, cfg, *, trace=None, produce=True, consum
     if GLUON_ERROR is None and not interpreting() and (trace is not None or not (produce and consume)):
         return ("RS_PHASES phase traces and split phases exist only in the Triton kernel (this "
                 "one's own stamps: launch_gemm_rs_ws(trace=...), WS_RS_PHASES)")
+    if cfg.rs_row_turns and a.is_cuda and torch.cuda.is_current_stream_capturing():
+        return ("rs_row_turns is not captured into CUDA graphs (its row counters are reset by "
+                "the owner's last program, which a replay's order does not cover)")
     return gluon_ws.environment_reason(a) or shape_reason(m_local, a.shape[1], cfg,
                                                           a.element_size())
 
@@ -798,6 +870,9 @@ def shape_reason(m_local: int, k: int, cfg, element_size: int = 2) -> Optional[s
     (``megatron-flux plan`` asks it without a GPU)."""
     if cfg.rs_merge_rows and m_local == 1:  # Triton makes an argument equal to 1 a constant,
         return "1 row per rank"  # which the kernel's arguments (tensors) cannot hold
+    if cfg.rs_row_turns and -(-m_local // (cfg.block_m * cfg.group_m)) > ROW_GROUPS:
+        return (f"rs_row_turns counts at most {ROW_GROUPS} row groups of block_m * group_m rows "
+                f"per rank ({m_local} rows)")
     # merged rows: row tiles may span segments, so any m_local
     return gluon_ws.shape_reason(None if cfg.rs_merge_rows else m_local, k, cfg, element_size)
 
@@ -840,7 +915,7 @@ def launch_gemm_rs_ws(a, b, out, data, data_ptrs, flag_ptrs, bias, err, *, rank,
                  BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
                  NUM_PROGRAMS=grid, PARTITIONS=gluon_ws.mma_partitions(cfg),
                  CONSUMER_REGS=CONSUMER_REGS, MERGE_ROWS=cfg.rs_merge_rows,
-                 INTERLEAVE=interleaves_owners(cfg, m_local),
+                 INTERLEAVE=interleaves_owners(cfg, m_local), ROW_TURNS=cfg.rs_row_turns,
                  SPLIT_TAIL=sk_split > 1, TAIL_ROWS=split_tail.tail_sum_rows(cfg, sk_split),
                  TAIL_FIRST=sk_split > 1 and split_tail.split_tail_first(world, m_local, n, cfg, grid),
                  TRACE=trace is not None),

@@ -69,19 +69,43 @@ def first_tile_at_or_after(pid, start, NUM_SMS: tl.constexpr):
 
 
 @triton.jit
+def row_turn(t, tiles_per_seg, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, WORLD: tl.constexpr):
+    """GEMM+RS's row groups in turn (``rs_row_turns``): flat tile ``t``'s ``(step, index inside
+    its segment in grouped_tile order)``, the segments' row groups (``GROUP_M`` row tiles, every
+    column) one after another, each the peers' steps' tiles of it (steps ``0..WORLD-2``), then
+    the own step's. No serpentine: a step of one group is short."""
+    group = GROUP_M * num_pid_n
+    whole = (num_pid_m // GROUP_M) * group  # a segment's tiles in whole row groups
+    if t < WORLD * whole:
+        step = (t % (WORLD * group)) // group
+        local = (t // (WORLD * group)) * group + t % group
+    else:  # the last, shorter group
+        rest = tiles_per_seg - whole
+        step = (t - WORLD * whole) // rest
+        local = whole + (t - WORLD * whole) % rest
+    return step, local
+
+
+@triton.jit
 def tile_order_probe_kernel(
     out_ptr, rank, world, num_pid_m, num_pid_n,
     OWN_LAST: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+    ROW_TURNS: tl.constexpr = False, WORLD: tl.constexpr = 0,
 ):
     """Test aid: write ``(step, segment, pid_m, pid_n, program)`` for every tile each program
-    visits, in visit order, to ``out_ptr[t]`` (5 int32 per tile) — the same walk the kernels do."""
+    visits, in visit order, to ``out_ptr[t]`` (5 int32 per tile) — the same walk the kernels do
+    (with ROW_TURNS, :func:`row_turn`'s, for ``WORLD`` = ``world``)."""
     pid = tl.program_id(0)
     tiles_per_seg = num_pid_m * num_pid_n
     total = world * tiles_per_seg
     for t in range(pid, total, NUM_SMS):
-        step = t // tiles_per_seg
+        if ROW_TURNS:
+            step, local = row_turn(t, tiles_per_seg, num_pid_m, num_pid_n, GROUP_M, WORLD)
+            pid_m, pid_n = grouped_tile(local, num_pid_m, num_pid_n, GROUP_M)
+        else:
+            step = t // tiles_per_seg
+            pid_m, pid_n = step_tile(t, step, tiles_per_seg, num_pid_m, num_pid_n, GROUP_M)
         seg = segment_of_step(step, rank, world, OWN_LAST)
-        pid_m, pid_n = step_tile(t, step, tiles_per_seg, num_pid_m, num_pid_n, GROUP_M)
         base = out_ptr + t * 5
         tl.store(base + 0, step)
         tl.store(base + 1, seg)

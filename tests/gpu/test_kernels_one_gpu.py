@@ -58,6 +58,12 @@ RS_CONFIGS = [
     dict(WS_FORMS["pingpong"], num_stages=5, epilogue_split=1, rs_spread_reduce=True,
          rs_tma_push=False, rs_merge_rows=True, rs_warp_specialized=True,
          rs_interleave_owners=True),
+    # the owners' row groups in turn, counted per row group (rs_row_turns): groups of one and
+    # of three row tiles (a shorter last group); the ragged shape runs the Triton kernel
+    dict(WS_FORMS["pingpong"], num_stages=5, epilogue_split=1, group_m=1,
+         rs_warp_specialized=True, rs_row_turns=True),
+    dict(WS_FORMS["coop"], num_stages=3, epilogue_split=1, group_m=3, rs_warp_specialized=True,
+         rs_row_turns=True),
 ]
 
 
@@ -528,12 +534,13 @@ def test_gemm_rs_ws_merged_rows_bias_and_signals(world, dtype, form):
         assert rel_p < 1e-2, (s, rel_p)
 
 
-@pytest.mark.parametrize("merged", [False, True], ids=["segments", "merged"])
+@pytest.mark.parametrize("mode", ["segments", "merged", "turns"])
 @pytest.mark.parametrize("form", list(WS_FORMS))
-def test_gemm_rs_ws_times_out_loudly_without_peer(form, merged):
+def test_gemm_rs_ws_times_out_loudly_without_peer(form, mode):
     """A peer that never signals: the warp-specialized kernel's bounded wait (in the own
-    tiles, or with merged rows in the spread reduction) gives up and records (op GEMM+RS,
-    rank, peer, value seen) instead of hanging."""
+    tiles, with merged rows in the spread reduction, with the owners' row groups in turn on a
+    row group's counter) gives up and records (op GEMM+RS, rank, peer, value seen) instead of
+    hanging."""
     from megatron_flux.kernels.config import GemmConfig, rs_signal_count
     from megatron_flux.kernels.gemm_rs import launch_gemm_rs
     from megatron_flux.kernels.signals import OP_GEMM_RS
@@ -544,11 +551,13 @@ def test_gemm_rs_ws_times_out_loudly_without_peer(form, merged):
     out = torch.empty(m_local, n, device="cuda", dtype=torch.bfloat16)
     data = torch.zeros(world, m_local, n, device="cuda", dtype=torch.bfloat16)
     pushed = torch.zeros_like(data)
-    flags = torch.zeros(rs_signal_count(world), dtype=torch.int32, device="cuda")  # no peer signal
+    flags = torch.zeros(rs_signal_count(world, mode == "turns"), dtype=torch.int32,
+                        device="cuda")  # no peer signal
     data_ptrs = torch.tensor([data.data_ptr(), pushed.data_ptr()], dtype=torch.int64, device="cuda")
     flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device="cuda")
     err = torch.zeros(4, dtype=torch.int32, device="cuda")
-    more = dict(rs_merge_rows=True, rs_spread_reduce=True, rs_tma_push=False) if merged else {}
+    more = {"segments": {}, "merged": dict(rs_merge_rows=True, rs_spread_reduce=True, rs_tma_push=False),
+            "turns": dict(rs_row_turns=True)}[mode]
     cfg = GemmConfig(**WS_FORMS[form], num_stages=3, rs_warp_specialized=True, **more)
     # rank 1 of 2: its peer (rank 0) signals at flags[0]; rank 1's own grid raises flags[1]
     launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err, rank=1, world=world,
@@ -639,6 +648,13 @@ _RS_PAIR = {
     "wsinterleave": dict(WS_FORMS["pingpong"], num_stages=5, epilogue_split=1,
                          rs_spread_reduce=True, rs_tma_push=False, rs_merge_rows=True,
                          rs_warp_specialized=True, rs_interleave_owners=True),
+    # the owners' row groups in turn, a counter per row group (rs_row_turns): every rank of a
+    # group runs it or none (its protocol is not the grid barrier's); row groups of one row
+    # tile, and of three (a shorter last group)
+    "wsturns": dict(WS_FORMS["pingpong"], num_stages=5, epilogue_split=1, group_m=1,
+                    rs_warp_specialized=True, rs_row_turns=True),
+    "coopturns": dict(WS_FORMS["coop"], num_stages=3, epilogue_split=1, group_m=3,
+                      rs_warp_specialized=True, rs_row_turns=True),
 }
 
 
@@ -650,7 +666,9 @@ _RS_PAIR = {
     (("ws", "merged"), "skewed"),
     (("wsmerged", "wsmerged"), "even"), (("wsmerged", "merged"), "skewed"),
     (("coopmerged", "wsmerged"), "skewed"), (("coopmerged", "triton"), "even"),
-    (("wsinterleave", "wsinterleave"), "even"), (("wsinterleave", "ws"), "skewed")],
+    (("wsinterleave", "wsinterleave"), "even"), (("wsinterleave", "ws"), "skewed"),
+    (("wsturns", "wsturns"), "even"), (("wsturns", "wsturns"), "skewed"),
+    (("coopturns", "coopturns"), "skewed")],
     ids=lambda c: "-".join(c) if isinstance(c, tuple) else c)
 def test_gemm_rs_two_ranks_on_one_gpu(configs, split):
     """GEMM+RS of two simulated ranks running concurrently: rank ``r``'s output is rows ``r``
@@ -712,7 +730,7 @@ def _gemm_rs_ranks_on_one_gpu(m_local, n, k, cfgs, sms, epochs=(1, 2, 3), late_m
 @pytest.mark.parametrize("late", [False, True], ids=["together", "last-late"])
 @pytest.mark.parametrize("configs", [("ws", "ws", "ws", "ws"), ("coop", "triton", "ws", "merged"),
                                      ("wsmerged", "coopmerged", "merged", "ws"),
-                                     ("wsinterleave",) * 4],
+                                     ("wsinterleave",) * 4, ("wsturns",) * 4],
                          ids=lambda c: "-".join(c))
 def test_gemm_rs_four_ranks_on_one_gpu(configs, late):
     """GEMM+RS of four simulated ranks running at once, a quarter of the GPU each: three peers

@@ -123,6 +123,34 @@ def check_tile_order():
                 assert len(set(by_rank)) == world, f"ranks contend at step {step}: {by_rank}"
 
 
+def check_row_turn_order():
+    """GEMM+RS's row groups in turn (``tile_order.row_turn``, ``rs_row_turns``): every tile
+    once; groups one after another, each the peers' tiles (steps before the last, ring order)
+    before the own ones, in every shape of a shorter last group, one group, and groups of one
+    row tile; the segment of a step as without the turns."""
+    for world in (2, 4):
+        for num_pid_m, num_pid_n, group_m in ((5, 3, 2), (4, 3, 2), (3, 2, 4), (4, 1, 1)):
+            tps = num_pid_m * num_pid_n
+            for rank in range(world):
+                out = torch.full((world * tps, 5), -1, dtype=torch.int32)
+                tile_order_probe_kernel[(NSMS,)](out, rank, world, num_pid_m, num_pid_n,
+                                                 OWN_LAST=True, GROUP_M=group_m, NUM_SMS=NSMS,
+                                                 ROW_TURNS=True, WORLD=world)
+                rows = out.tolist()
+                assert min(min(r) for r in rows) >= 0, "a tile was never visited"
+                seen = {(s, pm, pn) for _, s, pm, pn, _ in rows}
+                assert len(seen) == world * tps, (world, num_pid_m, num_pid_n, group_m, rank)
+                groups = [pm // group_m for _, _, pm, _, _ in rows]
+                assert groups == sorted(groups), "row groups out of turn"
+                for t, (step, seg, pm, pn, prog) in enumerate(rows):
+                    assert seg == (rank + 1 + step) % world and prog == t % NSMS
+                for g in set(groups):
+                    steps = [step for (step, *_), gg in zip(rows, groups) if gg == g]
+                    assert steps == sorted(steps), f"group {g}: a step out of order {steps}"
+                    assert steps.count(world - 1) == (min(num_pid_m, (g + 1) * group_m)
+                                                      - g * group_m) * num_pid_n
+
+
 def _ag_case(world, m_local, k, n, b_kn):
     xs = [torch.randn(m_local, k).to(DTYPE) for _ in range(world)]
     b = torch.randn(k, n).to(DTYPE) if b_kn else torch.randn(n, k).to(DTYPE).t()
@@ -877,7 +905,7 @@ def check_host_and_device_descriptors_agree():
                 f"GEMM+RS {world=} {m_local=} rank {r}: host != device"
 
 
-CHECKS = [check_plain_gemm, check_tile_order, check_ag_gemm_all_ranks, check_ag_merged_local, check_ag_merged_signals, check_ag_stream_k, check_ag_signal_indexing,
+CHECKS = [check_plain_gemm, check_tile_order, check_row_turn_order, check_ag_gemm_all_ranks, check_ag_merged_local, check_ag_merged_signals, check_ag_stream_k, check_ag_signal_indexing,
           check_gemm_rs_all_ranks, check_gemm_rs_ownership, check_gemm_rs_deterministic_and_timeout,
           check_gemm_rs_spread_waits_for_its_own_grid, check_gemm_rs_merged_rows,
           check_gemm_rs_stream_k,

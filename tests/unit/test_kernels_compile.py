@@ -149,7 +149,8 @@ def test_gemm_rs_ws_compiles_for_hopper_within_its_shared_memory_bound(world):
     """The warp-specialized Gluon GEMM+RS builds for sm_90 (both B layouts, bias, the copy
     engine's "produced" signal, bf16 and fp16, ping-pong with 4 and 5 stages and 64-row tiles,
     cooperative 128x256 with 3; every rank's rows in one tile space with the spread reduction,
-    also with the owners' row tiles in turn) and uses no more shared memory
+    also with the owners' row tiles in turn; the per-segment schedule with its row groups in
+    turn) and uses no more shared memory
     than ``gemm_rs_ws.smem_bytes`` says, which the launcher checks against Hopper's limit."""
     from megatron_flux.kernels import gemm_rs_ws as W
     from megatron_flux.kernels.config import GemmConfig
@@ -164,11 +165,13 @@ def test_gemm_rs_ws_compiles_for_hopper_within_its_shared_memory_bound(world):
             (True, False, True, "fp16", _COOP, {}),
             (False, True, False, "bf16", _PINGPONG64, merged),
             (True, False, False, "fp16", _COOP, merged),
-            (False, False, False, "bf16", _PINGPONG5, dict(merged, rs_interleave_owners=True))):
+            (False, False, False, "bf16", _PINGPONG5, dict(merged, rs_interleave_owners=True)),
+            (False, True, False, "bf16", _PINGPONG5, dict(rs_row_turns=True)),
+            (True, False, False, "fp16", _COOP, dict(rs_row_turns=True))):
         cfg = GemmConfig(*tile, rs_warp_specialized=True, rs_copy_engine=ce, **more)
         consts = dict(WORLD=world, B_KN=b_kn, HAS_BIAS=bias, CE_PUSH=ce,
                       CONSUMER_REGS=W.CONSUMER_REGS, MERGE_ROWS=cfg.rs_merge_rows,
-                      INTERLEAVE=cfg.rs_interleave_owners)
+                      INTERLEAVE=cfg.rs_interleave_owners, ROW_TURNS=cfg.rs_row_turns)
         kernel = _compile_gluon(W.gemm_rs_ws_kernel, cfg, consts,
                                 {"data_ptrs": "*i64", "flag_ptrs": "*i64", "err_ptr": "*i32"}, dtype)
         assert kernel.metadata.shared <= W.smem_bytes(cfg) <= _HOPPER_SMEM, \

@@ -14,7 +14,7 @@ from helpers.paths import REPO
 pytest.importorskip("triton")
 
 # not imported here: importing it would switch this process's kernels to the interpreter
-NAMES = ["check_tile_order", "check_ag_gemm_all_ranks", "check_ag_merged_local", "check_ag_merged_signals",
+NAMES = ["check_tile_order", "check_row_turn_order", "check_ag_gemm_all_ranks", "check_ag_merged_local", "check_ag_merged_signals",
          "check_ag_stream_k", "check_ag_signal_indexing",
          "check_gemm_rs_all_ranks", "check_gemm_rs_ownership",
          "check_gemm_rs_deterministic_and_timeout", "check_gemm_rs_spread_waits_for_its_own_grid",

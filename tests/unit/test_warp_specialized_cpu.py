@@ -78,6 +78,27 @@ def test_owners_in_turn_order_merged_rows_on_it_only():
     assert not interleaves_owners(GemmConfig(**{**WS, **MERGED}), 1024)
 
 
+def test_row_turns_on_the_per_segment_schedule_only():
+    """``rs_row_turns`` orders the Gluon kernel's per-segment schedule with SM pushes: refused
+    with merged rows, copy-engine pushes, the split tail or another kernel; older tables load
+    without it; a call with more row groups per rank than the signal region counts is named
+    as unsupported (the launcher falls back); the counters follow the grid barrier's words."""
+    from megatron_flux.kernels.config import ROW_GROUPS, rs_signal_count
+
+    cfg = GemmConfig(**{**WS, "rs_row_turns": True})
+    assert GemmConfig.from_dict(cfg.to_dict()) == cfg
+    assert GemmConfig.from_dict(WS).rs_row_turns is False  # older tables
+    for bad in (MERGED, {"rs_copy_engine": True}, {"stream_k": 1}, {"rs_warp_specialized": False}):
+        with pytest.raises(ValueError, match="rs_row_turns"):
+            GemmConfig(**{**WS, **bad, "rs_row_turns": True})
+    assert rs_signal_count(2) == 4 and rs_signal_count(4, row_turns=True) == 6 + 4 * ROW_GROUPS
+    rows = cfg.block_m * cfg.group_m
+    assert gemm_rs_ws.shape_reason(ROW_GROUPS * rows, 4096, cfg) is None
+    assert "row groups" in gemm_rs_ws.shape_reason(ROW_GROUPS * rows + cfg.block_m, 4096, cfg)
+    assert gemm_rs_ws.shape_reason(ROW_GROUPS * rows + cfg.block_m, 4096,
+                                   GemmConfig(**WS)) is None
+
+
 def test_merged_rows_take_any_row_count_but_one(monkeypatch):
     if gemm_rs_ws.gemm_rs_ws_kernel is None:
         pytest.skip(gemm_rs_ws.GLUON_ERROR)

@@ -40,13 +40,15 @@ def rs_rows(a, n: int, world: int, bias) -> int:
     return m // world
 
 
-def rs_workspace(res, group, device, dtype, m_local: int, n: int, *, graph: bool = False):
+def rs_workspace(res, group, device, dtype, m_local: int, n: int, *, graph: bool = False,
+                 row_turns: bool = False):
     """``(workspace, error word)`` of GEMM+RS calls of ``m_local`` rows per rank and ``n``
     columns, reserved for them, in either form (the fused kernel or the copy-engine dgrad share
     slots, signals and epochs). ``graph``: the captured calls' workspace
-    (:meth:`DeviceResources.graph_workspace`)."""
+    (:meth:`DeviceResources.graph_workspace`). ``row_turns``: with the row-group counters of
+    ``rs_row_turns`` (:func:`~megatron_flux.kernels.config.rs_signal_count`)."""
     world = group.size()
-    elems, flags = world * m_local * n, deps().rs_signal_count(world)
+    elems, flags = world * m_local * n, deps().rs_signal_count(world, row_turns)
     if graph:
         ws = res.graph_workspace("rs", group, device, dtype, elems, flags)
     else:
@@ -101,7 +103,8 @@ def rs_plan(backend, a, b, group, bias, graph: bool = False) -> RsPlan:
     # raises its peers' signals
     if cfg.rs_copy_engine and (graph or not _stream_wait_ok(backend)):
         cfg = backend.config_without_copy_engine(cfg)
-    ws, err = rs_workspace(res, group, device, a.dtype, m_local, n, graph=graph)
+    ws, err = rs_workspace(res, group, device, a.dtype, m_local, n, graph=graph,
+                           row_turns=cfg.rs_row_turns)
     side = done = None
     parities = []
     if cfg.rs_copy_engine:

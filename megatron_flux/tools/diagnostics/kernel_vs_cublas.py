@@ -27,7 +27,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from megatron_flux.kernels.config import GemmConfig, default_config, rs_signal_count
+from megatron_flux.kernels.config import ROW_GROUPS, GemmConfig, default_config, rs_signal_count
 
 CANDIDATES = [
     GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=2, flatten=True),
@@ -211,7 +211,9 @@ def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None, num_sms=None):
     Returns ``(launch, out, data)``: ``launch(cfg, produce=True, consume=True, trace=None)``
     runs the kernel into ``out`` ``[m / world, n]``; ``data[src]`` holds what "rank src" pushed.
     ``launch_gemm_rs``: another version of the launcher (default: the package's); ``num_sms``:
-    the persistent grid's size (default: the device's SM count)."""
+    the persistent grid's size (default: the device's SM count). With ``rs_row_turns`` each
+    launch first fills the peers' row-group counters, which the kernel resets at its end (one
+    small kernel, timed with the launch)."""
     if launch_gemm_rs is None:
         from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
@@ -221,7 +223,8 @@ def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None, num_sms=None):
     # the pushes to "peers" land in a scratch region, so they never overwrite this rank's own
     # slot (which the spread reduction reads)
     pushed = torch.zeros_like(data)
-    flags = torch.full((rs_signal_count(world),), 1 << 30, dtype=torch.int32, device=a.device)
+    flags = torch.full((rs_signal_count(world, row_turns=True),), 1 << 30, dtype=torch.int32,
+                       device=a.device)
     flags[0] = 0  # this rank's own signal: raised by its own grid's barrier, every call
     flags[world:] = 0  # the arrival counter starts at zero
     data_ptrs = torch.tensor([data.data_ptr()] + [pushed.data_ptr()] * (world - 1),
@@ -233,6 +236,8 @@ def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None, num_sms=None):
 
     def launch(cfg, produce=True, consume=True, trace=None):
         epoch[0] += 1  # peers' signals stay ahead (1 << 30); the own one must be raised anew
+        if getattr(cfg, "rs_row_turns", False):  # the peers' row-group counts, which the
+            flags[world + 2 + ROW_GROUPS:].fill_(1 << 30)  # kernel resets at its end: one fill
         kwargs = {} if trace is None else {"trace": trace}  # earlier launchers have no trace
         launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err, rank=0, world=world,
                        epoch=epoch[0], cfg=cfg, num_sms=sms, max_spins=1 << 20, produce=produce,

@@ -45,7 +45,7 @@ class SimulatedRanks:
         self.m_local, n = a[0].shape[0] // world, w[0].shape[0]
         dev, dtype = a[0].device, a[0].dtype
         self.data = [torch.zeros(world, self.m_local, n, device=dev, dtype=dtype) for _ in range(world)]
-        self.flags = [torch.zeros(rs_signal_count(world), dtype=torch.int32, device=dev)
+        self.flags = [torch.zeros(rs_signal_count(world, row_turns=True), dtype=torch.int32, device=dev)
                       for _ in range(world)]
         # the kernels reach slots and signals only through these tables: this object owns both
         self.data_ptrs = torch.tensor([d.data_ptr() for d in self.data], dtype=torch.int64, device=dev)
@@ -65,13 +65,19 @@ class SimulatedRanks:
 
         Under CUDA's lazy loading a binary's first launch waits for the running grids, so a grid
         spinning on its peer would wait for a launch queued behind it. Epoch 0: every wait
-        passes at once (the signals start at 0); the outputs are not meaningful. ``streams``:
-        each rank's stream (the split tail's scratch is per stream)."""
+        passes at once (the signals start at 0; with ``rs_row_turns`` the rank's row-group
+        counters are filled first, and every rank's zeroed after); the outputs are not
+        meaningful. ``streams``: each rank's stream (the split tail's scratch is per stream)."""
         for r in range(self.world):
+            if self.cfgs[r].rs_row_turns:  # alone, its row groups' counters must be full
+                self.flags[r][self.world + 2:].fill_(1 << 30)  # (its grid resets them at its end)
             with torch.cuda.stream(streams[r] if streams else torch.cuda.current_stream()):
                 self.launch(r, 0)
             torch.cuda.synchronize()
             self.check_protocol(0, ranks=[r])
+        for flags in self.flags:  # what the later ranks counted into the earlier ones' counters
+            flags[self.world + 2:].zero_()
+        torch.cuda.synchronize()
 
     def poison(self) -> None:
         """Every slot and output NaN, so a tile nobody wrote shows."""
@@ -79,14 +85,17 @@ class SimulatedRanks:
             t.fill_(float("nan"))
 
     def check_protocol(self, epoch: int, ranks: Optional[Sequence[int]] = None) -> None:
-        """After a synchronize: each rank's error word clean, its arrival counter back at zero and
-        (from epoch 1) every peer's signal at ``epoch``; raises naming the rank otherwise."""
+        """After a synchronize: each rank's error word clean, its arrival counter and row-group
+        counters back at zero and (from epoch 1) every peer's signal at ``epoch``; raises naming
+        the rank otherwise."""
         for r in range(self.world) if ranks is None else ranks:
             if self.errs[r].any():
                 raise RuntimeError(f"rank {r}, epoch {epoch}: error word {self.errs[r].tolist()}")
             if int(self.flags[r][self.world]) != 0:
                 raise RuntimeError(f"rank {r}, epoch {epoch}: arrival counter "
                                    f"{int(self.flags[r][self.world])}, not back at zero")
+            if self.flags[r][self.world + 2:].any():  # rs_row_turns' row-group counters
+                raise RuntimeError(f"rank {r}, epoch {epoch}: row-group counters not back at zero")
             for peer in range(self.world):
                 if epoch and peer != r and int(self.flags[r][peer]) != epoch:
                     raise RuntimeError(f"rank {r}, epoch {epoch}: peer {peer}'s signal is "
