@@ -68,7 +68,8 @@ pack_triton_cache() {  # pack_triton_cache: $TRITON_CACHE_DIR as $OUT/triton-cac
     # without them (3.9 compiles again; benchmarks/experiments/host_micro_cpu.py). With it
     # goes this tree's kernel manifest (benchmarks/kernel_manifest.py), which
     # unpack_triton_cache and `kernel_manifest.py --check .device/` compare with the tree the
-    # cache next travels with
+    # cache next travels with. At most 8 files come back from a call, the first 8 by name
+    # (smi.csv and the start log among them): a script that writes more loses these pieces
     python3 benchmarks/kernel_manifest.py --write "${TRITON_CACHE_DIR}/kernel-manifest.json"
     tar -czf - -C "${TRITON_CACHE_DIR}" --exclude='*.llir' --exclude='*.ptx' --exclude='*.ttir' \
         --exclude='*.ttgir' --exclude='*.source' . | split -b 15000000 - "${OUT}/triton-cache.tgz.part-"
