@@ -688,6 +688,40 @@ def test_single_gpu_rs_wiring_owns_every_buffer_its_pointer_tables_name():
         assert (flags[1:world] >= 1 << 30).all() and int(flags[0]) == 0
         assert int(flags[world:].abs().sum()) == 0
         assert out.isnan().all() and tuple(data.shape) == (world, 8, 32)
+        assert set(launch.buffers[-4].tolist()) <= held, world  # rs_row_turns' table
+
+
+def test_single_gpu_rs_wiring_feeds_row_turns_counters_from_its_own_pushes():
+    """With ``rs_row_turns`` the one-GPU wiring points peer ``s``'s signal region at this
+    rank's, moved by ``s`` counter blocks: rank 0's count for owner ``s`` (the kernel's word
+    ``WORLD + 2 + 0 * ROW_GROUPS + g`` of owner ``s``'s region) must be the word its own tiles
+    wait on for peer ``s`` (``WORLD + 2 + s * ROW_GROUPS + g`` of its own), and the epoch raised
+    for owner ``s`` (word 0 there) must miss every counter a permitted call waits on."""
+    from megatron_flux.kernels.config import ROW_GROUPS, GemmConfig
+    from megatron_flux.tools.diagnostics.kernel_vs_cublas import rs_on_one_gpu
+
+    for world in (2, 4, 8):
+        a, w = torch.randn(8 * world, 16), torch.randn(32, 16)
+        launch, _, _ = rs_on_one_gpu(a, w, world, torch.zeros(4, dtype=torch.int32))
+        flags, turn_ptrs = launch.buffers[-3], launch.buffers[-4].tolist()
+        base, word = flags.data_ptr(), flags.element_size()
+        max_groups = ROW_GROUPS - 2 - world
+        waited = {base + word * (world + 2 + s * ROW_GROUPS + g)
+                  for s in range(1, world) for g in range(max_groups)}
+        for s in range(1, world):
+            for g in range(max_groups):
+                counted = turn_ptrs[s] + word * (world + 2 + 0 * ROW_GROUPS + g)
+                assert counted == base + word * (world + 2 + s * ROW_GROUPS + g), (world, s, g)
+            raised = turn_ptrs[s] + word * 0  # the epoch raised for owner s
+            assert raised not in waited and base <= raised < base + word * flags.numel()
+        # more row groups than that: refused before any launch
+        cfg = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=5, num_warps=4,
+                         group_m=1, epilogue_split=1, rs_warp_specialized=True,
+                         rs_row_turns=True)
+        big = torch.randn((max_groups + 1) * 128 * world, 16)
+        launch, _, _ = rs_on_one_gpu(big, w, world, torch.zeros(4, dtype=torch.int32))
+        with pytest.raises(ValueError, match="row groups"):
+            launch(cfg)
 
 
 def test_sample_warmup_runs_before_every_timed_block():

@@ -211,9 +211,9 @@ def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None, num_sms=None):
     Returns ``(launch, out, data)``: ``launch(cfg, produce=True, consume=True, trace=None)``
     runs the kernel into ``out`` ``[m / world, n]``; ``data[src]`` holds what "rank src" pushed.
     ``launch_gemm_rs``: another version of the launcher (default: the package's); ``num_sms``:
-    the persistent grid's size (default: the device's SM count). With ``rs_row_turns`` each
-    launch first fills the peers' row-group counters, which the kernel resets at its end (one
-    small kernel, timed with the launch)."""
+    the persistent grid's size (default: the device's SM count). With ``rs_row_turns`` an own
+    tile waits for real counts, which this grid's own pushes for each peer supply (below): no
+    extra work per launch."""
     if launch_gemm_rs is None:
         from megatron_flux.kernels.gemm_rs import launch_gemm_rs
 
@@ -230,23 +230,36 @@ def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None, num_sms=None):
     data_ptrs = torch.tensor([data.data_ptr()] + [pushed.data_ptr()] * (world - 1),
                              dtype=torch.int64, device=a.device)
     flag_ptrs = torch.tensor([flags.data_ptr()] * world, dtype=torch.int64, device=a.device)
+    # rs_row_turns: an own tile waits until each peer has counted in its tiles of the row group.
+    # Here a peer's count is this grid's own pushes for that peer (the same shape): peer s's
+    # signal region is this one moved by s blocks of counters, so a push for owner s, counted
+    # at owner s's block of rank 0, lands in this rank's block of peer s. The epoch the grid
+    # raises for owner s (its word 0) lands in block s - 1 at row group 62 - world, past the
+    # row groups a call here may have (checked at launch).
+    turn_views = [flags[ROW_GROUPS * s:] for s in range(world)]
+    turn_ptrs = torch.tensor([v.data_ptr() for v in turn_views], dtype=torch.int64,
+                             device=a.device)
     sms = num_sms or _num_sms(a.device)
 
     epoch = [0]
 
     def launch(cfg, produce=True, consume=True, trace=None):
         epoch[0] += 1  # peers' signals stay ahead (1 << 30); the own one must be raised anew
-        if getattr(cfg, "rs_row_turns", False):  # the peers' row-group counts, which the
-            flags[world + 2 + ROW_GROUPS:].fill_(1 << 30)  # kernel resets at its end: one fill
+        ptrs = flag_ptrs
+        if getattr(cfg, "rs_row_turns", False):
+            if -(-m_local // (cfg.block_m * cfg.group_m)) > ROW_GROUPS - 2 - world:
+                raise ValueError(f"rs_on_one_gpu: rs_row_turns with more than "
+                                 f"{ROW_GROUPS - 2 - world} row groups per rank ({m_local} rows)")
+            ptrs = turn_ptrs
         kwargs = {} if trace is None else {"trace": trace}  # earlier launchers have no trace
-        launch_gemm_rs(a, w.t(), out, data, data_ptrs, flag_ptrs, None, err, rank=0, world=world,
+        launch_gemm_rs(a, w.t(), out, data, data_ptrs, ptrs, None, err, rank=0, world=world,
                        epoch=epoch[0], cfg=cfg, num_sms=sms, max_spins=1 << 20, produce=produce,
                        consume=consume, **kwargs)
 
     # The kernel reaches the slots and signals only through the addresses in the pointer
     # tables, so ``launch`` must own them: a freed ``flags`` (reused by the next allocation)
     # made every later call spin out its waits (~240 ms a call).
-    launch.buffers = (out, data, pushed, flags, data_ptrs, flag_ptrs)
+    launch.buffers = (out, data, pushed, *turn_views, turn_ptrs, flags, data_ptrs, flag_ptrs)
     return launch, out, data
 
 

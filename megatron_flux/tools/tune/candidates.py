@@ -57,7 +57,7 @@ NOT_SEARCHED: Dict[str, str] = {
                             "communication-on A/B (--flux-interleave-variants) before any seed",
     "rs_row_turns": "a schedule of the warp-specialized GEMM+RS for short K, where the "
                     "peers-first order asks the link for the whole reduce-scatter in half the "
-                    "GEMM; communication off it costs the ping-pong 0.6-8.6 % on the training "
+                    "GEMM; communication off it costs the ping-pong up to 5 % on the training "
                     "config's GEMM+RS (proj the most), and it is meant for a "
                     "communication-on A/B (--flux-interleave-variants) before any seed",
     "ag_warp_specialized": "a kernel, not a knob to vary alone (its tiles and warps come in two "
