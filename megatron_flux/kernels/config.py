@@ -221,6 +221,12 @@ def mma_partitions(cfg: GemmConfig) -> int:
 ROW_GROUPS = 64
 
 
+def row_groups(m_local: int, cfg: GemmConfig) -> int:
+    """Row groups of ``block_m * group_m`` rows in ``m_local`` rows (the last may be shorter):
+    what ``rs_row_turns`` counts per (peer, group)."""
+    return -(-m_local // (cfg.block_m * cfg.group_m))
+
+
 def rs_signal_count(world: int, row_turns: bool = False) -> int:
     """Signal words one GEMM+RS call needs per rank and parity: ``[src]`` (raised by the peer
     ``src`` when its grid finished producing, or with ``rs_copy_engine`` by the copy engine

@@ -116,7 +116,7 @@ import torch
 # against its class annotations, which that import would turn into strings)
 
 from megatron_flux.kernels import gluon_ws, split_tail, stream_k
-from megatron_flux.kernels.config import ROW_GROUPS, interpreting
+from megatron_flux.kernels.config import ROW_GROUPS, interpreting, row_groups
 from megatron_flux.kernels.descriptors import ensure_descriptor_allocator
 from megatron_flux.kernels.launch import KernelLauncher
 from megatron_flux.kernels.gluon_ws import (CONSUMER_REGS, GLUON_ERROR, aggregate,
@@ -870,7 +870,7 @@ def shape_reason(m_local: int, k: int, cfg, element_size: int = 2) -> Optional[s
     (``megatron-flux plan`` asks it without a GPU)."""
     if cfg.rs_merge_rows and m_local == 1:  # Triton makes an argument equal to 1 a constant,
         return "1 row per rank"  # which the kernel's arguments (tensors) cannot hold
-    if cfg.rs_row_turns and -(-m_local // (cfg.block_m * cfg.group_m)) > ROW_GROUPS:
+    if cfg.rs_row_turns and row_groups(m_local, cfg) > ROW_GROUPS:
         return (f"rs_row_turns counts at most {ROW_GROUPS} row groups of block_m * group_m rows "
                 f"per rank ({m_local} rows)")
     # merged rows: row tiles may span segments, so any m_local

@@ -27,7 +27,8 @@ from typing import Callable, Dict, List
 
 import torch
 
-from megatron_flux.kernels.config import ROW_GROUPS, GemmConfig, default_config, rs_signal_count
+from megatron_flux.kernels.config import (ROW_GROUPS, GemmConfig, default_config, row_groups,
+                                          rs_signal_count)
 
 CANDIDATES = [
     GemmConfig(128, 256, 64, 3, 8, 8, epilogue_split=2, flatten=True),
@@ -246,8 +247,8 @@ def rs_on_one_gpu(a, w, world, err, launch_gemm_rs=None, num_sms=None):
     def launch(cfg, produce=True, consume=True, trace=None):
         epoch[0] += 1  # peers' signals stay ahead (1 << 30); the own one must be raised anew
         ptrs = flag_ptrs
-        if getattr(cfg, "rs_row_turns", False):
-            if -(-m_local // (cfg.block_m * cfg.group_m)) > ROW_GROUPS - 2 - world:
+        if cfg.rs_row_turns:
+            if row_groups(m_local, cfg) > ROW_GROUPS - 2 - world:
                 raise ValueError(f"rs_on_one_gpu: rs_row_turns with more than "
                                  f"{ROW_GROUPS - 2 - world} row groups per rank ({m_local} rows)")
             ptrs = turn_ptrs

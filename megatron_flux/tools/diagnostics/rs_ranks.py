@@ -47,6 +47,7 @@ class SimulatedRanks:
         self.data = [torch.zeros(world, self.m_local, n, device=dev, dtype=dtype) for _ in range(world)]
         self.flags = [torch.zeros(rs_signal_count(world, row_turns=True), dtype=torch.int32, device=dev)
                       for _ in range(world)]
+        self._counters = rs_signal_count(world)  # where rs_row_turns' row-group counters start
         # the kernels reach slots and signals only through these tables: this object owns both
         self.data_ptrs = torch.tensor([d.data_ptr() for d in self.data], dtype=torch.int64, device=dev)
         self.flag_ptrs = torch.tensor([f.data_ptr() for f in self.flags], dtype=torch.int64, device=dev)
@@ -70,13 +71,13 @@ class SimulatedRanks:
         meaningful. ``streams``: each rank's stream (the split tail's scratch is per stream)."""
         for r in range(self.world):
             if self.cfgs[r].rs_row_turns:  # alone, its row groups' counters must be full
-                self.flags[r][self.world + 2:].fill_(1 << 30)  # (its grid resets them at its end)
+                self.flags[r][self._counters:].fill_(1 << 30)  # (its grid resets them at its end)
             with torch.cuda.stream(streams[r] if streams else torch.cuda.current_stream()):
                 self.launch(r, 0)
             torch.cuda.synchronize()
             self.check_protocol(0, ranks=[r])
         for flags in self.flags:  # what the later ranks counted into the earlier ones' counters
-            flags[self.world + 2:].zero_()
+            flags[self._counters:].zero_()
         torch.cuda.synchronize()
 
     def poison(self) -> None:
@@ -94,7 +95,7 @@ class SimulatedRanks:
             if int(self.flags[r][self.world]) != 0:
                 raise RuntimeError(f"rank {r}, epoch {epoch}: arrival counter "
                                    f"{int(self.flags[r][self.world])}, not back at zero")
-            if self.flags[r][self.world + 2:].any():  # rs_row_turns' row-group counters
+            if self.flags[r][self._counters:].any():  # rs_row_turns' row-group counters
                 raise RuntimeError(f"rank {r}, epoch {epoch}: row-group counters not back at zero")
             for peer in range(self.world):
                 if epoch and peer != r and int(self.flags[r][peer]) != epoch:
